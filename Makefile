@@ -1,0 +1,20 @@
+# The two commands README.md starts with. Both set up whatever they need first (idempotent).
+PY := .venv/bin/python
+
+.PHONY: setup demo test bench clean
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/xlaunch --ninstances 2 --ncore_per_instance 1 examples/infer.py
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: setup
+	$(PY) bench/launch.py
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf .venv build *.egg-info

@@ -1,0 +1,64 @@
+"""Kernel-style CPU lists: ``"0-3,8,10-11"`` <-> sorted tuples of ints.
+
+Used for sysfs files (``cpulist``, ``shared_cpu_list``), ``/proc/self/status``
+(``Cpus_allowed_list``), launcher options (``--cores-list``) and ``OMP_PLACES``.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class CpuListError(ValueError):
+    """A CPU list that does not parse; the message says which part is wrong."""
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """Parse ``"0-3,8,10-11"`` (kernel syntax, also ``a-b:stride``) into a sorted, unique tuple.
+
+    An empty or blank string is the empty list. Raises :class:`CpuListError` on anything else
+    that is not a list of non-negative integers and ascending ranges.
+    """
+    text = text.strip()
+    if not text:
+        return ()
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            raise CpuListError(f"empty item in {text!r}")
+        stride = 1
+        if ":" in part:
+            part, _, stride_text = part.partition(":")
+            stride = _non_negative(stride_text, text)
+            if stride == 0:
+                raise CpuListError(f"zero stride in {text!r}")
+        if "-" in part:
+            lo_text, _, hi_text = part.partition("-")
+            lo, hi = _non_negative(lo_text, text), _non_negative(hi_text, text)
+            if hi < lo:
+                raise CpuListError(f"descending range {lo}-{hi} in {text!r}")
+            cpus.update(range(lo, hi + 1, stride))
+        else:
+            cpus.add(_non_negative(part, text))
+    return tuple(sorted(cpus))
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """Format CPUs as the shortest kernel-style list: ``[0,1,2,3,8]`` -> ``"0-3,8"``."""
+    ordered = sorted(set(cpus))
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _non_negative(token: str, whole: str) -> int:
+    token = token.strip()
+    if not token.isdigit():
+        raise CpuListError(f"{token!r} is not a CPU number in {whole!r}")
+    return int(token)
