@@ -1,0 +1,26 @@
+"""The bundled optimizer library: ``optimize`` (inference/training model rewrites) and fused
+optimizers with split-bf16 master weights. Imports torch lazily, on first attribute use."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "optimize": "xlaunch.kernels.optimize",
+    "FusedSGD": "xlaunch.kernels.optim",
+    "FusedAdagrad": "xlaunch.kernels.optim",
+    "FusedAdam": "xlaunch.kernels.optim",
+    "FusedAdamW": "xlaunch.kernels.optim",
+    "FusedLamb": "xlaunch.kernels.optim",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xlaunch.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
