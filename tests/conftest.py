@@ -1,0 +1,60 @@
+"""Shared test helpers.
+
+System libraries (jemalloc, tcmalloc, libiomp5, numactl) are installed by ``scripts/setup.sh``.
+Locally a missing one skips the tests that need it; under CI (``CI=true``) it is a failure.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_PREFIX = Path(sys.prefix)
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(what: str, found: str | None) -> str:
+    """Return ``found``; when it is None, skip locally or fail under CI."""
+    if found:
+        return found
+    message = f"{what} is not installed (scripts/setup.sh installs it)"
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+    raise AssertionError("unreachable")
+
+
+def _first(patterns: list[str]) -> str | None:
+    for pattern in patterns:
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[0]
+    return None
+
+
+@pytest.fixture(scope="session")
+def jemalloc_path() -> str:
+    return require("libjemalloc.so.2", _first(["/usr/lib/*/libjemalloc.so.2", "/usr/lib/libjemalloc.so.2"]))
+
+
+@pytest.fixture(scope="session")
+def tcmalloc_path() -> str:
+    return require(
+        "libtcmalloc_minimal.so.4",
+        _first(["/usr/lib/*/libtcmalloc_minimal.so.4", "/usr/lib/libtcmalloc_minimal.so.4"]),
+    )
+
+
+@pytest.fixture(scope="session")
+def iomp_path() -> str:
+    return require("libiomp5.so", _first([str(VENV_PREFIX / "lib" / "libiomp5.so")]))
+
+
+@pytest.fixture(scope="session")
+def numactl_path() -> str:
+    return require("numactl", shutil.which("numactl"))
