@@ -1,0 +1,574 @@
+"""The runner: start a :class:`~xlaunch.launcher.plan.Plan`'s instances, pin, stream, supervise.
+
+The only module of the launcher that touches processes. :func:`run_plan` is the whole API.
+
+How it works (details in ``docs/runner.md``):
+
+* Instances start one after another in a tight loop, each with ``argv`` exec'd directly (never
+  a shell), its complete ``env``, its own session / process group, stdout and stderr merged
+  into one pipe, and ``PR_SET_PDEATHSIG(SIGTERM)`` so they die if xlaunch is killed.
+* ``bind == "native"`` instances are pinned by pinning the spawning thread (affinity and
+  memory policy are inherited across fork), see :mod:`xlaunch.launcher.binding`.
+* Supervision is one single-threaded ``select`` loop: pipes, a signal wake-up fd (SIGCHLD,
+  SIGINT, SIGTERM, SIGHUP) and deadlines. No threads are ever started, so forking stays safe.
+* xlaunch becomes a child subreaper: orphans of an instance stay its children, stay in the
+  instance's process group, and are killed and reaped with it (``waitid(P_PGID)``).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, TextIO
+
+from xlaunch.cpulist import format_cpulist
+from xlaunch.launcher.output import Console, InstanceStream
+from xlaunch.launcher.plan import Instance, Plan
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+POLL_INTERVAL = 0.2          # upper bound on any wait, in case a wake-up is missed
+READ_SIZE = 1 << 16
+
+
+# --------------------------------------------------------------------------------------------
+# statuses
+
+
+def status_code(wait_code: int, value: int) -> int:
+    """Shell-style status from ``waitid``: the exit code, or 128+N when killed by signal N."""
+    return value if wait_code == os.CLD_EXITED else 128 + value
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def status_text(wait_code: int, value: int) -> str:
+    """``"exit 3"``, ``"killed by SIGSEGV (core dumped)"``."""
+    if wait_code == os.CLD_EXITED:
+        return f"exit {value}"
+    text = f"killed by {signal_name(value)}"
+    return text + " (core dumped)" if wait_code == os.CLD_DUMPED else text
+
+
+# --------------------------------------------------------------------------------------------
+# one instance while it runs
+
+
+@dataclass
+class _Child:
+    instance: Instance
+    stream: InstanceStream
+    log: BinaryIO | None = None
+    proc: subprocess.Popen | None = None
+    fd: int | None = None                 # read end of the output pipe while open
+    started: float = 0.0
+    ended: float | None = None
+    status: int | None = None             # shell-style status once known
+    text: str = "not started"
+    stopped_by: str = ""                  # why xlaunch signalled it, if it did
+    group_alive: bool = False             # its process group may still have members
+    kill_at: float | None = None          # when the group gets SIGKILL
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.ended is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else -1
+
+
+class _Supervisor:
+    """Runs one plan to completion. Construct, call :meth:`run` once."""
+
+    def __init__(self, plan: Plan, *, log_dir: str | None, log_file_prefix: str, keep_going: bool,
+                 grace_period: float, quiet: bool, stdout: BinaryIO | TextIO | None = None,
+                 stderr: TextIO | None = None) -> None:
+        self.plan = plan
+        self.keep_going = keep_going
+        self.grace = max(0.0, float(grace_period))
+        self.quiet = quiet
+        self.stderr = stderr if stderr is not None else sys.stderr
+        self.console = Console(stdout)
+        self.log_dir = log_dir
+        self.prefix = log_file_prefix
+        self.launcher_log: TextIO | None = None
+        self.children: list[_Child] = []
+        self.first_failure: _Child | None = None
+        self.interrupted: int | None = None          # first signal xlaunch received
+        self.pending_signals: list[int] = []
+        self.signal_counts: dict[int, int] = {}
+        self.mempolicy_refused = False
+        self.selector = selectors.DefaultSelector()
+        self.wakeup_r: int | None = None
+        self.wakeup_w: int | None = None
+        self.saved_handlers: dict[int, object] = {}
+        self.saved_wakeup_fd: int | None = None
+        self.saved_subreaper: bool | None = None
+        self.t0 = time.monotonic()
+
+    # ---------------------------------------------------------------- messages and logs
+
+    def log(self, message: str) -> None:
+        if self.launcher_log is not None:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+            self.launcher_log.write(f"{stamp} {message}\n")
+            self.launcher_log.flush()
+
+    def say(self, message: str, *, warning: bool = False) -> None:
+        """Tell the user (stderr; warnings even when quiet) and the launcher log."""
+        self.log(("warning: " if warning else "") + message)
+        if warning or not self.quiet:
+            try:
+                self.stderr.write(f"xlaunch: {'warning: ' if warning else ''}{message}\n")
+                self.stderr.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+
+    def open_logs(self) -> None:
+        for instance in self.plan.instances:
+            log = None
+            if self.log_dir is not None:
+                path = os.path.join(self.log_dir, f"{self.prefix}_instance_{instance.index}.log")
+                log = open(path, "wb")
+            self.children.append(_Child(instance, InstanceStream(instance.index, self.console, log), log))
+        if self.log_dir is not None:
+            path = os.path.join(self.log_dir, f"{self.prefix}_launcher.log")
+            self.launcher_log = open(path, "w", encoding="utf-8", errors="replace")
+
+    def log_plan(self) -> None:
+        plan = self.plan
+        self.log(f"xlaunch pid {os.getpid()}: {len(plan.instances)} instance(s), "
+                 f"keep_going={self.keep_going}, grace_period={self.grace:g}s")
+        if plan.machine_summary:
+            self.log(f"machine: {plan.machine_summary}")
+        for instance in plan.instances:
+            self.log(f"instance {instance.index}: cpus {format_cpulist(instance.cpus) or '-'}, "
+                     f"mem nodes {format_cpulist(instance.mem_nodes) or '-'}, bind {instance.bind}, "
+                     f"membind {instance.membind}, argv {shlex.join(instance.argv)}")
+        if plan.idle_cpus:
+            self.log(f"idle cpus: {format_cpulist(plan.idle_cpus)}")
+        for name, value in sorted(plan.env_set.items()):
+            self.log(f"env set: {name}={value}")
+        for name, value in sorted(plan.env_kept.items()):
+            self.log(f"env kept (user's value): {name}={value}")
+        for warning in plan.warnings:
+            self.log(f"plan warning: {warning}")
+
+    # ---------------------------------------------------------------- signals
+
+    def install_signal_handling(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.log("not in the main thread: no signal forwarding, polling for exits")
+            return
+        self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.saved_wakeup_fd = signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
+        self.selector.register(self.wakeup_r, selectors.EVENT_READ, None)
+        for number in FORWARDED_SIGNALS:
+            self.saved_handlers[number] = signal.signal(number, self._on_signal)
+        self.saved_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, _ignore_signal)
+
+    def restore_signal_handling(self) -> None:
+        for number, handler in self.saved_handlers.items():
+            signal.signal(number, handler)  # type: ignore[arg-type]
+        if self.wakeup_w is not None:
+            signal.set_wakeup_fd(self.saved_wakeup_fd if self.saved_wakeup_fd is not None else -1)
+            self.selector.unregister(self.wakeup_r)
+            os.close(self.wakeup_r)  # type: ignore[arg-type]
+            os.close(self.wakeup_w)
+            self.wakeup_r = self.wakeup_w = None
+
+    def _on_signal(self, number: int, _frame: object) -> None:
+        self.pending_signals.append(number)
+
+    def handle_signals(self) -> None:
+        while self.pending_signals:
+            number = self.pending_signals.pop(0)
+            count = self.signal_counts[number] = self.signal_counts.get(number, 0) + 1
+            if self.interrupted is None:
+                self.interrupted = number
+            name = signal_name(number)
+            if count == 1:
+                self.say(f"received {name}: forwarding to every instance, SIGKILL after {self.grace:g}s")
+                self.signal_groups(number, f"{name} forwarded")
+            else:
+                self.say(f"received {name} again: killing every instance now")
+                self.signal_groups(signal.SIGKILL, f"{name} received twice", immediate=True)
+
+    # ---------------------------------------------------------------- processes
+
+    def spawn_all(self) -> None:
+        stdin = subprocess.DEVNULL if len(self.children) > 1 or _stdin_is_tty() else None
+        single_threaded = _thread_count() == 1
+        if not single_threaded:
+            self.log("the launcher has other threads: PR_SET_PDEATHSIG skipped (preexec is unsafe)")
+        for child in self.children:
+            if self.first_failure is not None and not self.keep_going:
+                child.text = "not started (an earlier instance failed)"
+                continue
+            self.spawn(child, stdin, single_threaded)
+            self.handle_signals()
+
+    def spawn(self, child: _Child, stdin: int | None, single_threaded: bool) -> None:
+        instance = child.instance
+        child.started = time.monotonic()
+        try:
+            if instance.bind == "native":
+                child.proc = self._spawn_pinned(instance, stdin, single_threaded)
+            else:
+                child.proc = self._popen(instance, stdin, single_threaded)
+        except OSError as error:
+            code = 127 if isinstance(error, FileNotFoundError) else 126 if isinstance(error, PermissionError) else 1
+            child.ended = time.monotonic()
+            child.status = code
+            child.text = f"not started ({error.strerror or error})"
+            self.say(f"instance {instance.index} could not start: {_describe_error(error, instance)}",
+                     warning=True)
+            self.record_failure(child)
+            return
+        child.group_alive = True
+        child.text = "running"
+        assert child.proc.stdout is not None
+        child.fd = child.proc.stdout.fileno()
+        self.selector.register(child.fd, selectors.EVENT_READ, child)
+        self.log(f"instance {instance.index} started: pid {child.pid}")
+
+    def _spawn_pinned(self, instance: Instance, stdin: int | None, single_threaded: bool) -> subprocess.Popen:
+        from xlaunch.launcher import binding
+
+        policy = None if self.mempolicy_refused else binding.mempolicy_for(instance.membind, instance.mem_nodes)
+        try:
+            with binding.pinned_thread(instance.cpus, policy):
+                return self._popen(instance, stdin, single_threaded)
+        except binding.MemoryPolicyRefused as refused:
+            self.mempolicy_refused = True
+            self.say(f"memory policy refused ({refused.strerror or refused}): instances are bound to "
+                     f"their CPUs only", warning=True)
+        with binding.pinned_thread(instance.cpus, None):
+            return self._popen(instance, stdin, single_threaded)
+
+    def _popen(self, instance: Instance, stdin: int | None, single_threaded: bool) -> subprocess.Popen:
+        return subprocess.Popen(
+            list(instance.argv),
+            env=dict(instance.env),
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=_die_with_parent_setup(os.getpid()) if single_threaded else None,
+        )
+
+    def signal_groups(self, number: int, why: str, *, immediate: bool = False) -> None:
+        """Send ``number`` to every live process group; schedule SIGKILL after the grace period."""
+        now = time.monotonic()
+        for child in self.children:
+            if not child.group_alive:
+                continue
+            if child.running and not child.stopped_by:
+                child.stopped_by = why
+            self._killpg(child, number)
+            if number != signal.SIGKILL:
+                deadline = now + self.grace
+                child.kill_at = deadline if child.kill_at is None else min(child.kill_at, deadline)
+            elif immediate:
+                child.kill_at = None
+
+    def _killpg(self, child: _Child, number: int) -> None:
+        try:
+            os.killpg(child.pid, number)
+        except ProcessLookupError:
+            child.group_alive = False
+        except PermissionError:  # pid reused by a stranger's group: not ours any more
+            child.group_alive = False
+
+    def enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.group_alive and child.kill_at is not None and now >= child.kill_at:
+                child.kill_at = None
+                self.log(f"instance {child.instance.index}: grace period over, SIGKILL to group {child.pid}")
+                self._killpg(child, signal.SIGKILL)
+
+    def reap(self) -> None:
+        """Collect every exited process of every instance group (leaders and adopted orphans)."""
+        for child in self.children:
+            if child.proc is None or not child.group_alive:
+                continue
+            while True:
+                try:
+                    result = os.waitid(os.P_PGID, child.pid, os.WEXITED | os.WNOHANG)
+                except ChildProcessError:
+                    result = None
+                    break
+                except InterruptedError:
+                    continue
+                if result is None or result.si_pid == 0:
+                    break
+                if result.si_pid == child.pid:
+                    self.leader_ended(child, result.si_code, result.si_status)
+            if child.ended is not None:
+                self._check_group(child)
+
+    def _check_group(self, child: _Child) -> None:
+        """After its leader ended: stop what is left of the group, note when it is empty."""
+        try:
+            os.killpg(child.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            child.group_alive = False
+            child.kill_at = None
+            return
+        if child.kill_at is None and not child.notes:
+            child.notes.append("leftover processes stopped")
+            self.log(f"instance {child.instance.index}: processes left in its group after exit: SIGTERM")
+            self._killpg(child, signal.SIGTERM)
+            child.kill_at = time.monotonic() + self.grace
+
+    def leader_ended(self, child: _Child, wait_code: int, value: int) -> None:
+        child.ended = time.monotonic()
+        child.status = status_code(wait_code, value)
+        child.text = status_text(wait_code, value)
+        if child.proc is not None:
+            child.proc.returncode = child.status  # reaped here; Popen must not wait again
+        self.log(f"instance {child.instance.index} (pid {child.pid}) ended: {child.text} "
+                 f"after {child.ended - child.started:.3f}s"
+                 + (f" ({child.stopped_by})" if child.stopped_by else ""))
+        if child.status != 0:
+            self.record_failure(child)
+
+    def record_failure(self, child: _Child) -> None:
+        if self.first_failure is not None:
+            return
+        self.first_failure = child
+        if self.keep_going or child.stopped_by:
+            return
+        others = [c for c in self.children if c is not child and c.running]
+        if others:
+            self.say(f"instance {child.instance.index} failed ({child.text}): stopping the others "
+                     f"(SIGTERM, SIGKILL after {self.grace:g}s)")
+            self.signal_groups(signal.SIGTERM, f"stopped after instance {child.instance.index} failed")
+
+    # ---------------------------------------------------------------- output
+
+    def read(self, child: _Child) -> None:
+        assert child.fd is not None
+        try:
+            chunk = os.read(child.fd, READ_SIZE)
+        except InterruptedError:
+            return
+        except OSError as error:
+            if error.errno != errno.EIO:
+                raise
+            chunk = b""
+        if chunk:
+            child.stream.feed(chunk)
+        else:
+            self.close_pipe(child)
+
+    def close_pipe(self, child: _Child) -> None:
+        if child.fd is None:
+            return
+        self.selector.unregister(child.fd)
+        child.stream.close()
+        if child.proc is not None and child.proc.stdout is not None:
+            child.proc.stdout.close()
+        child.fd = None
+
+    def drain_and_close_pipes(self) -> None:
+        """Groups are gone; read what is left in the pipes without waiting, then close them."""
+        for child in self.children:
+            while child.fd is not None:
+                ready = selectors.DefaultSelector()
+                ready.register(child.fd, selectors.EVENT_READ)
+                readable = ready.select(0)
+                ready.close()
+                if not readable:
+                    self.close_pipe(child)
+                    break
+                self.read(child)
+
+    # ---------------------------------------------------------------- the loop
+
+    def finished(self) -> bool:
+        return all(c.ended is not None and not c.group_alive for c in self.children)
+
+    def loop(self) -> None:
+        while True:
+            self.handle_signals()
+            self.reap()
+            self.enforce_deadlines()
+            if self.finished() and all(c.fd is None for c in self.children):
+                return
+            if self.finished():
+                self.drain_and_close_pipes()
+                return
+            deadlines = [c.kill_at for c in self.children if c.kill_at is not None]
+            timeout = POLL_INTERVAL
+            if deadlines:
+                timeout = max(0.0, min(timeout, min(deadlines) - time.monotonic()))
+            for key, _events in self.selector.select(timeout):
+                if key.data is None:
+                    _drain_fd(key.fd)
+                else:
+                    self.read(key.data)
+
+    def kill_everything(self) -> None:
+        """Last resort (an error in the loop): SIGKILL all groups and reap what we can."""
+        for child in self.children:
+            if child.group_alive:
+                self._killpg(child, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while any(c.group_alive for c in self.children) and time.monotonic() < deadline:
+            self.reap()
+            for child in self.children:
+                if child.group_alive and child.ended is not None:
+                    self._killpg(child, signal.SIGKILL)
+            time.sleep(0.01)
+        for child in self.children:
+            self.close_pipe(child)
+
+    def run(self) -> int:
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
+        self.open_logs()
+        self.log_plan()
+        try:
+            self.install_signal_handling()
+            try:
+                from xlaunch.launcher import binding
+
+                self.saved_subreaper = binding.set_child_subreaper(True)
+            except OSError as error:
+                self.log(f"cannot become child subreaper ({error}); orphans go to init")
+            try:
+                self.spawn_all()
+                self.loop()
+            except BaseException:
+                self.kill_everything()
+                raise
+            finally:
+                if self.saved_subreaper is not None:
+                    from xlaunch.launcher import binding
+
+                    binding.set_child_subreaper(self.saved_subreaper)
+                self.restore_signal_handling()
+            code = self.exit_status()
+            self.summarize(code)
+            return code
+        finally:
+            self.selector.close()
+            for child in self.children:
+                if child.log is not None:
+                    child.log.close()
+            if self.launcher_log is not None:
+                self.launcher_log.close()
+
+    def exit_status(self) -> int:
+        if self.first_failure is not None and self.first_failure.status:
+            return self.first_failure.status
+        if self.interrupted is not None:
+            return 128 + self.interrupted
+        return 0
+
+    def summarize(self, code: int) -> None:
+        rows = [("instance", "cpus", "status", "wall")]
+        for child in self.children:
+            wall = f"{child.ended - child.started:.2f}s" if child.ended is not None and child.started else "-"
+            text = child.text + (f" ({child.stopped_by})" if child.stopped_by and child.status else "")
+            rows.append((str(child.instance.index), format_cpulist(child.instance.cpus) or "-", text, wall))
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
+                 for row in rows]
+        lines.append(f"exit status {code}")
+        for line in lines:
+            self.log("summary: " + line)
+        if not self.quiet:
+            try:
+                self.stderr.write("".join(f"xlaunch: {line}\n" for line in lines))
+                self.stderr.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _ignore_signal(_number: int, _frame: object) -> None:
+    """SIGCHLD only needs to wake the select loop (through the wake-up fd)."""
+
+
+def _drain_fd(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _stdin_is_tty() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
+def _die_with_parent_setup(parent_pid: int) -> Callable[[], None]:
+    """The child's only pre-exec step: die (SIGTERM) with xlaunch, even if it already died."""
+    from xlaunch.launcher import binding
+
+    def setup() -> None:
+        binding.die_with_parent(signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os._exit(128 + signal.SIGTERM)
+
+    return setup
+
+
+def _describe_error(error: OSError, instance: Instance) -> str:
+    program = instance.argv[0] if instance.argv else "(empty argv)"
+    if isinstance(error, FileNotFoundError):
+        return f"{program}: command not found"
+    if isinstance(error, PermissionError):
+        return f"{program}: permission denied"
+    return f"{program}: {error}"
+
+
+def run_plan(plan: Plan, *, log_dir: str | None = None, log_file_prefix: str = "xlaunch",
+             keep_going: bool = False, grace_period: float = 5.0, quiet: bool = False) -> int:
+    """Start every instance of ``plan``, supervise them, return the shell-style exit status.
+
+    * Output: each instance's stdout and stderr (merged, in the order written) go to the console
+      as whole lines prefixed ``[i] ``; with ``log_dir``, also unprefixed to
+      ``<log_dir>/<log_file_prefix>_instance_<i>.log``, and the launcher's own events to
+      ``<log_dir>/<log_file_prefix>_launcher.log``.
+    * Fail-fast (default): the first instance to fail (non-zero exit or a signal) makes xlaunch
+      stop the others (SIGTERM to their process groups, SIGKILL after ``grace_period`` s) and its
+      status is returned (exit code, or 128+N for signal N). ``keep_going``: all run to the end;
+      the first failure's status is returned.
+    * SIGINT/SIGTERM/SIGHUP received by xlaunch are forwarded to every instance's process group
+      (SIGKILL after ``grace_period``; a second identical signal kills at once). If no instance
+      failed, the status is 128+N of the received signal.
+    * Unless ``quiet``, a summary per instance (CPUs, status, wall time) goes to stderr.
+    """
+    return _Supervisor(plan, log_dir=log_dir, log_file_prefix=log_file_prefix, keep_going=keep_going,
+                       grace_period=grace_period, quiet=quiet).run()
