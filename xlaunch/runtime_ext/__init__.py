@@ -1,0 +1,39 @@
+"""Runtime extension: pin torch's OpenMP threads, run pinned tasks and multi-stream models.
+
+Works with whichever OpenMP runtime the process loaded (GNU libgomp, Intel libiomp5, LLVM
+libomp), found in ``/proc/self/maps`` and driven with ctypes. Importing this package is light:
+each name loads its module on first use, and only ``MultiStreamModule`` imports torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "CPUPool": "xlaunch.runtime_ext.pool",
+    "pin": "xlaunch.runtime_ext.pool",
+    "Task": "xlaunch.runtime_ext.task",
+    "MultiStreamModule": "xlaunch.runtime_ext.streams",
+    "StreamHint": "xlaunch.runtime_ext.batching",
+    "threadpool_info": "xlaunch.runtime_ext.threads",
+    "set_num_threads": "xlaunch.runtime_ext.threads",
+    "get_num_threads": "xlaunch.runtime_ext.threads",
+    "threads": "xlaunch.runtime_ext.threads",
+    "pinning_supported": "xlaunch.runtime_ext.openmp",
+    "OpenMPNotFoundError": "xlaunch.runtime_ext.openmp",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xlaunch.runtime_ext' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,212 @@
+"""The OpenMP runtime loaded in this process, found in ``/proc/self/maps`` and bound with ctypes.
+
+Works with GNU libgomp (stock torch wheels), Intel libiomp5 (e.g. ``LD_PRELOAD`` from the
+``intel-openmp`` package) and LLVM libomp. All three export the GNU entry point
+``GOMP_parallel``; :func:`run_on_team` uses it to run a Python callback on every thread of the
+calling thread's OpenMP team, which is the team torch's ``at::parallel_for`` reuses.
+
+Nothing here loads a runtime: when none is mapped, :class:`OpenMPNotFoundError` says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+GOMP = "gomp"
+IOMP = "iomp"
+LLVM_OMP = "omp"
+
+# basename prefix -> kind; checked in this order ("libgomp" must not be read as "libomp").
+_KINDS = (("libgomp", GOMP), ("libiomp5", IOMP), ("libiomp", IOMP), ("libomp", LLVM_OMP))
+_RTLD_NOLOAD = getattr(os, "RTLD_NOLOAD", 4)
+
+
+class OpenMPNotFoundError(RuntimeError):
+    """No OpenMP runtime is loaded in this process."""
+
+
+@dataclass(frozen=True)
+class MappedRuntime:
+    """An OpenMP shared library mapped into this process (a line of ``/proc/self/maps``)."""
+
+    kind: str   # gomp | iomp | omp
+    path: str   # the mapped file, as the kernel names it
+
+
+def runtime_kind(path: str) -> Optional[str]:
+    """``gomp``/``iomp``/``omp`` when ``path`` names an OpenMP runtime library, else None."""
+    name = os.path.basename(path)
+    if ".so" not in name:
+        return None
+    for prefix, kind in _KINDS:
+        if name.startswith(prefix + ".") or name.startswith(prefix + "-"):
+            return kind
+    return None
+
+
+def parse_maps(text: str) -> tuple[MappedRuntime, ...]:
+    """OpenMP runtimes named in ``/proc/<pid>/maps`` text, in first-mapped order, no duplicates."""
+    found: dict[str, MappedRuntime] = {}
+    for line in text.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            continue
+        path = fields[5].strip()
+        if path.endswith(" (deleted)"):
+            path = path[: -len(" (deleted)")]
+        kind = runtime_kind(path)
+        if kind is not None and path not in found:
+            found[path] = MappedRuntime(kind, path)
+    return tuple(found.values())
+
+
+def mapped_runtimes() -> tuple[MappedRuntime, ...]:
+    """OpenMP runtimes mapped into this process right now."""
+    with open("/proc/self/maps") as maps:
+        return parse_maps(maps.read())
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def _globally_resolved_path(symbol: str) -> Optional[str]:
+    """The file that defines ``symbol`` in the global lookup scope (what the loader binds first)."""
+    try:
+        process = ctypes.CDLL(None)
+        function = getattr(process, symbol)
+        dladdr = process.dladdr
+    except (AttributeError, OSError):
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    info = _DlInfo()
+    if not dladdr(ctypes.cast(function, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.fsdecode(info.dli_fname)
+
+
+def choose_active(mapped: tuple[MappedRuntime, ...], global_path: Optional[str]) -> Optional[MappedRuntime]:
+    """The runtime that symbol lookups bind to: the globally resolved one, else the first mapped."""
+    if not mapped:
+        return None
+    if global_path is not None:
+        real = os.path.realpath(global_path)
+        for runtime in mapped:
+            if runtime.path == global_path or os.path.realpath(runtime.path) == real:
+                return runtime
+    return mapped[0]
+
+
+_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class OpenMPRuntime:
+    """ctypes bindings to one loaded OpenMP runtime (opened with ``RTLD_NOLOAD``)."""
+
+    def __init__(self, mapped: MappedRuntime) -> None:
+        self.kind = mapped.kind
+        self.path = mapped.path
+        try:
+            self._lib = ctypes.CDLL(mapped.path, mode=_RTLD_NOLOAD | os.RTLD_GLOBAL)
+        except OSError as error:
+            raise OpenMPNotFoundError(f"cannot open the loaded OpenMP runtime {mapped.path}: {error}") from error
+        lib = self._lib
+        for name in ("omp_get_max_threads", "omp_get_thread_num", "omp_get_num_threads", "omp_get_dynamic"):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = []
+        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+        lib.omp_set_num_threads.restype = None
+        try:
+            self._gomp_parallel = lib.GOMP_parallel
+        except AttributeError:
+            self._gomp_parallel = None
+        else:
+            self._gomp_parallel.argtypes = [_CALLBACK, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+            self._gomp_parallel.restype = None
+
+    def __repr__(self) -> str:
+        return f"OpenMPRuntime(kind={self.kind!r}, path={self.path!r})"
+
+    @property
+    def can_run_teams(self) -> bool:
+        """Whether this runtime exports ``GOMP_parallel`` (needed to pin team threads)."""
+        return self._gomp_parallel is not None
+
+    def get_max_threads(self) -> int:
+        """``omp_get_max_threads()`` of the calling thread (its next team size)."""
+        return int(self._lib.omp_get_max_threads())
+
+    def set_num_threads(self, n: int) -> None:
+        """``omp_set_num_threads(n)`` for the calling thread."""
+        if n < 1:
+            raise ValueError(f"number of threads must be >= 1, got {n}")
+        self._lib.omp_set_num_threads(int(n))
+
+    def get_dynamic(self) -> bool:
+        return bool(self._lib.omp_get_dynamic())
+
+    def run_on_team(self, num_threads: int, work: Callable[[int, int], None]) -> None:
+        """Run ``work(thread_num, team_size)`` on each thread of a ``num_threads`` team of the caller.
+
+        Thread 0 is the calling thread. Exceptions raised by ``work`` on any thread are re-raised
+        here (the first one) after the region ends.
+        """
+        if self._gomp_parallel is None:
+            raise OpenMPNotFoundError(f"{self.path} does not export GOMP_parallel; cannot reach its team threads")
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+        lib = self._lib
+
+        def body(_data: Optional[int]) -> None:
+            try:
+                work(int(lib.omp_get_thread_num()), int(lib.omp_get_num_threads()))
+            except BaseException as error:  # noqa: BLE001 - carried to the caller below
+                with lock:
+                    errors.append(error)
+
+        callback = _CALLBACK(body)
+        self._gomp_parallel(callback, None, int(num_threads), 0)
+        if errors:
+            raise errors[0]
+
+
+_lock = threading.Lock()
+_cached: Optional[OpenMPRuntime] = None
+
+
+def find_runtime() -> Optional[OpenMPRuntime]:
+    """The OpenMP runtime this process uses, or None when none is loaded (cached once found)."""
+    global _cached
+    with _lock:
+        if _cached is None:
+            active = choose_active(mapped_runtimes(), _globally_resolved_path("omp_get_max_threads"))
+            if active is not None:
+                _cached = OpenMPRuntime(active)
+        return _cached
+
+
+def loaded_runtime() -> OpenMPRuntime:
+    """Like :func:`find_runtime` but raises one clear :class:`OpenMPNotFoundError` when there is none."""
+    runtime = find_runtime()
+    if runtime is None:
+        raise OpenMPNotFoundError(
+            "no OpenMP runtime (libgomp, libiomp5 or libomp) is loaded in this process; "
+            "import torch (or the library that uses OpenMP) before using xlaunch.runtime_ext"
+        )
+    return runtime
+
+
+def pinning_supported() -> bool:
+    """Whether team threads can be pinned here: a runtime is loaded, exports GOMP_parallel, Linux."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    runtime = find_runtime()
+    return runtime is not None and runtime.can_run_teams

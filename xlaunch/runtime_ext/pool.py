@@ -1,0 +1,239 @@
+"""``CPUPool``: a validated set of CPUs; ``pin``: pin the calling thread's OpenMP team to one.
+
+    with CPUPool([0, 1]):          # or: with pin(pool):   or: @pin(pool)
+        model(x)                   # torch's intra-op threads run on CPUs 0 and 1, one each
+
+Entering gives the calling thread's OpenMP team ``len(pool)`` threads, team thread ``i`` pinned
+to ``pool.cpus[i]`` (thread 0 is the caller). Leaving restores the previous thread count and
+every touched thread's previous affinity. Pins nest.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Union
+
+from xlaunch.cpulist import format_cpulist, parse_cpulist
+from xlaunch.runtime_ext import openmp, topology
+
+
+class CPUPool:
+    """An ordered set of CPUs this process may use.
+
+    ``CPUPool()`` is one CPU (the first SMT sibling) per allowed physical core;
+    ``CPUPool(node_id=n)`` the same restricted to NUMA node ``n``; ``CPUPool([2, 3])`` or
+    ``CPUPool("2-3")`` exactly those CPUs, in that order. Any CPU outside the allowed set is
+    rejected with a :class:`ValueError` naming it. The machine is read on first construction,
+    never at import.
+    """
+
+    __slots__ = ("_cpus", "_node_id", "_local")
+
+    def __init__(self, core_ids: Union[Iterable[int], str, None] = None, node_id: Optional[int] = None) -> None:
+        if core_ids is not None and node_id is not None:
+            raise ValueError("give core_ids or node_id, not both")
+        if core_ids is not None:
+            cpus = _validated_cpus(core_ids)
+        elif node_id is not None:
+            cpus = _node_cpus(node_id)
+        else:
+            cpus = tuple(core.cpus[0] for core in topology.allowed_cores())
+            if not cpus:
+                raise ValueError("this process is allowed no CPUs")
+        self._cpus = cpus
+        self._node_id = node_id
+        self._local = threading.local()
+
+    @classmethod
+    def from_node(cls, node_id: int) -> CPUPool:
+        """One CPU per allowed physical core of NUMA node ``node_id``."""
+        return cls(node_id=node_id)
+
+    @property
+    def cpus(self) -> tuple[int, ...]:
+        """The CPUs, in pinning order (team thread ``i`` goes to ``cpus[i]``)."""
+        return self._cpus
+
+    core_ids = cpus
+
+    @property
+    def node_id(self) -> Optional[int]:
+        return self._node_id
+
+    def split(self, parts: int) -> list[CPUPool]:
+        """``parts`` contiguous pools of nearly equal size (the first ones get one more CPU)."""
+        if not 1 <= parts <= len(self._cpus):
+            raise ValueError(f"cannot split a pool of {len(self._cpus)} CPUs into {parts} parts")
+        return [CPUPool(chunk) for chunk in _chunks(self._cpus, parts)]
+
+    def __len__(self) -> int:
+        return len(self._cpus)
+
+    def __iter__(self):
+        return iter(self._cpus)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CPUPool) and other._cpus == self._cpus
+
+    def __hash__(self) -> int:
+        return hash(self._cpus)
+
+    def __repr__(self) -> str:
+        node = f", node_id={self._node_id}" if self._node_id is not None else ""
+        return f"CPUPool(cpus='{format_cpulist(self._cpus)}', n={len(self._cpus)}{node})"
+
+    def __enter__(self) -> CPUPool:
+        stack = self._local.__dict__.setdefault("stack", [])
+        stack.append(pin_team(self._cpus))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        unpin_team(self._local.stack.pop())
+
+
+def _chunks(items: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
+    size, extra = divmod(len(items), parts)
+    chunks, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        chunks.append(items[start:end])
+        start = end
+    return chunks
+
+
+def _validated_cpus(core_ids: Union[Iterable[int], str]) -> tuple[int, ...]:
+    if isinstance(core_ids, str):
+        cpus = parse_cpulist(core_ids)
+    else:
+        cpus = tuple(core_ids)
+        wrong = [c for c in cpus if isinstance(c, bool) or not isinstance(c, int) or c < 0]
+        if wrong:
+            raise ValueError(f"CPU ids must be non-negative integers, got {wrong!r}")
+    if not cpus:
+        raise ValueError("a CPUPool needs at least one CPU")
+    duplicates = sorted({c for c in cpus if cpus.count(c) > 1})
+    if duplicates:
+        raise ValueError(f"CPU ids repeated in the pool: {format_cpulist(duplicates)}")
+    allowed = topology.allowed_cpus()
+    outside = [c for c in cpus if c not in allowed]
+    if outside:
+        raise ValueError(
+            f"CPUs {format_cpulist(outside)} are not allowed for this process "
+            f"(allowed: {format_cpulist(allowed) or 'none'})"
+        )
+    return cpus
+
+
+def _node_cpus(node_id: int) -> tuple[int, ...]:
+    cpus = tuple(core.cpus[0] for core in topology.allowed_cores() if core.node == node_id)
+    if not cpus:
+        nodes = ",".join(map(str, topology.node_ids())) or "none"
+        raise ValueError(f"NUMA node {node_id} has no CPU this process may use (nodes with allowed CPUs: {nodes})")
+    return cpus
+
+
+# ---------------------------------------------------------------------------------------------
+# Pinning: effects on the calling thread's OpenMP team.
+
+
+@dataclass(frozen=True)
+class _PinRecord:
+    tid: int
+    previous: frozenset[int]
+
+
+@dataclass(frozen=True)
+class TeamPin:
+    """What :func:`pin_team` changed, so that :func:`unpin_team` can put it back."""
+
+    cpus: tuple[int, ...]
+    previous_threads: int
+    records: tuple[_PinRecord, ...]
+
+
+def _torch_module() -> Any:
+    """torch when it is already imported (never imports it)."""
+    return sys.modules.get("torch")
+
+
+def get_thread_count(runtime: openmp.OpenMPRuntime) -> int:
+    torch = _torch_module()
+    return int(torch.get_num_threads()) if torch is not None else runtime.get_max_threads()
+
+
+def set_thread_count(runtime: openmp.OpenMPRuntime, n: int) -> None:
+    """Calling thread's team size: through torch when loaded (OpenMP + MKL + ATen), else OpenMP."""
+    torch = _torch_module()
+    if torch is not None:
+        torch.set_num_threads(n)
+    else:
+        runtime.set_num_threads(n)
+
+
+def pin_team(cpus: tuple[int, ...]) -> TeamPin:
+    """Give the calling thread a ``len(cpus)`` OpenMP team, thread ``i`` pinned to ``cpus[i]``."""
+    topology.allowed_cores()  # read (and cache) the process's CPUs before any thread is pinned
+    runtime = openmp.loaded_runtime()
+    if not runtime.can_run_teams:
+        raise openmp.OpenMPNotFoundError(f"{runtime.path} does not export GOMP_parallel: pinning unsupported")
+    size = len(cpus)
+    previous_threads = get_thread_count(runtime)
+    set_thread_count(runtime, size)
+    records: list[Optional[_PinRecord]] = [None] * size
+
+    def pin_self(thread_num: int, team_size: int) -> None:
+        if thread_num < size:
+            previous = frozenset(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cpus[thread_num]})
+            records[thread_num] = _PinRecord(threading.get_native_id(), previous)
+
+    try:
+        runtime.run_on_team(size, pin_self)
+    except BaseException:
+        unpin_team(TeamPin(cpus, previous_threads, tuple(r for r in records if r is not None)))
+        raise
+    done = tuple(r for r in records if r is not None)
+    if len(done) < size:
+        warnings.warn(
+            f"the OpenMP runtime gave a team of {len(done)} threads, not {size}: "
+            f"only CPUs {format_cpulist(cpus[: len(done)])} have a thread (OMP_DYNAMIC or a thread limit?)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return TeamPin(cpus, previous_threads, done)
+
+
+def unpin_team(pinned: TeamPin) -> None:
+    """Undo :func:`pin_team`: previous affinity of every pinned thread, previous thread count."""
+    for record in reversed(pinned.records):
+        try:
+            os.sched_setaffinity(record.tid, record.previous)
+        except (ProcessLookupError, OSError):
+            pass  # the thread is gone, nothing to restore
+    set_thread_count(openmp.loaded_runtime(), pinned.previous_threads)
+
+
+class pin(contextlib.ContextDecorator):  # noqa: N801 - reads as a verb, like contextlib's helpers
+    """``with pin(pool):`` or ``@pin(pool)``: pin the calling thread's OpenMP team to ``pool``.
+
+    ``pool`` is a :class:`CPUPool` or anything :class:`CPUPool` accepts as ``core_ids``.
+    """
+
+    def __init__(self, pool: Union[CPUPool, Iterable[int], str]) -> None:
+        self.pool = pool if isinstance(pool, CPUPool) else CPUPool(pool)
+        self._local = threading.local()
+
+    def __enter__(self) -> CPUPool:
+        stack = self._local.__dict__.setdefault("stack", [])
+        stack.append(pin_team(self.pool.cpus))
+        return self.pool
+
+    def __exit__(self, *exc: Any) -> None:
+        unpin_team(self._local.stack.pop())
+
+    def __repr__(self) -> str:
+        return f"pin({self.pool!r})"

@@ -1,0 +1,100 @@
+"""``MultiStreamModule``: one model, several pinned streams, each running a slice of the batch.
+
+    msm = MultiStreamModule(model, num_streams=2, cpu_pool=CPUPool([0, 1]))
+    y = msm(x)                     # x split on dim 0, each slice on its own core, y concatenated
+
+Each stream is a :class:`~xlaunch.runtime_ext.task.Task` on a slice of the pool, so a stream's
+OpenMP team (and torch's intra-op work) stays on its own cores.
+"""
+from __future__ import annotations
+
+from concurrent.futures import wait
+from typing import Any, Optional, Union
+
+from torch import nn
+
+from xlaunch.runtime_ext.batching import StreamHint, common_batch, join_outputs, slice_sizes, split_call
+from xlaunch.runtime_ext.pool import CPUPool
+from xlaunch.runtime_ext.task import Task
+
+AUTO = "auto"
+
+
+def auto_streams(pool: CPUPool) -> int:
+    """``num_streams="auto"``: one stream per CPU of the pool (throughput first)."""
+    return len(pool)
+
+
+class MultiStreamModule(nn.Module):
+    """Run ``model`` on ``num_streams`` pinned streams, splitting each call's batch between them.
+
+    ``cpu_pool`` (default ``CPUPool()``) is split into ``num_streams`` contiguous parts.
+    ``input_split_hint`` (a :class:`StreamHint`) gives the batch dimension of each argument
+    (default 0 for every tensor); ``output_concat_hint`` the dimension to concatenate each output
+    tensor along (default 0), ``None`` to keep stream 0's value. A batch smaller than the number
+    of streams uses only that many streams; uneven batches give the first streams one more item.
+    With ``concat_output=False`` the call returns the list of per-stream outputs.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        num_streams: Union[int, str] = AUTO,
+        cpu_pool: Optional[CPUPool] = None,
+        concat_output: bool = True,
+        input_split_hint: Optional[StreamHint] = None,
+        output_concat_hint: Any = 0,
+    ) -> None:
+        super().__init__()
+        pool = cpu_pool if cpu_pool is not None else CPUPool()
+        if num_streams == AUTO:
+            num_streams = auto_streams(pool)
+        if isinstance(num_streams, bool) or not isinstance(num_streams, int) or not 1 <= num_streams <= len(pool):
+            raise ValueError(f"num_streams must be 'auto' or an int in 1..{len(pool)} (the pool's CPUs), got {num_streams!r}")
+        if input_split_hint is not None and not isinstance(input_split_hint, StreamHint):
+            raise TypeError("input_split_hint must be a StreamHint, e.g. StreamHint(0, mask=None)")
+        self.model = model
+        self.num_streams = num_streams
+        self.cpu_pool = pool
+        self.concat_output = concat_output
+        self.input_split_hint = input_split_hint if input_split_hint is not None else StreamHint()
+        self.output_concat_hint = output_concat_hint
+        self.stream_pools = pool.split(num_streams)
+        self._tasks: list[Task] = []
+        try:
+            for stream_pool in self.stream_pools:
+                self._tasks.append(Task(model, stream_pool))
+        except BaseException:
+            self.close()
+            raise
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._tasks:
+            raise RuntimeError("MultiStreamModule is closed")
+        sizes = slice_sizes(common_batch(args, kwargs, self.input_split_hint), self.num_streams)
+        calls = split_call(args, kwargs, self.input_split_hint, sizes)
+        futures = [task(*a, **k) for task, (a, k) in zip(self._tasks, calls)]
+        wait(futures)
+        outputs = [f.result() for f in futures]
+        if not self.concat_output:
+            return outputs
+        return join_outputs(outputs, self.output_concat_hint)
+
+    def close(self) -> None:
+        """Stop and join every stream's thread."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.close()
+
+    def __enter__(self) -> MultiStreamModule:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def extra_repr(self) -> str:
+        pools = ", ".join(repr(p) for p in self.stream_pools)
+        return f"num_streams={self.num_streams}, streams=[{pools}]"
+
+
+__all__ = ["MultiStreamModule", "StreamHint", "auto_streams"]
