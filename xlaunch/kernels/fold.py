@@ -1,0 +1,239 @@
+"""Eval-mode rewrites that keep results: Conv+BN and Linear+BN folding, Dropout -> Identity.
+
+Finding what to fold is separate from folding it. Candidates come from an FX trace of the model
+(so any ``forward`` that FX can trace is understood, not only ``nn.Sequential``); when the trace
+fails, adjacent children of ``nn.Sequential`` containers are used instead and a note says so.
+The fold itself mutates the original modules in place (new weight/bias parameters on the
+producer, ``nn.Identity`` in place of the BN under every name it is registered as), so the model
+keeps its class, attributes and ``forward``. Every fold can be undone (:func:`undo`).
+
+A pair is only folded when it is safe: both modules in eval mode, the BN has running statistics
+and as many features as the producer has outputs, the producer's output feeds only this BN, and
+neither module is called anywhere else (shared modules are left alone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A producer (conv or linear) whose only consumer is a batch norm, by qualified name."""
+
+    producer: str
+    norm: str
+    kind: str                       # "conv" | "linear"
+    norm_input_rank: Optional[int] = None   # rank of the BN input when a sample input was traced
+
+
+@dataclass
+class FoldLog:
+    """What was done and what was left alone, with reasons; also what :func:`undo` needs."""
+
+    folded: list[Pair] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)   # (what, why)
+    dropouts_removed: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    _undo: list[Any] = field(default_factory=list, repr=False)
+
+
+def aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every qualified name each submodule is registered under (shared modules have several)."""
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+    return names
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, new)
+
+
+def _producer_kind(module: nn.Module) -> Optional[str]:
+    if isinstance(module, CONV_TYPES):
+        return "conv"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    return None
+
+
+def find_pairs(model: nn.Module, sample_input: Any = None) -> tuple[list[Pair], list[str]]:
+    """Producer->BN pairs found by FX (with shapes when ``sample_input`` is given), else by
+    walking ``nn.Sequential`` containers. Returns (pairs, notes)."""
+    try:
+        return _pairs_from_fx(model, sample_input), []
+    except Exception as exc:  # FX cannot trace data-dependent control flow, many custom ops, ...
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".strip()
+        note = f"FX could not trace the model ({reason[:160]}); folding only adjacent nn.Sequential children"
+        return _pairs_from_sequentials(model), [note]
+
+
+def _pairs_from_fx(model: nn.Module, sample_input: Any) -> list[Pair]:
+    import warnings
+
+    import torch.fx
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph_module = torch.fx.symbolic_trace(model)
+    if sample_input is not None:
+        from torch.fx.passes.shape_prop import ShapeProp
+
+        inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+        with torch.no_grad():
+            ShapeProp(graph_module).propagate(*inputs)
+    graph = graph_module.graph
+    calls: dict[str, int] = {}
+    attr_users: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+        elif node.op == "get_attr":
+            attr_users.add(str(node.target).rpartition(".")[0])
+    pairs = []
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(graph_module.get_submodule(node.target), BN_TYPES):
+            continue
+        if len(node.args) != 1 or node.kwargs:
+            continue
+        source = node.args[0]
+        if not isinstance(source, torch.fx.Node) or source.op != "call_module":
+            continue
+        kind = _producer_kind(graph_module.get_submodule(source.target))
+        if kind is None:
+            continue
+        if len(source.users) != 1 or calls[source.target] != 1 or calls[node.target] != 1:
+            continue
+        if source.target in attr_users or node.target in attr_users:
+            continue
+        meta = source.meta.get("tensor_meta")
+        rank = len(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+        pairs.append(Pair(source.target, node.target, kind, rank))
+    return pairs
+
+
+def _pairs_from_sequentials(model: nn.Module) -> list[Pair]:
+    pairs = []
+    seen: set[int] = set()
+    for name, container in model.named_modules():
+        if not isinstance(container, nn.Sequential) or id(container) in seen:
+            continue
+        seen.add(id(container))
+        children = list(container.named_children())
+        for (first_name, first), (second_name, second) in zip(children, children[1:]):
+            kind = _producer_kind(first)
+            if kind is not None and isinstance(second, BN_TYPES):
+                prefix = f"{name}." if name else ""
+                pairs.append(Pair(prefix + first_name, prefix + second_name, kind))
+    return pairs
+
+
+def why_not(pair: Pair, producer: nn.Module, norm: nn.Module, names: dict[int, list[str]],
+            linear_needs_shape: bool = True) -> Optional[str]:
+    """The reason this pair must not be folded, or None when folding keeps the results."""
+    if producer.training or norm.training:
+        return "a module is in training mode (folding is for eval only)"
+    if not norm.track_running_stats or norm.running_mean is None or norm.running_var is None:
+        return "the batch norm has no running statistics (track_running_stats=False)"
+    outputs = producer.out_channels if pair.kind == "conv" else producer.out_features
+    if norm.num_features != outputs:
+        return f"the batch norm has {norm.num_features} features but the {pair.kind} has {outputs} outputs"
+    if not producer.weight.is_floating_point():
+        return f"the {pair.kind} weight is {producer.weight.dtype}, not floating point"
+    if pair.kind == "conv" and producer.transposed and producer.groups != 1:
+        return "grouped transposed convolution is not folded"
+    if pair.kind == "linear":
+        if pair.norm_input_rank is None and linear_needs_shape:
+            return "linear+BN folding needs a sample_input to confirm the BN sees (N, C) inputs"
+        if pair.norm_input_rank is not None and pair.norm_input_rank != 2:
+            return f"the batch norm input has rank {pair.norm_input_rank}; it normalizes a dim the linear does not produce"
+    if len(names.get(id(producer), ())) > 1:
+        return f"the {pair.kind} is shared (registered as {', '.join(names[id(producer)])})"
+    if len(names.get(id(norm), ())) > 1:
+        return f"the batch norm is shared (registered as {', '.join(names[id(norm)])})"
+    return None
+
+
+def _folded_params(producer: nn.Module, norm: nn.Module, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
+
+    with torch.no_grad():
+        if kind == "conv":
+            weight, bias = fuse_conv_bn_weights(
+                producer.weight, producer.bias, norm.running_mean, norm.running_var,
+                norm.eps, norm.weight, norm.bias, transpose=producer.transposed,
+            )
+        else:
+            weight, bias = fuse_linear_bn_weights(
+                producer.weight, producer.bias, norm.running_mean, norm.running_var,
+                norm.eps, norm.weight, norm.bias,
+            )
+    return weight.detach(), bias.detach()
+
+
+def fold_pairs(model: nn.Module, pairs: list[Pair], log: FoldLog, kinds: set[str],
+               linear_needs_shape: bool = True) -> None:
+    """Fold each pair of an enabled kind that is safe to fold; record the rest with a reason."""
+    names = aliases(model)
+    for pair in pairs:
+        if pair.kind not in kinds:
+            continue
+        producer, norm = model.get_submodule(pair.producer), model.get_submodule(pair.norm)
+        reason = why_not(pair, producer, norm, names, linear_needs_shape)
+        if reason is None:
+            try:
+                weight, bias = _folded_params(producer, norm, pair.kind)
+            except Exception as exc:  # keep the module as it was, and say why
+                reason = f"fold failed: {type(exc).__name__}: {exc}"
+        if reason is not None:
+            log.skipped.append((f"{pair.producer}+{pair.norm}", reason))
+            continue
+        log._undo.append(("params", producer, producer.weight, producer.bias))
+        producer.weight = nn.Parameter(weight, requires_grad=producer.weight.requires_grad)
+        producer.bias = nn.Parameter(bias, requires_grad=producer.weight.requires_grad)
+        for name in names[id(norm)]:
+            log._undo.append(("module", name, norm))
+            _replace(model, name, nn.Identity())
+        log.folded.append(pair)
+
+
+def remove_dropout(model: nn.Module, log: FoldLog) -> None:
+    """Replace eval-mode dropout modules (identities in eval) by ``nn.Identity``."""
+    for module_id, module_names in aliases(model).items():
+        module = model.get_submodule(module_names[0]) if module_names[0] else model
+        if not isinstance(module, DROPOUT_TYPES) or module.training or module is model:
+            continue
+        for name in module_names:
+            log._undo.append(("module", name, module))
+            _replace(model, name, nn.Identity())
+        log.dropouts_removed.append(module_names[0])
+
+
+def undo(model: nn.Module, log: FoldLog) -> None:
+    """Put every folded or removed module back exactly as it was."""
+    for entry in reversed(log._undo):
+        if entry[0] == "params":
+            _, producer, weight, bias = entry
+            producer.weight = weight
+            if bias is None:
+                producer.register_parameter("bias", None)
+            else:
+                producer.bias = bias
+        else:
+            _, name, module = entry
+            _replace(model, name, module)
+    log._undo.clear()
+    log.notes.append(f"undone: {len(log.folded)} folds, {len(log.dropouts_removed)} dropouts")
+    log.skipped.extend((f"{p.producer}+{p.norm}", "undone after verification") for p in log.folded)
+    log.folded.clear()
+    log.dropouts_removed.clear()

@@ -1,0 +1,67 @@
+"""Graph freezing: weights become constants of a compiled graph (prepacked for oneDNN / the
+inductor cpp backend), with stock torch only.
+
+Two backends:
+  * ``inductor``: ``torch.compile(model, options={"freezing": True})``; constant-folds the weights
+    (including bf16 casts and conv weight layouts) and generates C++ kernels with gcc. Compiles on
+    the first call (at ``optimize`` time when a sample input is given). Slow to compile (~5-15 s for
+    a small CNN on 2 cores); a new input shape recompiles.
+  * ``jit``: ``torch.jit.trace`` + ``torch.jit.freeze`` with oneDNN graph fusion enabled; needs a
+    sample input; compiles in about a second; the graph is specialised to the traced control flow.
+
+Which one wins was measured by ``bench/optimize.py`` (see docs/kernels.md).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+BACKENDS = ("inductor", "jit")
+
+
+def as_args(sample_input: Any) -> tuple:
+    return sample_input if isinstance(sample_input, tuple) else (sample_input,)
+
+
+def freeze_inductor(model: nn.Module) -> nn.Module:
+    """``torch.compile`` with inductor freezing; compiled lazily on the first call."""
+    return torch.compile(model, backend="inductor", options={"freezing": True})
+
+
+@contextlib.contextmanager
+def _jit_records_autocast() -> Iterator[None]:
+    """Let tracing record autocast's casts as ordinary ops (the JIT autocast pass stays off)."""
+    previous = torch._C._jit_set_autocast_mode(False)
+    try:
+        yield
+    finally:
+        torch._C._jit_set_autocast_mode(previous)
+
+
+def freeze_jit(model: nn.Module, sample_input: Any) -> nn.Module:
+    """Trace with ``sample_input``, freeze, and enable oneDNN graph fusion for the result."""
+    torch.jit.enable_onednn_fusion(True)
+    with torch.no_grad(), _jit_records_autocast():
+        traced = torch.jit.trace(model, as_args(sample_input), check_trace=False)
+        frozen = torch.jit.freeze(traced.eval())
+        for _ in range(2):  # the profiling executor specialises and fuses on the first runs
+            frozen(*as_args(sample_input))
+    return frozen
+
+
+def freeze(model: nn.Module, backend: str, sample_input: Any = None) -> nn.Module:
+    """The frozen model; with a sample input, compiled now (so errors surface here)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"optimize: freeze_backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend == "jit":
+        if sample_input is None:
+            raise ValueError("the jit backend needs a sample_input to trace")
+        return freeze_jit(model, sample_input)
+    compiled = freeze_inductor(model)
+    if sample_input is not None:
+        with torch.no_grad():
+            compiled(*as_args(sample_input))
+    return compiled
