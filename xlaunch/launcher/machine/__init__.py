@@ -1,0 +1,102 @@
+"""The machine model: read once from ``XLAUNCH_FSROOT`` (default ``/``), then frozen.
+
+``load_machine()`` reads topology (:mod:`.topology`), this process's limits (:mod:`.limits`),
+the ISA (:mod:`.isa`) and the preloadable libraries (:mod:`.libraries`). Nothing here runs a
+subprocess or imports torch; missing or odd files become :attr:`Machine.notes`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from xlaunch.launcher.machine._files import Notes
+from xlaunch.launcher.machine.isa import ISA_FLAGS, read_isa
+from xlaunch.launcher.machine.libraries import find_libraries
+from xlaunch.launcher.machine.limits import read_limits
+from xlaunch.launcher.machine.model import (
+    EFFICIENCY,
+    PERFORMANCE,
+    UNKNOWN_KIND,
+    CacheDomain,
+    Core,
+    Cpu,
+    Isa,
+    Library,
+    Machine,
+    Node,
+)
+from xlaunch.launcher.machine.topology import read_topology
+
+FSROOT_ENV = "XLAUNCH_FSROOT"
+
+__all__ = [
+    "EFFICIENCY", "FSROOT_ENV", "ISA_FLAGS", "PERFORMANCE", "UNKNOWN_KIND",
+    "CacheDomain", "Core", "Cpu", "Isa", "Library", "Machine", "MachineRootError", "Node",
+    "current_machine", "load_machine", "resolve_root",
+]
+
+
+class MachineRootError(ValueError):
+    """The machine root (``XLAUNCH_FSROOT``) is missing or not a directory."""
+
+
+def resolve_root(root: Optional[str] = None) -> str:
+    """``root``, else ``$XLAUNCH_FSROOT``, else ``/``; checked to be a directory."""
+    from_env = root is None and bool(os.environ.get(FSROOT_ENV))
+    if root is None:
+        root = os.environ.get(FSROOT_ENV) or "/"
+    if not os.path.isdir(root):
+        origin = f"{FSROOT_ENV}={root!r}" if from_env else f"machine root {root!r} ({FSROOT_ENV})"
+        problem = "does not exist" if not os.path.exists(root) else "is not a directory"
+        raise MachineRootError(f"{origin} {problem}; it must be a directory holding sys/ and proc/")
+    return root
+
+
+def load_machine(root: Optional[str] = None, *, live: Optional[bool] = None) -> Machine:
+    """Read the machine under ``root`` (default ``$XLAUNCH_FSROOT`` or ``/``).
+
+    ``live`` (default: the root is ``/``) also asks the running kernel about this process:
+    ``sched_getaffinity`` for the allowed CPUs and ``arch_prctl`` for AMX permission.
+    Raises :class:`MachineRootError` when the root is not a directory.
+    """
+    root = resolve_root(root)
+    if live is None:
+        live = os.path.realpath(root) == "/"
+    notes = Notes()
+    affinity = tuple(sorted(os.sched_getaffinity(0))) if live and hasattr(os, "sched_getaffinity") else ()
+    topology = read_topology(root, notes, fallback_cpus=affinity or range(os.cpu_count() or 1))
+    memory_nodes = [n.id for n in topology.nodes if n.memory_kib is None or n.memory_kib > 0]
+    limits = read_limits(root, live, topology.online_cpus, memory_nodes, notes)
+    return Machine(
+        root=root,
+        cpus=topology.cpus,
+        cores=topology.cores,
+        nodes=topology.nodes,
+        l3_domains=topology.l3_domains,
+        allowed_cpus=limits.allowed_cpus,
+        allowed_mems=limits.allowed_mems,
+        cpu_budget=limits.cpu_budget,
+        isa=read_isa(root, live, notes),
+        libraries=find_libraries(),
+        notes=notes.as_tuple(),
+    )
+
+
+_CURRENT: dict[str, Machine] = {}
+
+
+def current_machine() -> Machine:
+    """The machine of this process, read on first use and cached per ``XLAUNCH_FSROOT``.
+
+    For in-process users (CPU pools, runtime tuning); call :func:`load_machine` for a fresh read.
+    """
+    key = os.environ.get(FSROOT_ENV) or "/"
+    machine = _CURRENT.get(key)
+    if machine is None:
+        machine = _CURRENT[key] = load_machine()
+    return machine
+
+
+def clear_cache() -> None:
+    """Forget the cached :func:`current_machine` (e.g. after changing affinity)."""
+    _CURRENT.clear()
