@@ -1,0 +1,116 @@
+"""Launcher presets (``throughput``, ``latency``, ...) and config-file reading.
+
+``--config NAME`` finds ``xlaunch/configs/NAME.toml`` (shipped with the package, read through
+:mod:`importlib.resources`); anything else is a path to a TOML file. A config file is a flat
+table of option names (``ninstances = 2``, ``memory-allocator = "jemalloc"``); command-line
+flags override it. TOML is read with :mod:`tomllib` (Python 3.11+), else ``tomli`` when
+installed, else a small reader for the flat subset presets use.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["ConfigError", "preset_names", "load_config", "parse_toml"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be found or read; the message says which and why."""
+
+
+def preset_names() -> tuple[str, ...]:
+    """Names of the presets shipped in this package, sorted."""
+    from importlib import resources
+
+    names = []
+    for entry in resources.files(__name__).iterdir():
+        if entry.name.endswith(".toml"):
+            names.append(entry.name[: -len(".toml")])
+    return tuple(sorted(names))
+
+
+def load_config(spec: str) -> tuple[dict[str, Any], str]:
+    """Read a preset by name or a TOML file by path; return ``(table, source)``.
+
+    ``source`` is the file read (``preset:throughput`` for a shipped preset).
+    Raises :class:`ConfigError` when the file is missing, unreadable or not valid TOML.
+    """
+    from importlib import resources
+
+    looks_like_path = os.sep in spec or spec.endswith(".toml") or os.path.exists(spec)
+    if not looks_like_path:
+        resource = resources.files(__name__).joinpath(f"{spec}.toml")
+        if not resource.is_file():
+            known = ", ".join(preset_names()) or "none"
+            raise ConfigError(f"no preset named {spec!r} (presets: {known}) and no such file")
+        return _parse(resource.read_text(encoding="utf-8"), f"preset:{spec}"), f"preset:{spec}"
+    try:
+        with open(spec, "rb") as handle:
+            raw = handle.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {spec}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{spec} is not UTF-8 text") from None
+    return _parse(text, spec), spec
+
+
+def _parse(text: str, source: str) -> dict[str, Any]:
+    try:
+        table = parse_toml(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}") from None
+    return table
+
+
+def parse_toml(text: str) -> dict[str, Any]:
+    """Parse TOML text; raise ValueError when invalid."""
+    try:
+        import tomllib as toml_reader  # Python 3.11+
+    except ModuleNotFoundError:  # pragma: no cover - exercised on 3.9/3.10 only
+        try:
+            import tomli as toml_reader  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            return _parse_flat_toml(text)
+    try:
+        return toml_reader.loads(text)
+    except toml_reader.TOMLDecodeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _parse_flat_toml(text: str) -> dict[str, Any]:
+    """The flat subset of TOML presets use: ``key = "str" | 'str' | int | float | bool | [ints]``."""
+    table: dict[str, Any] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        key, sep, value = stripped.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"line {number}: expected key = value")
+        table[key.strip().strip('"')] = _flat_value(value.strip(), number)
+    return table
+
+
+def _flat_value(text: str, number: int) -> Any:
+    if text[:1] in "\"'":
+        quote = text[0]
+        end = text.find(quote, 1)
+        if end < 0 or text[end + 1 :].strip()[:1] not in ("", "#"):
+            raise ValueError(f"line {number}: bad string")
+        return text[1:end]
+    text = text.split("#", 1)[0].strip()
+    if text in ("true", "false"):
+        return text == "true"
+    if text.startswith("[") and text.endswith("]"):
+        inner = text[1:-1].strip()
+        return [_flat_value(item.strip(), number) for item in inner.split(",") if item.strip()]
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"line {number}: cannot read value {text!r}") from None

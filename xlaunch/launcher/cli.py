@@ -1,0 +1,419 @@
+"""``xlaunch [OPTIONS] PROGRAM [ARGS]...`` -- the command line (click), and nothing more.
+
+Parsing turns argv (+ ``--config``) into :class:`~xlaunch.launcher.options.Options`; the machine
+is read once; :func:`~xlaunch.launcher.plan.plan` decides; ``--dry-run`` prints the plan, else
+the runner executes it. Bad input is one line ``xlaunch: error: <option>: <problem>`` and exit
+status 2, before anything starts. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from typing import Any, Mapping, Optional, Sequence
+
+import click
+
+from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError, OptionError
+from xlaunch.launcher.options import (
+    ALIASES,
+    ALLOCATORS,
+    BIND_TOOLS,
+    CORE_TYPES,
+    DTYPES,
+    MEMBIND_POLICIES,
+    OMP_RUNTIMES,
+    Options,
+    build_options,
+)
+
+# --help sections, in the order docs/launcher.md presents them
+GROUP_INSTANCES = "Instances and cores"
+GROUP_PROGRAM = "Program"
+GROUP_TUNING = "Runtime tuning"
+GROUP_SUPERVISION = "Supervision and output"
+GROUP_MACHINE = "Machine information"
+GROUP_ORDER = (GROUP_INSTANCES, GROUP_PROGRAM, GROUP_TUNING, GROUP_SUPERVISION, GROUP_MACHINE)
+
+
+class GroupedOption(click.Option):
+    """A click option that knows its --help section and lists only its dash spellings there."""
+
+    def __init__(self, *args: Any, group: str = GROUP_SUPERVISION, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    def get_help_record(self, ctx: click.Context) -> Optional[tuple[str, str]]:
+        record = super().get_help_record(ctx)
+        if record is None:
+            return None
+        shown = [o for o in self.opts if "_" not in o]
+        spelled = ", ".join(shown)
+        if not self.is_flag and not self.count:
+            spelled += " " + self.make_metavar(ctx) if _takes_ctx_metavar() else " " + self.make_metavar()
+        return spelled, record[1]
+
+
+def _takes_ctx_metavar() -> bool:
+    import inspect
+
+    return "ctx" in inspect.signature(click.Option.make_metavar).parameters
+
+
+class GroupedCommand(click.Command):
+    """A click command whose --help lists options by section."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            if not isinstance(param, click.Option):
+                continue
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            group = getattr(param, "group", GROUP_SUPERVISION)
+            sections.setdefault(group, []).append(record)
+        for group in GROUP_ORDER + tuple(g for g in sections if g not in GROUP_ORDER):
+            if group in sections:
+                with formatter.section(group):
+                    formatter.write_dl(sections[group])
+
+
+def _spellings(*names: str) -> list[str]:
+    """``ncores_per_instance`` -> ``--ncores-per-instance``, ``--ncores_per_instance`` (+ aliases)."""
+    canonical = names[0]
+    every = list(names) + [alias for alias, target in ALIASES.items() if target == canonical]
+    flags: list[str] = []
+    for name in every:
+        for spelled in ("--" + name.replace("_", "-"), "--" + name):
+            if spelled not in flags:
+                flags.append(spelled)
+    return flags
+
+
+def _option(*names: str, group: str, help: str, short: Optional[str] = None, **kwargs: Any):
+    decls = ([short] if short else []) + _spellings(*names) + [names[0]]
+    kwargs.setdefault("default", None)
+    return click.option(*decls, cls=GroupedOption, group=group, help=help, **kwargs)
+
+
+def _choice(values: Sequence[str]) -> str:
+    return "[" + "|".join(values) + "]"
+
+
+CONTEXT = {
+    "allow_interspersed_args": False,
+    "help_option_names": ["-h", "--help"],
+    "max_content_width": 100,
+}
+
+
+@click.command(
+    "xlaunch",
+    cls=GroupedCommand,
+    context_settings=CONTEXT,
+    help=(
+        "Run PROGRAM (a Python script, -m MODULE, or with --no-python any executable) as one or "
+        "more instances, each pinned to its own cores and memory, with OpenMP and allocator "
+        "settings tuned for PyTorch on CPUs. Everything after PROGRAM is passed to it untouched."
+    ),
+)
+# -- instances and cores
+@_option("ninstances", group=GROUP_INSTANCES, metavar="N", help="Number of instances (default 1, or as many as fit).")
+@_option("ncores_per_instance", group=GROUP_INSTANCES, metavar="C",
+         help="Cores per instance (logical CPUs with --use-logical-cores).")
+@_option("throughput_mode", group=GROUP_INSTANCES, is_flag=True,
+         help="One instance per NUMA node with CPUs, using all its cores.")
+@_option("latency_mode", group=GROUP_INSTANCES, is_flag=True, help="4 cores per instance, as many instances as fit.")
+@_option("nodes_list", group=GROUP_INSTANCES, metavar="LIST", help="Use only these NUMA nodes, e.g. 0,2-3.")
+@_option("cores_list", group=GROUP_INSTANCES, metavar="LIST",
+         help="Use only these logical CPUs, e.g. 0-7,16 (mapped to their physical cores).")
+@_option("use_logical_cores", group=GROUP_INSTANCES, is_flag=True,
+         help="Use SMT siblings too; siblings stay in one instance.")
+@_option("core_type", group=GROUP_INSTANCES, metavar=_choice(CORE_TYPES),
+         help="Hybrid parts: which cores to use (default performance).")
+@_option("bind_numa_node", group=GROUP_INSTANCES, is_flag=True, help="No instance spans NUMA nodes.")
+@_option("instance_idx", group=GROUP_INSTANCES, metavar="LIST",
+         help="Start only these instances of the plan, e.g. 0,2-3.")
+# -- program
+@_option("module", group=GROUP_PROGRAM, short="-m", is_flag=True, help="PROGRAM is a module: python -m PROGRAM.")
+@_option("no_python", group=GROUP_PROGRAM, is_flag=True, help="Execute PROGRAM directly (found on PATH).")
+@_option("auto_optimize", group=GROUP_PROGRAM, is_flag=True,
+         help="Inject xlaunch.kernels.optimize into the unmodified Python program.")
+@_option("dtype", group=GROUP_PROGRAM, metavar=_choice(DTYPES), help="With --auto-optimize: compute type.")
+@_option("auto_optimize_verbose", group=GROUP_PROGRAM, is_flag=True,
+         help="With --auto-optimize: report what was optimized.")
+# -- runtime tuning
+@_option("memory_allocator", group=GROUP_TUNING, metavar=_choice(ALLOCATORS),
+         help="Allocator to preload (auto: jemalloc, else tcmalloc, else tuned glibc).")
+@_option("omp_runtime", group=GROUP_TUNING, metavar=_choice(OMP_RUNTIMES),
+         help="OpenMP runtime (auto: Intel OpenMP when libiomp5 is installed, else GNU).")
+@_option("bind_with", group=GROUP_TUNING, metavar=_choice(BIND_TOOLS),
+         help="How instances are pinned (auto = native: sched_setaffinity + set_mempolicy).")
+@_option("membind", group=GROUP_TUNING, metavar=_choice(MEMBIND_POLICIES),
+         help="Memory policy on the instance's NUMA nodes (default bind).")
+@_option("benchmark", group=GROUP_TUNING, is_flag=True,
+         help="Latency-tuned allocator settings: never give memory back.")
+# -- supervision and output
+@_option("log_dir", group=GROUP_SUPERVISION, metavar="DIR", help="Write per-instance logs and xlaunch's log here.")
+@_option("log_file_prefix", group=GROUP_SUPERVISION, metavar="PREFIX", help="Log file name prefix (default xlaunch).")
+@_option("keep_going", group=GROUP_SUPERVISION, is_flag=True,
+         help="Let other instances finish when one fails (default: fail fast).")
+@_option("grace_period", group=GROUP_SUPERVISION, metavar="S",
+         help="Seconds between SIGTERM and SIGKILL when stopping instances (default 5).")
+@_option("dry_run", group=GROUP_SUPERVISION, is_flag=True, help="Print the plan; start nothing.")
+@_option("json", group=GROUP_SUPERVISION, is_flag=True,
+         help="With --dry-run, --check-isa or --show-topology: print one JSON object.")
+@_option("config", group=GROUP_SUPERVISION, metavar="FILE|PRESET",
+         help="TOML file of options (flags override it), or a shipped preset: throughput, latency, single.")
+@click.option("-v", "--verbose", "verbose", count=True, cls=GroupedOption, group=GROUP_SUPERVISION,
+              help="More launcher messages (repeatable).")
+@click.option("-q", "--quiet", "quiet", count=True, cls=GroupedOption, group=GROUP_SUPERVISION,
+              help="Fewer launcher messages (warnings off).")
+# -- machine information
+@_option("check_isa", group=GROUP_MACHINE, is_flag=True, help="Print the instruction sets and dtype advice, then exit.")
+@_option("torch", group=GROUP_MACHINE, is_flag=True, help="With --check-isa: also ask torch (imports it).")
+@_option("show_topology", group=GROUP_MACHINE, is_flag=True, help="Print the machine model, then exit.")
+@click.version_option(package_name="xlaunch", prog_name="xlaunch", message="%(prog)s %(version)s")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="PROGRAM [ARGS]...")
+def command(**_: Any) -> None:
+    """Parsing only; :func:`run` does the work with ``ctx.params``."""
+
+
+NOT_OPTIONS = frozenset({"command", "verbose", "quiet", "config", "check_isa", "torch", "show_topology"})
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console-script entry point."""
+    sys.exit(run(argv))
+
+
+def run(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
+    """Parse, plan, and dry-run or execute. Returns the exit status."""
+    environ = dict(os.environ if environ is None else environ)
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ctx = command.make_context("xlaunch", args)
+    except click.exceptions.Exit as done:  # --help, --version
+        return done.exit_code
+    except click.UsageError as exc:
+        return _usage_error(_click_error_line(exc))
+    params = ctx.params
+    try:
+        if params["check_isa"] or params["show_topology"]:
+            return _machine_information(ctx, environ)
+        options = _options_from(ctx, environ)
+        return _launch(options, environ)
+    except LaunchInputError as exc:
+        return _usage_error(exc.line())
+
+
+def _usage_error(line: str) -> int:
+    sys.stderr.write(line.rstrip("\n").replace("\n", " ") + "\n")
+    return USAGE_EXIT_STATUS
+
+
+def _click_error_line(exc: click.UsageError) -> str:
+    """Click's usage errors as ``xlaunch: error: <option>: <problem>``."""
+    if isinstance(exc, click.NoSuchOption):
+        hint = ""
+        if exc.possibilities:
+            hint = " (did you mean " + " or ".join(sorted(exc.possibilities)[:3]) + "?)"
+        return f"xlaunch: error: {exc.option_name}: no such option{hint}"
+    if isinstance(exc, click.BadOptionUsage):
+        problem = "requires a value" if "requires an argument" in exc.message else exc.message
+        return f"xlaunch: error: {exc.option_name}: {problem}"
+    if isinstance(exc, click.BadParameter) and exc.param is not None:
+        name = exc.param.opts[0] if getattr(exc.param, "opts", None) else exc.param.name
+        return f"xlaunch: error: {name}: {exc.message}"
+    return f"xlaunch: error: {exc.format_message()}"
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def _verbosity(ctx: click.Context) -> int:
+    return int(ctx.params["verbose"] or 0) - int(ctx.params["quiet"] or 0)
+
+
+def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
+    """Options from the command line over the config file; the program checked and resolved."""
+    params = ctx.params
+    for name in ("torch",):
+        if params[name]:
+            raise OptionError("--torch", "only applies with --check-isa")
+    config: dict[str, Any] = {}
+    source = None
+    if params["config"] is not None:
+        from xlaunch.configs import ConfigError, load_config
+
+        try:
+            config, source = load_config(params["config"])
+        except ConfigError as exc:
+            raise OptionError("--config", str(exc)) from None
+        for key in config:
+            if str(key).replace("-", "_") in ("config", "command", "program"):
+                raise OptionError("--config", f"{key!r} cannot be set in a config file ({source})")
+    cli = {name: value for name, value in params.items() if name not in NOT_OPTIONS and _given(ctx, name)}
+    cli["verbosity"] = _verbosity(ctx)
+    command = tuple(params["command"])
+    options = build_options(
+        cli, config, config_source=source, program=command[0] if command else None, args=command[1:]
+    )
+    if options.json and not options.dry_run:
+        raise OptionError("--json", "only applies with --dry-run, --check-isa or --show-topology")
+    if options.program is None:
+        if options.dry_run:
+            return options
+        raise OptionError("PROGRAM", "missing (usage: xlaunch [OPTIONS] PROGRAM [ARGS]...)")
+    return _resolve_program(options, environ)
+
+
+def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
+    """Check PROGRAM exists; with --no-python, replace it by its path on PATH."""
+    import dataclasses
+    import shutil
+
+    program = str(options.program)
+    if options.no_python:
+        path = environ.get("PATH", os.defpath)
+        found = shutil.which(program, path=path)
+        if found is None:
+            where = "" if os.sep in program else " on PATH"
+            raise OptionError("PROGRAM", f"{program!r} not found{where} (or not executable)")
+        return dataclasses.replace(options, program=os.path.abspath(found) if os.sep in program else found)
+    if options.module:
+        if not _module_exists(program, environ):
+            raise OptionError("PROGRAM", f"no module named {program!r}")
+        return options
+    if not os.path.isfile(program):
+        raise OptionError("PROGRAM", f"no such file {program!r}")
+    return options
+
+
+def _module_exists(name: str, environ: Mapping[str, str]) -> bool:
+    """Whether ``python -m name`` can find the top-level package, without importing anything."""
+    import importlib.machinery
+
+    top = name.split(".")[0]
+    if not top or top in sys.builtin_module_names:
+        return bool(top)
+    extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    search = [os.getcwd(), *extra, *[p for p in sys.path if p]]
+    return importlib.machinery.PathFinder.find_spec(top, search) is not None
+
+
+def _load_machine(environ: Mapping[str, str]):
+    from xlaunch.launcher.machine import MachineRootError, load_machine
+
+    try:
+        return load_machine(environ.get("XLAUNCH_FSROOT") or None)
+    except MachineRootError as exc:
+        raise OptionError("XLAUNCH_FSROOT", str(exc)) from None
+
+
+def _machine_information(ctx: click.Context, environ: Mapping[str, str]) -> int:
+    params = ctx.params
+    if params["check_isa"] and params["show_topology"]:
+        raise OptionError("--show-topology", "conflicts with --check-isa (one at a time)")
+    if params["command"]:
+        flag = "--check-isa" if params["check_isa"] else "--show-topology"
+        raise OptionError(flag, f"takes no PROGRAM (got {params['command'][0]!r})")
+    if params["torch"] and not params["check_isa"]:
+        raise OptionError("--torch", "only applies with --check-isa")
+    from xlaunch.launcher import report
+
+    machine = _load_machine(environ)
+    if params["check_isa"]:
+        result = report.isa_report(machine, with_torch=bool(params["torch"]))
+        text = json.dumps(result, indent=2, sort_keys=False) if params["json"] else report.format_isa(result)
+    else:
+        text = json.dumps(report.topology_json(machine), indent=2) if params["json"] else report.format_topology(machine)
+    sys.stdout.write(text.rstrip("\n") + "\n")
+    return 0
+
+
+def _launch(options: Options, environ: Mapping[str, str]) -> int:
+    import dataclasses
+
+    from xlaunch.launcher.plan import plan
+
+    machine = _load_machine(environ)
+    the_plan = plan(options, machine, environ)
+    try:
+        from xlaunch.launcher.report import machine_summary
+
+        the_plan = dataclasses.replace(the_plan, machine_summary=dict(machine_summary(machine)))
+    except ImportError:  # pragma: no cover - report is another room; the plan stands without it
+        pass
+    quiet = options.verbosity < 0
+    if not quiet:
+        for warning in the_plan.warnings:
+            sys.stderr.write(f"xlaunch: warning: {warning}\n")
+    if options.dry_run:
+        if options.json:
+            sys.stdout.write(json.dumps(the_plan.to_json(), indent=2) + "\n")
+        else:
+            sys.stdout.write(format_plan(the_plan, environ, verbose=options.verbosity > 0))
+        return 0
+    if options.verbosity > 0:
+        sys.stderr.write(format_plan(the_plan, environ, verbose=options.verbosity > 1))
+    from xlaunch.launcher.runner import run_plan
+
+    return run_plan(
+        the_plan,
+        log_dir=options.log_dir,
+        log_file_prefix=options.log_file_prefix,
+        keep_going=options.keep_going,
+        grace_period=options.grace_period,
+        quiet=quiet,
+    )
+
+
+def format_plan(the_plan: Any, environ: Mapping[str, str], *, verbose: bool = False) -> str:
+    """The plan for people: one line per instance, then what the environment gets."""
+    from xlaunch.cpulist import format_cpulist
+
+    lines: list[str] = []
+    summary = the_plan.machine_summary
+    count = len(the_plan.instances)
+    head = f"xlaunch plan: {count} instance{'s' if count != 1 else ''}"
+    if summary:
+        described = ", ".join(f"{k} {_short(v)}" for k, v in summary.items() if not isinstance(v, (dict, list)))
+        if described:
+            head += f" on {described}"
+    lines.append(head)
+    for inst in the_plan.instances:
+        mem = format_cpulist(inst.mem_nodes) or "-"
+        lines.append(
+            f"  [{inst.index}] cpus {format_cpulist(inst.cpus)} ({len(inst.cpus)})  "
+            f"mem nodes {mem}  bind {inst.bind}/{inst.membind}"
+        )
+    if the_plan.idle_cpus:
+        lines.append(f"  idle cpus: {format_cpulist(the_plan.idle_cpus)}")
+    if the_plan.env_set:
+        lines.append("  environment (every instance):")
+        for name, value in sorted(the_plan.env_set.items()):
+            lines.append(f"    {name}={value}")
+    per_instance = sorted(
+        {name for inst in the_plan.instances for name in inst.env if name not in the_plan.env_set
+         and inst.env.get(name) != environ.get(name)}
+    )
+    for inst in the_plan.instances if per_instance else ():
+        values = " ".join(f"{n}={shlex.quote(inst.env[n])}" for n in per_instance if n in inst.env)
+        lines.append(f"  [{inst.index}] {values}")
+    if the_plan.env_kept:
+        kept = ", ".join(f"{k}={v}" for k, v in sorted(the_plan.env_kept.items()))
+        lines.append(f"  kept from your environment: {kept}")
+    if the_plan.instances and the_plan.instances[0].argv:
+        shown = the_plan.instances if verbose else the_plan.instances[:1]
+        for inst in shown:
+            lines.append(f"  [{inst.index}] argv: {shlex.join(inst.argv)}")
+    return "\n".join(lines) + "\n"
+
+
+def _short(value: Any) -> str:
+    return str(value)

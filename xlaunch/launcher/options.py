@@ -1,0 +1,254 @@
+"""Launcher options: one frozen :class:`Options`, built from CLI values merged over a config file.
+
+Every option has one canonical name (``ncores_per_instance``, shown as ``--ncores-per-instance``);
+:data:`ALIASES` maps the other spellings users type (IPEX's ``ncore_per_instance``, ``core_list``,
+``node_id``, ``skip_cross_node_cores``) onto it. The CLI and config files share this table, so a
+config file accepts exactly the option names the command line does.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Optional
+
+from xlaunch.cpulist import CpuListError, parse_cpulist
+from xlaunch.launcher.errors import OptionError
+
+ALLOCATORS = ("auto", "default", "jemalloc", "tcmalloc")
+OMP_RUNTIMES = ("auto", "default", "intel")
+BIND_TOOLS = ("auto", "native", "numactl", "taskset", "none")
+MEMBIND_POLICIES = ("bind", "preferred", "interleave", "none")
+CORE_TYPES = ("performance", "efficiency", "all")
+DTYPES = ("float32", "bfloat16")
+
+# other spelling -> canonical name (both written with underscores; dashes are normalised first)
+ALIASES: dict[str, str] = {
+    "ncore_per_instance": "ncores_per_instance",
+    "core_list": "cores_list",
+    "node_id": "nodes_list",
+    "skip_cross_node_cores": "bind_numa_node",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything the user asked for, validated. ``None`` means "not given: decide from the machine"."""
+
+    # what to run
+    program: Optional[str] = None
+    args: tuple[str, ...] = ()
+    module: bool = False
+    no_python: bool = False
+    python: str = field(default_factory=lambda: sys.executable)
+    # instances and cores
+    ninstances: Optional[int] = None
+    ncores_per_instance: Optional[int] = None
+    throughput_mode: bool = False
+    latency_mode: bool = False
+    nodes_list: Optional[tuple[int, ...]] = None
+    cores_list: Optional[tuple[int, ...]] = None
+    use_logical_cores: bool = False
+    core_type: Optional[str] = None          # None: performance on hybrid parts, or as --cores-list says
+    bind_numa_node: bool = False
+    instance_idx: Optional[tuple[int, ...]] = None
+    # runtime tuning
+    memory_allocator: str = "auto"
+    omp_runtime: str = "auto"
+    bind_with: str = "auto"
+    membind: str = "bind"
+    benchmark: bool = False
+    auto_optimize: bool = False
+    dtype: Optional[str] = None
+    auto_optimize_verbose: bool = False
+    # supervision and output
+    log_dir: Optional[str] = None
+    log_file_prefix: str = "xlaunch"
+    keep_going: bool = False
+    grace_period: float = 5.0
+    dry_run: bool = False
+    json: bool = False
+    config: Optional[str] = None             # where merged settings came from (path), for the record
+    verbosity: int = 0                       # -v: +1 each, -q: -1 each
+
+    @property
+    def bind_tool(self) -> str:
+        """The binding actually used: ``auto`` means native (no external tool needed)."""
+        return "native" if self.bind_with == "auto" else self.bind_with
+
+
+# canonical name -> kind, for every option a config file or the CLI may set
+_KINDS: dict[str, str] = {
+    "module": "flag", "no_python": "flag",
+    "ninstances": "count", "ncores_per_instance": "count",
+    "throughput_mode": "flag", "latency_mode": "flag",
+    "nodes_list": "list", "cores_list": "list", "instance_idx": "list",
+    "use_logical_cores": "flag", "core_type": "choice", "bind_numa_node": "flag",
+    "memory_allocator": "choice", "omp_runtime": "choice", "bind_with": "choice",
+    "membind": "choice", "benchmark": "flag",
+    "auto_optimize": "flag", "dtype": "choice", "auto_optimize_verbose": "flag",
+    "log_dir": "text", "log_file_prefix": "text", "keep_going": "flag",
+    "grace_period": "seconds", "dry_run": "flag", "json": "flag", "verbosity": "int",
+}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "core_type": CORE_TYPES, "memory_allocator": ALLOCATORS, "omp_runtime": OMP_RUNTIMES,
+    "bind_with": BIND_TOOLS, "membind": MEMBIND_POLICIES, "dtype": DTYPES,
+}
+SETTABLE = frozenset(_KINDS)
+# options that decide the instance shape; given on the command line they replace the config's
+_SHAPE_OPTIONS = frozenset({"ninstances", "ncores_per_instance", "throughput_mode", "latency_mode"})
+
+
+def flag_name(name: str) -> str:
+    """``ncores_per_instance`` -> ``--ncores-per-instance`` (how errors name an option)."""
+    return "--" + name.replace("_", "-")
+
+
+def canonical_name(key: str) -> Optional[str]:
+    """Map any accepted spelling (dashes or underscores, leading ``--`` or not, alias) to the
+    canonical option name, or None when it names no option."""
+    name = key.strip().lstrip("-").replace("-", "_")
+    name = ALIASES.get(name, name)
+    return name if name in _KINDS else None
+
+
+def build_options(
+    cli: Mapping[str, Any],
+    config: Optional[Mapping[str, Any]] = None,
+    *,
+    config_source: Optional[str] = None,
+    program: Optional[str] = None,
+    args: tuple[str, ...] = (),
+    python: Optional[str] = None,
+) -> Options:
+    """Merge ``config`` (lower precedence) under ``cli`` (only the options the user gave),
+    validate every value and the combination, and return the frozen :class:`Options`.
+
+    Raises :class:`OptionError` naming the first offending option.
+    """
+    merged: dict[str, Any] = {}
+    where = f" in {config_source}" if config_source else ""
+    for key, value in (config or {}).items():
+        name = canonical_name(str(key))
+        if name is None:
+            raise OptionError("--config", f"unknown option {key!r}{where}")
+        merged[name] = _convert(name, value, where)
+    cli_names = {canonical_name(key) for key in cli}
+    if cli_names & _SHAPE_OPTIONS:
+        # the command line chose how to split the machine: the config's choice gives way
+        for name in _SHAPE_OPTIONS:
+            merged.pop(name, None)
+    for key, value in cli.items():
+        name = canonical_name(key)
+        if name is None:
+            raise OptionError(flag_name(key), "no such option")
+        merged[name] = _convert(name, value, "")
+    options = Options(
+        program=program,
+        args=tuple(args),
+        python=python or sys.executable,
+        config=config_source,
+        **merged,
+    )
+    validate(options)
+    return options
+
+
+def _convert(name: str, value: Any, where: str) -> Any:
+    """Check one value's type and range; lists arrive as strings (CLI) or strings/ints/lists (TOML)."""
+    kind = _KINDS[name]
+    option = flag_name(name)
+    if kind == "flag":
+        if not isinstance(value, bool):
+            raise OptionError(option, f"expected true or false, got {value!r}{where}")
+        return value
+    if kind in ("count", "int"):
+        number = _as_int(option, value, where)
+        if kind == "count" and number < 1:
+            raise OptionError(option, f"must be a positive integer, got {number}{where}")
+        return number
+    if kind == "seconds":
+        if isinstance(value, bool):
+            raise OptionError(option, f"expected a number of seconds, got {value!r}{where}")
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            raise OptionError(option, f"expected a number of seconds, got {value!r}{where}") from None
+        if not seconds >= 0 or seconds == float("inf"):
+            raise OptionError(option, f"must be a finite number >= 0, got {value!r}{where}")
+        return seconds
+    if kind == "choice":
+        text = str(value).strip().lower()
+        if name == "dtype":
+            text = {"fp32": "float32", "bf16": "bfloat16"}.get(text, text)
+        if text not in _CHOICES[name]:
+            allowed = ", ".join(_CHOICES[name])
+            raise OptionError(option, f"{value!r} is not one of {allowed}{where}")
+        return text
+    if kind == "list":
+        return _as_list(option, value, where)
+    if value is None or not isinstance(value, str):
+        raise OptionError(option, f"expected text, got {value!r}{where}")
+    return value
+
+
+def _as_int(option: str, value: Any, where: str) -> int:
+    if isinstance(value, bool):
+        raise OptionError(option, f"expected an integer, got {value!r}{where}")
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise OptionError(option, f"expected an integer, got {value!r}{where}") from None
+
+
+def _as_list(option: str, value: Any, where: str) -> tuple[int, ...]:
+    if isinstance(value, bool):
+        raise OptionError(option, f"expected a list like 0-3,8, got {value!r}{where}")
+    if isinstance(value, int):
+        value = str(value)
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            raise OptionError(option, f"expected non-negative integers, got {list(value)!r}{where}")
+        items = tuple(sorted(set(value)))
+    elif isinstance(value, str):
+        try:
+            items = parse_cpulist(value)
+        except CpuListError as exc:
+            raise OptionError(option, f"malformed list: {exc}{where}") from None
+    else:
+        raise OptionError(option, f"expected a list like 0-3,8, got {value!r}{where}")
+    if not items:
+        raise OptionError(option, f"empty list{where}")
+    return items
+
+
+def validate(o: Options) -> None:
+    """Reject combinations that cannot mean anything (machine-independent checks only)."""
+    if o.throughput_mode and o.latency_mode:
+        raise OptionError("--latency-mode", "conflicts with --throughput-mode")
+    for mode, mode_flag in ((o.throughput_mode, "--throughput-mode"), (o.latency_mode, "--latency-mode")):
+        if not mode:
+            continue
+        if o.ncores_per_instance is not None:
+            raise OptionError("--ncores-per-instance", f"conflicts with {mode_flag}")
+        if o.ninstances is not None:
+            raise OptionError("--ninstances", f"conflicts with {mode_flag}")
+    if o.module and o.no_python:
+        raise OptionError("--no-python", "conflicts with -m/--module")
+    if o.dtype is not None and not o.auto_optimize:
+        raise OptionError("--dtype", "only applies with --auto-optimize")
+    if o.auto_optimize_verbose and not o.auto_optimize:
+        raise OptionError("--auto-optimize-verbose", "only applies with --auto-optimize")
+    if o.auto_optimize and o.no_python:
+        raise OptionError("--auto-optimize", "needs a Python program (conflicts with --no-python)")
+    if not o.log_file_prefix or "/" in o.log_file_prefix:
+        raise OptionError("--log-file-prefix", f"must be a non-empty file name without '/', got {o.log_file_prefix!r}")
+    if o.log_dir is not None and not o.log_dir.strip():
+        raise OptionError("--log-dir", "empty path")
+
+
+def option_fields() -> tuple[str, ...]:
+    """Names of every :class:`Options` field (for tests and docs)."""
+    return tuple(f.name for f in fields(Options))
