@@ -121,10 +121,8 @@ def _validated_cpus(core_ids: Union[Iterable[int], str]) -> tuple[int, ...]:
     allowed = topology.allowed_cpus()
     outside = [c for c in cpus if c not in allowed]
     if outside:
-        raise ValueError(
-            f"CPUs {format_cpulist(outside)} are not allowed for this process "
-            f"(allowed: {format_cpulist(allowed) or 'none'})"
-        )
+        which = f"CPU {outside[0]} is" if len(outside) == 1 else f"CPUs {format_cpulist(outside)} are"
+        raise ValueError(f"{which} not allowed for this process (allowed: {format_cpulist(allowed) or 'none'})")
     return cpus
 
 

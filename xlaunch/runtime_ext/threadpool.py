@@ -1,4 +1,4 @@
-"""Thread-pool control for the calling thread: what runs, how many threads, where they may run.
+"""Thread-pool control (module named so it does not shadow the ``threads`` function): count, runtime, affinity.
 
     threadpool_info()          # runtime kind and path, thread count, each team thread's CPUs
     set_num_threads(4)         # torch (OpenMP + MKL) when torch is imported, else OpenMP alone

@@ -1,0 +1,154 @@
+"""Pinning the OpenMP team, read back from /proc/self/task/<tid>/status.
+
+The whole runtime suite also runs under LD_PRELOAD=libiomp5 (test_runtime_iomp.py), where
+XLAUNCH_TEST_OMP_KIND=iomp says which runtime must be found.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _runtime_helpers import team_tids, thread_cpu_ticks, thread_cpus, thread_ids  # noqa: E402
+
+from xlaunch.runtime_ext import CPUPool, openmp, pin, set_num_threads, threadpool_info, threads  # noqa: E402
+
+ALLOWED = tuple(sorted(os.sched_getaffinity(0)))
+needs_two = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed CPUs")
+
+
+def expected_kind() -> str:
+    if "XLAUNCH_TEST_OMP_KIND" in os.environ:
+        return os.environ["XLAUNCH_TEST_OMP_KIND"]
+    return "iomp" if "libiomp5" in os.environ.get("LD_PRELOAD", "") else "gomp"
+
+
+@pytest.fixture(autouse=True)
+def restore_process_state():
+    """Every test starts and ends with the main thread free on all allowed CPUs."""
+    threads_before = torch.get_num_threads()
+    yield
+    assert tuple(sorted(os.sched_getaffinity(0))) == ALLOWED
+    assert torch.get_num_threads() == threads_before
+
+
+def test_the_runtime_torch_uses_is_found():
+    runtime = openmp.loaded_runtime()
+    assert runtime.kind == expected_kind()
+    mapped = {m.path: m.kind for m in openmp.mapped_runtimes()}
+    assert mapped[runtime.path] == runtime.kind
+    assert openmp.pinning_supported()
+    info = threadpool_info()
+    assert (info.kind, info.path) == (runtime.kind, runtime.path)
+    assert info.num_threads == torch.get_num_threads() == len(info.team)
+    for member in info.team:
+        assert member.cpus == thread_cpus(member.tid)
+
+
+@needs_two
+@pytest.mark.parametrize("cpus", [[1], [0], [0, 1], [1, 0]])
+def test_team_threads_pinned_and_restored(cpus):
+    size = len(cpus)
+    main_tid = threading.get_native_id()
+    before = {tid: thread_cpus(tid) for tid in team_tids(torch.get_num_threads())}
+    with CPUPool(cpus) as pool:
+        assert pool.cpus == tuple(cpus)
+        assert torch.get_num_threads() == size
+        tids = team_tids(size)
+        assert tids[0] == main_tid
+        assert [thread_cpus(tid) for tid in tids] == [(cpu,) for cpu in cpus]
+    for tid, cpus_before in before.items():
+        assert thread_cpus(tid) == cpus_before
+    for tid in tids:
+        if tid in thread_ids():
+            assert thread_cpus(tid) == ALLOWED
+
+
+@needs_two
+def test_torch_work_runs_on_the_pinned_team():
+    a = torch.randn(384, 384)
+    with CPUPool([1, 0]):
+        tids = team_tids(2)
+        others = thread_ids() - set(tids)
+        ticks = {tid: thread_cpu_ticks(tid) for tid in thread_ids()}
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            (a @ a).relu_().sum()
+            torch.nn.functional.conv2d(torch.randn(8, 16, 32, 32), torch.randn(16, 16, 3, 3))
+        assert [thread_cpus(tid) for tid in tids] == [(1,), (0,)]
+        assert thread_ids() - set(ticks) == set(), "torch started threads outside the pinned team"
+        gained = {tid for tid in thread_ids() if thread_cpu_ticks(tid) > ticks[tid]}
+        assert tids[1] in gained, "the pinned worker thread did none of torch's work"
+        assert not (gained & others) - {tids[0]}
+
+
+@needs_two
+def test_nesting_restores_the_outer_pin():
+    with pin(CPUPool([1])):
+        assert thread_cpus(threading.get_native_id()) == (1,)
+        with CPUPool([0, 1]):
+            inner = team_tids(2)
+            assert [thread_cpus(t) for t in inner] == [(0,), (1,)]
+            assert torch.get_num_threads() == 2
+        assert thread_cpus(threading.get_native_id()) == (1,)
+        assert torch.get_num_threads() == 1
+    assert thread_cpus(threading.get_native_id()) == ALLOWED
+
+
+@needs_two
+def test_pin_as_decorator_and_reentrant():
+    @pin([0])
+    def where(depth: int) -> list:
+        here = [thread_cpus(threading.get_native_id())]
+        return here + (where(depth - 1) if depth else [])
+
+    assert where(2) == [(0,), (0,), (0,)]
+    assert thread_cpus(threading.get_native_id()) == ALLOWED
+
+
+def test_pin_restores_after_an_exception():
+    with pytest.raises(KeyError):
+        with CPUPool([ALLOWED[-1]]):
+            assert thread_cpus(threading.get_native_id()) == (ALLOWED[-1],)
+            raise KeyError("boom")
+    assert thread_cpus(threading.get_native_id()) == ALLOWED
+
+
+def test_pins_in_two_threads_are_independent():
+    seen: dict[int, tuple] = {}
+    barrier = threading.Barrier(2)
+
+    def run(cpu: int) -> None:
+        with CPUPool([cpu]):
+            barrier.wait()
+            seen[cpu] = thread_cpus(threading.get_native_id())
+            barrier.wait()
+        seen[-1 - cpu] = thread_cpus(threading.get_native_id())
+
+    workers = [threading.Thread(target=run, args=(cpu,)) for cpu in (ALLOWED[0], ALLOWED[-1])]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert seen[ALLOWED[0]] == (ALLOWED[0],) and seen[ALLOWED[-1]] == (ALLOWED[-1],)
+    assert seen[-1 - ALLOWED[0]] == ALLOWED
+
+
+def test_thread_count_control():
+    before = torch.get_num_threads()
+    with threads(1):
+        assert torch.get_num_threads() == 1
+        assert openmp.loaded_runtime().get_max_threads() == 1
+        assert threadpool_info().num_threads == 1
+    assert torch.get_num_threads() == before
+    set_num_threads(1)
+    try:
+        assert torch.get_num_threads() == 1
+    finally:
+        set_num_threads(before)
+    with pytest.raises(ValueError, match="positive"):
+        set_num_threads(0)
