@@ -10,6 +10,8 @@ prefixed) so memory stays bounded; log files always keep the exact bytes.
 from __future__ import annotations
 
 import io
+import os
+import select
 import sys
 import time
 from typing import BinaryIO, TextIO
@@ -18,27 +20,43 @@ DEFAULT_MAX_LINE = 1 << 20
 
 
 class Console:
-    """A binary sink for complete lines (normally the launcher's stdout)."""
+    """A sink for complete lines, normally the launcher's stdout.
+
+    Writes go straight to the file descriptor with a loop over partial writes (a signal such as
+    SIGCHLD can cut a large pipe write short); objects without a descriptor get ``write()``.
+    """
 
     def __init__(self, stream: BinaryIO | TextIO | None = None) -> None:
         stream = sys.stdout if stream is None else stream
-        self._binary: BinaryIO | None = getattr(stream, "buffer", None)
-        if self._binary is None and isinstance(stream, (io.RawIOBase, io.BufferedIOBase)):
-            self._binary = stream  # type: ignore[assignment]
-        self._text: TextIO | None = None if self._binary is not None else stream  # type: ignore[assignment]
+        self._stream: BinaryIO | TextIO | None = stream
+        self._fd: int | None = None
+        try:
+            self._fd = stream.fileno()
+            stream.flush()
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            self._fd = None
 
     def write_lines(self, data: bytes) -> None:
-        """Write ``data`` (complete, newline-terminated lines) and flush."""
+        """Write ``data`` (complete, newline-terminated lines) entirely, or drop it if nobody reads."""
         try:
-            if self._binary is not None:
-                self._binary.write(data)
-                self._binary.flush()
-            elif self._text is not None:
-                self._text.write(data.decode("utf-8", "replace"))
-                self._text.flush()
+            if self._fd is not None:
+                view = memoryview(data)
+                while view:
+                    try:
+                        view = view[os.write(self._fd, view):]
+                    except BlockingIOError:  # stdout left non-blocking by someone: wait, retry
+                        select.select([], [self._fd], [])
+            elif self._stream is not None:
+                binary = getattr(self._stream, "buffer", None)
+                if binary is not None or isinstance(self._stream, (io.RawIOBase, io.BufferedIOBase)):
+                    (binary or self._stream).write(data)  # type: ignore[union-attr]
+                else:
+                    self._stream.write(data.decode("utf-8", "replace"))  # type: ignore[arg-type]
+                self._stream.flush()
         except BrokenPipeError:
             # The reader went away (``xlaunch ... | head``): keep draining instances, drop output.
-            self._binary = self._text = None
+            self._fd = None
+            self._stream = None
 
 
 class InstanceStream:
