@@ -9,9 +9,11 @@ mode (and inference mode) the caller had when submitting.
 """
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Union
@@ -66,6 +68,16 @@ def _serve(fn: Callable[..., Any], cpus: tuple[int, ...], jobs: queue.SimpleQueu
             del job, future, args, kwargs
     finally:
         unpin_team(pinned)
+
+
+def _wait_until_gone(tid: Optional[int], timeout: float = 2.0) -> None:
+    """After ``join()`` the kernel thread may still be running its exit (TLS destructors, e.g. the
+    OpenMP runtime tearing down the worker's team); wait until ``/proc`` no longer lists it."""
+    if tid is None:
+        return
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 class Task:
@@ -123,7 +135,9 @@ class Task:
             self._closed = True
         self._finalizer()
         if self._thread is not threading.current_thread():
+            tid = self._thread.native_id
             self._thread.join()
+            _wait_until_gone(tid)
 
     @property
     def closed(self) -> bool:
