@@ -8,7 +8,6 @@ they are what children of this process will load, whatever ``XLAUNCH_FSROOT`` sa
 """
 from __future__ import annotations
 
-import glob
 import os
 import struct
 import sys
@@ -67,14 +66,11 @@ def find_libraries(
             for name, path in _ld_cache_entries(ld_cache):
                 consider(path, _KIND_OF_NAME[name], source)
             continue
-        try:
-            names = set(os.listdir(directory))
-        except OSError:
+        if not os.path.isdir(directory):
             continue
-        for kind, candidates in LIBRARY_NAMES.items():
+        for kind, candidates in LIBRARY_NAMES.items():   # stat a few names: no listdir of /usr/lib
             for name in candidates:
-                if name in names:
-                    consider(os.path.join(directory, name), kind, source)
+                consider(os.path.join(directory, name), kind, source)
     return tuple(found)
 
 
@@ -93,8 +89,8 @@ def _search_dirs(
         prefixes = [sys.prefix] + ([env["VIRTUAL_ENV"]] if env.get("VIRTUAL_ENV") else [])
     for prefix in prefixes:
         dirs.append((os.path.join(prefix, "lib"), "venv"))
-        pattern = os.path.join(prefix, "lib", "python3*", "site-packages", "torch", "lib")
-        dirs += [(d, "torch") for d in sorted(glob.glob(pattern))]
+        python = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        dirs.append((os.path.join(prefix, "lib", python, "site-packages", "torch", "lib"), "torch"))
     if env.get("CONDA_PREFIX"):
         dirs.append((os.path.join(env["CONDA_PREFIX"], "lib"), "conda"))
     for entry in env.get("LD_LIBRARY_PATH", "").split(":"):
@@ -126,46 +122,51 @@ def _ld_cache_entries(path: str) -> list[tuple[str, str]]:
     wanted_arch = _ARCH_FLAGS.get(machine)
     return [
         (key, value)
-        for flags, key, value in parse_ld_cache(data)
-        if key in _KIND_OF_NAME and (wanted_arch is None or flags & 0xFF00 == wanted_arch)
+        for flags, key, value in parse_ld_cache(data, wanted=_KIND_OF_NAME)
+        if wanted_arch is None or flags & 0xFF00 == wanted_arch
     ]
 
 
-def parse_ld_cache(data: bytes) -> list[tuple[int, str, str]]:
+def parse_ld_cache(data: bytes, wanted: Optional[Iterable[str]] = None) -> list[tuple[int, str, str]]:
     """Entries ``(flags, soname, path)`` of an ldconfig cache (glibc new format, or old
-    ``ld.so-1.7.0`` with or without a new-format section). Malformed data gives ``[]``."""
+    ``ld.so-1.7.0`` with or without a new-format section), only sonames in ``wanted`` if
+    given. Malformed data gives ``[]``."""
+    keep = None if wanted is None else {name.encode() for name in wanted}
     try:
         if data.startswith(_NEW_MAGIC):
-            return _parse_new(data, 0)
+            return _parse_new(data, 0, keep)
         if data.startswith(_OLD_MAGIC):
             (count,) = struct.unpack_from("<I", data, 12)
             after_old = 16 + count * 12
             new_at = (after_old + 7) & ~7
             if data[new_at:new_at + len(_NEW_MAGIC)] == _NEW_MAGIC:
-                return _parse_new(data, new_at)
+                return _parse_new(data, new_at, keep)
             entries = []
             for i in range(count):
                 flags, key, value = struct.unpack_from("<iII", data, 16 + i * 12)
-                entries.append((flags, _c_string(data, after_old + key), _c_string(data, after_old + value)))
+                soname = _c_bytes(data, after_old + key)
+                if keep is None or soname in keep:
+                    entries.append((flags, soname.decode(), _c_bytes(data, after_old + value).decode()))
             return entries
     except (struct.error, IndexError, UnicodeDecodeError):
         return []
     return []
 
 
-def _parse_new(data: bytes, base: int) -> list[tuple[int, str, str]]:
-    # magic[17] version[3] nlibs len_strings flags pad[3] extension_offset unused[3]
+def _parse_new(data: bytes, base: int, keep: Optional[set[bytes]]) -> list[tuple[int, str, str]]:
+    # Header: magic[17] version[3] nlibs len_strings flags pad[3] extension_offset unused[3];
+    # then nlibs entries (flags, key, value, osversion, hwcap: 24 bytes); offsets from ``base``.
     (count,) = struct.unpack_from("<I", data, base + 20)
     entries = []
-    for i in range(count):
-        flags, key, value = struct.unpack_from("<iII", data, base + 48 + i * 24)
-        entries.append((flags, _c_string(data, base + key), _c_string(data, base + value)))
+    for flags, key, value, _, _ in struct.iter_unpack("<iIIIQ", data[base + 48:base + 48 + count * 24]):
+        soname = _c_bytes(data, base + key)
+        if keep is None or soname in keep:
+            entries.append((flags, soname.decode(), _c_bytes(data, base + value).decode()))
     return entries
 
 
-def _c_string(data: bytes, offset: int) -> str:
-    end = data.index(b"\0", offset)
-    return data[offset:end].decode("utf-8")
+def _c_bytes(data: bytes, offset: int) -> bytes:
+    return data[offset:data.index(b"\0", offset)]
 
 
 def read_ld_conf(path: str = LD_CONF, _depth: int = 0) -> list[str]:
@@ -184,6 +185,8 @@ def read_ld_conf(path: str = LD_CONF, _depth: int = 0) -> list[str]:
             pattern = line[len("include"):].strip()
             if not os.path.isabs(pattern):
                 pattern = os.path.join(os.path.dirname(path), pattern)
+            import glob   # only when there is no ld.so.cache
+
             for included in sorted(glob.glob(pattern)):
                 dirs += read_ld_conf(included, _depth + 1)
         elif line.startswith("/"):
