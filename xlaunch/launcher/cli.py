@@ -217,9 +217,11 @@ def _usage_error(line: str) -> int:
 def _click_error_line(exc: click.UsageError) -> str:
     """Click's usage errors as ``xlaunch: error: <option>: <problem>``."""
     if isinstance(exc, click.NoSuchOption):
-        hint = ""
-        if exc.possibilities:
-            hint = " (did you mean " + " or ".join(sorted(exc.possibilities)[:3]) + "?)"
+        import difflib
+
+        known = [o for p in command.params if isinstance(p, click.Option) for o in p.opts if "_" not in o]
+        close = difflib.get_close_matches(exc.option_name.replace("_", "-"), known, n=2, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         return f"xlaunch: error: {exc.option_name}: no such option{hint}"
     if isinstance(exc, click.BadOptionUsage):
         problem = "requires a value" if "requires an argument" in exc.message else exc.message

@@ -1,0 +1,189 @@
+"""The real CLI: the bad-input table (one stderr line, exit 2, nothing started), --help groups,
+--dry-run output, and that the launcher path never imports torch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_plan_machines import synthetic_machine
+
+from xlaunch.launcher import cli
+
+REPO = Path(__file__).resolve().parents[2]
+MACHINES = REPO / "tests" / "machines"
+
+
+def xlaunch(*argv: str, fsroot: str | None = None, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    environ = dict(os.environ)
+    environ.pop("XLAUNCH_FSROOT", None)
+    if fsroot:
+        environ["XLAUNCH_FSROOT"] = fsroot
+    environ.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "xlaunch", *argv], capture_output=True, text=True, env=environ,
+        cwd=cwd or REPO, timeout=120,
+    )
+
+
+@pytest.fixture()
+def marker_script(tmp_path):
+    """A program that proves it ran by creating a file."""
+    marker = tmp_path / "started"
+    script = tmp_path / "prog.py"
+    script.write_text(f"open({str(marker)!r}, 'a').write('x')\n")
+    return script, marker
+
+
+BAD_INPUT = [
+    # (argv before PROGRAM, tree or None for this machine, option named, words in the problem)
+    (["--cores-list", "999"], None, "--cores-list", "does not exist"),
+    (["--cores-list", "3"], "offline-cpus", "--cores-list", "offline"),
+    (["--cores-list", "0"], "container-cpuset", "--cores-list", "not allowed"),
+    (["--cores-list", "0-"], None, "--cores-list", "malformed"),
+    (["--nodes-list", "0,,1"], None, "--nodes-list", "malformed"),
+    (["--ninstances", "64", "--ncores-per-instance", "64"], None, "--ninstances", "only"),
+    (["--ninstances", "0"], None, "--ninstances", "positive"),
+    (["--ncores-per-instance", "-1"], None, "--ncores-per-instance", "positive"),
+    (["--ninstances", "two"], None, "--ninstances", "integer"),
+    (["--nodes-list", "9"], None, "--nodes-list", "no NUMA node 9"),
+    (["--nodes-list", "2"], "memory-only-node", "--nodes-list", "no CPUs"),
+    (["--throughput-mode", "--latency-mode"], None, "--latency-mode", "conflicts"),
+    (["--latency-mode", "--ninstances", "2"], None, "--ninstances", "conflicts"),
+    (["--config", "/nonexistent/conf.toml"], None, "--config", "cannot read"),
+    (["--config", "BADTOML"], None, "--config", "not valid TOML"),
+    (["--config", "no-such-preset"], None, "--config", "no preset"),
+    (["--ninstances", "2", "--instance-idx", "2"], "vm-no-node", "--instance-idx", "out of range"),
+    (["--core-type", "efficiency"], "xeon-2s-amx", "--core-type", "no efficiency cores"),
+    (["--bogus-option"], None, "--bogus-option", "no such option"),
+    (["--ninstanse", "2"], None, "--ninstanse", "did you mean --ninstances"),
+    (["--memory-allocator", "hoard"], None, "--memory-allocator", "not one of"),
+    (["--bind-with", "numactl", "--use-logical-cores", "--ncores-per-instance", "3"], "xeon-2s-amx",
+     "--ncores-per-instance", "SMT siblings"),
+]
+
+
+@pytest.mark.parametrize("argv, tree, option, words", BAD_INPUT, ids=[" ".join(b[0]) for b in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_and_nothing_starts(argv, tree, option, words, marker_script, tmp_path) -> None:
+    script, marker = marker_script
+    argv = [str(tmp_path / "bad.toml") if a == "BADTOML" else a for a in argv]
+    (tmp_path / "bad.toml").write_text("ninstances = = 2\n")
+    result = xlaunch(*argv, str(script), fsroot=str(MACHINES / tree) if tree else None)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"xlaunch: error: {option}: "), lines[0]
+    assert words in lines[0]
+    assert result.stdout == ""
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        ([], "PROGRAM"),
+        (["--ninstances"], "--ninstances"),
+        (["missing_program_file.py"], "PROGRAM"),
+        (["--no-python", "no-such-program-xyz"], "PROGRAM"),
+        (["-m", "no_such_module_xyz"], "PROGRAM"),
+    ],
+)
+def test_program_errors(argv, option) -> None:
+    result = xlaunch(*argv)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"xlaunch: error: {option}: ")
+
+
+def test_bad_fsroot_is_one_line(marker_script) -> None:
+    script, marker = marker_script
+    result = xlaunch("--dry-run", str(script), fsroot="/nonexistent/root")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("xlaunch: error: XLAUNCH_FSROOT: ")
+
+
+def test_missing_library_through_the_cli(monkeypatch, capsys, marker_script) -> None:
+    script, marker = marker_script
+    bare = synthetic_machine(nodes=1, cores_per_l3=2, smt=1, libraries=())
+    monkeypatch.setattr(cli, "_load_machine", lambda environ: bare)
+    for argv, option in ((["--memory-allocator", "jemalloc"], "--memory-allocator"),
+                         (["--omp-runtime", "intel"], "--omp-runtime")):
+        assert cli.run([*argv, str(script)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"xlaunch: error: {option}: ") and "not found" in err and err.count("\n") == 1
+    assert not marker.exists()
+
+
+def test_help_groups_options_like_the_docs() -> None:
+    result = xlaunch("--help")
+    assert result.returncode == 0
+    out = result.stdout
+    positions = [out.index(f"{group}:") for group in cli.GROUP_ORDER]
+    assert positions == sorted(positions)
+    instances = out[positions[0]:positions[1]]
+    assert "--ncores-per-instance, --ncore-per-instance" in instances
+    assert "--cores-list, --core-list" in instances and "--bind-numa-node, --skip-cross-node-cores" in instances
+    assert "--ncores_per_instance" not in out       # underscore spellings accepted, not listed
+    doc = (REPO / "docs" / "launcher.md").read_text()
+    for group in cli.GROUP_ORDER:
+        assert f"## {group}" in doc
+
+
+def test_dry_run_json_is_one_object_and_starts_nothing(marker_script) -> None:
+    script, marker = marker_script
+    result = xlaunch("--dry-run", "--json", "--ninstances", "2", str(script), "a b", "$HOME",
+                     fsroot=str(MACHINES / "xeon-2s-amx"), env={"OMP_NUM_THREADS": "3"})
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [i["index"] for i in data["instances"]] == [0, 1]
+    assert data["instances"][0]["argv"][-3:] == [str(script), "a b", "$HOME"]
+    assert data["env_kept"] == {"OMP_NUM_THREADS": "3"}
+    assert data["machine"]                      # the machine summary is included
+    assert "kept your OMP_NUM_THREADS=3" in result.stderr
+    assert not marker.exists()
+    quiet = xlaunch("-q", "--dry-run", "--json", str(script), env={"OMP_NUM_THREADS": "3"})
+    assert quiet.stderr == ""
+
+
+def test_readable_dry_run() -> None:
+    result = xlaunch("--dry-run", "--ninstances", "2", "--no-python", "true", fsroot=str(MACHINES / "epyc-4node-nps4"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("xlaunch plan: 2 instances")
+    assert "[0] cpus 0-31 (32)" in result.stdout and "[1] cpus 32-63 (32)" in result.stdout
+
+
+def test_launcher_never_imports_torch() -> None:
+    code = (
+        "import sys; from xlaunch.launcher import cli\n"
+        "status = cli.run(['--dry-run', '--json', '--ninstances', '2', '--no-python', 'true'])\n"
+        "assert status == 0, status\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'rich', 'cpuinfo') if m in sys.modules)\n"
+        "print('heavy:', heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("heavy: []")
+
+
+def test_two_instances_really_run_pinned(tmp_path) -> None:
+    """The CLI hands the plan to the runner: each instance runs inside its own CPUs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 allowed CPUs")
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import os, sys\n"
+        "print(os.environ['XLAUNCH_INSTANCE_INDEX'], sorted(os.sched_getaffinity(0)), sys.argv[1:])\n"
+    )
+    result = xlaunch("--ninstances", "2", "--ncores-per-instance", "1", "--memory-allocator", "default",
+                     str(script), "a b", "$HOME")
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("["))
+    assert lines == [f"[0] 0 [{allowed[0]}] ['a b', '$HOME']", f"[1] 1 [{allowed[1]}] ['a b', '$HOME']"]
+
+
+def test_exit_status_of_a_failing_instance_is_returned() -> None:
+    result = xlaunch("--no-python", "sh", "-c", "exit 3")
+    assert result.returncode == 3
