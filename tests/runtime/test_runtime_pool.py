@@ -118,3 +118,25 @@ def test_no_openmp_runtime_gives_one_clear_error():
     result = run_python(code, drop=("LD_PRELOAD",))  # a preloaded libiomp5 would be found
     assert result.returncode == 0, result.stderr
     assert "no OpenMP runtime (libgomp, libiomp5 or libomp) is loaded" in result.stdout
+
+
+MACHINES = os.path.join(REPO, "tests", "machines")
+
+
+@pytest.mark.parametrize(
+    "tree, default, node_pools",
+    [
+        ("xeon-2s-amx", "0-111", {0: "0-55", 1: "56-111"}),       # 2 sockets, SMT siblings 112-223
+        ("container-cpuset", "4-7", {0: "4-7"}),                  # cpuset 4-7,36-39: siblings dropped
+        ("vm-adjacent-smt", "0,2,4,6", {0: "0,2,4,6"}),           # siblings numbered next to each other
+    ],
+)
+def test_pools_on_recorded_machines(monkeypatch, tree, default, node_pools):
+    from xlaunch.cpulist import format_cpulist
+
+    if not os.path.isdir(os.path.join(MACHINES, tree)):
+        pytest.skip(f"recorded machine {tree} not present")
+    monkeypatch.setenv("XLAUNCH_FSROOT", os.path.join(MACHINES, tree))
+    assert format_cpulist(CPUPool().cpus) == default
+    for node, cpus in node_pools.items():
+        assert format_cpulist(CPUPool.from_node(node).cpus) == cpus

@@ -19,11 +19,14 @@ class AllowedCore:
 
 
 def allowed_cores() -> tuple[AllowedCore, ...]:
-    """Allowed physical cores in machine order (by node, L3, package, core)."""
-    try:
-        from xlaunch.launcher.machine import current_machine
-    except ImportError:  # TEMPORARY until the machine reader lands
-        return _fallback_cores()
+    """Allowed physical cores in machine order (by node, L3, package, core).
+
+    The machine (and so the allowed set) is read once per process, on first use, by
+    :func:`xlaunch.launcher.machine.current_machine`; a later ``taskset`` of the running
+    process is not seen until ``xlaunch.launcher.machine.clear_cache()``.
+    """
+    from xlaunch.launcher.machine import current_machine
+
     machine = current_machine()
     allowed = set(machine.allowed_cpus)
     cores = []
@@ -43,28 +46,3 @@ def node_ids() -> tuple[int, ...]:
     """NUMA nodes that have at least one allowed CPU."""
     return tuple(sorted({core.node for core in allowed_cores() if core.node is not None}))
 
-
-import functools
-
-
-@functools.lru_cache(maxsize=None)
-def _fallback_cores() -> tuple[AllowedCore, ...]:  # TEMPORARY
-    import os
-
-    allowed = sorted(os.sched_getaffinity(0))
-    seen: set[int] = set()
-    cores = []
-    for cpu in allowed:
-        if cpu in seen:
-            continue
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-                from xlaunch.cpulist import parse_cpulist
-
-                siblings = parse_cpulist(f.read())
-        except OSError:
-            siblings = (cpu,)
-        cpus = tuple(c for c in siblings if c in allowed) or (cpu,)
-        seen.update(cpus)
-        cores.append(AllowedCore(cpus, 0))
-    return tuple(cores)
