@@ -384,9 +384,7 @@ def format_plan(the_plan: Any, environ: Mapping[str, str], *, verbose: bool = Fa
     count = len(the_plan.instances)
     head = f"xlaunch plan: {count} instance{'s' if count != 1 else ''}"
     if summary:
-        described = ", ".join(f"{k} {_short(v)}" for k, v in summary.items() if not isinstance(v, (dict, list)))
-        if described:
-            head += f" on {described}"
+        head += _describe_machine(summary)
     lines.append(head)
     for inst in the_plan.instances:
         mem = format_cpulist(inst.mem_nodes) or "-"
@@ -417,5 +415,23 @@ def format_plan(the_plan: Any, environ: Mapping[str, str], *, verbose: bool = Fa
     return "\n".join(lines) + "\n"
 
 
-def _short(value: Any) -> str:
-    return str(value)
+def _describe_machine(summary: Mapping[str, Any]) -> str:
+    """`` on 112 cores, 224 allowed CPUs (0-223), NUMA nodes 0-1`` from the machine summary."""
+    from xlaunch.cpulist import format_cpulist
+
+    parts = []
+    if summary.get("cores") is not None:
+        parts.append(f"{summary['cores']} cores")
+    if summary.get("cpus_allowed") is not None:
+        allowed = f"{summary['cpus_allowed']} allowed CPUs"
+        if summary.get("allowed_cpulist"):
+            allowed += f" ({summary['allowed_cpulist']})"
+        parts.append(allowed)
+    nodes = summary.get("nodes")
+    if isinstance(nodes, (list, tuple)) and nodes:
+        parts.append(f"NUMA node{'s' if len(nodes) > 1 else ''} {format_cpulist(nodes)}")
+    if summary.get("hybrid"):
+        parts.append("hybrid")
+    if summary.get("cpu_budget") is not None:
+        parts.append(f"CPU budget {summary['cpu_budget']:g}")
+    return " on " + ", ".join(parts) if parts else ""

@@ -282,6 +282,10 @@ def _shape(options: "Options", units: list[Unit]) -> tuple[list[list[Unit]], Opt
     target = count
     if target is None:
         target = len(_pack(units, size, weight, levels[-1]))
+        if target == 0 and by_cpu:
+            raise PlanError(
+                "--ncores-per-instance", f"{size} logical CPUs per instance would split a core's SMT siblings"
+            )
         if target == 0:
             raise PlanError("--bind-numa-node", f"no NUMA node has {size} {kind} available")
     for level in levels:
@@ -289,6 +293,11 @@ def _shape(options: "Options", units: list[Unit]) -> tuple[list[list[Unit]], Opt
         if len(slices) >= target:
             best = slices[:target]
             break
+    if best is None and by_cpu and len(_pack(units, size, weight, "all")) < target:
+        raise PlanError(
+            "--ncores-per-instance",
+            f"{target} instances of {size} logical CPUs do not fit without splitting a core's SMT siblings",
+        )
     if best is None:
         raise PlanError("--bind-numa-node", f"{target} instances of {size} {kind} do not fit inside NUMA nodes")
     used = sum(len(s) for s in best)
@@ -313,9 +322,8 @@ def _groups(units: list[Unit], by_l3: bool) -> list[list[Unit]]:
 
 def _pack(units: list[Unit], size: int, weight: Callable[[Unit], int], level: str) -> list[list[Unit]]:
     """Greedy consecutive slices of exactly ``size`` (by ``weight``) that never cross a group
-    boundary of ``level`` (l3, node, or all)."""
-    from xlaunch.launcher.errors import PlanError
-
+    boundary of ``level`` (l3, node, or all). A core that cannot complete a slice without
+    splitting its SMT siblings stays idle."""
     groups = [units] if level == "all" else _groups(units, by_l3=level == "l3")
     slices: list[list[Unit]] = []
     for group in groups:
@@ -324,14 +332,11 @@ def _pack(units: list[Unit], size: int, weight: Callable[[Unit], int], level: st
         for unit in group:
             current.append(unit)
             filled += weight(unit)
+            while filled > size:       # a core's siblings would be split: leave leading cores idle
+                filled -= weight(current.pop(0))
             if filled == size:
                 slices.append(current)
                 current, filled = [], 0
-            elif filled > size:
-                raise PlanError(
-                    "--ncores-per-instance",
-                    f"{size} logical CPUs per instance would split a core's SMT siblings",
-                )
     return slices
 
 
