@@ -187,3 +187,29 @@ def test_two_instances_really_run_pinned(tmp_path) -> None:
 def test_exit_status_of_a_failing_instance_is_returned() -> None:
     result = xlaunch("--no-python", "sh", "-c", "exit 3")
     assert result.returncode == 3
+
+
+def test_machine_information_flags_dispatch_to_the_reports() -> None:
+    isa = xlaunch("--check-isa", "--json")
+    assert isa.returncode == 0, isa.stderr
+    flags = json.loads(isa.stdout)["isa"]
+    cpuinfo = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
+    assert flags["avx2"] == ("avx2" in cpuinfo) and flags["fma"] == ("fma" in cpuinfo)
+    topo = xlaunch("--show-topology", "--json", fsroot=str(MACHINES / "container-cpuset"))
+    assert topo.returncode == 0, topo.stderr
+    assert json.loads(topo.stdout)["allowed_cpulist"] == "4-7,36-39"
+    readable = xlaunch("--show-topology")
+    assert readable.returncode == 0 and "NUMA" in readable.stdout
+    for argv, option in ((["--check-isa", "prog.py"], "--check-isa"), (["--torch", "--show-topology"], "--torch"),
+                         (["--check-isa", "--show-topology"], "--show-topology")):
+        bad = xlaunch(*argv)
+        assert bad.returncode == 2 and bad.stderr.startswith(f"xlaunch: error: {option}: ")
+
+
+def test_taskset_restricted_launcher_plans_inside_its_cpu() -> None:
+    if 1 not in os.sched_getaffinity(0):
+        pytest.skip("CPU 1 not allowed here")
+    result = subprocess.run(["taskset", "-c", "1", sys.executable, "-m", "xlaunch", "--dry-run", "--json",
+                             "--no-python", "true"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert [i["cpus"] for i in json.loads(result.stdout)["instances"]] == [[1]]

@@ -7,9 +7,7 @@ status 2, before anything starts. Nothing here imports torch.
 """
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
@@ -326,6 +324,8 @@ def _machine_information(ctx: click.Context, environ: Mapping[str, str]) -> int:
         raise OptionError(flag, f"takes no PROGRAM (got {params['command'][0]!r})")
     if params["torch"] and not params["check_isa"]:
         raise OptionError("--torch", "only applies with --check-isa")
+    import json
+
     from xlaunch.launcher import report
 
     machine = _load_machine(environ)
@@ -345,18 +345,18 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
 
     machine = _load_machine(environ)
     the_plan = plan(options, machine, environ)
-    try:
+    if options.dry_run or options.verbosity > 0:   # only shown then; a plain run skips the import
         from xlaunch.launcher.report import machine_summary
 
         the_plan = dataclasses.replace(the_plan, machine_summary=dict(machine_summary(machine)))
-    except ImportError:  # pragma: no cover - report is another room; the plan stands without it
-        pass
     quiet = options.verbosity < 0
     if not quiet:
         for warning in the_plan.warnings:
             sys.stderr.write(f"xlaunch: warning: {warning}\n")
     if options.dry_run:
         if options.json:
+            import json
+
             sys.stdout.write(json.dumps(the_plan.to_json(), indent=2) + "\n")
         else:
             sys.stdout.write(format_plan(the_plan, environ, verbose=options.verbosity > 0))
@@ -377,6 +377,8 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
 
 def format_plan(the_plan: Any, environ: Mapping[str, str], *, verbose: bool = False) -> str:
     """The plan for people: one line per instance, then what the environment gets."""
+    import shlex
+
     from xlaunch.cpulist import format_cpulist
 
     lines: list[str] = []

@@ -5,7 +5,6 @@ only reads them. ``Plan.to_json()`` is the ``--dry-run --json`` schema.
 """
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
@@ -368,8 +367,12 @@ def _injection_env(options: "Options", environ: Mapping[str, str]) -> dict[str, 
     """The ``--auto-optimize`` variables (imported only when asked: it is not the launcher's room)."""
     if not options.auto_optimize:
         return {}
-    from xlaunch.kernels.inject import injection_env
+    try:
+        from xlaunch.kernels.inject import injection_env
+    except ImportError as exc:
+        from xlaunch.launcher.errors import PlanError
 
+        raise PlanError("--auto-optimize", f"the injection module is not available ({exc})") from None
     return dict(injection_env(environ, dtype=options.dtype, verbose=options.auto_optimize_verbose))
 
 
@@ -380,6 +383,8 @@ def _bind_tool_path(
 
     if bind not in ("numactl", "taskset"):
         return None
+    import shutil
+
     if which is None:
         path = environ.get("PATH")
         found = shutil.which(bind, path=path) if path else shutil.which(bind)
