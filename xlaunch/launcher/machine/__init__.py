@@ -12,7 +12,7 @@ from typing import Optional
 from xlaunch.launcher.machine._files import Notes
 from xlaunch.launcher.machine.isa import ISA_FLAGS, read_isa
 from xlaunch.launcher.machine.libraries import find_libraries
-from xlaunch.launcher.machine.limits import read_limits
+from xlaunch.launcher.machine.limits import fallback_cpus, read_limits
 from xlaunch.launcher.machine.model import (
     EFFICIENCY,
     PERFORMANCE,
@@ -63,8 +63,7 @@ def load_machine(root: Optional[str] = None, *, live: Optional[bool] = None) -> 
     if live is None:
         live = os.path.realpath(root) == "/"
     notes = Notes()
-    affinity = tuple(sorted(os.sched_getaffinity(0))) if live and hasattr(os, "sched_getaffinity") else ()
-    topology = read_topology(root, notes, fallback_cpus=affinity or range(os.cpu_count() or 1))
+    topology = read_topology(root, notes, fallback_cpus=fallback_cpus(root, live))
     memory_nodes = [n.id for n in topology.nodes if n.memory_kib is None or n.memory_kib > 0]
     limits = read_limits(root, live, topology.online_cpus, memory_nodes, notes)
     return Machine(

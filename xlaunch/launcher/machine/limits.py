@@ -47,6 +47,15 @@ def read_limits(
     return Limits(allowed_cpus=allowed, allowed_mems=mems, cpu_budget=read_cpu_budget(root, notes))
 
 
+def fallback_cpus(root: str, live: bool) -> tuple[int, ...]:
+    """CPUs to assume when sysfs lists none: the affinity (live), else Cpus_allowed_list, else 0."""
+    if live and hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    text = read_text(join(root, "proc/self/status"))
+    listed = _listed(status_fields(text), "Cpus_allowed_list", Notes()) if text else None
+    return listed or (0,)
+
+
 def _allowed_cpus(status: dict[str, str], online: tuple[int, ...], notes: Notes) -> tuple[int, ...]:
     listed = _listed(status, "Cpus_allowed_list", notes)
     if listed is None:

@@ -287,22 +287,24 @@ def _read_kinds(root: str, notes: Notes) -> dict[int, str]:
 def _group_cores(cpus: tuple[Cpu, ...]) -> tuple[Core, ...]:
     """Physical cores (online SMT groups) ordered by node, L3 domain, package, core id."""
     by_id = {c.id: c for c in cpus}
-    groups: list[Cpu] = []
+    groups: list[tuple[Cpu, tuple[int, ...]]] = []
     seen: set[int] = set()
     for cpu in cpus:
         if cpu.online and cpu.id not in seen:
-            members = [s for s in cpu.siblings if s in by_id and by_id[s].online]
+            # Every online CPU lands in exactly one core, even if sibling files disagree.
+            members = tuple(sorted({s for s in cpu.siblings if s in by_id and by_id[s].online
+                                    and s not in seen} | {cpu.id}))
             seen.update(members)
-            groups.append(by_id[min(members)])
+            groups.append((by_id[members[0]], members))
 
     def key(primary: Cpu) -> tuple:
         return (_last(primary.node), _last(primary.l3), _last(primary.package),
                 _last(primary.die), _last(primary.core_id), primary.id)
 
-    groups.sort(key=key)
+    groups.sort(key=lambda group: key(group[0]))
     return tuple(
-        Core(index=i, cpus=p.siblings, package=p.package, node=p.node, l3=p.l3, kind=p.kind)
-        for i, p in enumerate(groups)
+        Core(index=i, cpus=members, package=p.package, node=p.node, l3=p.l3, kind=p.kind)
+        for i, (p, members) in enumerate(groups)
     )
 
 
