@@ -1,0 +1,199 @@
+"""MultiStreamModule against the plain model and against separate processes, same allocator.
+
+    .venv/bin/python bench/streams.py [--reps 5] [--seconds 2] [--batch 16]
+
+Variants (every process runs with the same allocator preloaded, jemalloc by default):
+  plain        one process, the model with 2 torch threads, batch 16
+  plain-pinned the same inside ``with CPUPool([0, 1])``
+  streams      one process, ``MultiStreamModule`` 2 streams x 1 core, batch 16 (8 per stream)
+  threads      one process, two pinned Python threads each calling the model on batch 8 in a
+               loop (no MultiStreamModule machinery: isolates in-process effects such as the GIL)
+  procs        two processes, ``taskset -c 0`` / ``-c 1``, ``OMP_NUM_THREADS=1``, batch 8 each,
+               run at the same time; throughput is their sum
+Workers stay alive between repetitions; variants are interleaved (order rotated each round)
+and each figure is the median over repetitions. The last lines are the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = ("plain", "plain-pinned", "streams", "threads", "procs")
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _model_and_input(batch: int):
+    import runpy
+
+    import torch
+
+    torch.manual_seed(0)
+    model = runpy.run_path(str(REPO / "examples" / "infer.py"))["small_cnn"]().eval()
+    return model, torch.randn(batch, 3, 64, 64)
+
+
+def _timed(call, batch: int, seconds: float) -> float:
+    """Images per second of ``call()`` repeated for about ``seconds``."""
+    done = 0
+    start = time.perf_counter()
+    while True:
+        call()
+        done += batch
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return done / elapsed
+
+
+def worker(mode: str, batch: int, cpus: list[int]) -> None:
+    """Serve ``warm`` / ``run SECONDS`` commands on stdin, answer one number per line."""
+    import torch
+
+    from xlaunch.runtime_ext import CPUPool, MultiStreamModule, Task
+
+    sys.path.insert(0, str(REPO))
+    model, x = _model_and_input(batch)
+    torch.set_grad_enabled(False)
+    if mode == "plain":
+        torch.set_num_threads(len(cpus))
+        run = lambda seconds: _timed(lambda: model(x), batch, seconds)  # noqa: E731
+    elif mode == "plain-pinned":
+        pool = CPUPool(cpus)
+        pool.__enter__()
+        run = lambda seconds: _timed(lambda: model(x), batch, seconds)  # noqa: E731
+    elif mode == "streams":
+        msm = MultiStreamModule(model, num_streams=len(cpus), cpu_pool=CPUPool(cpus))
+        run = lambda seconds: _timed(lambda: msm(x), batch, seconds)  # noqa: E731
+    elif mode == "threads":
+        slices = list(x.split((batch + len(cpus) - 1) // len(cpus)))
+        tasks = [Task(lambda s, xs=xs: _timed(lambda: model(xs), xs.shape[0], s), CPUPool([c]))
+                 for c, xs in zip(cpus, slices)]
+        run = lambda seconds: sum(f.result() for f in [t(seconds) for t in tasks])  # noqa: E731
+    elif mode == "single":
+        torch.set_num_threads(1)
+        run = lambda seconds: _timed(lambda: model(x), batch, seconds)  # noqa: E731
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    for line in sys.stdin:
+        command = line.split()
+        if not command:
+            continue
+        if command[0] == "warm":
+            run(0.5)
+            print("ok", flush=True)
+        elif command[0] == "run":
+            print(f"{run(float(command[1])):.3f}", flush=True)
+        elif command[0] == "quit":
+            break
+    os._exit(0)  # skip interpreter teardown of pinned threads: this process is done
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+class Worker:
+    def __init__(self, mode: str, batch: int, cpus: list[int], env: dict[str, str], prefix: list[str]) -> None:
+        argv = [*prefix, sys.executable, __file__, "--worker", mode, "--batch", str(batch),
+                "--cpus", ",".join(map(str, cpus))]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=REPO)
+
+    def send(self, command: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.proc.args} died (status {self.proc.wait()})")
+        return line.strip()
+
+    def close(self) -> None:
+        try:
+            self.send("quit")
+        except BrokenPipeError:
+            pass
+        self.proc.wait(timeout=30)
+
+
+def find_allocator(kind: str) -> str:
+    names = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
+    hits = sorted(glob.glob(f"/usr/lib/*/{names[kind]}")) + sorted(glob.glob(f"/usr/lib/{names[kind]}"))
+    if not hits:
+        raise SystemExit(f"{names[kind]} not found; install it (scripts/setup.sh) or pass --allocator none")
+    return hits[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--cpus", default="0,1", help="the two CPUs to use")
+    parser.add_argument("--allocator", choices=("jemalloc", "tcmalloc", "none"), default="jemalloc")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cpus = [int(c) for c in args.cpus.split(",")]
+    if args.worker:
+        worker(args.worker, args.batch, cpus)
+        return
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LD_PRELOAD")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if args.allocator != "none":
+        env["LD_PRELOAD"] = find_allocator(args.allocator)
+    single_env = {**env, "OMP_NUM_THREADS": "1"}
+    per_core = args.batch // len(cpus)
+    variants = [v for v in args.variants.split(",") if v]
+    workers: dict[str, list[Worker]] = {}
+    for variant in variants:
+        if variant == "procs":
+            workers[variant] = [Worker("single", per_core, [c], single_env, ["taskset", "-c", str(c)]) for c in cpus]
+        else:
+            workers[variant] = [Worker(variant, args.batch, cpus, env, [])]
+    results: dict[str, list[float]] = {v: [] for v in variants}
+    try:
+        for group in workers.values():  # one at a time: warm-up must not overlap other variants
+            for w in group:
+                w.send("warm")
+            for w in group:
+                w.answer()
+        for rep in range(args.reps):
+            order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+            for variant in order:
+                group = workers[variant]
+                for w in group:
+                    w.send(f"run {args.seconds}")
+                results[variant].append(sum(float(w.answer()) for w in group))
+    finally:
+        for group in workers.values():
+            for w in group:
+                w.close()
+
+    print(f"small_cnn 64x64, batch {args.batch}, CPUs {args.cpus}, allocator {args.allocator}, "
+          f"{args.reps} interleaved reps x {args.seconds:g} s, medians:")
+    medians = {v: statistics.median(r) for v, r in results.items()}
+    for variant in variants:
+        spread = f"(min {min(results[variant]):.1f}, max {max(results[variant]):.1f})"
+        print(f"  {variant:13s} {medians[variant]:8.1f} img/s  {spread}")
+    for a, b in (("streams", "procs"), ("streams", "plain"), ("threads", "procs"), ("procs", "plain"),
+                 ("plain-pinned", "plain")):
+        if a in medians and b in medians:
+            print(f"ratio {a}/{b}: {medians[a] / medians[b]:.3f}")
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench"
+    main()
