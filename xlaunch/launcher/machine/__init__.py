@@ -42,13 +42,14 @@ class MachineRootError(ValueError):
 
 def resolve_root(root: Optional[str] = None) -> str:
     """``root``, else ``$XLAUNCH_FSROOT``, else ``/``; checked to be a directory."""
-    from_env = root is None and bool(os.environ.get(FSROOT_ENV))
     if root is None:
         root = os.environ.get(FSROOT_ENV) or "/"
     if not os.path.isdir(root):
-        origin = f"{FSROOT_ENV}={root!r}" if from_env else f"machine root {root!r} ({FSROOT_ENV})"
         problem = "does not exist" if not os.path.exists(root) else "is not a directory"
-        raise MachineRootError(f"{origin} {problem}; it must be a directory holding sys/ and proc/")
+        raise MachineRootError(
+            f"machine root {root!r} {problem}: {FSROOT_ENV} must name a directory holding a "
+            f"recorded sys/ and proc/ (unset it to read this machine)"
+        )
     return root
 
 
