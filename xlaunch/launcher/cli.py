@@ -345,6 +345,8 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
 
     machine = _load_machine(environ)
     the_plan = plan(options, machine, environ)
+    if not options.dry_run and os.path.realpath(machine.root) != "/":
+        raise OptionError("XLAUNCH_FSROOT", f"{machine.root} is a recorded machine: its plans can only be printed (add --dry-run)")
     if options.dry_run or options.verbosity > 0:   # only shown then; a plain run skips the import
         from xlaunch.launcher.report import machine_summary
 
