@@ -23,11 +23,25 @@ def same_model(a, b) -> None:
     assert dataclasses.replace(a.isa, amx_permitted=None) == dataclasses.replace(b.isa, amx_permitted=None)
 
 
-@pytest.mark.parametrize("name", ["offline-cpus", "vm-adjacent-smt", "vm-no-node", "container-cpuset"])
+@pytest.mark.parametrize("name", ["offline-cpus", "vm-adjacent-smt", "vm-no-node", "hybrid-laptop"])
 def test_rerecording_a_tree_keeps_the_model(tmp_path, name):
     out = tmp_path / name
     assert record_module.main([str(out), "--source", str(HERE / name)]) == 0
     same_model(load_machine(str(HERE / name)), load_machine(str(out)))
+
+
+def test_records_the_cgroup_quota_on_the_process_path(tmp_path):
+    source = tmp_path / "src"
+    for relative, text in {"proc/self/cgroup": "0::/kubepods/pod1/ctr\n",
+                           "sys/fs/cgroup/kubepods/pod1/cpu.max": "150000 100000\n",
+                           "sys/fs/cgroup/other/cpu.max": "100 100000\n"}.items():
+        (source / relative).parent.mkdir(parents=True, exist_ok=True)
+        (source / relative).write_text(text)
+    out = tmp_path / "out"
+    assert record_module.main([str(out), "--source", str(source)]) == 0
+    assert (out / "sys/fs/cgroup/kubepods/pod1/cpu.max").read_text() == "150000 100000\n"
+    assert not (out / "sys/fs/cgroup/other").exists()
+    assert load_machine(str(out)).cpu_budget == 1.5
 
 
 def test_recording_this_machine(tmp_path):
