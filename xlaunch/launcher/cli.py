@@ -242,9 +242,8 @@ def _verbosity(ctx: click.Context) -> int:
 def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
     """Options from the command line over the config file; the program checked and resolved."""
     params = ctx.params
-    for name in ("torch",):
-        if params[name]:
-            raise OptionError("--torch", "only applies with --check-isa")
+    if params["torch"]:
+        raise OptionError("--torch", "only applies with --check-isa")
     config: dict[str, Any] = {}
     source = None
     if params["config"] is not None:

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
+from xlaunch.cpulist import format_cpulist
+from xlaunch.launcher.errors import PlanError
+
 if TYPE_CHECKING:  # pragma: no cover
     from xlaunch.launcher.machine.model import Machine
     from xlaunch.launcher.options import Options
@@ -65,17 +68,13 @@ class Plan:
 LATENCY_CORES_PER_INSTANCE = 4
 
 
-
 @dataclass(frozen=True)
-class _Unit:
+class Unit:
     """One physical core as the planner sees it: the CPUs it contributes, and where it sits."""
 
     cpus: tuple[int, ...]        # one CPU, or every allowed sibling with --use-logical-cores
     node: Optional[int]
     l3: Optional[int]
-
-
-Unit = _Unit
 
 
 def plan(
@@ -168,8 +167,6 @@ def plan(
 
 def _select_units(options: "Options", machine: "Machine", notes: list[str]) -> list[Unit]:
     """The cores the plan may use, ordered node -> L3 -> core, each as the CPUs it contributes."""
-    from xlaunch.cpulist import format_cpulist
-    from xlaunch.launcher.errors import PlanError
     from xlaunch.launcher.machine.model import EFFICIENCY, PERFORMANCE
 
     online = set(machine.online_cpus)
@@ -218,7 +215,7 @@ def _select_units(options: "Options", machine: "Machine", notes: list[str]) -> l
         if not options.use_logical_cores:
             folded += len(cpus) - 1
             cpus = cpus[:1]
-        units.append(_Unit(cpus=cpus, node=core.node, l3=core.l3))
+        units.append(Unit(cpus=cpus, node=core.node, l3=core.l3))
     if not units:
         if options.nodes_list is not None or options.cores_list is not None:
             option = "--cores-list" if options.cores_list is not None else "--nodes-list"
@@ -238,7 +235,6 @@ def _order(value: Optional[int]) -> int:
 
 def _shape(options: "Options", units: list[Unit]) -> tuple[list[list[Unit]], Optional[str]]:
     """Split the ordered units into instances; returns the slices and a note about idle cores."""
-    from xlaunch.launcher.errors import PlanError
 
     total_units = len(units)
     if options.throughput_mode:
@@ -340,7 +336,6 @@ def _pack(units: list[Unit], size: int, weight: Callable[[Unit], int], level: st
 
 
 def _chosen_indices(options: "Options", ninstances: int) -> list[int]:
-    from xlaunch.launcher.errors import PlanError
 
     if options.instance_idx is None:
         return list(range(ninstances))
@@ -370,8 +365,6 @@ def _injection_env(options: "Options", environ: Mapping[str, str]) -> dict[str, 
     try:
         from xlaunch.kernels.inject import injection_env
     except ImportError as exc:
-        from xlaunch.launcher.errors import PlanError
-
         raise PlanError("--auto-optimize", f"the injection module is not available ({exc})") from None
     return dict(injection_env(environ, dtype=options.dtype, verbose=options.auto_optimize_verbose))
 
@@ -379,8 +372,6 @@ def _injection_env(options: "Options", environ: Mapping[str, str]) -> dict[str, 
 def _bind_tool_path(
     bind: str, environ: Mapping[str, str], which: Optional[Callable[[str], Optional[str]]]
 ) -> Optional[str]:
-    from xlaunch.launcher.errors import PlanError
-
     if bind not in ("numactl", "taskset"):
         return None
     import shutil
@@ -397,7 +388,6 @@ def _bind_tool_path(
 
 
 def _bind_prefix(bind: str, tool: Optional[str], cpus: tuple[int, ...], mem_nodes: tuple[int, ...], membind: str) -> list[str]:
-    from xlaunch.cpulist import format_cpulist
 
     if bind == "taskset":
         return [str(tool), "-c", format_cpulist(cpus)]
