@@ -59,6 +59,7 @@ BAD_INPUT = [
     (["--ninstances", "2", "--instance-idx", "2"], "vm-no-node", "--instance-idx", "out of range"),
     (["--core-type", "efficiency"], "xeon-2s-amx", "--core-type", "no efficiency cores"),
     (["--bogus-option"], None, "--bogus-option", "no such option"),
+    (["--log-dir", "/etc/hostname"], None, "--log-dir", "not a directory"),
     (["--ninstances", "2"], "vm-no-node", "XLAUNCH_FSROOT", "add --dry-run"),
     (["--ninstanse", "2"], None, "--ninstanse", "did you mean --ninstances"),
     (["--memory-allocator", "hoard"], None, "--memory-allocator", "not one of"),

@@ -264,11 +264,28 @@ def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
     )
     if options.json and not options.dry_run:
         raise OptionError("--json", "only applies with --dry-run, --check-isa or --show-topology")
+    if options.log_dir is not None:
+        _check_log_dir(options.log_dir)
     if options.program is None:
         if options.dry_run:
             return options
         raise OptionError("PROGRAM", "missing (usage: xlaunch [OPTIONS] PROGRAM [ARGS]...)")
     return _resolve_program(options, environ)
+
+
+def _check_log_dir(path: str) -> None:
+    """The log directory must be a directory, or creatable (its nearest existing parent writable)."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise OptionError("--log-dir", f"{path!r} exists and is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise OptionError("--log-dir", f"{path!r} is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise OptionError("--log-dir", f"cannot create {path!r} ({parent!r} is not a writable directory)")
 
 
 def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
