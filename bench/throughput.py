@@ -1,6 +1,6 @@
 """Throughput of ``examples/infer.py`` under xlaunch, torch's ``run_cpu`` and plain python.
 
-    .venv/bin/python bench/throughput.py [--reps 3] [--iterations 30] [--only xlaunch]
+    .venv/bin/python bench/throughput.py [--reps 3] [--iterations 20] [--only xlaunch]
 
 Configurations: plain ``python examples/infer.py``; ``run_cpu`` 1x2 and 2x1; ``xlaunch`` 1x2 and
 2x1 (automatic allocator / OpenMP); and each xlaunch 2x1 instance alone on its core ("solo": the
@@ -87,7 +87,7 @@ def run_once(config: Config, timeout: float) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--iterations", type=int, default=30, help="infer.py --iterations (default 30)")
+    parser.add_argument("--iterations", type=int, default=20, help="infer.py --iterations (default 20)")
     parser.add_argument("--batch-size", type=int, default=16, help="infer.py --batch-size (default 16)")
     parser.add_argument("--only", action="append", default=[],
                         help="run only configurations whose name contains this (repeatable)")
