@@ -305,7 +305,10 @@ def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
         if not _module_exists(program, environ):
             raise OptionError("PROGRAM", f"no module named {program!r}")
         return options
-    if not os.path.isfile(program):
+    if os.path.isdir(program):
+        if not os.path.isfile(os.path.join(program, "__main__.py")):
+            raise OptionError("PROGRAM", f"directory {program!r} has no __main__.py")
+    elif not os.path.isfile(program):
         raise OptionError("PROGRAM", f"no such file {program!r}")
     return options
 
