@@ -11,7 +11,6 @@ Run: ``python tests/machines/make_trees.py`` (rewrites the synthetic trees in pl
 """
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
-from xlaunch.cpulist import format_cpulist  # noqa: E402
+from xlaunch.cpulist import format_cpulist, parse_cpulist  # noqa: E402
 
 # ---------------------------------------------------------------------------- flag lines
 SPR_FLAGS = (
@@ -330,7 +329,6 @@ def cpuinfo(spec: MachineSpec, online: list[int]) -> str:
 
 def status(spec: MachineSpec) -> str:
     allowed = spec.cpus_allowed or format_cpulist(range(spec.possible))
-    from xlaunch.cpulist import parse_cpulist
     mems = spec.mems_allowed or (format_cpulist(n for n, kib in spec.nodes.items() if kib)
                                  if spec.nodes else "0")
     return "\n".join([

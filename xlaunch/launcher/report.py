@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.machine.isa import ISA_FLAGS
-from xlaunch.launcher.machine.model import EFFICIENCY, Machine
+from xlaunch.launcher.machine.model import Machine
 
 
 def topology_json(machine: Machine) -> dict[str, Any]:
