@@ -159,3 +159,41 @@ def test_fsroot_env_is_the_default_root(monkeypatch):
     monkeypatch.setenv("XLAUNCH_FSROOT", str(TREES / "hybrid-laptop"))
     m = load_machine()
     assert m.is_hybrid and m.root == str(TREES / "hybrid-laptop")
+
+
+def test_live_missing_cpuinfo_falls_back_to_py_cpuinfo(tmp_path, monkeypatch):
+    """Live (non-Linux or sandboxed) without /proc/cpuinfo: flags come from py-cpuinfo, noted."""
+    import sys
+    import types
+
+    from xlaunch.launcher.machine._files import Notes
+    from xlaunch.launcher.machine.isa import read_isa
+
+    fake = types.ModuleType("cpuinfo")
+    fake.get_cpu_info = lambda: {"flags": ["avx2", "fma", "avx512_bf16"], "brand_raw": "Test CPU",
+                                 "vendor_id_raw": "GenuineTest"}
+    monkeypatch.setitem(sys.modules, "cpuinfo", fake)
+    notes = Notes()
+    isa = read_isa(str(tmp_path), True, notes)
+    assert isa.flags == {"avx2", "fma", "avx512_bf16"} and isa.model_name == "Test CPU"
+    assert isa.amx_permitted is False
+    assert any("py-cpuinfo" in n for n in notes.as_tuple())
+
+
+def test_live_fallback_failure_is_a_note(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from xlaunch.launcher.machine._files import Notes
+    from xlaunch.launcher.machine.isa import read_isa
+
+    fake = types.ModuleType("cpuinfo")
+
+    def broken():
+        raise RuntimeError("no CPUID here")
+
+    fake.get_cpu_info = broken
+    monkeypatch.setitem(sys.modules, "cpuinfo", fake)
+    notes = Notes()
+    assert read_isa(str(tmp_path), True, notes).flags == frozenset()
+    assert any("no CPUID here" in n for n in notes.as_tuple())

@@ -1,7 +1,8 @@
 """Instruction-set facts: the flags of the first processor in ``<root>/proc/cpuinfo`` and,
 live on x86-64, whether the kernel lets this process use AMX tiles (``arch_prctl``).
 
-py-cpuinfo is not used here: it costs over a second per call; cpuinfo is the fast path.
+``/proc/cpuinfo`` is the fast path. py-cpuinfo (over a second per call) is only the live fallback
+when that file is missing or has no flags line (non-Linux systems, odd sandboxes).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def read_isa(root: str, live: bool, notes: Notes) -> Isa:
     path = join(root, "proc/cpuinfo")
     block = read_until_blank_line(path)
     if block is None:
+        if live:
+            return _isa_from_py_cpuinfo(notes, "proc/cpuinfo unreadable")
         notes.add("proc/cpuinfo unreadable; no ISA flags known")
         return Isa()
     fields: dict[str, str] = {}
@@ -38,6 +41,8 @@ def read_isa(root: str, live: bool, notes: Notes) -> Isa:
             fields.setdefault(key.strip(), value.strip())
     flags_text = fields.get("flags", fields.get("Features"))   # x86 | arm64
     if flags_text is None:
+        if live:
+            return _isa_from_py_cpuinfo(notes, "proc/cpuinfo has no flags line")
         notes.add("proc/cpuinfo has no flags line; no ISA flags known")
     flags = frozenset((flags_text or "").split())
     amx: Optional[bool] = None
@@ -49,6 +54,21 @@ def read_isa(root: str, live: bool, notes: Notes) -> Isa:
         model_name=fields.get("model name"),
         amx_permitted=amx,
     )
+
+
+def _isa_from_py_cpuinfo(notes: Notes, why: str) -> Isa:
+    """The slow live fallback: py-cpuinfo's CPUID-based flags (same spelling as cpuinfo)."""
+    try:
+        import cpuinfo   # py-cpuinfo; imported only here (slow)
+
+        info = cpuinfo.get_cpu_info()
+    except Exception as exc:   # any failure of a third-party probe just means "unknown"
+        notes.add(f"{why}; py-cpuinfo fallback failed ({exc}); no ISA flags known")
+        return Isa()
+    flags = frozenset(str(flag) for flag in info.get("flags", ()))
+    notes.add(f"{why}; ISA flags from py-cpuinfo")
+    return Isa(flags=flags, vendor=info.get("vendor_id_raw"), model_name=info.get("brand_raw"),
+               amx_permitted=amx_permitted(flags))
 
 
 def amx_permitted(flags: frozenset[str]) -> Optional[bool]:
