@@ -23,10 +23,14 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 stamp="$VENV/.xlaunch-setup"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  log="$VENV/setup.log"
+  echo "setup: installing torch==2.13.0, intel-openmp and xlaunch[dev] into $VENV (log: $log)"
+  pip_install() { "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
+  : >"$log"
+  pip_install --upgrade pip
   # The CPU build of torch 2.13.0 is pinned here, never a range (a range pulls a CUDA build).
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q intel-openmp
-  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  pip_install "torch==2.13.0"
+  pip_install intel-openmp
+  pip_install -e ".[dev]"
   touch "$stamp"
 fi
