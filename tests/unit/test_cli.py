@@ -215,3 +215,40 @@ def test_taskset_restricted_launcher_plans_inside_its_cpu() -> None:
                              "--no-python", "true"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
     assert [i["cpus"] for i in json.loads(result.stdout)["instances"]] == [[1]]
+
+
+PLACES_SCRIPT = """
+import ctypes, os, sys
+lib = ctypes.CDLL(sys.argv[1])
+places = []
+for p in range(lib.omp_get_num_places()):
+    ids = (ctypes.c_int * lib.omp_get_place_num_procs(p))()
+    lib.omp_get_place_proc_ids(p, ids)
+    places.append(list(ids))
+print(os.environ["XLAUNCH_INSTANCE_INDEX"], places, sorted(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.parametrize("bind", ["native", "none"])
+@pytest.mark.parametrize("runtime", ["intel", "default"])
+def test_each_instance_openmp_places_are_its_own_cpus(tmp_path, bind: str, runtime: str, request) -> None:
+    """The KMP_AFFINITY/OMP_PLACES clash check: with or without external binding, the OpenMP
+    runtime inside instance i sees exactly instance i's CPU as its places."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 allowed CPUs")
+    library = "libiomp5.so" if runtime == "intel" else "libgomp.so.1"
+    if runtime == "intel":
+        request.getfixturevalue("iomp_path")
+    script = tmp_path / "places.py"
+    script.write_text(PLACES_SCRIPT)
+    result = xlaunch("-q", "--omp-runtime", runtime, "--bind-with", bind, "--memory-allocator", "default",
+                     "--ninstances", "2", str(script), library)
+    assert result.returncode == 0, result.stderr + result.stdout
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("["))
+    # Native binding narrows the mask before exec. Without it, libgomp narrows it itself when it
+    # initialises (OMP_PROC_BIND=close binds the initial thread to the first place); libiomp5
+    # only binds threads at the first parallel region, so the mask is still the launcher's here.
+    narrowed = bind == "native" or runtime == "default"
+    masks = [[cpu] for cpu in allowed[:2]] if narrowed else [allowed, allowed]
+    assert lines == [f"[{i}] {i} [[{allowed[i]}]] {masks[i]}" for i in range(2)]
