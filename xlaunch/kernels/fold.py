@@ -32,6 +32,7 @@ class Pair:
     norm: str
     kind: str                       # "conv" | "linear"
     norm_input_rank: Optional[int] = None   # rank of the BN input when a sample input was traced
+    blocked: Optional[str] = None   # why the graph forbids folding (sharing, other users), if it does
 
 
 @dataclass
@@ -112,13 +113,18 @@ def _pairs_from_fx(model: nn.Module, sample_input: Any) -> list[Pair]:
         kind = _producer_kind(graph_module.get_submodule(source.target))
         if kind is None:
             continue
-        if len(source.users) != 1 or calls[source.target] != 1 or calls[node.target] != 1:
-            continue
-        if source.target in attr_users or node.target in attr_users:
-            continue
+        blocked = None
+        if calls[source.target] != 1:
+            blocked = f"the {kind} is shared (called at {calls[source.target]} places)"
+        elif calls[node.target] != 1:
+            blocked = f"the batch norm is shared (called at {calls[node.target]} places)"
+        elif len(source.users) != 1:
+            blocked = f"the {kind} output is also used outside the batch norm"
+        elif source.target in attr_users or node.target in attr_users:
+            blocked = "the forward reads these modules' tensors directly"
         meta = source.meta.get("tensor_meta")
         rank = len(meta.shape) if meta is not None and hasattr(meta, "shape") else None
-        pairs.append(Pair(source.target, node.target, kind, rank))
+        pairs.append(Pair(source.target, node.target, kind, rank, blocked))
     return pairs
 
 
@@ -141,6 +147,8 @@ def _pairs_from_sequentials(model: nn.Module) -> list[Pair]:
 def why_not(pair: Pair, producer: nn.Module, norm: nn.Module, names: dict[int, list[str]],
             linear_needs_shape: bool = True) -> Optional[str]:
     """The reason this pair must not be folded, or None when folding keeps the results."""
+    if pair.blocked:
+        return pair.blocked
     if producer.training or norm.training:
         return "a module is in training mode (folding is for eval only)"
     if not norm.track_running_stats or norm.running_mean is None or norm.running_var is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -95,9 +96,17 @@ class Report:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
 
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside xlaunch.kernels (so warnings point at the user)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("xlaunch.kernels"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _warn(report: Report, message: str) -> None:
     report.warnings.append(message)
-    warnings.warn(f"xlaunch.optimize: {message}", OptimizeWarning, stacklevel=3)
+    warnings.warn(f"xlaunch.optimize: {message}", OptimizeWarning, stacklevel=_caller_stacklevel())
 
 
 def _run(model: nn.Module, sample_input: Any) -> Any:
@@ -152,7 +161,7 @@ def _eval_rewrites(model: nn.Module, opts: Options, sample_input: Any, reference
                    report: Report) -> None:
     kinds = {kind for kind, on in (("conv", opts.conv_bn_folding), ("linear", opts.linear_bn_folding)) if on}
     log = fold.FoldLog()
-    if kinds:
+    if kinds and any(isinstance(m, fold.BN_TYPES) for m in model.modules()):
         pairs, notes = fold.find_pairs(model, sample_input)
         for note in notes:
             _warn(report, note)
@@ -234,10 +243,12 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Optional[torch.dtyp
             problem = outputs_close(reference, _run(model, sample_input), BF16_RTOL)
             if problem:
                 _warn(report, f"bf16 results differ more than expected from fp32: {problem}")
-    elif use_dtype == torch.bfloat16 and training and optimizer is None and opts.autocast:
-        precision.wrap_autocast(model, torch.bfloat16, None)
+    elif use_dtype == torch.bfloat16 and training and opts.autocast:
+        # parameters become split-bf16 in the optimizer conversion; the forward needs autocast
+        precision.wrap_autocast(model, torch.bfloat16, torch.float32)
         report.autocast = True
-        report.warnings.append("training without an optimizer: weights stay fp32, forward under autocast")
+        if optimizer is None:
+            report.warnings.append("training without an optimizer: weights stay fp32, forward under autocast")
 
     if opts.weights_prepack and not training:
         model = _freeze(model, opts, sample_input, report)
@@ -283,6 +294,4 @@ class _CallableModule(type(copy)):
         return optimize(*args, **kwargs)
 
 
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule
+sys.modules[__name__].__class__ = _CallableModule

@@ -72,9 +72,15 @@ def resolve_dtype(dtype: Optional[torch.dtype], force_bf16: bool,
 
 
 def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
-    """Store conv/linear weights and biases in ``dtype`` (``.data``, parameters keep identity)."""
+    """Store conv/linear weights and biases in ``dtype`` (``.data``, parameters keep identity).
+
+    Linear layers inside ``nn.MultiheadAttention`` stay as they are: its fused paths read
+    ``out_proj.weight`` beside the fp32 ``in_proj_weight`` and require one dtype."""
     count = 0
     seen: set[int] = set()
+    for attention in model.modules():  # MHA reads its projections' tensors directly, not via autocast
+        if isinstance(attention, nn.MultiheadAttention):
+            seen.update(id(m) for m in attention.modules())
     for module in model.modules():
         if not isinstance(module, WEIGHT_TYPES) or id(module) in seen:
             continue
