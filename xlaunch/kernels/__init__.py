@@ -12,6 +12,7 @@ _LAZY = {
     "FusedAdam": "xlaunch.kernels.optim",
     "FusedAdamW": "xlaunch.kernels.optim",
     "FusedLamb": "xlaunch.kernels.optim",
+    "to_fused": "xlaunch.kernels.optim",
 }
 
 __all__ = list(_LAZY)
