@@ -363,3 +363,40 @@ def test_outputs_close_catches_nan_and_shape() -> None:
     assert outputs_close(a, a + 1e-6, 1e-3) is None
     assert "exceeds" in outputs_close(a, torch.tensor([1.0, float("nan"), 1.0]), 1e-3)
     assert "shape" in outputs_close(a, torch.ones(4), 1e-3)
+
+
+def test_sample_input_freezes_with_jit_by_default_and_keeps_results(image: torch.Tensor) -> None:
+    model = randomize_bn(Nested()).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no deprecation noise reaches the user
+        optimized = optimize(model, sample_input=image)
+    report = optimized._xlaunch_optimize_report
+    assert report.frozen_with == "jit" and isinstance(optimized, torch.jit.ScriptModule)
+    assert_close(run(model, image), run(optimized, image))
+    other_batch = torch.randn(5, 3, 12, 12)
+    assert_close(run(model, other_batch), run(optimized, other_batch))
+
+
+def test_freezing_that_changes_results_is_refused(monkeypatch: pytest.MonkeyPatch, image: torch.Tensor) -> None:
+    from xlaunch.kernels import freeze
+
+    def wrong(model, backend, sample_input=None):
+        class Off(nn.Module):
+            def forward(self, x):
+                return model(x) + 1.0
+        return Off()
+
+    monkeypatch.setattr(freeze, "freeze", wrong)
+    model = randomize_bn(Nested()).eval()
+    with pytest.warns(OptimizeWarning, match="not frozen: the jit graph changed results"):
+        optimized = optimize(model, sample_input=image)
+    assert optimized._xlaunch_optimize_report.frozen_with is None
+    assert_close(run(model, image), run(optimized, image))
+
+
+def test_freeze_without_sample_input_for_jit_says_why(image: torch.Tensor) -> None:
+    model = Nested().eval()
+    with pytest.warns(OptimizeWarning, match="needs a sample_input"):
+        optimized = optimize(model, weights_prepack=True)
+    assert optimized._xlaunch_optimize_report.frozen_with is None
+    assert_close(run(model, image), run(optimized, image))
