@@ -23,7 +23,10 @@ def _run_shadowed_sitecustomize():
     spec.loader.exec_module(module)
 
 
-_run_shadowed_sitecustomize()
+try:
+    _run_shadowed_sitecustomize()
+except Exception as _exc:  # as Python's site module does: report and go on
+    sys.stderr.write(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(_exc).__name__}: {_exc}\n")
 
 try:
     from xlaunch.kernels import autooptimize as _autooptimize
