@@ -140,3 +140,23 @@ def test_pools_on_recorded_machines(monkeypatch, tree, default, node_pools):
     assert format_cpulist(CPUPool().cpus) == default
     for node, cpus in node_pools.items():
         assert format_cpulist(CPUPool.from_node(node).cpus) == cpus
+
+
+def test_default_pool_inside_xlaunch_instances_is_each_instances_cpus(tmp_path):
+    """Under ``xlaunch --ninstances 2`` each process is already pinned: CPUPool() is its CPU."""
+    pytest.importorskip("torch")
+    if len(ALLOWED) < 2:
+        pytest.skip("needs 2 allowed CPUs")
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import os, torch\n"
+        "from xlaunch.runtime_ext import CPUPool, threadpool_info\n"
+        "pool = CPUPool()\n"
+        "with pool:\n"
+        "    team = [m.cpus for m in threadpool_info().team]\n"
+        "print('pool', os.environ['XLAUNCH_INSTANCE_INDEX'], list(pool.cpus), [list(c) for c in team])\n")
+    result = subprocess.run([sys.executable, "-m", "xlaunch", "-q", "--ninstances", "2", str(script)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if " pool " in line)
+    assert lines == [f"[{i}] pool {i} [{ALLOWED[i]}] [[{ALLOWED[i]}]]" for i in range(2)]
