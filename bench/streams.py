@@ -10,8 +10,10 @@ Variants (every process runs with the same allocator preloaded, jemalloc by defa
                loop (no MultiStreamModule machinery: isolates in-process effects such as the GIL)
   procs        two processes, ``taskset -c 0`` / ``-c 1``, ``OMP_NUM_THREADS=1``, batch 8 each,
                run at the same time; throughput is their sum
-Workers stay alive between repetitions; variants are interleaved (order rotated each round)
-and each figure is the median over repetitions. The last lines are the ratios.
+Workers stay alive between repetitions; variants are interleaved (order rotated each round).
+The machine may be shared, so each repetition also records how much CPU other processes used
+meanwhile (/proc/stat minus the workers' own time); medians are given over all repetitions and
+over the "clean" ones. The last lines are the ratios.
 """
 from __future__ import annotations
 
@@ -143,6 +145,7 @@ def main() -> None:
     parser.add_argument("--cpus", default="0,1", help="the two CPUs to use")
     parser.add_argument("--allocator", choices=("jemalloc", "tcmalloc", "none"), default="jemalloc")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--clean", type=float, default=0.05, help="max foreign CPU share of a clean rep")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cpus = [int(c) for c in args.cpus.split(",")]
@@ -164,6 +167,7 @@ def main() -> None:
         else:
             workers[variant] = [Worker(variant, args.batch, cpus, env, [])]
     results: dict[str, list[float]] = {v: [] for v in variants}
+    foreign: dict[str, list[float]] = {v: [] for v in variants}   # other processes' CPU share per rep
     try:
         for group in workers.values():  # one at a time: warm-up must not overlap other variants
             for w in group:
@@ -174,25 +178,57 @@ def main() -> None:
             order = variants[rep % len(variants):] + variants[: rep % len(variants)]
             for variant in order:
                 group = workers[variant]
+                busy_before, ours_before = system_busy_ticks(), sum(process_ticks(w.proc.pid) for w in group)
                 for w in group:
                     w.send(f"run {args.seconds}")
-                results[variant].append(sum(float(w.answer()) for w in group))
+                rate = sum(float(w.answer()) for w in group)
+                others = (system_busy_ticks() - busy_before) - (sum(process_ticks(w.proc.pid) for w in group) - ours_before)
+                share = others / (CLOCK_TICKS * args.seconds * len(cpus))
+                results[variant].append(rate)
+                foreign[variant].append(share)
     finally:
         for group in workers.values():
             for w in group:
                 w.close()
 
     print(f"small_cnn 64x64, batch {args.batch}, CPUs {args.cpus}, allocator {args.allocator}, "
-          f"{args.reps} interleaved reps x {args.seconds:g} s, medians:")
-    medians = {v: statistics.median(r) for v, r in results.items()}
+          f"{args.reps} interleaved reps x {args.seconds:g} s")
+    print(f"'clean' reps: other processes used < {args.clean:.0%} of the CPUs meanwhile (the machine is shared)")
+    medians, clean_medians = {}, {}
     for variant in variants:
-        spread = f"(min {min(results[variant]):.1f}, max {max(results[variant]):.1f})"
-        print(f"  {variant:13s} {medians[variant]:8.1f} img/s  {spread}")
+        rates, shares = results[variant], foreign[variant]
+        clean = [r for r, f in zip(rates, shares) if f < args.clean]
+        medians[variant] = statistics.median(rates)
+        clean_medians[variant] = statistics.median(clean) if clean else float("nan")
+        print(f"  {variant:13s} median {medians[variant]:7.1f} img/s   clean median {clean_medians[variant]:7.1f} "
+              f"({len(clean)}/{len(rates)} reps)   best {max(rates):7.1f}   "
+              f"others' CPU share median {statistics.median(shares):.0%}")
     for a, b in (("streams", "procs"), ("streams", "plain"), ("threads", "procs"), ("procs", "plain"),
                  ("plain-pinned", "plain")):
         if a in medians and b in medians:
-            print(f"ratio {a}/{b}: {medians[a] / medians[b]:.3f}")
+            print(f"ratio {a}/{b}: median {medians[a] / medians[b]:.3f}   clean {clean_medians[a] / clean_medians[b]:.3f}"
+                  f"   best {max(results[a]) / max(results[b]):.3f}")
 
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def system_busy_ticks() -> int:
+    """All CPUs' non-idle time so far (/proc/stat), in clock ticks."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields[:8]) - idle
+
+
+def process_ticks(pid: int) -> int:
+    """utime + stime of a process, all its threads (/proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
 
 if __name__ == "__main__":
     threading.current_thread().name = "bench"
