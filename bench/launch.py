@@ -42,6 +42,11 @@ def main() -> int:
     parser.add_argument("--skip-run-cpu", action="store_true", help="leave out torch's run_cpu (slow)")
     args = parser.parse_args()
 
+    # A pip install writes bytecode; an editable install under PYTHONDONTWRITEBYTECODE never
+    # does, and compiling xlaunch on every start would be timed instead of starting it.
+    import compileall
+
+    compileall.compile_dir(str(Path(__file__).resolve().parent.parent / "xlaunch"), quiet=1)
     todo = commands()
     if args.skip_run_cpu:
         del todo["run_cpu --no-python true"]

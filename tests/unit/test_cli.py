@@ -252,3 +252,18 @@ def test_each_instance_openmp_places_are_its_own_cpus(tmp_path, bind: str, runti
     narrowed = bind == "native" or runtime == "default"
     masks = [[cpu] for cpu in allowed[:2]] if narrowed else [allowed, allowed]
     assert lines == [f"[{i}] {i} [[{allowed[i]}]] {masks[i]}" for i in range(2)]
+
+
+def test_which_finds_executables_like_shutil(tmp_path) -> None:
+    import shutil
+
+    from xlaunch.launcher.which import which
+
+    (tmp_path / "plain").write_text("")
+    tool = tmp_path / "tool"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    path = f"{tmp_path / 'missing'}{os.pathsep}{tmp_path}"
+    for name in ("tool", "plain", "nothing", str(tool), str(tmp_path / "plain")):
+        assert which(name, path=path) == shutil.which(name, path=path)
+    assert which("sh") == shutil.which("sh")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import platform
 import signal
 from contextlib import contextmanager
 from typing import Iterator, Sequence
@@ -52,7 +51,7 @@ _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
 
 
 def _syscall_numbers() -> tuple[int, int] | None:
-    return _SYSCALLS.get(platform.machine().lower())
+    return _SYSCALLS.get(os.uname().machine.lower())
 
 
 def _raise_errno(what: str) -> None:
@@ -75,7 +74,7 @@ def set_mempolicy(mode: int, nodes: Sequence[int] = ()) -> None:
     """Set the calling thread's NUMA memory policy (``mode`` may carry MPOL_F_* flags)."""
     numbers = _syscall_numbers()
     if numbers is None:
-        raise OSError(errno.ENOSYS, f"set_mempolicy: unknown syscall number on {platform.machine()}")
+        raise OSError(errno.ENOSYS, f"set_mempolicy: unknown syscall number on {os.uname().machine}")
     if (mode & _MODE_FLAGS_MASK) in (MPOL_DEFAULT, MPOL_LOCAL) or not nodes:
         result = _syscall(ctypes.c_long(numbers[0]), ctypes.c_int(mode), None, ctypes.c_ulong(0))
     else:
@@ -89,7 +88,7 @@ def get_mempolicy() -> tuple[int, tuple[int, ...]]:
     """The calling thread's memory policy: ``(mode including MPOL_F_* flags, nodes)``."""
     numbers = _syscall_numbers()
     if numbers is None:
-        raise OSError(errno.ENOSYS, f"get_mempolicy: unknown syscall number on {platform.machine()}")
+        raise OSError(errno.ENOSYS, f"get_mempolicy: unknown syscall number on {os.uname().machine}")
     mode = ctypes.c_int(0)
     mask = (ctypes.c_ulong * _GET_MASK_WORDS)()
     result = _syscall(ctypes.c_long(numbers[1]), ctypes.byref(mode), mask,

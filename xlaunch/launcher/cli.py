@@ -291,12 +291,13 @@ def _check_log_dir(path: str) -> None:
 def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
     """Check PROGRAM exists; with --no-python, replace it by its path on PATH."""
     import dataclasses
-    import shutil
+
+    from xlaunch.launcher.which import which
 
     program = str(options.program)
     if options.no_python:
         path = environ.get("PATH", os.defpath)
-        found = shutil.which(program, path=path)
+        found = which(program, path=path)
         if found is None:
             where = "" if os.sep in program else " on PATH"
             raise OptionError("PROGRAM", f"{program!r} not found{where} (or not executable)")

@@ -88,7 +88,7 @@ def plan(
 
     ``environ`` is the user's environment the instances inherit (default: empty).
     ``which`` finds numactl/taskset for ``--bind-with numactl|taskset`` (default
-    :func:`shutil.which` on ``environ``'s PATH). Raises :class:`PlanError` naming the option
+    :func:`xlaunch.launcher.which.which` on ``environ``'s PATH). Raises :class:`PlanError` naming the option
     that cannot be satisfied on this machine.
     """
     from xlaunch.launcher.environment import choose_runtime, instance_environment
@@ -374,11 +374,10 @@ def _bind_tool_path(
 ) -> Optional[str]:
     if bind not in ("numactl", "taskset"):
         return None
-    import shutil
-
     if which is None:
-        path = environ.get("PATH")
-        found = shutil.which(bind, path=path) if path else shutil.which(bind)
+        from xlaunch.launcher.which import which as find
+
+        found = find(bind, path=environ.get("PATH") or None)
     else:
         found = which(bind)
     if not found:
