@@ -15,6 +15,8 @@ test: setup
 bench: setup
 	$(PY) bench/launch.py
 	$(PY) bench/throughput.py
+	$(PY) bench/streams.py
+	LD_PRELOAD=$$(ls /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -1) $(PY) bench/optimize.py
 
 clean:
 	rm -rf .venv build *.egg-info
