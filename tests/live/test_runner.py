@@ -341,3 +341,19 @@ def test_environment_is_exactly_the_instance_env(tmp_path: Path) -> None:
     status, out, err = launch(tmp_path, [inst])
     assert status == 0, err
     assert sorted(lines_of(out, 0)) == sorted(f"{k}={v}".encode() for k, v in env.items())
+
+
+def test_launcher_under_taskset_runs_its_instance_inside_that_cpu() -> None:
+    """``taskset -c <cpu> xlaunch ...``: the plan and the running instance stay on that CPU."""
+    import shutil
+
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        pytest.skip("taskset not installed")
+    cpu = ALLOWED[-1]
+    result = subprocess.run([taskset, "-c", str(cpu), PY, "-m", "xlaunch", "-q", "--no-python",
+                             "cat", "/proc/self/status"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    allowed = [line.split(":", 1)[1].strip() for line in result.stdout.splitlines()
+               if line.startswith("[0] Cpus_allowed_list:")]
+    assert allowed == [str(cpu)]
