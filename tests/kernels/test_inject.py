@@ -280,3 +280,27 @@ def test_value_dependent_control_flow_is_never_frozen(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     assert "same True" in result.stdout
     assert "UnsafeTrace" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("freeze", ["none", "jit"])
+def test_calls_go_to_the_optimized_copy_not_the_users_modules(tmp_path, freeze) -> None:
+    """A hook on the user's BatchNorm never fires: the calls run the folded copy (eager or
+    frozen), also for more input signatures than are frozen, and with keyword arguments."""
+    script = tmp_path / "hooks.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.conv = nn.Conv2d(3, 4, 3); self.bn = nn.BatchNorm2d(4)\n"
+        "    def forward(self, x, scale=1.0):\n"
+        "        return self.bn(self.conv(x)) * scale\n"
+        "m = Net().eval(); calls = []\n"
+        "m.bn.register_forward_hook(lambda *a: calls.append(1))\n"
+        "with torch.no_grad():\n"
+        "    for size in range(6, 13):\n"
+        "        m(torch.randn(1, 3, size, size))\n"
+        "    m(torch.randn(1, 3, 8, 8), scale=2.0)\n"
+        "print('bn calls', len(calls))\n")
+    result = xlaunch("--auto-optimize", str(script), freeze=freeze)
+    assert result.returncode == 0, result.stderr
+    assert "bn calls 0" in result.stdout

@@ -231,7 +231,7 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
                 return None
         if signature is not None and signature not in entry.frozen and len(entry.frozen) < MAX_SIGNATURES:
             _build_frozen(module, entry, signature, args)
-        return entry.frozen.get(signature) if signature is not None else entry.eager or None
+        return entry.frozen.get(signature, entry.eager) if signature is not None else entry.eager
 
 
 def _give_up(module: Any, why: str) -> None:
