@@ -400,3 +400,28 @@ def test_freeze_without_sample_input_for_jit_says_why(image: torch.Tensor) -> No
         optimized = optimize(model, weights_prepack=True)
     assert optimized._xlaunch_optimize_report.frozen_with is None
     assert_close(run(model, image), run(optimized, image))
+
+
+def test_ipex_spellings_are_accepted(monkeypatch: pytest.MonkeyPatch, image: torch.Tensor) -> None:
+    model = randomize_bn(Nested()).eval()
+    optimized = optimize(model, level="O0", replace_dropout_with_identity=True)
+    assert count(optimized, nn.Dropout) == 0 and count(optimized, nn.BatchNorm2d) == 3
+    with pytest.warns(OptimizeWarning, match="auto_kernel_selection is an ipex.optimize knob"):
+        optimize(model, level="O0", auto_kernel_selection=True)
+    with pytest.raises(TypeError, match="unknown flag"):
+        optimize(model, level="O0", replace_dropout=True)
+
+
+def test_bf16_training_without_split_master_keeps_fp32_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("xlaunch.kernels.optim")
+    monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"avx512_bf16"}))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, optimizer = optimize(model, optimizer, dtype=torch.bfloat16, inplace=True,
+                                split_master_weight_for_bf16=False)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert type(optimizer).__name__ == "FusedSGD" and not optimizer.state
+    out = model(torch.randn(3, 4))
+    assert out.dtype == torch.float32
+    out.square().sum().backward()
+    optimizer.step()

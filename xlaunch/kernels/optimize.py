@@ -16,7 +16,14 @@ that keeps results (within float tolerance). The steps, in order:
      "inductor");
      on by default in O1 when ``sample_input`` is given (compiled now), explicit
      ``weights_prepack=True`` without a sample compiles on the first call (inductor)
-  5. with an optimizer: ``fused_optimizer`` -> ``xlaunch.kernels.optim.to_fused``
+  5. with an optimizer: ``fused_optimizer`` -> ``xlaunch.kernels.optim.to_fused``; with bf16 the
+     trained parameters become split-bf16 unless ``split_master_weights=False`` (then they stay
+     fp32 and the forward runs under autocast)
+
+ipex.optimize's spellings are accepted (``replace_dropout_with_identity``, ``fuse_update_step``,
+``split_master_weight_for_bf16``); its knobs without a stock-torch counterpart (``optimize_lstm``,
+``auto_kernel_selection``, ``graph_mode``, ``concat_linear``, ``deployment_mode``) are accepted and
+warn that they do nothing.
 
 With ``verify`` (default) and a ``sample_input``, each step's output is compared with the model
 before it; a step that changes results beyond tolerance is undone with a warning.
@@ -58,17 +65,28 @@ class Options:
     weights_prepack: bool = False
     freeze_backend: str = DEFAULT_FREEZE_BACKEND
     fused_optimizer: bool = False
+    split_master_weights: bool = True
     force_bf16: bool = False
     verify: bool = True
 
 
 FLAG_NAMES = tuple(f.name for f in dataclasses.fields(Options))
+# ipex.optimize's spellings, so ported calls keep working.
+IPEX_ALIASES = {
+    "replace_dropout_with_identity": "remove_dropout",
+    "fuse_update_step": "fused_optimizer",
+    "split_master_weight_for_bf16": "split_master_weights",
+}
+# ipex.optimize knobs with no counterpart on stock torch: accepted, and said to do nothing.
+IPEX_NO_EFFECT = ("optimize_lstm", "auto_kernel_selection", "graph_mode", "concat_linear", "deployment_mode")
 
 
 def resolve_options(level: str, flags: dict[str, Any], has_sample_input: bool) -> Options:
     """Level defaults, then every flag the caller gave explicitly (a None flag means "level")."""
     if level not in LEVELS:
         raise ValueError(f"optimize: level must be one of {', '.join(LEVELS)}, not {level!r}")
+    flags = {IPEX_ALIASES.get(name, name): value for name, value in flags.items()
+             if name not in IPEX_NO_EFFECT}
     unknown = sorted(set(flags) - set(FLAG_NAMES))
     if unknown:
         raise TypeError(f"optimize: unknown flag(s) {', '.join(unknown)}; known: {', '.join(FLAG_NAMES)}")
@@ -209,6 +227,9 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Optional[torch.dtyp
         raise TypeError(f"optimize: model must be a torch.nn.Module, not {type(model).__name__}")
     opts = resolve_options(level, flags, sample_input is not None)
     report = Report(options=opts)
+    for name in sorted(set(flags) & set(IPEX_NO_EFFECT)):
+        if flags[name]:
+            _warn(report, f"{name} is an ipex.optimize knob with no stock-torch counterpart; it has no effect")
     use_dtype, dtype_warning = precision.resolve_dtype(dtype, opts.force_bf16)
     report.dtype = use_dtype
     if dtype_warning:
@@ -259,7 +280,8 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Optional[torch.dtyp
         report.warnings.append("model in training mode: weights_prepack (freezing) skipped")
 
     if optimizer is not None and opts.fused_optimizer:
-        optimizer = _convert_optimizer(optimizer, model, use_dtype, report)
+        split = use_dtype if opts.split_master_weights else torch.float32
+        optimizer = _convert_optimizer(optimizer, model, split, report)
     try:
         model._xlaunch_optimize_report = report
     except Exception:  # ScriptModules refuse new attributes
