@@ -8,15 +8,25 @@ from __future__ import annotations
 from typing import Iterable
 
 
+# Kernel limits: NR_CPUS is at most 8192 on x86 (MAXSMP) and NODES_SHIFT at most 10; a list
+# naming a larger number is a typo, and expanding it would exhaust memory.
+MAX_ID = 65535
+
+
 class CpuListError(ValueError):
     """A CPU list that does not parse; the message says which part is wrong."""
 
 
-def parse_cpulist(text: str) -> tuple[int, ...]:
+class CpuListRangeError(CpuListError):
+    """A well-formed list naming a number above :data:`MAX_ID`."""
+
+
+def parse_cpulist(text: str, limit: int = MAX_ID) -> tuple[int, ...]:
     """Parse ``"0-3,8,10-11"`` (kernel syntax, also ``a-b:stride``) into a sorted, unique tuple.
 
     An empty or blank string is the empty list. Raises :class:`CpuListError` on anything else
-    that is not a list of non-negative integers and ascending ranges.
+    that is not a list of ASCII non-negative integers and ascending ranges, and
+    :class:`CpuListRangeError` for a number above ``limit`` (so memory stays bounded).
     """
     text = text.strip()
     if not text:
@@ -35,11 +45,14 @@ def parse_cpulist(text: str) -> tuple[int, ...]:
         if "-" in part:
             lo_text, _, hi_text = part.partition("-")
             lo, hi = _non_negative(lo_text, text), _non_negative(hi_text, text)
+            _check_limit(hi, limit, text)
             if hi < lo:
                 raise CpuListError(f"descending range {lo}-{hi} in {text!r}")
             cpus.update(range(lo, hi + 1, stride))
         else:
-            cpus.add(_non_negative(part, text))
+            number = _non_negative(part, text)
+            _check_limit(number, limit, text)
+            cpus.add(number)
     return tuple(sorted(cpus))
 
 
@@ -57,8 +70,13 @@ def format_cpulist(cpus: Iterable[int]) -> str:
     return ",".join(parts)
 
 
+def _check_limit(number: int, limit: int, whole: str) -> None:
+    if number > limit:
+        raise CpuListRangeError(f"{number} in {whole!r} is larger than any CPU or node number (at most {limit})")
+
+
 def _non_negative(token: str, whole: str) -> int:
     token = token.strip()
-    if not token.isdigit():
+    if not (token.isascii() and token.isdigit()):
         raise CpuListError(f"{token!r} is not a CPU number in {whole!r}")
     return int(token)

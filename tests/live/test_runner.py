@@ -110,7 +110,9 @@ def test_affinity_read_from_outside_while_instances_run(tmp_path: Path) -> None:
         assert proc.stdout is not None
         for _ in instances:
             assert b"ready" in proc.stdout.readline()
-        children = sorted(psutil.Process(proc.pid).children(), key=lambda p: p.create_time())
+        # instances lead their own sessions; the watchdog (xlaunch's other child) does not
+        children = sorted((c for c in psutil.Process(proc.pid).children() if os.getsid(c.pid) == c.pid),
+                          key=lambda p: p.create_time())
         assert len(children) == len(instances)
         seen = {}
         for child in children:
@@ -205,7 +207,9 @@ def test_missing_program_is_127_and_stops_the_others(tmp_path: Path) -> None:
 def test_success_and_summary(tmp_path: Path) -> None:
     status, out, err = launch(tmp_path, [instance(0, ["true"]), instance(1, ["true"])])
     assert status == 0
-    summary = [line for line in err.splitlines() if line.startswith("xlaunch: ")]
+    lines = [line for line in err.splitlines() if line.startswith("xlaunch: ")]
+    assert lines[0] == "xlaunch: starting 2 instances on 2 CPUs: allocator default, OpenMP gnu"
+    summary = lines[1:]
     assert summary[0].split()[1:] == ["instance", "cpus", "status", "wall"]
     assert summary[1].split()[1:4] == ["0", str(ALLOWED[0]), "exit"]
     assert summary[-1] == "xlaunch: exit status 0"

@@ -327,12 +327,18 @@ def _module_exists(name: str, environ: Mapping[str, str]) -> bool:
 
 
 def _load_machine(environ: Mapping[str, str]):
-    from xlaunch.launcher.machine import MachineRootError, load_machine
+    from xlaunch.launcher.machine import MachineRootError, load_machine, recorded_root_problem
 
+    root = environ.get("XLAUNCH_FSROOT") or None
     try:
-        return load_machine(environ.get("XLAUNCH_FSROOT") or None)
+        machine = load_machine(root)
     except MachineRootError as exc:
         raise OptionError("XLAUNCH_FSROOT", str(exc)) from None
+    if os.path.realpath(machine.root) != "/":
+        problem = recorded_root_problem(machine.root)
+        if problem is not None:
+            raise OptionError("XLAUNCH_FSROOT", problem)
+    return machine
 
 
 def _machine_information(ctx: click.Context, environ: Mapping[str, str]) -> int:

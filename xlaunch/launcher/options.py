@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
-from xlaunch.cpulist import CpuListError, parse_cpulist
+from xlaunch.cpulist import MAX_ID, CpuListError, CpuListRangeError, parse_cpulist
 from xlaunch.launcher.errors import OptionError
 
 ALLOCATORS = ("auto", "default", "jemalloc", "tcmalloc")
@@ -198,6 +198,8 @@ def _as_int(option: str, value: Any, where: str) -> int:
         return value
     text = str(value).strip()
     try:
+        if not text.isascii():
+            raise ValueError(text)
         return int(text)
     except ValueError:
         raise OptionError(option, f"expected an integer, got {value!r}{where}") from None
@@ -209,12 +211,14 @@ def _as_list(option: str, value: Any, where: str) -> tuple[int, ...]:
     if isinstance(value, int):
         value = str(value)
     if isinstance(value, (list, tuple)):
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-            raise OptionError(option, f"expected non-negative integers, got {list(value)!r}{where}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID for v in value):
+            raise OptionError(option, f"expected integers from 0 to {MAX_ID}, got {list(value)!r}{where}")
         items = tuple(sorted(set(value)))
     elif isinstance(value, str):
         try:
             items = parse_cpulist(value)
+        except CpuListRangeError as exc:
+            raise OptionError(option, f"{exc}{where}") from None
         except CpuListError as exc:
             raise OptionError(option, f"malformed list: {exc}{where}") from None
     else:

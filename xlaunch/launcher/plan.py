@@ -28,12 +28,18 @@ class Instance:
     bind: str = "native"         # native: runner pins with sched_setaffinity + set_mempolicy
     membind: str = "bind"        # bind | preferred | interleave | none (native binding only)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, inherited: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+        env = dict(self.env)
+        unset: list[str] = []
+        if inherited is not None:
+            env = {k: v for k, v in self.env.items() if inherited.get(k) != v}
+            unset = sorted(k for k in inherited if k not in self.env)
         return {
             "index": self.index,
             "cpus": list(self.cpus),
             "mem_nodes": list(self.mem_nodes),
-            "env": dict(self.env),
+            "env": env,
+            **({"env_unset": unset} if unset else {}),
             "argv": list(self.argv),
             "bind": self.bind,
             "membind": self.membind,
@@ -48,10 +54,17 @@ class Plan:
     env_set: dict[str, str] = field(default_factory=dict)     # what xlaunch added (all instances alike)
     env_kept: dict[str, str] = field(default_factory=dict)    # user's values xlaunch did not override
     machine_summary: dict[str, Any] = field(default_factory=dict)
+    allocator: str = "default"               # jemalloc | tcmalloc | tcmalloc_minimal | glibc | default | user
+    openmp: str = "gnu"                      # gnu | intel
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, inherited: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+        """The plan as JSON. With ``inherited`` (the user's environment), each instance's ``env``
+        lists only what xlaunch changed, and ``env_unset`` what it removed: the rest of the
+        user's environment (tokens, keys) is never printed."""
         return {
-            "instances": [i.to_json() for i in self.instances],
+            "allocator": self.allocator,
+            "openmp": self.openmp,
+            "instances": [i.to_json(inherited) for i in self.instances],
             "idle_cpus": list(self.idle_cpus),
             "warnings": list(self.warnings),
             "env_set": dict(self.env_set),
@@ -162,6 +175,8 @@ def plan(
         warnings=tuple(notes),
         env_set=_common(added_per_instance),
         env_kept=kept,
+        allocator=runtime.allocator,
+        openmp=runtime.openmp,
     )
 
 

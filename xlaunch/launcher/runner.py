@@ -1,14 +1,13 @@
-"""The runner: start a :class:`~xlaunch.launcher.plan.Plan`'s instances, pin, stream, supervise.
+"""The runner: start a :class:`~xlaunch.launcher.plan.Plan`'s instances and supervise them.
 
-The only module of the launcher that touches processes. :func:`run_plan` is the whole API.
+The only module of the launcher that touches processes; :func:`run_plan` is the whole API.
+Starting one instance is :mod:`.spawning`; log files are :mod:`.logfiles`; the end-of-run table
+and JSON are :mod:`.summary`; :mod:`.watchdog` cleans up if xlaunch itself is killed. Here is the
+lifecycle (details in ``docs/runner.md``):
 
-How it works (details in ``docs/runner.md``):
-
-* Instances start one after another in a tight loop, each with ``argv`` exec'd directly (never
-  a shell), its complete ``env``, its own session / process group, stdout and stderr merged
-  into one pipe, and ``PR_SET_PDEATHSIG(SIGTERM)`` so they die if xlaunch is killed.
-* ``bind == "native"`` instances are pinned by pinning the spawning thread (affinity and
-  memory policy are inherited across fork), see :mod:`xlaunch.launcher.binding`.
+* Signal handling is installed first, then instances start one after another. A SIGINT,
+  SIGTERM or SIGHUP that arrives while they start is forwarded to those already running and no
+  further instance starts.
 * Supervision is one single-threaded ``select`` loop: pipes, a signal wake-up fd (SIGCHLD,
   SIGINT, SIGTERM, SIGHUP) and deadlines. No threads are ever started, so forking stays safe.
 * xlaunch becomes a child subreaper: orphans of an instance stay its children, stay in the
@@ -26,19 +25,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, TextIO
+from typing import BinaryIO, Optional, TextIO
 
 from xlaunch.cpulist import format_cpulist
+from xlaunch.launcher import spawning
 from xlaunch.launcher.output import Console, InstanceStream
 from xlaunch.launcher.plan import Instance, Plan
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_INTERVAL = 0.2          # upper bound on any wait, in case a wake-up is missed
 READ_SIZE = 1 << 16
-
-
-# --------------------------------------------------------------------------------------------
-# statuses
 
 
 def status_code(wait_code: int, value: int) -> int:
@@ -61,29 +57,31 @@ def status_text(wait_code: int, value: int) -> str:
     return text + " (core dumped)" if wait_code == os.CLD_DUMPED else text
 
 
-# --------------------------------------------------------------------------------------------
-# one instance while it runs
-
-
 @dataclass
 class _Child:
+    """One instance while it runs."""
+
     instance: Instance
     stream: InstanceStream
-    log: BinaryIO | None = None
-    proc: subprocess.Popen | None = None
-    fd: int | None = None                 # read end of the output pipe while open
+    proc: Optional[subprocess.Popen] = None
+    fd: Optional[int] = None              # read end of the output pipe while open
     started: float = 0.0
-    ended: float | None = None
-    status: int | None = None             # shell-style status once known
+    ended: Optional[float] = None
+    status: Optional[int] = None          # shell-style status once known
     text: str = "not started"
     stopped_by: str = ""                  # why xlaunch signalled it, if it did
     group_alive: bool = False             # its process group may still have members
-    kill_at: float | None = None          # when the group gets SIGKILL
+    kill_at: Optional[float] = None       # when the group gets SIGKILL
     notes: list[str] = field(default_factory=list)
 
     @property
     def running(self) -> bool:
         return self.proc is not None and self.ended is None
+
+    @property
+    def done(self) -> bool:
+        """Never started, or ended with nothing left in its process group."""
+        return self.proc is None or (self.ended is not None and not self.group_alive)
 
     @property
     def pid(self) -> int:
@@ -93,60 +91,66 @@ class _Child:
 class _Supervisor:
     """Runs one plan to completion. Construct, call :meth:`run` once."""
 
-    def __init__(self, plan: Plan, *, log_dir: str | None, log_file_prefix: str, keep_going: bool,
-                 grace_period: float, quiet: bool, stdout: BinaryIO | TextIO | None = None,
-                 stderr: TextIO | None = None) -> None:
+    def __init__(self, plan: Plan, *, log_dir: Optional[str], log_file_prefix: str, keep_going: bool,
+                 grace_period: float, quiet: bool, summary_json: Optional[str] = None,
+                 stdout: Optional[BinaryIO] = None, stderr: Optional[TextIO] = None) -> None:
         self.plan = plan
         self.keep_going = keep_going
         self.grace = max(0.0, float(grace_period))
         self.quiet = quiet
+        self.summary_json = summary_json
         self.stderr = stderr if stderr is not None else sys.stderr
         self.console = Console(stdout)
         self.log_dir = log_dir
         self.prefix = log_file_prefix
-        self.launcher_log: TextIO | None = None
+        self.logs = None                               # logfiles.LogFiles when log_dir is set
         self.children: list[_Child] = []
-        self.first_failure: _Child | None = None
-        self.interrupted: int | None = None          # first signal xlaunch received
+        self.first_failure: Optional[_Child] = None
+        self.interrupted: Optional[int] = None         # first signal xlaunch received
         self.pending_signals: list[int] = []
         self.signal_counts: dict[int, int] = {}
-        self.mempolicy_refused = False
+        self.memory = spawning.MemoryPolicy()
+        self.watchdog = None
         self.selector = selectors.DefaultSelector()
-        self.wakeup_r: int | None = None
-        self.wakeup_w: int | None = None
+        self.wakeup_r: Optional[int] = None
+        self.wakeup_w: Optional[int] = None
         self.saved_handlers: dict[int, object] = {}
-        self.saved_wakeup_fd: int | None = None
-        self.saved_subreaper: bool | None = None
-        self.t0 = time.monotonic()
+        self.saved_wakeup_fd: Optional[int] = None
+        self.saved_subreaper: Optional[bool] = None
 
-    # ---------------------------------------------------------------- messages and logs
+    # ---------------------------------------------------------------- messages
 
     def log(self, message: str) -> None:
-        if self.launcher_log is not None:
+        launcher_log = self.logs.launcher if self.logs is not None else None
+        if launcher_log is not None:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
-            self.launcher_log.write(f"{stamp} {message}\n")
-            self.launcher_log.flush()
+            launcher_log.write(f"{stamp} {message}\n")
+            launcher_log.flush()
 
     def say(self, message: str, *, warning: bool = False) -> None:
         """Tell the user (stderr; warnings even when quiet) and the launcher log."""
         self.log(("warning: " if warning else "") + message)
         if warning or not self.quiet:
-            try:
-                self.stderr.write(f"xlaunch: {'warning: ' if warning else ''}{message}\n")
-                self.stderr.flush()
-            except (BrokenPipeError, ValueError):
-                pass
+            self._write_stderr(f"xlaunch: {'warning: ' if warning else ''}{message}\n")
+
+    def _write_stderr(self, text: str) -> None:
+        try:
+            self.stderr.write(text)
+            self.stderr.flush()
+        except (BrokenPipeError, ValueError):
+            pass
 
     def open_logs(self) -> None:
-        for instance in self.plan.instances:
-            log = None
-            if self.log_dir is not None:
-                path = os.path.join(self.log_dir, f"{self.prefix}_instance_{instance.index}.log")
-                log = open(path, "wb")
-            self.children.append(_Child(instance, InstanceStream(instance.index, self.console, log), log))
         if self.log_dir is not None:
-            path = os.path.join(self.log_dir, f"{self.prefix}_launcher.log")
-            self.launcher_log = open(path, "w", encoding="utf-8", errors="replace")
+            from xlaunch.launcher.logfiles import open_log_files
+
+            self.logs = open_log_files(self.log_dir, self.prefix, [i.index for i in self.plan.instances])
+        for instance in self.plan.instances:
+            log = self.logs.instances[instance.index] if self.logs is not None else None
+            self.children.append(_Child(instance, InstanceStream(instance.index, self.console, log)))
+        if self.logs is not None and self.logs.kept:
+            self.say(f"earlier logs kept as {', '.join(os.path.basename(p) for p in self.logs.kept[:2])}"
+                     + (f" and {len(self.logs.kept) - 2} more" if len(self.logs.kept) > 2 else ""))
 
     def log_plan(self) -> None:
         plan = self.plan
@@ -166,6 +170,12 @@ class _Supervisor:
             self.log(f"env kept (user's value): {name}={value}")
         for warning in plan.warnings:
             self.log(f"plan warning: {warning}")
+
+    def start_line(self) -> None:
+        count = len(self.plan.instances)
+        cpus = sum(len(i.cpus) for i in self.plan.instances)
+        self.say(f"starting {count} instance{'s' if count != 1 else ''} on {cpus} CPU{'s' if cpus != 1 else ''}: "
+                 f"allocator {self.plan.allocator}, OpenMP {self.plan.openmp}")
 
     # ---------------------------------------------------------------- signals
 
@@ -209,67 +219,59 @@ class _Supervisor:
 
     # ---------------------------------------------------------------- processes
 
-    def spawn_all(self) -> None:
-        stdin = subprocess.DEVNULL if len(self.children) > 1 or _stdin_is_tty() else None
-        single_threaded = _thread_count() == 1
+    def start_watchdog(self, single_threaded: bool) -> None:
+        if not single_threaded:
+            self.log("the launcher has other threads: no watchdog (forking is unsafe)")
+            return
+        from xlaunch.launcher.watchdog import Watchdog
+
+        try:
+            self.watchdog = Watchdog.start(self.grace)
+        except OSError as error:
+            self.log(f"no watchdog ({error}): if xlaunch is killed, instances get SIGTERM only")
+            return
+        self.log(f"watchdog pid {self.watchdog.pid}")
+
+    def spawn_all(self, single_threaded: bool) -> None:
+        stdin = spawning.stdin_for(len(self.children))
         if not single_threaded:
             self.log("the launcher has other threads: PR_SET_PDEATHSIG skipped (preexec is unsafe)")
         for child in self.children:
-            if self.first_failure is not None and not self.keep_going:
-                child.text = "not started (an earlier instance failed)"
-                continue
-            self.spawn(child, stdin, single_threaded)
             self.handle_signals()
+            if self.interrupted is not None:
+                child.text = f"not started ({signal_name(self.interrupted)} received)"
+            elif self.first_failure is not None and not self.keep_going:
+                child.text = "not started (an earlier instance failed)"
+            else:
+                self.spawn(child, stdin, single_threaded)
+        self.handle_signals()
 
-    def spawn(self, child: _Child, stdin: int | None, single_threaded: bool) -> None:
+    def spawn(self, child: _Child, stdin: Optional[int], single_threaded: bool) -> None:
         instance = child.instance
         child.started = time.monotonic()
+        refused_before = self.memory.refused
         try:
-            if instance.bind == "native":
-                child.proc = self._spawn_pinned(instance, stdin, single_threaded)
-            else:
-                child.proc = self._popen(instance, stdin, single_threaded)
+            child.proc = spawning.spawn(instance, stdin=stdin, die_with_parent=single_threaded, memory=self.memory)
         except OSError as error:
-            code = 127 if isinstance(error, FileNotFoundError) else 126 if isinstance(error, PermissionError) else 1
+            child.status, message = spawning.start_failure(error, instance)
             child.ended = time.monotonic()
-            child.status = code
             child.text = f"not started ({error.strerror or error})"
-            self.say(f"instance {instance.index} could not start: {_describe_error(error, instance)}",
-                     warning=True)
+            self.say(f"instance {instance.index} could not start: {message}", warning=True)
             self.record_failure(child)
             return
+        finally:
+            if self.memory.refused is not None and refused_before is None:
+                refused = self.memory.refused
+                self.say(f"memory policy refused ({refused.strerror or refused}): instances are bound to "
+                         f"their CPUs only", warning=True)
+        if self.watchdog is not None:
+            self.watchdog.watch(child.pid)
         child.group_alive = True
         child.text = "running"
         assert child.proc.stdout is not None
         child.fd = child.proc.stdout.fileno()
         self.selector.register(child.fd, selectors.EVENT_READ, child)
         self.log(f"instance {instance.index} started: pid {child.pid}")
-
-    def _spawn_pinned(self, instance: Instance, stdin: int | None, single_threaded: bool) -> subprocess.Popen:
-        from xlaunch.launcher import binding
-
-        policy = None if self.mempolicy_refused else binding.mempolicy_for(instance.membind, instance.mem_nodes)
-        try:
-            with binding.pinned_thread(instance.cpus, policy):
-                return self._popen(instance, stdin, single_threaded)
-        except binding.MemoryPolicyRefused as refused:
-            self.mempolicy_refused = True
-            self.say(f"memory policy refused ({refused.strerror or refused}): instances are bound to "
-                     f"their CPUs only", warning=True)
-        with binding.pinned_thread(instance.cpus, None):
-            return self._popen(instance, stdin, single_threaded)
-
-    def _popen(self, instance: Instance, stdin: int | None, single_threaded: bool) -> subprocess.Popen:
-        return subprocess.Popen(
-            list(instance.argv),
-            env=dict(instance.env),
-            stdin=stdin,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            preexec_fn=_die_with_parent_setup(os.getpid()) if single_threaded else None,
-        )
 
     def signal_groups(self, number: int, why: str, *, immediate: bool = False) -> None:
         """Send ``number`` to every live process group; schedule SIGKILL after the grace period."""
@@ -289,10 +291,14 @@ class _Supervisor:
     def _killpg(self, child: _Child, number: int) -> None:
         try:
             os.killpg(child.pid, number)
-        except ProcessLookupError:
-            child.group_alive = False
-        except PermissionError:  # pid reused by a stranger's group: not ours any more
-            child.group_alive = False
+        except (ProcessLookupError, PermissionError):  # gone, or the pgid now belongs to a stranger
+            self._group_gone(child)
+
+    def _group_gone(self, child: _Child) -> None:
+        if child.group_alive and self.watchdog is not None:
+            self.watchdog.forget(child.pid)
+        child.group_alive = False
+        child.kill_at = None
 
     def enforce_deadlines(self) -> None:
         now = time.monotonic()
@@ -327,8 +333,7 @@ class _Supervisor:
         try:
             os.killpg(child.pid, 0)
         except (ProcessLookupError, PermissionError):
-            child.group_alive = False
-            child.kill_at = None
+            self._group_gone(child)
             return
         if child.kill_at is None and not child.notes:
             child.notes.append("leftover processes stopped")
@@ -401,17 +406,12 @@ class _Supervisor:
 
     # ---------------------------------------------------------------- the loop
 
-    def finished(self) -> bool:
-        return all(c.ended is not None and not c.group_alive for c in self.children)
-
     def loop(self) -> None:
         while True:
             self.handle_signals()
             self.reap()
             self.enforce_deadlines()
-            if self.finished() and all(c.fd is None for c in self.children):
-                return
-            if self.finished():
+            if all(c.done for c in self.children):
                 self.drain_and_close_pipes()
                 return
             deadlines = [c.kill_at for c in self.children if c.kill_at is not None]
@@ -440,12 +440,12 @@ class _Supervisor:
             self.close_pipe(child)
 
     def run(self) -> int:
-        if self.log_dir is not None:
-            os.makedirs(self.log_dir, exist_ok=True)
-        self.open_logs()
-        self.log_plan()
         try:
+            self.open_logs()          # an OptionError here: nothing started, nothing left behind
+            self.log_plan()
+            self.start_line()
             self.install_signal_handling()
+            single_threaded = spawning.single_threaded()
             try:
                 from xlaunch.launcher import binding
 
@@ -453,12 +453,15 @@ class _Supervisor:
             except OSError as error:
                 self.log(f"cannot become child subreaper ({error}); orphans go to init")
             try:
-                self.spawn_all()
+                self.start_watchdog(single_threaded)
+                self.spawn_all(single_threaded)
                 self.loop()
             except BaseException:
                 self.kill_everything()
                 raise
             finally:
+                if self.watchdog is not None:
+                    self.watchdog.stop()
                 if self.saved_subreaper is not None:
                     from xlaunch.launcher import binding
 
@@ -469,41 +472,51 @@ class _Supervisor:
             return code
         finally:
             self.selector.close()
-            for child in self.children:
-                if child.log is not None:
-                    child.log.close()
-            if self.launcher_log is not None:
-                self.launcher_log.close()
+            if self.logs is not None:
+                self.logs.close()
 
     def exit_status(self) -> int:
-        if self.first_failure is not None and self.first_failure.status:
-            return self.first_failure.status
+        """The first instance's own failure; else 128+N after signal N; else 0.
+
+        An instance that failed only because xlaunch forwarded a signal (even if it then needed
+        SIGKILL) does not count as failing on its own: the status is the signal's.
+        """
+        failure = self.first_failure
+        if failure is not None and failure.status and not (self.interrupted is not None and failure.stopped_by):
+            return failure.status
         if self.interrupted is not None:
             return 128 + self.interrupted
-        return 0
+        return failure.status if failure is not None and failure.status else 0
+
+    def results(self) -> list:
+        from xlaunch.launcher.summary import InstanceResult
+
+        return [
+            InstanceResult(
+                index=c.instance.index, cpus=c.instance.cpus, mem_nodes=c.instance.mem_nodes,
+                status=c.status,
+                text=c.text + (f" ({c.stopped_by})" if c.stopped_by and c.status else ""),
+                wall_s=(c.ended - c.started) if c.ended is not None and c.started else None,
+            )
+            for c in self.children
+        ]
 
     def summarize(self, code: int) -> None:
-        rows = [("instance", "cpus", "status", "wall")]
-        for child in self.children:
-            wall = f"{child.ended - child.started:.2f}s" if child.ended is not None and child.started else "-"
-            text = child.text + (f" ({child.stopped_by})" if child.stopped_by and child.status else "")
-            rows.append((str(child.instance.index), format_cpulist(child.instance.cpus) or "-", text, wall))
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
-                 for row in rows]
-        lines.append(f"exit status {code}")
+        from xlaunch.launcher import summary
+
+        results = self.results()
+        lines = summary.table_lines(results, code)
         for line in lines:
             self.log("summary: " + line)
         if not self.quiet:
+            self._write_stderr("".join(f"xlaunch: {line}\n" for line in lines))
+        if self.summary_json is not None:
+            data = summary.summary_json(results, code, allocator=self.plan.allocator, openmp=self.plan.openmp)
             try:
-                self.stderr.write("".join(f"xlaunch: {line}\n" for line in lines))
-                self.stderr.flush()
-            except (BrokenPipeError, ValueError):
-                pass
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
+                summary.write_json(self.summary_json, data)
+            except OSError as error:
+                self.say(f"--summary-json: cannot write {self.summary_json!r}: {error.strerror or error}",
+                         warning=True)
 
 
 def _ignore_signal(_number: int, _frame: object) -> None:
@@ -518,57 +531,28 @@ def _drain_fd(fd: int) -> None:
         pass
 
 
-def _thread_count() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
-
-
-def _stdin_is_tty() -> bool:
-    try:
-        return os.isatty(0)
-    except OSError:
-        return False
-
-
-def _die_with_parent_setup(parent_pid: int) -> Callable[[], None]:
-    """The child's only pre-exec step: die (SIGTERM) with xlaunch, even if it already died."""
-    from xlaunch.launcher import binding
-
-    def setup() -> None:
-        binding.die_with_parent(signal.SIGTERM)
-        if os.getppid() != parent_pid:
-            os._exit(128 + signal.SIGTERM)
-
-    return setup
-
-
-def _describe_error(error: OSError, instance: Instance) -> str:
-    program = instance.argv[0] if instance.argv else "(empty argv)"
-    if isinstance(error, FileNotFoundError):
-        return f"{program}: command not found"
-    if isinstance(error, PermissionError):
-        return f"{program}: permission denied"
-    return f"{program}: {error}"
-
-
-def run_plan(plan: Plan, *, log_dir: str | None = None, log_file_prefix: str = "xlaunch",
-             keep_going: bool = False, grace_period: float = 5.0, quiet: bool = False) -> int:
+def run_plan(plan: Plan, *, log_dir: Optional[str] = None, log_file_prefix: str = "xlaunch",
+             keep_going: bool = False, grace_period: float = 5.0, quiet: bool = False,
+             summary_json: Optional[str] = None) -> int:
     """Start every instance of ``plan``, supervise them, return the shell-style exit status.
 
     * Output: each instance's stdout and stderr (merged, in the order written) go to the console
       as whole lines prefixed ``[i] ``; with ``log_dir``, also unprefixed to
       ``<log_dir>/<log_file_prefix>_instance_<i>.log``, and the launcher's own events to
-      ``<log_dir>/<log_file_prefix>_launcher.log``.
+      ``<log_dir>/<log_file_prefix>_launcher.log`` (see :mod:`.logfiles`; a log file that cannot
+      be created raises :class:`~xlaunch.launcher.errors.OptionError` before anything starts).
     * Fail-fast (default): the first instance to fail (non-zero exit or a signal) makes xlaunch
       stop the others (SIGTERM to their process groups, SIGKILL after ``grace_period`` s) and its
       status is returned (exit code, or 128+N for signal N). ``keep_going``: all run to the end;
       the first failure's status is returned.
     * SIGINT/SIGTERM/SIGHUP received by xlaunch are forwarded to every instance's process group
-      (SIGKILL after ``grace_period``; a second identical signal kills at once). If no instance
-      failed, the status is 128+N of the received signal.
-    * Unless ``quiet``, a summary per instance (CPUs, status, wall time) goes to stderr.
+      (SIGKILL after ``grace_period``; a second identical signal kills at once); instances not
+      started yet are not started. Unless an instance failed on its own first, the status is
+      128+N of the received signal.
+    * If xlaunch is killed outright, the watchdog stops every instance group (SIGTERM, SIGKILL
+      after ``grace_period``).
+    * Unless ``quiet``, a start line and a summary per instance go to stderr; ``summary_json``
+      names a file for the summary as JSON.
     """
     return _Supervisor(plan, log_dir=log_dir, log_file_prefix=log_file_prefix, keep_going=keep_going,
-                       grace_period=grace_period, quiet=quiet).run()
+                       grace_period=grace_period, quiet=quiet, summary_json=summary_json).run()

@@ -32,7 +32,7 @@ FSROOT_ENV = "XLAUNCH_FSROOT"
 __all__ = [
     "EFFICIENCY", "FSROOT_ENV", "ISA_FLAGS", "PERFORMANCE", "UNKNOWN_KIND",
     "CacheDomain", "Core", "Cpu", "Isa", "Library", "Machine", "MachineRootError", "Node",
-    "current_machine", "load_machine", "resolve_root",
+    "current_machine", "load_machine", "recorded_root_problem", "resolve_root",
 ]
 
 
@@ -51,6 +51,23 @@ def resolve_root(root: Optional[str] = None) -> str:
             f"recorded sys/ and proc/ (unset it to read this machine)"
         )
     return root
+
+
+def recorded_root_problem(root: str) -> Optional[str]:
+    """Why ``root`` is not a recorded machine, or None when it holds one.
+
+    The library reads whatever is there (missing files become notes), but a root with no CPU
+    directory at all would silently describe an invented 1-CPU machine; the CLI refuses it.
+    """
+    cpu_dir = os.path.join(root, "sys", "devices", "system", "cpu")
+    try:
+        names = os.listdir(cpu_dir)
+    except OSError:
+        return f"{root!r} has no sys/devices/system/cpu: not a recorded machine tree"
+    if not any(n in ("online", "possible", "present") or (n.startswith("cpu") and n[3:].isdigit())
+               for n in names):
+        return f"{cpu_dir!r} lists no CPUs (no cpuN directories, no online/possible lists)"
+    return None
 
 
 def load_machine(root: Optional[str] = None, *, live: Optional[bool] = None) -> Machine:

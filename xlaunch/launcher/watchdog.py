@@ -1,0 +1,141 @@
+"""The watchdog: when xlaunch dies without cleaning up (``kill -9``, OOM killer), nothing of the
+job keeps running.
+
+``PR_SET_PDEATHSIG`` alone is not enough: it reaches only each instance's first process, as a
+signal that a checkpointing trainer may handle or ignore, and never the instance's children. So
+xlaunch forks a small watchdog before the first instance starts. It sits in its own process
+group (a signal to xlaunch's group or the terminal's Ctrl-C does not reach it), ignores
+SIGINT/SIGTERM/SIGHUP, and reads a pipe whose only write end xlaunch holds: ``+PGID`` / ``-PGID``
+lines as instance process groups start and end, ``done`` on a normal exit. End of file without
+``done`` means xlaunch is gone: the watchdog sends SIGTERM to every live group, SIGKILL after the
+grace period, and exits.
+
+Limits (documented in docs/runner.md): a process that leaves its instance's process group
+(``setsid``, ``setpgid``) is not found; killing the watchdog itself with SIGKILL leaves only the
+parent-death signal.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Optional
+
+POLL = 0.05
+
+
+class Watchdog:
+    """xlaunch's side: :meth:`start`, then :meth:`watch` / :meth:`forget` groups, :meth:`stop`."""
+
+    def __init__(self, pid: int, write_fd: int) -> None:
+        self.pid = pid
+        self._fd: Optional[int] = write_fd
+
+    @classmethod
+    def start(cls, grace_period: float) -> "Watchdog":
+        """Fork the watchdog (raises OSError when it cannot)."""
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:  # the watchdog
+            code = 0
+            try:
+                _become_watchdog(read_fd)
+                _watch(read_fd, max(0.0, grace_period))
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(read_fd)
+        return cls(pid, write_fd)
+
+    def watch(self, pgid: int) -> None:
+        self._send(f"+{pgid}\n")
+
+    def forget(self, pgid: int) -> None:
+        self._send(f"-{pgid}\n")
+
+    def stop(self) -> None:
+        """Normal end: tell the watchdog to leave everything alone, and reap it."""
+        if self._fd is None:
+            return
+        self._send("done\n")
+        os.close(self._fd)
+        self._fd = None
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+    def _send(self, line: str) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.write(self._fd, line.encode())
+        except OSError:  # the watchdog died: nothing to tell any more
+            os.close(self._fd)
+            self._fd = None
+
+
+def _become_watchdog(read_fd: int) -> None:
+    """Detach from xlaunch's signals, terminal and pipes; keep only ``read_fd``."""
+    os.setpgid(0, 0)
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:
+        pass
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(number, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, read_fd)
+    os.closerange(read_fd + 1, _max_fd())
+
+
+def _watch(read_fd: int, grace: float) -> None:
+    groups: set[int] = set()
+    pending = b""
+    while True:
+        try:
+            chunk = os.read(read_fd, 4096)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break  # xlaunch is gone without saying done
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line == b"done":
+                return
+            if line[:1] == b"+":
+                groups.add(int(line[1:]))
+            elif line[:1] == b"-":
+                groups.discard(int(line[1:]))
+    _stop_groups(groups, grace)
+
+
+def _stop_groups(groups: set[int], grace: float) -> None:
+    """SIGTERM every live group, SIGKILL what is left after ``grace`` seconds."""
+    live = {g for g in groups if _signal_group(g, signal.SIGTERM)}
+    deadline = time.monotonic() + grace
+    while live and time.monotonic() < deadline:
+        time.sleep(POLL)
+        live = {g for g in live if _signal_group(g, 0)}
+    for group in live:
+        _signal_group(group, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, number: int) -> bool:
+    try:
+        os.killpg(pgid, number)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _max_fd() -> int:
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (OSError, ValueError):
+        return 1024
