@@ -160,6 +160,8 @@ CONTEXT = {
          help="Let other instances finish when one fails (default: fail fast).")
 @_option("grace_period", group=GROUP_SUPERVISION, metavar="S",
          help="Seconds between SIGTERM and SIGKILL when stopping instances (default 5).")
+@_option("summary_json", group=GROUP_SUPERVISION, metavar="FILE",
+         help="Write the end-of-run summary (statuses, what was observed) as JSON to FILE.")
 @_option("dry_run", group=GROUP_SUPERVISION, is_flag=True, help="Print the plan; start nothing.")
 @_option("json", group=GROUP_SUPERVISION, is_flag=True,
          help="With --dry-run, --check-isa or --show-topology: print one JSON object.")
@@ -179,12 +181,26 @@ def command(**_: Any) -> None:
     """Parsing only; :func:`run` does the work with ``ctx.params``."""
 
 
+def _add_compat_options() -> None:
+    """ipexrun / run_cpu spellings (:mod:`xlaunch.launcher.compat`): accepted, not in --help."""
+    from xlaunch.launcher.compat import SPELLINGS, flags
+
+    for spelling in SPELLINGS:
+        command.params.insert(-1, click.Option(flags(spelling) + [spelling.name], is_flag=not spelling.takes_value,
+                                               default=None, hidden=True))
+
+
+_add_compat_options()
 NOT_OPTIONS = frozenset({"command", "verbose", "quiet", "config", "check_isa", "torch", "show_topology"})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Console-script entry point."""
-    sys.exit(run(argv))
+    """Console-script entry point. A Ctrl-C before the runner took over signals is exit 130 with
+    no traceback (nothing had started)."""
+    try:
+        sys.exit(run(argv))
+    except KeyboardInterrupt:
+        sys.exit(128 + 2)
 
 
 def run(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
@@ -256,7 +272,19 @@ def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
         for key in config:
             if str(key).replace("-", "_") in ("config", "command", "program"):
                 raise OptionError("--config", f"{key!r} cannot be set in a config file ({source})")
-    cli = {name: value for name, value in params.items() if name not in NOT_OPTIONS and _given(ctx, name)}
+    from xlaunch.launcher import compat
+
+    cli = {name: value for name, value in params.items()
+           if name not in NOT_OPTIONS and name not in compat.BY_NAME and _given(ctx, name)}
+    old = {name: params[name] for name in compat.BY_NAME if _given(ctx, name)}
+    if old:
+        translated = compat.translate(old, cli)
+        if _verbosity(ctx) >= 0:
+            for name in old:
+                spelling = compat.BY_NAME[name]
+                sys.stderr.write(f"xlaunch: note: {compat.flags(spelling)[0]} ({spelling.origin}) means "
+                                 f"{spelling.meaning}\n")
+        cli = {**translated, **cli}
     cli["verbosity"] = _verbosity(ctx)
     command = tuple(params["command"])
     options = build_options(
@@ -266,6 +294,11 @@ def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
         raise OptionError("--json", "only applies with --dry-run, --check-isa or --show-topology")
     if options.log_dir is not None:
         _check_log_dir(options.log_dir)
+        from xlaunch.launcher.logfiles import check_names
+
+        check_names(options.log_dir, options.log_file_prefix, [0])
+    if options.summary_json is not None:
+        _check_output_file("--summary-json", options.summary_json)
     if options.program is None:
         if options.dry_run:
             return options
@@ -288,6 +321,15 @@ def _check_log_dir(path: str) -> None:
         raise OptionError("--log-dir", f"cannot create {path!r} ({parent!r} is not a writable directory)")
 
 
+def _check_output_file(option: str, path: str) -> None:
+    """A file we will write at the end: its directory must exist and be writable."""
+    if os.path.isdir(path):
+        raise OptionError(option, f"{path!r} is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise OptionError(option, f"cannot write {path!r} ({parent!r} is not a writable directory)")
+
+
 def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
     """Check PROGRAM exists; with --no-python, replace it by its path on PATH."""
     import dataclasses
@@ -303,8 +345,9 @@ def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
             raise OptionError("PROGRAM", f"{program!r} not found{where} (or not executable)")
         return dataclasses.replace(options, program=os.path.abspath(found) if os.sep in program else found)
     if options.module:
-        if not _module_exists(program, environ):
-            raise OptionError("PROGRAM", f"no module named {program!r}")
+        problem = _module_problem(program, environ)
+        if problem:
+            raise OptionError("PROGRAM", problem)
         return options
     if os.path.isdir(program):
         if not os.path.isfile(os.path.join(program, "__main__.py")):
@@ -314,16 +357,38 @@ def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
     return options
 
 
-def _module_exists(name: str, environ: Mapping[str, str]) -> bool:
-    """Whether ``python -m name`` can find the top-level package, without importing anything."""
+def _module_problem(name: str, environ: Mapping[str, str]) -> Optional[str]:
+    """Why ``python -m name`` would not find ``name``, or None; imports nothing.
+
+    The top-level package is found as Python would (cwd, PYTHONPATH, sys.path); a dotted name is
+    then followed through the package directories on disk (namespace packages included). A
+    package found in a zip or by a custom importer is not looked into.
+    """
     import importlib.machinery
 
-    top = name.split(".")[0]
-    if not top or top in sys.builtin_module_names:
-        return bool(top)
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return f"{name!r} is not a module name"
+    top = parts[0]
+    if top in sys.builtin_module_names:
+        return None
     extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     search = [os.getcwd(), *extra, *[p for p in sys.path if p]]
-    return importlib.machinery.PathFinder.find_spec(top, search) is not None
+    spec = importlib.machinery.PathFinder.find_spec(top, search)
+    if spec is None:
+        return f"no module named {top!r}"
+    locations = list(spec.submodule_search_locations or [])
+    for depth, part in enumerate(parts[1:], start=1):
+        parent = ".".join(parts[:depth])
+        if not locations:
+            return f"{parent!r} is not a package, so it has no module {part!r}"
+        if not all(os.path.isdir(d) for d in locations):
+            return None  # a zip or a custom importer: let Python decide
+        found = importlib.machinery.PathFinder.find_spec(part, locations)
+        if found is None:
+            return f"no module named {'.'.join(parts[:depth + 1])!r}"
+        locations = list(found.submodule_search_locations or [])
+    return None
 
 
 def _load_machine(environ: Mapping[str, str]):
@@ -373,6 +438,8 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
     the_plan = plan(options, machine, environ)
     if not options.dry_run and os.path.realpath(machine.root) != "/":
         raise OptionError("XLAUNCH_FSROOT", f"{machine.root} is a recorded machine: its plans can only be printed (add --dry-run)")
+    if not options.dry_run:
+        _check_exec_size(the_plan)
     if options.dry_run or options.verbosity > 0:   # only shown then; a plain run skips the import
         from xlaunch.launcher.report import machine_summary
 
@@ -385,7 +452,7 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
         if options.json:
             import json
 
-            sys.stdout.write(json.dumps(the_plan.to_json(), indent=2) + "\n")
+            sys.stdout.write(json.dumps(the_plan.to_json(environ), indent=2) + "\n")
         else:
             sys.stdout.write(format_plan(the_plan, environ, verbose=options.verbosity > 0))
         return 0
@@ -400,7 +467,31 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
         keep_going=options.keep_going,
         grace_period=options.grace_period,
         quiet=quiet,
+        summary_json=options.summary_json,
     )
+
+
+# Linux refuses any single argument or variable longer than MAX_ARG_STRLEN (32 pages) with E2BIG
+_MAX_ARG_STRLEN = 32 * 4096
+
+
+def _check_exec_size(the_plan: Any) -> None:
+    """Refuse, before anything starts, an argv + environment that exec would refuse (E2BIG)."""
+    try:
+        limit = os.sysconf("SC_ARG_MAX")
+    except (OSError, ValueError):
+        limit = 2 * 1024 * 1024
+    for inst in the_plan.instances:
+        strings = [a.encode("utf-8", "surrogateescape") for a in inst.argv]
+        strings += [f"{k}={v}".encode("utf-8", "surrogateescape") for k, v in inst.env.items()]
+        longest = max(strings, key=len, default=b"")
+        if len(longest) + 1 > _MAX_ARG_STRLEN:
+            raise OptionError("ARGS", f"one argument or variable is {len(longest)} bytes long; Linux "
+                                      f"execs none longer than {_MAX_ARG_STRLEN - 1} ({longest[:30]!r}...)")
+        total = sum(len(b) + 1 + 8 for b in strings) + 16
+        if total > limit:
+            raise OptionError("ARGS", f"arguments and environment take {total} bytes with what xlaunch adds; "
+                                      f"exec allows {limit} (shorten the arguments or the environment)")
 
 
 def format_plan(the_plan: Any, environ: Mapping[str, str], *, verbose: bool = False) -> str:

@@ -56,6 +56,7 @@ class Options:
     omp_runtime: str = "auto"
     bind_with: str = "auto"
     membind: str = "bind"
+    membind_nodes: Optional[tuple[int, ...]] = None   # numactl-style --membind 0-1: these nodes, not the slice's
     benchmark: bool = False
     auto_optimize: bool = False
     dtype: Optional[str] = None
@@ -65,6 +66,7 @@ class Options:
     log_file_prefix: str = "xlaunch"
     keep_going: bool = False
     grace_period: float = 5.0
+    summary_json: Optional[str] = None
     dry_run: bool = False
     json: bool = False
     config: Optional[str] = None             # where merged settings came from (path), for the record
@@ -87,13 +89,15 @@ _KINDS: dict[str, str] = {
     "membind": "choice", "benchmark": "flag",
     "auto_optimize": "flag", "dtype": "choice", "auto_optimize_verbose": "flag",
     "log_dir": "text", "log_file_prefix": "text", "keep_going": "flag",
-    "grace_period": "seconds", "dry_run": "flag", "json": "flag", "verbosity": "int",
+    "grace_period": "seconds", "summary_json": "text", "dry_run": "flag", "json": "flag", "verbosity": "int",
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "core_type": CORE_TYPES, "memory_allocator": ALLOCATORS, "omp_runtime": OMP_RUNTIMES,
     "bind_with": BIND_TOOLS, "membind": MEMBIND_POLICIES, "dtype": DTYPES,
 }
 SETTABLE = frozenset(_KINDS)
+# ipexrun's --instance-idx -1 and run_cpu's --node-id -1 mean "all of them"
+_MINUS_ONE_IS_ALL = frozenset({"instance_idx", "nodes_list"})
 # options that decide the instance shape; given on the command line they replace the config's
 _SHAPE_OPTIONS = frozenset({"ninstances", "ncores_per_instance", "throughput_mode", "latency_mode"})
 
@@ -142,6 +146,9 @@ def build_options(
         if name is None:
             raise OptionError(flag_name(key), "no such option")
         merged[name] = _convert(name, value, "")
+    if isinstance(merged.get("membind"), tuple):
+        merged["membind_nodes"] = merged.pop("membind")
+        merged["membind"] = "bind"
     options = Options(
         program=program,
         args=tuple(args),
@@ -176,6 +183,9 @@ def _convert(name: str, value: Any, where: str) -> Any:
         if not seconds >= 0 or seconds == float("inf"):
             raise OptionError(option, f"must be a finite number >= 0, got {value!r}{where}")
         return seconds
+    if name == "membind" and (isinstance(value, (list, tuple)) or
+                              (not isinstance(value, bool) and str(value).strip()[:1].isdigit())):
+        return _as_list(option, value, where)       # numactl's spelling: --membind 0-1
     if kind == "choice":
         text = str(value).strip().lower()
         if name == "dtype":
@@ -185,6 +195,8 @@ def _convert(name: str, value: Any, where: str) -> Any:
             raise OptionError(option, f"{value!r} is not one of {allowed}{where}")
         return text
     if kind == "list":
+        if name in _MINUS_ONE_IS_ALL and str(value).strip() == "-1":
+            return None
         return _as_list(option, value, where)
     if value is None or not isinstance(value, str):
         raise OptionError(option, f"expected text, got {value!r}{where}")
@@ -212,7 +224,7 @@ def _as_list(option: str, value: Any, where: str) -> tuple[int, ...]:
         value = str(value)
     if isinstance(value, (list, tuple)):
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID for v in value):
-            raise OptionError(option, f"expected integers from 0 to {MAX_ID}, got {list(value)!r}{where}")
+            raise OptionError(option, f"expected non-negative integers up to {MAX_ID}, got {list(value)!r}{where}")
         items = tuple(sorted(set(value)))
     elif isinstance(value, str):
         try:

@@ -129,6 +129,7 @@ def plan(
     command = _command(options)
     tool = _bind_tool_path(bind, environ, which)
     allowed_mems = set(machine.allowed_mems)
+    chosen_mems = _membind_nodes(options, machine)
     if bind == "taskset" and options.membind != "none":
         notes.append("--bind-with taskset binds CPUs only; memory is not bound (use native or numactl)")
 
@@ -139,7 +140,7 @@ def plan(
         cpus = tuple(sorted(cpu for unit in slices[index] for cpu in unit.cpus))
         nodes = {machine.cpu(c).node for c in cpus if machine.cpu(c) is not None}
         nodes.discard(None)
-        mem_nodes = tuple(sorted(n for n in nodes if not allowed_mems or n in allowed_mems))
+        mem_nodes = chosen_mems or tuple(sorted(n for n in nodes if not allowed_mems or n in allowed_mems))
         membind = options.membind if mem_nodes and bind in ("native", "numactl") else "none"
         result = instance_environment(
             environ, runtime, cpus=cpus, index=index, ninstances=ninstances, extra=extra_env
@@ -178,6 +179,21 @@ def plan(
         allocator=runtime.allocator,
         openmp=runtime.openmp,
     )
+
+
+def _membind_nodes(options: "Options", machine: "Machine") -> tuple[int, ...]:
+    """numactl-style ``--membind 0-1``: every instance's memory on these nodes (checked)."""
+    if not options.membind_nodes:
+        return ()
+    memory_nodes = {n.id for n in machine.nodes if n.memory_kib is None or n.memory_kib > 0}
+    for node in options.membind_nodes:
+        if node not in memory_nodes:
+            raise PlanError("--membind", f"no NUMA node {node} with memory (nodes with memory: "
+                                         f"{format_cpulist(sorted(memory_nodes)) or 'none'})")
+        if machine.allowed_mems and node not in machine.allowed_mems:
+            raise PlanError("--membind", f"NUMA node {node} is not allowed for this process (cpuset mems "
+                                         f"{format_cpulist(machine.allowed_mems)})")
+    return options.membind_nodes
 
 
 def _select_units(options: "Options", machine: "Machine", notes: list[str]) -> list[Unit]:
