@@ -84,11 +84,12 @@ def anonymous_memory_by_node(numa_maps_text: str, page_size: int = 4096) -> dict
     """Bytes of resident anonymous memory per NUMA node in a ``/proc/PID/numa_maps`` text.
 
     File-backed mappings (``file=``: libraries, page cache, shared memory) are left out: their
-    pages are shared with other processes and sit wherever the first reader put them.
+    pages are shared with other processes and sit wherever the first reader put them. Private
+    hugetlb memory (``file=/anon_hugepage``) is anonymous and counted.
     """
     by_node: dict[int, int] = {}
     for line in numa_maps_text.splitlines():
-        if " N" not in line or " file=" in line:
+        if " N" not in line or (" file=" in line and " file=/anon_hugepage" not in line):
             continue
         size = _PAGE_KB.search(line)
         unit = int(size.group(1)) * 1024 if size else page_size
@@ -126,13 +127,13 @@ def split_openmp(libraries: Sequence[tuple[str, str]], preloaded: dict[str, str]
     A preloaded Intel or LLVM runtime comes first in symbol lookup and defines the GNU
     (``GOMP_*``), Intel (``__kmpc_*``) and standard (``omp_*``) entry points, so every other
     runtime mapped next to it only sits there (torch's own libgomp under ``LD_PRELOAD=libiomp5``).
-    A preloaded libgomp shadows only other libgomp copies. Preloaded entries may be bare file
-    names: they match a mapped path by file name.
+    A preloaded libgomp shadows only other libgomp copies. A preloaded path matches the same
+    mapped path; a bare file name (found by the loader's search) the first mapped file of that name.
     """
     runtimes = [(kind, path) for kind, path in libraries if kind in OPENMP_OF_KIND]
-    preloaded_names = {os.path.basename(p) for p in preloaded}
-    winners = [(kind, path) for kind, path in runtimes
-               if path in preloaded or os.path.basename(path) in preloaded_names]
+    bare_names = {p for p in preloaded if "/" not in p}
+    winners = [(kind, path) for kind, path in runtimes if path in preloaded] or \
+              [(kind, path) for kind, path in runtimes if os.path.basename(path) in bare_names]
     if not winners:
         return [path for _, path in runtimes], []
     kind, winner = winners[0]
