@@ -14,8 +14,8 @@ The runner's whole use (single-threaded; no threads are started here)::
 Where each fact comes from (details and costs in ``docs/runner.md``, "What is observed"):
 
 * the process tree: the leader, its descendants (``/proc/PID/task/TID/children``; psutil's
-  ``children(recursive=True)`` when the kernel has no such file) and, when the leader leads a
-  process group, this process's children in that group (orphans re-parented to a subreaper);
+  ``children(recursive=True)`` when the kernel has no such file) and this process's children in
+  the process group the leader created (orphans re-parented to the runner as subreaper);
 * libraries: ``/proc/PID/maps`` paths named ``libjemalloc``, ``libtcmalloc[_minimal]``,
   ``libmimalloc``, ``libgomp``, ``libiomp5``, ``libomp``; ``LD_PRELOAD`` from psutil's ``environ()``
   decides which OpenMP runtime shadows the others;
@@ -226,15 +226,11 @@ def _read_process(pid: int, memory: bool, page_size: int,
 
 
 def _members(pid: int, psutil: Any) -> list[int]:
-    """The leader, its descendants, and this process's children in the leader's process group."""
+    """The leader, its descendants, and this process's children in the process group ``pid``
+    (orphans re-parented to this process as a subreaper, also after the leader is gone)."""
     roots = [pid]
-    try:
-        if os.getpgid(pid) == pid:
-            for child in _children(os.getpid()) if _has_children_files() else []:
-                if child != pid and _pgid(child) == pid:
-                    roots.append(child)
-    except OSError:
-        pass                               # the leader is gone (or was reaped)
+    if _has_children_files():
+        roots += [child for child in _children(os.getpid()) if child != pid and _pgid(child) == pid]
     members: list[int] = []
     for root in roots:
         members.extend(_tree(root, psutil))
