@@ -29,7 +29,12 @@ def build(root: Path, files: dict[str, str], dirs: tuple[str, ...] = ()) -> str:
 
 
 def governors(*names: str) -> dict[str, str]:
-    return {f"{CPU}/cpu{i}/cpufreq/scaling_governor": name for i, name in enumerate(names)}
+    """Per-CPU policies as the kernel shows them: cpuN/cpufreq is a link to cpufreq/policyN."""
+    files = {}
+    for i, name in enumerate(names):
+        files[f"{CPU}/cpufreq/policy{i}/scaling_governor"] = name
+        files[f"{CPU}/cpu{i}/cpufreq/scaling_governor"] = name
+    return files
 
 
 SERVER = {
@@ -138,12 +143,18 @@ def test_odd_values_are_unknown(tmp_path):
         "proc/sys/kernel/numa_balancing": "7",
         f"{CPU}/smt/control": "maybe",
         f"{CPU}/smt/active": "yes",
+        f"{CPU}/cpufreq/policy0/scaling_governor": "",
         f"{CPU}/cpu0/cpufreq/scaling_governor": "",
     })
     host = read_host(root, [0, 1])
     assert (host.thp_enabled, host.numa_balancing, host.smt_control, host.smt_active) == (
         "unknown", "unknown", "unknown", None)
-    assert host.governors == (("unknown", 2),)
+    assert host.governors == (("none", 1), ("unknown", 1))      # cpu1 has no cpufreq directory
+
+
+def test_per_cpu_governors_without_the_cpufreq_directory_are_unknown(tmp_path):
+    root = build(tmp_path, {f"{CPU}/cpu0/cpufreq/scaling_governor": "performance"})
+    assert read_host(root, [0]).governors == ()
 
 
 def test_host_json_shape(tmp_path):

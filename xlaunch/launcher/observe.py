@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from xlaunch.cpulist import format_cpulist
 
 INTERVAL = 0.5                 # seconds between samples
-MEMORY_INTERVAL = 2.0          # seconds between numa_maps reads (they walk page tables)
+MEMORY_INTERVAL = 5.0          # seconds between numa_maps reads (they walk page tables)
 REMOTE_WARN_PCT = 10.0         # warn above this share of memory on other nodes ...
 REMOTE_WARN_MIN_BYTES = 64 << 20   # ... when at least this much memory is remote
 
@@ -47,7 +47,8 @@ _SHADOWING_KINDS = ("iomp", "omp")   # export GOMP_*, __kmpc_* and omp_*: preloa
 _LIBRARY = re.compile(
     r"^lib(jemalloc|tcmalloc_minimal|tcmalloc|mimalloc|gomp|iomp5|omp)(?:[-_.][^/]*)?\.so(?:\.[\d.]+)?$"
 )
-_MAPPED_PATH = re.compile(r"^\S+ \S+ \S+ \S+ \S+ +(/.*?)(?: \(deleted\))?$", re.M)
+_MAPPED_NAME = re.compile(r"/lib(?:jemalloc|tcmalloc|mimalloc|gomp|iomp5|omp)[^/\n]*$", re.M)
+_DELETED = " (deleted)"
 _NODE_PAGES = re.compile(r" N(\d+)=(\d+)")
 _PAGE_KB = re.compile(r" kernelpagesize_kB=(\d+)")
 _PROCESSOR_FIELD = 39          # 1-based field of /proc/PID/task/TID/stat
@@ -71,9 +72,13 @@ def mapped_libraries(maps_text: str) -> list[tuple[str, str]]:
     """``(kind, path)`` of the allocator and OpenMP libraries in a ``/proc/PID/maps`` text,
     each path once, in address order."""
     found: dict[str, str] = {}
-    for match in _MAPPED_PATH.finditer(maps_text):
-        path = match.group(1)
-        if path not in found and "/lib" in path:
+    for match in _MAPPED_NAME.finditer(maps_text):   # the file name first: a fast literal scan
+        line_start = maps_text.rfind("\n", 0, match.start()) + 1
+        fields = maps_text[line_start:match.end()].split(None, 5)
+        if len(fields) < 6 or not fields[5].startswith("/"):
+            continue
+        path = fields[5][:-len(_DELETED)] if fields[5].endswith(_DELETED) else fields[5]
+        if path not in found:
             kind = library_kind(path)
             if kind is not None:
                 found[path] = kind

@@ -5,8 +5,8 @@
 * transparent huge pages: the bracketed word of ``<root>/sys/kernel/mm/transparent_hugepage/``
   ``enabled`` and ``defrag``;
 * the CPU frequency governor of each online CPU: ``<root>/sys/devices/system/cpu/cpuN/cpufreq/``
-  ``scaling_governor`` (``none`` when ``cpu/cpufreq`` exists but the CPUs have no ``cpufreq``
-  directory: no frequency driver, as in most VMs);
+  ``scaling_governor`` (``none`` when ``cpu/cpufreq`` has no ``policyN``: no frequency driver,
+  as in most VMs);
 * automatic NUMA balancing: ``<root>/proc/sys/kernel/numa_balancing``;
 * SMT: ``<root>/sys/devices/system/cpu/smt/control`` and ``active``.
 
@@ -56,21 +56,28 @@ def bracketed(text: Optional[str]) -> str:
 
 
 def _governors(root: str, online_cpus: Iterable[int]) -> tuple[tuple[str, int], ...]:
-    """(governor, number of CPUs), most common first; a CPU without ``cpuN/cpufreq`` counts as
-    ``none`` when the kernel's ``cpu/cpufreq`` directory exists (cpufreq without a driver, as
-    in VMs). () when neither exists (e.g. a recording without cpufreq files): unknown."""
+    """(governor, number of CPUs), most common first.
+
+    Without ``cpu/cpufreq`` (a recording without cpufreq files, a kernel without cpufreq): ()
+    for unknown. With it but no ``policyN`` in it (no frequency driver, as in most VMs), or for
+    a CPU without ``cpuN/cpufreq``: ``none``.
+    """
     cpu_dir = join(root, CPU_DIR)
     cpus = list(online_cpus) or list_numbered(cpu_dir, "cpu")
-    has_cpufreq = os.path.isdir(join(cpu_dir, "cpufreq"))
+    cpufreq = join(cpu_dir, "cpufreq")
+    if not cpus or not os.path.isdir(cpufreq):
+        return ()
+    if not list_numbered(cpufreq, "policy"):
+        return ((NO_CPUFREQ, len(cpus)),)
     counts: Counter[str] = Counter()
     for cpu in cpus:
-        base = join(cpu_dir, f"cpu{cpu}/cpufreq")
-        if os.path.isdir(base):
-            counts[read_text(join(base, "scaling_governor")) or UNKNOWN] += 1
-        elif has_cpufreq:
+        governor = read_text(join(cpu_dir, f"cpu{cpu}/cpufreq/scaling_governor"))
+        if governor:
+            counts[governor] += 1
+        elif os.path.isdir(join(cpu_dir, f"cpu{cpu}/cpufreq")):
+            counts[UNKNOWN] += 1
+        else:
             counts[NO_CPUFREQ] += 1
-    if counts and sum(counts.values()) < len(cpus):
-        counts[UNKNOWN] += len(cpus) - sum(counts.values())
     return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
