@@ -12,6 +12,7 @@ from xlaunch.launcher.observe import (
     ProcessSample,
     Sample,
     anonymous_memory_by_node,
+    cells,
     compare,
     last_cpu,
     library_kind,
@@ -345,3 +346,14 @@ def test_observer_rejects_a_bad_interval():
         Observer(1, interval=0)
     with pytest.raises(ValueError, match="interval"):
         Observer(1, memory_interval=-1)
+
+
+def test_cells_for_the_summary_table():
+    assert cells(Observed()) == {"allocator": "-", "openmp": "-", "threads": "-", "cpus_seen": "-", "remote_mem": "-"}
+    plain = merged([process(threads=((100, 0),), memory={0: 1 << 20})])
+    assert cells(plain) == {"allocator": "glibc", "openmp": "none", "threads": "1", "cpus_seen": "0",
+                            "remote_mem": "0%"}
+    busy = merged([process(threads=((100, 0), (101, 1), (102, 2)), libraries=[("jemalloc", JEMALLOC), GOMP_LIB, IOMP_LIB],
+                           active=[GOMP, IOMP], memory={0: 3 << 20, 1: 1 << 20})])
+    assert cells(busy) == {"allocator": "jemalloc", "openmp": "gnu+intel", "threads": "3", "cpus_seen": "0-2",
+                           "remote_mem": "25%"}

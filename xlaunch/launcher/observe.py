@@ -3,11 +3,16 @@
 The runner's whole use (single-threaded; no threads are started here)::
 
     observer = Observer(pid, mem_nodes=instance.mem_nodes)    # right after the instance started
-    observer.poll()                       # from the select loop; samples once ``interval`` passed
-    timeout = observer.next_due - time.monotonic()              # to bound the select timeout
+    observer.poll()                       # every loop turn: samples once ``interval`` has passed
+    timeout = min(timeout, observer.next_due - time.monotonic())   # optional: wake up for it
     observed = observer.observed          # an :class:`Observed`, merged over every sample
     warnings = compare(observed, instance.cpus, instance.mem_nodes, allocator, openmp)
     data = to_json(observed)              # the "observed" object of --summary-json
+    row = cells(observed)                 # short texts for the end-of-run table
+
+``allocator`` and ``openmp`` are the plan's choice (``Runtime.allocator``, ``Runtime.openmp``);
+pass ``()`` as the CPUs of an unpinned (``bind == "none"``) instance. The last sample before
+the leader exits is the final one: an exited process has no maps left to read.
 
 :func:`sample` is one read of an instance's process tree, for other users.
 
@@ -474,6 +479,20 @@ def compare(observed: Observed, planned_cpus: Sequence[int], planned_mem_nodes: 
         lines.append(f"{pct:.1f}% of its memory ({remote / 1048576:.0f} MiB) is on node(s) "
                      f"{format_cpulist(nodes)}, outside its memory nodes {format_cpulist(sorted(set(mem_nodes)))}")
     return lines
+
+
+def cells(observed: Observed) -> dict[str, str]:
+    """Short texts for the end-of-run table: allocator, OpenMP, threads, CPUs seen, remote memory
+    (``-`` when nothing was observed or unknown)."""
+    pct = observed.remote_memory_pct()
+    seen = observed.samples > 0 and observed.processes > 0
+    return {
+        "allocator": observed.allocator or "-",
+        "openmp": "+".join(observed.openmp) or ("none" if seen else "-"),
+        "threads": str(observed.threads) if seen else "-",
+        "cpus_seen": format_cpulist(observed.thread_cpus) or "-",
+        "remote_mem": "-" if pct is None else f"{pct:.0f}%",
+    }
 
 
 def to_json(observed: Observed) -> dict[str, Any]:
