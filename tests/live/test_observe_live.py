@@ -80,7 +80,8 @@ for t in threads:
 
 
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
-def test_preloaded_jemalloc_and_threads_pinned_to_cpu_1(jemalloc_path):
+@pytest.mark.parametrize("run", range(3))
+def test_preloaded_jemalloc_and_threads_pinned_to_cpu_1(jemalloc_path, run):
     child = start(PINNED_THREADS, LD_PRELOAD=jemalloc_path)
     try:
         observed = observe(child)
