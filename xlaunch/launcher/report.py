@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any, Optional
 
 from xlaunch.cpulist import format_cpulist
+from xlaunch.launcher.machine.host import host_checks, host_json
 from xlaunch.launcher.machine.isa import ISA_FLAGS
 from xlaunch.launcher.machine.model import Machine
 
@@ -46,6 +47,7 @@ def topology_json(machine: Machine) -> dict[str, Any]:
         "cpu_budget": machine.cpu_budget,
         "isa": _isa_flags(machine),
         "libraries": [{"kind": lib.kind, "path": lib.path, "source": lib.source} for lib in machine.libraries],
+        "host": host_json(machine.host, _cpu_nodes(machine)),
         "notes": list(machine.notes),
     }
 
@@ -112,6 +114,12 @@ def format_topology(machine: Machine) -> str:
         out.append("  (none found)")
     for lib in machine.libraries:
         out.append(f"  {lib.kind:<17} {lib.path}  [{lib.source}]")
+    out.append("")
+    out.append("Host:")
+    for check in host_checks(machine.host, _cpu_nodes(machine)):
+        out.append(f"  {_HOST_TITLES[check.name] + ':':<26} {check.value}")
+        if check.advice:
+            out.append(f"  {'':<26} advice: {check.advice}")
     if machine.notes:
         out.append("")
         out.append("Notes:")
@@ -221,6 +229,18 @@ def _isa_flags(machine: Machine) -> dict[str, bool]:
 def _search(pattern: str, text: str) -> Optional[str]:
     match = re.search(pattern, text)
     return match.group(1) if match else None
+
+
+_HOST_TITLES = {
+    "transparent_hugepage": "transparent huge pages",
+    "cpufreq_governor": "CPU frequency governor",
+    "numa_balancing": "automatic NUMA balancing",
+    "smt": "SMT",
+}
+
+
+def _cpu_nodes(machine: Machine) -> int:
+    return sum(1 for node in machine.nodes if node.cpus)
 
 
 def _dash(value: Optional[int]) -> str:

@@ -1,7 +1,8 @@
 """The machine model: read once from ``XLAUNCH_FSROOT`` (default ``/``), then frozen.
 
 ``load_machine()`` reads topology (:mod:`.topology`), this process's limits (:mod:`.limits`),
-the ISA (:mod:`.isa`) and the preloadable libraries (:mod:`.libraries`). Nothing here runs a
+the ISA (:mod:`.isa`), the preloadable libraries (:mod:`.libraries`) and the host settings
+(:mod:`.host`). Nothing here runs a
 subprocess or imports torch; missing or odd files become :attr:`Machine.notes`.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 from typing import Optional
 
 from xlaunch.launcher.machine._files import Notes
+from xlaunch.launcher.machine.host import read_host
 from xlaunch.launcher.machine.isa import ISA_FLAGS, read_isa
 from xlaunch.launcher.machine.libraries import find_libraries
 from xlaunch.launcher.machine.limits import fallback_cpus, read_limits
@@ -20,6 +22,7 @@ from xlaunch.launcher.machine.model import (
     CacheDomain,
     Core,
     Cpu,
+    Host,
     Isa,
     Library,
     Machine,
@@ -31,7 +34,7 @@ FSROOT_ENV = "XLAUNCH_FSROOT"
 
 __all__ = [
     "EFFICIENCY", "FSROOT_ENV", "ISA_FLAGS", "PERFORMANCE", "UNKNOWN_KIND",
-    "CacheDomain", "Core", "Cpu", "Isa", "Library", "Machine", "MachineRootError", "Node",
+    "CacheDomain", "Core", "Cpu", "Host", "Isa", "Library", "Machine", "MachineRootError", "Node",
     "current_machine", "load_machine", "recorded_root_problem", "resolve_root",
 ]
 
@@ -96,6 +99,7 @@ def load_machine(root: Optional[str] = None, *, live: Optional[bool] = None) -> 
         isa=read_isa(root, live, notes),
         libraries=find_libraries(),
         notes=notes.as_tuple(),
+        host=read_host(root, topology.online_cpus),
     )
 
 

@@ -81,6 +81,19 @@ class Library:
 
 
 @dataclass(frozen=True)
+class Host:
+    """Host settings that change performance (read by :mod:`.host`); ``unknown`` when unreadable."""
+
+    thp_enabled: str = "unknown"    # sys/kernel/mm/transparent_hugepage/enabled: always | madvise | never
+    thp_defrag: str = "unknown"     # .../transparent_hugepage/defrag: always | defer | defer+madvise | madvise | never
+    governors: tuple[tuple[str, int], ...] = ()   # (cpuN/cpufreq/scaling_governor, CPUs), most first;
+                                                  # "none": no cpufreq directory; (): no cpu directory
+    numa_balancing: str = "unknown"  # proc/sys/kernel/numa_balancing: 0 off, 1 on, 2 tiering, 3 both
+    smt_control: str = "unknown"     # sys/devices/system/cpu/smt/control: on | off | forceoff | notsupported | ...
+    smt_active: Optional[bool] = None  # .../smt/active
+
+
+@dataclass(frozen=True)
 class Machine:
     """Everything xlaunch knows about the machine and this process's share of it."""
 
@@ -95,6 +108,7 @@ class Machine:
     isa: Isa = field(default_factory=Isa)
     libraries: tuple[Library, ...] = ()
     notes: tuple[str, ...] = ()             # what could not be read and was assumed instead
+    host: Host = field(default_factory=Host)  # THP, governor, NUMA balancing, SMT
 
     @property
     def online_cpus(self) -> tuple[int, ...]:
