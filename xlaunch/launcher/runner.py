@@ -7,7 +7,8 @@ lifecycle (details in ``docs/runner.md``):
 
 * Signal handling is installed first, then instances start one after another. A SIGINT,
   SIGTERM or SIGHUP that arrives while they start is forwarded to those already running and no
-  further instance starts.
+  further instance starts. A signal xlaunch inherited as ignored (``nohup``, a background job
+  of a script) stays ignored, for xlaunch and its instances alike.
 * Supervision is one single-threaded ``select`` loop: pipes, a signal wake-up fd (SIGCHLD,
   SIGINT, SIGTERM, SIGHUP) and deadlines. No threads are ever started, so forking stays safe.
 * xlaunch becomes a child subreaper: orphans of an instance stay its children, stay in the
@@ -34,6 +35,7 @@ from xlaunch.launcher.plan import Instance, Plan
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_INTERVAL = 0.2          # upper bound on any wait, in case a wake-up is missed
+OBSERVE_AFTER = 0.25         # an instance is observed once it has run this long
 READ_SIZE = 1 << 16
 
 
@@ -73,6 +75,7 @@ class _Child:
     group_alive: bool = False             # its process group may still have members
     kill_at: Optional[float] = None       # when the group gets SIGKILL
     notes: list[str] = field(default_factory=list)
+    observer: Optional[object] = None     # observe.Observer, from its first sampling interval on
 
     @property
     def running(self) -> bool:
@@ -187,6 +190,11 @@ class _Supervisor:
         self.saved_wakeup_fd = signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
         self.selector.register(self.wakeup_r, selectors.EVENT_READ, None)
         for number in FORWARDED_SIGNALS:
+            if signal.getsignal(number) is signal.SIG_IGN:
+                # ignored since start (nohup, a shell's background job): stays ignored, as it
+                # was before this point and is for the instances, which inherit the ignore
+                self.log(f"{signal_name(number)} is ignored (inherited): not forwarded")
+                continue
             self.saved_handlers[number] = signal.signal(number, self._on_signal)
         self.saved_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, _ignore_signal)
 
@@ -404,6 +412,42 @@ class _Supervisor:
                     break
                 self.read(child)
 
+    # ---------------------------------------------------------------- observation
+
+    def observe(self) -> Optional[float]:
+        """Sample running instances (see :mod:`.observe`); return when the next sample is due.
+
+        The module is imported, and an instance observed, only once it has run one interval:
+        programs shorter than that pay nothing.
+        """
+        now = time.monotonic()
+        due: list[float] = []
+        for child in self.children:
+            if not child.running:
+                continue
+            if child.observer is None:
+                if now - child.started < OBSERVE_AFTER:
+                    due.append(child.started + OBSERVE_AFTER)
+                    continue
+                from xlaunch.launcher.observe import Observer
+
+                child.observer = Observer(child.pid, mem_nodes=child.instance.mem_nodes)
+            child.observer.poll(now)
+            due.append(child.observer.next_due)
+        return min(due) if due else None
+
+    def observation_warnings(self) -> None:
+        from xlaunch.launcher.observe import compare
+
+        for child in self.children:
+            if child.observer is None:
+                continue
+            instance = child.instance
+            planned_cpus = instance.cpus if instance.bind != "none" else ()
+            for warning in compare(child.observer.observed, planned_cpus, instance.mem_nodes,
+                                   self.plan.allocator, self.plan.openmp):
+                self.say(f"instance {instance.index}: {warning}", warning=True)
+
     # ---------------------------------------------------------------- the loop
 
     def loop(self) -> None:
@@ -415,6 +459,9 @@ class _Supervisor:
                 self.drain_and_close_pipes()
                 return
             deadlines = [c.kill_at for c in self.children if c.kill_at is not None]
+            next_sample = self.observe()
+            if next_sample is not None:
+                deadlines.append(next_sample)
             timeout = POLL_INTERVAL
             if deadlines:
                 timeout = max(0.0, min(timeout, min(deadlines) - time.monotonic()))
@@ -468,6 +515,7 @@ class _Supervisor:
                     binding.set_child_subreaper(self.saved_subreaper)
                 self.restore_signal_handling()
             code = self.exit_status()
+            self.observation_warnings()
             self.summarize(code)
             return code
         finally:
@@ -491,15 +539,21 @@ class _Supervisor:
     def results(self) -> list:
         from xlaunch.launcher.summary import InstanceResult
 
-        return [
-            InstanceResult(
+        results = []
+        for c in self.children:
+            observed = cells = None
+            if c.observer is not None:
+                from xlaunch.launcher.observe import cells as observed_cells, to_json
+
+                observed, cells = to_json(c.observer.observed), observed_cells(c.observer.observed)
+            results.append(InstanceResult(
                 index=c.instance.index, cpus=c.instance.cpus, mem_nodes=c.instance.mem_nodes,
                 status=c.status,
                 text=c.text + (f" ({c.stopped_by})" if c.stopped_by and c.status else ""),
                 wall_s=(c.ended - c.started) if c.ended is not None and c.started else None,
-            )
-            for c in self.children
-        ]
+                observed=observed, cells=cells,
+            ))
+        return results
 
     def summarize(self, code: int) -> None:
         from xlaunch.launcher import summary

@@ -27,38 +27,29 @@ class InstanceResult:
     status: Optional[int]             # shell-style status; None when never started
     text: str                         # "exit 0", "killed by SIGTERM (SIGTERM forwarded)", ...
     wall_s: Optional[float]
-    observed: Optional[dict[str, Any]] = None
+    observed: Optional[dict[str, Any]] = None     # observe.to_json(), for the JSON
+    cells: Optional[dict[str, str]] = None        # observe.cells(), for the table
+
+
+_OBSERVED_COLUMNS = (("threads", "threads"), ("ran on", "cpus_seen"), ("allocator", "allocator"),
+                     ("openmp", "openmp"), ("remote mem", "remote_mem"))
 
 
 def table_lines(results: list[InstanceResult], exit_status: int) -> list[str]:
     """Aligned rows (instance, cpus, status, wall, and what was observed), then the exit status."""
-    observed = any(r.observed for r in results)
-    header = ["instance", "cpus", "status", "wall"] + (["threads", "ran on", "allocator", "openmp", "remote mem"]
-                                                      if observed else [])
+    observed = any(r.cells for r in results)
+    header = ["instance", "cpus", "status", "wall"] + ([title for title, _key in _OBSERVED_COLUMNS] if observed else [])
     rows = [header]
     for r in results:
         row = [str(r.index), format_cpulist(r.cpus) or "-", r.text,
                f"{r.wall_s:.2f}s" if r.wall_s is not None else "-"]
         if observed:
-            row += _observed_cells(r.observed)
+            row += [(r.cells or {}).get(key, "-") for _title, key in _OBSERVED_COLUMNS]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines.append(f"exit status {exit_status}")
     return lines
-
-
-def _observed_cells(observed: Optional[dict[str, Any]]) -> list[str]:
-    if not observed:
-        return ["-"] * 5
-    remote = observed.get("remote_memory_pct")
-    return [
-        str(observed.get("threads", "-")),
-        format_cpulist(observed.get("thread_cpus") or ()) or "-",
-        str(observed.get("allocator") or "-"),
-        ",".join(observed.get("openmp") or ()) or "-",
-        f"{remote:.0f}%" if isinstance(remote, (int, float)) else "-",
-    ]
 
 
 def summary_json(results: list[InstanceResult], exit_status: int, *, allocator: str, openmp: str) -> dict[str, Any]:
