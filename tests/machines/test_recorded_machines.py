@@ -6,14 +6,13 @@ the kernel's numbering), not from the reader's output.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
+from machine_trees import MACHINE_NAMES, machine_tree
 
 from xlaunch.launcher.machine import EFFICIENCY, ISA_FLAGS, PERFORMANCE, UNKNOWN_KIND, load_machine
 
-HERE = Path(__file__).resolve().parent
-TREES = sorted(p.name for p in HERE.iterdir() if (p / "sys").is_dir() or (p / "proc").is_dir())
+TREES = MACHINE_NAMES
 
 SPR = {"amx_bf16", "amx_int8", "amx_tile", "avx512f", "avx512bw", "avx512vl", "avx512dq",
        "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "avx2", "fma"}
@@ -23,7 +22,7 @@ AVX2_ONLY = {"avx2", "fma"}
 
 @functools.lru_cache(maxsize=None)
 def load(name: str):
-    return load_machine(str(HERE / name))
+    return load_machine(str(machine_tree(name)))
 
 
 def core_cpus(machine) -> list[tuple[int, ...]]:
