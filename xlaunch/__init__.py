@@ -5,8 +5,9 @@ nothing here imports torch.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from xlaunch._torch import load_attribute
 
 __version__ = "0.1.0"
 
@@ -25,7 +26,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'xlaunch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = load_attribute(module, name, f"xlaunch.{name}")
     globals()[name] = value
     return value
 
