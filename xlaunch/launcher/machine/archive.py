@@ -59,7 +59,11 @@ def unpack_archive(archive: str, dest: str) -> None:
     before anything is written. Stricter than tarfile's ``data`` filter, and without its
     per-member ``realpath`` (most of the time for 10,000 small files).
     """
-    with tarfile.open(archive, "r:*") as tar:
+    try:
+        tar = tarfile.open(archive, "r:*")
+    except tarfile.ReadError:
+        raise ValueError("not a tar archive (plain, .gz or .xz)") from None
+    with tar:
         members = tar.getmembers()
         for member in members:
             parts = member.name.rstrip("/").split("/")
