@@ -25,7 +25,7 @@ _session_dir: list[Path] = []
 
 def _scratch() -> Path:
     """This session's directory: on tmpfs when there is one (creating ~30,000 small files on a
-    busy ext4 disk took 50 s, on /dev/shm about 2 s)."""
+    busy ext4 disk took 50 s, on /dev/shm about 6 s)."""
     if not _session_dir:
         shm = "/dev/shm"
         where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None

@@ -85,6 +85,17 @@ def test_archives_are_reproducible(tmp_path):
     assert (ARCHIVES / "vm-no-node.tar.xz").read_bytes() == (tmp_path / "a.tar.xz").read_bytes()
 
 
+@pytest.mark.parametrize("suffix, mode", [(".tar.gz", "w:gz"), (".tar", "w")])
+def test_gzip_and_plain_tar_archives_are_read_too(tmp_path, monkeypatch, suffix, mode):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tree = machine_tree("vm-no-node")
+    archive = tmp_path / f"box{suffix}"
+    with tarfile.open(archive, mode) as tar:         # made by tarfile's own writer, not ours
+        for top in ("sys", "proc"):
+            tar.add(tree / top, arcname=top)
+    same_model(load_machine(str(tree)), load_machine(str(archive)))
+
+
 @pytest.mark.parametrize("member", ["../escape", "link"])
 def test_unsafe_archives_are_refused(tmp_path, member, monkeypatch):
     bad = tmp_path / "bad.tar.xz"
