@@ -1,5 +1,8 @@
 """Shared test helpers.
 
+Recorded machines: ``machine_tree(name)`` and ``MACHINE_NAMES`` (from tests/machine_trees.py,
+importable by that name from any test module), or the ``recorded_machine`` fixture.
+
 System libraries (jemalloc, tcmalloc, libiomp5, numactl) are installed by ``scripts/setup.sh``.
 Locally a missing one skips the tests that need it; under CI (``CI=true``) it is a failure.
 """
@@ -12,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from machine_trees import MACHINE_NAMES, machine_tree
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_PREFIX = Path(sys.prefix)
@@ -58,3 +62,12 @@ def iomp_path() -> str:
 @pytest.fixture(scope="session")
 def numactl_path() -> str:
     return require("numactl", shutil.which("numactl"))
+
+
+__all__ = ["MACHINE_NAMES", "machine_tree"]
+
+
+@pytest.fixture(scope="session")
+def recorded_machine():
+    """``machine_tree``: name -> the unpacked recorded root (shared, read-only)."""
+    return machine_tree

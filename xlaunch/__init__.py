@@ -5,7 +5,7 @@ nothing here imports torch.
 """
 from __future__ import annotations
 
-import importlib
+from xlaunch._torch import load_attribute
 
 __version__ = "0.1.0"
 
@@ -24,7 +24,7 @@ def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'xlaunch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = load_attribute(module, name, f"xlaunch.{name}")
     globals()[name] = value
     return value
 

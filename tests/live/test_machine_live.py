@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from machine_trees import machine_tree
 
 from xlaunch.cpulist import parse_cpulist
 from xlaunch.launcher.machine import ISA_FLAGS, load_machine
@@ -139,7 +140,7 @@ def test_loading_the_machine_imports_no_torch_or_cpuinfo():
 def test_recorded_root_from_env_in_a_subprocess():
     code = ("import json; from xlaunch.launcher.machine import load_machine; "
             "m = load_machine(); print(json.dumps([m.root, list(m.allowed_cpus), m.cpu_budget]))")
-    env = {**os.environ, "XLAUNCH_FSROOT": str(REPO / "tests/machines/container-cpuset"),
+    env = {**os.environ, "XLAUNCH_FSROOT": str(machine_tree("container-cpuset")),
            "PYTHONPATH": str(REPO)}
     result = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr

@@ -1,18 +1,24 @@
-"""Write the synthetic-but-faithful recorded machines under tests/machines/<name>/.
+"""Write the synthetic-but-faithful recorded machines as tests/machines/<name>.tar.xz.
 
 Each tree holds exactly the files (and formats) a Linux 6.x kernel exposes for that machine:
 ``sys/devices/system/cpu`` (lists, per-CPU ``topology/`` and ``cache/index*``; offline CPUs
 have neither, and are missing from every sibling/shared/node list), ``sys/devices/system/node``,
 ``sys/devices/cpu_core|cpu_atom/cpus`` on hybrid parts, ``proc/cpuinfo`` (one block per
-online CPU, real flag lines of the model), ``proc/self/status``, ``proc/self/cgroup`` and
-the cgroup quota files. Trees recorded from real machines with ``record.py`` live alongside.
+online CPU, real flag lines of the model), ``proc/self/status``, ``proc/self/cgroup``, the
+cgroup quota files, and the host settings a tuning check reads: transparent huge pages
+(``enabled``/``defrag``), ``proc/sys/kernel/numa_balancing`` (absent on a kernel without NUMA),
+``cpu/smt/control|active`` and, on bare metal only, each online CPU's
+``cpufreq/scaling_governor`` (a VM has no cpufreq; an offline CPU's policy reads EBUSY).
+Archives recorded from real machines with ``xlaunch-record-machine --archive`` live alongside.
 
-Run: ``python tests/machines/make_trees.py`` (rewrites the synthetic trees in place).
+Run: ``python tests/machines/make_trees.py`` (rewrites the synthetic archives in place; the
+archives are reproducible, so an unchanged machine leaves git clean).
 """
 from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -20,6 +26,10 @@ from typing import Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 from xlaunch.cpulist import format_cpulist, parse_cpulist  # noqa: E402
+from xlaunch.launcher.machine.archive import write_archive  # noqa: E402
+
+THP_UBUNTU = ("always [madvise] never", "always defer defer+madvise [madvise] never")
+THP_ALWAYS = ("[always] madvise never", "always defer defer+madvise [madvise] never")
 
 # ---------------------------------------------------------------------------- flag lines
 SPR_FLAGS = (
@@ -159,6 +169,10 @@ class MachineSpec:
     cgroup_files: dict[str, str] = field(default_factory=dict)
     meminfo_kib: Optional[int] = None              # /proc/meminfo MemTotal (no-node machines)
     l2_shared: bool = False                        # cluster (E-core) L2 groups
+    thp: tuple[str, str] = THP_UBUNTU              # transparent_hugepage enabled, defrag
+    numa_balancing: Optional[int] = 0              # None: kernel without CONFIG_NUMA_BALANCING
+    smt: tuple[str, str] = ("on", "1")             # cpu/smt control, active
+    governor: Optional[str] = None                 # scaling_governor of each online CPU; None: VM
 
 
 def mask(ids, nbits: int) -> str:
@@ -195,6 +209,12 @@ def build(spec: MachineSpec, out: Path) -> None:
     write(out, f"{sysd}/present", format_cpulist(cpus))
     write(out, f"{sysd}/offline", format_cpulist(sorted(set(range(spec.possible)) - on)))
     write(out, f"{sysd}/kernel_max", "8191")
+    write(out, f"{sysd}/smt/control", spec.smt[0])
+    write(out, f"{sysd}/smt/active", spec.smt[1])
+    write(out, "sys/kernel/mm/transparent_hugepage/enabled", spec.thp[0])
+    write(out, "sys/kernel/mm/transparent_hugepage/defrag", spec.thp[1])
+    if spec.numa_balancing is not None:
+        write(out, "proc/sys/kernel/numa_balancing", str(spec.numa_balancing))
 
     def group(pred) -> list[int]:
         return sorted(i for i in on if pred(cpus[i]))
@@ -206,6 +226,8 @@ def build(spec: MachineSpec, out: Path) -> None:
         if not c.online:
             (out / d).mkdir(parents=True, exist_ok=True)
             continue                     # topology/ and cache/ vanish when a CPU goes offline
+        if spec.governor:
+            write(out, f"{d}/cpufreq/scaling_governor", spec.governor)
         thread = group(lambda o: o.package == c.package and o.core_id == c.core_id)
         package = group(lambda o: o.package == c.package)
         die = group(lambda o: o.package == c.package and o.die == c.die)
@@ -375,6 +397,7 @@ def xeon_2s_amx() -> MachineSpec:
         cgroup=f"0::/{slice_path}\n",
         cgroup_files={f"sys/fs/cgroup/{slice_path}/cpu.max": "max 100000",
                       "sys/fs/cgroup/user.slice/cpu.max": "max 100000"},
+        numa_balancing=1, governor="powersave",          # Ubuntu defaults, intel_pstate
     )
 
 
@@ -395,6 +418,7 @@ def epyc_4node_nps4() -> MachineSpec:
         nodes={n: 131_811_200 for n in range(4)}, distances=distances, node_possible="0-3",
         cgroup="0::/system.slice/batch.service\n",
         cgroup_files={"sys/fs/cgroup/system.slice/batch.service/cpu.max": "max 100000"},
+        thp=THP_ALWAYS, numa_balancing=1, governor="performance",   # RHEL, tuned throughput profile
     )
 
 
@@ -415,6 +439,7 @@ def hybrid_laptop() -> MachineSpec:
         "hybrid-laptop", model, cpus, 16, nodes={0: 16_111_404}, hybrid=("0-7", "8-15"),
         l2_shared=True, cgroup=f"0::/{scope}\n",
         cgroup_files={f"sys/fs/cgroup/{scope}/cpu.max": "max 100000"},
+        governor="powersave",                            # one node: NUMA balancing stays 0
     )
 
 
@@ -449,6 +474,7 @@ def container_cpuset() -> MachineSpec:
         "container-cpuset", model, sorted(cpus, key=lambda c: c.id), 64, nodes={0: 527_988_412},
         cpus_allowed="4-7,36-39", mems_allowed="0", cgroup="0::/\n",
         cgroup_files={"sys/fs/cgroup/cpu.max": "250000 100000"},
+        thp=THP_ALWAYS, governor="performance",          # the bare-metal host's sysfs
     )
 
 
@@ -465,6 +491,7 @@ def offline_cpus() -> MachineSpec:
         "offline-cpus", model, cpus, 16, nodes={0: 65_702_012}, cpus_allowed="0-15",
         cgroup="0::/system.slice/inference.service\n",
         cgroup_files={"sys/fs/cgroup/system.slice/inference.service/cpu.max": "max 100000"},
+        governor="powersave",                            # offline CPUs have no readable policy
     )
 
 
@@ -480,6 +507,7 @@ def memory_only_node() -> MachineSpec:
         "memory-only-node", model, sorted(cpus, key=lambda c: c.id), 32,
         nodes={0: 131_453_812, 2: 134_217_728}, distances=[[10, 50], [50, 10]], node_possible="0-3",
         normal_memory=[0], cgroup="0::/user.slice\n",
+        thp=THP_ALWAYS, numa_balancing=1, governor="performance",   # the CXL node counts as a node
     )
 
 
@@ -494,6 +522,8 @@ def vm_no_node() -> MachineSpec:
         cgroup="4:cpu,cpuacct:/\n1:name=systemd:/init.scope\n0::/init.scope\n",
         cgroup_files={"sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1",
                       "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000"},
+        thp=THP_ALWAYS, numa_balancing=None,             # no CONFIG_NUMA: no numa_balancing
+        smt=("notsupported", "0"),                       # one thread per vCPU core
     )
 
 
@@ -526,6 +556,7 @@ def xeon_max_snc4_hbm() -> MachineSpec:
         "xeon-max-snc4-hbm", model, sorted(cpus, key=lambda c: c.id), 128, nodes=nodes,
         distances=[[distance(a, b) for b in range(16)] for a in range(16)], node_possible="0-15",
         cgroup="0::/\n",
+        thp=THP_ALWAYS, numa_balancing=0, governor="performance",   # HPC node: balancing off
     )
 
 
@@ -534,10 +565,13 @@ MACHINES = (xeon_2s_amx, epyc_4node_nps4, hybrid_laptop, vm_adjacent_smt, contai
 
 
 def main() -> None:
-    for make in MACHINES:
-        spec = make()
-        build(spec, HERE / spec.name)
-        print(f"wrote {spec.name}")
+    with tempfile.TemporaryDirectory() as scratch:
+        for make in MACHINES:
+            spec = make()
+            build(spec, Path(scratch) / spec.name)
+            archive = HERE / f"{spec.name}.tar.xz"
+            count = write_archive(str(Path(scratch) / spec.name), str(archive))
+            print(f"wrote {archive.name} ({count} entries, {archive.stat().st_size // 1024} KiB)")
 
 
 if __name__ == "__main__":

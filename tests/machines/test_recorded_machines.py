@@ -9,11 +9,11 @@ import functools
 from pathlib import Path
 
 import pytest
+from machine_trees import MACHINE_NAMES, machine_tree
 
 from xlaunch.launcher.machine import EFFICIENCY, ISA_FLAGS, PERFORMANCE, UNKNOWN_KIND, load_machine
 
-HERE = Path(__file__).resolve().parent
-TREES = sorted(p.name for p in HERE.iterdir() if (p / "sys").is_dir() or (p / "proc").is_dir())
+TREES = MACHINE_NAMES
 
 SPR = {"amx_bf16", "amx_int8", "amx_tile", "avx512f", "avx512bw", "avx512vl", "avx512dq",
        "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "avx2", "fma"}
@@ -23,7 +23,7 @@ AVX2_ONLY = {"avx2", "fma"}
 
 @functools.lru_cache(maxsize=None)
 def load(name: str):
-    return load_machine(str(HERE / name))
+    return load_machine(str(machine_tree(name)))
 
 
 def core_cpus(machine) -> list[tuple[int, ...]]:
@@ -193,3 +193,54 @@ def test_xeon_max_sparse_nodes_ids_above_ten():
     assert [c.l3 for c in m.cores] == [0] * 32 + [1] * 32
     assert m.allowed_mems == tuple(range(16))
     assert m.isa.model_name == "Intel(R) Xeon(R) CPU Max 9462"
+
+
+# Host settings a tuning check reads: (THP mode, numa_balancing, SMT control, SMT active, governor).
+# None: the kernel has no such file there (no CONFIG_NUMA; no cpufreq inside a VM).
+HOST = {
+    "xeon-2s-amx": ("madvise", "1", "on", "1", "powersave"),          # Ubuntu, intel_pstate default
+    "epyc-4node-nps4": ("always", "1", "on", "1", "performance"),      # RHEL, tuned
+    "hybrid-laptop": ("madvise", "0", "on", "1", "powersave"),
+    "vm-adjacent-smt": ("madvise", "0", "on", "1", None),
+    "container-cpuset": ("always", "0", "on", "1", "performance"),    # the bare-metal host's sysfs
+    "offline-cpus": ("madvise", "0", "on", "1", "powersave"),
+    "memory-only-node": ("always", "1", "on", "1", "performance"),    # the CXL node is a second node
+    "vm-no-node": ("always", None, "notsupported", "0", None),
+    "xeon-max-snc4-hbm": ("always", "0", "on", "1", "performance"),   # HPC: balancing off
+}
+
+
+def read(root: Path, relative: str):
+    path = root / relative
+    return path.read_text().strip() if path.exists() else None
+
+
+def selected(text: str) -> str:
+    """The bracketed choice of a sysfs selector such as ``always [madvise] never``."""
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[") and word.endswith("]")]
+    assert len(chosen) == 1, text
+    return chosen[0]
+
+
+@pytest.mark.parametrize("name", TREES)
+def test_host_settings_are_the_kernels_files(name):
+    root, m = machine_tree(name), load(name)
+    thp, balancing, control, active, governor = HOST[name]
+    enabled = read(root, "sys/kernel/mm/transparent_hugepage/enabled")
+    assert enabled.replace("[", "").replace("]", "") == "always madvise never" and selected(enabled) == thp
+    defrag = read(root, "sys/kernel/mm/transparent_hugepage/defrag")
+    assert defrag.replace("[", "").replace("]", "") == "always defer defer+madvise madvise never"
+    assert selected(defrag) == "madvise"
+    assert read(root, "proc/sys/kernel/numa_balancing") == balancing
+    if balancing == "1":
+        assert len(m.nodes) > 1                         # the kernel enables it only with several nodes
+    assert (balancing is None) == (not (root / "sys/devices/system/node").is_dir())
+    assert (read(root, "sys/devices/system/cpu/smt/control"), read(root, "sys/devices/system/cpu/smt/active")) \
+        == (control, active)
+    assert (active == "1") == any(len(core.cpus) > 1 for core in m.cores)
+    governed = sorted(int(p.parent.parent.name[3:]) for p in root.glob("sys/devices/system/cpu/cpu*/cpufreq/scaling_governor"))
+    if governor is None:
+        assert governed == []
+    else:
+        assert governed == list(m.online_cpus)          # an offline CPU's policy is not readable
+        assert {read(root, f"sys/devices/system/cpu/cpu{c}/cpufreq/scaling_governor") for c in governed} == {governor}

@@ -120,7 +120,6 @@ def test_no_openmp_runtime_gives_one_clear_error():
     assert "no OpenMP runtime (libgomp, libiomp5 or libomp) is loaded" in result.stdout
 
 
-MACHINES = os.path.join(REPO, "tests", "machines")
 
 
 @pytest.mark.parametrize(
@@ -134,9 +133,9 @@ MACHINES = os.path.join(REPO, "tests", "machines")
 def test_pools_on_recorded_machines(monkeypatch, tree, default, node_pools):
     from xlaunch.cpulist import format_cpulist
 
-    if not os.path.isdir(os.path.join(MACHINES, tree)):
-        pytest.skip(f"recorded machine {tree} not present")
-    monkeypatch.setenv("XLAUNCH_FSROOT", os.path.join(MACHINES, tree))
+    from machine_trees import machine_tree
+
+    monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree(tree)))
     assert format_cpulist(CPUPool().cpus) == default
     for node, cpus in node_pools.items():
         assert format_cpulist(CPUPool.from_node(node).cpus) == cpus

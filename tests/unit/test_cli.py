@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from machine_trees import machine_tree
 from test_plan_machines import synthetic_machine
 
 from xlaunch.launcher import cli
 
 REPO = Path(__file__).resolve().parents[2]
-MACHINES = REPO / "tests" / "machines"
 
 
 def xlaunch(*argv: str, fsroot: str | None = None, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
@@ -73,7 +73,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_starts(argv, tree, option, wor
     script, marker = marker_script
     argv = [str(tmp_path / "bad.toml") if a == "BADTOML" else a for a in argv]
     (tmp_path / "bad.toml").write_text("ninstances = = 2\n")
-    result = xlaunch(*argv, str(script), fsroot=str(MACHINES / tree) if tree else None)
+    result = xlaunch(*argv, str(script), fsroot=str(machine_tree(tree)) if tree else None)
     lines = result.stderr.splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1, result.stderr
@@ -136,7 +136,7 @@ def test_help_groups_options_like_the_docs() -> None:
 def test_dry_run_json_is_one_object_and_starts_nothing(marker_script) -> None:
     script, marker = marker_script
     result = xlaunch("--dry-run", "--json", "--ninstances", "2", str(script), "a b", "$HOME",
-                     fsroot=str(MACHINES / "xeon-2s-amx"), env={"OMP_NUM_THREADS": "3"})
+                     fsroot=str(machine_tree("xeon-2s-amx")), env={"OMP_NUM_THREADS": "3"})
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert [i["index"] for i in data["instances"]] == [0, 1]
@@ -150,7 +150,7 @@ def test_dry_run_json_is_one_object_and_starts_nothing(marker_script) -> None:
 
 
 def test_readable_dry_run() -> None:
-    result = xlaunch("--dry-run", "--ninstances", "2", "--no-python", "true", fsroot=str(MACHINES / "epyc-4node-nps4"))
+    result = xlaunch("--dry-run", "--ninstances", "2", "--no-python", "true", fsroot=str(machine_tree("epyc-4node-nps4")))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("xlaunch plan: 2 instances")
     assert "[0] cpus 0-31 (32)" in result.stdout and "[1] cpus 32-63 (32)" in result.stdout
@@ -197,7 +197,7 @@ def test_machine_information_flags_dispatch_to_the_reports() -> None:
     flags = json.loads(isa.stdout)["isa"]
     cpuinfo = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
     assert flags["avx2"] == ("avx2" in cpuinfo) and flags["fma"] == ("fma" in cpuinfo)
-    topo = xlaunch("--show-topology", "--json", fsroot=str(MACHINES / "container-cpuset"))
+    topo = xlaunch("--show-topology", "--json", fsroot=str(machine_tree("container-cpuset")))
     assert topo.returncode == 0, topo.stderr
     assert json.loads(topo.stdout)["allowed_cpulist"] == "4-7,36-39"
     readable = xlaunch("--show-topology")

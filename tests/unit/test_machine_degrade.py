@@ -5,10 +5,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from machine_trees import machine_tree
 
 from xlaunch.launcher.machine import MachineRootError, load_machine
 
-TREES = Path(__file__).resolve().parent.parent / "machines"
 CPU = "sys/devices/system/cpu"
 NODE = "sys/devices/system/node"
 
@@ -17,14 +17,14 @@ NODE = "sys/devices/system/node"
 def vm(tmp_path) -> Path:
     """A writable copy of the 8-vCPU VM (SMT pairs 0-1, 2-3, ...)."""
     root = tmp_path / "vm"
-    shutil.copytree(TREES / "vm-adjacent-smt", root)
+    shutil.copytree(machine_tree("vm-adjacent-smt"), root)
     return root
 
 
 @pytest.fixture
 def offline(tmp_path) -> Path:
     root = tmp_path / "offline"
-    shutil.copytree(TREES / "offline-cpus", root)
+    shutil.copytree(machine_tree("offline-cpus"), root)
     return root
 
 
@@ -156,9 +156,9 @@ def test_root_that_is_a_file_raises(tmp_path):
 
 
 def test_fsroot_env_is_the_default_root(monkeypatch):
-    monkeypatch.setenv("XLAUNCH_FSROOT", str(TREES / "hybrid-laptop"))
+    monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree("hybrid-laptop")))
     m = load_machine()
-    assert m.is_hybrid and m.root == str(TREES / "hybrid-laptop")
+    assert m.is_hybrid and m.root == str(machine_tree("hybrid-laptop"))
 
 
 def test_live_missing_cpuinfo_falls_back_to_py_cpuinfo(tmp_path, monkeypatch):

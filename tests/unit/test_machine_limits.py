@@ -6,13 +6,13 @@ import struct
 from pathlib import Path
 
 import pytest
+from machine_trees import machine_tree
 
 from xlaunch.launcher.machine import clear_cache, current_machine, load_machine
 from xlaunch.launcher.machine._files import Notes
 from xlaunch.launcher.machine.libraries import find_libraries, parse_ld_cache, read_ld_conf
 from xlaunch.launcher.machine.limits import read_cpu_budget
 
-TREES = Path(__file__).resolve().parent.parent / "machines"
 
 
 def write(root: Path, relative: str, text: str) -> None:
@@ -68,11 +68,11 @@ def test_odd_cpu_max_is_ignored(tmp_path, text):
 
 def test_current_machine_is_cached_per_root(monkeypatch):
     clear_cache()
-    monkeypatch.setenv("XLAUNCH_FSROOT", str(TREES / "container-cpuset"))
+    monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree("container-cpuset")))
     first = current_machine()
     assert first is current_machine()
     assert first.allowed_cpus == (4, 5, 6, 7, 36, 37, 38, 39)
-    monkeypatch.setenv("XLAUNCH_FSROOT", str(TREES / "hybrid-laptop"))
+    monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree("hybrid-laptop")))
     assert current_machine().is_hybrid
     clear_cache()
 
@@ -191,6 +191,6 @@ def test_same_file_through_two_dirs_is_listed_once(tmp_path):
 
 
 def test_machine_library_prefers_the_first_found():
-    m = load_machine(str(TREES / "vm-no-node"))
+    m = load_machine(str(machine_tree("vm-no-node")))
     for lib in m.libraries:
         assert m.library(lib.kind).path == next(x.path for x in m.libraries if x.kind == lib.kind)

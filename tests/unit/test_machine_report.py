@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
+from machine_trees import MACHINE_NAMES, machine_tree
 
 from xlaunch.launcher.machine import ISA_FLAGS, load_machine
 from xlaunch.launcher.report import (
@@ -16,12 +16,11 @@ from xlaunch.launcher.report import (
     topology_json,
 )
 
-TREES = Path(__file__).resolve().parent.parent / "machines"
-NAMES = sorted(p.name for p in TREES.iterdir() if (p / "sys").is_dir())
+NAMES = MACHINE_NAMES
 
 
 def load(name: str):
-    return load_machine(str(TREES / name))
+    return load_machine(str(machine_tree(name)))
 
 
 @pytest.mark.parametrize("name", NAMES)

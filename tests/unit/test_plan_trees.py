@@ -6,17 +6,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from machine_trees import MACHINE_NAMES, machine_tree
 
 from xlaunch.launcher.machine import load_machine
 from xlaunch.launcher.options import Options
 from xlaunch.launcher.plan import plan
 
-REPO = Path(__file__).resolve().parents[2]
-MACHINES = REPO / "tests" / "machines"
-TREES = sorted(p.name for p in MACHINES.iterdir() if (p / "sys").is_dir()) if MACHINES.is_dir() else []
+TREES = MACHINE_NAMES
 
 MODES = {
     "default": {},
@@ -41,7 +39,7 @@ _machines: dict = {}
 
 def machine_of(tree: str):
     if tree not in _machines:
-        _machines[tree] = load_machine(str(MACHINES / tree))
+        _machines[tree] = load_machine(str(machine_tree(tree)))
     return _machines[tree]
 
 
@@ -108,7 +106,7 @@ def test_plan_on_recorded_tree(tree: str, mode: str) -> None:
     ("container-cpuset", ["--use-logical-cores", "--ninstances", "2"], [4, 4]),
 ])
 def test_dry_run_json_on_trees_through_the_cli(tree: str, argv: list[str], expect: list[int]) -> None:
-    env = dict(os.environ, XLAUNCH_FSROOT=str(MACHINES / tree))
+    env = dict(os.environ, XLAUNCH_FSROOT=str(machine_tree(tree)))
     result = subprocess.run([sys.executable, "-m", "xlaunch", "--dry-run", "--json", *argv, "--no-python", "true"],
                             capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr

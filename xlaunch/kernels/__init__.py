@@ -2,8 +2,9 @@
 optimizers with split-bf16 master weights. Imports torch lazily, on first attribute use."""
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from xlaunch._torch import load_attribute
 
 _LAZY = {
     "optimize": "xlaunch.kernels.optimize",
@@ -22,6 +23,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'xlaunch.kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = load_attribute(module, name, f"xlaunch.kernels.{name}")
     globals()[name] = value
     return value

@@ -6,8 +6,9 @@ each name loads its module on first use, and only ``MultiStreamModule`` imports 
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from xlaunch._torch import load_attribute
 
 _LAZY = {
     "CPUPool": "xlaunch.runtime_ext.pool",
@@ -30,7 +31,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'xlaunch.runtime_ext' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = load_attribute(module, name, f"xlaunch.runtime_ext.{name}")
     globals()[name] = value
     return value
 

@@ -197,9 +197,12 @@ def loaded_runtime() -> OpenMPRuntime:
     """Like :func:`find_runtime` but raises one clear :class:`OpenMPNotFoundError` when there is none."""
     runtime = find_runtime()
     if runtime is None:
+        from xlaunch._torch import INSTALL, torch_installed
+
         raise OpenMPNotFoundError(
             "no OpenMP runtime (libgomp, libiomp5 or libomp) is loaded in this process; "
             "import torch (or the library that uses OpenMP) before using xlaunch.runtime_ext"
+            + ("" if torch_installed() else f" (torch is not installed: {INSTALL})")
         )
     return runtime
 

@@ -40,18 +40,29 @@ __all__ = [
 
 
 class MachineRootError(ValueError):
-    """The machine root (``XLAUNCH_FSROOT``) is missing or not a directory."""
+    """The machine root (``XLAUNCH_FSROOT``) is missing, not a directory, or a bad archive."""
 
 
 def resolve_root(root: Optional[str] = None) -> str:
-    """``root``, else ``$XLAUNCH_FSROOT``, else ``/``; checked to be a directory."""
+    """``root``, else ``$XLAUNCH_FSROOT``, else ``/``; checked to be a directory.
+
+    A recorded machine archive (``.tar.xz``, see :mod:`.archive`) resolves to its unpacked copy.
+    """
     if root is None:
         root = os.environ.get(FSROOT_ENV) or "/"
+    if os.path.isfile(root):
+        from xlaunch.launcher.machine import archive   # tarfile/lzma only for a file root
+
+        if archive.is_archive(root):
+            try:
+                return archive.unpacked_root(root)
+            except archive.UNREADABLE as exc:
+                raise MachineRootError(f"machine archive {root!r} cannot be unpacked: {exc}") from None
     if not os.path.isdir(root):
         problem = "does not exist" if not os.path.exists(root) else "is not a directory"
         raise MachineRootError(
             f"machine root {root!r} {problem}: {FSROOT_ENV} must name a directory holding a "
-            f"recorded sys/ and proc/ (unset it to read this machine)"
+            f"recorded sys/ and proc/, or its .tar.xz (unset it to read this machine)"
         )
     return root
 

@@ -1,0 +1,118 @@
+"""The wheel a user installs: built from this tree, installed into a fresh venv WITHOUT torch.
+
+The launcher and the recorder work there; every torch-needing entry point raises one ImportError
+that names ``pip install "xlaunch[torch]"``. Needs the package registry for click, psutil and
+py-cpuinfo: skipped only when pip cannot reach it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HINT = 'pip install "xlaunch[torch]"'
+OFFLINE = ("Could not find a version", "No matching distribution", "NewConnectionError",
+           "Failed to establish a new connection", "Temporary failure in name resolution",
+           "Network is unreachable", "ConnectTimeout", "ProxyError")
+
+pytestmark = pytest.mark.slow
+
+
+def run(argv: list, *, cwd: Path, env: dict | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(wheel, venv, env without PYTHONPATH) with xlaunch installed from a freshly built wheel."""
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "src"                        # a copy: building leaves build/ and egg-info behind
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "xlaunch", source / "xlaunch", ignore=shutil.ignore_patterns("__pycache__"))
+    built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                 "-w", work / "dist", source], cwd=work)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (work / "dist").glob("xlaunch-*.whl")
+    venv = work / "venv"
+    made = run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=work)
+    assert made.returncode == 0, made.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLAUNCH_FSROOT", "VIRTUAL_ENV")}
+    env["XDG_CACHE_HOME"] = str(work / "cache")
+    install = run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q", wheel],
+                  cwd=work, env=env)
+    if install.returncode != 0 and any(word in install.stderr for word in OFFLINE):
+        pytest.skip(f"pip cannot reach the package registry: {install.stderr.strip().splitlines()[-1]}")
+    assert install.returncode == 0, install.stderr
+    return wheel, venv, env
+
+
+def test_the_wheel_holds_the_data_files_and_both_commands(installed):
+    wheel, _, _ = installed
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = archive.read(meta).decode()
+        entry_points = archive.read(meta.replace("METADATA", "entry_points.txt")).decode()
+    for path in ("xlaunch/py.typed", "xlaunch/configs/throughput.toml", "xlaunch/kernels/_inject/sitecustomize.py",
+                 "xlaunch/launcher/machine/record.py"):
+        assert path in names, path
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert "Requires-Dist: torch>=2.13; extra == \"torch\"" in metadata
+    assert "License-Expression: Apache-2.0" in metadata
+    assert "xlaunch-record-machine = xlaunch.launcher.machine.record:main" in entry_points
+
+
+def test_without_torch_the_launcher_and_recorder_work(installed, tmp_path):
+    _, venv, env = installed
+    bin_dir = venv / "bin"
+    assert run([bin_dir / "python", "-c", "import torch"], cwd=tmp_path, env=env).returncode != 0
+    recorded = run([bin_dir / "xlaunch-record-machine", tmp_path / "here", "--archive"], cwd=tmp_path, env=env)
+    assert recorded.returncode == 0, recorded.stderr
+    archive = tmp_path / "here.tar.xz"
+    live = run([bin_dir / "xlaunch", "--dry-run", "--json", "--no-python", "true"], cwd=tmp_path, env=env)
+    assert live.returncode == 0, live.stderr
+    from_archive = run([bin_dir / "xlaunch", "--dry-run", "--json", "--no-python", "true"], cwd=tmp_path,
+                       env={**env, "XLAUNCH_FSROOT": str(archive)})
+    assert from_archive.returncode == 0, from_archive.stderr
+    cpus = [[i["cpus"] for i in json.loads(r.stdout)["instances"]] for r in (live, from_archive)]
+    assert cpus[0] == cpus[1] and cpus[0]
+
+
+@pytest.mark.parametrize("expression, what", [
+    ("xlaunch.optimize", "xlaunch.optimize"),
+    ("xlaunch.MultiStreamModule", "xlaunch.MultiStreamModule"),
+    ("xlaunch.kernels.FusedAdamW", "xlaunch.kernels.FusedAdamW"),
+    ("xlaunch.runtime_ext.MultiStreamModule", "xlaunch.runtime_ext.MultiStreamModule"),
+])
+def test_without_torch_each_entry_point_says_how_to_get_it(installed, tmp_path, expression, what):
+    _, venv, env = installed
+    code = f"import xlaunch, xlaunch.kernels, xlaunch.runtime_ext\n{expression}\n"
+    result = run([venv / "bin" / "python", "-c", code], cwd=tmp_path, env=env)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"ImportError: {what} needs PyTorch, which is not installed here: {HINT}", result.stderr
+    assert "No module named 'torch'" not in result.stderr      # one message, no chained traceback
+
+
+def test_without_torch_pools_work_and_pinning_says_what_is_missing(installed, tmp_path):
+    _, venv, env = installed
+    code = ("import os, xlaunch\n"
+            "pool = xlaunch.CPUPool()\n"
+            "assert set(pool.cpus) <= os.sched_getaffinity(0), pool.cpus\n"
+            "try:\n"
+            "    with xlaunch.pin(pool):\n"
+            "        pass\n"
+            "except Exception as exc:\n"
+            "    print(type(exc).__name__, exc)\n")
+    result = run([venv / "bin" / "python", "-c", code], cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("OpenMPNotFoundError") and HINT in result.stdout, result.stdout
