@@ -277,19 +277,20 @@ def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
     cli = {name: value for name, value in params.items()
            if name not in NOT_OPTIONS and name not in compat.BY_NAME and _given(ctx, name)}
     old = {name: params[name] for name in compat.BY_NAME if _given(ctx, name)}
+    notes = ()
     if old:
-        translated = compat.translate(old, cli)
-        if _verbosity(ctx) >= 0:
-            for name in old:
-                spelling = compat.BY_NAME[name]
-                sys.stderr.write(f"xlaunch: note: {compat.flags(spelling)[0]} ({spelling.origin}) means "
-                                 f"{spelling.meaning}\n")
-        cli = {**translated, **cli}
+        cli = {**compat.translate(old, cli), **cli}
+        notes = tuple(f"{compat.flags(compat.BY_NAME[name])[0]} ({compat.BY_NAME[name].origin}) means "
+                      f"{compat.BY_NAME[name].meaning}" for name in old)
     cli["verbosity"] = _verbosity(ctx)
     command = tuple(params["command"])
     options = build_options(
         cli, config, config_source=source, program=command[0] if command else None, args=command[1:]
     )
+    if notes:
+        import dataclasses
+
+        options = dataclasses.replace(options, notes=notes)
     if options.json and not options.dry_run:
         raise OptionError("--json", "only applies with --dry-run, --check-isa or --show-topology")
     if options.log_dir is not None:
@@ -446,6 +447,8 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
         the_plan = dataclasses.replace(the_plan, machine_summary=dict(machine_summary(machine)))
     quiet = options.verbosity < 0
     if not quiet:
+        for note in options.notes:
+            sys.stderr.write(f"xlaunch: note: {note}\n")
         for warning in the_plan.warnings:
             sys.stderr.write(f"xlaunch: warning: {warning}\n")
     if options.dry_run:

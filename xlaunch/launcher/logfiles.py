@@ -50,6 +50,16 @@ class LogFiles:
     instances: dict[int, BinaryIO] = field(default_factory=dict)
     launcher: Optional[TextIO] = None
     kept: list[str] = field(default_factory=list)      # earlier logs renamed aside
+    _moves: list[tuple[str, str]] = field(default_factory=list)   # (log path, where it was kept)
+    _created: list[str] = field(default_factory=list)
+
+    def undo(self) -> None:
+        """Close, remove the files this run created, and put earlier logs back."""
+        self.close()
+        for path in self._created:
+            _quietly(os.unlink, path)
+        for path, aside in reversed(self._moves):
+            _quietly(os.rename, aside, path)
 
     def close(self) -> None:
         for log in self.instances.values():
@@ -70,14 +80,18 @@ def open_log_files(log_dir: str, prefix: str, indices: Iterable[int]) -> LogFile
         fd = _create(log_dir, launcher_log_name(prefix), files)
         files.launcher = open(fd, "w", encoding="utf-8", errors="replace")
     except BaseException:
-        files.close()
+        files.undo()
         for path in reversed(created):
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
+            _quietly(os.rmdir, path)
         raise
     return files
+
+
+def _quietly(call, *paths: str) -> None:
+    try:
+        call(*paths)
+    except OSError:
+        pass
 
 
 def _create(log_dir: str, name: str, files: LogFiles) -> int:
@@ -91,9 +105,13 @@ def _create(log_dir: str, name: str, files: LogFiles) -> int:
     if mode is not None:
         if stat.S_ISDIR(mode):
             raise OptionError("--log-dir", f"{path!r} is a directory, not a log file")
-        files.kept.append(_keep_aside(path))
+        aside = _keep_aside(path)
+        files.kept.append(aside)
+        files._moves.append((path, aside))
     try:
-        return os.open(path, _FLAGS, 0o644)
+        fd = os.open(path, _FLAGS, 0o644)
+        files._created.append(path)
+        return fd
     except OSError as error:
         raise OptionError("--log-dir", f"cannot create {path!r}: {error.strerror}") from None
 
@@ -130,10 +148,7 @@ def _make_dirs(log_dir: str) -> list[str]:
             os.mkdir(path, 0o755)
         except OSError as error:
             for done in reversed(created):
-                try:
-                    os.rmdir(done)
-                except OSError:
-                    pass
+                _quietly(os.rmdir, done)
             raise OptionError("--log-dir", f"cannot create {path!r}: {error.strerror}") from None
         created.append(path)
     return created

@@ -71,6 +71,7 @@ class Options:
     json: bool = False
     config: Optional[str] = None             # where merged settings came from (path), for the record
     verbosity: int = 0                       # -v: +1 each, -q: -1 each
+    notes: tuple[str, ...] = ()              # what old (ipexrun/run_cpu) spellings were taken to mean
 
     @property
     def bind_tool(self) -> str:
