@@ -437,6 +437,8 @@ class _Supervisor:
         return min(due) if due else None
 
     def observation_warnings(self) -> None:
+        if all(child.observer is None for child in self.children):
+            return
         from xlaunch.launcher.observe import compare
 
         for child in self.children:

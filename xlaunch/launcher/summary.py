@@ -11,7 +11,6 @@ nothing could be sampled).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -74,6 +73,8 @@ def summary_json(results: list[InstanceResult], exit_status: int, *, allocator: 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
     """Write atomically (a reader never sees half a file); never follow a symlink at ``path``."""
+    import json
+
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "w", encoding="utf-8") as out:

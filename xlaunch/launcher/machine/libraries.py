@@ -9,6 +9,7 @@ they are what children of this process will load, whatever ``XLAUNCH_FSROOT`` sa
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import sys
 from typing import Iterable, Mapping, Optional
@@ -50,15 +51,16 @@ def find_libraries(
     """Every library of :data:`LIBRARY_NAMES` found, in search order, one entry per real file."""
     env = os.environ if env is None else env
     found: list[Library] = []
-    seen: set[str] = set()
+    seen: set[tuple[int, int]] = set()
 
     def consider(path: str, kind: str, source: str) -> None:
-        if not os.path.isfile(path):
+        try:
+            st = os.stat(path)      # one system call: exists, is a file, and which file (links too)
+        except OSError:
             return
-        real = os.path.realpath(path)
-        if real in seen:
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in seen:
             return
-        seen.add(real)
+        seen.add((st.st_dev, st.st_ino))
         found.append(Library(kind=kind, path=path, source=source))
 
     for directory, source in _search_dirs(env, prefixes, ld_cache, ld_conf, system_dirs):
