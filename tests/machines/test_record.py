@@ -157,4 +157,6 @@ def test_refuses_an_existing_target(tmp_path, archive, capsys):
     target = tmp_path / ("x" if archive else "")
     with pytest.raises(SystemExit) as exit_info:
         record_main([str(target), *(["--archive"] if archive else [])])
-    assert exit_info.value.code == 2 and "already exists" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("xlaunch-record-machine: error: DIR: ") and "already exists" in err

@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Optional
+from typing import NoReturn, Optional
 
 CPU = "sys/devices/system/cpu"
 NODE = "sys/devices/system/node"
@@ -135,8 +135,15 @@ def record_archive(source: str, archive: str) -> int:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad input is one line, ``xlaunch-record-machine: error: ...``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="xlaunch-record-machine",
         description="Record this machine's topology files for XLAUNCH_FSROOT.",
     )
