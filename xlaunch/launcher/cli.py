@@ -96,8 +96,13 @@ def _option(*names: str, group: str, help: str, short: Optional[str] = None, **k
     return click.option(*decls, cls=GroupedOption, group=group, help=help, **kwargs)
 
 
-def _choice(values: Sequence[str]) -> str:
-    return "[" + "|".join(values) + "]"
+def _choice(values: Sequence[str]) -> dict[str, Any]:
+    """``metavar`` and shell completion for an option taking one of ``values`` (validated later,
+    with the config file's values, by :mod:`~xlaunch.launcher.options`)."""
+    return {
+        "metavar": "[" + "|".join(values) + "]",
+        "shell_complete": lambda _ctx, _param, incomplete: [v for v in values if v.startswith(incomplete)],
+    }
 
 
 CONTEXT = {
@@ -129,7 +134,7 @@ CONTEXT = {
          help="Use only these logical CPUs, e.g. 0-7,16 (mapped to their physical cores).")
 @_option("use_logical_cores", group=GROUP_INSTANCES, is_flag=True,
          help="Use SMT siblings too; siblings stay in one instance.")
-@_option("core_type", group=GROUP_INSTANCES, metavar=_choice(CORE_TYPES),
+@_option("core_type", group=GROUP_INSTANCES, **_choice(CORE_TYPES),
          help="Hybrid parts: which cores to use (default performance).")
 @_option("bind_numa_node", group=GROUP_INSTANCES, is_flag=True, help="No instance spans NUMA nodes.")
 @_option("instance_idx", group=GROUP_INSTANCES, metavar="LIST",
@@ -139,17 +144,17 @@ CONTEXT = {
 @_option("no_python", group=GROUP_PROGRAM, is_flag=True, help="Execute PROGRAM directly (found on PATH).")
 @_option("auto_optimize", group=GROUP_PROGRAM, is_flag=True,
          help="Inject xlaunch.kernels.optimize into the unmodified Python program.")
-@_option("dtype", group=GROUP_PROGRAM, metavar=_choice(DTYPES), help="With --auto-optimize: compute type.")
+@_option("dtype", group=GROUP_PROGRAM, **_choice(DTYPES), help="With --auto-optimize: compute type.")
 @_option("auto_optimize_verbose", group=GROUP_PROGRAM, is_flag=True,
          help="With --auto-optimize: report what was optimized.")
 # -- runtime tuning
-@_option("memory_allocator", group=GROUP_TUNING, metavar=_choice(ALLOCATORS),
+@_option("memory_allocator", group=GROUP_TUNING, **_choice(ALLOCATORS),
          help="Allocator to preload (auto: jemalloc, else tcmalloc, else tuned glibc).")
-@_option("omp_runtime", group=GROUP_TUNING, metavar=_choice(OMP_RUNTIMES),
+@_option("omp_runtime", group=GROUP_TUNING, **_choice(OMP_RUNTIMES),
          help="OpenMP runtime (auto: Intel OpenMP when libiomp5 is installed, else GNU).")
-@_option("bind_with", group=GROUP_TUNING, metavar=_choice(BIND_TOOLS),
+@_option("bind_with", group=GROUP_TUNING, **_choice(BIND_TOOLS),
          help="How instances are pinned (auto = native: sched_setaffinity + set_mempolicy).")
-@_option("membind", group=GROUP_TUNING, metavar=_choice(MEMBIND_POLICIES),
+@_option("membind", group=GROUP_TUNING, **_choice(MEMBIND_POLICIES),
          help="Memory policy on the instance's NUMA nodes (default bind).")
 @_option("benchmark", group=GROUP_TUNING, is_flag=True,
          help="Latency-tuned allocator settings: never give memory back.")
@@ -176,7 +181,7 @@ CONTEXT = {
 @_option("torch", group=GROUP_MACHINE, is_flag=True, help="With --check-isa: also ask torch (imports it).")
 @_option("show_topology", group=GROUP_MACHINE, is_flag=True, help="Print the machine model, then exit.")
 @click.version_option(package_name="xlaunch", prog_name="xlaunch", message="%(prog)s %(version)s")
-@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="PROGRAM [ARGS]...")
+@click.argument("command", nargs=-1, type=click.Path(), metavar="PROGRAM [ARGS]...")
 def command(**_: Any) -> None:
     """Parsing only; :func:`run` does the work with ``ctx.params``."""
 
@@ -206,6 +211,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def run(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
     """Parse, plan, and dry-run or execute. Returns the exit status."""
     environ = dict(os.environ if environ is None else environ)
+    instruction = environ.get(COMPLETE_VAR)
+    if instruction:
+        return _shell_complete(instruction)
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         ctx = command.make_context("xlaunch", args)
@@ -221,6 +229,18 @@ def run(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str
         return _launch(options, environ)
     except LaunchInputError as exc:
         return _usage_error(exc.line())
+
+
+COMPLETE_VAR = "_XLAUNCH_COMPLETE"
+
+
+def _shell_complete(instruction: str) -> int:
+    """Click's shell completion (``eval "$(_XLAUNCH_COMPLETE=bash_source xlaunch)"``; zsh_source,
+    fish_source): option names, choices, and files for PROGRAM. Hidden compat spellings are not
+    offered."""
+    from click.shell_completion import shell_complete
+
+    return shell_complete(command, {}, "xlaunch", COMPLETE_VAR, instruction)
 
 
 def _usage_error(line: str) -> int:
