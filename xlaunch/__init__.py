@@ -5,8 +5,6 @@ nothing here imports torch.
 """
 from __future__ import annotations
 
-from xlaunch._torch import load_attribute
-
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -24,6 +22,8 @@ def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'xlaunch' has no attribute {name!r}")
+    from xlaunch._torch import load_attribute
+
     value = load_attribute(module, name, f"xlaunch.{name}")
     globals()[name] = value
     return value

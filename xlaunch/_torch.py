@@ -8,7 +8,6 @@ their modules through :func:`load_attribute`, so ``xlaunch.optimize`` or
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 INSTALL = 'pip install "xlaunch[torch]"'
 
@@ -32,7 +31,7 @@ def _is_torch(name: object) -> bool:
     return isinstance(name, str) and (name == "torch" or name.startswith("torch."))
 
 
-def load_attribute(module: str, name: str, what: str) -> Any:
+def load_attribute(module: str, name: str, what: str) -> object:
     """``getattr(import_module(module), name)``; torch missing becomes one ImportError naming
     ``what`` and the extra to install (also when a nested lazy export raised it first).
 
