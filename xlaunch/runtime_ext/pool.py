@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
 from xlaunch.cpulist import format_cpulist, parse_cpulist
@@ -140,6 +140,7 @@ def _node_cpus(node_id: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class _PinRecord:
+    thread_num: int               # 0 is the thread that pinned its team
     tid: int
     previous: frozenset[int]
 
@@ -151,6 +152,7 @@ class TeamPin:
     cpus: tuple[int, ...]
     previous_threads: int
     records: tuple[_PinRecord, ...]
+    pid: int = field(default_factory=os.getpid)
 
 
 def _torch_module() -> Any:
@@ -187,7 +189,7 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
         if thread_num < size:
             previous = frozenset(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cpus[thread_num]})
-            records[thread_num] = _PinRecord(threading.get_native_id(), previous)
+            records[thread_num] = _PinRecord(thread_num, threading.get_native_id(), previous)
 
     try:
         runtime.run_on_team(size, pin_self)
@@ -206,10 +208,17 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
 
 
 def unpin_team(pinned: TeamPin) -> None:
-    """Undo :func:`pin_team`: previous affinity of every pinned thread, previous thread count."""
+    """Undo :func:`pin_team`: previous affinity of every pinned thread, previous thread count.
+
+    In a child forked inside the pin, only the calling thread exists (as a copy of team thread
+    0); the other thread ids still name the parent's threads, which are left alone.
+    """
+    forked = pinned.pid != os.getpid()
     for record in reversed(pinned.records):
+        if forked and record.thread_num != 0:
+            continue
         try:
-            os.sched_setaffinity(record.tid, record.previous)
+            os.sched_setaffinity(0 if forked else record.tid, record.previous)
         except (ProcessLookupError, OSError):
             pass  # the thread is gone, nothing to restore
     set_thread_count(openmp.loaded_runtime(), pinned.previous_threads)

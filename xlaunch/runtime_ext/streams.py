@@ -81,10 +81,14 @@ class MultiStreamModule(nn.Module):
         return join_outputs(outputs, self.output_concat_hint)
 
     def close(self) -> None:
-        """Stop and join every stream's thread."""
+        """Finish queued calls, stop and join every stream's thread (idempotent)."""
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._tasks
 
     def __enter__(self) -> MultiStreamModule:
         return self
