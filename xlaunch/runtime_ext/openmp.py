@@ -232,3 +232,9 @@ def pinning_supported() -> bool:
         return False
     runtime = find_runtime()
     return runtime is not None and runtime.can_run_teams
+
+
+def is_runtime_ext_enabled() -> bool:
+    """IPEX's name for :func:`pinning_supported` (IPEX asked for Intel OpenMP preloaded; any
+    loaded runtime exporting ``GOMP_parallel`` will do here)."""
+    return pinning_supported()

@@ -36,6 +36,8 @@ class CPUPool:
     def __init__(self, core_ids: Union[Iterable[int], str, None] = None, node_id: Optional[int] = None) -> None:
         if core_ids is not None and node_id is not None:
             raise ValueError("give core_ids or node_id, not both")
+        if node_id is not None and (isinstance(node_id, bool) or not isinstance(node_id, int)):
+            raise ValueError(f"node_id must be a non-negative integer, got {node_id!r}")
         if core_ids is not None:
             cpus = _validated_cpus(core_ids)
         elif node_id is not None:
@@ -132,6 +134,14 @@ def _node_cpus(node_id: int) -> tuple[int, ...]:
         nodes = ",".join(map(str, topology.node_ids())) or "none"
         raise ValueError(f"NUMA node {node_id} has no CPU this process may use (nodes with allowed CPUs: {nodes})")
     return cpus
+
+
+def get_core_list_of_node_id(node_id: int) -> list[int]:
+    """IPEX's helper: the CPUs of ``CPUPool(node_id=node_id)`` -- one (the first SMT sibling) per
+    physical core of that NUMA node that this process may use."""
+    if isinstance(node_id, bool) or not isinstance(node_id, int) or node_id < 0:
+        raise ValueError(f"node_id must be a non-negative integer, got {node_id!r}")
+    return list(_node_cpus(node_id))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
     with Task(model, CPUPool([1])) as task:
         future = task(x)           # returns at once: a concurrent.futures.Future
-        y = future.result()        # the call's result, or its exception re-raised
+        y = future.result()        # the call's result, or its exception re-raised (IPEX: .get())
 
 Calls run one at a time, in submission order, each with its own arguments and with the grad
 mode (and inference mode) the caller had when submitting.
@@ -15,12 +15,21 @@ import sys
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from xlaunch.runtime_ext import workers
 from xlaunch.runtime_ext.pool import CPUPool, pin_team, unpin_team
 
 _STOP = object()
+
+
+class TaskFuture(Future):
+    """The pending result of one Task call: a :class:`~concurrent.futures.Future` that also has
+    IPEX's ``get()``."""
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        """The call's result (its exception re-raised); waits up to ``timeout`` seconds."""
+        return self.result(timeout)
 
 
 def _caller_modes() -> Optional[tuple[bool, bool]]:
@@ -99,19 +108,24 @@ def _serve(fn: Callable[..., Any], cpus: tuple[int, ...], jobs: queue.SimpleQueu
 class Task:
     """A worker thread pinned to ``pool`` that runs ``fn`` for every call, in order.
 
-    ``pool`` defaults to :class:`CPUPool` ``()``. Calling the task submits ``fn(*args, **kwargs)``
-    and returns a :class:`~concurrent.futures.Future`. :meth:`close` (or leaving a ``with``
+    ``cpu_pool`` defaults to :class:`CPUPool` ``()`` (``pool=`` is accepted too). Calling the
+    task submits ``fn(*args, **kwargs)`` and returns a :class:`TaskFuture`. :meth:`close` (or leaving a ``with``
     block) finishes the queued calls and joins the thread. A Task that is dropped stops its
     thread; at interpreter exit every open Task finishes its queue and is joined before the
     interpreter finalizes (see :mod:`xlaunch.runtime_ext.workers`). In a forked child the
     parent's Task has no thread: using it raises :class:`RuntimeError`.
     """
 
-    def __init__(self, fn: Callable[..., Any], pool: Union[CPUPool, None] = None) -> None:
+    def __init__(self, fn: Callable[..., Any], cpu_pool: Optional[CPUPool] = None, *, pool: Optional[CPUPool] = None) -> None:
         if not callable(fn):
             raise TypeError(f"Task needs a module or callable, got {type(fn).__name__}")
+        if cpu_pool is not None and pool is not None:
+            raise TypeError("give cpu_pool or pool, not both")
+        chosen = cpu_pool if cpu_pool is not None else pool
+        if chosen is not None and not isinstance(chosen, CPUPool):
+            raise TypeError(f"cpu_pool must be a CPUPool, got {type(chosen).__name__}")
         self.fn = fn
-        self.pool = pool if pool is not None else CPUPool()
+        self.pool = chosen if chosen is not None else CPUPool()
         self._inbox = _Inbox()
         started: Future = Future()
         self._thread = threading.Thread(
@@ -131,9 +145,13 @@ class Task:
         self._finalizer = weakref.finalize(self, self._inbox.close)
         self._finalizer.atexit = False
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Future:
+    @property
+    def cpu_pool(self) -> CPUPool:
+        return self.pool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> TaskFuture:
         """Queue one call; its arguments belong to this call alone."""
-        future: Future = Future()
+        future = TaskFuture()
         job = (future, _caller_modes(), args, kwargs)
         workers.check_owner(self._worker.pid, "Task")
         self._inbox.put(job)
