@@ -65,3 +65,43 @@ def test_default_pool_after_openmp_bound_the_main_thread(omp, iomp_path):
     assert result.returncode == 0 and not result.stderr, result.stderr
     assert result.stdout.split("] ")[-1].strip() == f"[{a}, {b}]"
     assert result.stdout.startswith(f"[{a}]")  # the binding did narrow the main thread
+
+
+INSTANCE_PROGRAM = """
+import os, threading, torch
+torch.ones(256, 256) @ torch.ones(256, 256)          # OpenMP has started (and bound) its team
+from xlaunch import CPUPool, MultiStreamModule
+
+def status_cpus(tid):
+    with open(f"/proc/self/task/{tid}/status") as status:
+        line = next(l for l in status if l.startswith("Cpus_allowed_list:"))
+    return line.split(":")[1].strip()
+
+seen = []
+worker = threading.Thread(target=lambda: seen.append(status_cpus(threading.get_native_id())))
+worker.start()
+worker.join()
+model = torch.nn.Linear(4, 2).eval()
+with torch.no_grad(), MultiStreamModule(model, 2, CPUPool()) as streams:
+    same = torch.allclose(streams(torch.ones(4, 4)), model(torch.ones(4, 4)))
+print("pool", list(CPUPool().cpus), "thread", seen[0], "main", status_cpus(os.getpid()), "streams", same)
+"""
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed CPUs")
+@pytest.mark.parametrize("omp", ["default", "intel"])
+def test_inside_a_two_cpu_instance_after_torch_ran(omp, tmp_path, iomp_path):
+    pytest.importorskip("torch")
+    from xlaunch.cpulist import format_cpulist
+
+    script = tmp_path / "instance.py"
+    script.write_text(INSTANCE_PROGRAM)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLAUNCH_", "OMP_", "KMP_", "GOMP_", "LD_PRELOAD"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "xlaunch", "-q", "--ninstances", "1", "--ncores-per-instance", "2",
+         "--omp-runtime", omp, str(script)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    mine = list(ALLOWED[:2])
+    both = format_cpulist(mine)
+    assert result.stdout.strip() == f"[0] pool {mine} thread {both} main {both} streams True", result.stdout
