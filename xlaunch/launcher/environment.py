@@ -134,6 +134,23 @@ def choose_runtime(
     )
 
 
+def team_places(cpus: Sequence[int], *, intel: bool = False) -> str:
+    """OpenMP places that bind the team's worker threads but not its master thread.
+
+    Place 0 -- the master, i.e. the process's main thread -- is the whole instance; worker ``i``
+    gets ``cpus[i]``: ``{0,1,2,3},{1},{2},{3}`` (``OMP_PLACES``) or ``{0,1,2,3},1,2,3`` (a
+    ``KMP_AFFINITY`` proclist). Binding the master to ``cpus[0]`` as well would narrow the main
+    thread -- libgomp does it when torch is imported, libiomp5 at the first parallel region -- and
+    every thread the program starts afterwards (data loading, a server, a Task) would inherit
+    that one CPU. Measured on examples/infer.py in a 2-CPU instance (docs/runtime.md): binding
+    only the workers was as fast or faster with both runtimes, and leaving the workers unbound
+    was slower with libgomp.
+    """
+    whole = "{" + ",".join(str(c) for c in cpus) + "}"
+    rest = [str(c) if intel else "{%d}" % c for c in cpus[1:]]
+    return ",".join([whole, *rest])
+
+
 def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstances: int) -> dict[str, str]:
     """The variables xlaunch wants for one instance (before the user's environment is consulted).
 
@@ -147,18 +164,11 @@ def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstan
     if runtime.openmp == INTEL:
         if runtime.openmp_library:
             preload.append(runtime.openmp_library)
-        if runtime.external_binding:
-            # The mask is already this instance's CPUs; libiomp5 respects the initial mask, so
-            # "compact" places thread i on the i-th CPU *of this instance* (checked with verbose).
-            wanted["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
-        else:
-            # No external binding: compact would put every instance on CPU 0..; name the CPUs.
-            proclist = ",".join(str(c) for c in cpus)
-            wanted["KMP_AFFINITY"] = f"granularity=fine,proclist=[{proclist}],explicit"
+        wanted["KMP_AFFINITY"] = f"granularity=fine,proclist=[{team_places(cpus, intel=True)}],explicit"
         wanted["KMP_BLOCKTIME"] = "1"
     else:
         wanted["OMP_PROC_BIND"] = "close"
-        wanted["OMP_PLACES"] = ",".join("{%d}" % c for c in cpus)
+        wanted["OMP_PLACES"] = team_places(cpus)
     if runtime.allocator == "jemalloc":
         wanted["MALLOC_CONF"] = JEMALLOC_CONF_BENCHMARK if runtime.benchmark else JEMALLOC_CONF
     elif runtime.allocator in ("tcmalloc", "tcmalloc_minimal"):
