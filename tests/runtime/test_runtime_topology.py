@@ -11,6 +11,8 @@ from xlaunch.runtime_ext.topology import process_cpus
 
 ALLOWED = tuple(sorted(os.sched_getaffinity(0)))
 ONLINE = frozenset(range(8))
+# The live tests choose both OpenMP runtimes themselves: not again in the libiomp5 rerun.
+live = pytest.mark.skipif(os.environ.get("XLAUNCH_TEST_OMP_KIND") == "iomp", reason="runs libiomp5 itself")
 
 
 def cpus(*ids: int) -> frozenset[int]:
@@ -43,6 +45,7 @@ def test_without_the_variable_the_narrowed_main_thread_is_widened():
     assert decide(at_import=cpus(6, 7), main=cpus(6, 7), places=cpus(6, 7, 9)) == (6, 7)
 
 
+@live
 @pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed CPUs")
 @pytest.mark.parametrize("omp", ["gnu", "intel"])
 def test_default_pool_after_openmp_bound_the_main_thread(omp, iomp_path):
@@ -88,6 +91,7 @@ print("pool", list(CPUPool().cpus), "thread", seen[0], "main", status_cpus(os.ge
 """
 
 
+@live
 @pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed CPUs")
 @pytest.mark.parametrize("omp", ["default", "intel"])
 def test_inside_a_two_cpu_instance_after_torch_ran(omp, tmp_path, iomp_path):
@@ -103,5 +107,8 @@ def test_inside_a_two_cpu_instance_after_torch_ran(omp, tmp_path, iomp_path):
         capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0 and not result.stderr, result.stderr
     mine = list(ALLOWED[:2])
-    both = format_cpulist(mine)
-    assert result.stdout.strip() == f"[0] pool {mine} thread {both} main {both} streams True", result.stdout
+    # Intel OpenMP binds only the team's workers: the main thread, and threads it starts, keep
+    # the instance. GNU OpenMP binds the master too (measured faster, docs/runtime.md): the main
+    # thread and later threads are on the first CPU, but CPUPool() is still the instance.
+    main = format_cpulist(mine) if omp == "intel" else str(mine[0])
+    assert result.stdout.strip() == f"[0] pool {mine} thread {main} main {main} streams True", result.stdout

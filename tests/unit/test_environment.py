@@ -30,7 +30,7 @@ def test_gnu_openmp_places_and_binding() -> None:
     runtime = choose_runtime(ALL_LIBS, omp_runtime="default")
     env = instance_environment({}, runtime, cpus=(2, 3), index=1, ninstances=2).env
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "2"
-    assert env["OMP_PROC_BIND"] == "close" and env["OMP_PLACES"] == "{2,3},{3}"   # master: whole instance
+    assert env["OMP_PROC_BIND"] == "close" and env["OMP_PLACES"] == "{2},{3}"
     assert "KMP_AFFINITY" not in env
     assert env["LD_PRELOAD"] == JEMALLOC
     assert (env["XLAUNCH_INSTANCE_INDEX"], env["XLAUNCH_NINSTANCES"], env["XLAUNCH_CPUS"]) == ("1", "2", "2-3")
@@ -50,10 +50,10 @@ def test_intel_without_external_binding_names_the_cpus() -> None:
     assert env["KMP_AFFINITY"] == "granularity=fine,proclist=[{4,5,6},5,6],explicit"
 
 
-def test_team_places_bind_workers_and_leave_the_master_the_whole_instance() -> None:
-    assert team_places((7,)) == "{7}" and team_places((7,), intel=True) == "{7}"
-    assert team_places((0, 1, 2, 3)) == "{0,1,2,3},{1},{2},{3}"
-    assert team_places((8, 10, 12), intel=True) == "{8,10,12},10,12"
+def test_intel_proclist_binds_workers_and_leaves_the_master_the_whole_instance() -> None:
+    assert team_places((7,)) == "{7}"
+    assert team_places((0, 1, 2, 3)) == "{0,1,2,3},1,2,3"
+    assert team_places((8, 10, 12)) == "{8,10,12},10,12"
 
 
 def test_auto_falls_back_to_gnu_and_tuned_glibc_without_libraries() -> None:

@@ -134,21 +134,22 @@ def choose_runtime(
     )
 
 
-def team_places(cpus: Sequence[int], *, intel: bool = False) -> str:
-    """OpenMP places that bind the team's worker threads but not its master thread.
+def team_places(cpus: Sequence[int]) -> str:
+    """An Intel OpenMP proclist that binds the team's worker threads but not its master thread.
 
-    Place 0 -- the master, i.e. the process's main thread -- is the whole instance; worker ``i``
-    gets ``cpus[i]``: ``{0,1,2,3},{1},{2},{3}`` (``OMP_PLACES``) or ``{0,1,2,3},1,2,3`` (a
-    ``KMP_AFFINITY`` proclist). Binding the master to ``cpus[0]`` as well would narrow the main
-    thread -- libgomp does it when torch is imported, libiomp5 at the first parallel region -- and
-    every thread the program starts afterwards (data loading, a server, a Task) would inherit
-    that one CPU. Measured on examples/infer.py in a 2-CPU instance (docs/runtime.md): binding
-    only the workers was as fast or faster with both runtimes, and leaving the workers unbound
-    was slower with libgomp.
+    Entry 0 -- the master, i.e. the process's main thread -- is the whole instance; worker ``i``
+    gets ``cpus[i]``: ``{0,1,2,3},1,2,3``. Binding the master to ``cpus[0]`` as well narrows the
+    main thread at the first parallel region, and every thread the program starts afterwards
+    (data loading, a server, a Task) inherits that one CPU.
+
+    Measured (docs/runtime.md, examples/infer.py in a 2-CPU instance, interleaved medians on a
+    shared machine): with libiomp5 binding only the workers was 1.25x and 1.47x the throughput
+    of binding all; with libgomp it was 1.07x in one series and 0.69x in another -- its workers
+    spin while waiting, and a floating master shared a worker's CPU in about half of the
+    samples -- so GNU OpenMP keeps one place per CPU, master included.
     """
     whole = "{" + ",".join(str(c) for c in cpus) + "}"
-    rest = [str(c) if intel else "{%d}" % c for c in cpus[1:]]
-    return ",".join([whole, *rest])
+    return ",".join([whole, *(str(c) for c in cpus[1:])])
 
 
 def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstances: int) -> dict[str, str]:
@@ -164,11 +165,12 @@ def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstan
     if runtime.openmp == INTEL:
         if runtime.openmp_library:
             preload.append(runtime.openmp_library)
-        wanted["KMP_AFFINITY"] = f"granularity=fine,proclist=[{team_places(cpus, intel=True)}],explicit"
+        wanted["KMP_AFFINITY"] = f"granularity=fine,proclist=[{team_places(cpus)}],explicit"
         wanted["KMP_BLOCKTIME"] = "1"
     else:
+        # One place per CPU: libgomp binds the main thread to cpus[0] when it loads (see team_places).
         wanted["OMP_PROC_BIND"] = "close"
-        wanted["OMP_PLACES"] = team_places(cpus)
+        wanted["OMP_PLACES"] = ",".join("{%d}" % c for c in cpus)
     if runtime.allocator == "jemalloc":
         wanted["MALLOC_CONF"] = JEMALLOC_CONF_BENCHMARK if runtime.benchmark else JEMALLOC_CONF
     elif runtime.allocator in ("tcmalloc", "tcmalloc_minimal"):
