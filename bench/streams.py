@@ -65,6 +65,7 @@ def worker(mode: str, batch: int, cpus: list[int]) -> None:
     sys.path.insert(0, str(REPO))
     model, x = _model_and_input(batch)
     torch.set_grad_enabled(False)
+    closables: list = []
     if mode == "plain":
         torch.set_num_threads(len(cpus))
         run = lambda seconds: _timed(lambda: model(x), batch, seconds)  # noqa: E731
@@ -74,11 +75,13 @@ def worker(mode: str, batch: int, cpus: list[int]) -> None:
         run = lambda seconds: _timed(lambda: model(x), batch, seconds)  # noqa: E731
     elif mode == "streams":
         msm = MultiStreamModule(model, num_streams=len(cpus), cpu_pool=CPUPool(cpus))
+        closables.append(msm)
         run = lambda seconds: _timed(lambda: msm(x), batch, seconds)  # noqa: E731
     elif mode == "threads":
         slices = list(x.split((batch + len(cpus) - 1) // len(cpus)))
         tasks = [Task(lambda s, xs=xs: _timed(lambda: model(xs), xs.shape[0], s), CPUPool([c]))
                  for c, xs in zip(cpus, slices)]
+        closables.extend(tasks)
         run = lambda seconds: sum(f.result() for f in [t(seconds) for t in tasks])  # noqa: E731
     elif mode == "single":
         torch.set_num_threads(1)
@@ -96,7 +99,8 @@ def worker(mode: str, batch: int, cpus: list[int]) -> None:
             print(f"{run(float(command[1])):.3f}", flush=True)
         elif command[0] == "quit":
             break
-    os._exit(0)  # skip interpreter teardown of pinned threads: this process is done
+    for closable in closables:
+        closable.close()
 
 
 # --------------------------------------------------------------------------- driver side

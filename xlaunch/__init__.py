@@ -12,6 +12,9 @@ _LAZY = {
     "pin": "xlaunch.runtime_ext",
     "Task": "xlaunch.runtime_ext",
     "MultiStreamModule": "xlaunch.runtime_ext",
+    "MultiStreamModuleHint": "xlaunch.runtime_ext",
+    "get_core_list_of_node_id": "xlaunch.runtime_ext",
+    "is_runtime_ext_enabled": "xlaunch.runtime_ext",
     "optimize": "xlaunch.kernels",
 }
 

@@ -111,8 +111,14 @@ def test_slice_sizes_uneven_and_tiny():
 
 def test_bad_arguments_are_refused():
     pool = CPUPool([ALLOWED[0]])
-    with pytest.raises(ValueError, match="num_streams"):
-        MultiStreamModule(lambda t: t, num_streams=2, cpu_pool=pool)
+    for wrong in (0, -1, "fast", 1.5, True):
+        with pytest.raises(ValueError, match="num_streams"):
+            MultiStreamModule(lambda t: t, num_streams=wrong, cpu_pool=pool)
+    with pytest.raises(TypeError, match="cpu_pool must be a CPUPool"):
+        MultiStreamModule(lambda t: t, num_streams=1, cpu_pool=[ALLOWED[0]])
+    with pytest.warns(RuntimeWarning, match="num_streams=2 but the pool has 1 CPUs: using 1 streams"):
+        with MultiStreamModule(lambda t: t, num_streams=2, cpu_pool=pool) as msm:  # IPEX clamps too
+            assert msm.num_streams == 1
     with MultiStreamModule(lambda a, b: a, num_streams=1, cpu_pool=pool) as msm:
         with pytest.raises(ValueError, match="disagree on the batch size"):
             msm(torch.zeros(3, 1), torch.zeros(4, 1))

@@ -133,3 +133,46 @@ def test_bad_pool_fails_in_the_constructor():
         Task(lambda: None, CPUPool([max(ALLOWED) + 1]))
     with pytest.raises(TypeError, match="callable"):
         Task(42, CPUPool([ALLOWED[0]]))
+
+
+def test_closed_and_dropped_tasks_leave_the_exit_registry():
+    import gc
+
+    from xlaunch.runtime_ext import workers
+
+    with Task(lambda: None, CPUPool([ALLOWED[0]])) as task:
+        assert task._worker in workers.live_workers()
+    assert task._worker not in workers.live_workers()
+    dropped = Task(lambda: None, CPUPool([ALLOWED[0]]))
+    worker = dropped._worker
+    del dropped
+    gc.collect()
+    worker.thread.join(timeout=30)
+    workers.wait_until_gone(worker.thread.native_id)
+    Task(lambda: None, CPUPool([ALLOWED[0]])).close()  # registering prunes threads that ended
+    assert worker not in workers.live_workers()
+
+
+def test_the_exit_hook_runs_queued_calls_then_closes_open_tasks():
+    from xlaunch.runtime_ext import workers
+
+    done = []
+    task = Task(lambda i: done.append(i) or torch.ones(2).sum(), CPUPool([ALLOWED[0]]))
+    futures = [task(i) for i in range(20)]
+    tid = task.thread_id
+    workers.shutdown_all()
+    assert done == list(range(20)) and all(f.done() for f in futures)
+    assert task.closed and tid not in thread_ids() and not task._worker.thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        task(1)
+    task.close()
+
+
+def test_close_from_inside_the_task_does_not_deadlock():
+    holder: list = []
+    task = Task(lambda: holder[0].close(), CPUPool([ALLOWED[0]]))
+    holder.append(task)
+    task().result(timeout=60)
+    assert task.closed
+    task._worker.thread.join(timeout=30)
+    assert not task._worker.thread.is_alive()

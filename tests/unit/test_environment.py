@@ -13,6 +13,7 @@ from xlaunch.launcher.environment import (
     choose_runtime,
     instance_environment,
     runtime_variables,
+    team_places,
 )
 from xlaunch.launcher.errors import PlanError
 from xlaunch.launcher.machine.model import Library
@@ -39,14 +40,20 @@ def test_intel_openmp_preloaded_with_kmp_settings() -> None:
     runtime = choose_runtime(ALL_LIBS)          # auto: libiomp5 is there
     env = instance_environment({}, runtime, cpus=(0, 1), index=0, ninstances=1).env
     assert env["LD_PRELOAD"].split(":") == [JEMALLOC, IOMP]
-    assert env["KMP_AFFINITY"] == "granularity=fine,compact,1,0" and env["KMP_BLOCKTIME"] == "1"
+    assert env["KMP_AFFINITY"] == "granularity=fine,proclist=[{0,1},1],explicit" and env["KMP_BLOCKTIME"] == "1"
     assert "OMP_PLACES" not in env
 
 
 def test_intel_without_external_binding_names_the_cpus() -> None:
     runtime = choose_runtime(ALL_LIBS, omp_runtime="intel", external_binding=False)
     env = runtime_variables(runtime, (4, 5, 6), 0, 1)
-    assert env["KMP_AFFINITY"] == "granularity=fine,proclist=[4,5,6],explicit"
+    assert env["KMP_AFFINITY"] == "granularity=fine,proclist=[{4,5,6},5,6],explicit"
+
+
+def test_intel_proclist_binds_workers_and_leaves_the_master_the_whole_instance() -> None:
+    assert team_places((7,)) == "{7}"
+    assert team_places((0, 1, 2, 3)) == "{0,1,2,3},1,2,3"
+    assert team_places((8, 10, 12)) == "{8,10,12},10,12"
 
 
 def test_auto_falls_back_to_gnu_and_tuned_glibc_without_libraries() -> None:
@@ -138,13 +145,14 @@ def test_plan_reports_kept_variables_as_warnings() -> None:
     assert any("kept your OMP_NUM_THREADS=7" in w for w in p.warnings)
     assert "OMP_NUM_THREADS" not in p.env_set
     assert p.env_set["KMP_BLOCKTIME"] == "1"
+    assert "KMP_AFFINITY" not in p.env_set            # names each instance's CPUs
     assert "XLAUNCH_CPUS" not in p.env_set            # differs per instance
 
 
 def test_plan_with_bind_none_uses_explicit_cpu_places() -> None:
     p = plan(Options(program="x.py", ninstances=2, bind_with="none"), ALL_LIBS)
     assert [i.env["KMP_AFFINITY"] for i in p.instances] == [
-        "granularity=fine,proclist=[0,1],explicit", "granularity=fine,proclist=[2,3],explicit"]
+        "granularity=fine,proclist=[{0,1},1],explicit", "granularity=fine,proclist=[{2,3},3],explicit"]
     assert all(i.membind == "none" and i.bind == "none" for i in p.instances)
 
 

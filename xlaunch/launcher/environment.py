@@ -134,6 +134,24 @@ def choose_runtime(
     )
 
 
+def team_places(cpus: Sequence[int]) -> str:
+    """An Intel OpenMP proclist that binds the team's worker threads but not its master thread.
+
+    Entry 0 -- the master, i.e. the process's main thread -- is the whole instance; worker ``i``
+    gets ``cpus[i]``: ``{0,1,2,3},1,2,3``. Binding the master to ``cpus[0]`` as well narrows the
+    main thread at the first parallel region, and every thread the program starts afterwards
+    (data loading, a server, a Task) inherits that one CPU.
+
+    Measured (docs/runtime.md, examples/infer.py in a 2-CPU instance, interleaved medians on a
+    shared machine): with libiomp5 binding only the workers was 1.25x and 1.47x the throughput
+    of binding all; with libgomp it was 1.07x in one series and 0.69x in another -- its workers
+    spin while waiting, and a floating master shared a worker's CPU in about half of the
+    samples -- so GNU OpenMP keeps one place per CPU, master included.
+    """
+    whole = "{" + ",".join(str(c) for c in cpus) + "}"
+    return ",".join([whole, *(str(c) for c in cpus[1:])])
+
+
 def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstances: int) -> dict[str, str]:
     """The variables xlaunch wants for one instance (before the user's environment is consulted).
 
@@ -147,16 +165,10 @@ def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstan
     if runtime.openmp == INTEL:
         if runtime.openmp_library:
             preload.append(runtime.openmp_library)
-        if runtime.external_binding:
-            # The mask is already this instance's CPUs; libiomp5 respects the initial mask, so
-            # "compact" places thread i on the i-th CPU *of this instance* (checked with verbose).
-            wanted["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
-        else:
-            # No external binding: compact would put every instance on CPU 0..; name the CPUs.
-            proclist = ",".join(str(c) for c in cpus)
-            wanted["KMP_AFFINITY"] = f"granularity=fine,proclist=[{proclist}],explicit"
+        wanted["KMP_AFFINITY"] = f"granularity=fine,proclist=[{team_places(cpus)}],explicit"
         wanted["KMP_BLOCKTIME"] = "1"
     else:
+        # One place per CPU: libgomp binds the main thread to cpus[0] when it loads (see team_places).
         wanted["OMP_PROC_BIND"] = "close"
         wanted["OMP_PLACES"] = ",".join("{%d}" % c for c in cpus)
     if runtime.allocator == "jemalloc":

@@ -13,7 +13,12 @@ Hint = Any  # int | None | tuple/list of Hint | dict[str, Hint]
 
 
 class StreamHint:
-    """How to split a call's positional and keyword arguments: ``StreamHint(0, None, mask=1)``."""
+    """How to split a call's positional and keyword arguments: ``StreamHint(0, None, mask=1)``.
+
+    Also IPEX's ``MultiStreamModuleHint`` (the same class under that name). As an output hint,
+    ``StreamHint(h)`` describes the whole output with ``h`` and ``StreamHint(key=h, ...)`` a
+    dict output, key by key (see :func:`output_hint`).
+    """
 
     def __init__(self, *args: Hint, **kwargs: Hint) -> None:
         self.args = args
@@ -22,6 +27,22 @@ class StreamHint:
     def __repr__(self) -> str:
         items = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
         return f"StreamHint({', '.join(items)})"
+
+
+MultiStreamModuleHint = StreamHint
+
+
+def output_hint(hint: Any) -> Hint:
+    """The structural hint for outputs: a plain hint as given, or one taken from a StreamHint."""
+    if not isinstance(hint, StreamHint):
+        return hint
+    if hint.args and hint.kwargs:
+        raise ValueError("an output hint describes one output: give StreamHint(h) or StreamHint(key=h, ...), not both")
+    if len(hint.args) > 1:
+        raise ValueError(f"an output hint describes one output, got {len(hint.args)} positional hints")
+    if hint.kwargs:
+        return dict(hint.kwargs)
+    return hint.args[0] if hint.args else 0
 
 
 def _is_tensor(value: Any) -> bool:

@@ -153,6 +153,28 @@ class OpenMPRuntime:
     def get_dynamic(self) -> bool:
         return bool(self._lib.omp_get_dynamic())
 
+    def place_cpus(self) -> tuple[int, ...]:
+        """Every CPU named by the runtime's places (``OMP_PLACES``, ``KMP_AFFINITY``), sorted.
+
+        Empty when the runtime binds nothing or predates OpenMP 4.5 (no ``omp_get_place_*``).
+        """
+        lib = self._lib
+        try:
+            num_places, num_procs, proc_ids = lib.omp_get_num_places, lib.omp_get_place_num_procs, lib.omp_get_place_proc_ids
+        except AttributeError:
+            return ()
+        num_places.restype, num_places.argtypes = ctypes.c_int, []
+        num_procs.restype, num_procs.argtypes = ctypes.c_int, [ctypes.c_int]
+        proc_ids.restype, proc_ids.argtypes = None, [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        cpus: set[int] = set()
+        for place in range(max(0, int(num_places()))):
+            count = int(num_procs(place))
+            if count > 0:
+                ids = (ctypes.c_int * count)()
+                proc_ids(place, ids)
+                cpus.update(int(i) for i in ids if i >= 0)
+        return tuple(sorted(cpus))
+
     def run_on_team(self, num_threads: int, work: Callable[[int, int], None]) -> None:
         """Run ``work(thread_num, team_size)`` on each thread of a ``num_threads`` team of the caller.
 
@@ -213,3 +235,9 @@ def pinning_supported() -> bool:
         return False
     runtime = find_runtime()
     return runtime is not None and runtime.can_run_teams
+
+
+def is_runtime_ext_enabled() -> bool:
+    """IPEX's name for :func:`pinning_supported` (IPEX asked for Intel OpenMP preloaded; any
+    loaded runtime exporting ``GOMP_parallel`` will do here)."""
+    return pinning_supported()

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
 from xlaunch.cpulist import format_cpulist, parse_cpulist
@@ -36,6 +36,8 @@ class CPUPool:
     def __init__(self, core_ids: Union[Iterable[int], str, None] = None, node_id: Optional[int] = None) -> None:
         if core_ids is not None and node_id is not None:
             raise ValueError("give core_ids or node_id, not both")
+        if node_id is not None and (isinstance(node_id, bool) or not isinstance(node_id, int)):
+            raise ValueError(f"node_id must be a non-negative integer, got {node_id!r}")
         if core_ids is not None:
             cpus = _validated_cpus(core_ids)
         elif node_id is not None:
@@ -134,12 +136,21 @@ def _node_cpus(node_id: int) -> tuple[int, ...]:
     return cpus
 
 
+def get_core_list_of_node_id(node_id: int) -> list[int]:
+    """IPEX's helper: the CPUs of ``CPUPool(node_id=node_id)`` -- one (the first SMT sibling) per
+    physical core of that NUMA node that this process may use."""
+    if isinstance(node_id, bool) or not isinstance(node_id, int) or node_id < 0:
+        raise ValueError(f"node_id must be a non-negative integer, got {node_id!r}")
+    return list(_node_cpus(node_id))
+
+
 # ---------------------------------------------------------------------------------------------
 # Pinning: effects on the calling thread's OpenMP team.
 
 
 @dataclass(frozen=True)
 class _PinRecord:
+    thread_num: int               # 0 is the thread that pinned its team
     tid: int
     previous: frozenset[int]
 
@@ -151,6 +162,7 @@ class TeamPin:
     cpus: tuple[int, ...]
     previous_threads: int
     records: tuple[_PinRecord, ...]
+    pid: int = field(default_factory=os.getpid)
 
 
 def _torch_module() -> Any:
@@ -187,7 +199,7 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
         if thread_num < size:
             previous = frozenset(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cpus[thread_num]})
-            records[thread_num] = _PinRecord(threading.get_native_id(), previous)
+            records[thread_num] = _PinRecord(thread_num, threading.get_native_id(), previous)
 
     try:
         runtime.run_on_team(size, pin_self)
@@ -206,10 +218,17 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
 
 
 def unpin_team(pinned: TeamPin) -> None:
-    """Undo :func:`pin_team`: previous affinity of every pinned thread, previous thread count."""
+    """Undo :func:`pin_team`: previous affinity of every pinned thread, previous thread count.
+
+    In a child forked inside the pin, only the calling thread exists (as a copy of team thread
+    0); the other thread ids still name the parent's threads, which are left alone.
+    """
+    forked = pinned.pid != os.getpid()
     for record in reversed(pinned.records):
+        if forked and record.thread_num != 0:
+            continue
         try:
-            os.sched_setaffinity(record.tid, record.previous)
+            os.sched_setaffinity(0 if forked else record.tid, record.previous)
         except (ProcessLookupError, OSError):
             pass  # the thread is gone, nothing to restore
     set_thread_count(openmp.loaded_runtime(), pinned.previous_threads)

@@ -8,12 +8,21 @@ OpenMP team (and torch's intra-op work) stays on its own cores.
 """
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import wait
 from typing import Any, Optional, Union
 
 from torch import nn
 
-from xlaunch.runtime_ext.batching import StreamHint, common_batch, join_outputs, slice_sizes, split_call
+from xlaunch.runtime_ext.batching import (
+    MultiStreamModuleHint,
+    StreamHint,
+    common_batch,
+    join_outputs,
+    output_hint,
+    slice_sizes,
+    split_call,
+)
 from xlaunch.runtime_ext.pool import CPUPool
 from xlaunch.runtime_ext.task import Task
 
@@ -25,13 +34,34 @@ def auto_streams(pool: CPUPool) -> int:
     return len(pool)
 
 
+def stream_count(num_streams: Union[int, str], pool: CPUPool) -> int:
+    """``num_streams`` checked: ``"auto"`` (any case, IPEX writes ``"AUTO"``) or a positive int;
+    more streams than CPUs become one per CPU, with a warning (as IPEX does)."""
+    if isinstance(num_streams, str):
+        if num_streams.lower() != AUTO:
+            raise ValueError(f"num_streams must be 'auto' or a positive int, got {num_streams!r}")
+        return auto_streams(pool)
+    if isinstance(num_streams, bool) or not isinstance(num_streams, int) or num_streams < 1:
+        raise ValueError(f"num_streams must be 'auto' or a positive int, got {num_streams!r}")
+    if num_streams > len(pool):
+        warnings.warn(
+            f"num_streams={num_streams} but the pool has {len(pool)} CPUs: using {len(pool)} streams",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return len(pool)
+    return num_streams
+
+
 class MultiStreamModule(nn.Module):
     """Run ``model`` on ``num_streams`` pinned streams, splitting each call's batch between them.
 
-    ``cpu_pool`` (default ``CPUPool()``) is split into ``num_streams`` contiguous parts.
-    ``input_split_hint`` (a :class:`StreamHint`) gives the batch dimension of each argument
-    (default 0 for every tensor); ``output_concat_hint`` the dimension to concatenate each output
-    tensor along (default 0), ``None`` to keep stream 0's value. A batch smaller than the number
+    ``cpu_pool`` (default ``CPUPool()``) is split into ``num_streams`` contiguous parts
+    (``"auto"``/``"AUTO"``: one stream per CPU). ``input_split_hint`` (a :class:`StreamHint`,
+    alias ``MultiStreamModuleHint``) gives the batch dimension of each argument (default 0 for
+    every tensor); ``output_concat_hint`` the dimension to concatenate each output tensor along
+    (default 0; a structure of hints, or a StreamHint as IPEX writes it), ``None`` to keep
+    stream 0's value. A batch smaller than the number
     of streams uses only that many streams; uneven batches give the first streams one more item.
     With ``concat_output=False`` the call returns the list of per-stream outputs.
     """
@@ -47,18 +77,18 @@ class MultiStreamModule(nn.Module):
     ) -> None:
         super().__init__()
         pool = cpu_pool if cpu_pool is not None else CPUPool()
-        if num_streams == AUTO:
-            num_streams = auto_streams(pool)
-        if isinstance(num_streams, bool) or not isinstance(num_streams, int) or not 1 <= num_streams <= len(pool):
-            raise ValueError(f"num_streams must be 'auto' or an int in 1..{len(pool)} (the pool's CPUs), got {num_streams!r}")
+        if not isinstance(pool, CPUPool):
+            raise TypeError(f"cpu_pool must be a CPUPool, got {type(pool).__name__}")
+        num_streams = stream_count(num_streams, pool)
         if input_split_hint is not None and not isinstance(input_split_hint, StreamHint):
-            raise TypeError("input_split_hint must be a StreamHint, e.g. StreamHint(0, mask=None)")
+            raise TypeError("input_split_hint must be a StreamHint (MultiStreamModuleHint), e.g. StreamHint(0, mask=None)")
         self.model = model
         self.num_streams = num_streams
         self.cpu_pool = pool
         self.concat_output = concat_output
         self.input_split_hint = input_split_hint if input_split_hint is not None else StreamHint()
         self.output_concat_hint = output_concat_hint
+        self._output_hint = output_hint(output_concat_hint)
         self.stream_pools = pool.split(num_streams)
         self._tasks: list[Task] = []
         try:
@@ -78,13 +108,21 @@ class MultiStreamModule(nn.Module):
         outputs = [f.result() for f in futures]
         if not self.concat_output:
             return outputs
-        return join_outputs(outputs, self.output_concat_hint)
+        return join_outputs(outputs, self._output_hint)
 
     def close(self) -> None:
-        """Stop and join every stream's thread."""
+        """Finish queued calls, stop and join every stream's thread (idempotent)."""
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._tasks
+
+    def get_stream_number(self) -> int:
+        """The number of streams (IPEX's name)."""
+        return self.num_streams
 
     def __enter__(self) -> MultiStreamModule:
         return self
@@ -97,4 +135,4 @@ class MultiStreamModule(nn.Module):
         return f"num_streams={self.num_streams}, streams=[{pools}]"
 
 
-__all__ = ["MultiStreamModule", "StreamHint", "auto_streams"]
+__all__ = ["MultiStreamModule", "MultiStreamModuleHint", "StreamHint", "auto_streams"]

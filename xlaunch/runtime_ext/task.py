@@ -2,7 +2,7 @@
 
     with Task(model, CPUPool([1])) as task:
         future = task(x)           # returns at once: a concurrent.futures.Future
-        y = future.result()        # the call's result, or its exception re-raised
+        y = future.result()        # the call's result, or its exception re-raised (IPEX: .get())
 
 Calls run one at a time, in submission order, each with its own arguments and with the grad
 mode (and inference mode) the caller had when submitting.
@@ -13,14 +13,23 @@ import os
 import queue
 import sys
 import threading
-import time
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
+from xlaunch.runtime_ext import workers
 from xlaunch.runtime_ext.pool import CPUPool, pin_team, unpin_team
 
 _STOP = object()
+
+
+class TaskFuture(Future):
+    """The pending result of one Task call: a :class:`~concurrent.futures.Future` that also has
+    IPEX's ``get()``."""
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        """The call's result (its exception re-raised); waits up to ``timeout`` seconds."""
+        return self.result(timeout)
 
 
 def _caller_modes() -> Optional[tuple[bool, bool]]:
@@ -28,6 +37,32 @@ def _caller_modes() -> Optional[tuple[bool, bool]]:
     if torch is None:
         return None
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+class _Inbox:
+    """A worker's queue of calls and whether it still takes any.
+
+    Shared by the :class:`Task`, its finalizer and the exit hook, and holding no reference to
+    the Task, so a dropped Task can be collected (which closes the inbox).
+    """
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def put(self, job: tuple) -> None:
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("submit to a closed Task")
+            self.jobs.put(job)
+
+    def close(self) -> None:
+        """Take no more calls; the worker stops after the ones queued (idempotent)."""
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                self.jobs.put(_STOP)
 
 
 def _call_with_modes(fn: Callable[..., Any], modes: Optional[tuple[bool, bool]], args: tuple, kwargs: dict) -> Any:
@@ -70,55 +105,56 @@ def _serve(fn: Callable[..., Any], cpus: tuple[int, ...], jobs: queue.SimpleQueu
         unpin_team(pinned)
 
 
-def _wait_until_gone(tid: Optional[int], timeout: float = 2.0) -> None:
-    """After ``join()`` the kernel thread may still be running its exit (TLS destructors, e.g. the
-    OpenMP runtime tearing down the worker's team); wait until ``/proc`` no longer lists it."""
-    if tid is None:
-        return
-    deadline = time.monotonic() + timeout
-    while os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
-        time.sleep(0.001)
-
-
 class Task:
     """A worker thread pinned to ``pool`` that runs ``fn`` for every call, in order.
 
-    ``pool`` defaults to :class:`CPUPool` ``()``. Calling the task submits ``fn(*args, **kwargs)``
-    and returns a :class:`~concurrent.futures.Future`. :meth:`close` (or leaving a ``with``
-    block) finishes the queued calls and joins the thread.
+    ``cpu_pool`` defaults to :class:`CPUPool` ``()`` (``pool=`` is accepted too). Calling the
+    task submits ``fn(*args, **kwargs)`` and returns a :class:`TaskFuture`. :meth:`close` (or leaving a ``with``
+    block) finishes the queued calls and joins the thread. A Task that is dropped stops its
+    thread; at interpreter exit every open Task finishes its queue and is joined before the
+    interpreter finalizes (see :mod:`xlaunch.runtime_ext.workers`). In a forked child the
+    parent's Task has no thread: using it raises :class:`RuntimeError`.
     """
 
-    def __init__(self, fn: Callable[..., Any], pool: Union[CPUPool, None] = None) -> None:
+    def __init__(self, fn: Callable[..., Any], cpu_pool: Optional[CPUPool] = None, *, pool: Optional[CPUPool] = None) -> None:
         if not callable(fn):
             raise TypeError(f"Task needs a module or callable, got {type(fn).__name__}")
+        if cpu_pool is not None and pool is not None:
+            raise TypeError("give cpu_pool or pool, not both")
+        chosen = cpu_pool if cpu_pool is not None else pool
+        if chosen is not None and not isinstance(chosen, CPUPool):
+            raise TypeError(f"cpu_pool must be a CPUPool, got {type(chosen).__name__}")
         self.fn = fn
-        self.pool = pool if pool is not None else CPUPool()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._submit_lock = threading.Lock()
-        self._closed = False
+        self.pool = chosen if chosen is not None else CPUPool()
+        self._inbox = _Inbox()
         started: Future = Future()
         self._thread = threading.Thread(
             target=_serve,
-            args=(fn, self.pool.cpus, self._jobs, started),
+            args=(fn, self.pool.cpus, self._inbox.jobs, started),
             name=f"xlaunch-task[{','.join(map(str, self.pool.cpus))}]",
             daemon=True,
         )
         self._thread.start()
+        self._worker = workers.register(self._thread, self._inbox.close)
         try:
             started.result()
         except BaseException:
-            self._thread.join()
+            self._worker.join()
             raise
-        self._finalizer = weakref.finalize(self, self._jobs.put, _STOP)
+        # A dropped Task stops its thread; the exit hook joins it (see xlaunch.runtime_ext.workers).
+        self._finalizer = weakref.finalize(self, self._inbox.close)
+        self._finalizer.atexit = False
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Future:
+    @property
+    def cpu_pool(self) -> CPUPool:
+        return self.pool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> TaskFuture:
         """Queue one call; its arguments belong to this call alone."""
-        future: Future = Future()
+        future = TaskFuture()
         job = (future, _caller_modes(), args, kwargs)
-        with self._submit_lock:
-            if self._closed:
-                raise RuntimeError("submit to a closed Task")
-            self._jobs.put(job)
+        workers.check_owner(self._worker.pid, "Task")
+        self._inbox.put(job)
         return future
 
     submit = __call__
@@ -129,19 +165,15 @@ class Task:
 
     def close(self) -> None:
         """Run what is queued, stop the worker thread and join it (idempotent)."""
-        with self._submit_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._finalizer()
-        if self._thread is not threading.current_thread():
-            tid = self._thread.native_id
-            self._thread.join()
-            _wait_until_gone(tid)
+        self._finalizer.detach()
+        if self._worker.pid != os.getpid():
+            self._inbox.closed = True  # a forked child: the worker is the parent's, nothing to stop
+            return
+        self._worker.join()  # closes the inbox, waits for the queued calls and the thread's end
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._inbox.closed
 
     @property
     def thread_id(self) -> Optional[int]:
@@ -155,6 +187,6 @@ class Task:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self.closed else "open"
         name = getattr(type(self.fn), "__name__", "callable")
         return f"Task({name}, {self.pool!r}, {state})"
