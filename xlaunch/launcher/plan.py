@@ -156,13 +156,19 @@ def plan(
             f"the cgroup CPU budget is {machine.cpu_budget:g} CPUs but the plan runs {threads} "
             "OpenMP threads: expect throttling (ask for fewer cores)"
         )
-    return Plan(
+    result = Plan(
         instances=tuple(instances),
         idle_cpus=idle,
         warnings=tuple(notes),
         env_set=_common(added_per_instance),
         env_kept=kept,
     )
+    # -- --reserve-cores: K cores of each slice kept out of its OpenMP threads (launcher/ranks.py)
+    if getattr(options, "reserve_cores", 0):
+        from xlaunch.launcher.ranks import reserve_cores
+
+        result = reserve_cores(result, options, machine, environ)
+    return result
 
 
 def _select_units(options: "Options", machine: "Machine", notes: list[str]) -> list[Unit]:
