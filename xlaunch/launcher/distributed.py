@@ -214,9 +214,9 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any, *, l
     _warn(node_plan, options)
     agent = torchrun_options(options)
     worker = rank_command(options)
-    if options.dry_run:
+    if options.dry_run or options.verbosity > 0:
         shown = _with_summary(node_plan, machine)
-        if options.json:
+        if options.json and options.dry_run:
             import json
 
             data = shown.to_json()
@@ -230,8 +230,9 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any, *, l
             text += f"  torchrun: {shlex.join(agent)}\n"
             if worker:
                 text += f"  each rank runs: {shlex.join(worker)}\n"
-            sys.stdout.write(text)
-        return 0
+            (sys.stdout if options.dry_run else sys.stderr).write(text)
+        if options.dry_run:
+            return 0
     _refuse_recorded(live, machine, options)
     return run_agent(agent, worker, environ)
 
