@@ -28,7 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "examples" / "train.py")
-STEPS = re.compile(r"^ddp rank (\d+) .* steps/s ([0-9.]+) ", re.MULTILINE)
+# ranks share the console and python -u writes a line's text and its newline apart: no anchors
+STEPS = re.compile(r"ddp rank (\d+) world \d+ .*?steps/s ([0-9.]+) ")
 
 
 def free_port() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -69,15 +70,15 @@ def slices(*argv: str) -> list[str]:
     return [format_cpulist(i["cpus"]) for i in json.loads(out)["instances"]]
 
 
+DDP_LINE = re.compile(r"ddp rank (\d+) world (\d+) local_rank (\d+) cpus (\S+) threads (\d+) "
+                      r"steps/s \S+ checksum (-?[0-9.]+)")
+
+
 def ddp_lines(output: str) -> dict[int, dict[str, str]]:
-    """``ddp rank R world W local_rank L cpus C threads T steps/s S checksum X`` lines by rank."""
-    found = {}
-    for line in output.splitlines():
-        if line.startswith("ddp rank "):
-            words = line.split()[1:]
-            fields = dict(zip(words[::2], words[1::2]))
-            found[int(fields["rank"])] = fields
-    return found
+    """The ``ddp rank ...`` reports by rank (found anywhere: ``python -u`` ranks sharing one pipe
+    may write a line's text and its newline apart)."""
+    names = ("rank", "world", "local_rank", "cpus", "threads", "checksum")
+    return {int(m.group(1)): dict(zip(names, m.groups())) for m in DDP_LINE.finditer(output)}
 
 
 def leftovers(token: str) -> list[int]:
