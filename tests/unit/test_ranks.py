@@ -289,3 +289,13 @@ def test_cli_dry_run_json_on_recorded_tree() -> None:
     refused = run_cli("--per-rank", "examples/train.py",
                       env={"XLAUNCH_FSROOT": machine_dir("epyc-4node-nps4"), **engine_env("mpich", 3, 4)})
     assert refused.returncode == 2 and "XLAUNCH_FSROOT" in refused.stderr
+
+
+def test_too_many_ranks_names_the_rank_option(capsys: pytest.CaptureFixture) -> None:
+    train = str(REPO / "examples" / "train.py")
+    env = {"XLAUNCH_FSROOT": machine_dir("epyc-4node-nps4"), "PATH": "/usr/bin:/bin"}
+    assert cli.run(["--nproc-per-node", "65", "--dry-run", train], environ=env) == 2
+    assert capsys.readouterr().err == "xlaunch: error: --nproc-per-node: 65 ranks need at least 65 cores, only 64 available\n"
+    assert cli.run(["--per-rank", "--dry-run", train], environ={**env, **engine_env("pals", 0, 65)}) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xlaunch: error: --per-rank: local rank 0 of 65 (pals") and err.count("\n") == 1

@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import OptionError, PlanError
-from xlaunch.launcher.ranks import LocalRank, local_rank_from, rank_environment, rank_plan_options
+from xlaunch.launcher.ranks import (
+    FRONT_MARKER,
+    OMP_DEFAULT_MARKER,
+    LocalRank,
+    local_rank_from,
+    rank_environment,
+    rank_plan_options,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from xlaunch.launcher.options import Options
@@ -40,8 +47,6 @@ RANK_OPTIONS = (
     "memory_allocator", "omp_runtime", "bind_with", "membind", "benchmark",
     "module", "no_python", "auto_optimize", "dtype", "auto_optimize_verbose", "reserve_cores",
 )
-FRONT_MARKER = "XLAUNCH_FRONT"                       # set by the front for its ranks
-OMP_DEFAULT_MARKER = "XLAUNCH_TORCHRUN_OMP_DEFAULT"  # "1": OMP_NUM_THREADS in the rank is torchrun's default
 
 
 def launch_distributed(options: "Options", environ: Mapping[str, str]) -> int:
@@ -86,6 +91,8 @@ def plan_rank(options: "Options", machine: Any, environ: Mapping[str, str]) -> t
     try:
         node_plan = plan(rank_plan_options(options, local.size), machine, base)
     except PlanError as exc:
+        if exc.option == "--ninstances":
+            exc = PlanError("--per-rank", exc.problem.replace("instances", "ranks"))
         hint = ""
         if local.source not in ("torchrun", "deepspeed") and len(machine.allowed_cpus) < len(machine.online_cpus):
             hint = (f" (this rank may only use CPUs {format_cpulist(machine.allowed_cpus)}: if {local.source} "
@@ -210,7 +217,12 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any, *, l
     """Plan N slices like ``--ninstances N``; print them, or run torch's agent with pinned ranks."""
     from xlaunch.launcher.plan import plan
 
-    node_plan = plan(rank_plan_options(options, int(options.nproc_per_node or 1)), machine, environ)
+    try:
+        node_plan = plan(rank_plan_options(options, int(options.nproc_per_node or 1)), machine, environ)
+    except PlanError as exc:   # the shape came from --nproc-per-node, not --ninstances
+        if exc.option != "--ninstances":
+            raise
+        raise PlanError("--nproc-per-node", exc.problem.replace("instances", "ranks")) from None
     _warn(node_plan, options)
     agent = torchrun_options(options)
     worker = rank_command(options)

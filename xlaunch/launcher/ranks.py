@@ -46,6 +46,8 @@ ENGINES: tuple[Engine, ...] = (
     Engine("slurm", 2, "SLURM_LOCALID",
            ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")),
 )
+FRONT_MARKER = "XLAUNCH_FRONT"                       # set by xlaunch's torchrun front for its ranks
+OMP_DEFAULT_MARKER = "XLAUNCH_TORCHRUN_OMP_DEFAULT"  # "1": OMP_NUM_THREADS in a rank is torchrun's default
 _SLURM_COUNTS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 
@@ -149,18 +151,20 @@ def torchrun_default_threads(environ: Mapping[str, str], local: LocalRank) -> bo
     the variable was unset. xlaunch's own front says so (``XLAUNCH_TORCHRUN_OMP_DEFAULT=1``);
     under a plain torchrun (``TORCHELASTIC_RUN_ID`` set) a value of exactly 1 is taken as it.
     """
-    if environ.get("XLAUNCH_TORCHRUN_OMP_DEFAULT") is not None:
-        return environ["XLAUNCH_TORCHRUN_OMP_DEFAULT"] == "1"
+    if environ.get(OMP_DEFAULT_MARKER) is not None:
+        return environ[OMP_DEFAULT_MARKER] == "1"
     return (local.source == "torchrun" and local.size > 1 and "TORCHELASTIC_RUN_ID" in environ
             and environ.get("OMP_NUM_THREADS", "").strip() == "1")
 
 
 def rank_environment(environ: Mapping[str, str], local: LocalRank) -> dict[str, str]:
-    """The environment a rank is planned from: the launcher's, minus torchrun's thread default."""
+    """The environment a rank is planned from: the launcher's, minus torchrun's thread default
+    and the front's markers."""
     env = dict(environ)
     if torchrun_default_threads(environ, local):
         env.pop("OMP_NUM_THREADS", None)
-    env.pop("XLAUNCH_TORCHRUN_OMP_DEFAULT", None)
+    env.pop(OMP_DEFAULT_MARKER, None)
+    env.pop(FRONT_MARKER, None)
     return env
 
 
