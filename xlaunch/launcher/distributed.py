@@ -268,7 +268,12 @@ def run_agent(agent: list[str], worker: list[str], environ: Mapping[str, str]) -
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     except ImportError as exc:
         raise OptionError("--nproc-per-node", f"needs torch.distributed ({exc})") from None
-    args = torchrun.get_args_parser().parse_args([*agent, worker[0]])
+    parser = torchrun.get_args_parser()
+    known = getattr(parser, "_option_string_actions", None)
+    if known is not None and "--shutdown-timeout" not in known:   # older torch: its fixed 30 s
+        at = agent.index("--shutdown-timeout")
+        agent = agent[:at] + agent[at + 2:]
+    args = parser.parse_args([*agent, worker[0]])
     args.training_script_args = worker[1:]
     try:
         torchrun.run(args)
