@@ -32,6 +32,7 @@ from xlaunch.launcher.ranks import (
     FRONT_MARKER,
     OMP_DEFAULT_MARKER,
     LocalRank,
+    ccl_available,
     local_rank_from,
     rank_environment,
     rank_plan_options,
@@ -66,10 +67,15 @@ def _refuse_recorded(live: bool, machine: Any, options: "Options") -> None:
                                             "printed (add --dry-run)")
 
 
-def _warn(plan: "Plan", options: "Options") -> None:
-    if options.verbosity >= 0:
-        for warning in plan.warnings:
-            sys.stderr.write(f"xlaunch: warning: {warning}\n")
+def _warn(plan: "Plan", options: "Options", environ: Mapping[str, str]) -> None:
+    if options.verbosity < 0:
+        return
+    warnings = list(plan.warnings)
+    if not options.reserve_cores and ccl_available(environ):
+        warnings.append("oneCCL found: its worker threads share the compute cores; --reserve-cores K "
+                        "gives them K cores of each rank (CCL_WORKER_COUNT/CCL_WORKER_AFFINITY)")
+    for warning in warnings:
+        sys.stderr.write(f"xlaunch: warning: {warning}\n")
 
 
 def _with_summary(plan: "Plan", machine: Any) -> "Plan":
@@ -106,7 +112,7 @@ def run_per_rank(options: "Options", environ: Mapping[str, str], machine: Any, *
     local, node_plan, _base = plan_rank(options, machine, environ)
     instance = node_plan.instances[local.rank]
     if local.rank == 0:
-        _warn(node_plan, options)
+        _warn(node_plan, options, environ)
     if options.dry_run:
         shown = _with_summary(dataclasses.replace(node_plan, instances=(instance,)), machine)
         if options.json:
@@ -223,7 +229,7 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any, *, l
         if exc.option != "--ninstances":
             raise
         raise PlanError("--nproc-per-node", exc.problem.replace("instances", "ranks")) from None
-    _warn(node_plan, options)
+    _warn(node_plan, options, environ)
     agent = torchrun_options(options)
     worker = rank_command(options)
     if options.dry_run or options.verbosity > 0:
