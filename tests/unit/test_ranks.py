@@ -87,6 +87,10 @@ def test_innermost_launcher_wins() -> None:
     # mpirun inside an sbatch job: the MPI variables, not the batch step's SLURM_LOCALID
     mpirun_in_job = {**engine_env("slurm", 0, 1), **engine_env("openmpi", 1, 2)}
     assert (local_rank_from(mpirun_in_job).rank, local_rank_from(mpirun_in_job).source) == (1, "openmpi")
+    # an outer launcher's incomplete variables do not matter once an inner one decides
+    assert local_rank_from({"SLURM_LOCALID": "0", **engine_env("mpich", 1, 2)}).source == "mpich"
+    with pytest.raises(OptionError, match="SLURM_LOCALID=0 is set but not"):
+        local_rank_from({"SLURM_LOCALID": "0"})
     # two MPI flavours that agree are fine
     agree = {**engine_env("mpich", 1, 2), **engine_env("pmi", 1, 2)}
     assert local_rank_from(agree).rank == 1

@@ -130,18 +130,23 @@ def _read(engine: Engine, environ: Mapping[str, str]) -> Optional[LocalRank]:
 
 
 def local_rank_from(environ: Mapping[str, str]) -> LocalRank:
-    """The local rank and local size the innermost launcher set, or :class:`OptionError`."""
-    found = [r for r in (_read(engine, environ) for engine in ENGINES) if r is not None]
-    if not found:
-        names = ", ".join(f"{e.rank_var} ({e.name})" for e in ENGINES)
-        raise OptionError("--per-rank", f"no local rank in the environment (looked for {names}): "
-                                        "run it as a rank of torchrun, mpirun or srun")
-    level = min(r.level for r in found)
-    inner = [r for r in found if r.level == level]
-    if len({(r.rank, r.size) for r in inner}) > 1:
-        shown = "; ".join(f"{r.variables[0]}={r.rank}, {r.variables[1]}={r.size}" for r in inner)
-        raise OptionError("--per-rank", f"contradictory launcher variables: {shown}")
-    return inner[0]
+    """The local rank and local size the innermost launcher set, or :class:`OptionError`.
+
+    Only the innermost launcher's variables are checked: an outer one's (the ``SLURM_LOCALID``
+    a batch step leaves behind) may be incomplete without being an error.
+    """
+    for level in sorted({engine.level for engine in ENGINES}):
+        engines = [e for e in ENGINES if e.level == level and e.rank_var in environ]
+        inner = [r for r in (_read(engine, environ) for engine in engines) if r is not None]
+        if not inner:
+            continue
+        if len({(r.rank, r.size) for r in inner}) > 1:
+            shown = "; ".join(f"{r.variables[0]}={r.rank}, {r.variables[1]}={r.size}" for r in inner)
+            raise OptionError("--per-rank", f"contradictory launcher variables: {shown}")
+        return inner[0]
+    names = ", ".join(f"{e.rank_var} ({e.name})" for e in ENGINES)
+    raise OptionError("--per-rank", f"no local rank in the environment (looked for {names}): "
+                                    "run it as a rank of torchrun, mpirun or srun")
 
 
 def torchrun_default_threads(environ: Mapping[str, str], local: LocalRank) -> bool:
