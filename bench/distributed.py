@@ -11,7 +11,8 @@ Configurations (2 ranks x 1 core on a 2-CPU machine; more cores give more per ra
 * ``torchrun+per-rank``: plain torchrun running ``--no-python python -m xlaunch --per-rank``.
 
 A run's speed is the slowest rank's ``steps/s`` (DDP ranks step together); its wall time includes
-start-up and rendezvous. Repetitions are interleaved; medians and ratios to torchrun are printed.
+start-up and rendezvous. Repetitions are interleaved; medians, ratios of the medians to torchrun
+and the median of the per-round ratios are printed.
 Everything stays on 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``).
 """
 from __future__ import annotations
@@ -88,7 +89,10 @@ def main() -> None:
     for name, runs in results.items():
         rate = statistics.median(r for r, _ in runs)
         wall = statistics.median(w for _, w in runs)
-        ratio = f"  x{rate / base:.2f} vs torchrun" if base else ""
+        ratio = ""
+        if base:   # per-round ratios cancel the load swings between rounds of a shared machine
+            paired = statistics.median(r / t for (r, _), (t, _) in zip(runs, results["torchrun"]))
+            ratio = f"  x{rate / base:.2f} vs torchrun (median of per-round ratios x{paired:.2f})"
         print(f"  {name:18s} {rate:7.2f} steps/s  wall {wall:5.1f} s{ratio}")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
