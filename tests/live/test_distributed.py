@@ -185,24 +185,31 @@ def test_failing_rank_fails_the_job_and_nothing_stays(tmp_path: Path) -> None:
     assert leftovers(token) == []
 
 
+def wait_ready(job: subprocess.Popen, count: int, timeout: float = 90) -> list[bytes]:
+    """Read the job's stdout until ``count`` ranks printed their ``ready`` line."""
+    seen: list[bytes] = []
+    ready = selectors.DefaultSelector()
+    ready.register(job.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    buffer = b""
+    while len(seen) < count and time.monotonic() < deadline:
+        if ready.select(timeout=1):
+            chunk = os.read(job.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            buffer += chunk
+            seen = [line for line in buffer.splitlines() if line.startswith(b"ready ")]
+    ready.close()
+    assert len(seen) == count, (buffer, job.poll())
+    return seen
+
+
 def test_sigterm_mid_run_leaves_nothing_running(tmp_path: Path) -> None:
     program, token = _rank_program(tmp_path)
     job = subprocess.Popen(xlaunch("--nproc-per-node", "2", "--grace-period", "2", program, "-1", "0"),
                            env=job_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        seen: list[bytes] = []
-        ready = selectors.DefaultSelector()
-        ready.register(job.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + 90
-        buffer = b""
-        while len(seen) < 2 and time.monotonic() < deadline:
-            if ready.select(timeout=1):
-                chunk = os.read(job.stdout.fileno(), 4096)
-                if not chunk:
-                    break
-                buffer += chunk
-                seen = [line for line in buffer.splitlines() if line.startswith(b"ready ")]
-        assert len(seen) == 2, (buffer, job.poll())
+        seen = wait_ready(job, 2)
         assert {int(line.split()[5]) for line in seen} == {job.pid}   # ranks are the agent's children
         ranks = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
         assert len(ranks) >= 2
@@ -211,6 +218,26 @@ def test_sigterm_mid_run_leaves_nothing_running(tmp_path: Path) -> None:
         assert job.returncode == 128 + signal.SIGTERM, job.stderr.read()
         assert leftovers(token) == []
         assert not [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+
+def test_ranks_die_with_a_killed_front(tmp_path: Path) -> None:
+    """SIGKILL gives the agent no chance to stop its ranks: the kernel does (PR_SET_PDEATHSIG)."""
+    program, token = _rank_program(tmp_path)
+    job = subprocess.Popen(xlaunch("--nproc-per-node", "2", program, "-1", "0"),
+                           env=job_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(job, 2)
+        assert len(set(leftovers(token)) - {job.pid}) == 2     # the two ranks (the front names it too)
+        job.kill()
+        job.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while leftovers(token) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert leftovers(token) == []
     finally:
         if job.poll() is None:
             job.kill()
