@@ -142,6 +142,32 @@ def test_rank_slice_is_the_ninstances_slice(tree: str, engine: str) -> None:
     assert len(seen) == sum(len(i.cpus) for i in reference.instances)
 
 
+MODES = {
+    "ncores-2": {"ncores_per_instance": 2},
+    "logical": {"use_logical_cores": True},
+    "bind-numa-node": {"bind_numa_node": True},
+    "core-type-all": {"core_type": "all"},
+    "numactl": {"bind_with": "numactl"},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("tree", (*TREES, "hybrid-laptop", "vm-adjacent-smt", "container-cpuset"))
+def test_rank_slices_follow_every_mode(tree: str, mode: str) -> None:
+    """Filters and modes shape rank slices exactly as they shape --ninstances instances."""
+    machine = machine_of(tree)
+    options = Options(program="train.py", python="/py", per_rank=True, **MODES[mode])
+    reference = plan(dataclasses.replace(options, per_rank=False, ninstances=2), machine, {},
+                     which=lambda tool: f"/usr/bin/{tool}")
+    for rank in range(2):
+        env = engine_env(ENGINES[rank % len(ENGINES)], rank, 2)
+        local = local_rank_from(env)
+        mine = plan(rank_plan_options(options, local.size), machine, rank_environment(env, local),
+                    which=lambda tool: f"/usr/bin/{tool}").instances[rank]
+        ref = reference.instances[rank]
+        assert (mine.cpus, mine.mem_nodes, mine.argv, mine.bind) == (ref.cpus, ref.mem_nodes, ref.argv, ref.bind)
+
+
 @pytest.mark.parametrize("tree", TREES)
 @pytest.mark.parametrize("engine", ("torchrun", "openmpi", "slurm"))
 def test_reserved_cores_per_rank(tree: str, engine: str) -> None:
