@@ -290,4 +290,7 @@ def run_agent(agent: list[str], worker: list[str], environ: Mapping[str, str]) -
         return 128 - code if code < 0 else code or 1
     except SignalException as stopped:
         return 128 + int(stopped.sigval)
+    except Exception as error:   # rendezvous timeouts, unreachable endpoints, bad backend names
+        sys.stderr.write(f"xlaunch: error: torch's elastic agent failed: {type(error).__name__}: {error}\n")
+        return 1
     return 0
