@@ -329,3 +329,16 @@ def test_too_many_ranks_names_the_rank_option(capsys: pytest.CaptureFixture) -> 
     assert cli.run(["--per-rank", "--dry-run", train], environ={**env, **engine_env("pals", 0, 65)}) == 2
     err = capsys.readouterr().err
     assert err.startswith("xlaunch: error: --per-rank: local rank 0 of 65 (pals") and err.count("\n") == 1
+
+
+def test_no_torch_on_the_planning_paths() -> None:
+    """--per-rank never imports torch; the front only when it really launches."""
+    train = str(REPO / "examples" / "train.py")
+    for argv, env in ((["--nproc-per-node", "2", "--dry-run", train], {}),
+                      (["--per-rank", "--reserve-cores", "0", "--no-python", "/bin/true"], engine_env("torchrun", 0, 2))):
+        full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), **env}
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "xlaunch", *argv], env=full, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line]
+        assert "click" in imported and not [name for name in imported if name.split(".")[0] == "torch"]
