@@ -52,6 +52,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def loopback() -> list[str]:
+    """Rendezvous on 127.0.0.1 at a free port (torch's static rendezvous, node 0 of 1)."""
+    return ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+
+
 def job_env() -> dict[str, str]:
     """A clean environment: no thread settings of ours, gloo on the loopback interface."""
     keep = ("PATH", "HOME", "TMPDIR", "LANG")
@@ -173,7 +178,7 @@ def test_failing_rank_fails_the_job_and_nothing_stays(tmp_path: Path) -> None:
     program, token = _rank_program(tmp_path)
     expected = slices("--nproc-per-node", "2", program)
     started = time.monotonic()
-    done = subprocess.run(xlaunch("--nproc-per-node", "2", "--grace-period", "2", program, "1", "1"),
+    done = subprocess.run(xlaunch("--nproc-per-node", "2", *loopback(), "--grace-period", "2", program, "1", "1"),
                           env=job_env(), cwd=REPO, capture_output=True, text=True, timeout=100)
     assert done.returncode == 3, done.stderr
     assert time.monotonic() - started < 60          # rank 0 (sleeping 120 s) was stopped
@@ -185,7 +190,7 @@ def test_failing_rank_fails_the_job_and_nothing_stays(tmp_path: Path) -> None:
     assert leftovers(token) == []
 
 
-def wait_ready(job: subprocess.Popen, count: int, timeout: float = 90) -> list[bytes]:
+def wait_ready(job: subprocess.Popen, count: int, timeout: float = 60) -> list[bytes]:
     """Read the job's stdout until ``count`` ranks printed their ``ready`` line."""
     seen: list[bytes] = []
     ready = selectors.DefaultSelector()
@@ -206,7 +211,7 @@ def wait_ready(job: subprocess.Popen, count: int, timeout: float = 90) -> list[b
 
 def test_sigterm_mid_run_leaves_nothing_running(tmp_path: Path) -> None:
     program, token = _rank_program(tmp_path)
-    job = subprocess.Popen(xlaunch("--nproc-per-node", "2", "--grace-period", "2", program, "-1", "0"),
+    job = subprocess.Popen(xlaunch("--nproc-per-node", "2", *loopback(), "--grace-period", "2", program, "-1", "0"),
                            env=job_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         seen = wait_ready(job, 2)
@@ -227,7 +232,7 @@ def test_sigterm_mid_run_leaves_nothing_running(tmp_path: Path) -> None:
 def test_ranks_die_with_a_killed_front(tmp_path: Path) -> None:
     """SIGKILL gives the agent no chance to stop its ranks: the kernel does (PR_SET_PDEATHSIG)."""
     program, token = _rank_program(tmp_path)
-    job = subprocess.Popen(xlaunch("--nproc-per-node", "2", program, "-1", "0"),
+    job = subprocess.Popen(xlaunch("--nproc-per-node", "2", *loopback(), program, "-1", "0"),
                            env=job_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         wait_ready(job, 2)
