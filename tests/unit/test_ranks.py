@@ -220,6 +220,10 @@ def test_reserve_too_many_cores() -> None:
     with pytest.raises(PlanError) as caught:
         plan(options, machine, {})
     assert caught.value.option == "--reserve-cores"
+    assert caught.value.problem.startswith("instance 0 has 2 core(s): keeping 2 out leaves none")
+    logical = dataclasses.replace(options, use_logical_cores=True, ncores_per_instance=4)   # 2 cores, 4 CPUs
+    with pytest.raises(PlanError, match="instance 0 has 2 core"):
+        plan(logical, machine, {})
 
 
 def test_torchrun_thread_default_is_dropped() -> None:

@@ -245,7 +245,7 @@ def reserve_cores(
     for inst in plan.instances:
         reserved, compute = split_reserved(inst.cpus, machine, count)
         if not compute:
-            cores = len(reserved) if options.use_logical_cores else len(inst.cpus)
+            cores = len(one_cpu_per_core(reserved, machine, len(reserved)))
             raise PlanError("--reserve-cores", f"instance {inst.index} has {cores} core(s): keeping {count} out "
                                                "leaves none to compute on (give each slice more cores)")
         splits.append((reserved, compute))
