@@ -263,6 +263,8 @@ def test_torchrun_spellings_and_front_options(dash: bool) -> None:
     back = parse(*worker[3:-3], "--dry-run", "examples/train.py")
     assert back.per_rank and back.nodes_list == (0,) and back.reserve_cores == 1 and back.verbosity == -1
     assert rank_argv(dataclasses.replace(options, verbosity=2))[-2:] == ["-v", "-v"]
+    logged = torchrun_options(dataclasses.replace(options, log_dir="/tmp/logs", grace_period=0.5))
+    assert logged[-7:] == ["--shutdown-timeout", "1", "--log-dir", "/tmp/logs", "--tee", "3", "--no-python"]
 
 
 @pytest.mark.parametrize(
