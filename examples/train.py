@@ -1,12 +1,16 @@
 """A small training workload: an MLP on random data, step time printed at the end.
 
-    python examples/train.py [--steps 50] [--batch-size 64] [--optimizer sgd|adamw]
+    python examples/train.py [--steps 50] [--batch-size 64] [--optimizer sgd|adamw] [--ddp]
 
 Run it under ``xlaunch --auto-optimize`` to get the fused optimizers without editing it.
+With ``--ddp`` it trains with DistributedDataParallel over gloo, one rank per process, from the
+variables torchrun sets (``xlaunch --nproc-per-node 2 examples/train.py --ddp``); each rank reports
+where it ran and a checksum of its weights (equal on every rank when gradients were averaged).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -24,10 +28,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument("--ddp", action="store_true", help="DistributedDataParallel over gloo (under torchrun)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = mlp().train()
+    rank = 0
+    if args.ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        model = nn.parallel.DistributedDataParallel(model)
+        torch.manual_seed(1 + rank)   # each rank its own batch: only averaged gradients agree
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     else:
@@ -48,6 +61,26 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     print(f"optimizer: {type(optimizer).__name__}, final loss {loss.item():.4f}", flush=True)
     print(f"step time: {1000 * elapsed / args.steps:.2f} ms", flush=True)
+    if args.ddp:
+        import torch.distributed as dist
+
+        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+        print(f"ddp rank {rank} world {dist.get_world_size()} local_rank {os.environ.get('LOCAL_RANK')} "
+              f"cpus {_allowed_cpus()} threads {torch.get_num_threads()} "
+              f"steps/s {args.steps / elapsed:.2f} checksum {checksum:.6f}", flush=True)
+        dist.destroy_process_group()
+
+
+def _allowed_cpus() -> str:
+    """This process's CPUs as the kernel reports them (/proc/self/status), e.g. ``0-3``."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Cpus_allowed_list:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
 if __name__ == "__main__":

@@ -158,6 +158,21 @@ CONTEXT = {
          help="Memory policy on the instance's NUMA nodes (default bind).")
 @_option("benchmark", group=GROUP_TUNING, is_flag=True,
          help="Latency-tuned allocator settings: never give memory back.")
+# -- distributed (docs/distributed.md; logic in launcher/distributed.py and launcher/ranks.py)
+@_option("nproc_per_node", group="Distributed", metavar="N",
+         help="Run N ranks on this node under torch's elastic agent (torchrun), each on its own slice.")
+@_option("nnodes", group="Distributed", metavar="M|MIN:MAX", help="With --nproc-per-node: number of nodes (torchrun).")
+@_option("node_rank", group="Distributed", metavar="R", help="With --nproc-per-node: this node's rank (static rendezvous).")
+@_option("master_addr", group="Distributed", metavar="ADDR", help="With --nproc-per-node: address of node 0.")
+@_option("master_port", group="Distributed", metavar="PORT", help="With --nproc-per-node: port on node 0.")
+@_option("rdzv_backend", group="Distributed", metavar="NAME", help="With --nproc-per-node: rendezvous backend (c10d, static...).")
+@_option("rdzv_endpoint", group="Distributed", metavar="HOST:PORT", help="With --nproc-per-node: rendezvous endpoint.")
+@_option("rdzv_id", group="Distributed", metavar="ID", help="With --nproc-per-node: job id shared by all nodes.")
+@_option("max_restarts", group="Distributed", metavar="K", help="With --nproc-per-node: worker group restarts allowed.")
+@_option("per_rank", group="Distributed", is_flag=True,
+         help="Inside torchrun/mpirun/srun ranks: pin this rank to its slice and become PROGRAM.")
+@_option("reserve_cores", group="Distributed", metavar="K",
+         help="Keep K cores of each slice out of OpenMP (collectives, data loading); oneCCL workers go there.")
 # -- supervision and output
 @_option("log_dir", group=GROUP_SUPERVISION, metavar="DIR", help="Write per-instance logs and xlaunch's log here.")
 @_option("log_file_prefix", group=GROUP_SUPERVISION, metavar="PREFIX", help="Log file name prefix (default xlaunch).")
@@ -452,6 +467,11 @@ def _machine_information(ctx: click.Context, environ: Mapping[str, str]) -> int:
 
 def _launch(options: Options, environ: Mapping[str, str]) -> int:
     import dataclasses
+
+    if options.per_rank or options.nproc_per_node is not None:   # distributed: launcher/distributed.py
+        from xlaunch.launcher.distributed import launch_distributed
+
+        return launch_distributed(options, environ)
 
     from xlaunch.launcher.plan import plan
 

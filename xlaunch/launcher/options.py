@@ -72,6 +72,18 @@ class Options:
     config: Optional[str] = None             # where merged settings came from (path), for the record
     verbosity: int = 0                       # -v: +1 each, -q: -1 each
     notes: tuple[str, ...] = ()              # what old (ipexrun/run_cpu) spellings were taken to mean
+    # distributed (xlaunch/launcher/distributed.py, ranks.py; docs/distributed.md)
+    nproc_per_node: Optional[int] = None     # torchrun front: ranks on this node
+    nnodes: Optional[str] = None             # "M" or "MIN:MAX" (torchrun's spelling)
+    node_rank: Optional[int] = None
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    rdzv_backend: Optional[str] = None
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: Optional[str] = None
+    max_restarts: Optional[int] = None
+    per_rank: bool = False                   # inside an engine's rank: pin to this rank's slice, exec
+    reserve_cores: int = 0                   # cores of each slice kept out of its OpenMP threads
 
     @property
     def bind_tool(self) -> str:
@@ -96,6 +108,12 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "core_type": CORE_TYPES, "memory_allocator": ALLOCATORS, "omp_runtime": OMP_RUNTIMES,
     "bind_with": BIND_TOOLS, "membind": MEMBIND_POLICIES, "dtype": DTYPES,
 }
+# -- distributed options (validated by validate_distributed)
+_KINDS.update({
+    "nproc_per_node": "count", "nnodes": "text", "node_rank": "int", "master_addr": "text",
+    "master_port": "int", "rdzv_backend": "text", "rdzv_endpoint": "text", "rdzv_id": "text",
+    "max_restarts": "int", "per_rank": "flag", "reserve_cores": "int",
+})
 SETTABLE = frozenset(_KINDS)
 # ipexrun's --instance-idx -1 and run_cpu's --node-id -1 mean "all of them"
 _MINUS_ONE_IS_ALL = frozenset({"instance_idx", "nodes_list"})
@@ -264,6 +282,61 @@ def validate(o: Options) -> None:
         raise OptionError("--log-file-prefix", f"must be a non-empty file name without '/', got {o.log_file_prefix!r}")
     if o.log_dir is not None and not o.log_dir.strip():
         raise OptionError("--log-dir", "empty path")
+    validate_distributed(o)
+
+
+# torchrun options that only mean something with --nproc-per-node
+_TORCHRUN_ONLY = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
+                  "rdzv_id", "max_restarts")
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes``: ``M`` or ``MIN:MAX`` -> ``(min, max)``; raises OptionError."""
+    parts = text.strip().split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+    except ValueError:
+        low = high = -1
+    if len(parts) > 2 or not 0 < low <= high:
+        raise OptionError("--nnodes", f"expected N or MIN:MAX with 0 < MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def validate_distributed(o: Options) -> None:
+    """The distributed options (``--nproc-per-node``, torchrun's rendezvous options, ``--per-rank``,
+    ``--reserve-cores``): ranges and combinations."""
+    if o.reserve_cores < 0:
+        raise OptionError("--reserve-cores", f"must be an integer >= 0, got {o.reserve_cores}")
+    if o.nproc_per_node is None:
+        for name in _TORCHRUN_ONLY:
+            if getattr(o, name) is not None:
+                raise OptionError(flag_name(name), "only applies with --nproc-per-node")
+    ranked = "--nproc-per-node" if o.nproc_per_node is not None else "--per-rank" if o.per_rank else None
+    if ranked is None:
+        return
+    if o.per_rank and o.nproc_per_node is not None:
+        raise OptionError("--per-rank", "conflicts with --nproc-per-node (the front starts --per-rank ranks itself)")
+    for name, given in (("ninstances", o.ninstances is not None), ("throughput_mode", o.throughput_mode),
+                        ("latency_mode", o.latency_mode), ("instance_idx", o.instance_idx is not None),
+                        ("keep_going", o.keep_going)):
+        if given:
+            raise OptionError(flag_name(name), f"conflicts with {ranked} (the number of ranks sets the instances)")
+    if o.per_rank and o.log_dir is not None:
+        raise OptionError("--log-dir", "conflicts with --per-rank (the rank becomes the program; its engine keeps the logs)")
+    if o.nnodes is not None:
+        _low, high = parse_nnodes(o.nnodes)
+        if o.node_rank is not None and o.node_rank >= high:
+            raise OptionError("--node-rank", f"must be below --nnodes ({high}), got {o.node_rank}")
+    if o.node_rank is not None and o.node_rank < 0:
+        raise OptionError("--node-rank", f"must be an integer >= 0, got {o.node_rank}")
+    if o.master_port is not None and not 0 < o.master_port < 65536:
+        raise OptionError("--master-port", f"must be a TCP port 1-65535, got {o.master_port}")
+    if o.max_restarts is not None and o.max_restarts < 0:
+        raise OptionError("--max-restarts", f"must be an integer >= 0, got {o.max_restarts}")
+    for name in ("master_addr", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
+        value = getattr(o, name)
+        if value is not None and not value.strip():
+            raise OptionError(flag_name(name), "empty value")
 
 
 def option_fields() -> tuple[str, ...]:

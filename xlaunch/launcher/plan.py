@@ -170,7 +170,7 @@ def plan(
             f"the cgroup CPU budget is {machine.cpu_budget:g} CPUs but the plan runs {threads} "
             "OpenMP threads: expect throttling (ask for fewer cores)"
         )
-    return Plan(
+    result = Plan(
         instances=tuple(instances),
         idle_cpus=idle,
         warnings=tuple(notes),
@@ -179,6 +179,12 @@ def plan(
         allocator=runtime.allocator,
         openmp=runtime.openmp,
     )
+    # -- --reserve-cores: K cores of each slice kept out of its OpenMP threads (launcher/ranks.py)
+    if getattr(options, "reserve_cores", 0):
+        from xlaunch.launcher.ranks import reserve_cores
+
+        result = reserve_cores(result, options, machine, environ)
+    return result
 
 
 def _membind_nodes(options: "Options", machine: "Machine") -> tuple[int, ...]:
