@@ -140,6 +140,13 @@ def test_numactl_style_membind_node_list(capsys) -> None:
     assert plan(capsys, "--membind", "interleave")["instances"][0]["membind"] == "interleave"
 
 
+def test_ipexrun_distributed_spellings(capsys) -> None:
+    result = plan(capsys, "--nprocs-per-node", "2", "--ccl-worker-count", "1")
+    assert len(result["instances"]) == 2
+    assert all(i["env"]["XLAUNCH_RESERVED_CPUS"] for i in result["instances"])
+    assert "--reserve-cores" in refused(capsys, "--logical-cores-for-ccl")
+
+
 # ---------------------------------------------------------------- refusals and contradictions
 
 @pytest.mark.parametrize("argv, words", [

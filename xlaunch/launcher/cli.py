@@ -32,7 +32,8 @@ GROUP_PROGRAM = "Program"
 GROUP_TUNING = "Runtime tuning"
 GROUP_SUPERVISION = "Supervision and output"
 GROUP_MACHINE = "Machine information"
-GROUP_ORDER = (GROUP_INSTANCES, GROUP_PROGRAM, GROUP_TUNING, GROUP_SUPERVISION, GROUP_MACHINE)
+GROUP_DISTRIBUTED = "Distributed"
+GROUP_ORDER = (GROUP_INSTANCES, GROUP_PROGRAM, GROUP_TUNING, GROUP_DISTRIBUTED, GROUP_SUPERVISION, GROUP_MACHINE)
 
 
 class GroupedOption(click.Option):
@@ -159,19 +160,19 @@ CONTEXT = {
 @_option("benchmark", group=GROUP_TUNING, is_flag=True,
          help="Latency-tuned allocator settings: never give memory back.")
 # -- distributed (docs/distributed.md; logic in launcher/distributed.py and launcher/ranks.py)
-@_option("nproc_per_node", group="Distributed", metavar="N",
+@_option("nproc_per_node", group=GROUP_DISTRIBUTED, metavar="N",
          help="Run N ranks on this node under torch's elastic agent (torchrun), each on its own slice.")
-@_option("nnodes", group="Distributed", metavar="M|MIN:MAX", help="With --nproc-per-node: number of nodes (torchrun).")
-@_option("node_rank", group="Distributed", metavar="R", help="With --nproc-per-node: this node's rank (static rendezvous).")
-@_option("master_addr", group="Distributed", metavar="ADDR", help="With --nproc-per-node: address of node 0.")
-@_option("master_port", group="Distributed", metavar="PORT", help="With --nproc-per-node: port on node 0.")
-@_option("rdzv_backend", group="Distributed", metavar="NAME", help="With --nproc-per-node: rendezvous backend (c10d, static...).")
-@_option("rdzv_endpoint", group="Distributed", metavar="HOST:PORT", help="With --nproc-per-node: rendezvous endpoint.")
-@_option("rdzv_id", group="Distributed", metavar="ID", help="With --nproc-per-node: job id shared by all nodes.")
-@_option("max_restarts", group="Distributed", metavar="K", help="With --nproc-per-node: worker group restarts allowed.")
-@_option("per_rank", group="Distributed", is_flag=True,
+@_option("nnodes", group=GROUP_DISTRIBUTED, metavar="M|MIN:MAX", help="With --nproc-per-node: number of nodes (torchrun).")
+@_option("node_rank", group=GROUP_DISTRIBUTED, metavar="R", help="With --nproc-per-node: this node's rank (static rendezvous).")
+@_option("master_addr", group=GROUP_DISTRIBUTED, metavar="ADDR", help="With --nproc-per-node: address of node 0.")
+@_option("master_port", group=GROUP_DISTRIBUTED, metavar="PORT", help="With --nproc-per-node: port on node 0.")
+@_option("rdzv_backend", group=GROUP_DISTRIBUTED, metavar="NAME", help="With --nproc-per-node: rendezvous backend (c10d, static...).")
+@_option("rdzv_endpoint", group=GROUP_DISTRIBUTED, metavar="HOST:PORT", help="With --nproc-per-node: rendezvous endpoint.")
+@_option("rdzv_id", group=GROUP_DISTRIBUTED, metavar="ID", help="With --nproc-per-node: job id shared by all nodes.")
+@_option("max_restarts", group=GROUP_DISTRIBUTED, metavar="K", help="With --nproc-per-node: worker group restarts allowed.")
+@_option("per_rank", group=GROUP_DISTRIBUTED, is_flag=True,
          help="Inside torchrun/mpirun/srun ranks: pin this rank to its slice and become PROGRAM.")
-@_option("reserve_cores", group="Distributed", metavar="K",
+@_option("reserve_cores", group=GROUP_DISTRIBUTED, metavar="K",
          help="Keep K cores of each slice out of OpenMP (collectives, data loading); oneCCL workers go there.")
 # -- supervision and output
 @_option("log_dir", group=GROUP_SUPERVISION, metavar="DIR", help="Write per-instance logs and xlaunch's log here.")

@@ -27,6 +27,7 @@ ALIASES: dict[str, str] = {
     "core_list": "cores_list",
     "node_id": "nodes_list",
     "skip_cross_node_cores": "bind_numa_node",
+    "nprocs_per_node": "nproc_per_node",          # ipexrun's spelling of torchrun's option
 }
 
 
