@@ -16,6 +16,8 @@ _LAZY = {
     "Task": "xlaunch.runtime_ext",
     "MultiStreamModule": "xlaunch.runtime_ext",
     "optimize": "xlaunch.kernels",
+    "quantize": "xlaunch.kernels",
+    "load_quantized": "xlaunch.kernels",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import json
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -239,7 +240,10 @@ def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[l
 
 def _warn(report: QuantizeReport, message: str) -> None:
     report.warnings.append(message)
-    warnings.warn(f"xlaunch.quantize: {message}", QuantizeWarning, stacklevel=4)
+    frame, level = sys._getframe(1), 2   # point the warning at the first frame outside xlaunch
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("xlaunch.kernels"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(f"xlaunch.quantize: {message}", QuantizeWarning, stacklevel=level)
 
 
 def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Iterable[Any]] = None,
@@ -304,8 +308,14 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
 
     unsupported = routes.unsupported_modules(fp32)
     if mode != "auto":
-        chosen = built[mode]
-        return _finish(report, mode, chosen, fp32, example, unsupported, "as asked")
+        times = measure({policy.FP32_EAGER: fp32, mode: built[mode].runner}, example, rounds=3)
+        for name, ms in times.items():
+            report.routes.setdefault(name, RouteResult()).ms = ms
+        ratio = times[policy.FP32_EAGER] / times[mode]
+        if ratio < 1:
+            _warn(report, f"{mode} INT8 measured {ratio:.2f}x fp32 eager (slower) on example_inputs here; "
+                          "mode='auto' returns the fastest variant")
+        return _finish(report, mode, built[mode], fp32, example, unsupported, f"as asked ({ratio:.2f}x fp32 eager)")
 
     variants: dict[str, Callable[..., Any]] = {policy.FP32_EAGER: fp32}
     optimized = _optimized(fp32, example, report)
@@ -362,3 +372,14 @@ def _finish(report: QuantizeReport, route: str, build: routes.Built, fp32: nn.Mo
                       + (" ..." if len(report.kept_fp32) > 4 else ""))
     program = routes.export(build.program_source, example)
     return QuantizedModule(build.runner, program, route, report, keep=build.program_source)
+
+
+class _CallableModule(type(sys)):
+    """``import xlaunch.kernels.quantize`` binds this module as the package attribute ``quantize``,
+    shadowing the function in the lazy table (as for ``optimize``); calling the module calls it."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> QuantizedModule:
+        return quantize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -61,7 +61,7 @@ def candidate_routes(has_linear: bool, has_conv: bool, has_calibration: bool) ->
     routes: dict[str, Optional[str]] = {}
     routes["static"] = None if (has_linear or has_conv) and has_calibration else (
         "no calibration data given" if has_linear or has_conv else "no Linear or Conv2d layer")
-    routes["dynamic"] = None if has_linear else "no nn.Linear layer (dynamic INT8 covers Linear only)"
+    routes["dynamic"] = None if has_linear or has_conv else "no Linear or Conv2d layer"
     routes["weight_only"] = None if has_linear else "no nn.Linear layer (weight-only INT8 covers Linear only)"
     return routes
 
