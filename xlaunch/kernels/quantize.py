@@ -100,22 +100,28 @@ class QuantizeReport:
 class QuantizedModule(nn.Module):
     """A quantized (or fp32 fallback) model: callable, with ``.mode``, ``.report``, ``.save``."""
 
-    def __init__(self, runner: Callable[..., Any], program: Optional[torch.export.ExportedProgram],
+    def __init__(self, runner: Callable[..., Any],
+                 program: "torch.export.ExportedProgram | Callable[[], torch.export.ExportedProgram]",
                  mode: str, report: QuantizeReport, keep: Optional[nn.Module] = None) -> None:
         super().__init__()
         self._runner = runner
-        self.program = program
+        self._program = program   # or a function exporting it on first use (export takes a while)
         self.mode = mode
         self.report = report
         self.inner = keep   # the module the runner runs (registered so .to()/state_dict see it)
+
+    @property
+    def program(self) -> torch.export.ExportedProgram:
+        """The model in torch.export's format (what :meth:`save` writes)."""
+        if not isinstance(self._program, torch.export.ExportedProgram):
+            self._program = self._program()
+        return self._program
 
     def forward(self, *args: Any) -> Any:
         return self._runner(*args)
 
     def save(self, path: str) -> None:
         """Write the program in torch.export's format, with the mode and report alongside."""
-        if self.program is None:
-            raise ValueError("quantize: this model holds no exported program to save")
         meta = {"format": FORMAT_VERSION, "mode": self.mode, "report": self.report.to_dict()}
         torch.export.save(self.program, path, extra_files={META_FILE: json.dumps(meta)})
 
@@ -333,7 +339,7 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     if built:
         report.kept_fp32 = {"(whole model)": why}
     runner = variants[choice]
-    return QuantizedModule(_no_grad(runner), routes.export(fp32, example), "fp32", report,
+    return QuantizedModule(_no_grad(runner), lambda: routes.export(fp32, example), "fp32", report,
                            keep=runner if isinstance(runner, nn.Module) else None)
 
 
@@ -370,8 +376,8 @@ def _finish(report: QuantizeReport, route: str, build: routes.Built, fp32: nn.Mo
         _warn(report, f"{route}: {len(report.kept_fp32)} layer(s) stay fp32: "
                       + "; ".join(f"{k}: {v}" for k, v in list(report.kept_fp32.items())[:4])
                       + (" ..." if len(report.kept_fp32) > 4 else ""))
-    program = routes.export(build.program_source, example)
-    return QuantizedModule(build.runner, program, route, report, keep=build.program_source)
+    source = build.program_source
+    return QuantizedModule(build.runner, lambda: routes.export(source, example), route, report, keep=source)
 
 
 class _CallableModule(type(sys)):
