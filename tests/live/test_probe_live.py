@@ -24,6 +24,7 @@ def test_probe_measures_every_case_and_names_the_dispatched_isa() -> None:
         if "error" not in case:
             assert case["gflops"] > 0 and case["ms"] > 0
     assert result["threads"] == 1
+    assert "stderr" not in result, result["stderr"]   # the child printed nothing on stderr
     # fp32 convolution always goes through oneDNN on x86: its implementation names an ISA.
     conv = cases[("conv", "fp32")]["primitives"]
     assert any(p["kind"] == "convolution" and ONEDNN_ISA.match(p["isa"]) for p in conv), conv

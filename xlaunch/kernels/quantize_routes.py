@@ -16,6 +16,10 @@ from torch import nn
 # Compile-time noise: inductor's oneDNN lowering copies zero points with torch.tensor(tensor);
 # torchao's Int8Tensor has no stable cache hash.
 NOISE = ("To copy construct from a tensor", ".*does not implement _stable_hash_for_caching")
+# Recompiles (a new input shape) hit them again: a narrow process-wide filter for inductor's
+# lowering module, plus a local one around each route's first (compiling) call.
+warnings.filterwarnings("ignore", message=NOISE[0], category=UserWarning,
+                        module=r"torch\._inductor\.mkldnn_lowerings")
 
 LINEAR_OPS = ("aten.linear.default",)
 CONV_OPS = ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",

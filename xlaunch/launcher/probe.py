@@ -146,6 +146,8 @@ def run_probe(seconds_budget: float = 10.0, threads: Optional[int] = 1,
         raise ProbeError(f"the probe child exited with status {proc.returncode}: {proc.stderr.strip()[-1500:]}")
     result = parse_output(proc.stdout)
     result["seconds"] = round(time.monotonic() - start, 2)
+    if proc.stderr.strip():   # never lose the child's output: warnings it printed travel along
+        result["stderr"] = proc.stderr.strip()[-2000:]
     result["advice"] = advise(result["cases"])
     return result
 
@@ -173,4 +175,6 @@ def format_probe(result: dict[str, Any]) -> str:
                      f"{('-' if ratio is None else f'{ratio:.2f}x'):>8}  {_dispatch(case)}")
     lines.append("(int8 rows are GOP/s)")
     lines.extend(f"advice: {a}" for a in result.get("advice", []))
+    if result.get("stderr"):
+        lines.append("probe child stderr:\n" + result["stderr"])
     return "\n".join(lines)
