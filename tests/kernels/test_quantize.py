@@ -246,6 +246,16 @@ def test_a_model_without_quantizable_layers_is_refused(mode: str) -> None:
         quantize(Recurrent().eval(), torch.zeros(2, 3, 8), calibration=[(torch.zeros(2, 3, 8),)], mode=mode)
 
 
+def test_auto_on_a_model_without_quantizable_layers_warns_and_stays_fp32() -> None:
+    model, x = Recurrent().eval(), torch.randn(2, 3, 8)
+    with pytest.warns(QuantizeWarning, match="auto returns fp32 for Recurrent: no INT8 route applies") as caught:
+        quantized = quantize(model, x, rounds=3)
+    assert len(caught) == 1 and quantized.mode == "fp32" and quantized.report.quantized == []
+    assert "LSTM has no INT8 route here" in quantized.report.kept_fp32["rnn"]
+    with torch.no_grad():
+        assert torch.allclose(quantized(x), model(x), atol=1e-5)
+
+
 def test_public_exports() -> None:
     assert callable(xlaunch.quantize) and xlaunch.kernels.load_quantized is load_quantized
     with pytest.raises(ValueError, match="mode must be one of"):

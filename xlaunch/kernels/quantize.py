@@ -338,6 +338,11 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     report.mode, report.reason = "fp32", why
     if built:
         report.kept_fp32 = {"(whole model)": why}
+    else:   # nothing could even be tried: say so once, loudly
+        report.reason = "no INT8 route applies: " + "; ".join(
+            f"{route}: {r.skipped}" for route, r in report.routes.items() if r.skipped)
+        report.kept_fp32 = {"(whole model)": report.reason, **unsupported}
+        _warn(report, f"auto returns fp32 for {type(model).__name__}: {report.reason}")
     runner = variants[choice]
     return QuantizedModule(_no_grad(runner), lambda: routes.export(fp32, example), "fp32", report,
                            keep=runner if isinstance(runner, nn.Module) else None)
@@ -358,7 +363,8 @@ def _optimized(fp32: nn.Module, example: tuple, report: QuantizeReport) -> Optio
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             optimized = optimize(copy.deepcopy(fp32), sample_input=example)
-        report.warnings.extend(f"optimize(): {w.message}" for w in caught)
+        report.warnings.extend(f"optimize(): {w.message}" for w in caught
+                               if type(w.message).__name__ == "OptimizeWarning")
         return optimized
     except Exception as exc:
         report.routes[policy.FP32_OPTIMIZE] = RouteResult(skipped=f"failed: {type(exc).__name__}: {exc}")
