@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent set-up: venv, torch 2.13.0 (CPU build), xlaunch with dev extras, and the
+# Idempotent set-up: venv, torch 2.13.0 (CPU build), torchao 0.18.0, xlaunch with dev extras, and the
 # Debian allocator/numactl packages when they are missing and we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +31,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # The CPU build of torch 2.13.0 is pinned here, never a range (a range pulls a CUDA build).
   pip_install "torch==2.13.0"
   pip_install intel-openmp
+  # torchao (INT8 PT2E flow) is pure Python for the CPU path; --no-deps keeps it off torch's pin.
+  pip_install --no-deps "torchao==0.18.0"
   pip_install -e ".[dev]"
   touch "$stamp"
 fi

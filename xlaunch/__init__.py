@@ -16,6 +16,8 @@ _LAZY = {
     "get_core_list_of_node_id": "xlaunch.runtime_ext",
     "is_runtime_ext_enabled": "xlaunch.runtime_ext",
     "optimize": "xlaunch.kernels",
+    "quantize": "xlaunch.kernels",
+    "load_quantized": "xlaunch.kernels",
 }
 
 __all__ = ["__version__", *_LAZY]

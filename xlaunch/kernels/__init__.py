@@ -1,5 +1,6 @@
 """The bundled optimizer library: ``optimize`` (inference/training model rewrites) and fused
-optimizers with split-bf16 master weights. Imports torch lazily, on first attribute use."""
+optimizers with split-bf16 master weights, and
+INT8 ``quantize``/``load_quantized``. Imports torch lazily, on first attribute use."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,6 +15,8 @@ _LAZY = {
     "FusedAdamW": "xlaunch.kernels.optim",
     "FusedLamb": "xlaunch.kernels.optim",
     "to_fused": "xlaunch.kernels.optim",
+    "quantize": "xlaunch.kernels.quantize",
+    "load_quantized": "xlaunch.kernels.quantize",
 }
 
 __all__ = list(_LAZY)

@@ -1,0 +1,82 @@
+"""Pure decisions for ``quantize``: which INT8 routes to try on this CPU and model, and which
+measured variant to return. No torch here; facts come in as plain values.
+
+Why the ISA matters (facts from oneDNN/PyTorch, measured again in docs/quantization.md):
+  * u8 x s8 dot products without VNNI/AMX go through ``vpmaddubsw``, whose 16-bit intermediate sums
+    saturate: activations must then use 7 bits (``reduce_range``) or results go wrong.
+  * static INT8 needs VNNI/AMX to beat fp32 reliably; on AVX2-only parts it can be slower
+    (pytorch #144434), so there it is only taken when the measurement says it wins.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+MODES = ("auto", "static", "dynamic", "weight_only")
+INT8_ROUTES = ("static", "dynamic", "weight_only")
+FP32_EAGER = "fp32_eager"
+FP32_OPTIMIZE = "fp32_optimize"
+
+# An INT8 route must beat the best fp32 variant by this factor to be picked (timing noise on a
+# shared machine is a few percent; a tie is not worth the accuracy cost).
+DEFAULT_SPEEDUP_MARGIN = 1.05
+# Largest relative error (max |int8 - fp32| / max |fp32| over the calibration inputs) auto accepts.
+DEFAULT_MAX_ERROR = 0.1
+
+
+@dataclass(frozen=True)
+class IsaTraits:
+    """What the INT8 routes care about in the ISA flags."""
+
+    int8_dot: Optional[str]   # "amx_int8" | "avx512_vnni" | "avx_vnni" | None (multiply-add sequences)
+    avx2: bool
+
+    @property
+    def reduce_range(self) -> bool:
+        """7-bit activations: needed where u8 x s8 products use saturating 16-bit sums."""
+        return self.int8_dot is None
+
+
+def isa_traits(flags: Iterable[str], amx_permitted: Optional[bool] = None) -> IsaTraits:
+    flags = frozenset(flags)
+    if "amx_int8" in flags and amx_permitted is not False:
+        dot: Optional[str] = "amx_int8"
+    elif "avx512_vnni" in flags:
+        dot = "avx512_vnni"
+    elif "avx_vnni" in flags:
+        dot = "avx_vnni"
+    else:
+        dot = None
+    return IsaTraits(int8_dot=dot, avx2="avx2" in flags)
+
+
+def check_mode(mode: object) -> str:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"quantize: mode must be one of {', '.join(MODES)}, not {mode!r}")
+    return mode
+
+
+def candidate_routes(has_linear: bool, has_conv: bool, has_calibration: bool) -> dict[str, Optional[str]]:
+    """For ``auto``: each INT8 route -> None when it is worth measuring, else why it is skipped."""
+    routes: dict[str, Optional[str]] = {}
+    routes["static"] = None if (has_linear or has_conv) and has_calibration else (
+        "no calibration data given" if has_linear or has_conv else "no Linear or Conv2d layer")
+    routes["dynamic"] = None if has_linear or has_conv else "no Linear or Conv2d layer"
+    routes["weight_only"] = None if has_linear else "no nn.Linear layer (weight-only INT8 covers Linear only)"
+    return routes
+
+
+def choose(times_ms: Mapping[str, float], errors: Mapping[str, float], max_error: float,
+           margin: float = DEFAULT_SPEEDUP_MARGIN) -> tuple[str, str]:
+    """The variant to return and why. ``times_ms`` holds FP32_EAGER, maybe FP32_OPTIMIZE, and the
+    INT8 routes that built; ``errors`` the INT8 routes' relative errors."""
+    fp32 = min((name for name in (FP32_EAGER, FP32_OPTIMIZE) if name in times_ms), key=times_ms.__getitem__)
+    best_fp32 = times_ms[fp32]
+    accurate = [r for r in INT8_ROUTES if r in times_ms and errors.get(r, float("inf")) <= max_error]
+    if not accurate:
+        return fp32, "no INT8 route kept the relative error within max_error"
+    fastest = min(accurate, key=times_ms.__getitem__)
+    if times_ms[fastest] * margin <= best_fp32:
+        return fastest, f"{fastest} INT8 measured {best_fp32 / times_ms[fastest]:.2f}x the best fp32 variant ({fp32})"
+    return fp32, (f"no INT8 route was {margin:.2f}x faster than fp32 here "
+                  f"(best: {fastest} at {best_fp32 / times_ms[fastest]:.2f}x)")

@@ -1,0 +1,188 @@
+"""Building one INT8 route: PT2E static/dynamic (torchao's X86InductorQuantizer, then inductor
+with freezing, which lowers the q/dq pattern to oneDNN int8 kernels) and int8 weight-only Linear
+(torchao ``Int8WeightOnlyConfig``). Each build returns the runnable module, the program to save
+(torch.export format) and which layers were quantized or left in fp32, with why."""
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+# Compile-time noise: inductor's oneDNN lowering copies zero points with torch.tensor(tensor);
+# torchao's Int8Tensor has no stable cache hash.
+NOISE = ("To copy construct from a tensor", ".*does not implement _stable_hash_for_caching")
+# Recompiles (a new input shape) hit them again: a narrow process-wide filter for inductor's
+# lowering module, plus a local one around each route's first (compiling) call.
+warnings.filterwarnings("ignore", message=NOISE[0], category=UserWarning,
+                        module=r"torch\._inductor\.mkldnn_lowerings")
+
+LINEAR_OPS = ("aten.linear.default",)
+CONV_OPS = ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
+            "aten.conv_transpose1d.input", "aten.conv_transpose2d.input", "aten.conv_transpose3d.input")
+# Module kinds that hold weights no INT8 route here converts.
+UNSUPPORTED_MODULES = (nn.LSTM, nn.GRU, nn.RNN, nn.Embedding, nn.EmbeddingBag, nn.Conv1d, nn.Conv3d,
+                       nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+class QuantizeWarning(UserWarning):
+    """Part of the model stays fp32, or a route could not be built; the message says why."""
+
+
+@dataclass
+class Built:
+    """One built route."""
+
+    runner: Callable[..., Any]                 # what quantized models call
+    program_source: nn.Module                  # exported (torch.export) for saving
+    compiled: bool                             # runner is torch.compile'd (freezing on)
+    quantized: list[str] = field(default_factory=list)
+    kept_fp32: dict[str, str] = field(default_factory=dict)
+
+
+def import_torchao() -> Any:
+    """torchao, imported lazily and quietly (it logs failed loads of its CUDA-only libraries)."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("xlaunch.quantize needs torchao: pip install 'xlaunch[torch]'") from exc
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return torchao
+
+
+def register_decomposed_ops() -> None:
+    """The quantized_decomposed ops that PT2E programs hold (needed to load a saved one)."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
+
+
+def dynamic_batch(example_inputs: tuple) -> tuple:
+    """export's dynamic_shapes: dim 0 of every tensor input may vary (the batch)."""
+    from torch.export import Dim
+
+    return tuple({0: Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() > 0 else None
+                 for a in example_inputs)
+
+
+def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(model, example_inputs, dynamic_shapes=dynamic_batch(example_inputs))
+    except Exception:  # some models pin their batch size: export them with the example's shapes
+        return torch.export.export(model, example_inputs)
+
+
+class FrozenCompiled:
+    """torch.compile'd module whose compiles run with inductor freezing (int8 weight prepacking)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.compiled = torch.compile(module)
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> Any:
+        import torch._inductor.config as inductor_config
+
+        with torch.no_grad(), inductor_config.patch(freezing=True):
+            self.calls += 1
+            if self.calls > 1:
+                return self.compiled(*args)
+            with warnings.catch_warnings():   # the first call compiles: keep inductor's noise quiet
+                warnings.filterwarnings("ignore", message=NOISE[0], category=UserWarning)
+                warnings.filterwarnings("ignore", message=NOISE[1], category=UserWarning)
+                return self.compiled(*args)
+
+
+def _layer_name(node: Any) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else node.name
+
+
+def _weight_name(node: Any) -> str:
+    weight = node.args[1] if len(node.args) > 1 else None
+    return str(getattr(weight, "target", "") or "")
+
+
+def account_pt2e(graph_module: nn.Module, route: str) -> tuple[list[str], dict[str, str]]:
+    """Which Linear/conv ops of a converted PT2E graph read a dequantized int8 weight."""
+    quantized: list[str] = []
+    kept: dict[str, str] = {}
+    for node in graph_module.graph.nodes:
+        target = str(node.target)
+        if node.op != "call_function" or target not in LINEAR_OPS + CONV_OPS:
+            continue
+        name = _layer_name(node)
+        if "dequantize_per_channel" in _weight_name(node):
+            quantized.append(name)
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        kind = list(stack.values())[-1][1] if stack else ""
+        param = _weight_name(node)
+        if kind.endswith("MultiheadAttention"):
+            name = param.removesuffix(".weight").removesuffix("_weight") or name
+            why = "MultiheadAttention projection (X86InductorQuantizer annotates nn.Linear/nn.Conv2d modules only)"
+        else:
+            why = f"{target.split('.')[1]} not annotated by X86InductorQuantizer"
+        kept[name] = why
+    return quantized, kept
+
+
+def unsupported_modules(model: nn.Module) -> dict[str, str]:
+    return {name: f"{type(module).__name__} has no INT8 route here"
+            for name, module in model.named_modules() if isinstance(module, UNSUPPORTED_MODULES)}
+
+
+def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tuple], dynamic: bool,
+               reduce_range: bool) -> Built:
+    import_torchao()
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
+
+    quantizer = xiq.X86InductorQuantizer()
+    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(
+        is_dynamic=dynamic, reduce_range=reduce_range))
+    with torch.no_grad():
+        graph = export(model, example_inputs).module()
+        prepared = prepare_pt2e(graph, quantizer)
+        for batch in calibration:
+            prepared(*batch)
+        converted = convert_pt2e(prepared)
+    quantized, kept = account_pt2e(converted, "dynamic" if dynamic else "static")
+    return Built(runner=FrozenCompiled(converted), program_source=converted, compiled=True,
+                 quantized=quantized, kept_fp32=kept)
+
+
+def build_weight_only(model: nn.Module) -> Built:
+    import_torchao()
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantized_model = copy.deepcopy(model)
+    attention = [name for name, m in quantized_model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    linears = {name for name, m in quantized_model.named_modules() if isinstance(m, nn.Linear)
+               and not any(name.startswith(a + ".") for a in attention)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_(quantized_model, Int8WeightOnlyConfig(),
+                  filter_fn=lambda m, name: isinstance(m, nn.Linear) and name in linears)
+    quantized = sorted(name for name, m in quantized_model.named_modules()
+                       if name in linears and type(m.weight) not in (nn.Parameter, torch.Tensor))
+    kept = {name: "MultiheadAttention projections call their weights directly (not converted)" for name in attention}
+    kept.update({name: "weight-only INT8 covers nn.Linear only" for name, m in model.named_modules()
+                 if isinstance(m, nn.Conv2d)})
+    kept.update({name: "not converted by torchao Int8WeightOnlyConfig" for name in sorted(linears - set(quantized))})
+
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            return quantized_model(*args)
+
+    return Built(runner=run, program_source=quantized_model, compiled=False, quantized=quantized, kept_fp32=kept)
