@@ -33,7 +33,7 @@ def plan(capsys, *argv: str, tree: str = XEON) -> dict:
     return json.loads(out)
 
 
-def refused(capsys, *argv: str) -> str:
+def refused(capsys, *argv: str) -> str:  # noqa: D103 - one line, exit 2, nothing printed
     environ = {"PATH": os.environ.get("PATH", ""), "XLAUNCH_FSROOT": str(machine_tree(XEON))}
     status = cli.run(["--dry-run", *argv, "--no-python", "true"], environ)
     out, err = capsys.readouterr()
@@ -198,3 +198,30 @@ def test_run_cpu_test_launch_line_really_starts_the_instances(tmp_path) -> None:
     assert len(lines) == count
     assert sorted(p.name for p in tmp_path.glob("xlaunch_instance_*.log")) == [
         f"xlaunch_instance_{i}.log" for i in range(count)]
+
+
+# ---------------------------------------------------------------- --check-isa --probe wiring
+
+def test_check_isa_probe_adds_the_measurement(capsys, monkeypatch) -> None:
+    from xlaunch.launcher import probe
+
+    measured = {"torch": "2.13.0", "cases": [], "advice": ["keep fp32"]}
+    monkeypatch.setattr(probe, "run_probe", lambda: dict(measured))
+    monkeypatch.setattr(probe, "format_probe", lambda result: "PROBE TABLE")
+    assert cli.run(["--check-isa", "--probe", "--json"], {"PATH": os.environ.get("PATH", "")}) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["probe"] == measured and "isa" in data
+    assert cli.run(["--check-isa", "--probe"], {"PATH": os.environ.get("PATH", "")}) == 0
+    assert capsys.readouterr().out.rstrip().endswith("PROBE TABLE")
+
+    def fails():
+        raise probe.ProbeError("the probe child exited with status 1: no torch")
+
+    monkeypatch.setattr(probe, "run_probe", fails)
+    assert cli.run(["--check-isa", "--probe"], {"PATH": os.environ.get("PATH", "")}) == 1
+    assert capsys.readouterr().err == "xlaunch: error: --probe: the probe child exited with status 1: no torch\n"
+
+
+def test_probe_and_int8_refusals(capsys) -> None:
+    assert "only applies with --check-isa" in refused(capsys, "--probe")
+    assert "xlaunch.quantize(" in refused(capsys, "--auto-optimize", "--dtype", "int8")

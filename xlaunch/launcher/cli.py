@@ -195,6 +195,8 @@ CONTEXT = {
 # -- machine information
 @_option("check_isa", group=GROUP_MACHINE, is_flag=True, help="Print the instruction sets and dtype advice, then exit.")
 @_option("torch", group=GROUP_MACHINE, is_flag=True, help="With --check-isa: also ask torch (imports it).")
+@_option("probe", group=GROUP_MACHINE, is_flag=True,
+         help="With --check-isa: measure GEMM/conv per dtype in a child process and show what oneDNN ran.")
 @_option("show_topology", group=GROUP_MACHINE, is_flag=True, help="Print the machine model, then exit.")
 @click.version_option(package_name="xlaunch", prog_name="xlaunch", message="%(prog)s %(version)s")
 @click.argument("command", nargs=-1, type=click.Path(), metavar="PROGRAM [ARGS]...")
@@ -212,7 +214,7 @@ def _add_compat_options() -> None:
 
 
 _add_compat_options()
-NOT_OPTIONS = frozenset({"command", "verbose", "quiet", "config", "check_isa", "torch", "show_topology"})
+NOT_OPTIONS = frozenset({"command", "verbose", "quiet", "config", "check_isa", "torch", "probe", "show_topology"})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -294,8 +296,9 @@ def _verbosity(ctx: click.Context) -> int:
 def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
     """Options from the command line over the config file; the program checked and resolved."""
     params = ctx.params
-    if params["torch"]:
-        raise OptionError("--torch", "only applies with --check-isa")
+    for flag in ("torch", "probe"):
+        if params[flag]:
+            raise OptionError(f"--{flag}", "only applies with --check-isa")
     config: dict[str, Any] = {}
     source = None
     if params["config"] is not None:
@@ -450,8 +453,9 @@ def _machine_information(ctx: click.Context, environ: Mapping[str, str]) -> int:
     if params["command"]:
         flag = "--check-isa" if params["check_isa"] else "--show-topology"
         raise OptionError(flag, f"takes no PROGRAM (got {params['command'][0]!r})")
-    if params["torch"] and not params["check_isa"]:
-        raise OptionError("--torch", "only applies with --check-isa")
+    for flag in ("torch", "probe"):
+        if params[flag] and not params["check_isa"]:
+            raise OptionError(f"--{flag}", "only applies with --check-isa")
     import json
 
     from xlaunch.launcher import report
@@ -459,7 +463,19 @@ def _machine_information(ctx: click.Context, environ: Mapping[str, str]) -> int:
     machine = _load_machine(environ)
     if params["check_isa"]:
         result = report.isa_report(machine, with_torch=bool(params["torch"]))
-        text = json.dumps(result, indent=2, sort_keys=False) if params["json"] else report.format_isa(result)
+        text = "" if params["json"] else report.format_isa(result)
+        if params["probe"]:
+            from xlaunch.launcher import probe
+
+            try:
+                measured = probe.run_probe()
+            except probe.ProbeError as exc:
+                sys.stderr.write(f"xlaunch: error: --probe: {exc}\n")
+                return 1
+            result["probe"] = measured
+            text = text if params["json"] else text.rstrip("\n") + "\n\n" + probe.format_probe(measured)
+        if params["json"]:
+            text = json.dumps(result, indent=2, sort_keys=False)
     else:
         text = json.dumps(report.topology_json(machine), indent=2) if params["json"] else report.format_topology(machine)
     sys.stdout.write(text.rstrip("\n") + "\n")

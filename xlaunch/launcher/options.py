@@ -210,6 +210,10 @@ def _convert(name: str, value: Any, where: str) -> Any:
         text = str(value).strip().lower()
         if name == "dtype":
             text = {"fp32": "float32", "bf16": "bfloat16"}.get(text, text)
+            if text == "int8":
+                raise OptionError(option, "int8 needs calibration data an unmodified script cannot give: call "
+                                          "xlaunch.quantize(model, example_inputs, calibration=...) in the script "
+                                          "(docs/quantization.md)")
         if text not in _CHOICES[name]:
             allowed = ", ".join(_CHOICES[name])
             raise OptionError(option, f"{value!r} is not one of {allowed}{where}")
