@@ -85,11 +85,21 @@ def check_all(runs: dict[str, tuple[subprocess.Popen, Optional[int]]]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_objects_left_at_exit_gnu_intel_and_under_xlaunch(iomp_path):
+def docs_example(tmp_path: Path) -> Path:
+    """The first Python block of docs/runtime.md, as a program."""
+    text = (REPO / "docs" / "runtime.md").read_text()
+    start = text.index("```python\n") + len("```python\n")
+    program = tmp_path / "docs_example.py"
+    program.write_text(text[start:text.index("```", start)])
+    return program
+
+
+def test_objects_left_at_exit_gnu_intel_and_under_xlaunch(iomp_path, tmp_path):
     runs = 50
     fresh = [sys.executable, str(PROGRAMS / "issue.py")]
     check_all(
         {
+            "docs/runtime.md example": (start([sys.executable, str(docs_example(tmp_path))], environment()), None),
             "gnu": (start(driver("leftovers.py", runs), environment()), runs),
             "intel": (start(driver("leftovers.py", runs), environment(iomp_path)), runs),
             "xlaunch": (start(under_xlaunch(driver("leftovers.py", 5)), environment()), 5),
