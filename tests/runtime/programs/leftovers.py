@@ -1,6 +1,7 @@
 """Leaves runtime objects in every state at interpreter exit (needs CPUs 0 and 1).
 
-Open streams and Task (the program of issue 12), calls still queued, a Task dropped without
+Open streams and Task (the program of issue 12), calls still queued (the worker busy as the
+program ends), a Task dropped without
 close() with work queued, streams dropped without close(), objects closed by a ``with`` block that an exception left, and the main
 thread's OpenMP team still pinned.
 """
@@ -38,4 +39,5 @@ assert failing.closed and more.closed
 
 CPUPool([0, 1]).__enter__()
 model(x)
+busy_at_exit = [task(x) for _ in range(300)]  # the worker is still computing when the program ends
 print("end of program")
