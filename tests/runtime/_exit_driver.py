@@ -1,11 +1,11 @@
 """Run a program many times, each run a forked child that exits through normal interpreter exit.
 
-    python _exit_driver.py PROGRAM.py RUNS
+    python _exit_driver.py PROGRAM.py:RUNS [PROGRAM.py:RUNS ...]
 
 torch is imported once here (no op is run, so no OpenMP team exists yet); every child runs
 PROGRAM's code as ``__main__`` and leaves through ``SystemExit`` to the top level, i.e. the same
 ``Py_FinalizeEx`` path as a fresh ``python PROGRAM.py`` -- at a fraction of the start-up cost.
-Prints one JSON line: the exit code of every child (negative: killed by that signal).
+Prints one JSON line: the exit code of every child, in order (negative: killed by that signal).
 """
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ import torch  # noqa: F401 - imported once, before forking
 gc.collect()
 gc.freeze()
 
-program, runs = sys.argv[1], int(sys.argv[2])
-with open(program) as source:
-    code = compile(source.read(), program, "exec")
+jobs = []
+for argument in sys.argv[1:]:
+    program, _, runs = argument.rpartition(":")
+    with open(program) as source:
+        jobs.extend([(program, compile(source.read(), program, "exec"))] * int(runs))
 
 codes = []
-for _ in range(runs):
+for program, code in jobs:
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()

@@ -1,8 +1,9 @@
 """Programs that leave runtime objects behind exit 0 with an empty stderr, run after run.
 
 Each program runs many times as forked children of ``_exit_driver.py`` (torch imported once,
-each child leaving through normal interpreter exit), with GNU OpenMP, with Intel OpenMP
-preloaded, and under ``xlaunch``; the drivers run at the same time to keep the test short.
+each child leaving through normal interpreter exit), with GNU OpenMP and with Intel OpenMP
+preloaded; the issue's program also runs as a fresh process under ``xlaunch``. The processes
+run at the same time to keep the test short.
 Before the fix ~1 run in 3 died with "terminate called without an active exception".
 """
 from __future__ import annotations
@@ -50,8 +51,8 @@ def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str, s
     return process.returncode, out, err
 
 
-def driver(program: str, runs: int) -> list[str]:
-    return [sys.executable, str(DRIVER), str(PROGRAMS / program), str(runs)]
+def driver(*programs: tuple[Path, int]) -> list[str]:
+    return [sys.executable, str(DRIVER), *(f"{program}:{runs}" for program, runs in programs)]
 
 
 def under_xlaunch(argv: list[str]) -> list[str]:
@@ -85,24 +86,32 @@ def check_all(runs: dict[str, tuple[subprocess.Popen, Optional[int]]]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_objects_left_at_exit_gnu_intel_and_under_xlaunch(iomp_path):
+def docs_example(tmp_path: Path) -> Path:
+    """The first Python block of docs/runtime.md, as a program."""
+    text = (REPO / "docs" / "runtime.md").read_text()
+    start = text.index("```python\n") + len("```python\n")
+    program = tmp_path / "docs_example.py"
+    program.write_text(text[start:text.index("```", start)])
+    return program
+
+
+def test_objects_left_at_exit_gnu_intel_and_under_xlaunch(iomp_path, tmp_path):
     runs = 50
-    fresh = [sys.executable, str(PROGRAMS / "issue.py")]
+    leftovers, example = (PROGRAMS / "leftovers.py", runs), (docs_example(tmp_path), 1)
     check_all(
         {
-            "gnu": (start(driver("leftovers.py", runs), environment()), runs),
-            "intel": (start(driver("leftovers.py", runs), environment(iomp_path)), runs),
-            "xlaunch": (start(under_xlaunch(driver("leftovers.py", 5)), environment()), 5),
-            "fresh under xlaunch": (start(under_xlaunch(fresh), environment()), None),
+            "gnu": (start(driver(leftovers, example), environment()), runs + 1),
+            "intel": (start(driver(leftovers, example), environment(iomp_path)), runs + 1),
+            "issue program under xlaunch": (start(under_xlaunch([sys.executable, str(PROGRAMS / "issue.py")]), environment()), None),
         }
     )
 
 
 def test_forked_child_leaves_the_parents_workers_alone(iomp_path):
-    runs = 5
+    forked = (PROGRAMS / "forked.py", 3)
     check_all(
         {
-            "gnu": (start(driver("forked.py", runs), environment()), runs),
-            "intel": (start(driver("forked.py", runs), environment(iomp_path)), runs),
+            "gnu": (start(driver(forked), environment()), 3),
+            "intel": (start(driver(forked), environment(iomp_path)), 3),
         }
     )

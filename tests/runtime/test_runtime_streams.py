@@ -149,3 +149,16 @@ def test_auto_streams_is_one_per_pool_cpu():
     with MultiStreamModule(lambda t: t) as msm:
         assert msm.num_streams == len(CPUPool())
         assert [p.cpus for p in msm.stream_pools] == [(c,) for c in CPUPool().cpus]
+
+
+def test_dropped_streams_stop_their_threads():
+    import gc
+
+    msm = MultiStreamModule(lambda t: t + 1, num_streams=STREAMS, cpu_pool=CPUPool(list(ALLOWED[:STREAMS])))
+    assert torch.equal(msm(torch.zeros(4)), torch.ones(4))
+    threads = [task._worker.thread for task in msm._tasks]
+    del msm
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive()

@@ -109,14 +109,16 @@ class Task:
     """A worker thread pinned to ``pool`` that runs ``fn`` for every call, in order.
 
     ``cpu_pool`` defaults to :class:`CPUPool` ``()`` (``pool=`` is accepted too). Calling the
-    task submits ``fn(*args, **kwargs)`` and returns a :class:`TaskFuture`. :meth:`close` (or leaving a ``with``
-    block) finishes the queued calls and joins the thread. A Task that is dropped stops its
+    task submits ``fn(*args, **kwargs)`` and returns a :class:`TaskFuture`. :meth:`close` (or
+    leaving a ``with`` block) finishes the queued calls and joins the thread. A dropped Task stops its
     thread; at interpreter exit every open Task finishes its queue and is joined before the
     interpreter finalizes (see :mod:`xlaunch.runtime_ext.workers`). In a forked child the
     parent's Task has no thread: using it raises :class:`RuntimeError`.
     """
 
-    def __init__(self, fn: Callable[..., Any], cpu_pool: Optional[CPUPool] = None, *, pool: Optional[CPUPool] = None) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], cpu_pool: Optional[CPUPool] = None, *, pool: Optional[CPUPool] = None
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"Task needs a module or callable, got {type(fn).__name__}")
         if cpu_pool is not None and pool is not None:

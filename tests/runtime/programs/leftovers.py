@@ -1,7 +1,8 @@
 """Leaves runtime objects in every state at interpreter exit (needs CPUs 0 and 1).
 
-Open streams and Task (the program of issue 12), calls still queued, a Task dropped without
-close() with work queued, objects closed by a ``with`` block that an exception left, and the main
+Open streams and Task (the program of issue 12), calls still queued (the worker busy as the
+program ends), a Task dropped without
+close() with work queued, streams dropped without close(), objects closed by a ``with`` block that an exception left, and the main
 thread's OpenMP team still pinned.
 """
 import gc
@@ -22,7 +23,9 @@ pending = [task(x) for _ in range(8)]
 dropped = Task(model, CPUPool([0]))
 for _ in range(4):
     dropped(x)
-del dropped
+dropped_streams = MultiStreamModule(model, 2, CPUPool([0, 1]))
+dropped_streams(x)
+del dropped, dropped_streams
 gc.collect()
 
 try:
@@ -36,4 +39,5 @@ assert failing.closed and more.closed
 
 CPUPool([0, 1]).__enter__()
 model(x)
+busy_at_exit = [task(x) for _ in range(300)]  # the worker is still computing when the program ends
 print("end of program")
