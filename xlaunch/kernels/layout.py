@@ -38,3 +38,10 @@ def input_to_channels_last(sample: object) -> object:
         fmt = torch.channels_last if sample.dim() == 4 else torch.channels_last_3d
         return sample.contiguous(memory_format=fmt)
     return sample
+
+
+def to_contiguous(model: nn.Module) -> None:
+    """Undo :func:`to_channels_last` (conv weights back to the default layout, in place)."""
+    for module in model.modules():
+        if isinstance(module, CONV_ND):
+            module.weight.data = module.weight.data.contiguous()
