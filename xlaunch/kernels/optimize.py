@@ -247,6 +247,8 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
 
     if opts.channels_last and layout.has_conv(model):
         report.channels_last_convs = layout.to_channels_last(model)
+        if optimizer is not None:
+            layout.match_optimizer_state(optimizer)
         if verify and reference is not None:
             problem = outputs_close(reference, _run(model, sample_input), FP32_RTOL)
             if problem:  # a layout never changes values; report loudly if it somehow does
