@@ -5,7 +5,9 @@
 Models: the examples CNN (batch 8, 3x64x64) and a BERT-like encoder built from config
 (nn.TransformerEncoder, d_model 256, 4 heads, FFN 1024, 4 layers, batch 8, seq 128, random weights).
 Rows: plain fp32 (eval, no_grad), plain bf16 under autocast, ``optimize`` fp32, ``optimize`` bf16
-(the ISA guard may keep fp32; then a forced-bf16 row shows what bf16 would cost). With
+(the ISA guard may keep fp32; then a forced-bf16 row shows what bf16 would cost). ``optimize``
+returns the model itself; its no-grad calls run the frozen graph it keeps behind the forward, or
+the eager rewrite when its own measurement found the graph slower (the "kept" note says which). With
 ``--backends`` also the eager-only rewrites and both freezing backends. All rows of a model are
 timed interleaved (round robin), so contention from other processes hits every row alike.
 At the end, runs ``bench/optimize_train.py`` (the training half) when it exists.
@@ -114,7 +116,9 @@ def bench_model(name: str, rounds: int, backends: bool) -> dict[str, float]:
         fn, seconds = build(label, make)
         report = getattr(fn, "_xlaunch_optimize_report", None)
         frozen = f", frozen with {report.frozen_with}" if report is not None and report.frozen_with else ""
-        print(f"  built {label:32s} in {seconds:6.2f} s{frozen}")
+        kept = f", kept {report.kept} (measured ms: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in report.timings_ms.items()) + ")" if report is not None and report.kept else ""
+        print(f"  built {label:32s} in {seconds:6.2f} s{frozen}{kept}")
         rows[label] = fn
     ms = time_interleaved(rows, x, rounds)
     print(f"  {'row':32s} {'median ms':>10s} {'vs plain fp32':>14s} {'vs plain bf16':>14s}")

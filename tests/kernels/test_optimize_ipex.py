@@ -386,3 +386,17 @@ def test_ddp_training_of_an_optimized_model_on_gloo(tmp_path: Path) -> None:
     flat = lambda params: torch.tensor([v for p in params for v in p])  # noqa: E731
     assert torch.allclose(flat(first["params"]), flat(second["params"]), atol=1e-6)   # ranks in sync
     assert torch.allclose(flat(first["params"]), flat(first["reference"]), atol=1e-5)  # = full-batch SGD
+
+
+def test_choose_prefers_the_most_optimized_variant_within_the_margin() -> None:
+    from xlaunch.kernels import measure
+
+    # per-round seconds; round 3 was a slow period of the machine for every variant alike
+    timings = measure.Timings({"given": [1.0, 1.0, 5.0, 1.0], "eager": [0.9, 0.92, 4.6, 0.9],
+                               "frozen": [0.91, 0.93, 4.5, 0.92]})
+    assert abs(timings.ratio("eager", "given") - 0.91) < 0.011
+    assert measure.choose(timings, ["frozen", "eager", "given"]) == "frozen"   # within 2% of eager
+    slower_graph = measure.Timings({"given": [1.0] * 3, "eager": [0.99] * 3, "frozen": [1.2] * 3})
+    assert measure.choose(slower_graph, ["frozen", "eager", "given"]) == "eager"
+    slower_rewrite = measure.Timings({"given": [1.0] * 3, "eager": [1.1] * 3, "frozen": [1.05] * 3})
+    assert measure.choose(slower_rewrite, ["frozen", "eager", "given"]) == "given"

@@ -172,13 +172,12 @@ class OptimizedForward:
                 self._note(f"not frozen for inputs {inputs}: the {backend} graph changed results ({problem})", True)
                 return None
         if self.measure and self.prefer_eager is None:
-            timings = measure.interleaved_medians({"eager": lambda: self.eager(*args),
-                                                   "frozen": lambda: graph(*args)})
-            self.timings_ms = {name: seconds * 1e3 for name, seconds in timings.items()}
-            self.prefer_eager = not measure.not_slower(timings["frozen"], timings["eager"])
+            timings = measure.interleaved({"eager": lambda: self.eager(*args), "frozen": lambda: graph(*args)})
+            self.timings_ms = {name: seconds * 1e3 for name, seconds in timings.medians().items()}
+            self.prefer_eager = not timings.not_slower("frozen", "eager")
             if self.prefer_eager:
                 self._note(f"kept the eager forward: the {backend} graph for inputs {inputs} measured "
-                           f"{timings['eager'] / timings['frozen']:.2f}x the eager speed", True)
+                           f"{1 / timings.ratio('frozen', 'eager'):.2f}x the eager speed", True)
                 return None
         self._note(f"frozen with {backend} for inputs {inputs}", False)
         return graph

@@ -1,8 +1,10 @@
 """Short, noise-robust timing of model variants: is a rewrite really faster on this input?
 
 The variants are run round robin (so a burst of load from another process hits all of them
-alike), each sample is long enough to be timed (several calls when one is short), and the
-medians are compared with a margin. The whole measurement stays within a time budget.
+alike), each sample is long enough to be timed (several calls when one is short), and variants
+are compared by the median over rounds of their paired ratio (the samples of one round were
+taken back to back, so a slow period of the machine cancels out), with a margin. The whole
+measurement stays within a time budget.
 """
 from __future__ import annotations
 
@@ -18,9 +20,36 @@ MIN_SAMPLE_S = 0.01   # a sample repeats a short call until it lasts this long
 WARM_CALLS = 3
 
 
+class Timings:
+    """Seconds per call of each variant, one sample per round."""
+
+    def __init__(self, samples: dict[str, list[float]]) -> None:
+        self.samples = samples
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.samples[name])
+
+    def medians(self) -> dict[str, float]:
+        return {name: self.median(name) for name in self.samples}
+
+    def ratio(self, name: str, baseline: str) -> float:
+        """Median over rounds of (time of ``name`` / time of ``baseline``): below 1 is faster."""
+        return statistics.median(a / b for a, b in zip(self.samples[name], self.samples[baseline]))
+
+    def not_slower(self, name: str, baseline: str, margin: float = MARGIN) -> bool:
+        """True unless ``name`` measured more than ``margin`` slower than ``baseline``."""
+        return self.ratio(name, baseline) <= 1.0 + margin
+
+
 def interleaved_medians(variants: dict[str, Callable[[], Any]], budget_s: float = BUDGET_S,
                         max_rounds: int = MAX_ROUNDS) -> dict[str, float]:
     """Median seconds per call of each zero-argument callable, timed round robin."""
+    return interleaved(variants, budget_s, max_rounds).medians()
+
+
+def interleaved(variants: dict[str, Callable[[], Any]], budget_s: float = BUDGET_S,
+                max_rounds: int = MAX_ROUNDS) -> Timings:
+    """Per-round seconds per call of each zero-argument callable, timed round robin."""
     single: dict[str, float] = {}
     for name, run in variants.items():   # warm calls (first calls build kernels), which size the samples
         times = []
@@ -41,9 +70,14 @@ def interleaved_medians(variants: dict[str, Callable[[], Any]], budget_s: float 
             for _ in range(count):
                 run()
             samples[name].append((time.perf_counter() - start) / count)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return Timings(samples)
 
 
-def not_slower(candidate_s: float, baseline_s: float, margin: float = MARGIN) -> bool:
-    """True when the candidate is at most ``margin`` slower than the baseline."""
-    return candidate_s <= baseline_s * (1.0 + margin)
+def choose(timings: Timings, preference: list[str], margin: float = MARGIN) -> str:
+    """The first variant in ``preference`` (most optimized first) that measured no more than
+    ``margin`` slower than every other variant."""
+    names = [name for name in preference if name in timings.samples]
+    for name in names:
+        if all(timings.not_slower(name, other, margin) for other in names if other != name):
+            return name
+    return min(names, key=timings.median)

@@ -343,13 +343,11 @@ def _keep_the_fastest(given: nn.Module, model: nn.Module, forward: Optional[disp
     if graph is not None:
         variants["frozen"] = lambda: graph(*args)
     with torch.no_grad():
-        seconds = measure.interleaved_medians(variants)
-    report.timings_ms = {name: value * 1e3 for name, value in seconds.items()}
-    fastest = min(seconds.values())
-    kept = next(name for name in ("frozen", "eager", "given")
-                if name in seconds and measure.not_slower(seconds[name], fastest))
+        timings = measure.interleaved(variants)
+    report.timings_ms = {name: value * 1e3 for name, value in timings.medians().items()}
+    kept = measure.choose(timings, ["frozen", "eager", "given"])
     report.kept = kept
-    speed = ", ".join(f"{name} {seconds['given'] / value:.2f}x" for name, value in seconds.items())
+    speed = ", ".join(f"{name} {1 / timings.ratio(name, 'given'):.2f}x" for name in timings.samples)
     if kept == "frozen":
         logger.info("xlaunch.optimize: kept the frozen graph (speed vs the model as given: %s)", speed)
         return
