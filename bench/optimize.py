@@ -1,6 +1,6 @@
 """Inference bench for ``xlaunch.kernels.optimize``: one run, medians, ratios.
 
-    .venv/bin/python bench/optimize.py [--models cnn,bert] [--rounds 7] [--backends] [--no-train]
+    .venv/bin/python bench/optimize.py [--models cnn,bert] [--rounds 7] [--backends] [--no-train] [--threads N]
 
 Models: the examples CNN (batch 8, 3x64x64) and a BERT-like encoder built from config
 (nn.TransformerEncoder, d_model 256, 4 heads, FFN 1024, 4 layers, batch 8, seq 128, random weights).
@@ -157,7 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--backends", action="store_true", help="also compare the freezing backends")
     parser.add_argument("--no-train", action="store_true", help="skip bench/optimize_train.py")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: torch's); 1 keeps OpenMP barrier stalls of a "
+                             "loaded shared machine out of the ratios")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     reason = bf16_unsupported_reason(isa_flags())
     print(f"torch {torch.__version__}; native bf16: {'yes' if reason is None else 'no (' + reason + ')'}")
     print(f"fp32 matmul ceiling: {matmul_gflops():.0f} GFLOP/s")

@@ -8,7 +8,8 @@ plain arguments, no tracing, scripting or compiling going on. Those go to a grap
 exact input signature (shapes, dtypes, layout, plain values; a traced graph is only right for
 inputs like the one it was traced with), built on the first such call and checked against the
 eager result. When the module's parameters or buffers change (``load_state_dict``, training, a
-replaced tensor) the graphs are dropped and rebuilt on the next call.
+``.to()`` that moves their storage) the graphs are dropped and rebuilt on the next call; a
+parameter object replaced by hand (``module.weight = nn.Parameter(...)``) is not seen.
 
 ``torch.jit.trace(model, x)`` of the module records the eager forward, so tracing and freezing it
 yourself keeps working. ``--auto-optimize`` uses the same class.
@@ -94,6 +95,7 @@ class OptimizedForward:
         self.weights_key: Optional[tuple] = None
         self.rebuilds = 0
         self._building = False   # a graph is being built: calls made by the build run eager
+        self._tensors: Optional[list] = None
         self._lock = threading.RLock()
 
     # -- the eager path ------------------------------------------------------------------------
@@ -118,8 +120,16 @@ class OptimizedForward:
         return not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling())
 
     def _weights_key(self) -> tuple:
-        return tuple((t.data_ptr(), t._version, t.dtype)
-                     for t in itertools.chain(self.module.parameters(), self.module.buffers()))
+        """Storage, version and dtype of every parameter and buffer (the tensor list is cached;
+        ``load_state_dict`` refreshes it, see :class:`RefreshAfterLoad`)."""
+        if self._tensors is None:
+            self._tensors = list(itertools.chain(self.module.parameters(), self.module.buffers()))
+        return tuple((t.data_ptr(), t._version, t.dtype) for t in self._tensors)
+
+    def refresh(self) -> None:
+        """Forget the graphs and the tensor list (parameters may have been replaced)."""
+        with self._lock:
+            self.frozen, self.weights_key, self._tensors = {}, None, None
 
     def graph_for(self, args: tuple, kwargs: Optional[dict] = None) -> Optional[Callable]:
         """The frozen graph serving this call (built now if needed), or None for the eager path."""
@@ -182,15 +192,11 @@ class OptimizedForward:
         self._note(f"frozen with {backend} for inputs {inputs}", False)
         return graph
 
-    def drop_graphs(self) -> None:
-        with self._lock:
-            self.frozen, self.weights_key = {}, None
-
     # -- copies ----------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
         """Copies and pickles carry the configuration, not the graphs (rebuilt on first use)."""
         state = dict(self.__dict__)
-        state.update(frozen={}, weights_key=None, notify=None, _building=False)
+        state.update(frozen={}, weights_key=None, notify=None, _building=False, _tensors=None)
         del state["_lock"]
         return state
 
@@ -205,8 +211,20 @@ def of(module: nn.Module) -> Optional[OptimizedForward]:
     return forward if isinstance(forward, OptimizedForward) else None
 
 
+class RefreshAfterLoad:
+    """``load_state_dict`` post-hook: the loaded tensors (copied in, or assigned with
+    ``assign=True``) are picked up and the graphs rebuilt on the next call."""
+
+    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
+        forward = of(module)
+        if forward is not None:
+            forward.refresh()
+
+
 def install(module: nn.Module, **options: Any) -> OptimizedForward:
     """Set an OptimizedForward as ``module``'s forward (replacing one installed before)."""
     forward = OptimizedForward(module, **options)
     module.forward = forward   # type: ignore[method-assign]
+    if not any(isinstance(hook, RefreshAfterLoad) for hook in module._load_state_dict_post_hooks.values()):
+        module.register_load_state_dict_post_hook(RefreshAfterLoad())
     return forward
