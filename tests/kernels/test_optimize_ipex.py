@@ -400,3 +400,30 @@ def test_choose_prefers_the_most_optimized_variant_within_the_margin() -> None:
     assert measure.choose(slower_graph, ["frozen", "eager", "given"]) == "eager"
     slower_rewrite = measure.Timings({"given": [1.0] * 3, "eager": [1.1] * 3, "frozen": [1.05] * 3})
     assert measure.choose(slower_rewrite, ["frozen", "eager", "given"]) == "given"
+
+
+def test_split_bf16_training_checkpoints_hold_fp32_masters(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("xlaunch.kernels.optim")
+    from xlaunch.kernels.optim import master_params
+
+    monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"avx512_bf16"}))
+
+    def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).train()
+        return optimize(model, torch.bfloat16, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    model, optimizer = trained()
+    plain_state = {k: v.clone() for k, v in model.state_dict().items()}   # before any step: the fp32 init
+    model(torch.randn(3, 4)).square().sum().backward()
+    optimizer.step()
+    state = model.state_dict()
+    assert all(t.dtype == torch.float32 for t in state.values())
+    assert all(torch.equal(a, b) for a, b in zip(state.values(), master_params(optimizer)))
+    other, other_opt = trained()
+    other.load_state_dict(state)                                           # fp32 masters in, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(master_params(other_opt), master_params(optimizer)))
+    assert all(p.dtype == torch.bfloat16 for p in other.parameters())
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    fresh.load_state_dict(state)                                           # loads into the plain model too
+    assert not all(torch.equal(a, b) for a, b in zip(plain_state.values(), state.values()))

@@ -48,7 +48,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from xlaunch.kernels import dispatch, fold, freeze, layout, measure, precision
+from xlaunch.kernels import dispatch, fold, freeze, layout, measure, precision, splitstate
 from xlaunch.kernels.compare import BF16_RTOL, FP32_RTOL, outputs_close
 from xlaunch.kernels.notes import OptimizeWarning, logger, warn
 
@@ -304,6 +304,8 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
     if optimizer is not None and opts.fused_optimizer:
         split = use_dtype if (opts.split_master_weights and use_dtype == torch.bfloat16) else torch.float32
         optimizer = _convert_optimizer(optimizer, model, split, report)
+        if split == torch.bfloat16 and report.optimizer is not None:
+            splitstate.register(model, optimizer)
     model._xlaunch_optimize_report = report
     logger.debug("xlaunch.optimize: %s", report)
     return model if optimizer is None else (model, optimizer)
