@@ -14,8 +14,9 @@ from typing import Any, Callable
 
 # A rewrite counts as slower only beyond this fraction (below it, the difference is noise).
 MARGIN = 0.02
-BUDGET_S = 1.5
-MIN_ROUNDS, MAX_ROUNDS = 3, 9
+BUDGET_S = 2.0
+MIN_ROUNDS, MAX_ROUNDS = 5, 9
+CONSISTENT = 0.75   # share of rounds that must agree before a variant counts as slower
 MIN_SAMPLE_S = 0.01   # a sample repeats a short call until it lasts this long
 WARM_CALLS = 3
 
@@ -37,8 +38,12 @@ class Timings:
         return statistics.median(a / b for a, b in zip(self.samples[name], self.samples[baseline]))
 
     def not_slower(self, name: str, baseline: str, margin: float = MARGIN) -> bool:
-        """True unless ``name`` measured more than ``margin`` slower than ``baseline``."""
-        return self.ratio(name, baseline) <= 1.0 + margin
+        """True unless ``name`` measured more than ``margin`` slower than ``baseline``, in the
+        median and consistently (in at least ``CONSISTENT`` of the rounds): on a machine so
+        loaded that the rounds disagree, the measurement says nothing and the rewrite stays."""
+        ratios = [a / b for a, b in zip(self.samples[name], self.samples[baseline])]
+        slower_rounds = sum(r > 1.0 + margin for r in ratios)
+        return not (statistics.median(ratios) > 1.0 + margin and slower_rounds >= CONSISTENT * len(ratios))
 
 
 def interleaved_medians(variants: dict[str, Callable[[], Any]], budget_s: float = BUDGET_S,
