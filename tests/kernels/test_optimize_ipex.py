@@ -134,6 +134,11 @@ def test_ipex_script_optimize_then_load_an_unoptimized_checkpoint(image: torch.T
     other = optimize(trained_net(6), sample_input=image, **QUIET)
     other.load_state_dict(optimized.state_dict())
     assert close(run(expected, image), run(other, image))
+    # assign=True replaces the parameter objects: the graphs follow the new tensors
+    assigned = optimize(trained_net(7), sample_input=image, **QUIET)
+    run(assigned, image)
+    assigned.load_state_dict(checkpoint, assign=True)
+    assert close(run(expected, image), run(assigned, image))
     # a BN entry without its statistics cannot be folded: a clear error, not a wrong model
     partial = {k: v for k, v in checkpoint.items() if k != "bn.running_var"}
     with pytest.raises(RuntimeError, match="bn, folded into conv"):

@@ -7,8 +7,10 @@ finder on ``sys.meta_path`` that lets torch import normally and then patches it.
   (same constructor and state, so scripts and checkpoints keep working).
 * ``nn.Module.__call__`` gains one check: a module called by the program itself (not from inside
   another module's forward) in eval mode with autograd off (``torch.no_grad()`` or
-  ``torch.inference_mode()``) is optimized once, on that first call, with the call's arguments as
-  the sample input, and later calls go to the optimized copy. The program's own model object is
+  ``torch.inference_mode()``) is optimized once, on that first call, and that call and later ones
+  go to the optimized copy, whose forward freezes a graph per exact input signature on its first
+  call with it (:mod:`xlaunch.kernels.dispatch`, without the timing ``optimize`` does with a
+  sample input). The program's own model object is
   never modified. When its parameters or buffers change in place (more training, a loaded state
   dict) the copy is rebuilt. A module the library cannot handle runs unchanged, with one warning.
 """

@@ -304,7 +304,7 @@ def fold_pairs(model: nn.Module, pairs: list[Pair], log: FoldLog, kinds: set[str
 
 
 def remove_dropout(model: nn.Module, log: FoldLog) -> None:
-    """Replace eval-mode dropout modules (identities in eval) by ``nn.Identity``."""
+    """Replace eval-mode dropout modules (identities in eval) by one :class:`RemovedDropout` each."""
     for module_id, module_names in aliases(model).items():
         module = model.get_submodule(module_names[0]) if module_names[0] else model
         if not isinstance(module, DROPOUT_TYPES) or module.training or module is model:
