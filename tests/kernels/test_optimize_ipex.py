@@ -260,6 +260,16 @@ def test_unsupported_dtype_conversion_warns_through_both(monkeypatch: pytest.Mon
     assert optimized[0].weight.dtype == torch.float64 and optimized[2].weight.dtype == torch.bfloat16
 
 
+def test_inference_mode_calls_freeze_too(image: torch.Tensor) -> None:
+    model = trained_net(0)
+    optimized = optimize(model, sample_input=image, weights_prepack=True, measure=False)
+    other = torch.randn(2, 3, 10, 10)
+    with torch.inference_mode():
+        out = optimized(other)
+    assert len([g for g in dispatch.of(optimized).frozen.values() if g is not None]) == 2
+    assert close(run(model, other), out)
+
+
 def test_copies_and_pickles_of_the_optimized_module_run(image: torch.Tensor) -> None:
     model = trained_net(0)
     optimized = optimize(model, sample_input=image, **QUIET)

@@ -8,6 +8,10 @@ import sys
 import warnings
 
 logger = logging.getLogger("xlaunch.optimize")
+# A library logger: records reach the handlers the program configured (e.g. logging.basicConfig);
+# without any, Python's last-resort handler would print every message a second time beside the
+# warning, so it is kept quiet.
+logger.addHandler(logging.NullHandler())
 
 
 class OptimizeWarning(UserWarning):
