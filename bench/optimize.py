@@ -1,11 +1,13 @@
 """Inference bench for ``xlaunch.kernels.optimize``: one run, medians, ratios.
 
-    .venv/bin/python bench/optimize.py [--models cnn,bert] [--rounds 7] [--backends] [--no-train]
+    .venv/bin/python bench/optimize.py [--models cnn,bert] [--rounds 7] [--backends] [--no-train] [--threads N]
 
 Models: the examples CNN (batch 8, 3x64x64) and a BERT-like encoder built from config
 (nn.TransformerEncoder, d_model 256, 4 heads, FFN 1024, 4 layers, batch 8, seq 128, random weights).
 Rows: plain fp32 (eval, no_grad), plain bf16 under autocast, ``optimize`` fp32, ``optimize`` bf16
-(the ISA guard may keep fp32; then a forced-bf16 row shows what bf16 would cost). With
+(the ISA guard may keep fp32; then a forced-bf16 row shows what bf16 would cost). ``optimize``
+returns the model itself; its no-grad calls run the frozen graph it keeps behind the forward, or
+the eager rewrite when its own measurement found the graph slower (the "kept" note says which). With
 ``--backends`` also the eager-only rewrites and both freezing backends. All rows of a model are
 timed interleaved (round robin), so contention from other processes hits every row alike.
 At the end, runs ``bench/optimize_train.py`` (the training half) when it exists.
@@ -114,7 +116,9 @@ def bench_model(name: str, rounds: int, backends: bool) -> dict[str, float]:
         fn, seconds = build(label, make)
         report = getattr(fn, "_xlaunch_optimize_report", None)
         frozen = f", frozen with {report.frozen_with}" if report is not None and report.frozen_with else ""
-        print(f"  built {label:32s} in {seconds:6.2f} s{frozen}")
+        kept = f", kept {report.kept} (measured ms: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in report.timings_ms.items()) + ")" if report is not None and report.kept else ""
+        print(f"  built {label:32s} in {seconds:6.2f} s{frozen}{kept}")
         rows[label] = fn
     ms = time_interleaved(rows, x, rounds)
     print(f"  {'row':32s} {'median ms':>10s} {'vs plain fp32':>14s} {'vs plain bf16':>14s}")
@@ -153,7 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--backends", action="store_true", help="also compare the freezing backends")
     parser.add_argument("--no-train", action="store_true", help="skip bench/optimize_train.py")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: torch's); 1 keeps OpenMP barrier stalls of a "
+                             "loaded shared machine out of the ratios")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     reason = bf16_unsupported_reason(isa_flags())
     print(f"torch {torch.__version__}; native bf16: {'yes' if reason is None else 'no (' + reason + ')'}")
     print(f"fp32 matmul ceiling: {matmul_gflops():.0f} GFLOP/s")

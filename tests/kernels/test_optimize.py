@@ -12,12 +12,12 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import xlaunch.kernels  # noqa: E402
-from xlaunch.kernels import fold, precision  # noqa: E402
+from xlaunch.kernels import dispatch, fold, precision  # noqa: E402
 from xlaunch.kernels.optimize import OptimizeWarning, optimize, outputs_close  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-EAGER = {"weights_prepack": False}  # freezing has its own tests (compiles are slow)
+EAGER = {"weights_prepack": False, "measure": False}  # freezing and timing have their own tests
 
 
 def randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -246,7 +246,7 @@ def test_bad_level_and_unknown_flag_are_rejected() -> None:
     with pytest.raises(TypeError, match="conv_bn_fold"):
         optimize(model, conv_bn_fold=True)
     with pytest.raises(ValueError, match="dtype"):
-        optimize(model, dtype=torch.float16)
+        optimize(model, dtype=torch.int8)
 
 
 def test_channels_last_layout_keeps_values(image: torch.Tensor) -> None:
@@ -365,41 +365,50 @@ def test_outputs_close_catches_nan_and_shape() -> None:
     assert "shape" in outputs_close(a, torch.ones(4), 1e-3)
 
 
-def test_sample_input_freezes_with_jit_by_default_and_keeps_results(image: torch.Tensor) -> None:
+def test_sample_input_freezes_with_jit_behind_the_users_module(image: torch.Tensor) -> None:
     model = randomize_bn(Nested()).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # no deprecation noise reaches the user
-        optimized = optimize(model, sample_input=image)
+        optimized = optimize(model, sample_input=image, measure=False)
     report = optimized._xlaunch_optimize_report
-    assert report.frozen_with == "jit" and isinstance(optimized, torch.jit.ScriptModule)
+    assert type(optimized) is Nested and not isinstance(optimized, torch.jit.ScriptModule)
+    assert report.frozen_with == "jit"
+    forward = dispatch.of(optimized)
+    graphs = [g for g in forward.frozen.values() if g is not None]
+    assert len(graphs) == 1 and isinstance(graphs[0], torch.jit.ScriptModule)
     assert_close(run(model, image), run(optimized, image))
     other_batch = torch.randn(5, 3, 12, 12)
     assert_close(run(model, other_batch), run(optimized, other_batch))
+    assert len([g for g in forward.frozen.values() if g is not None]) == 2   # one graph per signature
+    with torch.enable_grad():   # autograd on: the eager forward, with gradients to the parameters
+        out = optimized(image)
+    assert out.requires_grad and out.grad_fn is not None
 
 
 def test_freezing_that_changes_results_is_refused(monkeypatch: pytest.MonkeyPatch, image: torch.Tensor) -> None:
     from xlaunch.kernels import freeze
 
     def wrong(model, backend, sample_input=None):
-        class Off(nn.Module):
-            def forward(self, x):
-                return model(x) + 1.0
-        return Off()
+        eager = dispatch.of(model).eager
+        return lambda *args: eager(*args) + 1.0
 
     monkeypatch.setattr(freeze, "freeze", wrong)
     model = randomize_bn(Nested()).eval()
-    with pytest.warns(OptimizeWarning, match="not frozen: the jit graph changed results"):
-        optimized = optimize(model, sample_input=image)
+    with pytest.warns(OptimizeWarning, match="not frozen for inputs .*: the jit graph changed results"):
+        optimized = optimize(model, sample_input=image, measure=False)
     assert optimized._xlaunch_optimize_report.frozen_with is None
     assert_close(run(model, image), run(optimized, image))
 
 
-def test_freeze_without_sample_input_for_jit_says_why(image: torch.Tensor) -> None:
-    model = Nested().eval()
-    with pytest.warns(OptimizeWarning, match="needs a sample_input"):
-        optimized = optimize(model, weights_prepack=True)
-    assert optimized._xlaunch_optimize_report.frozen_with is None
+def test_weights_prepack_without_sample_input_freezes_on_first_no_grad_call(image: torch.Tensor) -> None:
+    model = randomize_bn(Nested()).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimized = optimize(model, weights_prepack=True, measure=False)
+    report = optimized._xlaunch_optimize_report
+    assert report.frozen_with is None and not dispatch.of(optimized).frozen
     assert_close(run(model, image), run(optimized, image))
+    assert report.frozen_with == "jit" and len(dispatch.of(optimized).frozen) == 1
 
 
 def test_ipex_spellings_are_accepted(monkeypatch: pytest.MonkeyPatch, image: torch.Tensor) -> None:

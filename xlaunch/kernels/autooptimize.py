@@ -7,8 +7,10 @@ finder on ``sys.meta_path`` that lets torch import normally and then patches it.
   (same constructor and state, so scripts and checkpoints keep working).
 * ``nn.Module.__call__`` gains one check: a module called by the program itself (not from inside
   another module's forward) in eval mode with autograd off (``torch.no_grad()`` or
-  ``torch.inference_mode()``) is optimized once, on that first call, with the call's arguments as
-  the sample input, and later calls go to the optimized copy. The program's own model object is
+  ``torch.inference_mode()``) is optimized once, on that first call, and that call and later ones
+  go to the optimized copy, whose forward freezes a graph per exact input signature on its first
+  call with it (:mod:`xlaunch.kernels.dispatch`, without the timing ``optimize`` does with a
+  sample input). The program's own model object is
   never modified. When its parameters or buffers change in place (more training, a loaded state
   dict) the copy is rebuilt. A module the library cannot handle runs unchanged, with one warning.
 """
@@ -154,13 +156,12 @@ def _make_call(original: Callable, torch: Any) -> Callable:
 
 
 class _Entry:
-    """One user module: its eager optimized copy (folded, channels-last, bf16: right for any
-    input), frozen graphs of that copy per exact input signature (a traced graph is only right
-    for inputs like the one it was traced with), and the tensor versions they were built from."""
+    """One user module: its optimized copy (folded, channels-last, bf16: right for any input; its
+    forward holds frozen graphs per exact input signature, see :mod:`xlaunch.kernels.dispatch`)
+    and the versions of the user's tensors it was built from."""
 
     def __init__(self) -> None:
         self.eager: Optional[Callable] = None
-        self.frozen: dict[tuple, Callable] = {}
         self.tensors: list = []
         self.versions: tuple = ()
         self.given_up = False
@@ -171,30 +172,12 @@ class _Entry:
         return self.eager is not None and tuple(t._version for t in self.tensors) == self.versions
 
 
-MAX_SIGNATURES = 4
 _entries: "weakref.WeakKeyDictionary[Any, _Entry]" = weakref.WeakKeyDictionary()
 _lock = threading.RLock()
 
 
 def _name(module: Any) -> str:
     return type(module).__name__
-
-
-def _signature(args: tuple, kwargs: dict, torch: Any) -> Optional[tuple]:
-    """What a traced graph depends on: every tensor's shape, dtype, device and layout, and the
-    value of every plain argument. None when a call cannot be traced safely (keywords, others)."""
-    if kwargs:
-        return None
-    parts = []
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            parts.append(("T", tuple(arg.shape), arg.dtype, arg.device.type, arg.is_contiguous(),
-                          arg.is_contiguous(memory_format=torch.channels_last)))
-        elif arg is None or isinstance(arg, (bool, int, float, str)):
-            parts.append(("V", type(arg), arg))
-        else:
-            return None
-    return tuple(parts)
 
 
 def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Optional[Callable]:
@@ -213,11 +196,8 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
             _verbose(f"{_name(module)} called in eval mode with autograd on: runs unoptimized "
                      "(call it under torch.no_grad() or torch.inference_mode())")
         return None
-    signature = _signature(args, kwargs, torch)
     if entry.current():
-        found = entry.frozen.get(signature) if signature is not None else None
-        if found is not None or signature is None or len(entry.frozen) >= MAX_SIGNATURES:
-            return found or entry.eager
+        return entry.eager
     with _lock:
         if not entry.current():
             if entry.eager is not None:
@@ -227,17 +207,13 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
                     return None
                 _verbose(f"{_name(module)}: weights changed since it was optimized; optimizing again")
             _build_eager(module, entry, torch)
-            if entry.eager is None:
-                return None
-        if signature is not None and signature not in entry.frozen and len(entry.frozen) < MAX_SIGNATURES:
-            _build_frozen(module, entry, signature, args)
-        return entry.frozen.get(signature, entry.eager) if signature is not None else entry.eager
+        return entry.eager
 
 
 def _give_up(module: Any, why: str) -> None:
     entry = _entries.get(module)
     if entry is not None:
-        entry.given_up, entry.eager, entry.frozen = True, None, {}
+        entry.given_up, entry.eager = True, None
     _say(f"{_name(module)} runs unoptimized: {why}")
 
 
@@ -258,16 +234,27 @@ def _quietly(build: Callable[[], Any]) -> tuple[Any, list[str]]:
 
 
 def _build_eager(module: Any, entry: _Entry, torch: Any) -> None:
+    """The optimized copy; its forward freezes a graph per input signature on first use
+    (unless the freeze backend is "none"), checked against the eager copy."""
+    from xlaunch.kernels import dispatch
     from xlaunch.kernels.optimize import optimize
 
     settings = _settings or Settings({})
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
+    freezing = settings.freeze != "none"
+    flags = {"weights_prepack": freezing, "measure": False}
+    if freezing:
+        flags["freeze_backend"] = settings.freeze
     try:
-        eager, notes = _quietly(lambda: optimize(module, dtype=dtype, weights_prepack=False))
+        eager, notes = _quietly(lambda: optimize(module, dtype=dtype, **flags))
     except Exception as exc:
         _give_up(module, f"{type(exc).__name__}: {str(exc)[:300]}")
         return
-    entry.eager, entry.frozen = eager, {}
+    forward = dispatch.of(eager)
+    if forward is not None:
+        name = _name(module)
+        forward.notify = lambda message, is_warning: _verbose(f"{name}: {message}")
+    entry.eager = eager
     entry.tensors = list(module.parameters()) + list(module.buffers())
     entry.versions = tuple(t._version for t in entry.tensors)
     report = getattr(eager, "_xlaunch_optimize_report", None)
@@ -277,28 +264,6 @@ def _build_eager(module: Any, entry: _Entry, torch: Any) -> None:
             _verbose(f"  {note}")
     elif settings.dtype == "bfloat16" and report is not None and report.dtype != torch.bfloat16:
         _say(f"{_name(module)}: bf16 not used; see --auto-optimize-verbose")
-
-
-def _build_frozen(module: Any, entry: _Entry, signature: tuple, args: tuple) -> None:
-    """Freeze the eager copy for inputs like ``args`` (checked against it by ``optimize``)."""
-    from xlaunch.kernels.optimize import optimize
-
-    settings = _settings or Settings({})
-    if settings.freeze == "none":
-        return
-    try:
-        frozen, notes = _quietly(lambda: optimize(entry.eager, level="O0", inplace=True, sample_input=args,
-                                                  weights_prepack=True, freeze_backend=settings.freeze))
-    except Exception as exc:
-        notes, frozen = [f"not frozen: {type(exc).__name__}: {str(exc)[:200]}"], None
-    if frozen is not None and frozen is not entry.eager:   # O0 + inplace: same object unless frozen
-        entry.frozen[signature] = frozen
-        _verbose(f"{_name(module)}: frozen with {settings.freeze} for inputs "
-                 f"{[part[1] for part in signature if part[0] == 'T']}")
-    else:
-        entry.frozen[signature] = entry.eager   # do not try again for this signature
-        for note in notes:
-            _verbose(f"{_name(module)}: {note}")
 
 
 def _describe(report: Any) -> str:

@@ -10,6 +10,14 @@ keeps its class, attributes and ``forward``. Every fold can be undone (:func:`un
 A pair is only folded when it is safe: both modules in eval mode, the BN has running statistics
 and as many features as the producer has outputs, the producer's output feeds only this BN, and
 neither module is called anywhere else (shared modules are left alone).
+
+What folding does to parameters (as with ipex): the producer's ``weight``/``bias`` become the
+folded values (a bias appears where there was none), the BN's parameters and statistics leave
+the model (its ``state_dict`` has no BN entries). A checkpoint of the *un-optimized* model can
+still be loaded into the folded one: :class:`FoldedCheckpointLoader` (a ``load_state_dict``
+pre-hook) folds the checkpoint's BN entries into the producer's on the way in.
+A removed Dropout becomes a :class:`RemovedDropout`, an ``nn.Identity`` that keeps ``p`` and
+``inplace`` (ipex keeps ``p`` too), so code reading ``model.drop.p`` still works.
 """
 from __future__ import annotations
 
@@ -35,6 +43,83 @@ class Pair:
     blocked: Optional[str] = None   # why the graph forbids folding (sharing, other users), if it does
 
 
+@dataclass(frozen=True)
+class FoldRecord:
+    """What a later checkpoint needs to be folded the same way (names relative to the model)."""
+
+    producer: str
+    norm: str
+    kind: str
+    eps: float
+    transposed: bool
+
+
+class RemovedDropout(nn.Identity):
+    """An eval-mode Dropout, removed: an identity that still says what it was."""
+
+    def __init__(self, dropout: nn.Module) -> None:
+        super().__init__()
+        self.p = float(getattr(dropout, "p", 0.0))
+        self.inplace = bool(getattr(dropout, "inplace", False))
+        self.replaced = type(dropout).__name__
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, replaces {self.replaced}"
+
+
+class FoldedCheckpointLoader:
+    """``load_state_dict`` pre-hook of a folded model: a checkpoint that still has the BN entries
+    (saved from the un-optimized model) is folded into the producer's weight and bias first.
+    A checkpoint of the folded model (no BN entries) loads as it is."""
+
+    BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+    def __init__(self, records: list[FoldRecord]) -> None:
+        self.records = list(records)
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any,
+                 strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        for record in self.records:
+            norm = f"{prefix}{record.norm}."
+            producer = f"{prefix}{record.producer}."
+            if not any(norm + key in state_dict for key in self.BN_KEYS):
+                continue
+            mean, var = state_dict.get(norm + "running_mean"), state_dict.get(norm + "running_var")
+            weight = state_dict.get(producer + "weight")
+            if mean is None or var is None or weight is None:
+                error_msgs.append(f"the checkpoint has entries of {record.norm}, folded into {record.producer} by "
+                                  f"xlaunch.optimize, but not its running statistics and {record.producer}.weight")
+                continue
+            from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
+
+            with torch.no_grad():
+                args = (weight.float(), _float_or_none(state_dict.get(producer + "bias")), mean.float(),
+                        var.float(), record.eps, _float_or_none(state_dict.get(norm + "weight")),
+                        _float_or_none(state_dict.get(norm + "bias")))
+                if record.kind == "conv":
+                    new_weight, new_bias = fuse_conv_bn_weights(*args, transpose=record.transposed)
+                else:
+                    new_weight, new_bias = fuse_linear_bn_weights(*_linear_args(args))
+            state_dict[producer + "weight"] = new_weight.detach()
+            state_dict[producer + "bias"] = new_bias.detach()
+            for key in self.BN_KEYS:
+                state_dict.pop(norm + key, None)
+
+
+def _float_or_none(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if tensor is None else tensor.float()
+
+
+def _linear_args(args: tuple) -> tuple:
+    """fuse_linear_bn_weights wants BN weight and bias tensors (no None for affine=False)."""
+    weight, bias, mean, var, eps, bn_w, bn_b = args
+    if bn_w is None:
+        bn_w = torch.ones_like(mean)
+    if bn_b is None:
+        bn_b = torch.zeros_like(mean)
+    return weight, bias, mean, var, eps, bn_w, bn_b
+
+
 @dataclass
 class FoldLog:
     """What was done and what was left alone, with reasons; also what :func:`undo` needs."""
@@ -42,6 +127,7 @@ class FoldLog:
     folded: list[Pair] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)   # (what, why)
     dropouts_removed: list[str] = field(default_factory=list)
+    records: list[FoldRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     _undo: list[Any] = field(default_factory=list, repr=False)
 
@@ -213,17 +299,21 @@ def fold_pairs(model: nn.Module, pairs: list[Pair], log: FoldLog, kinds: set[str
             log._undo.append(("module", name, norm))
             _replace(model, name, nn.Identity())
         log.folded.append(pair)
+        log.records.append(FoldRecord(pair.producer, pair.norm, pair.kind, float(norm.eps),
+                                      bool(pair.kind == "conv" and producer.transposed)))
 
 
 def remove_dropout(model: nn.Module, log: FoldLog) -> None:
-    """Replace eval-mode dropout modules (identities in eval) by ``nn.Identity``."""
+    """Replace eval-mode dropout modules (identities in eval) by one :class:`RemovedDropout` each."""
     for module_id, module_names in aliases(model).items():
         module = model.get_submodule(module_names[0]) if module_names[0] else model
         if not isinstance(module, DROPOUT_TYPES) or module.training or module is model:
             continue
         for name in module_names:
             log._undo.append(("module", name, module))
-            _replace(model, name, nn.Identity())
+        replacement = RemovedDropout(module)
+        for name in module_names:
+            _replace(model, name, replacement)
         log.dropouts_removed.append(module_names[0])
 
 
@@ -244,4 +334,5 @@ def undo(model: nn.Module, log: FoldLog) -> None:
     log.notes.append(f"undone: {len(log.folded)} folds, {len(log.dropouts_removed)} dropouts")
     log.skipped.extend((f"{p.producer}+{p.norm}", "undone after verification") for p in log.folded)
     log.folded.clear()
+    log.records.clear()
     log.dropouts_removed.clear()

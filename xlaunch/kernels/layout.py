@@ -38,3 +38,27 @@ def input_to_channels_last(sample: object) -> object:
         fmt = torch.channels_last if sample.dim() == 4 else torch.channels_last_3d
         return sample.contiguous(memory_format=fmt)
     return sample
+
+
+def to_contiguous(model: nn.Module) -> None:
+    """Undo :func:`to_channels_last` (conv weights back to the default layout, in place)."""
+    for module in model.modules():
+        if isinstance(module, CONV_ND):
+            module.weight.data = module.weight.data.contiguous()
+
+
+def match_optimizer_state(optimizer: "torch.optim.Optimizer") -> int:
+    """Give each per-parameter state tensor of a parameter's shape (momentum, moments) that
+    parameter's memory layout; return how many were re-laid. Fused optimizer kernels walk a
+    parameter, its gradient and its state in memory order, so after :func:`to_channels_last`
+    a contiguous momentum buffer carried over from before would be applied to the wrong elements."""
+    changed = 0
+    for param, state in optimizer.state.items():
+        if not isinstance(param, torch.Tensor):
+            continue
+        for key, value in list(state.items()):
+            if (isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() >= 4
+                    and value.stride() != param.stride()):
+                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+                changed += 1
+    return changed

@@ -1,23 +1,29 @@
-"""Precision: is bf16 worth it on this CPU, bf16 weights, and the autocast forward.
+"""Precision: is bf16/fp16 worth it on this CPU, and low-precision weights.
 
-bf16 is used only where the CPU computes it natively (AVX512_BF16 or AMX_BF16); elsewhere oneDNN
-emulates it and bf16 runs slower than fp32 (measured on an AVX2-only EPYC: a small CNN 60x slower
-under autocast), so the request falls back to fp32 with a warning unless ``force_bf16=True``.
+bf16 is used only where the CPU computes it natively (AVX512_BF16 or AMX_BF16), fp16 only with
+AVX512_FP16 or AMX_FP16; elsewhere oneDNN emulates them and they run slower than fp32 (measured on
+an AVX2-only EPYC: a small CNN 60x slower under bf16 autocast), so the request falls back to fp32
+with a warning unless ``force_bf16=True`` (which forces either low-precision dtype).
 
-Decision for inference (see docs/kernels.md): convolution/linear weights are stored in bf16 once,
-and the model's ``forward`` runs under ``torch.autocast("cpu", torch.bfloat16)``, so callers
-change nothing; floating outputs come back as float32 like the original model's.
+Decision for inference (see docs/kernels.md): convolution/linear weights are stored in the low
+dtype once, and the model's ``forward`` runs under ``torch.autocast("cpu", dtype)`` (installed by
+:mod:`xlaunch.kernels.dispatch`), so callers change nothing; floating outputs come back as float32
+like the original model's, and ``state_dict()`` gives the cast weights back in their original dtype
+(as ipex does), so a checkpoint taken from the optimized model loads anywhere.
 """
 from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+FP16_FLAGS = ("avx512_fp16", "amx_fp16")
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
 WEIGHT_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                 nn.ConvTranspose3d)
 
@@ -58,25 +64,42 @@ def bf16_unsupported_reason(flags: frozenset[str]) -> Optional[str]:
             "and slower than fp32")
 
 
+def fp16_unsupported_reason(flags: frozenset[str]) -> Optional[str]:
+    """None when fp16 runs natively, else why it should not be used."""
+    if any(flag in flags for flag in FP16_FLAGS):
+        return None
+    if not flags:
+        return "the CPU flags could not be read, so native fp16 support is unknown"
+    return ("this CPU has neither AVX512_FP16 nor AMX_FP16, so fp16 matmuls/convolutions are emulated "
+            "and slower than fp32")
+
+
 def resolve_dtype(dtype: Optional[torch.dtype], force_bf16: bool,
                   flags: Optional[frozenset[str]] = None) -> tuple[torch.dtype, Optional[str]]:
-    """(the dtype to use, a warning or None). Only float32 and bfloat16 are accepted."""
+    """(the dtype to use, a warning or None). float32, bfloat16 and float16 are accepted."""
     if dtype is None or dtype == torch.float32:
         return torch.float32, None
-    if dtype != torch.bfloat16:
-        raise ValueError(f"optimize: dtype must be torch.float32 or torch.bfloat16, not {dtype}")
-    reason = bf16_unsupported_reason(isa_flags() if flags is None else flags)
+    if dtype not in LOW_DTYPES:
+        raise ValueError(f"optimize: dtype must be torch.float32, torch.bfloat16 or torch.float16, not {dtype}")
+    flags = isa_flags() if flags is None else flags
+    reason = bf16_unsupported_reason(flags) if dtype == torch.bfloat16 else fp16_unsupported_reason(flags)
     if reason is None or force_bf16:
-        return torch.bfloat16, None
-    return torch.float32, f"bf16 not used: {reason}; kept float32 (pass force_bf16=True to override)"
+        return dtype, None
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    return torch.float32, f"{name} not used: {reason}; kept float32 (pass force_bf16=True to override)"
 
 
-def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> tuple[int, dict[str, torch.dtype], list[str]]:
     """Store conv/linear weights and biases in ``dtype`` (``.data``, parameters keep identity).
 
+    Returns (modules cast, {parameter name: original dtype}, warnings). Only float32/bf16/fp16
+    parameters are cast; others (float64, ...) are left and named in a warning (as ipex does).
     Linear layers inside ``nn.MultiheadAttention`` stay as they are: its fused paths read
     ``out_proj.weight`` beside the fp32 ``in_proj_weight`` and require one dtype."""
     count = 0
+    original: dict[str, torch.dtype] = {}
+    problems: list[str] = []
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     seen: set[int] = set()
     for attention in model.modules():  # MHA reads its projections' tensors directly, not via autocast
         if isinstance(attention, nn.MultiheadAttention):
@@ -85,42 +108,30 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
         if not isinstance(module, WEIGHT_TYPES) or id(module) in seen:
             continue
         seen.add(id(module))
-        for param in (module.weight, module.bias):
-            if param is not None and param.is_floating_point():
+        params = [p for p in (module.weight, module.bias) if p is not None]
+        bad = sorted({str(p.dtype) for p in params if p.dtype not in CASTABLE})
+        if bad:
+            problems.append(f"can't convert the parameters of {type(module).__name__} "
+                            f"{names.get(id(module.weight), '?').rpartition('.')[0] or '(root)'} from {', '.join(bad)} to {dtype}; "
+                            "left as they are")
+            continue
+        for param in params:
+            if param.dtype != dtype:
+                original.setdefault(names.get(id(param), ""), param.dtype)
                 param.data = param.data.to(dtype)
         count += 1
-    return count
+    return count, original, problems
 
 
-def _outputs_to(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.dtype == torch.bfloat16 else value
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_outputs_to(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_outputs_to(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _outputs_to(v, dtype) for k, v in value.items()}
-    return value
+class StateDictInOriginalDtype:
+    """``state_dict`` hook: parameters cast by :func:`cast_weights` are saved in their original dtype."""
 
+    def __init__(self, original: dict[str, torch.dtype]) -> None:
+        self.original = dict(original)
 
-class AutocastForward:
-    """A ``forward`` replacement: the original under CPU autocast, bf16 outputs back to float32."""
-
-    def __init__(self, forward: Callable[..., Any], dtype: torch.dtype = torch.bfloat16,
-                 output_dtype: Optional[torch.dtype] = torch.float32) -> None:
-        self.forward = forward
-        self.dtype = dtype
-        self.output_dtype = output_dtype
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast("cpu", dtype=self.dtype):
-            out = self.forward(*args, **kwargs)
-        return out if self.output_dtype is None else _outputs_to(out, self.output_dtype)
-
-
-def wrap_autocast(model: nn.Module, dtype: torch.dtype, output_dtype: Optional[torch.dtype]) -> None:
-    """Make ``model(...)`` run under autocast, keeping the model's class and state_dict."""
-    if isinstance(model.__dict__.get("forward"), AutocastForward):
-        return
-    model.forward = AutocastForward(model.forward, dtype, output_dtype)  # type: ignore[method-assign]
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for name, dtype in self.original.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                state_dict[key] = value.detach().to(dtype)
