@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from xlaunch.kernels import quantize_policy as policy
+from xlaunch.kernels.compare import flat_tensors
 from xlaunch.kernels import quantize_routes as routes
 from xlaunch.kernels.quantize_routes import QuantizeWarning
 
@@ -150,28 +151,18 @@ def load_quantized(path: str) -> QuantizedModule:
 
 # --- measuring -------------------------------------------------------------------------------
 
-def _outputs(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _outputs(v)]
-    return []
-
-
 def accuracy(reference: list[Any], candidate: list[Any]) -> tuple[float, Optional[float]]:
     """(max relative error, argmax agreement over the last dim of the first output)."""
     worst, agree, total = 0.0, 0, 0
     for ref, cand in zip(reference, candidate):
-        for r, c in zip(_outputs(ref), _outputs(cand)):
+        for r, c in zip(flat_tensors(ref), flat_tensors(cand)):
             if not r.is_floating_point():
                 continue
             r32, c32 = r.detach().float(), c.detach().float()
             scale = max(r32.abs().max().item(), 1e-12)
             error = (r32 - c32).abs().max().item() / scale
             worst = max(worst, error if error == error else float("inf"))
-        first_r, first_c = _outputs(ref)[:1], _outputs(cand)[:1]
+        first_r, first_c = flat_tensors(ref)[:1], flat_tensors(cand)[:1]
         if first_r and first_r[0].dim() >= 1 and first_r[0].shape[-1] > 1:
             agree += (first_r[0].argmax(-1) == first_c[0].argmax(-1)).sum().item()
             total += first_r[0].argmax(-1).numel()
