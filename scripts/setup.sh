@@ -31,6 +31,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # The CPU build of torch 2.13.0 is pinned here, never a range (a range pulls a CUDA build).
   pip_install "torch==2.13.0"
   pip_install intel-openmp
-  pip_install -e ".[dev]"
+  pip_install -e ".[dev,tune]"
   touch "$stamp"
 fi
