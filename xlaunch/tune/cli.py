@@ -259,13 +259,23 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
     from xlaunch.tune.candidate import Skipped, prepare
     from xlaunch.tune.progress import Progress
     from xlaunch.tune.session import Tuner
-    from xlaunch.tune.strategies import StrategyError, make_strategy
+    from xlaunch.tune.strategies import StrategyError, import_optuna, make_strategy
 
     sig = records.signature({
         "command": list(program.command), "space": space.to_json(), "fixed": dict(program.fixed),
         "base_config": dict(program.base_config), "metric": objective.metric.pattern if objective.metric else None,
         "aggregate": objective.aggregate, "goal": objective.goal,
     })
+    # the program itself must be runnable: the launcher's check, once, before anything is written
+    with tempfile.TemporaryDirectory(prefix="xlaunch-tune-") as scratch:
+        probe = prepare(program, {}, os.path.join(scratch, "candidate.toml"))
+    if isinstance(probe, Skipped) and probe.reason.startswith("PROGRAM:"):
+        raise UsageError("PROGRAM", probe.reason.split(": ", 1)[1])
+    if settings.strategy == "tpe":
+        try:
+            import_optuna()
+        except StrategyError as exc:
+            raise UsageError("--strategy", str(exc)) from None
     out = settings.output_dir
     previous, previous_skipped = [], []
     if out is not None:
@@ -279,10 +289,6 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
             raise UsageError("--resume" if settings.resume else "--output-dir", str(exc)) from None
     workdir = out if out is not None else tempfile.mkdtemp(prefix="xlaunch-tune-")
     try:
-        # the program itself must be runnable: the launcher's check, once, before any trial
-        probe = prepare(program, {}, os.path.join(workdir, "candidate.toml"))
-        if isinstance(probe, Skipped) and probe.reason.startswith("PROGRAM:"):
-            raise UsageError("PROGRAM", probe.reason.split(": ", 1)[1])
         try:
             storage = os.path.join(out, records.STUDY_DB) if out is not None else None
             strategy = make_strategy(settings.strategy, space, goal=objective.goal, seed=settings.seed,

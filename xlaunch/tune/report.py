@@ -14,6 +14,10 @@ def _fmt(value: Optional[float]) -> str:
     return f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
+def _wall(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], list[str]]:
     """Header, one row per trial (ranked ok ones first, then failed), and footnote lines."""
     keys = list(tuner.space.keys)
@@ -25,11 +29,11 @@ def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], li
         spread = f"{_fmt(summary.low)}..{_fmt(summary.high)}" if summary and summary.count > 1 else "-"
         status = "best" if record.number == best else "ok"
         body.append([str(rank), str(record.number), *(_cell(record.point.get(k)) for k in keys),
-                     _fmt(record.value), spread, _fmt(record.wall_time), status])
+                     _fmt(record.value), spread, _wall(record.wall_time), status])
     for record in tuner.records:
         if not record.ok:
             body.append(["-", str(record.number), *(_cell(record.point.get(k)) for k in keys), "-", "-",
-                         _fmt(record.wall_time), f"failed: {record.reason}"])
+                         _wall(record.wall_time), f"failed: {record.reason}"])
     notes = [f"objective: {tuner.objective.label}, {'higher' if tuner.objective.goal == 'max' else 'lower'} is better"]
     for skip in tuner.skipped:
         notes.append(f"skipped {describe(skip.point)}: {skip.reason}")
