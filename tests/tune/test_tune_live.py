@@ -38,15 +38,7 @@ def load(out: Path) -> dict:
     return json.loads((out / "trials.json").read_text())
 
 
-@pytest.mark.parametrize("strategy", ["grid", "random", "tpe"])
-def test_every_strategy_finds_the_known_best(tmp_path: Path, strategy: str, iomp_path: str) -> None:
-    (tmp_path / "space.toml").write_text(SPACE)
-    extra = [] if strategy == "grid" else ["--trials", "6", "--seed", "3"]
-    done = tune(tmp_path, "--space", "space.toml", "--metric", METRIC, "--strategy", strategy, *extra,
-                "--final-rounds", "1", "--output-dir", "out", SYNTHETIC)
-    assert done.returncode == 0, done.stderr
-    only_start_line(done.stderr)
-    doc = load(tmp_path / "out")
+def check_known_best(doc: dict) -> None:
     trials = {json.dumps(t["config"], sort_keys=True): t for t in doc["trials"]}
     assert len(trials) == len(doc["trials"]) == 6            # every valid point once, none twice
     best = next(t for t in doc["trials"] if t["number"] == doc["best"])
@@ -58,47 +50,74 @@ def test_every_strategy_finds_the_known_best(tmp_path: Path, strategy: str, iomp
     assert len(doc["skipped"]) == 2 and all("only 2 available" in s["reason"] for s in doc["skipped"])
     final = doc["final"]
     assert final["winner"] == doc["best"] and [c["median"] for c in final["candidates"]] == [30, 25]
+
+
+def test_grid_finds_the_known_best_and_writes_its_files(tmp_path: Path, iomp_path: str) -> None:
+    (tmp_path / "space.toml").write_text(SPACE)
+    done = tune(tmp_path, "--space", "space.toml", "--metric", METRIC, "--final-rounds", "1",
+                "--output-dir", "out", SYNTHETIC)
+    assert done.returncode == 0, done.stderr
+    only_start_line(done.stderr)
+    check_known_best(load(tmp_path / "out"))
     assert "best" in done.stdout and "failed: exit 3 (instance 0)" in done.stdout
     csv_lines = (tmp_path / "out" / "trials.csv").read_text().splitlines()
     assert len(csv_lines) == 1 + 6 + 2 and csv_lines[0].startswith("number,ninstances,ncores-per-instance,omp-runtime")
     assert (tmp_path / "out" / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if strategy == "grid":
-        # best.toml is a launcher config file that runs as is
-        rerun = subprocess.run([sys.executable, "-m", "xlaunch", "--config", "out/best.toml", SYNTHETIC],
-                               cwd=tmp_path, capture_output=True, text=True, timeout=60)
-        assert rerun.returncode == 0, rerun.stderr
-        assert sorted(line for line in rerun.stdout.splitlines() if "score: 15" in line) == [
-            "[0] score: 15", "[1] score: 15"]
+    # best.toml is a launcher config file that runs as is
+    rerun = subprocess.run([sys.executable, "-m", "xlaunch", "--config", "out/best.toml", SYNTHETIC],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert rerun.returncode == 0, rerun.stderr
+    assert sorted(line for line in rerun.stdout.splitlines() if "score: 15" in line) == [
+        "[0] score: 15", "[1] score: 15"]
+
+
+@pytest.mark.parametrize("strategy", ["random", "tpe"])
+def test_sampling_strategies_find_the_known_best(tmp_path: Path, strategy: str, iomp_path: str) -> None:
+    (tmp_path / "space.toml").write_text(SPACE)
+    done = tune(tmp_path, "--space", "space.toml", "--metric", METRIC, "--strategy", strategy, "--trials", "6",
+                "--seed", "3", "--final-rounds", "1", "--json", SYNTHETIC)
+    assert done.returncode == 0, done.stderr
+    only_start_line(done.stderr)
+    check_known_best(json.loads(done.stdout))
 
 
 def test_resume_continues_without_rerunning(tmp_path: Path, iomp_path: str) -> None:
-    (tmp_path / "space.toml").write_text(SPACE)
-    common = ["--space", "space.toml", "--metric", METRIC, "--final-rounds", "0", "--output-dir", "out"]
-    first = tune(tmp_path, *common, "--strategy", "tpe", "--trials", "2", "--seed", "1", SYNTHETIC)
-    assert first.returncode in (0, 1), first.stderr
-    assert len(load(tmp_path / "out")["trials"]) == 2
-    again = tune(tmp_path, *common, "--strategy", "tpe", "--trials", "2", SYNTHETIC)
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1, 2]\n")
+    common = ["--space", "space.toml", "--metric", METRIC, "--final-rounds", "0", "--omp-runtime", "intel",
+              "--output-dir", "grid"]
+    first = tune(tmp_path, *common, "--trials", "1", SYNTHETIC)
+    assert first.returncode == 0, first.stderr
+    assert [t["config"] for t in load(tmp_path / "grid")["trials"]] == [{"ninstances": 1}]
+    again = tune(tmp_path, *common, SYNTHETIC)
     assert again.returncode == 2 and "exists (add --resume" in again.stderr
     other = tune(tmp_path, *common[:3], r"score=(\d+)", *common[4:], "--resume", SYNTHETIC)
     assert other.returncode == 2 and "different session (metric differs" in other.stderr
-    resumed = tune(tmp_path, *common, "--strategy", "tpe", "--trials", "4", "--seed", "1", "--resume", SYNTHETIC)
-    assert resumed.returncode in (0, 1), resumed.stderr
-    assert "resuming after 2" in resumed.stderr
-    doc = load(tmp_path / "out")
-    assert [t["number"] for t in doc["trials"]] == [1, 2, 3, 4]
-    assert len({json.dumps(t["config"], sort_keys=True) for t in doc["trials"]}) == 4
-    assert len(os.listdir(tmp_path / "out" / "runs")) == 4       # the first two were not run again
+    resumed = tune(tmp_path, *common, "--resume", SYNTHETIC)
+    assert resumed.returncode == 0 and "resuming after 1" in resumed.stderr
+    doc = load(tmp_path / "grid")
+    assert [t["config"] for t in doc["trials"]] == [{"ninstances": 1}, {"ninstances": 2}]
+    assert sorted(os.listdir(tmp_path / "grid" / "runs")) == ["0001-r1", "0002-r1"]   # #1 not run again
+    assert doc["best"] == 2
+
+    # TPE resumes its Optuna study from the SQLite file
+    (tmp_path / "space8.toml").write_text(SPACE)
+    common = ["--space", "space8.toml", "--metric", METRIC, "--final-rounds", "0", "--strategy", "tpe",
+              "--seed", "1", "--output-dir", "tpe"]
+    first = tune(tmp_path, *common, "--trials", "2", SYNTHETIC)
+    assert first.returncode in (0, 1), first.stderr
     import optuna
 
-    study = optuna.load_study(study_name="xlaunch-tune", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
-    told = [t for t in study.trials if t.state.name == "COMPLETE"]
-    assert {t.value for t in told} <= {15.0, 20.0, 25.0, 30.0} and len(told) >= 2
-    # grid resumes the same way: the rest of the grid, nothing twice
-    grid = tune(tmp_path, *common, "--strategy", "grid", "--resume", SYNTHETIC)
-    assert grid.returncode == 0, grid.stderr
-    doc = load(tmp_path / "out")
-    assert len(doc["trials"]) == 6 and len(os.listdir(tmp_path / "out" / "runs")) == 6
-    assert next(t for t in doc["trials"] if t["number"] == doc["best"])["config"] == BEST
+    storage = f"sqlite:///{tmp_path / 'tpe' / 'study.db'}"
+    before = len(optuna.load_study(study_name="xlaunch-tune", storage=storage).trials)
+    resumed = tune(tmp_path, *common, "--trials", "3", "--resume", SYNTHETIC)
+    assert resumed.returncode in (0, 1), resumed.stderr
+    doc = load(tmp_path / "tpe")
+    assert [t["number"] for t in doc["trials"]] == [1, 2, 3]
+    assert len({json.dumps(t["config"], sort_keys=True) for t in doc["trials"]}) == 3
+    assert len(os.listdir(tmp_path / "tpe" / "runs")) == 3       # the first two were not run again
+    study = optuna.load_study(study_name="xlaunch-tune", storage=storage)
+    assert len(study.trials) > before
+    assert {t.value for t in study.trials if t.state.name == "COMPLETE"} <= {15.0, 20.0, 25.0, 30.0}
 
 
 def _processes_with(token: str) -> list[int]:
@@ -134,12 +153,12 @@ def test_a_hanging_trial_is_killed_at_the_timeout(tmp_path: Path) -> None:
 def test_without_metric_wall_time_is_minimised(tmp_path: Path) -> None:
     (tmp_path / "space.toml").write_text("[space]\nninstances = [1, 2]\n")
     done = tune(tmp_path, "--space", "space.toml", "--repeats", "2", "--final-rounds", "1", "--json",
-                SYNTHETIC, "--sleep-single", "1.0")
+                SYNTHETIC, "--sleep-single", "0.6")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert doc["objective"]["goal"] == "min" and doc["objective"]["label"] == "wall time (s)"
     best = next(t for t in doc["trials"] if t["number"] == doc["best"])
     assert best["config"] == {"ninstances": 2}
     slow = next(t for t in doc["trials"] if t["config"] == {"ninstances": 1})
-    assert slow["value"] >= 1.0 and best["value"] < slow["value"] - 0.5
+    assert slow["value"] >= 0.6 and best["value"] < slow["value"] - 0.3
     assert best["repeats"] == 2 and best["low"] <= best["value"] <= best["high"]

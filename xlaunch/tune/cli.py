@@ -271,15 +271,9 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
         probe = prepare(program, {}, os.path.join(scratch, "candidate.toml"))
     if isinstance(probe, Skipped) and probe.reason.startswith("PROGRAM:"):
         raise UsageError("PROGRAM", probe.reason.split(": ", 1)[1])
-    if settings.strategy == "tpe":
-        try:
-            import_optuna()
-        except StrategyError as exc:
-            raise UsageError("--strategy", str(exc)) from None
     out = settings.output_dir
     previous, previous_skipped = [], []
     if out is not None:
-        os.makedirs(out, exist_ok=True)
         try:
             if settings.resume:
                 previous, previous_skipped = records.load(out, sig)
@@ -287,6 +281,16 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
                 records.check_fresh(out)
         except records.ResumeError as exc:
             raise UsageError("--resume" if settings.resume else "--output-dir", str(exc)) from None
+    if settings.strategy == "tpe":
+        try:
+            import_optuna()
+        except StrategyError as exc:
+            raise UsageError("--strategy", str(exc)) from None
+    if out is not None:
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as exc:
+            raise UsageError("--output-dir", f"cannot create {out!r}: {exc.strerror or exc}") from None
     workdir = out if out is not None else tempfile.mkdtemp(prefix="xlaunch-tune-")
     try:
         try:
