@@ -320,10 +320,12 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
                       workdir=workdir, trials=settings.trials, repeats=settings.repeats,
                       final_rounds=settings.final_rounds, previous=previous, previous_skipped=previous_skipped,
                       on_change=on_change)
+        saved = _stop_on_signals()
         try:
             outcome = tuner.run()
         finally:
             bar.close()
+            _restore_signals(saved)
         written = _write_outputs(out, tuner, outcome, sig, program) if out is not None else []
         if settings.as_json:
             doc = records.document(tuner, sig, outcome)
@@ -341,6 +343,31 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
     finally:
         if out is None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _interrupt(number: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {number}")
+
+
+def _stop_on_signals() -> dict[int, Any]:
+    """SIGTERM and SIGHUP end the session like Ctrl-C: the running trial is stopped (nothing is
+    left running) and the results so far are written."""
+    import signal
+
+    saved = {}
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            saved[number] = signal.signal(number, _interrupt)
+        except ValueError:      # not the main thread
+            pass
+    return saved
+
+
+def _restore_signals(saved: dict[int, Any]) -> None:
+    import signal
+
+    for number, handler in saved.items():
+        signal.signal(number, handler)
 
 
 def _write_outputs(out: str, tuner: Any, outcome: Any, sig: dict, program: Any) -> list[str]:
