@@ -162,3 +162,30 @@ def test_without_metric_wall_time_is_minimised(tmp_path: Path) -> None:
     slow = next(t for t in doc["trials"] if t["config"] == {"ninstances": 1})
     assert slow["value"] >= 0.6 and best["value"] < slow["value"] - 0.3
     assert best["repeats"] == 2 and best["low"] <= best["value"] <= best["high"]
+
+
+def test_sigterm_ends_the_session_with_nothing_left_running(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1, 2]\n")
+    token = f"xlaunch-tune-term-{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-m", "xlaunch.tune", "--space", "space.toml", "--metric", METRIC,
+                             "--grace-period", "0.5", "--output-dir", "out", SYNTHETIC, "--hang", token],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    log = tmp_path / "out" / "runs" / "0001-r1" / "trial_instance_0.log"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (log.exists() and log.read_text() == "hanging\n"):
+        time.sleep(0.1)
+    assert _processes_with(token), "the trial never started"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    only_start_line(err)
+    assert "interrupted: results so far" in out
+    doc = load(tmp_path / "out")
+    # the interrupted trial is not recorded (a --resume runs it again); its logs stay
+    assert doc["interrupted"] is True and doc["trials"] == []
+    assert log.read_text() == "hanging\n"
+    assert _processes_with(token) == []

@@ -77,7 +77,8 @@ def print_table(tuner: Tuner, outcome: Outcome, stream: Optional[TextIO] = None)
     for row in body:
         style = "bold green" if row[-1] == "best" else ("red" if row[-1].startswith("failed") else None)
         table.add_row(*row, style=style)
-    console = Console(file=stream, width=max(100, min(200, sum(len(h) for h in header) * 3)))
+    tty = bool(getattr(stream, "isatty", lambda: False)())
+    console = Console(file=stream, width=None if tty else 220, highlight=False)
     console.print(table)
     for note in notes:
         console.print(note, highlight=False, markup=False)

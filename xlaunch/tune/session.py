@@ -18,6 +18,8 @@ from xlaunch.tune.space import Point, Space, point_key
 from xlaunch.tune.strategies import Strategy
 from xlaunch.tune.trial import Launch, RunResult, run_once
 
+CANDIDATE_FILE = ".candidate.toml"      # where each point is checked by the launcher's --dry-run
+
 
 @dataclass
 class TrialRecord:
@@ -143,6 +145,10 @@ class Tuner:
             self.final = self.remeasure()
         except KeyboardInterrupt:
             interrupted = True
+        finally:
+            scratch = os.path.join(self.workdir, CANDIDATE_FILE)
+            if os.path.exists(scratch):
+                os.unlink(scratch)
         return Outcome(self.records, self.skipped, self.final, self.best(), interrupted)
 
     def search(self) -> None:
@@ -157,7 +163,7 @@ class Tuner:
             if key in self.decided:              # TPE proposed a known point: answer from the records
                 self.strategy.tell(point, self.decided[key])
                 continue
-            prepared = prepare(self.program, point, os.path.join(self.workdir, "candidate.toml"))
+            prepared = prepare(self.program, point, os.path.join(self.workdir, CANDIDATE_FILE))
             if isinstance(prepared, Skipped):
                 self.skipped.append(prepared)
                 self.decided[key] = None
