@@ -14,6 +14,8 @@ SHORT_KEYS = {
     "ninstances": "inst", "ncores-per-instance": "cores", "memory-allocator": "malloc",
     "omp-runtime": "omp", "use-logical-cores": "smt", "bind-numa-node": "numa-bind",
 }
+MAX_OK_ROWS = 30          # the best 30 and up to 10 failures: a readable height
+MAX_FAILED_ROWS = 10
 
 
 def label(point: dict[str, Any]) -> str:
@@ -35,12 +37,13 @@ def save_plot(path: str, tuner: Tuner, outcome: Outcome, title: Optional[str] = 
         return None
     ranked = tuner.ranked()
     failed = [r for r in tuner.records if not r.ok]
-    rows = ranked + failed
+    hidden = max(0, len(ranked) - MAX_OK_ROWS) + max(0, len(failed) - MAX_FAILED_ROWS)
+    rows = ranked[:MAX_OK_ROWS] + failed[:MAX_FAILED_ROWS]
     best = outcome.best.number if outcome.best is not None else None
     finals = outcome.final.values if outcome.final is not None else {}
     height = 1.8 + 0.42 * max(1, len(rows))
     fig, ax = plt.subplots(figsize=(10, height), dpi=110)
-    values = [v for r in ranked for run in r.runs if (v := run.get("value")) is not None]
+    values = [v for r in ranked[:MAX_OK_ROWS] for run in r.runs if (v := run.get("value")) is not None]
     values += [v for vs in finals.values() for v in vs]
     low = min(values) if values else 0.0
     high = max(values) if values else 1.0
@@ -74,7 +77,11 @@ def save_plot(path: str, tuner: Tuner, outcome: Outcome, title: Optional[str] = 
     heading = title or "xlaunch-tune"
     sub = f"{len(ranked)} ok, {len(failed)} failed, {len(tuner.skipped)} skipped (invalid here)"
     if outcome.best is not None:
-        sub += f"; best #{outcome.best.number}"
+        sub += f"; best ★ #{outcome.best.number}"
+        if outcome.final is not None and outcome.final.winner == outcome.best.number:
+            sub += " (won the interleaved re-measurement)"
+    if hidden:
+        sub += f"; {hidden} more in trials.csv"
     ax.set_title(f"{heading}\n{sub}", fontsize=10, loc="left")
     if finals:
         ax.legend(loc="lower right", fontsize=8, frameon=False)

@@ -28,6 +28,8 @@ def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], li
         summary = record.summary
         spread = f"{_fmt(summary.low)}..{_fmt(summary.high)}" if summary and summary.count > 1 else "-"
         status = "best" if record.number == best else "ok"
+        if outcome.final is not None and record.number in outcome.final.numbers and record.number != best:
+            status = "ok, lost the re-measurement"
         body.append([str(rank), str(record.number), *(_cell(record.point.get(k)) for k in keys),
                      _fmt(record.value), spread, _wall(record.wall_time), status])
     for record in tuner.records:

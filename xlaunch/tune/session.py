@@ -9,6 +9,7 @@ running) and ends the session with what was measured so far.
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -52,8 +53,8 @@ class TrialRecord:
 
     @property
     def wall_time(self) -> Optional[float]:
-        walls = sorted(run["wall_time"] for run in self.runs)
-        return walls[len(walls) // 2] if walls else None
+        walls = [run["wall_time"] for run in self.runs]
+        return statistics.median(walls) if walls else None
 
     def to_json(self) -> dict[str, Any]:
         summary = self.summary
