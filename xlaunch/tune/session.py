@@ -136,6 +136,8 @@ class Tuner:
             self.decided[point_key(record.point)] = record.value
         for skip in self.skipped:
             self.decided[point_key(skip.point)] = None
+        if self.records:
+            self.strategy.learn([(r.point, r.value) for r in self.records])
 
     # ------------------------------------------------------------------ the search
 

@@ -32,6 +32,9 @@ class Strategy:
     def tell(self, point: Point, value: Optional[float]) -> None:
         """Grid and random learn nothing."""
 
+    def learn(self, known: list[tuple[Point, Optional[float]]]) -> None:
+        """Results of earlier sessions (``--resume``); grid and random only skip those points."""
+
 
 class GridStrategy(Strategy):
     """Every point, in grid order."""
@@ -107,6 +110,19 @@ class TpeStrategy(Strategy):
             raise StrategyError(f"{storage} already holds a study (add --resume to continue it)") from None
         self._pending: dict[str, list[Any]] = {}
         self._repeats = 0
+
+    def learn(self, known: list[tuple[Point, Optional[float]]]) -> None:
+        """Give a new study what earlier sessions measured (e.g. a grid resumed as tpe)."""
+        if self.study.trials:
+            return
+        TrialState = self._optuna.trial.TrialState
+        for point, value in known:
+            if set(point) != set(self._distributions):
+                continue
+            self.study.add_trial(self._optuna.trial.create_trial(
+                params=dict(point), distributions=self._distributions,
+                value=value, state=TrialState.COMPLETE if value is not None else TrialState.FAIL,
+            ))
 
     def ask(self, done: Collection[str]) -> Optional[Point]:
         if self._repeats >= REPEATS_BEFORE_NUDGE:
