@@ -2,7 +2,6 @@
 written; the launcher path stays free of the tuner's libraries."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

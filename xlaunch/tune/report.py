@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional, TextIO
 
-from xlaunch.tune.session import Outcome, TrialRecord, Tuner
+from xlaunch.tune.session import Outcome, Tuner
 from xlaunch.tune.space import describe
 
 
