@@ -33,6 +33,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip_install intel-openmp
   # torchao (INT8 PT2E flow) is pure Python for the CPU path; --no-deps keeps it off torch's pin.
   pip_install --no-deps "torchao==0.18.0"
-  pip_install -e ".[dev]"
+  pip_install -e ".[dev,tune]"
   touch "$stamp"
 fi

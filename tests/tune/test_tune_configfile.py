@@ -1,0 +1,47 @@
+"""The config files the tuner writes (each trial's, best.toml) read back through the launcher's
+own config reader into exactly the options that were measured."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from xlaunch.configs import load_config
+from xlaunch.launcher.options import SETTABLE, build_options
+from xlaunch.tune import tomlfile
+from xlaunch.tune.candidate import MANAGED, config_table
+
+
+@pytest.mark.parametrize("cli, point", [
+    ({}, {}),
+    ({"ninstances": "2"}, {"memory-allocator": "jemalloc", "omp-runtime": "default"}),
+    ({"no_python": True, "grace_period": "1.5"}, {"cores-list": "0-1", "use-logical-cores": True}),
+    ({"auto_optimize": True, "dtype": "bf16"}, {"membind": "interleave", "bind-numa-node": True}),
+    ({"latency_mode": True}, {"benchmark": False, "bind-with": "numactl"}),
+    ({"keep_going": True, "nodes_list": "0"}, {"ncores-per-instance": 1}),
+])
+def test_written_config_reads_back_to_the_same_options(tmp_path: Path, cli: dict, point: dict) -> None:
+    merged = {**cli, **{k.replace("-", "_"): v for k, v in point.items()}}
+    options = build_options(merged, {})
+    table = config_table(options, point)
+    assert not {k.replace("-", "_") for k in table} & MANAGED
+    assert set(point) <= set(table)                       # every dimension is written, even at its default
+    path = tmp_path / "best.toml"
+    tomlfile.write(str(path), table, "a header line\nand another")
+    read, source = load_config(str(path))
+    again = build_options({}, read, config_source=source)
+    for name in SETTABLE - MANAGED:
+        assert getattr(again, name) == getattr(options, name), name
+    assert path.read_text().startswith("# a header line\n# and another\n")
+
+
+def test_toml_values() -> None:
+    assert tomlfile.toml_value(True) == "true"
+    assert tomlfile.toml_value(3) == "3"
+    assert tomlfile.toml_value(1.5) == "1.5"
+    assert tomlfile.toml_value('a "quoted" \\ path') == '"a \\"quoted\\" \\\\ path"'
+    assert tomlfile.toml_value((0, 2, 3)) == "[0, 2, 3]"
+    with pytest.raises(ValueError):
+        tomlfile.toml_value(float("nan"))
+    with pytest.raises(TypeError):
+        tomlfile.toml_value({"a": 1})

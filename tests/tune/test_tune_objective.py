@@ -1,0 +1,61 @@
+"""Metric parsing (last match per instance), aggregation, medians, objective options."""
+from __future__ import annotations
+
+import pytest
+
+from xlaunch.tune.objective import MetricError, aggregate, compile_metric, last_value, make_objective, summarize
+
+
+def test_last_match_per_instance_counts() -> None:
+    pattern = compile_metric(r"throughput: ([0-9.eE+-]+) img/s")
+    out = "warming up\nthroughput: 10.5 img/s\nthroughput: 12.25 img/s\nbye\n"
+    assert last_value(pattern, out) == 12.25
+    assert last_value(pattern, "throughput: 1e3 img/s") == 1000.0
+    assert last_value(pattern, "nothing here\n") == "no metric"
+    assert last_value(compile_metric(r"value=(\S+)"), "value=fast") == "metric 'fast' is not a number"
+    assert last_value(compile_metric(r"value=(\S+)"), "value=nan") == "metric 'nan' is not finite"
+    # anchors work per line
+    assert last_value(compile_metric(r"^t=(\d+)$"), "t=1\nx t=5\nt=3\n") == 3.0
+
+
+@pytest.mark.parametrize("regex, problem", [
+    (r"throughput: [0-9.]+", "exactly one capture group (the number), found 0"),
+    (r"(a)=(\d+)", "exactly one capture group (the number), found 2"),
+    (r"(unclosed", "not a valid regular expression"),
+])
+def test_metric_needs_one_group(regex: str, problem: str) -> None:
+    with pytest.raises(MetricError, match=r"^--metric: .*" + problem.replace("(", r"\(").replace(")", r"\)")):
+        compile_metric(regex)
+
+
+def test_aggregates() -> None:
+    values = [3.0, 1.0, 2.0, 6.0]
+    assert aggregate(values, "sum") == 12.0
+    assert aggregate(values, "mean") == 3.0
+    assert aggregate(values, "min") == 1.0
+    assert aggregate(values, "max") == 6.0
+    assert aggregate([0.1] * 10, "sum") == 1.0          # fsum: no drift
+    with pytest.raises(ValueError):
+        aggregate([], "sum")
+
+
+def test_summary_is_median_and_range() -> None:
+    summary = summarize([10.0, 30.0, 12.0])
+    assert (summary.median, summary.low, summary.high, summary.count) == (12.0, 10.0, 30.0, 3)
+    assert summary.spread == pytest.approx(20.0 / 12.0)
+    assert summarize([4.0, 2.0]).median == 3.0
+
+
+def test_objective_defaults_and_conflicts() -> None:
+    wall = make_objective(None, None, None)
+    assert wall.metric is None and wall.goal == "min" and wall.better(1.0, 2.0)
+    throughput = make_objective(r"x=(\d+)", None, None)
+    assert (throughput.aggregate, throughput.goal) == ("sum", "max") and throughput.better(2.0, 1.0)
+    latency = make_objective(r"x=(\d+)", "max", "min")
+    assert sorted([3.0, 1.0, 2.0], key=latency.sort_key) == [1.0, 2.0, 3.0]
+    for args, message in [((None, None, "max"), "--goal: without --metric"),
+                          ((None, "sum", None), "--aggregate: only applies with --metric"),
+                          ((r"(\d)", "median", None), "--aggregate: 'median' is not one of"),
+                          ((r"(\d)", None, "up"), "--goal: 'up' is not one of")]:
+        with pytest.raises(MetricError, match=message):
+            make_objective(*args)

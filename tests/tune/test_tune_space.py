@@ -1,0 +1,91 @@
+"""The [space] parser and the default space: every mistake is one clear error; values are
+checked by the launcher's own option validation."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from xlaunch.launcher.machine import load_machine
+from xlaunch.tune.space import SpaceError, default_space, parse_space, point_key
+
+MACHINES = Path(__file__).resolve().parent.parent / "machines"
+
+
+def parse(text: str, fixed=None, base=None):
+    return parse_space(text, "space.toml", fixed=fixed or {}, base_config=base)
+
+
+def test_keys_are_launcher_option_names_in_any_spelling() -> None:
+    space = parse('[space]\nninstances = [1, 2]\nncore_per_instance = [1]\n"memory-allocator" = ["JEMALLOC", "default"]\n'
+                  'use_logical_cores = [false, true]\ncores-list = ["0-1", [0]]\n')
+    assert space.keys == ("ninstances", "ncores-per-instance", "memory-allocator", "use-logical-cores", "cores-list")
+    # values come back as the launcher normalised them
+    assert space.to_json()["memory-allocator"] == ["jemalloc", "default"]
+    assert space.to_json()["cores-list"] == ["0-1", "0"]
+    assert space.size == 2 * 1 * 2 * 2 * 2
+    points = list(space.points())
+    assert len(points) == space.size and len({point_key(p) for p in points}) == space.size
+    assert [space.point_at(i) for i in range(space.size)] == points
+    assert points[0] == {"ninstances": 1, "ncores-per-instance": 1, "memory-allocator": "jemalloc",
+                         "use-logical-cores": False, "cores-list": "0-1"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[space]\nninstance = [1, 2]\n", "unknown launcher option 'ninstance' (did you mean 'ninstances'?)"),
+    ("[space]\nfrobnicate = [1]\n", "unknown launcher option 'frobnicate'"),
+    ("[space]\nlog-dir = ['a']\n", "log-dir cannot be tuned: xlaunch-tune sets it"),
+    ("[space]\nno-python = [true]\n", "no-python cannot be tuned: it describes the program"),
+    ("[space]\nninstances = []\n", "ninstances is an empty list"),
+    ("[space]\nninstances = 2\n", "ninstances must be a list of values, got 2"),
+    ("[space]\nninstances = [1, 0]\n", "ninstances = 0: must be a positive integer, got 0"),
+    ("[space]\nninstances = [1, 'two']\n", "ninstances = \"two\": expected an integer, got 'two'"),
+    ("[space]\nninstances = [true]\n", "ninstances = true: expected an integer, got True"),
+    ("[space]\nmemory-allocator = ['jemalloc', 'mimalloc']\n", "memory-allocator = \"mimalloc\": 'mimalloc' is not one of"),
+    ("[space]\nuse-logical-cores = ['yes']\n", "use-logical-cores = \"yes\": expected true or false"),
+    ("[space]\nomp-runtime = ['intel', 'INTEL']\n", "omp-runtime = \"INTEL\": duplicate value"),
+    ("[space]\nninstances = [1]\nncore-per-instance = [1]\nncores_per_instance = [2]\n", "name the same option"),
+    ("[space]\n", "the [space] table is empty"),
+    ("ninstances = [1]\n", "unknown top-level key 'ninstances'"),
+    ("[tune]\nx = 1\n", "unknown top-level key 'tune'"),
+    ("", "no [space] table"),
+    ("[space\n", "is not valid TOML"),
+])
+def test_bad_spaces_are_one_clear_error(text: str, message: str) -> None:
+    with pytest.raises(SpaceError) as caught:
+        parse(text)
+    assert str(caught.value).startswith("space.toml")
+    assert message in str(caught.value)
+
+
+def test_values_are_checked_with_the_fixed_options() -> None:
+    with pytest.raises(SpaceError, match=r"ninstances = 2: conflicts with --latency-mode"):
+        parse("[space]\nninstances = [2]\n", fixed={"latency_mode": True})
+    with pytest.raises(SpaceError, match="ninstances is fixed on the command line and also in the space"):
+        parse("[space]\nninstances = [2]\n", fixed={"ninstances": "2"})
+    # --dtype needs --auto-optimize: fixed on the command line it makes the values valid
+    with pytest.raises(SpaceError, match="only applies with --auto-optimize"):
+        parse("[space]\ndtype = ['bf16']\n")
+    assert parse("[space]\ndtype = ['bf16', 'fp32']\n", fixed={"auto_optimize": True}).to_json() == {
+        "dtype": ["bfloat16", "float32"]}
+
+
+@pytest.mark.parametrize("tree", ["xeon-2s-amx", "vm-adjacent-smt", "hybrid-laptop", "vm-no-node"])
+def test_default_space_follows_the_machine(tree: str) -> None:
+    machine = load_machine(str(MACHINES / tree))
+    space = default_space(machine, fixed={})
+    dims = space.to_json()
+    allowed = set(machine.allowed_cpus) & set(machine.online_cpus)
+    cores = [c for c in machine.cores if set(c.cpus) & allowed]
+    if machine.is_hybrid:
+        cores = [c for c in cores if c.kind == "performance"]
+    counts = dims.get("ninstances", [1])
+    assert counts[0] == 1 and all(len(cores) % n == 0 for n in counts) and counts[-1] == len(cores)
+    smt = any(len(set(c.cpus) & allowed) > 1 for c in cores)
+    assert ("use-logical-cores" in dims) == smt
+    assert dims.get("memory-allocator", ["default"])[0] == "default"
+    assert ("jemalloc" in dims.get("memory-allocator", [])) == (machine.library("jemalloc") is not None)
+    assert ("intel" in dims.get("omp-runtime", [])) == (machine.library("iomp") is not None)
+    # what is fixed on the command line is not varied
+    fixed = default_space(machine, fixed={"ninstances": "1", "use_logical_cores": True})
+    assert "ninstances" not in fixed.to_json() and "use-logical-cores" not in fixed.to_json()

@@ -1,0 +1,118 @@
+"""The objective: a metric read from each instance's output, combined over instances.
+
+``--metric REGEX`` must have exactly one capture group; the *last* match in an instance's
+output is that instance's value; ``--aggregate`` combines instances (``sum`` for throughput,
+``max`` for latency). Without a metric the objective is the launch's wall time, minimised.
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+AGGREGATES = ("sum", "mean", "min", "max")
+GOALS = ("max", "min")
+
+
+class MetricError(ValueError):
+    """A metric that cannot be used (bad regex, wrong number of groups)."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    metric: Optional[re.Pattern[str]]       # None: wall time
+    aggregate: str = "sum"
+    goal: str = "max"
+
+    @property
+    def label(self) -> str:
+        if self.metric is None:
+            return "wall time (s)"
+        return f"{self.aggregate} over instances of /{self.metric.pattern}/"
+
+    def better(self, a: float, b: float) -> bool:
+        """Whether ``a`` beats ``b``."""
+        return a > b if self.goal == "max" else a < b
+
+    def sort_key(self, value: float) -> float:
+        """Ascending sort puts the best first."""
+        return -value if self.goal == "max" else value
+
+
+def make_objective(metric: Optional[str], aggregate: Optional[str], goal: Optional[str]) -> Objective:
+    """Check the options and build the objective; raises MetricError naming the option."""
+    if aggregate is not None and aggregate not in AGGREGATES:
+        raise MetricError(f"--aggregate: {aggregate!r} is not one of {', '.join(AGGREGATES)}")
+    if goal is not None and goal not in GOALS:
+        raise MetricError(f"--goal: {goal!r} is not one of {', '.join(GOALS)}")
+    if metric is None:
+        if aggregate is not None:
+            raise MetricError("--aggregate: only applies with --metric")
+        if goal == "max":
+            raise MetricError("--goal: without --metric the objective is wall time, which is minimised")
+        return Objective(None, "sum", "min")
+    return Objective(compile_metric(metric), aggregate or "sum", goal or "max")
+
+
+def compile_metric(text: str) -> re.Pattern[str]:
+    try:
+        pattern = re.compile(text, re.MULTILINE)
+    except re.error as exc:
+        raise MetricError(f"--metric: not a valid regular expression: {exc}") from None
+    if pattern.groups != 1:
+        raise MetricError(f"--metric: needs exactly one capture group (the number), found {pattern.groups}")
+    return pattern
+
+
+def last_value(pattern: re.Pattern[str], output: str) -> float | str:
+    """The last match's group as a float, or the reason there is none (a string)."""
+    last = None
+    for last in pattern.finditer(output):
+        pass
+    if last is None:
+        return "no metric"
+    text = last.group(1)
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return f"metric {text!r} is not a number"
+    if not math.isfinite(value):
+        return f"metric {text!r} is not finite"
+    return value
+
+
+def aggregate(values: Sequence[float], how: str) -> float:
+    if not values:
+        raise ValueError("no values to aggregate")
+    if how == "sum":
+        return math.fsum(values)
+    if how == "mean":
+        return math.fsum(values) / len(values)
+    if how == "min":
+        return min(values)
+    if how == "max":
+        return max(values)
+    raise ValueError(f"unknown aggregate {how!r}")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Repeated measurements of one configuration: median and spread."""
+
+    median: float
+    low: float
+    high: float
+    count: int
+
+    @property
+    def spread(self) -> float:
+        """(high - low) relative to the median; 0 for one sample."""
+        return (self.high - self.low) / abs(self.median) if self.median else 0.0
+
+
+def summarize(values: Sequence[float]) -> Summary:
+    if not values:
+        raise ValueError("no values to summarize")
+    return Summary(statistics.median(values), min(values), max(values), len(values))

@@ -1,0 +1,91 @@
+"""``tune.png``: every configuration's metric with its spread, best first, failures marked.
+
+One row per configuration: the median (a bar), every run (dots), the min..max range (a line),
+the finalists' interleaved re-measurements (diamonds); the winner in green; failed
+configurations at the bottom with their reason. matplotlib is imported here only.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from xlaunch.tune.session import Outcome, Tuner
+
+SHORT_KEYS = {
+    "ninstances": "inst", "ncores-per-instance": "cores", "memory-allocator": "malloc",
+    "omp-runtime": "omp", "use-logical-cores": "smt", "bind-numa-node": "numa-bind",
+}
+MAX_OK_ROWS = 30          # the best 30 and up to 10 failures: a readable height
+MAX_FAILED_ROWS = 10
+
+
+def label(point: dict[str, Any]) -> str:
+    parts = []
+    for key, value in point.items():
+        shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
+        parts.append(f"{SHORT_KEYS.get(key, key)}={shown}")
+    return "  ".join(parts) or "(defaults)"
+
+
+def save_plot(path: str, tuner: Tuner, outcome: Outcome, title: Optional[str] = None) -> Optional[str]:
+    """Write the plot; returns None (and writes nothing) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ranked = tuner.ranked()
+    failed = [r for r in tuner.records if not r.ok]
+    hidden = max(0, len(ranked) - MAX_OK_ROWS) + max(0, len(failed) - MAX_FAILED_ROWS)
+    rows = ranked[:MAX_OK_ROWS] + failed[:MAX_FAILED_ROWS]
+    best = outcome.best.number if outcome.best is not None else None
+    finals = outcome.final.values if outcome.final is not None else {}
+    height = 1.8 + 0.42 * max(1, len(rows))
+    fig, ax = plt.subplots(figsize=(10, height), dpi=110)
+    values = [v for r in ranked[:MAX_OK_ROWS] for run in r.runs if (v := run.get("value")) is not None]
+    values += [v for vs in finals.values() for v in vs]
+    low = min(values) if values else 0.0
+    high = max(values) if values else 1.0
+    left = 0.0 if low >= 0 else low * 1.1
+    span = (high - left) or 1.0
+    for y, record in enumerate(rows):
+        if not record.ok:
+            ax.plot([left + 0.01 * span], [y], marker="x", color="#c0392b", markersize=9, mew=2)
+            ax.text(left + 0.03 * span, y, f"failed: {record.reason}"[:90], va="center", color="#c0392b", fontsize=8)
+            continue
+        summary = record.summary
+        color = "#27ae60" if record.number == best else "#5d8aa8"
+        ax.barh(y, summary.median - left, left=left, height=0.6, color=color, alpha=0.35 if record.number != best else 0.6)
+        ax.plot([summary.low, summary.high], [y, y], color=color, lw=2)
+        runs = [run["value"] for run in record.runs if run.get("value") is not None]
+        ax.plot(runs, [y] * len(runs), "o", color=color, markersize=4)
+        extra = finals.get(record.number, [])
+        if extra:
+            ax.plot(extra, [y + 0.18] * len(extra), "D", color="#8e44ad", markersize=4,
+                    label="re-measured (interleaved)" if not any(
+                        h.get_label() == "re-measured (interleaved)" for h in ax.lines) else None)
+        ax.text(summary.median, y - 0.33, f" {summary.median:.4g}", va="bottom", fontsize=8, color="#333333")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([("★ " if r.number == best else "") + f"#{r.number} " + label(r.point) for r in rows],
+                       fontsize=8, family="monospace")
+    ax.invert_yaxis()
+    ax.set_xlim(left, high + 0.12 * span)
+    direction = "higher is better →" if tuner.objective.goal == "max" else "← lower is better"
+    ax.set_xlabel(f"{tuner.objective.label}   ({direction})", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    heading = title or "xlaunch-tune"
+    sub = f"{len(ranked)} ok, {len(failed)} failed, {len(tuner.skipped)} skipped (invalid here)"
+    if outcome.best is not None:
+        sub += f"; best ★ #{outcome.best.number}"
+        if outcome.final is not None and outcome.final.winner == outcome.best.number:
+            sub += " (won the interleaved re-measurement)"
+    if hidden:
+        sub += f"; {hidden} more in trials.csv"
+    ax.set_title(f"{heading}\n{sub}", fontsize=10, loc="left")
+    if finals:
+        ax.legend(loc="lower right", fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,39 @@
+"""Flat launcher config files (``key = value`` lines) written from option values."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+
+def toml_value(value: Any) -> str:
+    """One TOML value: bool, int, finite float, string, or a list of those."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"cannot write {value!r} to a config file")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)   # a JSON string is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} to a config file")
+
+
+def dumps(table: Mapping[str, Any], header: str = "") -> str:
+    """``table`` as TOML text, keys as given, with ``header`` as leading comment lines."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write(path: str, table: Mapping[str, Any], header: str = "") -> None:
+    """Write atomically (a reader never sees half a file)."""
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(dumps(table, header))
+    os.replace(temporary, path)
