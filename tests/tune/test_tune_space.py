@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from machine_trees import machine_tree
 
 from xlaunch.launcher.machine import load_machine
 from xlaunch.tune.space import SpaceError, default_space, parse_space, point_key
 
-MACHINES = Path(__file__).resolve().parent.parent / "machines"
 
 
 def parse(text: str, fixed=None, base=None):
@@ -72,7 +72,7 @@ def test_values_are_checked_with_the_fixed_options() -> None:
 
 @pytest.mark.parametrize("tree", ["xeon-2s-amx", "vm-adjacent-smt", "hybrid-laptop", "vm-no-node"])
 def test_default_space_follows_the_machine(tree: str) -> None:
-    machine = load_machine(str(MACHINES / tree))
+    machine = load_machine(str(machine_tree(tree)))
     space = default_space(machine, fixed={})
     dims = space.to_json()
     allowed = set(machine.allowed_cpus) & set(machine.online_cpus)
