@@ -2,7 +2,6 @@
 checked by the launcher's own option validation."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from machine_trees import machine_tree
