@@ -44,8 +44,8 @@ def test_intel_openmp_preloaded_with_kmp_settings() -> None:
     assert "OMP_PLACES" not in env
 
 
-def test_intel_without_external_binding_names_the_cpus() -> None:
-    runtime = choose_runtime(ALL_LIBS, omp_runtime="intel", external_binding=False)
+def test_intel_names_the_cpus_with_or_without_external_binding() -> None:
+    runtime = choose_runtime(ALL_LIBS, omp_runtime="intel")
     env = runtime_variables(runtime, (4, 5, 6), 0, 1)
     assert env["KMP_AFFINITY"] == "granularity=fine,proclist=[{4,5,6},5,6],explicit"
 

@@ -47,7 +47,6 @@ class Runtime:
     allocator: str                            # jemalloc | tcmalloc | tcmalloc_minimal | glibc | default | user
     allocator_library: Optional[str]          # the file preloaded, when any
     benchmark: bool = False
-    external_binding: bool = True             # the CPU mask is restricted before exec
     warnings: tuple[str, ...] = ()
 
 
@@ -71,7 +70,6 @@ def choose_runtime(
     memory_allocator: str = "auto",
     omp_runtime: str = "auto",
     benchmark: bool = False,
-    external_binding: bool = True,
     environ: Mapping[str, str] | None = None,
 ) -> Runtime:
     """Pick the OpenMP runtime and the allocator from the libraries the machine model found.
@@ -129,7 +127,6 @@ def choose_runtime(
         allocator=allocator,
         allocator_library=allocator_library,
         benchmark=benchmark,
-        external_binding=external_binding,
         warnings=tuple(warnings),
     )
 

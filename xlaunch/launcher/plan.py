@@ -121,7 +121,6 @@ def plan(
         memory_allocator=options.memory_allocator,
         omp_runtime=options.omp_runtime,
         benchmark=options.benchmark,
-        external_binding=bind != "none",
         environ=environ,
     )
     notes.extend(runtime.warnings)

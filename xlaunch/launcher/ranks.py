@@ -240,7 +240,7 @@ def reserve_cores(
     if ccl is None:
         ccl = ccl_available(environ)
     runtime = choose_runtime(machine, memory_allocator=options.memory_allocator, omp_runtime=options.omp_runtime,
-                             benchmark=options.benchmark, external_binding=False, environ=environ)
+                             benchmark=options.benchmark, environ=environ)
     splits = []
     for inst in plan.instances:
         reserved, compute = split_reserved(inst.cpus, machine, count)
