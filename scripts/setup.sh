@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent set-up: venv, torch 2.13.0 (CPU build), torchao 0.18.0, xlaunch with dev extras, and the
+# Idempotent set-up: venv, torch 2.13.0 (CPU build), torchao 0.18.0, xlaunch with dev and tune extras, and the
 # Debian allocator/numactl packages when they are missing and we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ fi
 stamp="$VENV/.xlaunch-setup"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log="$VENV/setup.log"
-  echo "setup: installing torch==2.13.0, intel-openmp and xlaunch[dev] into $VENV (log: $log)"
+  echo "setup: installing torch==2.13.0, intel-openmp, torchao and xlaunch[dev,tune] into $VENV (log: $log)"
   pip_install() { "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
   : >"$log"
   pip_install --upgrade pip
