@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -59,16 +60,23 @@ def main() -> None:
         optimizer.step()
     assert start is not None
     elapsed = time.perf_counter() - start
-    print(f"optimizer: {type(optimizer).__name__}, final loss {loss.item():.4f}", flush=True)
-    print(f"step time: {1000 * elapsed / args.steps:.2f} ms", flush=True)
+    say(f"optimizer: {type(optimizer).__name__}, final loss {loss.item():.4f}")
+    say(f"step time: {1000 * elapsed / args.steps:.2f} ms")
     if args.ddp:
         import torch.distributed as dist
 
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-        print(f"ddp rank {rank} world {dist.get_world_size()} local_rank {os.environ.get('LOCAL_RANK')} "
-              f"cpus {_allowed_cpus()} threads {torch.get_num_threads()} "
-              f"steps/s {args.steps / elapsed:.2f} checksum {checksum:.6f}", flush=True)
+        say(f"ddp rank {rank} world {dist.get_world_size()} local_rank {os.environ.get('LOCAL_RANK')} "
+            f"cpus {_allowed_cpus()} threads {torch.get_num_threads()} "
+            f"steps/s {args.steps / elapsed:.2f} checksum {checksum:.6f}")
         dist.destroy_process_group()
+
+
+def say(line: str) -> None:
+    """One line in one write: DDP ranks share torchrun's stdout, and print() under
+    PYTHONUNBUFFERED writes the text and its newline separately (lines of two ranks could merge)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _allowed_cpus() -> str:

@@ -35,8 +35,11 @@ RANK_PROGRAM = """\
 import os, sys, time
 rank = int(os.environ["LOCAL_RANK"])
 cpus = [l.split(":", 1)[1].strip() for l in open("/proc/self/status") if l.startswith("Cpus_allowed_list")][0]
-print(f"ready {rank} cpus {cpus} ppid {os.getppid()} omp {os.environ.get('OMP_NUM_THREADS')} "
-      f"rank {os.environ['RANK']} world {os.environ['WORLD_SIZE']}", flush=True)
+# one write per line: ranks share the agent's stdout, and under PYTHONUNBUFFERED print() writes the
+# text and its newline separately, so two ranks' lines could run together
+sys.stdout.write(f"ready {rank} cpus {cpus} ppid {os.getppid()} omp {os.environ.get('OMP_NUM_THREADS')} "
+                 f"rank {os.environ['RANK']} world {os.environ['WORLD_SIZE']}\\n")
+sys.stdout.flush()
 if sys.argv[1] == "exit":
     sys.exit(0)
 if rank == int(sys.argv[1]):
