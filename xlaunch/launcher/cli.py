@@ -302,12 +302,9 @@ def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
     config: dict[str, Any] = {}
     source = None
     if params["config"] is not None:
-        from xlaunch.configs import ConfigError, load_config
+        from xlaunch.configs import load_config_option
 
-        try:
-            config, source = load_config(params["config"])
-        except ConfigError as exc:
-            raise OptionError("--config", str(exc)) from None
+        config, source = load_config_option(params["config"])
         for key in config:
             if str(key).replace("-", "_") in ("config", "command", "program"):
                 raise OptionError("--config", f"{key!r} cannot be set in a config file ({source})")

@@ -176,14 +176,11 @@ def _tune(ctx: click.Context, environ: Mapping[str, str]) -> int:
     fixed = {name: params[name] for name in LAUNCHER_NAMES if name != "config" and _given(ctx, name)}
     base_config: dict[str, Any] = {}
     base_source = None
-    if params["config"] is not None:
-        from xlaunch.configs import ConfigError, load_config
-
-        try:
-            base_config, base_source = load_config(params["config"])
-        except ConfigError as exc:
-            raise UsageError("--config", str(exc)) from None
     try:
+        if params["config"] is not None:
+            from xlaunch.configs import load_config_option
+
+            base_config, base_source = load_config_option(params["config"])
         base = build_options(fixed, base_config, config_source=base_source)
     except LaunchInputError as exc:
         raise UsageError(exc.option, exc.problem) from None
