@@ -71,3 +71,12 @@ __all__ = ["MACHINE_NAMES", "machine_tree"]
 def recorded_machine():
     """``machine_tree``: name -> the unpacked recorded root (shared, read-only)."""
     return machine_tree
+
+
+@pytest.fixture()
+def marker_script(tmp_path):
+    """A program that proves it ran by creating a file: ``(script, marker)``."""
+    marker = tmp_path / "started"
+    script = tmp_path / "prog.py"
+    script.write_text(f"open({str(marker)!r}, 'a').write('x')\n")
+    return script, marker

@@ -29,15 +29,6 @@ def xlaunch(*argv: str, fsroot: str | None = None, env: dict | None = None, cwd=
     )
 
 
-@pytest.fixture()
-def marker_script(tmp_path):
-    """A program that proves it ran by creating a file."""
-    marker = tmp_path / "started"
-    script = tmp_path / "prog.py"
-    script.write_text(f"open({str(marker)!r}, 'a').write('x')\n")
-    return script, marker
-
-
 BAD_INPUT = [
     # (argv before PROGRAM, tree or None for this machine, option named, words in the problem)
     (["--cores-list", "999"], None, "--cores-list", "does not exist"),

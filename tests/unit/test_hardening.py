@@ -27,14 +27,6 @@ def xlaunch(*argv: str, env: dict | None = None, memory_limit: int | None = None
                           cwd=cwd or REPO, timeout=60, preexec_fn=limit)
 
 
-@pytest.fixture()
-def program(tmp_path):
-    marker = tmp_path / "started"
-    script = tmp_path / "prog.py"
-    script.write_text(f"open({str(marker)!r}, 'a').write('x')\n")
-    return script, marker
-
-
 def one_line_error(result: subprocess.CompletedProcess, option: str) -> str:
     lines = result.stderr.splitlines()
     assert result.returncode == 2, result.stderr
@@ -54,38 +46,38 @@ HUGE = [
 
 
 @pytest.mark.parametrize("argv, option", HUGE, ids=[" ".join(a) for a, _ in HUGE])
-def test_huge_lists_are_refused_in_bounded_memory(argv, option, program) -> None:
-    script, marker = program
+def test_huge_lists_are_refused_in_bounded_memory(argv, option, marker_script) -> None:
+    script, marker = marker_script
     # 1 GiB of address space: expanding any of these lists would need far more
     result = xlaunch("--dry-run", *argv, str(script), memory_limit=1 << 30)
     assert "larger than any CPU or node number" in one_line_error(result, option)
 
 
 @pytest.mark.parametrize("value", ["²", "١", "٣-٤", "0-³", "𝟙"])
-def test_non_ascii_digits_are_malformed(value, program) -> None:
-    script, marker = program
+def test_non_ascii_digits_are_malformed(value, marker_script) -> None:
+    script, marker = marker_script
     assert "malformed" in one_line_error(xlaunch("--core-list", value, str(script)), "--cores-list")
     assert "integer" in one_line_error(xlaunch("--ninstances", value, str(script)), "--ninstances")
     assert not marker.exists()
 
 
 @pytest.mark.parametrize("log_dir", ["/proc/xlaunch-test", "/sys/xlaunch-test", "/proc/self/status/x"])
-def test_unwritable_log_dirs(log_dir, program) -> None:
-    script, marker = program
+def test_unwritable_log_dirs(log_dir, marker_script) -> None:
+    script, marker = marker_script
     one_line_error(xlaunch("--log-dir", log_dir, str(script)), "--log-dir")
     assert not marker.exists()
 
 
-def test_log_file_path_that_is_a_directory(tmp_path, program) -> None:
-    script, marker = program
+def test_log_file_path_that_is_a_directory(tmp_path, marker_script) -> None:
+    script, marker = marker_script
     (tmp_path / "logs" / "xlaunch_instance_0.log").mkdir(parents=True)
     line = one_line_error(xlaunch("--log-dir", str(tmp_path / "logs"), str(script)), "--log-dir")
     assert "is a directory" in line
     assert not marker.exists()
 
 
-def test_too_long_prefix_refused_before_the_log_dir_is_created(tmp_path, program) -> None:
-    script, marker = program
+def test_too_long_prefix_refused_before_the_log_dir_is_created(tmp_path, marker_script) -> None:
+    script, marker = marker_script
     logs = tmp_path / "new" / "logs"
     one_line_error(xlaunch("--log-dir", str(logs), "--log-file-prefix", "p" * 250, str(script)), "--log-file-prefix")
     assert not (tmp_path / "new").exists()
@@ -137,8 +129,8 @@ def test_log_files_never_follow_symlinks_and_keep_earlier_logs(tmp_path) -> None
     assert "earlier logs kept as" in result.stderr
 
 
-def test_empty_or_nonsense_fsroot_is_refused(tmp_path, program) -> None:
-    script, marker = program
+def test_empty_or_nonsense_fsroot_is_refused(tmp_path, marker_script) -> None:
+    script, marker = marker_script
     (tmp_path / "nonsense" / "etc").mkdir(parents=True)
     (tmp_path / "nonsense" / "etc" / "motd").write_text("hi\n")
     (tmp_path / "empty-cpu-dir" / "sys" / "devices" / "system" / "cpu").mkdir(parents=True)
@@ -150,8 +142,8 @@ def test_empty_or_nonsense_fsroot_is_refused(tmp_path, program) -> None:
             assert "not a recorded machine" in one_line_error(result, "XLAUNCH_FSROOT") or "lists no CPUs" in result.stderr
 
 
-def test_dry_run_json_prints_no_inherited_secrets(program) -> None:
-    script, _marker = program
+def test_dry_run_json_prints_no_inherited_secrets(marker_script) -> None:
+    script, _marker = marker_script
     secret = "hunter2-do-not-print"
     result = xlaunch("--dry-run", "--json", "--ninstances", "2", "--ncores-per-instance", "1", str(script),
                      env={"AWS_SECRET_ACCESS_KEY": secret, "OMP_NUM_THREADS": "", "LD_PRELOAD": ""})
@@ -163,9 +155,9 @@ def test_dry_run_json_prints_no_inherited_secrets(program) -> None:
         assert instance["env"]["XLAUNCH_INSTANCE_INDEX"] == str(instance["index"])
 
 
-def test_argv_too_long_for_the_instance_is_an_input_error(tmp_path, program) -> None:
+def test_argv_too_long_for_the_instance_is_an_input_error(tmp_path, marker_script) -> None:
     """Fits xlaunch's own exec, but not the instance's once xlaunch adds its variables."""
-    script, marker = program
+    script, marker = marker_script
     limit = os.sysconf("SC_ARG_MAX")
     env = {k: v for k, v in os.environ.items() if k != "XLAUNCH_FSROOT"}
     size = lambda s: len(s.encode()) + 1 + 8          # the string, its NUL, its pointer
@@ -180,7 +172,7 @@ def test_argv_too_long_for_the_instance_is_an_input_error(tmp_path, program) -> 
     assert not marker.exists()
 
 
-def test_missing_submodule_is_refused_and_present_one_is_found(tmp_path, program) -> None:
+def test_missing_submodule_is_refused_and_present_one_is_found(tmp_path, marker_script) -> None:
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -198,15 +190,15 @@ def test_missing_submodule_is_refused_and_present_one_is_found(tmp_path, program
     assert done.returncode == 0 and "ns ran" in done.stdout, done.stderr
 
 
-def test_summary_json_path_checked_before_start(tmp_path, program) -> None:
-    script, marker = program
+def test_summary_json_path_checked_before_start(tmp_path, marker_script) -> None:
+    script, marker = marker_script
     one_line_error(xlaunch("--summary-json", str(tmp_path / "nodir" / "s.json"), str(script)), "--summary-json")
     one_line_error(xlaunch("--summary-json", str(tmp_path), str(script)), "--summary-json")
     assert not marker.exists()
 
 
-def test_recorded_tree_plans_but_never_runs(program) -> None:
-    script, marker = program
+def test_recorded_tree_plans_but_never_runs(marker_script) -> None:
+    script, marker = marker_script
     result = xlaunch(str(script), env={"XLAUNCH_FSROOT": str(machine_tree("xeon-2s-amx"))})
     assert "add --dry-run" in one_line_error(result, "XLAUNCH_FSROOT")
     assert not marker.exists()

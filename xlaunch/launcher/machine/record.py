@@ -22,6 +22,8 @@ import sys
 import tempfile
 from typing import NoReturn, Optional
 
+from xlaunch.launcher.machine._files import list_numbered
+
 CPU = "sys/devices/system/cpu"
 NODE = "sys/devices/system/node"
 CPU_LISTS = ("online", "possible", "present", "offline", "kernel_max", "smt/control", "smt/active")
@@ -51,13 +53,8 @@ def copy(source: str, out: str, relative: str) -> bool:
 
 
 def numbered(path: str, prefix: str) -> list[str]:
-    """``prefix<N>`` entries of ``path`` in numeric order."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return []
-    return sorted((n for n in names if n.startswith(prefix) and n[len(prefix):].isdigit()),
-                  key=lambda n: int(n[len(prefix):]))
+    """``prefix<N>`` entries of ``path`` in numeric order (the kernel writes N without leading zeros)."""
+    return [f"{prefix}{n}" for n in list_numbered(path, prefix)]
 
 
 def record(source: str, out: str) -> int:
