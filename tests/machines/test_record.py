@@ -2,7 +2,6 @@
 model, as a directory or as a .tar.xz that XLAUNCH_FSROOT takes as is."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from machine_trees import ARCHIVES, machine_tree
 
+from xlaunch._records import replace
 from xlaunch.launcher.machine import MachineRootError, load_machine
 from xlaunch.launcher.machine.archive import unpack_archive, write_archive
 from xlaunch.launcher.machine.record import main as record_main
@@ -27,7 +27,7 @@ def same_model(a, b) -> None:
     fields = ("cpus", "cores", "nodes", "l3_domains", "allowed_cpus", "allowed_mems", "cpu_budget", "notes")
     for name in fields:
         assert getattr(a, name) == getattr(b, name), name
-    assert dataclasses.replace(a.isa, amx_permitted=None) == dataclasses.replace(b.isa, amx_permitted=None)
+    assert replace(a.isa, amx_permitted=None) == replace(b.isa, amx_permitted=None)
 
 
 @pytest.mark.parametrize("name", ["offline-cpus", "vm-adjacent-smt", "vm-no-node", "hybrid-laptop"])

@@ -1,12 +1,12 @@
 """report.py: --show-topology and --check-isa views of recorded machines."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 from machine_trees import MACHINE_NAMES, machine_tree
 
+from xlaunch._records import replace
 from xlaunch.launcher.machine import ISA_FLAGS, load_machine
 from xlaunch.launcher.report import (
     format_isa,
@@ -89,7 +89,7 @@ def test_advice_reasons():
 
 def test_amx_not_granted_falls_back_to_avx512_paths():
     m = load("xeon-2s-amx")
-    denied = dataclasses.replace(m, isa=dataclasses.replace(m.isa, amx_permitted=False))
+    denied = replace(m, isa=replace(m.isa, amx_permitted=False))
     advice = isa_report(denied)["advice"]
     assert advice["bf16"] == {"fast": True, "why": "AVX512_BF16 dot products"}
     assert advice["int8"] == {"fast": True, "why": "AVX512_VNNI dot products"}

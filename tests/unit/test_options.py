@@ -12,8 +12,7 @@ from xlaunch.launcher.options import Options, build_options, canonical_name
 
 def parse(*argv: str, environ=None) -> Options:
     """Options exactly as the CLI builds them (click parsing, config merge, program check)."""
-    ctx = cli.command.make_context("xlaunch", list(argv))
-    return cli._options_from(ctx, environ or {"PATH": "/usr/bin:/bin"})
+    return cli.options_from(cli.parse_command_line(argv), environ or {"PATH": "/usr/bin:/bin"})
 
 
 @pytest.mark.parametrize(

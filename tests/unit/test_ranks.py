@@ -2,7 +2,6 @@
 worker command, on recorded machines (pure: nothing is started except the CLI checks)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 from machine_trees import machine_tree
 
+from xlaunch._records import replace
 from xlaunch.launcher.environment import team_places
 
 from xlaunch.launcher import cli
@@ -131,7 +131,7 @@ def test_rank_slice_is_the_ninstances_slice(tree: str, engine: str) -> None:
     machine = machine_of(tree)
     options = Options(program="train.py", python="/py", per_rank=True)
     size = 4
-    reference = plan(dataclasses.replace(options, per_rank=False, ninstances=size), machine, {})
+    reference = plan(replace(options, per_rank=False, ninstances=size), machine, {})
     seen: set[int] = set()
     for rank in range(size):
         local, node_plan, _ = plan_rank(options, machine, engine_env(engine, rank, size))
@@ -160,7 +160,7 @@ def test_rank_slices_follow_every_mode(tree: str, mode: str) -> None:
     """Filters and modes shape rank slices exactly as they shape --ninstances instances."""
     machine = machine_of(tree)
     options = Options(program="train.py", python="/py", per_rank=True, **MODES[mode])
-    reference = plan(dataclasses.replace(options, per_rank=False, ninstances=2), machine, {},
+    reference = plan(replace(options, per_rank=False, ninstances=2), machine, {},
                      which=lambda tool: f"/usr/bin/{tool}")
     for rank in range(2):
         env = engine_env(ENGINES[rank % len(ENGINES)], rank, 2)
@@ -197,14 +197,14 @@ def test_reserved_cores_per_rank(tree: str, engine: str) -> None:
         worker_cpus += reserved[:2]
     # oneCCL: the worker list spans every local rank, in rank order
     plain = plan(rank_plan_options(options, size), machine, {})
-    with_ccl = reserve_cores(plain, dataclasses.replace(options, reserve_cores=0), machine, {}, ccl=True)
+    with_ccl = reserve_cores(plain, replace(options, reserve_cores=0), machine, {}, ccl=True)
     assert with_ccl is plain          # nothing reserved: plan unchanged
-    base = plan(rank_plan_options(dataclasses.replace(options, reserve_cores=0), size), machine, {})
+    base = plan(rank_plan_options(replace(options, reserve_cores=0), size), machine, {})
     ccl_plan = reserve_cores(base, options, machine, {}, ccl=True)
     assert ccl_plan.env_set["CCL_WORKER_COUNT"] == "2"
     assert ccl_plan.env_set["CCL_WORKER_AFFINITY"] == ",".join(map(str, worker_cpus))
     users = {"CCL_WORKER_COUNT": "1", "OMP_NUM_THREADS": "3"}      # the user's values stay
-    user_base = plan(rank_plan_options(dataclasses.replace(options, reserve_cores=0), size), machine, users)
+    user_base = plan(rank_plan_options(replace(options, reserve_cores=0), size), machine, users)
     kept = reserve_cores(user_base, options, machine, users, ccl=True)
     assert all(i.env["CCL_WORKER_COUNT"] == "1" and i.env["OMP_NUM_THREADS"] == "3" for i in kept.instances)
     assert all(i.env["CCL_WORKER_AFFINITY"] == ccl_plan.env_set["CCL_WORKER_AFFINITY"] for i in kept.instances)
@@ -223,7 +223,7 @@ def test_reserve_too_many_cores() -> None:
         plan(options, machine, {})
     assert caught.value.option == "--reserve-cores"
     assert caught.value.problem.startswith("instance 0 has 2 core(s): keeping 2 out leaves none")
-    logical = dataclasses.replace(options, use_logical_cores=True, ncores_per_instance=4)   # 2 cores, 4 CPUs
+    logical = replace(options, use_logical_cores=True, ncores_per_instance=4)   # 2 cores, 4 CPUs
     with pytest.raises(PlanError, match="instance 0 has 2 core"):
         plan(logical, machine, {})
 
@@ -241,8 +241,7 @@ def test_torchrun_thread_default_is_dropped() -> None:
 
 
 def parse(*argv: str) -> Options:
-    ctx = cli.command.make_context("xlaunch", list(argv))
-    return cli._options_from(ctx, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    return cli.options_from(cli.parse_command_line(argv), {"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
 
 
 @pytest.mark.parametrize("dash", [True, False])
@@ -264,8 +263,8 @@ def test_torchrun_spellings_and_front_options(dash: bool) -> None:
     # the ranks' options parse back to the same placement
     back = parse(*worker[3:-3], "--dry-run", "examples/train.py")
     assert back.per_rank and back.nodes_list == (0,) and back.reserve_cores == 1 and back.verbosity == -1
-    assert rank_argv(dataclasses.replace(options, verbosity=2))[-2:] == ["-v", "-v"]
-    logged = torchrun_options(dataclasses.replace(options, log_dir="/tmp/logs", grace_period=0.5))
+    assert rank_argv(replace(options, verbosity=2))[-2:] == ["-v", "-v"]
+    logged = torchrun_options(replace(options, log_dir="/tmp/logs", grace_period=0.5))
     assert logged[-7:] == ["--shutdown-timeout", "1", "--log-dir", "/tmp/logs", "--tee", "3", "--no-python"]
 
 
@@ -349,4 +348,4 @@ def test_no_torch_on_the_planning_paths() -> None:
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line]
-        assert "click" in imported and not [name for name in imported if name.split(".")[0] == "torch"]
+        assert "xlaunch.launcher.cli" in imported and not [name for name in imported if name.split(".")[0] == "torch"]

@@ -1,6 +1,7 @@
-"""``xlaunch [OPTIONS] PROGRAM [ARGS]...`` -- the command line (click), and nothing more.
+"""``xlaunch [OPTIONS] PROGRAM [ARGS]...`` -- the command line, and nothing more.
 
-Parsing turns argv (+ ``--config``) into :class:`~xlaunch.launcher.options.Options`; the machine
+Parsing (:mod:`.cli_parse`, or click through :mod:`.cli_click` for help, completion and errors)
+turns argv (+ ``--config``) into :class:`~xlaunch.launcher.options.Options`; the machine
 is read once; :func:`~xlaunch.launcher.plan.plan` decides; ``--dry-run`` prints the plan, else
 the runner executes it. Bad input is one line ``xlaunch: error: <option>: <problem>`` and exit
 status 2, before anything starts. Nothing here imports torch.
@@ -9,213 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
-import click
-
+from xlaunch._records import replace
 from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError, OptionError
-from xlaunch.launcher.options import (
-    ALIASES,
-    ALLOCATORS,
-    BIND_TOOLS,
-    CORE_TYPES,
-    DTYPES,
-    MEMBIND_POLICIES,
-    OMP_RUNTIMES,
-    Options,
-    build_options,
-)
-
-# --help sections, in the order docs/launcher.md presents them
-GROUP_INSTANCES = "Instances and cores"
-GROUP_PROGRAM = "Program"
-GROUP_TUNING = "Runtime tuning"
-GROUP_SUPERVISION = "Supervision and output"
-GROUP_MACHINE = "Machine information"
-GROUP_DISTRIBUTED = "Distributed"
-GROUP_ORDER = (GROUP_INSTANCES, GROUP_PROGRAM, GROUP_TUNING, GROUP_DISTRIBUTED, GROUP_SUPERVISION, GROUP_MACHINE)
-
-
-class GroupedOption(click.Option):
-    """A click option that knows its --help section and lists only its dash spellings there."""
-
-    def __init__(self, *args: Any, group: str = GROUP_SUPERVISION, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.group = group
-
-    def get_help_record(self, ctx: click.Context) -> Optional[tuple[str, str]]:
-        record = super().get_help_record(ctx)
-        if record is None:
-            return None
-        shown = [o for o in self.opts if "_" not in o]
-        spelled = ", ".join(shown)
-        if not self.is_flag and not self.count:
-            spelled += " " + self.make_metavar(ctx) if _takes_ctx_metavar() else " " + self.make_metavar()
-        return spelled, record[1]
-
-
-def _takes_ctx_metavar() -> bool:
-    import inspect
-
-    return "ctx" in inspect.signature(click.Option.make_metavar).parameters
-
-
-class GroupedCommand(click.Command):
-    """A click command whose --help lists options by section."""
-
-    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        sections: dict[str, list[tuple[str, str]]] = {}
-        for param in self.get_params(ctx):
-            if not isinstance(param, click.Option):
-                continue
-            record = param.get_help_record(ctx)
-            if record is None:
-                continue
-            group = getattr(param, "group", GROUP_SUPERVISION)
-            sections.setdefault(group, []).append(record)
-        for group in GROUP_ORDER + tuple(g for g in sections if g not in GROUP_ORDER):
-            if group in sections:
-                with formatter.section(group):
-                    formatter.write_dl(sections[group])
-
-
-def _spellings(*names: str) -> list[str]:
-    """``ncores_per_instance`` -> ``--ncores-per-instance``, ``--ncores_per_instance`` (+ aliases)."""
-    canonical = names[0]
-    every = list(names) + [alias for alias, target in ALIASES.items() if target == canonical]
-    flags: list[str] = []
-    for name in every:
-        for spelled in ("--" + name.replace("_", "-"), "--" + name):
-            if spelled not in flags:
-                flags.append(spelled)
-    return flags
-
-
-def _option(*names: str, group: str, help: str, short: Optional[str] = None, **kwargs: Any):
-    decls = ([short] if short else []) + _spellings(*names) + [names[0]]
-    kwargs.setdefault("default", None)
-    return click.option(*decls, cls=GroupedOption, group=group, help=help, **kwargs)
-
-
-def _choice(values: Sequence[str]) -> dict[str, Any]:
-    """``metavar`` and shell completion for an option taking one of ``values`` (validated later,
-    with the config file's values, by :mod:`~xlaunch.launcher.options`)."""
-    return {
-        "metavar": "[" + "|".join(values) + "]",
-        "shell_complete": lambda _ctx, _param, incomplete: [v for v in values if v.startswith(incomplete)],
-    }
-
-
-CONTEXT = {
-    "allow_interspersed_args": False,
-    "help_option_names": ["-h", "--help"],
-    "max_content_width": 100,
-}
-
-
-@click.command(
-    "xlaunch",
-    cls=GroupedCommand,
-    context_settings=CONTEXT,
-    help=(
-        "Run PROGRAM (a Python script, -m MODULE, or with --no-python any executable) as one or "
-        "more instances, each pinned to its own cores and memory, with OpenMP and allocator "
-        "settings tuned for PyTorch on CPUs. Everything after PROGRAM is passed to it untouched."
-    ),
-)
-# -- instances and cores
-@_option("ninstances", group=GROUP_INSTANCES, metavar="N", help="Number of instances (default 1, or as many as fit).")
-@_option("ncores_per_instance", group=GROUP_INSTANCES, metavar="C",
-         help="Cores per instance (logical CPUs with --use-logical-cores).")
-@_option("throughput_mode", group=GROUP_INSTANCES, is_flag=True,
-         help="One instance per NUMA node with CPUs, using all its cores.")
-@_option("latency_mode", group=GROUP_INSTANCES, is_flag=True, help="4 cores per instance, as many instances as fit.")
-@_option("nodes_list", group=GROUP_INSTANCES, metavar="LIST", help="Use only these NUMA nodes, e.g. 0,2-3.")
-@_option("cores_list", group=GROUP_INSTANCES, metavar="LIST",
-         help="Use only these logical CPUs, e.g. 0-7,16 (mapped to their physical cores).")
-@_option("use_logical_cores", group=GROUP_INSTANCES, is_flag=True,
-         help="Use SMT siblings too; siblings stay in one instance.")
-@_option("core_type", group=GROUP_INSTANCES, **_choice(CORE_TYPES),
-         help="Hybrid parts: which cores to use (default performance).")
-@_option("bind_numa_node", group=GROUP_INSTANCES, is_flag=True, help="No instance spans NUMA nodes.")
-@_option("instance_idx", group=GROUP_INSTANCES, metavar="LIST",
-         help="Start only these instances of the plan, e.g. 0,2-3.")
-# -- program
-@_option("module", group=GROUP_PROGRAM, short="-m", is_flag=True, help="PROGRAM is a module: python -m PROGRAM.")
-@_option("no_python", group=GROUP_PROGRAM, is_flag=True, help="Execute PROGRAM directly (found on PATH).")
-@_option("auto_optimize", group=GROUP_PROGRAM, is_flag=True,
-         help="Inject xlaunch.kernels.optimize into the unmodified Python program.")
-@_option("dtype", group=GROUP_PROGRAM, **_choice(DTYPES), help="With --auto-optimize: compute type.")
-@_option("auto_optimize_verbose", group=GROUP_PROGRAM, is_flag=True,
-         help="With --auto-optimize: report what was optimized.")
-# -- runtime tuning
-@_option("memory_allocator", group=GROUP_TUNING, **_choice(ALLOCATORS),
-         help="Allocator to preload (auto: jemalloc, else tcmalloc, else tuned glibc).")
-@_option("omp_runtime", group=GROUP_TUNING, **_choice(OMP_RUNTIMES),
-         help="OpenMP runtime (auto: Intel OpenMP when libiomp5 is installed, else GNU).")
-@_option("bind_with", group=GROUP_TUNING, **_choice(BIND_TOOLS),
-         help="How instances are pinned (auto = native: sched_setaffinity + set_mempolicy).")
-@_option("membind", group=GROUP_TUNING, **_choice(MEMBIND_POLICIES),
-         help="Memory policy on the instance's NUMA nodes (default bind).")
-@_option("benchmark", group=GROUP_TUNING, is_flag=True,
-         help="Latency-tuned allocator settings: never give memory back.")
-# -- distributed (docs/distributed.md; logic in launcher/distributed.py and launcher/ranks.py)
-@_option("nproc_per_node", group=GROUP_DISTRIBUTED, metavar="N",
-         help="Run N ranks on this node under torch's elastic agent (torchrun), each on its own slice.")
-@_option("nnodes", group=GROUP_DISTRIBUTED, metavar="M|MIN:MAX", help="With --nproc-per-node: number of nodes (torchrun).")
-@_option("node_rank", group=GROUP_DISTRIBUTED, metavar="R", help="With --nproc-per-node: this node's rank (static rendezvous).")
-@_option("master_addr", group=GROUP_DISTRIBUTED, metavar="ADDR", help="With --nproc-per-node: address of node 0.")
-@_option("master_port", group=GROUP_DISTRIBUTED, metavar="PORT", help="With --nproc-per-node: port on node 0.")
-@_option("rdzv_backend", group=GROUP_DISTRIBUTED, metavar="NAME", help="With --nproc-per-node: rendezvous backend (c10d, static...).")
-@_option("rdzv_endpoint", group=GROUP_DISTRIBUTED, metavar="HOST:PORT", help="With --nproc-per-node: rendezvous endpoint.")
-@_option("rdzv_id", group=GROUP_DISTRIBUTED, metavar="ID", help="With --nproc-per-node: job id shared by all nodes.")
-@_option("max_restarts", group=GROUP_DISTRIBUTED, metavar="K", help="With --nproc-per-node: worker group restarts allowed.")
-@_option("per_rank", group=GROUP_DISTRIBUTED, is_flag=True,
-         help="Inside torchrun/mpirun/srun ranks: pin this rank to its slice and become PROGRAM.")
-@_option("reserve_cores", group=GROUP_DISTRIBUTED, metavar="K",
-         help="Keep K cores of each slice out of OpenMP (collectives, data loading); oneCCL workers go there.")
-# -- supervision and output
-@_option("log_dir", group=GROUP_SUPERVISION, metavar="DIR", help="Write per-instance logs and xlaunch's log here.")
-@_option("log_file_prefix", group=GROUP_SUPERVISION, metavar="PREFIX", help="Log file name prefix (default xlaunch).")
-@_option("keep_going", group=GROUP_SUPERVISION, is_flag=True,
-         help="Let other instances finish when one fails (default: fail fast).")
-@_option("grace_period", group=GROUP_SUPERVISION, metavar="S",
-         help="Seconds between SIGTERM and SIGKILL when stopping instances (default 5).")
-@_option("summary_json", group=GROUP_SUPERVISION, metavar="FILE",
-         help="Write the end-of-run summary (statuses, what was observed) as JSON to FILE.")
-@_option("dry_run", group=GROUP_SUPERVISION, is_flag=True, help="Print the plan; start nothing.")
-@_option("json", group=GROUP_SUPERVISION, is_flag=True,
-         help="With --dry-run, --check-isa or --show-topology: print one JSON object.")
-@_option("config", group=GROUP_SUPERVISION, metavar="FILE|PRESET",
-         help="TOML file of options (flags override it), or a shipped preset: throughput, latency, single.")
-@click.option("-v", "--verbose", "verbose", count=True, cls=GroupedOption, group=GROUP_SUPERVISION,
-              help="More launcher messages (repeatable).")
-@click.option("-q", "--quiet", "quiet", count=True, cls=GroupedOption, group=GROUP_SUPERVISION,
-              help="Fewer launcher messages (warnings off).")
-# -- machine information
-@_option("check_isa", group=GROUP_MACHINE, is_flag=True, help="Print the instruction sets and dtype advice, then exit.")
-@_option("torch", group=GROUP_MACHINE, is_flag=True, help="With --check-isa: also ask torch (imports it).")
-@_option("probe", group=GROUP_MACHINE, is_flag=True,
-         help="With --check-isa: measure GEMM/conv per dtype in a child process and show what oneDNN ran.")
-@_option("show_topology", group=GROUP_MACHINE, is_flag=True, help="Print the machine model, then exit.")
-@click.version_option(package_name="xlaunch", prog_name="xlaunch", message="%(prog)s %(version)s")
-@click.argument("command", nargs=-1, type=click.Path(), metavar="PROGRAM [ARGS]...")
-def command(**_: Any) -> None:
-    """Parsing only; :func:`run` does the work with ``ctx.params``."""
-
-
-def _add_compat_options() -> None:
-    """ipexrun / run_cpu spellings (:mod:`xlaunch.launcher.compat`): accepted, not in --help."""
-    from xlaunch.launcher.compat import SPELLINGS, flags
-
-    for spelling in SPELLINGS:
-        command.params.insert(-1, click.Option(flags(spelling) + [spelling.name], is_flag=not spelling.takes_value,
-                                               default=None, hidden=True))
-
-
-_add_compat_options()
-NOT_OPTIONS = frozenset({"command", "verbose", "quiet", "config", "check_isa", "torch", "probe", "show_topology"})
-
+from xlaunch.launcher.cli_parse import CommandLine, parse_fast
+from xlaunch.launcher.cli_spec import COMPLETE_VAR, NOT_OPTIONS
+from xlaunch.launcher.options import Options, build_options
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console-script entry point. A Ctrl-C before the runner took over signals is exit 130 with
@@ -231,34 +32,30 @@ def run(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str
     environ = dict(os.environ if environ is None else environ)
     instruction = environ.get(COMPLETE_VAR)
     if instruction:
-        return _shell_complete(instruction)
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        ctx = command.make_context("xlaunch", args)
-    except click.exceptions.Exit as done:  # --help, --version
-        return done.exit_code
-    except click.UsageError as exc:
-        return _usage_error(_click_error_line(exc))
-    params = ctx.params
+        from xlaunch.launcher.cli_click import shell_complete
+
+        return shell_complete(instruction)
+    line = parse_command_line(sys.argv[1:] if argv is None else argv)
+    if isinstance(line, int):     # click printed the help or the version, or wrote the error
+        return line
+    params = line.params
     try:
         if params["check_isa"] or params["show_topology"]:
-            return _machine_information(ctx, environ)
-        options = _options_from(ctx, environ)
+            return _machine_information(line, environ)
+        options = options_from(line, environ)
         return _launch(options, environ)
     except LaunchInputError as exc:
         return _usage_error(exc.line())
 
 
-COMPLETE_VAR = "_XLAUNCH_COMPLETE"
+def parse_command_line(args: Sequence[str]) -> Union[CommandLine, int]:
+    """The fast parse, or click's when the fast parser leaves it to click (help, version, errors)."""
+    line = parse_fast(args)
+    if line is None:
+        from xlaunch.launcher import cli_click
 
-
-def _shell_complete(instruction: str) -> int:
-    """Click's shell completion (``eval "$(_XLAUNCH_COMPLETE=bash_source xlaunch)"``; zsh_source,
-    fish_source): option names, choices, and files for PROGRAM. Hidden compat spellings are not
-    offered."""
-    from click.shell_completion import shell_complete
-
-    return shell_complete(command, {}, "xlaunch", COMPLETE_VAR, instruction)
+        return cli_click.parse(args)
+    return line
 
 
 def _usage_error(line: str) -> int:
@@ -266,36 +63,13 @@ def _usage_error(line: str) -> int:
     return USAGE_EXIT_STATUS
 
 
-def _click_error_line(exc: click.UsageError) -> str:
-    """Click's usage errors as ``xlaunch: error: <option>: <problem>``."""
-    if isinstance(exc, click.NoSuchOption):
-        import difflib
-
-        known = [o for p in command.params if isinstance(p, click.Option) for o in p.opts if "_" not in o]
-        close = difflib.get_close_matches(exc.option_name.replace("_", "-"), known, n=2, cutoff=0.6)
-        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        return f"xlaunch: error: {exc.option_name}: no such option{hint}"
-    if isinstance(exc, click.BadOptionUsage):
-        problem = "requires a value" if "requires an argument" in exc.message else exc.message
-        return f"xlaunch: error: {exc.option_name}: {problem}"
-    if isinstance(exc, click.BadParameter) and exc.param is not None:
-        name = exc.param.opts[0] if getattr(exc.param, "opts", None) else exc.param.name
-        return f"xlaunch: error: {name}: {exc.message}"
-    return f"xlaunch: error: {exc.format_message()}"
+def _verbosity(line: CommandLine) -> int:
+    return int(line.params["verbose"] or 0) - int(line.params["quiet"] or 0)
 
 
-def _given(ctx: click.Context, name: str) -> bool:
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
-
-
-def _verbosity(ctx: click.Context) -> int:
-    return int(ctx.params["verbose"] or 0) - int(ctx.params["quiet"] or 0)
-
-
-def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
+def options_from(line: CommandLine, environ: Mapping[str, str]) -> Options:
     """Options from the command line over the config file; the program checked and resolved."""
-    params = ctx.params
+    params = line.params
     for flag in ("torch", "probe"):
         if params[flag]:
             raise OptionError(f"--{flag}", "only applies with --check-isa")
@@ -311,22 +85,20 @@ def _options_from(ctx: click.Context, environ: Mapping[str, str]) -> Options:
     from xlaunch.launcher import compat
 
     cli = {name: value for name, value in params.items()
-           if name not in NOT_OPTIONS and name not in compat.BY_NAME and _given(ctx, name)}
-    old = {name: params[name] for name in compat.BY_NAME if _given(ctx, name)}
+           if name not in NOT_OPTIONS and name not in compat.BY_NAME and name in line.given}
+    old = {name: params[name] for name in compat.BY_NAME if name in line.given}
     notes = ()
     if old:
         cli = {**compat.translate(old, cli), **cli}
         notes = tuple(f"{compat.flags(compat.BY_NAME[name])[0]} ({compat.BY_NAME[name].origin}) means "
                       f"{compat.BY_NAME[name].meaning}" for name in old)
-    cli["verbosity"] = _verbosity(ctx)
+    cli["verbosity"] = _verbosity(line)
     command = tuple(params["command"])
     options = build_options(
         cli, config, config_source=source, program=command[0] if command else None, args=command[1:]
     )
     if notes:
-        import dataclasses
-
-        options = dataclasses.replace(options, notes=notes)
+        options = replace(options, notes=notes)
     if options.json and not options.dry_run:
         raise OptionError("--json", "only applies with --dry-run, --check-isa or --show-topology")
     if options.log_dir is not None:
@@ -369,8 +141,6 @@ def _check_output_file(option: str, path: str) -> None:
 
 def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
     """Check PROGRAM exists; with --no-python, replace it by its path on PATH."""
-    import dataclasses
-
     from xlaunch.launcher.which import which
 
     program = str(options.program)
@@ -380,7 +150,7 @@ def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
         if found is None:
             where = "" if os.sep in program else " on PATH"
             raise OptionError("PROGRAM", f"{program!r} not found{where} (or not executable)")
-        return dataclasses.replace(options, program=os.path.abspath(found) if os.sep in program else found)
+        return replace(options, program=os.path.abspath(found) if os.sep in program else found)
     if options.module:
         problem = _module_problem(program, environ)
         if problem:
@@ -443,8 +213,8 @@ def _load_machine(environ: Mapping[str, str]):
     return machine
 
 
-def _machine_information(ctx: click.Context, environ: Mapping[str, str]) -> int:
-    params = ctx.params
+def _machine_information(line: CommandLine, environ: Mapping[str, str]) -> int:
+    params = line.params
     if params["check_isa"] and params["show_topology"]:
         raise OptionError("--show-topology", "conflicts with --check-isa (one at a time)")
     if params["command"]:
@@ -480,8 +250,6 @@ def _machine_information(ctx: click.Context, environ: Mapping[str, str]) -> int:
 
 
 def _launch(options: Options, environ: Mapping[str, str]) -> int:
-    import dataclasses
-
     if options.per_rank or options.nproc_per_node is not None:   # distributed: launcher/distributed.py
         from xlaunch.launcher.distributed import launch_distributed
 
@@ -498,7 +266,7 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
     if options.dry_run or options.verbosity > 0:   # only shown then; a plain run skips the import
         from xlaunch.launcher.report import machine_summary
 
-        the_plan = dataclasses.replace(the_plan, machine_summary=dict(machine_summary(machine)))
+        the_plan = replace(the_plan, machine_summary=dict(machine_summary(machine)))
     quiet = options.verbosity < 0
     if not quiet:
         for note in options.notes:

@@ -8,13 +8,13 @@ hidden option and calls :func:`translate` on what was given; ``docs/launcher.md`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from xlaunch._records import record
 from xlaunch.launcher.errors import OptionError
 
 
-@dataclass(frozen=True)
+@record
 class Spelling:
     name: str                         # click parameter name (underscores)
     takes_value: bool

@@ -18,7 +18,6 @@ restarts and failure handling. How each local rank gets its own CPUs:
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import shlex
@@ -26,6 +25,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
+from xlaunch._records import replace
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import OptionError, PlanError
 from xlaunch.launcher.ranks import (
@@ -81,7 +81,7 @@ def _warn(plan: "Plan", options: "Options", environ: Mapping[str, str]) -> None:
 def _with_summary(plan: "Plan", machine: Any) -> "Plan":
     from xlaunch.launcher.report import machine_summary
 
-    return dataclasses.replace(plan, machine_summary=dict(machine_summary(machine)))
+    return replace(plan, machine_summary=dict(machine_summary(machine)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def run_per_rank(options: "Options", environ: Mapping[str, str], machine: Any, *
     if local.rank == 0:
         _warn(node_plan, options, environ)
     if options.dry_run:
-        shown = _with_summary(dataclasses.replace(node_plan, instances=(instance,)), machine)
+        shown = _with_summary(replace(node_plan, instances=(instance,)), machine)
         if options.json:
             import json
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
+from xlaunch._records import factory, record
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import PlanError
 from xlaunch.launcher.machine.model import Machine
@@ -38,7 +38,7 @@ TCMALLOC_REPORT_THRESHOLD = str(1 << 40)
 _MALLOC_LIBRARY = re.compile(r"lib(jemalloc|tcmalloc|mimalloc|hoard|tbbmalloc)", re.IGNORECASE)
 
 
-@dataclass(frozen=True)
+@record
 class Runtime:
     """The OpenMP runtime and allocator every instance gets."""
 
@@ -50,13 +50,13 @@ class Runtime:
     warnings: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@record
 class InstanceEnvironment:
     """The complete environment of one instance and how it differs from the user's."""
 
     env: dict[str, str]
-    added: dict[str, str] = field(default_factory=dict)   # what xlaunch set or extended
-    kept: dict[str, str] = field(default_factory=dict)    # user values xlaunch would have changed
+    added: dict[str, str] = factory(dict)   # what xlaunch set or extended
+    kept: dict[str, str] = factory(dict)    # user values xlaunch would have changed
 
 
 def preload_entries(value: str) -> list[str]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 import stat
 import time
-from dataclasses import dataclass, field
 from typing import BinaryIO, Iterable, Optional, TextIO
 
+from xlaunch._records import factory, record
 from xlaunch.launcher.errors import OptionError
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -43,15 +43,15 @@ def check_names(log_dir: str, prefix: str, indices: Iterable[int]) -> None:
                                                f"{len(os.fsencode(longest))} bytes (the limit is {limit})")
 
 
-@dataclass
+@record(frozen=False)
 class LogFiles:
     """Open log files of one run; :meth:`close` closes them all."""
 
-    instances: dict[int, BinaryIO] = field(default_factory=dict)
+    instances: dict[int, BinaryIO] = factory(dict)
     launcher: Optional[TextIO] = None
-    kept: list[str] = field(default_factory=list)      # earlier logs renamed aside
-    _moves: list[tuple[str, str]] = field(default_factory=list)   # (log path, where it was kept)
-    _created: list[str] = field(default_factory=list)
+    kept: list[str] = factory(list)      # earlier logs renamed aside
+    _moves: list[tuple[str, str]] = factory(list)   # (log path, where it was kept)
+    _created: list[str] = factory(list)
 
     def undo(self) -> None:
         """Close, remove the files this run created, and put earlier logs back."""

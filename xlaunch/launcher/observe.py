@@ -35,9 +35,9 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from xlaunch._records import record
 from xlaunch.cpulist import format_cpulist
 
 INTERVAL = 0.5                 # seconds between samples
@@ -156,7 +156,7 @@ def split_openmp(libraries: Sequence[tuple[str, str]], preloaded: dict[str, str]
 # one read of a process tree
 
 
-@dataclass(frozen=True)
+@record
 class ProcessSample:
     """One process of an instance, as read once."""
 
@@ -168,7 +168,7 @@ class ProcessSample:
     memory_by_node: Optional[tuple[tuple[int, int], ...]] = None   # anonymous bytes; None: not read
 
 
-@dataclass(frozen=True)
+@record
 class Sample:
     """One read of an instance's process tree (``processes[0]`` is the leader while it lives)."""
 
@@ -306,7 +306,7 @@ def _list_ints(path: str) -> list[int]:
 # merged over a run
 
 
-@dataclass(frozen=True)
+@record
 class Observed:
     """What an instance ran with, merged over every sample."""
 

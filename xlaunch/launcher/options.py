@@ -8,9 +8,9 @@ config file accepts exactly the option names the command line does.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+from xlaunch._records import factory, fields, record
 from xlaunch.cpulist import MAX_ID, CpuListError, CpuListRangeError, parse_cpulist
 from xlaunch.launcher.errors import OptionError
 
@@ -31,7 +31,7 @@ ALIASES: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
+@record
 class Options:
     """Everything the user asked for, validated. ``None`` means "not given: decide from the machine"."""
 
@@ -40,7 +40,7 @@ class Options:
     args: tuple[str, ...] = ()
     module: bool = False
     no_python: bool = False
-    python: str = field(default_factory=lambda: sys.executable)
+    python: str = factory(lambda: sys.executable)
     # instances and cores
     ninstances: Optional[int] = None
     ncores_per_instance: Optional[int] = None
@@ -346,4 +346,4 @@ def validate_distributed(o: Options) -> None:
 
 def option_fields() -> tuple[str, ...]:
     """Names of every :class:`Options` field (for tests and docs)."""
-    return tuple(f.name for f in fields(Options))
+    return fields(Options)

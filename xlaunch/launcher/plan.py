@@ -5,9 +5,9 @@ only reads them. ``Plan.to_json()`` is the ``--dry-run --json`` schema.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
+from xlaunch._records import factory, record
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import PlanError
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from xlaunch.launcher.options import Options
 
 
-@dataclass(frozen=True)
+@record
 class Instance:
     """One process to start: where it runs, with what environment, and what it executes."""
 
@@ -46,14 +46,14 @@ class Instance:
         }
 
 
-@dataclass(frozen=True)
+@record
 class Plan:
     instances: tuple[Instance, ...]
     idle_cpus: tuple[int, ...] = ()          # allowed CPUs no instance uses
     warnings: tuple[str, ...] = ()
-    env_set: dict[str, str] = field(default_factory=dict)     # what xlaunch added (all instances alike)
-    env_kept: dict[str, str] = field(default_factory=dict)    # user's values xlaunch did not override
-    machine_summary: dict[str, Any] = field(default_factory=dict)
+    env_set: dict[str, str] = factory(dict)     # what xlaunch added (all instances alike)
+    env_kept: dict[str, str] = factory(dict)    # user's values xlaunch did not override
+    machine_summary: dict[str, Any] = factory(dict)
     allocator: str = "default"               # jemalloc | tcmalloc | tcmalloc_minimal | glibc | default | user
     openmp: str = "gnu"                      # gnu | intel
 
@@ -81,7 +81,7 @@ class Plan:
 LATENCY_CORES_PER_INSTANCE = 4
 
 
-@dataclass(frozen=True)
+@record
 class Unit:
     """One physical core as the planner sees it: the CPUs it contributes, and where it sits."""
 

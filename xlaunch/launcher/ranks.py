@@ -12,11 +12,10 @@ Bad or missing variables raise :class:`~xlaunch.launcher.errors.OptionError` nam
 """
 from __future__ import annotations
 
-import dataclasses
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
+from xlaunch._records import record, replace
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import OptionError, PlanError
 
@@ -26,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from xlaunch.launcher.plan import Plan
 
 
-@dataclass(frozen=True)
+@record
 class Engine:
     """Where one launcher puts a rank's local index and the local rank count."""
 
@@ -51,7 +50,7 @@ OMP_DEFAULT_MARKER = "XLAUNCH_TORCHRUN_OMP_DEFAULT"  # "1": OMP_NUM_THREADS in a
 _SLURM_COUNTS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 
-@dataclass(frozen=True)
+@record
 class LocalRank:
     """This process's place on its node, and the variables it was read from."""
 
@@ -175,7 +174,7 @@ def rank_environment(environ: Mapping[str, str], local: LocalRank) -> dict[str, 
 
 def rank_plan_options(options: "Options", local_size: int) -> "Options":
     """The planner's options for a node of ``local_size`` ranks: the same as ``--ninstances``."""
-    return dataclasses.replace(options, ninstances=local_size, instance_idx=None)
+    return replace(options, ninstances=local_size, instance_idx=None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,13 +266,13 @@ def reserve_cores(
         changed["XLAUNCH_RESERVED_CPUS"] = format_cpulist(reserved)
         env.update(changed)
         per_instance.append(changed)
-        instances.append(dataclasses.replace(inst, env=env))
+        instances.append(replace(inst, env=env))
     env_set = {k: v for k, v in plan.env_set.items()
                if all(i.env.get(k) == v for i in instances)}
     for name, value in per_instance[0].items() if per_instance else ():
         if all(d.get(name) == value for d in per_instance):
             env_set[name] = value
-    return dataclasses.replace(plan, instances=tuple(instances), env_set=env_set)
+    return replace(plan, instances=tuple(instances), env_set=env_set)
 
 
 def one_cpu_per_core(reserved: tuple[int, ...], machine: "Machine", count: int) -> tuple[int, ...]:

@@ -25,9 +25,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import BinaryIO, Optional, TextIO
 
+from xlaunch._records import factory, record
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher import spawning
 from xlaunch.launcher.output import Console, InstanceStream
@@ -59,7 +59,7 @@ def status_text(wait_code: int, value: int) -> str:
     return text + " (core dumped)" if wait_code == os.CLD_DUMPED else text
 
 
-@dataclass
+@record(frozen=False)
 class _Child:
     """One instance while it runs."""
 
@@ -74,7 +74,7 @@ class _Child:
     stopped_by: str = ""                  # why xlaunch signalled it, if it did
     group_alive: bool = False             # its process group may still have members
     kill_at: Optional[float] = None       # when the group gets SIGKILL
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = factory(list)
     observer: Optional[object] = None     # observe.Observer, from its first sampling interval on
 
     @property

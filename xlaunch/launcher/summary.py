@@ -12,13 +12,13 @@ nothing could be sampled).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
+from xlaunch._records import record
 from xlaunch.cpulist import format_cpulist
 
 
-@dataclass(frozen=True)
+@record
 class InstanceResult:
     index: int
     cpus: tuple[int, ...]

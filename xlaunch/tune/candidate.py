@@ -13,11 +13,11 @@ import contextlib
 import io
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from xlaunch.launcher.errors import OptionError
-from xlaunch.launcher.options import SETTABLE, Options, build_options
+from xlaunch.launcher.options import SETTABLE, Options, build_options, option_fields
 from xlaunch.tune import tomlfile
 from xlaunch.tune.space import Point
 
@@ -58,8 +58,7 @@ def config_table(options: Options, point: Point) -> dict[str, Any]:
     defaults = Options()
     dims = {key.replace("-", "_") for key in point}
     table: dict[str, Any] = {}
-    for spec in fields(Options):
-        name = spec.name
+    for name in option_fields():
         if name not in SETTABLE or name in MANAGED:
             continue
         value = getattr(options, name)

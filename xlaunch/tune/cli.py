@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import click
 
-from xlaunch.launcher import cli as launcher_cli
+from xlaunch.launcher import cli_click as launcher_cli
 from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError
 from xlaunch.tune.objective import AGGREGATES, GOALS
 from xlaunch.tune.strategies import STRATEGIES

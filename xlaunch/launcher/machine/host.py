@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from xlaunch._records import record
 from xlaunch.launcher.machine._files import join, list_numbered, read_text
 from xlaunch.launcher.machine.model import Host
 
@@ -98,7 +98,7 @@ def governor_summary(host: Host) -> str:
     return "mixed"
 
 
-@dataclass(frozen=True)
+@record
 class HostCheck:
     """One host setting as shown by ``--show-topology``."""
 

@@ -8,16 +8,16 @@ process's cgroup to the root: v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us / cpu.cfs_
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from xlaunch._records import record
 from xlaunch.cpulist import CpuListError, parse_cpulist
 from xlaunch.launcher.machine._files import Notes, join, read_text, status_fields
 
 CGROUP_MOUNT = "sys/fs/cgroup"
 
 
-@dataclass(frozen=True)
+@record
 class Limits:
     allowed_cpus: tuple[int, ...]
     allowed_mems: tuple[int, ...]

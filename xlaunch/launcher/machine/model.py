@@ -4,15 +4,16 @@ Every field says where it comes from; ``<root>`` is ``XLAUNCH_FSROOT`` (default 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
+
+from xlaunch._records import factory, record
 
 PERFORMANCE = "performance"
 EFFICIENCY = "efficiency"
 UNKNOWN_KIND = "unknown"
 
 
-@dataclass(frozen=True)
+@record
 class Cpu:
     """One logical CPU (``<root>/sys/devices/system/cpu/cpuN``)."""
 
@@ -27,7 +28,7 @@ class Cpu:
     kind: str = UNKNOWN_KIND     # /sys/devices/cpu_core|cpu_atom/cpus on hybrid parts
 
 
-@dataclass(frozen=True)
+@record
 class Core:
     """A physical core: the online logical CPUs that are SMT siblings of each other."""
 
@@ -39,7 +40,7 @@ class Core:
     kind: str = UNKNOWN_KIND
 
 
-@dataclass(frozen=True)
+@record
 class Node:
     """A NUMA node (``<root>/sys/devices/system/node/nodeN``); memory-only nodes have no cpus."""
 
@@ -49,7 +50,7 @@ class Node:
     memory_kib: Optional[int] = None            # MemTotal from nodeN/meminfo
 
 
-@dataclass(frozen=True)
+@record
 class CacheDomain:
     """CPUs sharing one L3 (``cache/index*/level == 3``, ``shared_cpu_list``)."""
 
@@ -58,7 +59,7 @@ class CacheDomain:
     size_kib: Optional[int] = None
 
 
-@dataclass(frozen=True)
+@record
 class Isa:
     """Instruction-set facts from ``<root>/proc/cpuinfo`` and, live, the kernel's AMX grant."""
 
@@ -71,7 +72,7 @@ class Isa:
         return flag in self.flags
 
 
-@dataclass(frozen=True)
+@record
 class Library:
     """A runtime library found on disk, e.g. kind ``jemalloc`` at ``/usr/lib/.../libjemalloc.so.2``."""
 
@@ -80,7 +81,7 @@ class Library:
     source: str      # where it was found: venv, conda, LD_LIBRARY_PATH, ldconfig, multiarch, ...
 
 
-@dataclass(frozen=True)
+@record
 class Host:
     """Host settings that change performance (read by :mod:`.host`); ``unknown`` when unreadable."""
 
@@ -93,7 +94,7 @@ class Host:
     smt_active: Optional[bool] = None  # .../smt/active
 
 
-@dataclass(frozen=True)
+@record
 class Machine:
     """Everything xlaunch knows about the machine and this process's share of it."""
 
@@ -105,10 +106,10 @@ class Machine:
     allowed_cpus: tuple[int, ...]           # sched_getaffinity, or Cpus_allowed_list under a root
     allowed_mems: tuple[int, ...]           # Mems_allowed_list (nodes with memory we may use)
     cpu_budget: Optional[float] = None      # cgroup v2 cpu.max / v1 cfs quota, in CPUs
-    isa: Isa = field(default_factory=Isa)
+    isa: Isa = factory(Isa)
     libraries: tuple[Library, ...] = ()
     notes: tuple[str, ...] = ()             # what could not be read and was assumed instead
-    host: Host = field(default_factory=Host)  # THP, governor, NUMA balancing, SMT
+    host: Host = factory(Host)  # THP, governor, NUMA balancing, SMT
 
     @property
     def online_cpus(self) -> tuple[int, ...]:

@@ -8,9 +8,9 @@ offline CPUs and drops them from every sibling, shared-cache and node list.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from xlaunch._records import record
 from xlaunch.launcher.machine._files import (
     Notes,
     join,
@@ -34,7 +34,7 @@ NODE_DIR = "sys/devices/system/node"
 HYBRID_LISTS = (("sys/devices/cpu_core/cpus", PERFORMANCE), ("sys/devices/cpu_atom/cpus", EFFICIENCY))
 
 
-@dataclass(frozen=True)
+@record
 class Topology:
     cpus: tuple[Cpu, ...]
     cores: tuple[Core, ...]
@@ -46,7 +46,7 @@ class Topology:
         return tuple(c.id for c in self.cpus if c.online)
 
 
-@dataclass
+@record(frozen=False)
 class _Place:
     """Topology ids of one CPU as read from its ``topology/`` directory."""
 
