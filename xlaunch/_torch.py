@@ -1,13 +1,16 @@
 """One answer to "torch is not installed": an ImportError that names the extra to install.
 
 The lazy exports of :mod:`xlaunch`, :mod:`xlaunch.runtime_ext` and :mod:`xlaunch.kernels` load
-their modules through :func:`load_attribute`, so ``xlaunch.optimize`` or
-``xlaunch.MultiStreamModule`` without torch says what to do instead of
+their modules through :func:`load_attribute`, and every module that needs torch imports it inside
+``with needs_torch(__name__):``, so ``xlaunch.optimize``, ``xlaunch.MultiStreamModule`` or
+``import xlaunch.kernels.fold`` without torch says what to do instead of
 ``ModuleNotFoundError: No module named 'torch'``. Imports nothing heavy.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+from typing import Iterator
 
 INSTALL = 'pip install "xlaunch[torch]"'
 
@@ -31,15 +34,24 @@ def _is_torch(name: object) -> bool:
     return isinstance(name, str) and (name == "torch" or name.startswith("torch."))
 
 
-def load_attribute(module: str, name: str, what: str) -> object:
-    """``getattr(import_module(module), name)``; torch missing becomes one ImportError naming
-    ``what`` and the extra to install (also when a nested lazy export raised it first).
+@contextlib.contextmanager
+def needs_torch(what: str) -> Iterator[None]:
+    """Around a module's torch imports (``with needs_torch(__name__): import torch``): torch
+    missing becomes one ImportError naming ``what`` and the extra to install, with
+    ``name == "torch"`` (also when a nested torch-needing import raised it first).
 
     Any other missing module (a bug, or another optional dependency) propagates unchanged.
     """
     try:
-        return getattr(importlib.import_module(module), name)
+        yield
     except ImportError as exc:
         if not _is_torch(exc.name):
             raise
         raise ImportError(missing_torch_message(what), name="torch") from None
+
+
+def load_attribute(module: str, name: str, what: str) -> object:
+    """``getattr(import_module(module), name)``, torch missing reported as :func:`needs_torch`
+    does for ``what``."""
+    with needs_torch(what):
+        return getattr(importlib.import_module(module), name)

@@ -1,7 +1,8 @@
-"""Without torch, the lazy exports raise one ImportError naming the extra (fast, no wheel:
-``sys.modules["torch"] = None`` makes ``import torch`` fail like a missing install)."""
+"""Without torch, every torch-needing entry point raises one ImportError naming the extra (fast, no
+wheel: ``sys.modules["torch"] = None`` makes ``import torch`` fail like a missing install)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -35,3 +36,61 @@ def test_other_missing_modules_are_not_disguised():
 
     with pytest.raises(ModuleNotFoundError, match="no_such_xlaunch_module"):
         load_attribute("xlaunch.no_such_xlaunch_module", "x", "xlaunch.x")
+
+
+# Walks every module of the source tree in one child. The launcher's start-up hook is left out:
+# importing it runs the user's sitecustomize and installs import hooks (its torch-less behaviour
+# is to wait for a torch that never comes).
+WALK = """
+import importlib, json, pkgutil, xlaunch
+outcome = {}
+for info in pkgutil.walk_packages(xlaunch.__path__, "xlaunch.", onerror=lambda name: None):
+    if info.name == "xlaunch.kernels._inject.sitecustomize":
+        continue
+    try:
+        importlib.import_module(info.name)
+        outcome[info.name] = None
+    except ImportError as exc:
+        outcome[info.name] = [type(exc).__name__, exc.name, str(exc)]
+print(json.dumps(outcome))
+"""
+
+
+def test_every_module_imports_or_names_the_extra():
+    import json
+    from pathlib import Path
+
+    import xlaunch
+    from xlaunch._torch import missing_torch_message
+
+    result = python(WALK)
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    source = Path(xlaunch.__file__).parent
+    expected = {".".join(("xlaunch",) + path.relative_to(source).with_suffix("").parts)
+                for path in source.rglob("*.py") if path.name != "__init__.py"} - {
+        "xlaunch.kernels._inject.sitecustomize"}
+    assert expected <= set(outcome), sorted(expected - set(outcome))   # the walk missed none
+    wrong = {name: error for name, error in outcome.items()
+             if error is not None and error != ["ImportError", "torch", missing_torch_message(name)]}
+    assert not wrong, wrong
+    needing = {name for name, error in outcome.items() if error is not None}
+    assert {"xlaunch.kernels.optimize", "xlaunch.kernels.fold", "xlaunch.kernels.quantize",
+            "xlaunch.runtime_ext.streams"} <= needing
+    assert {"xlaunch", "xlaunch.launcher.cli", "xlaunch.runtime_ext.task",
+            "xlaunch.runtime_ext.batching", "xlaunch.kernels.probe_worker"}.isdisjoint(needing)
+
+
+def test_probe_child_without_torch_says_how_to_get_it(tmp_path):
+    # The probe runs in a child (python -m xlaunch.kernels.probe_worker) that inherits the
+    # environment: a torch package that fails like a missing install stands in for no torch.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    path = [str(tmp_path)] + [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    result = subprocess.run([sys.executable, "-m", "xlaunch", "--check-isa", "--probe"],
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)),
+                            capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == ("xlaunch: error: --probe: the probe child exited with status 1: "
+                             f"xlaunch --check-isa --probe needs PyTorch, which is not installed here: {HINT}\n")

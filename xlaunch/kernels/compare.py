@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
 
 FP32_RTOL = 1e-3
 BF16_RTOL = 6e-2

@@ -21,8 +21,11 @@ import itertools
 import threading
 from typing import Any, Callable, Optional
 
-import torch
-from torch import nn
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
 
 from xlaunch.kernels import freeze, measure
 from xlaunch.kernels.compare import BF16_RTOL, FP32_RTOL, outputs_close

@@ -17,8 +17,11 @@ import contextlib
 import warnings
 from typing import Any, Iterator
 
-import torch
-from torch import nn
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
 
 BACKENDS = ("inductor", "jit")
 

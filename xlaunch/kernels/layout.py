@@ -6,8 +6,11 @@ plain NCHW input, so callers need not convert their inputs. Values are unchanged
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
 
 CONV_ND = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 

@@ -24,8 +24,11 @@ import math
 import warnings
 from typing import Any, Callable, Iterable
 
-import torch
-from torch import Tensor
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import Tensor
 
 from xlaunch.kernels.splitbf16 import join_into, split, split_into
 

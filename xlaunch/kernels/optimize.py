@@ -45,8 +45,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-from torch import nn
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
 
 from xlaunch.kernels import dispatch, fold, freeze, layout, measure, precision, splitstate
 from xlaunch.kernels.compare import BF16_RTOL, FP32_RTOL, outputs_close

@@ -18,6 +18,8 @@ import time
 import warnings
 from typing import Any, Callable, Optional
 
+from xlaunch._torch import needs_torch
+
 MARKER = "XLAUNCH_PROBE"
 GEMM = 256          # M = N = K
 CONV = (4, 32, 28)  # batch, channels in = out, height = width; 3x3 kernel, padding 1
@@ -107,7 +109,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")   # quantized-tensor deprecation notices
-    import torch
+    try:
+        with needs_torch("xlaunch --check-isa --probe"):
+            import torch
+    except ImportError as exc:
+        if exc.name != "torch":
+            raise
+        sys.stderr.write(f"{exc}\n")   # one line for the parent to show, not a traceback
+        return 1
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

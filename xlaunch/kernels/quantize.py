@@ -30,8 +30,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
-import torch
-from torch import nn
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
 
 from xlaunch.kernels import quantize_policy as policy
 from xlaunch.kernels.compare import flat_tensors

@@ -10,8 +10,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-import torch
-from torch import nn
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
 
 # Compile-time noise: inductor's oneDNN lowering copies zero points with torch.tensor(tensor);
 # torchao's Int8Tensor has no stable cache hash.

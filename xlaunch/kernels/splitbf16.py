@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import sys
 
-import torch
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
 
 if sys.byteorder != "little":  # pragma: no cover - every torch CPU build we target is little-endian
     raise ImportError("split-bf16 storage assumes a little-endian host")

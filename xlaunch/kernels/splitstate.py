@@ -12,8 +12,11 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
-import torch
-from torch import nn
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
 
 from xlaunch.kernels.splitbf16 import join, split
 

@@ -12,7 +12,10 @@ import warnings
 from concurrent.futures import wait
 from typing import Any, Optional, Union
 
-from torch import nn
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    from torch import nn
 
 from xlaunch.runtime_ext.batching import (
     MultiStreamModuleHint,
