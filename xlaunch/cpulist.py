@@ -5,7 +5,9 @@ Used for sysfs files (``cpulist``, ``shared_cpu_list``), ``/proc/self/status``
 """
 from __future__ import annotations
 
-from typing import Iterable
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Iterable
 
 
 # Kernel limits: NR_CPUS is at most 8192 on x86 (MAXSMP) and NODES_SHIFT at most 10; a list

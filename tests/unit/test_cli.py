@@ -148,11 +148,14 @@ def test_readable_dry_run() -> None:
 
 
 def test_launcher_never_imports_torch() -> None:
+    """Nor what a plain launch does not need: click, dataclasses, inspect, typing (start-up cost)."""
     code = (
         "import sys; from xlaunch.launcher import cli\n"
         "status = cli.run(['--dry-run', '--json', '--ninstances', '2', '--no-python', 'true'])\n"
         "assert status == 0, status\n"
-        "heavy = sorted(m for m in ('torch', 'numpy', 'rich', 'cpuinfo', 'click') if m in sys.modules)\n"
+        "assert cli.run(['-q', '--ninstances', '1', '--no-python', 'true']) == 0\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'rich', 'cpuinfo', 'click', 'dataclasses', 'inspect', 'typing')\n"
+        "               if m in sys.modules)\n"
         "print('heavy:', heavy)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import subprocess
-import sys
 from typing import ClassVar, Optional
 
 import pytest
@@ -127,10 +125,3 @@ def test_pickle_and_copy_round_trip():
     assert pickle.loads(pickle.dumps(p)) == p
     assert copy.deepcopy(p) == p and copy.copy(p) == p
 
-
-def test_the_launch_path_defines_no_dataclass():
-    """What this module is for: the launcher imports neither dataclasses nor inspect."""
-    code = ("import sys\nfrom xlaunch.launcher import cli, plan, runner, machine\n"
-            "print(sorted({'dataclasses', 'inspect'} & set(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"

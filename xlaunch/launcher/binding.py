@@ -19,7 +19,9 @@ import errno
 import os
 import signal
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Iterator, Sequence
 
 # <linux/mempolicy.h>
 MPOL_DEFAULT = 0

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Mapping, Optional, Sequence, Union
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Any, Mapping, Optional, Sequence, Union
 
 from xlaunch._records import replace
 from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError, OptionError

@@ -10,7 +10,9 @@ answers, click's answer is the same.
 """
 from __future__ import annotations
 
-from typing import Sequence
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Sequence
 
 from xlaunch._records import record
 from xlaunch.launcher.cli_spec import COUNT, FLAG, OPTIONS, Opt

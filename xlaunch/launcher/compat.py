@@ -8,7 +8,9 @@ hidden option and calls :func:`translate` on what was given; ``docs/launcher.md`
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Any, Callable, Mapping, Optional
 
 from xlaunch._records import record
 from xlaunch.launcher.errors import OptionError

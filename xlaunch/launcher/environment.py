@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping, Optional, Sequence
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Mapping, Optional, Sequence
 
 from xlaunch._records import factory, record
 from xlaunch.cpulist import format_cpulist

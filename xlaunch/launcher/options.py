@@ -8,7 +8,9 @@ config file accepts exactly the option names the command line does.
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping, Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Any, Mapping, Optional
 
 from xlaunch._records import factory, fields, record
 from xlaunch.cpulist import MAX_ID, CpuListError, CpuListRangeError, parse_cpulist

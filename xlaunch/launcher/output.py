@@ -14,7 +14,9 @@ import os
 import select
 import sys
 import time
-from typing import BinaryIO, TextIO
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import BinaryIO, TextIO
 
 DEFAULT_MAX_LINE = 1 << 20
 

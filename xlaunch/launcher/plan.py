@@ -5,13 +5,15 @@ only reads them. ``Plan.to_json()`` is the ``--dry-run --json`` schema.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 
 from xlaunch._records import factory, record
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import PlanError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, Callable, Mapping, Optional
+
     from xlaunch.launcher.machine.model import Machine
     from xlaunch.launcher.options import Options
 

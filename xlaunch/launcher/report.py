@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Any, Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Any, Optional
 
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.machine.host import host_checks, host_json

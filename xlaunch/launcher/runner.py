@@ -25,7 +25,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import BinaryIO, Optional, TextIO
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import BinaryIO, Optional, TextIO
 
 from xlaunch._records import factory, record
 from xlaunch.cpulist import format_cpulist

@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import threading
-from typing import Callable, Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Callable, Optional
 
 from xlaunch.launcher.plan import Instance
 

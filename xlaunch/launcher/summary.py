@@ -12,7 +12,9 @@ nothing could be sampled).
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Any, Optional
 
 from xlaunch._records import record
 from xlaunch.cpulist import format_cpulist

@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Optional
 
 POLL = 0.05
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Optional
 
 
 def which(program: str, path: Optional[str] = None) -> Optional[str]:

@@ -8,7 +8,9 @@ subprocess or imports torch; missing or odd files become :attr:`Machine.notes`.
 from __future__ import annotations
 
 import os
-from typing import Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Optional
 
 from xlaunch.launcher.machine._files import Notes
 from xlaunch.launcher.machine.host import read_host

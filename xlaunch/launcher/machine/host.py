@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Iterable, Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Iterable, Optional
 
 from xlaunch._records import record
 from xlaunch.launcher.machine._files import join, list_numbered, read_text

@@ -7,7 +7,9 @@ when that file is missing or has no flags line (non-Linux systems, odd sandboxes
 from __future__ import annotations
 
 import os
-from typing import Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Optional
 
 from xlaunch.launcher.machine._files import Notes, join, read_until_blank_line
 from xlaunch.launcher.machine.model import Isa

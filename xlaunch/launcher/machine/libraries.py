@@ -12,7 +12,9 @@ import os
 import stat
 import struct
 import sys
-from typing import Iterable, Mapping, Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Iterable, Mapping, Optional
 
 from xlaunch.launcher.machine.model import Library
 

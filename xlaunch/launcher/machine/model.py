@@ -4,7 +4,9 @@ Every field says where it comes from; ``<root>`` is ``XLAUNCH_FSROOT`` (default 
 """
 from __future__ import annotations
 
-from typing import Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Optional
 
 from xlaunch._records import factory, record
 

@@ -8,7 +8,9 @@ offline CPUs and drops them from every sibling, shared-cache and node list.
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Iterable, Optional
 
 from xlaunch._records import record
 from xlaunch.launcher.machine._files import (
