@@ -72,7 +72,7 @@ def test_machine_summary():
 
 @pytest.mark.parametrize("name, fast", [
     ("xeon-2s-amx", {"fp32": True, "bf16": True, "fp16": True, "int8": True}),
-    ("epyc-4node-nps4", {"fp32": True, "bf16": False, "fp16": False, "int8": False}),
+    ("epyc-4node-nps4", {"fp32": True, "bf16": False, "fp16": False, "int8": True}),   # AVX2 int8 (measured)
     ("hybrid-laptop", {"fp32": True, "bf16": False, "fp16": False, "int8": True}),
     ("vm-adjacent-smt", {"fp32": True, "bf16": False, "fp16": False, "int8": True}),
 ])
@@ -85,6 +85,12 @@ def test_advice_reasons():
     assert isa_report(load("xeon-2s-amx"))["advice"]["bf16"]["why"].startswith("AMX-BF16")
     assert "AVX_VNNI" in isa_report(load("hybrid-laptop"))["advice"]["int8"]["why"]
     assert "AVX512_VNNI" in isa_report(load("vm-adjacent-smt"))["advice"]["int8"]["why"]
+    avx2_only = isa_report(load("epyc-4node-nps4"))["advice"]["int8"]["why"]
+    assert avx2_only.startswith("AVX2 integer multiply-adds, no VNNI") and "--probe" in avx2_only
+    sse = load("epyc-4node-nps4")
+    sse = replace(sse, isa=replace(sse.isa, flags=sse.isa.flags - {"avx2", "fma"}))
+    assert isa_report(sse)["advice"]["int8"] == {
+        "fast": False, "why": "no AMX_INT8, VNNI or AVX2: int8 matmuls run on SSE paths, rarely faster than fp32"}
 
 
 def test_amx_not_granted_falls_back_to_avx512_paths():
