@@ -15,7 +15,6 @@ At the end, runs ``bench/optimize_train.py`` (the training half) when it exists.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import subprocess
 import sys

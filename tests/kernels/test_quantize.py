@@ -7,7 +7,6 @@ the route tests through module-scoped fixtures.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import warnings

@@ -44,7 +44,6 @@ def synthetic_machine(
 ) -> Machine:
     """A machine with the given shape; ``efficiency_cores`` (single-threaded) go last, on node 0."""
     ncores_big = nodes * l3_per_node * cores_per_l3
-    ncores = ncores_big + efficiency_cores
     offline = set(offline)
     # core k -> (node, l3, threads)
     layout: list[tuple[int, int, list[int]]] = []

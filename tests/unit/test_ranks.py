@@ -12,10 +12,9 @@ import pytest
 from machine_trees import machine_tree
 
 from xlaunch._records import replace
-from xlaunch.launcher.environment import team_places
-
 from xlaunch.launcher import cli
-from xlaunch.launcher.distributed import plan_rank, rank_argv, rank_command, torchrun_options
+from xlaunch.launcher.distributed import plan_rank, rank_argv, rank_command, resolve_auto_ranks, torchrun_options
+from xlaunch.launcher.environment import team_places
 from xlaunch.launcher.errors import OptionError, PlanError
 from xlaunch.launcher.machine import load_machine
 from xlaunch.launcher.options import Options
@@ -268,6 +267,29 @@ def test_torchrun_spellings_and_front_options(dash: bool) -> None:
     assert logged[-7:] == ["--shutdown-timeout", "1", "--log-dir", "/tmp/logs", "--tee", "3", "--no-python"]
 
 
+@pytest.mark.parametrize("tree, extra, ranks", [
+    ("xeon-2s-amx", (), 2), ("epyc-4node-nps4", (), 4), ("epyc-4node-nps4", ("--nodes-list", "1-3"), 3),
+    ("xeon-max-snc4-hbm", (), 8), ("container-cpuset", (), 1), ("hybrid-laptop", (), 1),
+])
+def test_nproc_per_node_auto_is_one_rank_per_node_with_cpus(tree: str, extra: tuple, ranks: int) -> None:
+    """auto: what --throughput-mode would start, one rank per NUMA node (memory-only nodes have
+    none); the ranks, planning from torchrun's variables, get the front's slices, each in its node."""
+    machine = machine_of(tree)
+    options = parse("--nproc-per-node", "AUTO", *extra, "--dry-run", "examples/train.py")
+    assert options.nproc_per_node == "auto"
+    resolved = resolve_auto_ranks(options, machine, {})
+    assert resolved.nproc_per_node == ranks and torchrun_options(resolved)[:2] == ["--nproc-per-node", str(ranks)]
+    throughput = plan(replace(options, nproc_per_node=None, throughput_mode=True), machine, {})
+    front = plan(rank_plan_options(resolved, ranks), machine, {})
+    assert [i.cpus for i in front.instances] == [i.cpus for i in throughput.instances]
+    worker = parse(*rank_command(resolved)[3:-2], "--dry-run", "examples/train.py")
+    for rank in range(ranks):
+        local, node_plan, _ = plan_rank(worker, machine, engine_env("torchrun", rank, ranks))
+        mine = node_plan.instances[local.rank]
+        assert (mine.cpus, mine.mem_nodes) == (front.instances[rank].cpus, front.instances[rank].mem_nodes)
+        assert len({machine.cpu(c).node for c in mine.cpus}) == 1
+
+
 @pytest.mark.parametrize(
     "argv, option",
     [
@@ -282,6 +304,8 @@ def test_torchrun_spellings_and_front_options(dash: bool) -> None:
         (["--nproc-per-node", "2", "--master-port", "70000"], "--master-port"),
         (["--reserve-cores", "-1"], "--reserve-cores"),
         (["--per-rank", "--log-dir", "/tmp"], "--log-dir"),
+        (["--nproc-per-node", "cpu"], "--nproc-per-node"),
+        (["--nproc-per-node", "autox"], "--nproc-per-node"),
     ],
 )
 def test_bad_distributed_options(argv: list, option: str) -> None:

@@ -19,6 +19,7 @@ import errno
 import os
 import signal
 from contextlib import contextmanager
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Iterator, Sequence

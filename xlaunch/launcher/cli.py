@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import os
 import sys
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Any, Mapping, Optional, Sequence, Union
 
 from xlaunch._records import replace
-from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError, OptionError
 from xlaunch.launcher.cli_parse import CommandLine, parse_fast
 from xlaunch.launcher.cli_spec import COMPLETE_VAR, NOT_OPTIONS
+from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError, OptionError
 from xlaunch.launcher.options import Options, build_options
+
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console-script entry point. A Ctrl-C before the runner took over signals is exit 130 with

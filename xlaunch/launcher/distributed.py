@@ -223,6 +223,7 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any, *, l
     """Plan N slices like ``--ninstances N``; print them, or run torch's agent with pinned ranks."""
     from xlaunch.launcher.plan import plan
 
+    options = resolve_auto_ranks(options, machine, environ)
     try:
         node_plan = plan(rank_plan_options(options, int(options.nproc_per_node or 1)), machine, environ)
     except PlanError as exc:   # the shape came from --nproc-per-node, not --ninstances
@@ -253,6 +254,22 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any, *, l
             return 0
     _refuse_recorded(live, machine, options)
     return run_agent(agent, worker, environ)
+
+
+def resolve_auto_ranks(options: "Options", machine: Any, environ: Mapping[str, str]) -> "Options":
+    """``--nproc-per-node auto``: as many ranks as ``--throughput-mode`` would make instances (one
+    per NUMA node with CPUs this process may use, within ``--nodes-list``/``--cores-list``), each
+    kept inside its node (``--bind-numa-node``) so every rank plans the same slices."""
+    if options.nproc_per_node != "auto":
+        return options
+    from xlaunch.launcher.plan import plan
+
+    shape = replace(options, nproc_per_node=None, throughput_mode=True, ncores_per_instance=None, reserve_cores=0)
+    try:
+        count = len(plan(shape, machine, environ).instances)
+    except PlanError as exc:
+        raise PlanError("--nproc-per-node", f"auto: {exc.problem}") from None
+    return replace(options, nproc_per_node=count, bind_numa_node=options.bind_numa_node or count > 1)
 
 
 def run_agent(agent: list[str], worker: list[str], environ: Mapping[str, str]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Mapping, Optional, Sequence

@@ -8,6 +8,7 @@ config file accepts exactly the option names the command line does.
 from __future__ import annotations
 
 import sys
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Any, Mapping, Optional
@@ -76,7 +77,7 @@ class Options:
     verbosity: int = 0                       # -v: +1 each, -q: -1 each
     notes: tuple[str, ...] = ()              # what old (ipexrun/run_cpu) spellings were taken to mean
     # distributed (xlaunch/launcher/distributed.py, ranks.py; docs/distributed.md)
-    nproc_per_node: Optional[int] = None     # torchrun front: ranks on this node
+    nproc_per_node: Optional[int | str] = None   # torchrun front: ranks on this node, or "auto"
     nnodes: Optional[str] = None             # "M" or "MIN:MAX" (torchrun's spelling)
     node_rank: Optional[int] = None
     master_addr: Optional[str] = None
@@ -113,7 +114,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 # -- distributed options (validated by validate_distributed)
 _KINDS.update({
-    "nproc_per_node": "count", "nnodes": "text", "node_rank": "int", "master_addr": "text",
+    "nproc_per_node": "ranks", "nnodes": "text", "node_rank": "int", "master_addr": "text",
     "master_port": "int", "rdzv_backend": "text", "rdzv_endpoint": "text", "rdzv_id": "text",
     "max_restarts": "int", "per_rank": "flag", "reserve_cores": "int",
 })
@@ -190,6 +191,14 @@ def _convert(name: str, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise OptionError(option, f"expected true or false, got {value!r}{where}")
         return value
+    if kind == "ranks":          # --nproc-per-node: N, or auto (one rank per NUMA node with CPUs)
+        word = value.strip().lower() if isinstance(value, str) else None
+        if word == "auto":
+            return word
+        if word in ("cpu", "gpu", "cuda", "xpu"):
+            raise OptionError(option, f"torchrun's {word!r} is not taken: give N, or auto for one rank per "
+                                      f"NUMA node with CPUs{where}")
+        kind = "count"
     if kind in ("count", "int"):
         number = _as_int(option, value, where)
         if kind == "count" and number < 1:

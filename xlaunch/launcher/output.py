@@ -14,6 +14,7 @@ import os
 import select
 import sys
 import time
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import BinaryIO, TextIO

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import BinaryIO, Optional, TextIO

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import threading
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Callable, Optional

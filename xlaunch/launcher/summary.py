@@ -12,6 +12,7 @@ nothing could be sampled).
 from __future__ import annotations
 
 import os
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Any, Optional

@@ -8,6 +8,7 @@ subprocess or imports torch; missing or odd files become :attr:`Machine.notes`.
 from __future__ import annotations
 
 import os
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Optional

@@ -6,6 +6,7 @@ sysfs files are tiny and are read with one ``os.read``; anything missing or unre
 from __future__ import annotations
 
 import os
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Optional

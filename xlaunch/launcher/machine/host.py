@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Iterable, Optional

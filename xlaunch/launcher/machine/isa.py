@@ -7,6 +7,7 @@ when that file is missing or has no flags line (non-Linux systems, odd sandboxes
 from __future__ import annotations
 
 import os
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Optional

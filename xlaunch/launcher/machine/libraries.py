@@ -12,6 +12,7 @@ import os
 import stat
 import struct
 import sys
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Iterable, Mapping, Optional

@@ -8,6 +8,7 @@ process's cgroup to the root: v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us / cpu.cfs_
 from __future__ import annotations
 
 import os
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Iterable, Optional

@@ -8,6 +8,7 @@ offline CPUs and drops them from every sibling, shared-cache and node list.
 from __future__ import annotations
 
 import os
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Iterable, Optional
