@@ -121,6 +121,29 @@ def test_ipex_script_optimize_trace_freeze_run(image: torch.Tensor) -> None:
     assert close(run(model, image), frozen_again(image))
 
 
+def test_jit_script_of_the_optimized_module_compiles_its_rewritten_forward(image: torch.Tensor) -> None:
+    model = trained_net(2)
+    optimized = optimize(model, sample_input=image, **QUIET)
+    scripted = torch.jit.script(optimized)
+    assert close(run(model, image), run(scripted, image))
+    assert scripted.conv.weight.data_ptr() == optimized.conv.weight.data_ptr()   # folded, shared
+    with torch.no_grad():
+        assert close(run(model, image), torch.jit.freeze(scripted)(image))
+    assert dispatch.of(optimized) is not None and close(run(model, image), run(optimized, image))
+    copied = copy.deepcopy(optimized)
+    assert copied.__prepare_scriptable__.module is copied
+    assert close(run(model, image), run(torch.jit.script(copied), image))
+
+
+def test_jit_script_of_a_bf16_module_is_refused_naming_what_works(image: torch.Tensor) -> None:
+    optimized = optimize(trained_net(0), sample_input=image, dtype=torch.bfloat16, force_bf16=True, **QUIET)
+    with pytest.raises(RuntimeError, match=r"runs it under torch.bfloat16 autocast.*use torch.jit.trace under"):
+        torch.jit.script(optimized)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        traced = torch.jit.trace(optimized, image)
+    assert close(run(optimized, image), run(traced, image).float(), rtol=2e-2)
+
+
 def test_ipex_script_optimize_then_load_an_unoptimized_checkpoint(image: torch.Tensor) -> None:
     checkpoint = trained_net(2).state_dict()      # saved from the plain model
     expected = trained_net(2)

@@ -12,7 +12,9 @@ eager result. When the module's parameters or buffers change (``load_state_dict`
 parameter object replaced by hand (``module.weight = nn.Parameter(...)``) is not seen.
 
 ``torch.jit.trace(model, x)`` of the module records the eager forward, so tracing and freezing it
-yourself keeps working. ``--auto-optimize`` uses the same class.
+yourself keeps working; ``torch.jit.script(model)`` compiles the class's (rewritten) forward on a
+shallow copy without the dispatcher (:class:`PrepareScriptable`). ``--auto-optimize`` uses the
+same class.
 """
 from __future__ import annotations
 
@@ -224,10 +226,37 @@ class RefreshAfterLoad:
             forward.refresh()
 
 
+_INSTANCE_ONLY = ("forward", "__prepare_scriptable__")
+
+
+class PrepareScriptable:
+    """The optimized module's ``__prepare_scriptable__`` (``torch.jit.script`` calls it first): a
+    shallow copy without the instance-level forward, so script compiles the class's forward over
+    the rewritten submodules and shared parameters. A bf16/fp16 module runs under autocast, which
+    script cannot carry: it is refused, naming what works (trace under autocast, torch.compile)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self) -> nn.Module:
+        module = self.module
+        forward = of(module)
+        if forward is not None and forward.autocast_dtype is not None:
+            raise RuntimeError(
+                f"torch.jit.script cannot compile this {type(module).__name__}: optimize() runs it under "
+                f"{forward.autocast_dtype} autocast, which a script does not carry; use torch.jit.trace under "
+                f"torch.autocast('cpu', dtype={forward.autocast_dtype}), or torch.compile")
+        clone = type(module).__new__(type(module))
+        clone.__dict__.update({k: v for k, v in module.__dict__.items() if k not in _INSTANCE_ONLY})
+        own = getattr(type(module), "__prepare_scriptable__", None)   # the class's own, if any
+        return own(clone) if own is not None else clone
+
+
 def install(module: nn.Module, **options: Any) -> OptimizedForward:
     """Set an OptimizedForward as ``module``'s forward (replacing one installed before)."""
     forward = OptimizedForward(module, **options)
     module.forward = forward   # type: ignore[method-assign]
+    module.__prepare_scriptable__ = PrepareScriptable(module)   # type: ignore[method-assign]
     if not any(isinstance(hook, RefreshAfterLoad) for hook in module._load_state_dict_post_hooks.values()):
         module.register_load_state_dict_post_hook(RefreshAfterLoad())
     return forward
