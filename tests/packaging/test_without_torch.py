@@ -94,3 +94,9 @@ def test_probe_child_without_torch_says_how_to_get_it(tmp_path):
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr == ("xlaunch: error: --probe: the probe child exited with status 1: "
                              f"xlaunch --check-isa --probe needs PyTorch, which is not installed here: {HINT}\n")
+
+
+def test_check_isa_torch_without_torch_says_how_to_get_it():
+    result = python("import sys\nfrom xlaunch.launcher import cli\nsys.exit(cli.run(['--check-isa', '--torch']))\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1].endswith(f"); to install it: {HINT}"), result.stdout

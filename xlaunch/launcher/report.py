@@ -219,7 +219,7 @@ def format_isa(report: dict[str, Any]) -> str:
     if torch_info is not None:
         out.append("")
         if not torch_info.get("available"):
-            out.append(f"torch: not importable ({torch_info.get('error')})")
+            out.append(f"torch: not importable ({torch_info.get('error')}); to install it: pip install \"xlaunch[torch]\"")
         else:
             out.append(f"torch {torch_info['version']}: cpu capability {torch_info['cpu_capability']}, "
                        f"oneDNN {torch_info['onednn_version'] or '?'}"
