@@ -196,6 +196,32 @@ def test_sigterm_needing_sigkill_exits_143(tmp_path) -> None:
         cleanup(pids)
 
 
+INTERRUPT_AT = """
+import runpy, sys
+def trace(frame, event, arg):
+    code = frame.f_code
+    if event == "call" and code.co_name == {name!r} and code.co_filename.endswith({where!r}):
+        sys.settrace(None)
+        raise KeyboardInterrupt
+sys.settrace(trace)
+sys.argv = ["xlaunch", "--no-python", "true"]
+runpy.run_module("xlaunch", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("name, where", [
+    ("main", "xlaunch/launcher/__init__.py"), ("main", "xlaunch/launcher/cli.py"), ("run", "xlaunch/launcher/cli.py"),
+    ("parse_fast", "xlaunch/launcher/cli_parse.py"), ("options_from", "xlaunch/launcher/cli.py"),
+    ("load_machine", "xlaunch/launcher/machine/__init__.py"), ("plan", "xlaunch/launcher/plan.py"),
+])
+def test_ctrl_c_at_each_step_before_the_runner(name: str, where: str) -> None:
+    """A KeyboardInterrupt exactly at the entry of each function on the way to the runner (the
+    moments a real Ctrl-C hits only by chance; CI once hit the entry of cli.main): exit 130."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPT_AT.format(name=name, where=where)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (130, ""), done.stderr
+
+
 def test_ctrl_c_before_the_runner_is_exit_130_without_traceback(tmp_path) -> None:
     """SIGINT while xlaunch is still importing and planning: nothing started, no traceback."""
     program = tmp_path / "prog.py"

@@ -2,10 +2,12 @@
 
 
 def main() -> None:
-    """Console-script entry point. A Ctrl-C while the CLI is still being imported is exit 130
-    without a traceback: nothing has started yet."""
+    """Console-script entry point. A Ctrl-C before the runner took over signals (while the CLI
+    is imported, or between that and the CLI's own handling) is exit 130 without a traceback:
+    nothing has started yet."""
     try:
         from xlaunch.launcher.cli import main as run_cli
+
+        run_cli()
     except KeyboardInterrupt:
         raise SystemExit(130) from None
-    run_cli()
