@@ -213,6 +213,7 @@ runpy.run_module("xlaunch", run_name="__main__", alter_sys=True)
     ("main", "xlaunch/launcher/__init__.py"), ("main", "xlaunch/launcher/cli.py"), ("run", "xlaunch/launcher/cli.py"),
     ("parse_fast", "xlaunch/launcher/cli_parse.py"), ("options_from", "xlaunch/launcher/cli.py"),
     ("load_machine", "xlaunch/launcher/machine/__init__.py"), ("plan", "xlaunch/launcher/plan.py"),
+    ("run_plan", "xlaunch/launcher/runner.py"),
 ])
 def test_ctrl_c_at_each_step_before_the_runner(name: str, where: str) -> None:
     """A KeyboardInterrupt exactly at the entry of each function on the way to the runner (the
