@@ -58,15 +58,17 @@ def record(cls=None, *, frozen: bool = True):
                 raise TypeError(f"{cls.__name__}: field {name!r} without a default follows {seen_default!r}")
         setattr(cls, _FIELDS, tuple(names))
         setattr(cls, _DEFAULTS, defaults)
-        cls.__init__ = _init
-        cls.__repr__ = _repr
-        cls.__eq__ = _eq
+        own = cls.__dict__
+        # a class's own __hash__ counts, not the None Python sets when it defines __eq__ only
+        explicit_hash = own.get("__hash__", None) is not None
+        methods = {"__init__": _init, "__repr__": _repr, "__eq__": _eq}
         if frozen:
-            cls.__hash__ = _hash
-            cls.__setattr__ = _refuse_set
-            cls.__delattr__ = _refuse_delete
-        else:
-            cls.__hash__ = None
+            methods.update(__setattr__=_refuse_set, __delattr__=_refuse_delete)
+        for name, method in methods.items():
+            if name not in own:          # what the class defines itself stays, as with dataclasses
+                setattr(cls, name, method)
+        if not explicit_hash:
+            cls.__hash__ = _hash if frozen else None
         return cls
 
     return build if cls is None else build(cls)

@@ -125,3 +125,20 @@ def test_pickle_and_copy_round_trip():
     assert pickle.loads(pickle.dumps(p)) == p
     assert copy.deepcopy(p) == p and copy.copy(p) == p
 
+
+
+def test_methods_the_class_defines_stay() -> None:
+    @record
+    class Named:
+        name: str
+        size: int = 0
+
+        def __repr__(self) -> str:
+            return f"<{self.name}>"
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Named) and other.name == self.name
+
+    assert repr(Named("a", 1)) == "<a>" and Named("a", 1) == Named("a", 2)
+    with pytest.raises(FrozenRecordError):
+        Named("a").size = 1
