@@ -64,9 +64,8 @@ def test_counts_flags_and_last_value_wins() -> None:
     assert (line.params["verbose"], line.params["quiet"], line.params["ninstances"]) == (2, 1, "3")
     assert line.params["dry_run"] is True and line.command == ("p",)
     assert line.given == {"verbose", "quiet", "ninstances", "dry_run"}
-    untouched = [opt.name for opt in OPTIONS if opt.name not in line.given]
-    assert all(line.params[name] == (0 if kind == COUNT else None)
-               for name, kind in ((o.name, o.kind) for o in OPTIONS if o.name in untouched))
+    assert all(line.params[opt.name] == (0 if opt.kind == COUNT else None)
+               for opt in OPTIONS if opt.name not in line.given)
     assert {o.kind for o in OPTIONS} == {FLAG, COUNT, "value"}
 
 

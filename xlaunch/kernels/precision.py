@@ -57,24 +57,24 @@ def flags_from_cpuinfo(path: Path) -> frozenset[str]:
     return frozenset()
 
 
-def bf16_unsupported_reason(flags: frozenset[str]) -> Optional[str]:
-    """None when bf16 runs natively, else why it should not be used."""
-    if any(flag in flags for flag in BF16_FLAGS):
+def _unsupported_reason(name: str, native: tuple[str, str], flags: frozenset[str]) -> Optional[str]:
+    """None when one of the ``native`` flags is present, else why ``name`` should not be used."""
+    if any(flag in flags for flag in native):
         return None
     if not flags:
-        return "the CPU flags could not be read, so native bf16 support is unknown"
-    return ("this CPU has neither AVX512_BF16 nor AMX_BF16, so bf16 matmuls/convolutions are emulated "
-            "and slower than fp32")
+        return f"the CPU flags could not be read, so native {name} support is unknown"
+    return (f"this CPU has neither {native[0].upper()} nor {native[1].upper()}, so {name} "
+            "matmuls/convolutions are emulated and slower than fp32")
+
+
+def bf16_unsupported_reason(flags: frozenset[str]) -> Optional[str]:
+    """None when bf16 runs natively, else why it should not be used."""
+    return _unsupported_reason("bf16", BF16_FLAGS, flags)
 
 
 def fp16_unsupported_reason(flags: frozenset[str]) -> Optional[str]:
     """None when fp16 runs natively, else why it should not be used."""
-    if any(flag in flags for flag in FP16_FLAGS):
-        return None
-    if not flags:
-        return "the CPU flags could not be read, so native fp16 support is unknown"
-    return ("this CPU has neither AVX512_FP16 nor AMX_FP16, so fp16 matmuls/convolutions are emulated "
-            "and slower than fp32")
+    return _unsupported_reason("fp16", FP16_FLAGS, flags)
 
 
 def resolve_dtype(dtype: Optional[torch.dtype], force_bf16: bool,

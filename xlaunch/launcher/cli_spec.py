@@ -137,6 +137,5 @@ OPTIONS: tuple[Opt, ...] = (
 
 COMPLETE_VAR = "_XLAUNCH_COMPLETE"   # click's shell completion protocol (xlaunch completion)
 HELP_FLAGS = ("-h", "--help")
-VERSION_FLAG = "--version"
 # parameters that are about this invocation, not launch options
 NOT_OPTIONS = frozenset({"command", "verbose", "quiet", "config", "check_isa", "torch", "probe", "show_topology"})
