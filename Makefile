@@ -10,6 +10,7 @@ demo: setup
 	.venv/bin/xlaunch --ninstances 2 --ncore_per_instance 1 examples/infer.py
 
 test: setup
+	.venv/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: setup

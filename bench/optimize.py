@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "examples"))
 from infer import small_cnn  # noqa: E402
 
 from xlaunch.kernels import optimize  # noqa: E402
-from xlaunch.kernels.precision import bf16_unsupported_reason, isa_flags  # noqa: E402
+from xlaunch.kernels.optimize.precision import bf16_unsupported_reason, isa_flags  # noqa: E402
 
 TARGET_FP32, TARGET_BF16 = 1.5, 1.7
 

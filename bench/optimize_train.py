@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from xlaunch.kernels.optim import TRAIL_KEY, to_fused
+from xlaunch.kernels.optim.fused import TRAIL_KEY, to_fused
 
 
 def mlp() -> nn.Module:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "examples"))
 from infer import small_cnn  # noqa: E402
 
 from xlaunch.kernels import optimize  # noqa: E402
-from xlaunch.kernels.quantize import QuantizeWarning, accuracy, quantize  # noqa: E402
+from xlaunch.kernels.quantize.api import QuantizeWarning, accuracy, quantize  # noqa: E402
 
 SHAPES = {"cnn": (8, 3, 32, 32), "encoder": (8, 64, 256), "mlp": (64, 784)}
 

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from xlaunch.launcher.machine.archive import unpack_archive
+from xlaunch.machine.archive import unpack_archive
 
 ARCHIVES = Path(__file__).resolve().parent / "machines"
 SUFFIX = ".tar.xz"

@@ -5,6 +5,11 @@ nothing here imports torch.
 """
 from __future__ import annotations
 
+from xlaunch import _moved
+from xlaunch._lazy import lazy_exports
+
+_moved.install()
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -22,17 +27,4 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'xlaunch' has no attribute {name!r}")
-    from xlaunch._torch import load_attribute
-
-    value = load_attribute(module, name, f"xlaunch.{name}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -3,7 +3,7 @@
 The lazy exports of :mod:`xlaunch`, :mod:`xlaunch.runtime_ext` and :mod:`xlaunch.kernels` load
 their modules through :func:`load_attribute`, and every module that needs torch imports it inside
 ``with needs_torch(__name__):``, so ``xlaunch.optimize``, ``xlaunch.MultiStreamModule`` or
-``import xlaunch.kernels.fold`` without torch says what to do instead of
+``import xlaunch.kernels.optimize.fold`` without torch says what to do instead of
 ``ModuleNotFoundError: No module named 'torch'``. Imports nothing heavy.
 """
 from __future__ import annotations
@@ -55,3 +55,4 @@ def load_attribute(module: str, name: str, what: str) -> object:
     does for ``what``."""
     with needs_torch(what):
         return getattr(importlib.import_module(module), name)
+

@@ -26,7 +26,7 @@ from typing import Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 from xlaunch.cpulist import format_cpulist, parse_cpulist  # noqa: E402
-from xlaunch.launcher.machine.archive import write_archive  # noqa: E402
+from xlaunch.machine.archive import write_archive  # noqa: E402
 
 THP_UBUNTU = ("always [madvise] never", "always defer defer+madvise [madvise] never")
 THP_ALWAYS = ("[always] madvise never", "always defer defer+madvise [madvise] never")

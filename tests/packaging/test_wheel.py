@@ -62,13 +62,13 @@ def test_the_wheel_holds_the_data_files_and_both_commands(installed):
         meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
         metadata = archive.read(meta).decode()
         entry_points = archive.read(meta.replace("METADATA", "entry_points.txt")).decode()
-    for path in ("xlaunch/py.typed", "xlaunch/configs/throughput.toml", "xlaunch/kernels/_inject/sitecustomize.py",
-                 "xlaunch/launcher/machine/record.py"):
+    for path in ("xlaunch/py.typed", "xlaunch/configs/throughput.toml", "xlaunch/kernels/inject/site/sitecustomize.py",
+                 "xlaunch/machine/record.py"):
         assert path in names, path
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "Requires-Dist: torch>=2.13; extra == \"torch\"" in metadata
     assert "License-Expression: Apache-2.0" in metadata
-    assert "xlaunch-record-machine = xlaunch.launcher.machine.record:main" in entry_points
+    assert "xlaunch-record-machine = xlaunch.machine.record:main" in entry_points
 
 
 def test_without_torch_the_launcher_and_recorder_work(installed, tmp_path):

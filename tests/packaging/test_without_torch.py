@@ -27,7 +27,7 @@ def test_one_import_error_names_the_extra(expression):
 
 def test_what_does_not_need_torch_still_loads():
     result = python("import xlaunch\nprint(xlaunch.CPUPool, xlaunch.Task, xlaunch.pin)\n"
-                    "from xlaunch.launcher.machine import load_machine; load_machine()\n")
+                    "from xlaunch.machine import load_machine; load_machine()\n")
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
@@ -45,7 +45,7 @@ WALK = """
 import importlib, json, pkgutil, xlaunch
 outcome = {}
 for info in pkgutil.walk_packages(xlaunch.__path__, "xlaunch.", onerror=lambda name: None):
-    if info.name == "xlaunch.kernels._inject.sitecustomize":
+    if info.name == "xlaunch.kernels.inject.site.sitecustomize":
         continue
     try:
         importlib.import_module(info.name)
@@ -69,15 +69,15 @@ def test_every_module_imports_or_names_the_extra():
     source = Path(xlaunch.__file__).parent
     expected = {".".join(("xlaunch",) + path.relative_to(source).with_suffix("").parts)
                 for path in source.rglob("*.py") if path.name != "__init__.py"} - {
-        "xlaunch.kernels._inject.sitecustomize"}
+        "xlaunch.kernels.inject.site.sitecustomize"}
     assert expected <= set(outcome), sorted(expected - set(outcome))   # the walk missed none
     wrong = {name: error for name, error in outcome.items()
              if error is not None and error != ["ImportError", "torch", missing_torch_message(name)]}
     assert not wrong, wrong
     needing = {name for name, error in outcome.items() if error is not None}
-    assert {"xlaunch.kernels.optimize", "xlaunch.kernels.fold", "xlaunch.kernels.quantize",
+    assert {"xlaunch.kernels.optimize.pipeline", "xlaunch.kernels.optimize.fold", "xlaunch.kernels.quantize.api",
             "xlaunch.runtime_ext.streams"} <= needing
-    assert {"xlaunch", "xlaunch.launcher.cli", "xlaunch.runtime_ext.task",
+    assert {"xlaunch", "xlaunch.launcher.cli.command", "xlaunch.runtime_ext.task",
             "xlaunch.runtime_ext.batching", "xlaunch.kernels.probe_worker"}.isdisjoint(needing)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from xlaunch.configs import load_config
-from xlaunch.launcher.options import SETTABLE, build_options
+from xlaunch.launcher.plan.options import SETTABLE, build_options
 from xlaunch.tune import tomlfile
 from xlaunch.tune.candidate import MANAGED, config_table
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from machine_trees import machine_tree
 
-from xlaunch.launcher.machine import load_machine
+from xlaunch.machine import load_machine
 from xlaunch.tune.space import SpaceError, default_space, parse_space, point_key
 
 

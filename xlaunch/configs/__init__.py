@@ -29,17 +29,6 @@ def preset_names() -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def load_config_option(spec: str) -> tuple[dict[str, Any], str]:
-    """:func:`load_config` for a ``--config`` value: a problem is an
-    :class:`~xlaunch.launcher.errors.OptionError` naming ``--config`` (one line, exit 2)."""
-    from xlaunch.launcher.errors import OptionError
-
-    try:
-        return load_config(spec)
-    except ConfigError as exc:
-        raise OptionError("--config", str(exc)) from None
-
-
 def load_config(spec: str) -> tuple[dict[str, Any], str]:
     """Read a preset by name or a TOML file by path; return ``(table, source)``.
 

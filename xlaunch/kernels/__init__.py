@@ -1,31 +1,28 @@
-"""The bundled optimizer library: ``optimize`` (inference/training model rewrites) and fused
-optimizers with split-bf16 master weights, and
-INT8 ``quantize``/``load_quantized``. Imports torch lazily, on first attribute use."""
+"""The bundled optimizer library. Imports torch lazily, on first attribute use.
+
+* :mod:`.optimize`: ``optimize()``, model rewrites (folding, layout, precision, frozen graphs)
+* :mod:`.optim`: fused optimizers with split-bf16 master weights
+* :mod:`.quantize`: INT8 ``quantize``/``load_quantized`` (torchao's PT2E flow)
+* :mod:`.inject`: ``xlaunch --auto-optimize``, the optimizer library in an unmodified program
+* :mod:`.probe_worker`: ``xlaunch --check-isa --probe``, what each dtype really reaches here
+"""
 from __future__ import annotations
 
-from typing import Any
-
-from xlaunch._torch import load_attribute
+from xlaunch._lazy import lazy_exports
 
 _LAZY = {
-    "optimize": "xlaunch.kernels.optimize",
-    "FusedSGD": "xlaunch.kernels.optim",
-    "FusedAdagrad": "xlaunch.kernels.optim",
-    "FusedAdam": "xlaunch.kernels.optim",
-    "FusedAdamW": "xlaunch.kernels.optim",
-    "FusedLamb": "xlaunch.kernels.optim",
-    "to_fused": "xlaunch.kernels.optim",
-    "quantize": "xlaunch.kernels.quantize",
-    "load_quantized": "xlaunch.kernels.quantize",
+    "optimize": "xlaunch.kernels.optimize.pipeline",
+    "FusedSGD": "xlaunch.kernels.optim.fused",
+    "FusedAdagrad": "xlaunch.kernels.optim.fused",
+    "FusedAdam": "xlaunch.kernels.optim.fused",
+    "FusedAdamW": "xlaunch.kernels.optim.fused",
+    "FusedLamb": "xlaunch.kernels.optim.fused",
+    "to_fused": "xlaunch.kernels.optim.fused",
+    "master_params": "xlaunch.kernels.optim.fused",
+    "quantize": "xlaunch.kernels.quantize.api",
+    "load_quantized": "xlaunch.kernels.quantize.api",
 }
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'xlaunch.kernels' has no attribute {name!r}")
-    value = load_attribute(module, name, f"xlaunch.kernels.{name}")
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -1,4 +1,4 @@
-"""The launcher: ``xlaunch [OPTIONS] PROGRAM [ARGS]`` (see :mod:`xlaunch.launcher.cli`)."""
+"""The launcher: ``xlaunch [OPTIONS] PROGRAM [ARGS]`` (see :mod:`xlaunch.launcher.cli.command`)."""
 
 
 def main() -> None:
@@ -6,7 +6,7 @@ def main() -> None:
     is imported, or between that and the CLI's own handling) is exit 130 without a traceback:
     nothing has started yet."""
     try:
-        from xlaunch.launcher.cli import main as run_cli
+        from xlaunch.launcher.cli.command import main as run_cli
 
         run_cli()
     except KeyboardInterrupt:

@@ -8,9 +8,8 @@ changed.
 """
 from __future__ import annotations
 
-from typing import Any
 
-from xlaunch._torch import load_attribute
+from xlaunch._lazy import lazy_exports
 from xlaunch.runtime_ext import topology as _topology  # noqa: F401 - notes the affinity at import
 
 _LAZY = {
@@ -33,15 +32,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'xlaunch.runtime_ext' has no attribute {name!r}")
-    value = load_attribute(module, name, f"xlaunch.runtime_ext.{name}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -100,7 +100,7 @@ def process_cpu_set() -> tuple[int, ...]:
 
     Under a recorded machine (``XLAUNCH_FSROOT``) it is the recorded ``Cpus_allowed_list``.
     """
-    from xlaunch.launcher.machine import current_machine
+    from xlaunch.machine import current_machine
 
     machine = current_machine()
     key = (os.getpid(), machine.root)
@@ -128,7 +128,7 @@ def clear_cache() -> None:
 
 def allowed_cores() -> tuple[AllowedCore, ...]:
     """Allowed physical cores in machine order (by node, L3, package, core)."""
-    from xlaunch.launcher.machine import current_machine
+    from xlaunch.machine import current_machine
 
     allowed = set(process_cpu_set())
     cores = []

@@ -1,7 +1,7 @@
 """A point of the space as the launcher sees it: a config file, checked by ``xlaunch --dry-run``.
 
 :func:`prepare` merges the point over the fixed options with the launcher's own
-:func:`~xlaunch.launcher.options.build_options`, writes the result as a flat config file, and
+:func:`~xlaunch.launcher.plan.options.build_options`, writes the result as a flat config file, and
 runs the launcher's command line on it in-process with ``--dry-run --json``: the same path
 ``xlaunch --config FILE PROGRAM`` takes, so a point it rejects (an option conflict, a shape
 that does not fit the machine, a library that is not installed) is skipped with the launcher's
@@ -16,8 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from xlaunch.launcher.errors import OptionError
-from xlaunch.launcher.options import SETTABLE, Options, build_options, option_fields
+from xlaunch.launcher.api import SETTABLE, OptionError, Options, build_options, option_fields
 from xlaunch.tune import tomlfile
 from xlaunch.tune.space import Point
 
@@ -90,11 +89,11 @@ def prepare(program: Program, point: Point, path: str) -> Candidate | Skipped:
 
 def dry_run(config_path: str, command: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> tuple[int, str, str]:
     """``xlaunch --config FILE --dry-run --json PROGRAM ARGS`` in-process: (status, stdout, stderr)."""
-    from xlaunch.launcher import cli
+    from xlaunch.launcher.api import run_command_line
 
     out, err = io.StringIO(), io.StringIO()
     argv = ["--config", config_path, "--dry-run", "--json", "-q", *command]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.run(argv, environ=dict(os.environ if environ is None else environ))
+        code = run_command_line(argv, os.environ if environ is None else environ)
     return code, out.getvalue(), err.getvalue()
 

@@ -17,8 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import click
 
-from xlaunch.launcher import cli_click as launcher_cli
-from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError
+from xlaunch.launcher.api import USAGE_EXIT_STATUS, LaunchInputError, click_options
 from xlaunch.tune.objective import AGGREGATES, GOALS
 from xlaunch.tune.strategies import STRATEGIES
 
@@ -27,7 +26,7 @@ DEFAULT_SAMPLED_TRIALS = 20
 # launcher parameters that make no sense as fixed trial options (the tuner manages them)
 NOT_FIXED = frozenset({"command", "verbose", "quiet", "check_isa", "torch", "show_topology", "dry_run",
                        "json", "log_dir", "log_file_prefix", "instance_idx", "version"})
-LAUNCHER_PARAMS = [p for p in launcher_cli.command.params if isinstance(p, click.Option) and p.name not in NOT_FIXED]
+LAUNCHER_PARAMS = [p for p in click_options() if p.name not in NOT_FIXED]
 LAUNCHER_NAMES = frozenset(p.name for p in LAUNCHER_PARAMS)
 
 
@@ -154,7 +153,7 @@ def _number(params: Mapping[str, Any], name: str, kind: type, minimum: float) ->
 
 
 def _tune(ctx: click.Context, environ: Mapping[str, str]) -> int:
-    from xlaunch.launcher.options import build_options
+    from xlaunch.launcher.api import build_options
     from xlaunch.tune.candidate import Program
     from xlaunch.tune.objective import MetricError, make_objective
     from xlaunch.tune.space import SpaceError, default_space, parse_space
@@ -178,7 +177,7 @@ def _tune(ctx: click.Context, environ: Mapping[str, str]) -> int:
     base_source = None
     try:
         if params["config"] is not None:
-            from xlaunch.configs import load_config_option
+            from xlaunch.launcher.api import load_config_option
 
             base_config, base_source = load_config_option(params["config"])
         base = build_options(fixed, base_config, config_source=base_source)
@@ -203,7 +202,7 @@ def _tune(ctx: click.Context, environ: Mapping[str, str]) -> int:
 
 
 def _machine(environ: Mapping[str, str]) -> Any:
-    from xlaunch.launcher.machine import MachineRootError, load_machine
+    from xlaunch.machine import MachineRootError, load_machine
 
     try:
         return load_machine(environ.get("XLAUNCH_FSROOT") or None)

@@ -2,7 +2,7 @@
 
 Keys are the launcher's own config-file option names (``ninstances``, ``ncores-per-instance``,
 ``memory-allocator``, ...; any spelling the launcher accepts). Every value is checked by the
-launcher's own option validation (:func:`~xlaunch.launcher.options.build_options`) together with
+launcher's own option validation (:func:`~xlaunch.launcher.plan.options.build_options`) together with
 the options fixed on the ``xlaunch-tune`` command line; a bad key, a bad value, an empty list
 or a duplicate is one :class:`SpaceError` before anything runs. Combinations of valid values
 that the launcher or its planner reject are not errors: the tuner skips them with a reason.
@@ -14,8 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
-from xlaunch.launcher.errors import OptionError
-from xlaunch.launcher.options import build_options, canonical_name, flag_name
+from xlaunch.launcher.api import OptionError, build_options, canonical_name, flag_name
 
 # options that cannot be a dimension, and why
 NOT_TUNABLE: dict[str, str] = {
@@ -143,7 +142,7 @@ def _tunable_name(key: str, source: str) -> str:
     if name is None:
         import difflib
 
-        from xlaunch.launcher.options import SETTABLE
+        from xlaunch.launcher.api import SETTABLE
 
         known = sorted(n.replace("_", "-") for n in SETTABLE if n not in NOT_TUNABLE)
         close = difflib.get_close_matches(str(key).replace("_", "-"), known, n=1)
@@ -190,7 +189,7 @@ def default_space(machine: Any, *, fixed: Mapping[str, Any], base_config: Option
     """A space from the machine model: instance counts that fill the usable cores, the
     allocators and OpenMP runtimes installed, SMT on/off where cores have siblings.
     Dimensions fixed on the command line, and values the fixed options rule out, are left out."""
-    from xlaunch.launcher.machine.model import PERFORMANCE
+    from xlaunch.machine.model import PERFORMANCE
 
     allowed = set(machine.allowed_cpus) & set(machine.online_cpus)
     cores = [c for c in machine.cores if set(c.cpus) & allowed]

@@ -1,0 +1,306 @@
+"""``xlaunch --auto-optimize``: real launches of unmodified scripts."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xlaunch.kernels.inject import DTYPE_ENV, FREEZE_ENV, SITE_DIR, VERBOSE_ENV, injection_env
+
+REPO = Path(__file__).resolve().parents[3]
+
+MODEL_SCRIPT = """
+import json, sys, torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.2),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+with torch.no_grad():   # non-trivial BN statistics, so folding changes the weights
+    model[1].running_mean.uniform_(-1, 1); model[1].running_var.uniform_(0.5, 2)
+model.eval()
+x = torch.randn(2, 3, 16, 16)
+with torch.no_grad():
+    outputs = [model(x) for _ in range(3)]
+    with torch.autograd.set_grad_enabled(True):
+        pass
+    model[6].weight.add_(1.0)     # in-place change: the optimized copy must be rebuilt
+    changed = model(x)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+print(json.dumps({
+    "out": outputs[-1].tolist(), "changed": changed.tolist(),
+    "optimizer": type(opt).__module__ + "." + type(opt).__name__,
+    "is_adamw": isinstance(opt, torch.optim.AdamW),
+    "module_types": [type(m).__name__ for m in model],
+}))
+"""
+
+
+def xlaunch(*args: str, env: dict | None = None, freeze: str = "none") -> subprocess.CompletedProcess:
+    """``python -m xlaunch -q ARGS``; graph freezing off unless asked (it costs seconds per model)."""
+    full_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    full_env.update({FREEZE_ENV: freeze, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "xlaunch", "-q", "--memory-allocator", "default", *args],
+                          capture_output=True, text=True, env=full_env, cwd=REPO, timeout=180)
+
+
+def payload(result: subprocess.CompletedProcess) -> dict:
+    assert result.returncode == 0, result.stderr + result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.lstrip("[0123456789] ").startswith("{")]
+    assert len(lines) == 1, result.stdout
+    return json.loads(lines[0].split("] ", 1)[1] if lines[0].startswith("[") else lines[0])
+
+
+def plain(script: Path, env: dict | None = None) -> dict:
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def close(a, b, tol: float = 1e-4) -> bool:
+    flat_a = [v for row in a for v in row]
+    flat_b = [v for row in b for v in row]
+    return len(flat_a) == len(flat_b) and all(abs(x - y) <= tol * (1 + abs(y)) for x, y in zip(flat_a, flat_b))
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    path = tmp_path / "model_script.py"
+    path.write_text(MODEL_SCRIPT)
+    return path
+
+
+# -- the launcher side: pure, no torch ----------------------------------------------------------
+
+def test_injection_env_prepends_our_site_dir_and_keeps_the_users_path() -> None:
+    env = injection_env({"PYTHONPATH": f"/a{os.pathsep}/b"}, dtype="bfloat16", verbose=True)
+    entries = env["PYTHONPATH"].split(os.pathsep)
+    assert entries[:3] == [SITE_DIR, "/a", "/b"]
+    assert env[DTYPE_ENV] == "bfloat16" and env[VERBOSE_ENV] == "1"
+    assert (Path(SITE_DIR) / "sitecustomize.py").is_file()
+
+
+def test_injection_env_defaults_and_bad_dtype() -> None:
+    env = injection_env({}, dtype=None, verbose=False)
+    assert env[DTYPE_ENV] == "float32" and VERBOSE_ENV not in env
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == SITE_DIR
+    with pytest.raises(ValueError, match="dtype"):
+        injection_env({}, dtype="float16", verbose=False)
+
+
+def test_launcher_side_imports_no_torch() -> None:
+    code = ("import sys; from xlaunch.kernels.inject import injection_env; injection_env({}, dtype=None, "
+            "verbose=False); print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_dry_run_shows_the_injection_without_importing_torch(script) -> None:
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "xlaunch", "--dry-run", "--json",
+                             "--auto-optimize", "--dtype", "bfloat16", str(script)],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    env = json.loads(result.stdout)["instances"][0]["env"]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == SITE_DIR and env[DTYPE_ENV] == "bfloat16"
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "xlaunch.kernels.inject" in imported
+    assert not {name for name in imported if name == "torch" or name.startswith("torch.")}
+
+
+# -- real launches --------------------------------------------------------------------------------
+
+def test_unmodified_script_is_optimized_and_gives_the_same_results(script) -> None:
+    before = digest(script)
+    reference = plain(script)
+    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script), freeze="jit")
+    got = payload(result)
+    text = result.stderr + result.stdout
+    assert "Sequential optimized: folded 1 BN, removed 1 dropout, channels_last on 1 conv" in text
+    assert "Sequential: frozen with jit for inputs [(2, 3, 16, 16)]" in text
+    assert close(got["out"], reference["out"])
+    assert close(got["changed"], reference["changed"])       # rebuilt after the in-place change
+    assert "weights changed since it was optimized" in result.stderr + result.stdout
+    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW" and got["is_adamw"]
+    assert got["module_types"] == reference["module_types"]   # the user's model object untouched
+    assert digest(script) == before
+
+
+def test_without_auto_optimize_nothing_is_injected(script) -> None:
+    got = payload(xlaunch(str(script)))
+    assert got["optimizer"] == "torch.optim.adamw.AdamW"
+
+
+def test_module_mode(tmp_path, script) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "run.py").write_text(MODEL_SCRIPT)
+    got = payload(xlaunch("--auto-optimize", "-m", "pkg.run", env={"PYTHONPATH": str(tmp_path)}))
+    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
+    assert close(got["out"], plain(script)["out"])
+
+
+def test_existing_sitecustomize_still_runs_and_is_untouched(tmp_path, script) -> None:
+    user_site = tmp_path / "usersite"
+    user_site.mkdir()
+    custom = user_site / "sitecustomize.py"
+    custom.write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
+    probe = tmp_path / "probe.py"
+    probe.write_text(MODEL_SCRIPT.replace('"optimizer":', '"site": __import__("os").environ.get('
+                                          '"USER_SITECUSTOMIZE_RAN"), "optimizer":'))
+    before = digest(custom), digest(probe)
+    got = payload(xlaunch("--auto-optimize", str(probe), env={"PYTHONPATH": str(user_site)}))
+    assert got["site"] == "yes"
+    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
+    assert (digest(custom), digest(probe)) == before
+
+
+def test_two_instances_are_both_injected(script) -> None:
+    result = xlaunch("--auto-optimize", "--ninstances", "2", "--ncores-per-instance", "1", str(script))
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if '"optimizer"' in line]
+    assert sorted(line[:3] for line in lines) == ["[0]", "[1]"]
+    assert all("FusedAdamW" in line for line in lines)
+
+
+def test_a_model_the_library_cannot_handle_runs_unchanged_with_one_warning(tmp_path) -> None:
+    """optimize() raises for this model (a bad flag forced through the environment would be
+    artificial); here the model's own deepcopy refuses, which optimize needs."""
+    script = tmp_path / "odd.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Odd(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.lin = nn.Linear(4, 2)\n"
+        "    def __deepcopy__(self, memo):\n"
+        "        raise RuntimeError('this model cannot be copied')\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x) * 2\n"
+        "torch.manual_seed(0); m = Odd().eval(); x = torch.ones(1, 4)\n"
+        "with torch.no_grad():\n"
+        "    outs = [m(x) for _ in range(3)]\n"
+        "print('ok', round(float(outs[-1].sum()), 5), round(float((m.lin(x) * 2).sum()), 5))\n")
+    result = xlaunch("--auto-optimize", str(script))
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if "runs unoptimized" in line]
+    assert len(warnings) == 1 and "cannot be copied" in warnings[0]
+    ok = [line for line in result.stdout.splitlines() if " ok " in line or line.startswith("ok")][0].split()
+    assert ok[-1] == ok[-2]
+
+
+def test_grad_enabled_eval_calls_run_unoptimized(tmp_path) -> None:
+    script = tmp_path / "grad.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()\n"
+        "x = torch.randn(3, 4, requires_grad=True)\n"
+        "y = m(x).sum(); y.backward()\n"
+        "print('grad', x.grad is not None, type(m[1]).__name__)\n")
+    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script))
+    assert result.returncode == 0, result.stderr
+    assert "grad True BatchNorm1d" in result.stdout
+    assert "autograd on: runs unoptimized" in result.stdout + result.stderr
+
+
+def test_script_without_torch_never_imports_it(tmp_path) -> None:
+    script = tmp_path / "notorch.py"
+    script.write_text("import sys\nprint('torch loaded:', 'torch' in sys.modules)\n")
+    result = xlaunch("--auto-optimize", str(script))
+    assert "torch loaded: False" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_bf16_follows_the_isa(script, dtype) -> None:
+    """bf16 only where the CPU has AVX512_BF16/AMX; otherwise fp32 and a line saying why."""
+    from xlaunch.machine import current_machine
+
+    flags = current_machine().isa.flags
+    native = bool({"avx512_bf16", "amx_bf16"} & flags)
+    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--dtype", dtype, str(script))
+    got = payload(result)
+    text = result.stdout + result.stderr
+    if native:
+        assert "bf16 (" in text
+        assert close(got["out"], plain(script)["out"], tol=5e-2)
+    else:
+        assert "bf16 not used" in text and "AVX512_BF16" in text
+        assert close(got["out"], plain(script)["out"])
+
+
+def test_a_traced_graph_only_serves_inputs_like_its_sample(tmp_path) -> None:
+    """Tracing bakes in shape-dependent control flow (no TracerWarning for ``x.dim()``): each
+    input signature gets its own graph, so every call gets the model's own answer."""
+    script = tmp_path / "shapes.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Branchy(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.lin = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x) if x.dim() == 2 else self.lin(x).sum(0)\n"
+        "m = Branchy().eval()\n"
+        "with torch.no_grad():\n"
+        "    a = m(torch.ones(2, 4))\n"
+        "    b = m(torch.ones(3, 2, 4))\n"
+        "    c = m(torch.ones(3, 2, 4))\n"
+        "print('shapes', tuple(a.shape), tuple(b.shape), tuple(c.shape))\n")
+    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script), freeze="jit")
+    assert result.returncode == 0, result.stderr
+    assert "shapes (2, 4) (2, 4) (2, 4)" in result.stdout
+    text = result.stderr + result.stdout
+    assert "frozen with jit for inputs [(2, 4)]" in text and "frozen with jit for inputs [(3, 2, 4)]" in text
+
+
+def test_value_dependent_control_flow_is_never_frozen(tmp_path) -> None:
+    script = tmp_path / "values.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Sign(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.lin = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x) if x.sum() > 0 else -self.lin(x)\n"
+        "torch.manual_seed(0); m = Sign().eval()\n"
+        "with torch.no_grad():\n"
+        "    got = [m(torch.ones(2, 4)), m(-torch.ones(2, 4))]\n"
+        "    m.lin.weight.add_(0)\n"
+        "with torch.no_grad():\n"
+        "    want = [m.lin(torch.ones(2, 4)), -m.lin(-torch.ones(2, 4))]\n"
+        "print('same', all(torch.equal(a, b) for a, b in zip(got, want)))\n")
+    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script), freeze="jit")
+    assert result.returncode == 0, result.stderr
+    assert "same True" in result.stdout
+    assert "UnsafeTrace" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("freeze", ["none", "jit"])
+def test_calls_go_to_the_optimized_copy_not_the_users_modules(tmp_path, freeze) -> None:
+    """A hook on the user's BatchNorm never fires: the calls run the folded copy (eager or
+    frozen), also for more input signatures than are frozen, and with keyword arguments."""
+    script = tmp_path / "hooks.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.conv = nn.Conv2d(3, 4, 3); self.bn = nn.BatchNorm2d(4)\n"
+        "    def forward(self, x, scale=1.0):\n"
+        "        return self.bn(self.conv(x)) * scale\n"
+        "m = Net().eval(); calls = []\n"
+        "m.bn.register_forward_hook(lambda *a: calls.append(1))\n"
+        "with torch.no_grad():\n"
+        "    for size in range(6, 13):\n"
+        "        m(torch.randn(1, 3, size, size))\n"
+        "    m(torch.randn(1, 3, 8, 8), scale=2.0)\n"
+        "print('bn calls', len(calls))\n")
+    result = xlaunch("--auto-optimize", str(script), freeze=freeze)
+    assert result.returncode == 0, result.stderr
+    assert "bn calls 0" in result.stdout

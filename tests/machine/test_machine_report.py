@@ -1,0 +1,124 @@
+"""report.py: --show-topology and --check-isa views of recorded machines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from machine_trees import MACHINE_NAMES, machine_tree
+
+from xlaunch._records import replace
+from xlaunch.machine import ISA_FLAGS, load_machine
+from xlaunch.machine.report import (
+    format_isa,
+    format_topology,
+    isa_report,
+    machine_summary,
+    topology_json,
+)
+
+NAMES = MACHINE_NAMES
+
+
+def load(name: str):
+    return load_machine(str(machine_tree(name)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_topology_json_round_trips_through_json_and_matches_the_model(name):
+    m = load(name)
+    data = json.loads(json.dumps(topology_json(m)))
+    assert [c["cpus"] for c in data["cores"]] == [list(c.cpus) for c in m.cores]
+    assert [n["id"] for n in data["nodes"]] == [n.id for n in m.nodes]
+    assert [d["cpus"] for d in data["l3_domains"]] == [list(d.cpus) for d in m.l3_domains]
+    assert data["allowed_cpus"] == list(m.allowed_cpus)
+    assert data["allowed_mems"] == list(m.allowed_mems)
+    assert data["cpu_budget"] == m.cpu_budget
+    assert set(data["isa"]) == set(ISA_FLAGS)
+    assert sum(data["core_types"].values()) == len(m.cores)
+    assert len(data["cpus"]) == len(m.cpus)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_format_topology_names_every_node_and_core(name):
+    m = load(name)
+    text = format_topology(m)
+    for node in m.nodes:
+        assert f"node {node.id:>3}:" in text
+    assert text.count("package") >= len(m.cores)
+    assert "Allowed CPUs:" in text and "CPU budget:" in text and "Libraries:" in text
+
+
+def test_format_topology_details():
+    container = format_topology(load("container-cpuset"))
+    assert "Allowed CPUs: 4-7,36-39 (8)" in container
+    assert "CPU budget: 2.5 CPUs" in container
+    hbm = format_topology(load("memory-only-node"))
+    assert "node   2: cpus no CPUs (memory only)" in hbm
+    hybrid = format_topology(load("hybrid-laptop"))
+    assert "8 efficiency, 4 performance (hybrid)" in hybrid
+    offline = format_topology(load("offline-cpus"))
+    assert "offline: 3,5,13" in offline
+    no_node = format_topology(load("vm-no-node"))
+    assert "Notes:" in no_node
+
+
+def test_machine_summary():
+    summary = machine_summary(load("container-cpuset"))
+    assert summary["cpus_online"] == 64 and summary["cpus_allowed"] == 8
+    assert summary["allowed_cpulist"] == "4-7,36-39" and summary["cpu_budget"] == 2.5
+    assert summary["nodes"] == [0] and summary["cores"] == 32
+    json.dumps(summary)
+
+
+@pytest.mark.parametrize("name, fast", [
+    ("xeon-2s-amx", {"fp32": True, "bf16": True, "fp16": True, "int8": True}),
+    ("epyc-4node-nps4", {"fp32": True, "bf16": False, "fp16": False, "int8": True}),   # AVX2 int8 (measured)
+    ("hybrid-laptop", {"fp32": True, "bf16": False, "fp16": False, "int8": True}),
+    ("vm-adjacent-smt", {"fp32": True, "bf16": False, "fp16": False, "int8": True}),
+])
+def test_dtype_advice(name, fast):
+    report = isa_report(load(name))
+    assert {dtype: v["fast"] for dtype, v in report["advice"].items()} == fast
+
+
+def test_advice_reasons():
+    assert isa_report(load("xeon-2s-amx"))["advice"]["bf16"]["why"].startswith("AMX-BF16")
+    assert "AVX_VNNI" in isa_report(load("hybrid-laptop"))["advice"]["int8"]["why"]
+    assert "AVX512_VNNI" in isa_report(load("vm-adjacent-smt"))["advice"]["int8"]["why"]
+    avx2_only = isa_report(load("epyc-4node-nps4"))["advice"]["int8"]["why"]
+    assert avx2_only.startswith("AVX2 integer multiply-adds, no VNNI") and "--probe" in avx2_only
+    sse = load("epyc-4node-nps4")
+    sse = replace(sse, isa=replace(sse.isa, flags=sse.isa.flags - {"avx2", "fma"}))
+    assert isa_report(sse)["advice"]["int8"] == {
+        "fast": False, "why": "no AMX_INT8, VNNI or AVX2: int8 matmuls run on SSE paths, rarely faster than fp32"}
+
+
+def test_amx_not_granted_falls_back_to_avx512_paths():
+    m = load("xeon-2s-amx")
+    denied = replace(m, isa=replace(m.isa, amx_permitted=False))
+    advice = isa_report(denied)["advice"]
+    assert advice["bf16"] == {"fast": True, "why": "AVX512_BF16 dot products"}
+    assert advice["int8"] == {"fast": True, "why": "AVX512_VNNI dot products"}
+    assert "AMX granted to this process: no" in format_isa(isa_report(denied))
+
+
+def test_isa_report_shape_and_table():
+    report = isa_report(load("xeon-2s-amx"))
+    assert list(report["isa"]) == list(ISA_FLAGS)
+    assert report["isa"]["amx_tile"] is True and report["isa"]["amx_fp16"] is False
+    assert report["vendor"] == "GenuineIntel" and report["amx_permitted"] is None
+    assert "torch" not in report
+    table = format_isa(report)
+    assert "amx_fp16     no" in table and "amx_bf16     yes" in table
+    assert "not checked" in table
+    json.dumps(report)
+
+
+def test_isa_report_with_torch():
+    torch = pytest.importorskip("torch")
+    report = isa_report(load_machine(), with_torch=True)
+    info = report["torch"]
+    assert info["available"] and info["version"] == torch.__version__
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["onednn_version"] and info["onednn_version"][0].isdigit()
+    assert "cpu capability" in format_isa(report)

@@ -1,0 +1,162 @@
+"""xlaunch-record-machine copies what the reader needs: re-reading a recording gives the same
+model, as a directory or as a .tar.xz that XLAUNCH_FSROOT takes as is."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from machine_trees import ARCHIVES, machine_tree
+
+from xlaunch._records import replace
+from xlaunch.machine import MachineRootError, load_machine
+from xlaunch.machine.archive import unpack_archive, write_archive
+from xlaunch.machine.record import main as record_main
+
+HOST_FILES = ("sys/kernel/mm/transparent_hugepage/enabled", "sys/kernel/mm/transparent_hugepage/defrag",
+              "sys/devices/system/cpu/smt/control", "sys/devices/system/cpu/smt/active")
+
+
+def same_model(a, b) -> None:
+    fields = ("cpus", "cores", "nodes", "l3_domains", "allowed_cpus", "allowed_mems", "cpu_budget", "notes")
+    for name in fields:
+        assert getattr(a, name) == getattr(b, name), name
+    assert replace(a.isa, amx_permitted=None) == replace(b.isa, amx_permitted=None)
+
+
+@pytest.mark.parametrize("name", ["offline-cpus", "vm-adjacent-smt", "vm-no-node", "hybrid-laptop"])
+def test_rerecording_a_tree_keeps_the_model_and_the_host_files(tmp_path, name):
+    source = machine_tree(name)
+    out = tmp_path / name
+    assert record_main([str(out), "--source", str(source)]) == 0
+    same_model(load_machine(str(source)), load_machine(str(out)))
+    for relative in [*HOST_FILES, "proc/sys/kernel/numa_balancing"]:
+        assert (out / relative).exists() == (source / relative).exists(), relative
+        if (source / relative).exists():
+            assert (out / relative).read_bytes() == (source / relative).read_bytes(), relative
+    governors = sorted(p.relative_to(source) for p in source.glob("sys/devices/system/cpu/cpu*/cpufreq/*"))
+    assert governors == sorted(p.relative_to(out) for p in out.glob("sys/devices/system/cpu/cpu*/cpufreq/*"))
+
+
+def test_archive_round_trip_and_fsroot_takes_the_archive(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source = machine_tree("vm-adjacent-smt")
+    out = tmp_path / "box"
+    assert record_main([str(out), "--archive", "--source", str(source)]) == 0
+    archive = tmp_path / "box.tar.xz"
+    assert archive.is_file() and not out.exists()
+    unpack_archive(str(archive), str(tmp_path / "unpacked"))
+    same_model(load_machine(str(source)), load_machine(str(tmp_path / "unpacked")))
+    # XLAUNCH_FSROOT=<archive>: unpacked once into the cache, keyed by content.
+    monkeypatch.setenv("XLAUNCH_FSROOT", str(archive))
+    first = load_machine()
+    same_model(load_machine(str(source)), first)
+    assert Path(first.root).parent == tmp_path / "cache" / "xlaunch" / "machines"
+    assert load_machine(str(archive)).root == first.root
+    assert len(os.listdir(tmp_path / "cache" / "xlaunch" / "machines")) == 1
+
+
+def test_the_cli_dry_runs_on_an_archive(tmp_path):
+    archive = ARCHIVES / "hybrid-laptop.tar.xz"
+    env = {**os.environ, "XLAUNCH_FSROOT": str(archive), "XDG_CACHE_HOME": str(tmp_path)}
+    argv = [sys.executable, "-m", "xlaunch", "--dry-run", "--json", "--core-type", "efficiency",
+            "--no-python", "true"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert [i["cpus"] for i in json.loads(result.stdout)["instances"]] == [list(range(8, 16))]
+
+
+def test_archives_are_reproducible(tmp_path):
+    tree = machine_tree("vm-no-node")
+    write_archive(str(tree), str(tmp_path / "a.tar.xz"))
+    write_archive(str(tree), str(tmp_path / "b.tar.xz"))
+    digest = [hashlib.sha256((tmp_path / n).read_bytes()).hexdigest() for n in ("a.tar.xz", "b.tar.xz")]
+    assert digest[0] == digest[1]
+    with tarfile.open(tmp_path / "a.tar.xz") as tar:
+        members = tar.getmembers()
+    assert {m.mtime for m in members} == {0} and {m.uname for m in members} == {""}
+    # the committed archive holds the same tree (make_trees.py wrote it the same way)
+    assert (ARCHIVES / "vm-no-node.tar.xz").read_bytes() == (tmp_path / "a.tar.xz").read_bytes()
+
+
+@pytest.mark.parametrize("suffix, mode", [(".tar.gz", "w:gz"), (".tar", "w")])
+def test_gzip_and_plain_tar_archives_are_read_too(tmp_path, monkeypatch, suffix, mode):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tree = machine_tree("vm-no-node")
+    archive = tmp_path / f"box{suffix}"
+    with tarfile.open(archive, mode) as tar:         # made by tarfile's own writer, not ours
+        for top in ("sys", "proc"):
+            tar.add(tree / top, arcname=top)
+    same_model(load_machine(str(tree)), load_machine(str(archive)))
+
+
+@pytest.mark.parametrize("member", ["../escape", "link"])
+def test_unsafe_archives_are_refused(tmp_path, member, monkeypatch):
+    bad = tmp_path / "bad.tar.xz"
+    with tarfile.open(bad, "w:xz") as tar:
+        info = tarfile.TarInfo(member)
+        if member == "link":
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
+            info = tarfile.TarInfo("link/x")            # write through the link
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(MachineRootError, match="cannot be unpacked"):
+        load_machine(str(bad))
+    assert not (tmp_path / "escape").exists()
+
+
+def test_a_damaged_archive_is_one_clear_error(tmp_path, monkeypatch):
+    bad = tmp_path / "cut.tar.xz"
+    bad.write_bytes((ARCHIVES / "offline-cpus.tar.xz").read_bytes()[:500])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(MachineRootError, match="cannot be unpacked"):
+        load_machine(str(bad))
+    assert os.listdir(tmp_path / "cache" / "xlaunch" / "machines") == []   # no half-unpacked root
+
+
+def test_records_the_cgroup_quota_on_the_process_path(tmp_path):
+    source = tmp_path / "src"
+    for relative, text in {"proc/self/cgroup": "0::/kubepods/pod1/ctr\n",
+                           "sys/fs/cgroup/kubepods/pod1/cpu.max": "150000 100000\n",
+                           "sys/fs/cgroup/other/cpu.max": "100 100000\n"}.items():
+        (source / relative).parent.mkdir(parents=True, exist_ok=True)
+        (source / relative).write_text(text)
+    out = tmp_path / "out"
+    assert record_main([str(out), "--source", str(source)]) == 0
+    assert (out / "sys/fs/cgroup/kubepods/pod1/cpu.max").read_text() == "150000 100000\n"
+    assert not (out / "sys/fs/cgroup/other").exists()
+    assert load_machine(str(out)).cpu_budget == 1.5
+
+
+def test_recording_this_machine(tmp_path):
+    out = tmp_path / "here"
+    assert record_main([str(out)]) == 0
+    recorded = load_machine(str(out))
+    live = load_machine("/")
+    for name in ("cpus", "cores", "nodes", "l3_domains", "allowed_mems", "cpu_budget"):
+        assert getattr(recorded, name) == getattr(live, name), name
+    assert recorded.isa.flags == live.isa.flags
+    # The recorder's own status file: the CPUs the recording process was allowed.
+    assert recorded.allowed_cpus == tuple(sorted(os.sched_getaffinity(0)))
+    for relative in HOST_FILES:
+        if os.path.exists(f"/{relative}"):
+            assert (out / relative).read_bytes() == Path(f"/{relative}").read_bytes(), relative
+
+
+@pytest.mark.parametrize("archive", [False, True])
+def test_refuses_an_existing_target(tmp_path, archive, capsys):
+    (tmp_path / "x.tar.xz").write_text("")
+    target = tmp_path / ("x" if archive else "")
+    with pytest.raises(SystemExit) as exit_info:
+        record_main([str(target), *(["--archive"] if archive else [])])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("xlaunch-record-machine: error: DIR: ") and "already exists" in err

@@ -1,0 +1,161 @@
+"""CPUPool: validation against the CPUs this process may use, defaults, split, repr."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from xlaunch.runtime_ext import CPUPool, topology
+from xlaunch.runtime_ext.topology import AllowedCore
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ALLOWED = tuple(sorted(os.sched_getaffinity(0)))
+
+
+def run_python(code: str, *prefix: str, drop: tuple = ()) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+
+
+def test_default_pool_is_one_cpu_per_allowed_core():
+    cores = topology.allowed_cores()
+    pool = CPUPool()
+    assert pool.cpus == tuple(core.cpus[0] for core in cores)
+    assert set(pool.cpus) <= set(ALLOWED)
+    assert len(pool) == len(cores)
+
+
+def test_default_pool_skips_smt_siblings(monkeypatch):
+    smt = (AllowedCore((0, 4), 0), AllowedCore((1, 5), 0), AllowedCore((2,), 1), AllowedCore((3, 7), 1))
+    monkeypatch.setattr(topology, "allowed_cores", lambda: smt)
+    assert CPUPool().cpus == (0, 1, 2, 3)
+    assert CPUPool.from_node(1).cpus == (2, 3)
+    assert CPUPool([4, 5]).cpus == (4, 5)          # siblings are allowed when asked for
+    with pytest.raises(ValueError, match="CPU 6 is not allowed"):
+        CPUPool([6])
+    with pytest.raises(ValueError, match="NUMA node 2 has no CPU .*nodes with allowed CPUs: 0,1"):
+        CPUPool(node_id=2)
+
+
+def test_pools_outside_the_allowed_cpus_are_rejected_by_id():
+    outside = max(ALLOWED) + 1
+    with pytest.raises(ValueError) as error:
+        CPUPool([ALLOWED[0], outside, outside + 2])
+    assert f"CPUs {outside},{outside + 2} are not allowed" in str(error.value)
+    with pytest.raises(ValueError, match="repeated"):
+        CPUPool([ALLOWED[0], ALLOWED[0]])
+    with pytest.raises(ValueError, match="non-negative"):
+        CPUPool([-1])
+    with pytest.raises(ValueError, match="at least one"):
+        CPUPool([])
+    with pytest.raises(ValueError, match="not both"):
+        CPUPool([ALLOWED[0]], node_id=0)
+
+
+def test_pool_from_string_split_and_repr():
+    pool = CPUPool(",".join(map(str, ALLOWED)))
+    assert pool.cpus == ALLOWED
+    assert pool == CPUPool(list(ALLOWED)) and hash(pool) == hash(CPUPool(list(ALLOWED)))
+    parts = pool.split(len(ALLOWED))
+    assert [p.cpus for p in parts] == [(c,) for c in ALLOWED]
+    with pytest.raises(ValueError, match="cannot split"):
+        pool.split(len(ALLOWED) + 1)
+    assert repr(CPUPool([ALLOWED[0]])) == f"CPUPool(cpus='{ALLOWED[0]}', n=1)"
+
+
+def test_uneven_split_keeps_order():
+    from xlaunch.runtime_ext.pool import _chunks
+
+    assert _chunks((0, 1, 2, 3, 4), 2) == [(0, 1, 2), (3, 4)]
+    assert _chunks((5, 3, 1), 3) == [(5,), (3,), (1,)]
+
+
+def test_import_builds_no_pool_and_imports_no_torch():
+    result = run_python(
+        "import sys, xlaunch, xlaunch.runtime_ext as r; r.CPUPool; r.pin; r.Task; r.threads;"
+        "assert 'torch' not in sys.modules, 'torch imported';"
+        "import xlaunch.runtime_ext.pool as p; assert p.topology.allowed_cores.__name__;"
+        "print(sorted(m for m in sys.modules if m.startswith('xlaunch.machine')))"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed CPUs")
+def test_default_pool_inside_taskset_is_the_restricted_cpu():
+    pytest.importorskip("torch")
+    code = (
+        "import torch, os, threading\n"
+        "from xlaunch.runtime_ext import CPUPool, threadpool_info\n"
+        "pool = CPUPool()\n"
+        "print(pool.cpus)\n"
+        "with pool:\n"
+        "    print([m.cpus for m in threadpool_info().team])\n"
+        "try:\n"
+        f"    CPUPool([{ALLOWED[0]}])\n"
+        "except ValueError as e:\n"
+        "    print('rejected:', e)\n"
+    )
+    result = run_python(code, "taskset", "-c", str(ALLOWED[-1]))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"({ALLOWED[-1]},)"
+    assert lines[1] == f"[({ALLOWED[-1]},)]"
+    assert lines[2].startswith(f"rejected: CPU {ALLOWED[0]} is not allowed")
+
+
+def test_no_openmp_runtime_gives_one_clear_error():
+    code = (
+        "from xlaunch.runtime_ext import CPUPool, pinning_supported, OpenMPNotFoundError\n"
+        "assert not pinning_supported()\n"
+        "try:\n"
+        "    with CPUPool():\n"
+        "        pass\n"
+        "except OpenMPNotFoundError as e:\n"
+        "    print(e)\n"
+    )
+    result = run_python(code, drop=("LD_PRELOAD",))  # a preloaded libiomp5 would be found
+    assert result.returncode == 0, result.stderr
+    assert "no OpenMP runtime (libgomp, libiomp5 or libomp) is loaded" in result.stdout
+
+
+
+
+@pytest.mark.parametrize(
+    "tree, default, node_pools",
+    [
+        ("xeon-2s-amx", "0-111", {0: "0-55", 1: "56-111"}),       # 2 sockets, SMT siblings 112-223
+        ("container-cpuset", "4-7", {0: "4-7"}),                  # cpuset 4-7,36-39: siblings dropped
+        ("vm-adjacent-smt", "0,2,4,6", {0: "0,2,4,6"}),           # siblings numbered next to each other
+    ],
+)
+def test_pools_on_recorded_machines(monkeypatch, tree, default, node_pools):
+    from xlaunch.cpulist import format_cpulist
+
+    from machine_trees import machine_tree
+
+    monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree(tree)))
+    assert format_cpulist(CPUPool().cpus) == default
+    for node, cpus in node_pools.items():
+        assert format_cpulist(CPUPool.from_node(node).cpus) == cpus
+
+
+def test_default_pool_inside_xlaunch_instances_is_each_instances_cpus(tmp_path):
+    """Under ``xlaunch --ninstances 2`` each process is already pinned: CPUPool() is its CPU."""
+    pytest.importorskip("torch")
+    if len(ALLOWED) < 2:
+        pytest.skip("needs 2 allowed CPUs")
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import os, torch\n"
+        "from xlaunch.runtime_ext import CPUPool, threadpool_info\n"
+        "pool = CPUPool()\n"
+        "with pool:\n"
+        "    team = [m.cpus for m in threadpool_info().team]\n"
+        "print('pool', os.environ['XLAUNCH_INSTANCE_INDEX'], list(pool.cpus), [list(c) for c in team])\n")
+    result = subprocess.run([sys.executable, "-m", "xlaunch", "-q", "--ninstances", "2", str(script)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if " pool " in line)
+    assert lines == [f"[{i}] pool {i} [{ALLOWED[i]}] [[{ALLOWED[i]}]]" for i in range(2)]

@@ -1,0 +1,36 @@
+"""``xlaunch --auto-optimize``: the environment that injects the optimizer library into an
+unmodified Python program.
+
+Runs in the launcher, so it imports neither torch nor the rest of ``xlaunch.kernels``. The child
+finds our ``sitecustomize`` first on ``PYTHONPATH`` (the user's entries follow, unchanged); it
+runs the user's own ``sitecustomize`` if one exists further down the path, then installs the hooks
+of :mod:`xlaunch.kernels.inject.hooks`, configured by the variables below.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SITE_DIR = os.path.join(_HERE, "site")
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))   # holds xlaunch/
+
+DTYPE_ENV = "XLAUNCH_AUTO_OPTIMIZE"                 # float32 | bfloat16
+VERBOSE_ENV = "XLAUNCH_AUTO_OPTIMIZE_VERBOSE"       # 1 when --auto-optimize-verbose
+FREEZE_ENV = "XLAUNCH_AUTO_OPTIMIZE_FREEZE"         # jit | inductor | none (user may set it)
+DTYPES = ("float32", "bfloat16")
+
+
+def injection_env(environ: Mapping[str, str], *, dtype: Optional[str], verbose: bool) -> dict[str, str]:
+    """Variables to add to each instance's environment (``PYTHONPATH`` keeps the user's entries)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    user = [entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    entries = [SITE_DIR] + [entry for entry in user if entry != SITE_DIR]
+    # last, so it never shadows the user's modules: xlaunch itself for the child's sitecustomize
+    if PACKAGE_PARENT not in entries:
+        entries.append(PACKAGE_PARENT)
+    env = {"PYTHONPATH": os.pathsep.join(entries), DTYPE_ENV: dtype or "float32"}
+    if verbose:
+        env[VERBOSE_ENV] = "1"
+    return env

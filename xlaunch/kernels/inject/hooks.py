@@ -1,0 +1,283 @@
+"""The hooks ``xlaunch --auto-optimize`` installs in the child (see :mod:`xlaunch.kernels.inject`).
+
+Nothing here imports torch until the program does: :func:`install_from_environment` puts a
+finder on ``sys.meta_path`` that lets torch import normally and then patches it.
+
+* ``torch.optim.SGD/Adagrad/Adam/AdamW`` become :mod:`xlaunch.kernels.optim.fused`'s fused subclasses
+  (same constructor and state, so scripts and checkpoints keep working).
+* ``nn.Module.__call__`` gains one check: a module called by the program itself (not from inside
+  another module's forward) in eval mode with autograd off (``torch.no_grad()`` or
+  ``torch.inference_mode()``) is optimized once, on that first call, and that call and later ones
+  go to the optimized copy, whose forward freezes a graph per exact input signature on its first
+  call with it (:mod:`xlaunch.kernels.optimize.dispatch`, without the timing ``optimize`` does with a
+  sample input). The program's own model object is
+  never modified. When its parameters or buffers change in place (more training, a loaded state
+  dict) the copy is rebuilt. A module the library cannot handle runs unchanged, with one warning.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Optional
+
+from xlaunch.kernels.inject import DTYPE_ENV, FREEZE_ENV, VERBOSE_ENV
+
+PREFIX = "xlaunch --auto-optimize"
+OPTIMIZERS = ("SGD", "Adagrad", "Adam", "AdamW")
+MAX_REBUILDS = 3
+FREEZE_BACKENDS = ("jit", "inductor", "none")
+DEFAULT_FREEZE = "jit"
+
+
+class Settings:
+    """What the launcher asked for (from the environment)."""
+
+    def __init__(self, environ: Optional[dict] = None) -> None:
+        environ = os.environ if environ is None else environ
+        self.dtype = environ.get(DTYPE_ENV, "float32") or "float32"
+        self.verbose = environ.get(VERBOSE_ENV, "") not in ("", "0")
+        self.freeze = environ.get(FREEZE_ENV, DEFAULT_FREEZE) or DEFAULT_FREEZE
+        if self.freeze not in FREEZE_BACKENDS:
+            raise ValueError(f"{FREEZE_ENV} must be one of {', '.join(FREEZE_BACKENDS)}, not {self.freeze!r}")
+
+
+_settings: Optional[Settings] = None
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"{PREFIX}: {message}\n")
+    sys.stderr.flush()
+
+
+def _verbose(message: str) -> None:
+    if _settings is not None and _settings.verbose:
+        _say(message)
+
+
+def install_from_environment() -> None:
+    """Patch torch now if it is already imported, else as soon as the program imports it."""
+    global _settings
+    _settings = Settings()
+    if "torch" in sys.modules:
+        patch_torch(sys.modules["torch"])
+    elif not any(isinstance(finder, _TorchImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _TorchImportHook())
+
+
+class _TorchImportHook(importlib.abc.MetaPathFinder):
+    """Finds torch with the other finders, and patches it right after it has executed."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchAfterExec(spec.loader)
+                return spec
+        return None
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        try:
+            patch_torch(module)
+        except Exception as exc:  # the program runs unpatched rather than not at all
+            _say(f"not active ({type(exc).__name__}: {exc})")
+
+    def __getattr__(self, name: str) -> Any:   # get_resource_reader, is_package, ...
+        return getattr(self._loader, name)
+
+
+def patch_torch(torch: Any) -> None:
+    """Swap in the fused optimizers and hook ``nn.Module.__call__`` (idempotent)."""
+    if getattr(torch.nn.Module, "_xlaunch_auto_optimize", False):
+        return
+    from xlaunch.kernels.optim import fused as optim
+
+    swapped = []
+    for name in OPTIMIZERS:
+        fused = getattr(optim, f"Fused{name}")
+        if getattr(torch.optim, name) is not fused:
+            setattr(torch.optim, name, fused)
+            swapped.append(name)
+    _verbose(f"optimizers {', '.join(swapped)} -> xlaunch fused ({', '.join('Fused' + n for n in swapped)})")
+    original = torch.nn.Module.__call__
+    torch.nn.Module.__call__ = _make_call(original, torch)
+    torch.nn.Module._xlaunch_auto_optimize = True
+    _verbose(f"eval-mode models called under no_grad are optimized on first call "
+             f"(dtype {_settings.dtype if _settings else 'float32'}, freeze "
+             f"{_settings.freeze if _settings else DEFAULT_FREEZE})")
+
+
+_local = threading.local()
+
+
+def _make_call(original: Callable, torch: Any) -> Callable:
+    skip_types = tuple(t for t in (getattr(torch.jit, "ScriptModule", None),
+                                   getattr(getattr(torch, "_dynamo", None), "OptimizedModule", None)) if t)
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_local, "depth", 0)
+        if depth == 0 and not self.training and not isinstance(self, skip_types) and not is_compiling():
+            optimized = _optimized_for(self, args, kwargs, torch)
+            if optimized is not None:
+                _local.depth = 1
+                try:
+                    return optimized(*args, **kwargs)
+                except Exception as exc:   # e.g. a frozen graph meeting an input it cannot take
+                    _give_up(self, f"the optimized copy failed ({type(exc).__name__}: {str(exc)[:200]})")
+                finally:
+                    _local.depth = 0
+        _local.depth = depth + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _local.depth = depth
+
+    __call__.__wrapped__ = original  # type: ignore[attr-defined]
+    return __call__
+
+
+class _Entry:
+    """One user module: its optimized copy (folded, channels-last, bf16: right for any input; its
+    forward holds frozen graphs per exact input signature, see :mod:`xlaunch.kernels.optimize.dispatch`)
+    and the versions of the user's tensors it was built from."""
+
+    def __init__(self) -> None:
+        self.eager: Optional[Callable] = None
+        self.tensors: list = []
+        self.versions: tuple = ()
+        self.given_up = False
+        self.rebuilds = 0
+        self.told_grad = False
+
+    def current(self) -> bool:
+        return self.eager is not None and tuple(t._version for t in self.tensors) == self.versions
+
+
+_entries: "weakref.WeakKeyDictionary[Any, _Entry]" = weakref.WeakKeyDictionary()
+_lock = threading.RLock()
+
+
+def _name(module: Any) -> str:
+    return type(module).__name__
+
+
+def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Optional[Callable]:
+    """What to call for ``module`` now (building it if needed); None = run the module as is."""
+    entry = _entries.get(module)
+    if entry is None:
+        if next(module.parameters(), None) is None:   # nothing to fold, cast or prepack
+            return None
+        with _lock:
+            entry = _entries.setdefault(module, _Entry())
+    if entry.given_up:
+        return None
+    if torch.is_grad_enabled():
+        if not entry.told_grad:
+            entry.told_grad = True
+            _verbose(f"{_name(module)} called in eval mode with autograd on: runs unoptimized "
+                     "(call it under torch.no_grad() or torch.inference_mode())")
+        return None
+    if entry.current():
+        return entry.eager
+    with _lock:
+        if not entry.current():
+            if entry.eager is not None:
+                entry.rebuilds += 1
+                if entry.rebuilds > MAX_REBUILDS:
+                    _give_up(module, "its weights keep changing between eval calls")
+                    return None
+                _verbose(f"{_name(module)}: weights changed since it was optimized; optimizing again")
+            _build_eager(module, entry, torch)
+        return entry.eager
+
+
+def _give_up(module: Any, why: str) -> None:
+    entry = _entries.get(module)
+    if entry is not None:
+        entry.given_up, entry.eager = True, None
+    _say(f"{_name(module)} runs unoptimized: {why}")
+
+
+def _quietly(build: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """Run ``build`` with the library's own calls of the model kept out of the hook; return its
+    result and the OptimizeWarnings it raised (as text)."""
+    from xlaunch.kernels.optimize.pipeline import OptimizeWarning
+
+    previous_depth = getattr(_local, "depth", 0)
+    _local.depth = 1
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = build()
+    finally:
+        _local.depth = previous_depth
+    return result, [str(w.message) for w in caught if issubclass(w.category, OptimizeWarning)]
+
+
+def _build_eager(module: Any, entry: _Entry, torch: Any) -> None:
+    """The optimized copy; its forward freezes a graph per input signature on first use
+    (unless the freeze backend is "none"), checked against the eager copy."""
+    from xlaunch.kernels.optimize import dispatch
+    from xlaunch.kernels.optimize.pipeline import optimize
+
+    settings = _settings or Settings({})
+    dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
+    freezing = settings.freeze != "none"
+    flags = {"weights_prepack": freezing, "measure": False}
+    if freezing:
+        flags["freeze_backend"] = settings.freeze
+    try:
+        eager, notes = _quietly(lambda: optimize(module, dtype=dtype, **flags))
+    except Exception as exc:
+        _give_up(module, f"{type(exc).__name__}: {str(exc)[:300]}")
+        return
+    forward = dispatch.of(eager)
+    if forward is not None:
+        name = _name(module)
+        forward.notify = lambda message, is_warning: _verbose(f"{name}: {message}")
+    entry.eager = eager
+    entry.tensors = list(module.parameters()) + list(module.buffers())
+    entry.versions = tuple(t._version for t in entry.tensors)
+    report = getattr(eager, "_xlaunch_optimize_report", None)
+    if settings.verbose:
+        _verbose(f"{_name(module)} optimized: {_describe(report)}")
+        for note in notes:
+            _verbose(f"  {note}")
+    elif settings.dtype == "bfloat16" and report is not None and report.dtype != torch.bfloat16:
+        _say(f"{_name(module)}: bf16 not used; see --auto-optimize-verbose")
+
+
+def _describe(report: Any) -> str:
+    if report is None:
+        return "done"
+    parts = []
+    if report.folded:
+        parts.append(f"folded {len(report.folded)} BN")
+    if report.dropouts_removed:
+        parts.append(f"removed {len(report.dropouts_removed)} dropout")
+    if report.channels_last_convs:
+        parts.append(f"channels_last on {report.channels_last_convs} conv")
+    if report.bf16_modules or report.autocast:
+        parts.append(f"bf16 ({report.bf16_modules} modules, autocast {'on' if report.autocast else 'off'})")
+    if report.frozen_with:
+        parts.append(f"frozen with {report.frozen_with}")
+    return ", ".join(parts) or "nothing applicable"

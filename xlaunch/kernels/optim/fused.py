@@ -1,0 +1,447 @@
+"""Fused optimizers with optional split-bf16 master weights.
+
+``FusedSGD``, ``FusedAdagrad``, ``FusedAdam`` and ``FusedAdamW`` subclass torch's own classes
+(same constructor, param groups, state layout and ``state_dict``; ``isinstance`` keeps working) and
+replace ``step`` with a lean path onto torch's single-pass CPU kernels (``torch._fused_sgd_``,
+``_fused_adagrad_``, ``_fused_adam_``, ``_fused_adamw_``): one read and one write of each
+parameter's memory per step, without torch's per-step regrouping overhead. ``FusedLamb`` has no
+torch counterpart and uses multi-tensor (``torch._foreach_*``) ops.
+
+Split-bf16: after :func:`to_fused` with ``dtype=torch.bfloat16`` (or :func:`split_params`), every
+trained parameter is a bf16 tensor holding the high half of its fp32 master and the optimizer
+state keeps the low half (``state[p]["bf16_trail"]``, int16). Each step joins the halves into an
+exact fp32 master, runs the fp32 kernel on it with the bf16 gradient widened to fp32, and splits
+the result back: the reconstructed master is bit-identical to an fp32 master updated by the same
+kernel with the same gradients. Optimizer state (momentum, moments) stays fp32.
+
+Options the fast path does not cover (``differentiable``, tensor ``lr``, ``capturable``, sparse or
+complex gradients) fall back to torch's own ``step`` on the joined fp32 masters.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Any, Callable, Iterable
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import Tensor
+
+from xlaunch.kernels.optim.splitbf16 import join_into, split, split_into
+
+__all__ = [
+    "FusedSGD",
+    "FusedAdagrad",
+    "FusedAdam",
+    "FusedAdamW",
+    "FusedLamb",
+    "TRAIL_KEY",
+    "to_fused",
+    "split_params",
+    "master_params",
+    "is_split",
+]
+
+TRAIL_KEY = "bf16_trail"
+Closure = Callable[[], Any]
+
+
+class _StepTensors:
+    """The fp32 view of one param group for one step, grouped by dtype.
+
+    Plain parameters are used as they are; split-bf16 parameters are joined into fp32 temporaries
+    (with fp32 gradients) and written back by :meth:`write_back`.
+    """
+
+    def __init__(self) -> None:
+        self.by_dtype: dict[torch.dtype, list[tuple[Tensor, Tensor, Tensor]]] = {}
+        self._split: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def add(self, param: Tensor, state: dict) -> None:
+        trail = state.get(TRAIL_KEY)
+        if trail is None:
+            entry = (param, param, param.grad)
+        else:
+            master = torch.empty_like(param, dtype=torch.float32)
+            join_into(param, trail, master)
+            entry = (param, master, param.grad.float())
+            self._split.append((param, trail, master))
+        self.by_dtype.setdefault(entry[1].dtype, []).append(entry)
+
+    def write_back(self) -> None:
+        for param, trail, master in self._split:
+            split_into(master, param, trail)
+
+
+def _fast_path_ok(group: dict, params: Iterable[Tensor]) -> bool:
+    if group.get("differentiable") or group.get("capturable") or isinstance(group["lr"], Tensor):
+        return False
+    for p in params:
+        if p.grad is not None and (p.grad.is_sparse or p.is_complex() or p.device.type != "cpu"):
+            return False
+    return True
+
+
+class _FusedBase:
+    """Shared step machinery; mixed into subclasses of torch optimizers."""
+
+    state: Any
+    param_groups: list
+
+    def _group_step(self, group: dict, tensors: _StepTensors) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Closure | None = None) -> Any:
+        """Perform one optimization step (see the class docstring of the torch original)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = group["params"]
+            if not _fast_path_ok(group, params):
+                self._fallback_group_step(group)
+                continue
+            tensors = _StepTensors()
+            for p in params:
+                if p.grad is not None:
+                    tensors.add(p, self.state[p])
+            if tensors.by_dtype:
+                self._group_step(group, tensors)
+                tensors.write_back()
+        return loss
+
+    def _fallback_group_step(self, group: dict) -> None:
+        """Run torch's own ``step`` for ``group`` with split parameters swapped to fp32."""
+        swapped = []
+        for p in group["params"]:
+            trail = self.state[p].get(TRAIL_KEY) if p in self.state else None
+            if trail is not None and p.grad is not None:
+                bf16_data, bf16_grad = p.data, p.grad
+                master = torch.empty_like(bf16_data, dtype=torch.float32)
+                join_into(bf16_data, trail, master)
+                p.data, p.grad = master, bf16_grad.float()
+                swapped.append((p, trail, bf16_data, bf16_grad))
+        saved_groups = self.param_groups
+        try:
+            self.param_groups = [group]
+            super().step()  # type: ignore[misc]
+        finally:
+            self.param_groups = saved_groups
+            for p, trail, bf16_data, bf16_grad in swapped:
+                split_into(p.data, bf16_data, trail)
+                p.data, p.grad = bf16_data, bf16_grad
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, keeping split parameters' state in fp32."""
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        live = [p for g in self.param_groups for p in g["params"]]
+        by_id = dict(zip(saved_ids, live))
+        for pid, saved in state_dict["state"].items():
+            if TRAIL_KEY not in saved or pid not in by_id:
+                continue
+            state = self.state[by_id[pid]]
+            for key, value in saved.items():
+                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                    state[key] = value.to(dtype=torch.float32, copy=True)
+
+
+def _step_tensor(param: Tensor) -> Tensor:
+    return torch.zeros((), dtype=torch.float32, device=param.device)
+
+
+class FusedSGD(_FusedBase, torch.optim.SGD):
+    """``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize), fused step."""
+
+    def _group_step(self, group: dict, tensors: _StepTensors) -> None:
+        momentum = group["momentum"]
+        for entries in tensors.by_dtype.values():
+            fresh: tuple[list, list, list, list] = ([], [], [], [])
+            running: tuple[list, list, list, list] = ([], [], [], [])
+            for param, master, grad in entries:
+                state = self.state[param]
+                buf = state.get("momentum_buffer")
+                if momentum != 0 and buf is None:
+                    buf = state["momentum_buffer"] = torch.empty_like(master)
+                    target = fresh
+                else:
+                    target = running
+                target[0].append(master)
+                target[1].append(grad)
+                if momentum != 0:
+                    target[2].append(buf)
+            for masters, grads, bufs, _ in (fresh, running):
+                if masters:
+                    torch._fused_sgd_(
+                        masters,
+                        grads,
+                        bufs,
+                        weight_decay=group["weight_decay"],
+                        momentum=momentum,
+                        lr=group["lr"],
+                        dampening=group["dampening"],
+                        nesterov=group["nesterov"],
+                        maximize=group["maximize"],
+                        is_first_step=masters is fresh[0],
+                    )
+
+
+class FusedAdagrad(_FusedBase, torch.optim.Adagrad):
+    """``torch.optim.Adagrad`` (lr decay, weight decay, maximize), fused step."""
+
+    def _group_step(self, group: dict, tensors: _StepTensors) -> None:
+        for entries in tensors.by_dtype.values():
+            masters, grads, sums, steps = [], [], [], []
+            for param, master, grad in entries:
+                state = self.state[param]
+                if "sum" not in state:
+                    state["sum"] = torch.full_like(master, group["initial_accumulator_value"])
+                    state["step"] = _step_tensor(param)
+                masters.append(master)
+                grads.append(grad)
+                sums.append(state["sum"])
+                steps.append(state["step"])
+            torch._foreach_add_(steps, 1)
+            torch._fused_adagrad_(
+                masters,
+                grads,
+                sums,
+                steps,
+                lr=group["lr"],
+                lr_decay=group["lr_decay"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+            )
+
+
+class FusedAdam(_FusedBase, torch.optim.Adam):
+    """``torch.optim.Adam`` (amsgrad, weight decay, maximize), fused step."""
+
+    def _group_step(self, group: dict, tensors: _StepTensors) -> None:
+        amsgrad = group["amsgrad"]
+        beta1, beta2 = group["betas"]
+        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
+        for entries in tensors.by_dtype.values():
+            masters, grads, avgs, avg_sqs, max_sqs, steps = [], [], [], [], [], []
+            for param, master, grad in entries:
+                state = self.state[param]
+                if "exp_avg" not in state:
+                    state["step"] = _step_tensor(param)
+                    state["exp_avg"] = torch.zeros_like(master)
+                    state["exp_avg_sq"] = torch.zeros_like(master)
+                    if amsgrad:
+                        state["max_exp_avg_sq"] = torch.zeros_like(master)
+                masters.append(master)
+                grads.append(grad)
+                avgs.append(state["exp_avg"])
+                avg_sqs.append(state["exp_avg_sq"])
+                if amsgrad:
+                    max_sqs.append(state["max_exp_avg_sq"])
+                steps.append(state["step"])
+            torch._foreach_add_(steps, 1)
+            kernel(
+                masters,
+                grads,
+                avgs,
+                avg_sqs,
+                max_sqs,
+                steps,
+                amsgrad=amsgrad,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+            )
+
+
+class FusedAdamW(FusedAdam, torch.optim.AdamW):
+    """``torch.optim.AdamW`` (decoupled weight decay), fused step."""
+
+
+class FusedLamb(_FusedBase, torch.optim.Optimizer):
+    """LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning", Algorithm 2).
+
+    Per parameter: Adam moments with optional bias correction, update
+    ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w``, layer-wise trust ratio
+    ``||w|| / ||u||`` (1 when either norm is 0, clipped to ``max_trust_ratio`` if given), then
+    ``w -= lr * trust * u``.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        *,
+        bias_correction: bool = True,
+        max_trust_ratio: float | None = None,
+    ) -> None:
+        if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
+            raise ValueError(f"invalid LAMB hyperparameters lr={lr} eps={eps} wd={weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid LAMB betas {betas}")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            max_trust_ratio=max_trust_ratio,
+        )
+        super().__init__(params, defaults)
+
+    def _group_step(self, group: dict, tensors: _StepTensors) -> None:
+        beta1, beta2 = group["betas"]
+        for entries in tensors.by_dtype.values():
+            masters, grads, avgs, avg_sqs, step_counts = [], [], [], [], []
+            for param, master, grad in entries:
+                state = self.state[param]
+                if "exp_avg" not in state:
+                    state["step"] = _step_tensor(param)
+                    state["exp_avg"] = torch.zeros_like(master)
+                    state["exp_avg_sq"] = torch.zeros_like(master)
+                state["step"] += 1
+                masters.append(master)
+                grads.append(grad)
+                avgs.append(state["exp_avg"])
+                avg_sqs.append(state["exp_avg_sq"])
+                step_counts.append(int(state["step"].item()))
+            torch._foreach_lerp_(avgs, grads, 1.0 - beta1)
+            torch._foreach_mul_(avg_sqs, beta2)
+            torch._foreach_addcmul_(avg_sqs, grads, grads, value=1.0 - beta2)
+            if group["bias_correction"]:
+                corr1 = [1.0 - beta1**n for n in step_counts]
+                corr2 = [math.sqrt(1.0 - beta2**n) for n in step_counts]
+            else:
+                corr1 = corr2 = [1.0] * len(step_counts)
+            denoms = torch._foreach_sqrt(avg_sqs)
+            torch._foreach_div_(denoms, corr2)
+            torch._foreach_add_(denoms, group["eps"])
+            updates = torch._foreach_div(avgs, corr1)
+            torch._foreach_div_(updates, denoms)
+            if group["weight_decay"] != 0:
+                torch._foreach_add_(updates, masters, alpha=group["weight_decay"])
+            weight_norms = torch._foreach_norm(masters)
+            update_norms = torch._foreach_norm(updates)
+            scales = []
+            for w_norm, u_norm in zip(weight_norms, update_norms):
+                w, u = float(w_norm), float(u_norm)
+                trust = w / u if w > 0.0 and u > 0.0 else 1.0
+                if group["max_trust_ratio"] is not None:
+                    trust = min(trust, group["max_trust_ratio"])
+                scales.append(-group["lr"] * trust)
+            torch._foreach_mul_(updates, scales)
+            torch._foreach_add_(masters, updates)
+
+    def _fallback_group_step(self, group: dict) -> None:
+        raise RuntimeError("FusedLamb supports dense CPU tensors with a float lr only")
+
+
+_FUSED_FOR: dict[type, type] = {
+    torch.optim.SGD: FusedSGD,
+    torch.optim.Adagrad: FusedAdagrad,
+    torch.optim.Adam: FusedAdam,
+    torch.optim.AdamW: FusedAdamW,
+}
+
+
+def is_split(optimizer: torch.optim.Optimizer, param: Tensor) -> bool:
+    """True when ``param`` is stored as split-bf16 by ``optimizer``."""
+    return param in optimizer.state and TRAIL_KEY in optimizer.state[param]
+
+
+def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    cls = _FUSED_FOR[type(optimizer)]
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [dict(group) for group in optimizer.param_groups]
+    fused = cls(groups, **kwargs)
+    if optimizer.state:
+        fused.load_state_dict(optimizer.state_dict())
+    return fused
+
+
+def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> int:
+    """Store ``optimizer``'s float32 parameters as split-bf16, in place; return how many.
+
+    Each parameter's ``.data`` becomes its bf16 high half (the same ``Parameter`` object, so the
+    model and optimizer keep their references) and the low half goes to the optimizer state.
+    Existing gradients are dropped (they have the old dtype). The other float32 parameters of
+    ``model`` (not trained by this optimizer) are cast to bf16 so the forward pass sees one dtype.
+    Buffers (e.g. BatchNorm statistics) are left as they are.
+    """
+    if not isinstance(optimizer, _FusedBase):
+        raise TypeError("split-bf16 parameters need a fused optimizer (see to_fused)")
+    converted = 0
+    trained = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            trained.add(p)
+            if p.dtype != torch.float32 or is_split(optimizer, p):
+                continue
+            top, trail = split(p.data)
+            p.data = top
+            p.grad = None
+            optimizer.state[p][TRAIL_KEY] = trail
+            converted += 1
+    if model is not None:
+        for p in model.parameters():
+            if p not in trained and p.dtype == torch.float32:
+                p.data = p.data.to(torch.bfloat16)
+                p.grad = None
+    return converted
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """fp32 copies of every parameter's master value (joined halves for split parameters)."""
+    masters = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if is_split(optimizer, p):
+                master = torch.empty_like(p.data, dtype=torch.float32)
+                join_into(p.data, optimizer.state[p][TRAIL_KEY], master)
+                masters.append(master)
+            else:
+                masters.append(p.detach().clone())
+    return masters
+
+
+def to_fused(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.optim.Optimizer:
+    """The fused equivalent of a torch SGD/Adagrad/Adam/AdamW ``optimizer``.
+
+    Same param groups, hyperparameters and state. With ``dtype=torch.bfloat16`` the trained
+    float32 parameters become split-bf16 (see :func:`split_params`; ``model``'s other float
+    parameters are cast to bf16). The state tensors are shared with ``optimizer``, which should
+    not be stepped again. An optimizer of another type is returned unchanged with a
+    warning (and no parameter is converted). A fused optimizer is returned as is (converted when
+    ``dtype`` asks for it).
+    """
+    if dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"to_fused: dtype must be None, float32 or bfloat16, not {dtype}")
+    if isinstance(optimizer, _FusedBase):
+        fused = optimizer
+    elif type(optimizer) in _FUSED_FOR:
+        fused = _fused_twin(optimizer)
+    else:
+        warnings.warn(
+            f"xlaunch.kernels: no fused version of {type(optimizer).__name__}; left unchanged",
+            stacklevel=2,
+        )
+        return optimizer
+    if dtype == torch.bfloat16:
+        split_params(fused, model)
+    return fused

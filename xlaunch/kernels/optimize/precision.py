@@ -1,0 +1,140 @@
+"""Precision: is bf16/fp16 worth it on this CPU, and low-precision weights.
+
+bf16 is used only where the CPU computes it natively (AVX512_BF16 or AMX_BF16), fp16 only with
+AVX512_FP16 or AMX_FP16; elsewhere oneDNN emulates them and they run slower than fp32 (measured on
+an AVX2-only EPYC: a small CNN 60x slower under bf16 autocast), so the request falls back to fp32
+with a warning unless ``force_bf16=True`` (which forces either low-precision dtype).
+
+Decision for inference (see docs/kernels.md): convolution/linear weights are stored in the low
+dtype once, and the model's ``forward`` runs under ``torch.autocast("cpu", dtype)`` (installed by
+:mod:`xlaunch.kernels.optimize.dispatch`), so callers change nothing; floating outputs come back as float32
+like the original model's, and ``state_dict()`` gives the cast weights back in their original dtype
+(as ipex does), so a checkpoint taken from the optimized model loads anywhere.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Optional
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+FP16_FLAGS = ("avx512_fp16", "amx_fp16")
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                nn.ConvTranspose3d)
+
+
+@functools.lru_cache(maxsize=1)
+def isa_flags() -> frozenset[str]:
+    """CPU flags from the machine model (``current_machine().isa``), else from /proc/cpuinfo."""
+    try:
+        from xlaunch.machine import current_machine  # type: ignore[attr-defined]
+
+        flags = current_machine().isa.flags
+        if flags:
+            return frozenset(flags)
+    except Exception:
+        pass
+    return flags_from_cpuinfo(Path("/proc/cpuinfo"))
+
+
+def flags_from_cpuinfo(path: Path) -> frozenset[str]:
+    """The ``flags`` line of the first processor in a cpuinfo file (empty when unreadable)."""
+    try:
+        with path.open() as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _unsupported_reason(name: str, native: tuple[str, str], flags: frozenset[str]) -> Optional[str]:
+    """None when one of the ``native`` flags is present, else why ``name`` should not be used."""
+    if any(flag in flags for flag in native):
+        return None
+    if not flags:
+        return f"the CPU flags could not be read, so native {name} support is unknown"
+    return (f"this CPU has neither {native[0].upper()} nor {native[1].upper()}, so {name} "
+            "matmuls/convolutions are emulated and slower than fp32")
+
+
+def bf16_unsupported_reason(flags: frozenset[str]) -> Optional[str]:
+    """None when bf16 runs natively, else why it should not be used."""
+    return _unsupported_reason("bf16", BF16_FLAGS, flags)
+
+
+def fp16_unsupported_reason(flags: frozenset[str]) -> Optional[str]:
+    """None when fp16 runs natively, else why it should not be used."""
+    return _unsupported_reason("fp16", FP16_FLAGS, flags)
+
+
+def resolve_dtype(dtype: Optional[torch.dtype], force_bf16: bool,
+                  flags: Optional[frozenset[str]] = None) -> tuple[torch.dtype, Optional[str]]:
+    """(the dtype to use, a warning or None). float32, bfloat16 and float16 are accepted."""
+    if dtype is None or dtype == torch.float32:
+        return torch.float32, None
+    if dtype not in LOW_DTYPES:
+        raise ValueError(f"optimize: dtype must be torch.float32, torch.bfloat16 or torch.float16, not {dtype}")
+    flags = isa_flags() if flags is None else flags
+    reason = bf16_unsupported_reason(flags) if dtype == torch.bfloat16 else fp16_unsupported_reason(flags)
+    if reason is None or force_bf16:
+        return dtype, None
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    return torch.float32, f"{name} not used: {reason}; kept float32 (pass force_bf16=True to override)"
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> tuple[int, dict[str, torch.dtype], list[str]]:
+    """Store conv/linear weights and biases in ``dtype`` (``.data``, parameters keep identity).
+
+    Returns (modules cast, {parameter name: original dtype}, warnings). Only float32/bf16/fp16
+    parameters are cast; others (float64, ...) are left and named in a warning (as ipex does).
+    Linear layers inside ``nn.MultiheadAttention`` stay as they are: its fused paths read
+    ``out_proj.weight`` beside the fp32 ``in_proj_weight`` and require one dtype."""
+    count = 0
+    original: dict[str, torch.dtype] = {}
+    problems: list[str] = []
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    seen: set[int] = set()
+    for attention in model.modules():  # MHA reads its projections' tensors directly, not via autocast
+        if isinstance(attention, nn.MultiheadAttention):
+            seen.update(id(m) for m in attention.modules())
+    for module in model.modules():
+        if not isinstance(module, WEIGHT_TYPES) or id(module) in seen:
+            continue
+        seen.add(id(module))
+        params = [p for p in (module.weight, module.bias) if p is not None]
+        bad = sorted({str(p.dtype) for p in params if p.dtype not in CASTABLE})
+        if bad:
+            problems.append(f"can't convert the parameters of {type(module).__name__} "
+                            f"{names.get(id(module.weight), '?').rpartition('.')[0] or '(root)'} from {', '.join(bad)} to {dtype}; "
+                            "left as they are")
+            continue
+        for param in params:
+            if param.dtype != dtype:
+                original.setdefault(names.get(id(param), ""), param.dtype)
+                param.data = param.data.to(dtype)
+        count += 1
+    return count, original, problems
+
+
+class StateDictInOriginalDtype:
+    """``state_dict`` hook: parameters cast by :func:`cast_weights` are saved in their original dtype."""
+
+    def __init__(self, original: dict[str, torch.dtype]) -> None:
+        self.original = dict(original)
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for name, dtype in self.original.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                state_dict[key] = value.detach().to(dtype)

@@ -1,0 +1,380 @@
+"""``quantize``: INT8 inference on stock torch, routed by what this CPU measures fastest.
+
+    qmodel = quantize(model, (x,), calibration=[(b,) for b in batches])   # mode="auto"
+    qmodel(x); print(qmodel.mode, qmodel.report)
+    qmodel.save("model.pt2")
+    qmodel = load_quantized("model.pt2")    # another process: no model class, no calibration data
+
+Modes:
+  * ``static``: PT2E (torchao ``prepare_pt2e``/``convert_pt2e`` with ``X86InductorQuantizer``),
+    observers calibrated on ``calibration``, then ``torch.compile`` with freezing (oneDNN int8).
+  * ``dynamic``: the same flow with activation scales computed per call (Linear layers only).
+  * ``weight_only``: int8 Linear weights, fp32 activations (torchao ``Int8WeightOnlyConfig``).
+  * ``auto``: builds the routes that apply (by model and calibration), measures them interleaved
+    with fp32 eager and fp32 ``optimize()`` on ``example_inputs``, and returns the fastest one
+    whose relative error stays within ``max_error``; fp32 (``mode == "fp32"``) when no INT8 route
+    is faster here. Without VNNI/AMX the int8 routes use 7-bit activations (``reduce_range``).
+
+The accuracy reported is ``max |int8 - fp32| / max |fp32|`` over the calibration inputs (the
+example inputs when there is no calibration), with the argmax agreement along the last dimension.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
+
+from xlaunch.kernels.quantize import policy
+from xlaunch.kernels.optimize.compare import flat_tensors
+from xlaunch.kernels.quantize import routes
+from xlaunch.kernels.quantize.routes import QuantizeWarning
+
+__all__ = ["QuantizeReport", "QuantizeWarning", "QuantizedModule", "load_quantized", "quantize"]
+
+META_FILE = "xlaunch-quantize.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class RouteResult:
+    """One measured variant."""
+
+    ms: Optional[float] = None            # median time per call on example_inputs
+    rel_error: Optional[float] = None     # vs fp32 eager on the calibration inputs
+    argmax_agreement: Optional[float] = None
+    skipped: Optional[str] = None         # why it was not built or not measured
+
+
+@dataclass
+class QuantizeReport:
+    """What ``quantize`` did. ``routes`` holds every variant measured or skipped (auto)."""
+
+    mode: str
+    requested: str
+    reason: str = ""
+    isa_int8_dot: Optional[str] = None
+    reduce_range: bool = False
+    quantized: list[str] = field(default_factory=list)
+    kept_fp32: dict[str, str] = field(default_factory=dict)
+    rel_error: Optional[float] = None
+    argmax_agreement: Optional[float] = None
+    routes: dict[str, RouteResult] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "QuantizeReport":
+        data = dict(data)
+        data["routes"] = {k: RouteResult(**v) for k, v in data.get("routes", {}).items()}
+        return cls(**data)
+
+    def __str__(self) -> str:
+        lines = [f"mode: {self.mode} (asked: {self.requested}){': ' + self.reason if self.reason else ''}",
+                 f"int8 dot products: {self.isa_int8_dot or 'none (AVX2 multiply-add)'}; "
+                 f"reduce_range: {self.reduce_range}"]
+        if self.rel_error is not None:
+            lines.append(f"relative error vs fp32: {self.rel_error:.4f}; argmax agreement: "
+                         f"{'-' if self.argmax_agreement is None else f'{self.argmax_agreement:.3f}'}")
+        lines.append(f"quantized ({len(self.quantized)}): {', '.join(self.quantized) or '-'}")
+        for name, why in self.kept_fp32.items():
+            lines.append(f"fp32: {name}: {why}")
+        for name, r in self.routes.items():
+            what = r.skipped or (f"{r.ms:.3f} ms" if r.ms is not None else "not timed")
+            if r.rel_error is not None:
+                what += f", rel error {r.rel_error:.4f}"
+            lines.append(f"route {name}: {what}")
+        lines.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+
+class QuantizedModule(nn.Module):
+    """A quantized (or fp32 fallback) model: callable, with ``.mode``, ``.report``, ``.save``."""
+
+    def __init__(self, runner: Callable[..., Any],
+                 program: "torch.export.ExportedProgram | Callable[[], torch.export.ExportedProgram]",
+                 mode: str, report: QuantizeReport, keep: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self._runner = runner
+        self._program = program   # or a function exporting it on first use (export takes a while)
+        self.mode = mode
+        self.report = report
+        self.inner = keep   # the module the runner runs (registered so .to()/state_dict see it)
+
+    @property
+    def program(self) -> torch.export.ExportedProgram:
+        """The model in torch.export's format (what :meth:`save` writes)."""
+        if not isinstance(self._program, torch.export.ExportedProgram):
+            self._program = self._program()
+        return self._program
+
+    def forward(self, *args: Any) -> Any:
+        return self._runner(*args)
+
+    def save(self, path: str) -> None:
+        """Write the program in torch.export's format, with the mode and report alongside."""
+        meta = {"format": FORMAT_VERSION, "mode": self.mode, "report": self.report.to_dict()}
+        torch.export.save(self.program, path, extra_files={META_FILE: json.dumps(meta)})
+
+
+def load_quantized(path: str) -> QuantizedModule:
+    """Load what :meth:`QuantizedModule.save` wrote; needs neither the model's class nor the
+    calibration data. INT8 PT2E programs are compiled again (freezing) on the first call."""
+    routes.import_torchao()
+    routes.register_decomposed_ops()
+    extra = {META_FILE: ""}
+    program = torch.export.load(path, extra_files=extra)
+    if not extra[META_FILE]:
+        raise ValueError(f"load_quantized: {path} was not written by xlaunch quantize (no {META_FILE})")
+    meta = json.loads(extra[META_FILE])
+    mode = meta["mode"]
+    module = program.module()
+    runner: Callable[..., Any]
+    if mode in ("static", "dynamic"):
+        runner = routes.FrozenCompiled(module)
+    else:
+        def runner(*args: Any) -> Any:
+            with torch.no_grad():
+                return module(*args)
+    return QuantizedModule(runner, program, mode, QuantizeReport.from_dict(meta["report"]), keep=module)
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+def accuracy(reference: list[Any], candidate: list[Any]) -> tuple[float, Optional[float]]:
+    """(max relative error, argmax agreement over the last dim of the first output)."""
+    worst, agree, total = 0.0, 0, 0
+    for ref, cand in zip(reference, candidate):
+        for r, c in zip(flat_tensors(ref), flat_tensors(cand)):
+            if not r.is_floating_point():
+                continue
+            r32, c32 = r.detach().float(), c.detach().float()
+            scale = max(r32.abs().max().item(), 1e-12)
+            error = (r32 - c32).abs().max().item() / scale
+            worst = max(worst, error if error == error else float("inf"))
+        first_r, first_c = flat_tensors(ref)[:1], flat_tensors(cand)[:1]
+        if first_r and first_r[0].dim() >= 1 and first_r[0].shape[-1] > 1:
+            agree += (first_r[0].argmax(-1) == first_c[0].argmax(-1)).sum().item()
+            total += first_r[0].argmax(-1).numel()
+    return worst, (agree / total if total else None)
+
+
+def measure(variants: dict[str, Callable[..., Any]], example_inputs: tuple, rounds: int = 7,
+            target_s: float = 0.01) -> dict[str, float]:
+    """Median ms per call for each variant, timed in interleaved rounds (fair under shared load)."""
+    calls: dict[str, int] = {}
+    with torch.no_grad():
+        for name, fn in variants.items():
+            fn(*example_inputs)   # warm-up (compiles)
+            start = time.perf_counter()
+            fn(*example_inputs)
+            once = time.perf_counter() - start
+            calls[name] = max(1, min(50, int(target_s / max(once, 1e-6))))
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                start = time.perf_counter()
+                for _ in range(calls[name]):
+                    fn(*example_inputs)
+                samples[name].append((time.perf_counter() - start) / calls[name] * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+# --- the API ---------------------------------------------------------------------------------
+
+def _as_args(inputs: Any, what: str) -> tuple:
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,)
+    if isinstance(inputs, (tuple, list)) and inputs:
+        return tuple(inputs)
+    raise TypeError(f"quantize: {what} must be a tensor or a non-empty tuple of inputs, not {type(inputs).__name__}")
+
+
+def _calibration(calibration: Optional[Iterable[Any]]) -> Optional[list[tuple]]:
+    if calibration is None:
+        return None
+    if isinstance(calibration, torch.Tensor):
+        raise TypeError("quantize: calibration must be an iterable of input tuples (e.g. [(x1,), (x2,)]), "
+                        "not one tensor")
+    batches = [_as_args(batch, "each calibration item") for batch in calibration]
+    if not batches:
+        raise ValueError("quantize: calibration is empty")
+    return batches
+
+
+def _layers(model: nn.Module) -> tuple[bool, bool]:
+    has_linear = any(isinstance(m, nn.Linear) for m in model.modules())
+    has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    return has_linear, has_conv
+
+
+def _machine_traits() -> policy.IsaTraits:
+    from xlaunch.machine import current_machine
+
+    isa = current_machine().isa
+    return policy.isa_traits(isa.flags, isa.amx_permitted)
+
+
+def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[list[tuple]],
+           reduce_range: bool) -> routes.Built:
+    if route == "static":
+        assert calibration is not None
+        return routes.build_pt2e(model, example, calibration, dynamic=False, reduce_range=reduce_range)
+    if route == "dynamic":
+        return routes.build_pt2e(model, example, [example], dynamic=True, reduce_range=reduce_range)
+    return routes.build_weight_only(model)
+
+
+def _warn(report: QuantizeReport, message: str) -> None:
+    report.warnings.append(message)
+    frame, level = sys._getframe(1), 2   # point the warning at the first frame outside xlaunch
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("xlaunch.kernels"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(f"xlaunch.quantize: {message}", QuantizeWarning, stacklevel=level)
+
+
+def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Iterable[Any]] = None,
+             mode: str = "auto", max_error: float = policy.DEFAULT_MAX_ERROR,
+             rounds: int = 7) -> QuantizedModule:
+    """Quantize a copy of ``model`` (put in eval mode) to INT8; see the module docstring.
+
+    ``example_inputs``: a tensor or tuple of inputs (timing, export); ``calibration``: an iterable
+    of input tuples (static needs it; it is also where accuracy is measured). ``max_error`` is the
+    largest relative error ``auto`` accepts; ``rounds`` the interleaved timing rounds of ``auto``.
+    """
+    mode = policy.check_mode(mode)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize: model must be a torch.nn.Module, not {type(model).__name__}")
+    example = _as_args(example_inputs, "example_inputs")
+    batches = _calibration(calibration)
+    if mode == "static" and batches is None:
+        raise ValueError("quantize: mode='static' needs calibration=[(inputs...), ...] to set the "
+                         "activation scales (or use mode='dynamic' or 'weight_only')")
+    if not max_error > 0:
+        raise ValueError(f"quantize: max_error must be > 0, not {max_error!r}")
+    traits = _machine_traits()
+    report = QuantizeReport(mode=mode, requested=mode, isa_int8_dot=traits.int8_dot,
+                            reduce_range=traits.reduce_range)
+    fp32 = copy.deepcopy(model).eval()
+    has_linear, has_conv = _layers(fp32)
+    checks = batches or [example]
+    with torch.no_grad():
+        reference = [fp32(*batch) for batch in checks]
+
+    if mode == "auto":
+        wanted = policy.candidate_routes(has_linear, has_conv, batches is not None)
+    else:
+        reason = policy.candidate_routes(has_linear, has_conv, True)[mode]
+        if reason is not None:
+            raise ValueError(f"quantize: mode={mode!r} cannot quantize {type(model).__name__}: {reason}")
+        wanted = {mode: None}
+
+    built: dict[str, routes.Built] = {}
+    for route, skip in wanted.items():
+        if skip is not None:
+            report.routes[route] = RouteResult(skipped=skip)
+            continue
+        try:
+            build = _build(route, fp32, example, batches, traits.reduce_range)
+            outputs = [build.runner(*batch) for batch in checks]
+        except Exception as exc:
+            if mode != "auto":
+                raise ValueError(f"quantize: {route} INT8 failed on {type(model).__name__}: "
+                                 f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+            report.routes[route] = RouteResult(skipped=f"failed: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        if not build.quantized:
+            if mode != "auto":
+                raise ValueError(f"quantize: mode={mode!r} quantized no layer of {type(model).__name__} "
+                                 f"({'; '.join(f'{k}: {v}' for k, v in build.kept_fp32.items()) or 'nothing eligible'})")
+            report.routes[route] = RouteResult(skipped="quantized no layer")
+            continue
+        error, agreement = accuracy(reference, outputs)
+        report.routes[route] = RouteResult(rel_error=error, argmax_agreement=agreement)
+        built[route] = build
+
+    unsupported = routes.unsupported_modules(fp32)
+    if mode != "auto":
+        times = measure({policy.FP32_EAGER: fp32, mode: built[mode].runner}, example, rounds=3)
+        for name, ms in times.items():
+            report.routes.setdefault(name, RouteResult()).ms = ms
+        ratio = times[policy.FP32_EAGER] / times[mode]
+        if ratio < 1:
+            _warn(report, f"{mode} INT8 measured {ratio:.2f}x fp32 eager (slower) on example_inputs here; "
+                          "mode='auto' returns the fastest variant")
+        return _finish(report, mode, built[mode], fp32, example, unsupported, f"as asked ({ratio:.2f}x fp32 eager)")
+
+    variants: dict[str, Callable[..., Any]] = {policy.FP32_EAGER: fp32}
+    optimized = _optimized(fp32, example, report)
+    if optimized is not None:
+        variants[policy.FP32_OPTIMIZE] = optimized
+    variants.update({route: b.runner for route, b in built.items()})
+    times = measure(variants, example, rounds=rounds)
+    for name, ms in times.items():
+        report.routes.setdefault(name, RouteResult()).ms = ms
+    errors = {route: report.routes[route].rel_error for route in built}
+    choice, why = policy.choose(times, errors, max_error)
+    if choice in built:
+        return _finish(report, choice, built[choice], fp32, example, unsupported, why)
+    report.mode, report.reason = "fp32", why
+    if built:
+        report.kept_fp32 = {"(whole model)": why}
+    else:   # nothing could even be tried: say so once, loudly
+        report.reason = "no INT8 route applies: " + "; ".join(
+            f"{route}: {r.skipped}" for route, r in report.routes.items() if r.skipped)
+        report.kept_fp32 = {"(whole model)": report.reason, **unsupported}
+        _warn(report, f"auto returns fp32 for {type(model).__name__}: {report.reason}")
+    runner = variants[choice]
+    return QuantizedModule(_no_grad(runner), lambda: routes.export(fp32, example), "fp32", report,
+                           keep=runner if isinstance(runner, nn.Module) else None)
+
+
+def _no_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            return fn(*args)
+    return run
+
+
+def _optimized(fp32: nn.Module, example: tuple, report: QuantizeReport) -> Optional[Callable[..., Any]]:
+    """fp32 ``optimize()`` of the model (the fallback candidate), or None when it fails."""
+    from xlaunch.kernels.optimize.pipeline import optimize
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimized = optimize(copy.deepcopy(fp32), sample_input=example)
+        report.warnings.extend(f"optimize(): {w.message}" for w in caught
+                               if type(w.message).__name__ == "OptimizeWarning")
+        return optimized
+    except Exception as exc:
+        report.routes[policy.FP32_OPTIMIZE] = RouteResult(skipped=f"failed: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _finish(report: QuantizeReport, route: str, build: routes.Built, fp32: nn.Module, example: tuple,
+            unsupported: dict[str, str], why: str) -> QuantizedModule:
+    report.mode, report.reason = route, why
+    report.quantized = list(build.quantized)
+    report.kept_fp32 = {**build.kept_fp32, **{k: v for k, v in unsupported.items() if k not in build.kept_fp32}}
+    result = report.routes[route]
+    report.rel_error, report.argmax_agreement = result.rel_error, result.argmax_agreement
+    if report.kept_fp32:
+        _warn(report, f"{route}: {len(report.kept_fp32)} layer(s) stay fp32: "
+                      + "; ".join(f"{k}: {v}" for k, v in list(report.kept_fp32.items())[:4])
+                      + (" ..." if len(report.kept_fp32) > 4 else ""))
+    source = build.program_source
+    return QuantizedModule(build.runner, lambda: routes.export(source, example), route, report, keep=source)

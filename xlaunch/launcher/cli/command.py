@@ -1,0 +1,311 @@
+"""``xlaunch [OPTIONS] PROGRAM [ARGS]...`` -- the command line, and nothing more.
+
+Parsing (:mod:`.parse`, or click through :mod:`.click_command` for help, completion and errors)
+turns argv (+ ``--config``) into :class:`~xlaunch.launcher.plan.options.Options`; the machine
+is read once; :func:`~xlaunch.launcher.plan.planner.plan` decides; ``--dry-run`` prints the plan, else
+the runner executes it. Bad input is one line ``xlaunch: error: <option>: <problem>`` and exit
+status 2, before anything starts. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Any, Mapping, Optional, Sequence, Union
+
+from xlaunch._records import replace
+from xlaunch.launcher.cli.parse import CommandLine, parse_fast
+from xlaunch.launcher.cli.spec import COMPLETE_VAR, NOT_OPTIONS
+from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError, OptionError
+from xlaunch.launcher.plan.options import Options, build_options
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console-script entry point. A Ctrl-C before the runner took over signals is exit 130 with
+    no traceback (nothing had started)."""
+    try:
+        sys.exit(run(argv))
+    except KeyboardInterrupt:
+        sys.exit(128 + 2)
+
+
+def run(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
+    """Parse, plan, and dry-run or execute. Returns the exit status."""
+    environ = dict(os.environ if environ is None else environ)
+    instruction = environ.get(COMPLETE_VAR)
+    if instruction:
+        from xlaunch.launcher.cli.click_command import shell_complete
+
+        return shell_complete(instruction)
+    line = parse_command_line(sys.argv[1:] if argv is None else argv)
+    if isinstance(line, int):     # click printed the help or the version, or wrote the error
+        return line
+    params = line.params
+    try:
+        if params["check_isa"] or params["show_topology"]:
+            return _machine_information(line, environ)
+        options = options_from(line, environ)
+        return _launch(options, environ)
+    except LaunchInputError as exc:
+        return _usage_error(exc.line())
+
+
+def parse_command_line(args: Sequence[str]) -> Union[CommandLine, int]:
+    """The fast parse, or click's when the fast parser leaves it to click (help, version, errors)."""
+    line = parse_fast(args)
+    if line is None:
+        from xlaunch.launcher.cli import click_command as cli_click
+
+        return cli_click.parse(args)
+    return line
+
+
+def _usage_error(line: str) -> int:
+    sys.stderr.write(line.rstrip("\n").replace("\n", " ") + "\n")
+    return USAGE_EXIT_STATUS
+
+
+def _verbosity(line: CommandLine) -> int:
+    return int(line.params["verbose"] or 0) - int(line.params["quiet"] or 0)
+
+
+def options_from(line: CommandLine, environ: Mapping[str, str]) -> Options:
+    """Options from the command line over the config file; the program checked and resolved."""
+    params = line.params
+    for flag in ("torch", "probe"):
+        if params[flag]:
+            raise OptionError(f"--{flag}", "only applies with --check-isa")
+    config: dict[str, Any] = {}
+    source = None
+    if params["config"] is not None:
+        from xlaunch.launcher.plan.options import load_config_option
+
+        config, source = load_config_option(params["config"])
+        for key in config:
+            if str(key).replace("-", "_") in ("config", "command", "program"):
+                raise OptionError("--config", f"{key!r} cannot be set in a config file ({source})")
+    from xlaunch.launcher.cli import compat
+
+    cli = {name: value for name, value in params.items()
+           if name not in NOT_OPTIONS and name not in compat.BY_NAME and name in line.given}
+    old = {name: params[name] for name in compat.BY_NAME if name in line.given}
+    notes = ()
+    if old:
+        cli = {**compat.translate(old, cli), **cli}
+        notes = tuple(f"{compat.flags(compat.BY_NAME[name])[0]} ({compat.BY_NAME[name].origin}) means "
+                      f"{compat.BY_NAME[name].meaning}" for name in old)
+    cli["verbosity"] = _verbosity(line)
+    command = tuple(params["command"])
+    options = build_options(
+        cli, config, config_source=source, program=command[0] if command else None, args=command[1:]
+    )
+    if notes:
+        options = replace(options, notes=notes)
+    if options.json and not options.dry_run:
+        raise OptionError("--json", "only applies with --dry-run, --check-isa or --show-topology")
+    if options.log_dir is not None:
+        _check_log_dir(options.log_dir)
+        from xlaunch.launcher.run.logfiles import check_names
+
+        check_names(options.log_dir, options.log_file_prefix, [0])
+    if options.summary_json is not None:
+        _check_output_file("--summary-json", options.summary_json)
+    if options.program is None:
+        if options.dry_run:
+            return options
+        raise OptionError("PROGRAM", "missing (usage: xlaunch [OPTIONS] PROGRAM [ARGS]...)")
+    return _resolve_program(options, environ)
+
+
+def _check_log_dir(path: str) -> None:
+    """The log directory must be a directory, or creatable (its nearest existing parent writable)."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise OptionError("--log-dir", f"{path!r} exists and is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise OptionError("--log-dir", f"{path!r} is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise OptionError("--log-dir", f"cannot create {path!r} ({parent!r} is not a writable directory)")
+
+
+def _check_output_file(option: str, path: str) -> None:
+    """A file we will write at the end: its directory must exist and be writable."""
+    if os.path.isdir(path):
+        raise OptionError(option, f"{path!r} is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise OptionError(option, f"cannot write {path!r} ({parent!r} is not a writable directory)")
+
+
+def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
+    """Check PROGRAM exists; with --no-python, replace it by its path on PATH."""
+    from xlaunch.launcher.plan.which import which
+
+    program = str(options.program)
+    if options.no_python:
+        path = environ.get("PATH", os.defpath)
+        found = which(program, path=path)
+        if found is None:
+            where = "" if os.sep in program else " on PATH"
+            raise OptionError("PROGRAM", f"{program!r} not found{where} (or not executable)")
+        return replace(options, program=os.path.abspath(found) if os.sep in program else found)
+    if options.module:
+        problem = _module_problem(program, environ)
+        if problem:
+            raise OptionError("PROGRAM", problem)
+        return options
+    if os.path.isdir(program):
+        if not os.path.isfile(os.path.join(program, "__main__.py")):
+            raise OptionError("PROGRAM", f"directory {program!r} has no __main__.py")
+    elif not os.path.isfile(program):
+        raise OptionError("PROGRAM", f"no such file {program!r}")
+    return options
+
+
+def _module_problem(name: str, environ: Mapping[str, str]) -> Optional[str]:
+    """Why ``python -m name`` would not find ``name``, or None; imports nothing.
+
+    The top-level package is found as Python would (cwd, PYTHONPATH, sys.path); a dotted name is
+    then followed through the package directories on disk (namespace packages included). A
+    package found in a zip or by a custom importer is not looked into.
+    """
+    import importlib.machinery
+
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return f"{name!r} is not a module name"
+    top = parts[0]
+    if top in sys.builtin_module_names:
+        return None
+    extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    search = [os.getcwd(), *extra, *[p for p in sys.path if p]]
+    spec = importlib.machinery.PathFinder.find_spec(top, search)
+    if spec is None:
+        return f"no module named {top!r}"
+    locations = list(spec.submodule_search_locations or [])
+    for depth, part in enumerate(parts[1:], start=1):
+        parent = ".".join(parts[:depth])
+        if not locations:
+            return f"{parent!r} is not a package, so it has no module {part!r}"
+        if not all(os.path.isdir(d) for d in locations):
+            return None  # a zip or a custom importer: let Python decide
+        found = importlib.machinery.PathFinder.find_spec(part, locations)
+        if found is None:
+            return f"no module named {'.'.join(parts[:depth + 1])!r}"
+        locations = list(found.submodule_search_locations or [])
+    return None
+
+
+def _machine_information(line: CommandLine, environ: Mapping[str, str]) -> int:
+    params = line.params
+    if params["check_isa"] and params["show_topology"]:
+        raise OptionError("--show-topology", "conflicts with --check-isa (one at a time)")
+    if params["command"]:
+        flag = "--check-isa" if params["check_isa"] else "--show-topology"
+        raise OptionError(flag, f"takes no PROGRAM (got {params['command'][0]!r})")
+    for flag in ("torch", "probe"):
+        if params[flag] and not params["check_isa"]:
+            raise OptionError(f"--{flag}", "only applies with --check-isa")
+    import json
+
+    from xlaunch.launcher.plan.target import target_machine
+    from xlaunch.machine import report
+
+    machine = target_machine(environ)
+    if params["check_isa"]:
+        result = report.isa_report(machine, with_torch=bool(params["torch"]))
+        text = "" if params["json"] else report.format_isa(result)
+        if params["probe"]:
+            from xlaunch.launcher.observe import probe
+
+            try:
+                measured = probe.run_probe()
+            except probe.ProbeError as exc:
+                sys.stderr.write(f"xlaunch: error: --probe: {exc}\n")
+                return 1
+            result["probe"] = measured
+            text = text if params["json"] else text.rstrip("\n") + "\n\n" + probe.format_probe(measured)
+        if params["json"]:
+            text = json.dumps(result, indent=2, sort_keys=False)
+    else:
+        text = json.dumps(report.topology_json(machine), indent=2) if params["json"] else report.format_topology(machine)
+    sys.stdout.write(text.rstrip("\n") + "\n")
+    return 0
+
+
+def _launch(options: Options, environ: Mapping[str, str]) -> int:
+    if options.per_rank or options.nproc_per_node is not None:   # distributed: launcher/distributed/
+        from xlaunch.launcher.distributed.launch import launch_distributed
+
+        return launch_distributed(options, environ)
+
+    from xlaunch.launcher.plan.planner import plan
+    from xlaunch.launcher.plan.target import refuse_recorded, target_machine
+
+    machine = target_machine(environ)
+    the_plan = plan(options, machine, environ)
+    refuse_recorded(machine, options.dry_run)
+    if not options.dry_run:
+        _check_exec_size(the_plan)
+    if options.dry_run or options.verbosity > 0:   # only shown then; a plain run skips the import
+        from xlaunch.machine.report import machine_summary
+
+        the_plan = replace(the_plan, machine_summary=dict(machine_summary(machine)))
+    quiet = options.verbosity < 0
+    if not quiet:
+        for note in options.notes:
+            sys.stderr.write(f"xlaunch: note: {note}\n")
+        for warning in the_plan.warnings:
+            sys.stderr.write(f"xlaunch: warning: {warning}\n")
+    from xlaunch.launcher.plan.show import format_plan
+
+    if options.dry_run:
+        if options.json:
+            import json
+
+            sys.stdout.write(json.dumps(the_plan.to_json(environ), indent=2) + "\n")
+        else:
+            sys.stdout.write(format_plan(the_plan, environ, verbose=options.verbosity > 0))
+        return 0
+    if options.verbosity > 0:
+        sys.stderr.write(format_plan(the_plan, environ, verbose=options.verbosity > 1))
+    from xlaunch.launcher.run.runner import run_plan
+
+    return run_plan(
+        the_plan,
+        log_dir=options.log_dir,
+        log_file_prefix=options.log_file_prefix,
+        keep_going=options.keep_going,
+        grace_period=options.grace_period,
+        quiet=quiet,
+        summary_json=options.summary_json,
+    )
+
+
+# Linux refuses any single argument or variable longer than MAX_ARG_STRLEN (32 pages) with E2BIG
+_MAX_ARG_STRLEN = 32 * 4096
+
+
+def _check_exec_size(the_plan: Any) -> None:
+    """Refuse, before anything starts, an argv + environment that exec would refuse (E2BIG)."""
+    try:
+        limit = os.sysconf("SC_ARG_MAX")
+    except (OSError, ValueError):
+        limit = 2 * 1024 * 1024
+    for inst in the_plan.instances:
+        strings = [a.encode("utf-8", "surrogateescape") for a in inst.argv]
+        strings += [f"{k}={v}".encode("utf-8", "surrogateescape") for k, v in inst.env.items()]
+        longest = max(strings, key=len, default=b"")
+        if len(longest) + 1 > _MAX_ARG_STRLEN:
+            raise OptionError("ARGS", f"one argument or variable is {len(longest)} bytes long; Linux "
+                                      f"execs none longer than {_MAX_ARG_STRLEN - 1} ({longest[:30]!r}...)")
+        total = sum(len(b) + 1 + 8 for b in strings) + 16
+        if total > limit:
+            raise OptionError("ARGS", f"arguments and environment take {total} bytes with what xlaunch adds; "
+                                      f"exec allows {limit} (shorten the arguments or the environment)")

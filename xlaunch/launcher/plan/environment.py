@@ -1,0 +1,226 @@
+"""The environment of each instance: OpenMP, allocator and xlaunch variables (pure functions).
+
+Two decisions, both made from Options and the Machine, never from the live process:
+
+* :func:`choose_runtime` — which OpenMP runtime and which allocator (and the library files);
+* :func:`instance_environment` — the variables for one instance, added to the user's
+  environment without ever replacing a value the user set (those are reported as *kept*).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Mapping, Optional, Sequence
+
+from xlaunch._records import factory, record
+from xlaunch.cpulist import format_cpulist
+from xlaunch.launcher.errors import PlanError
+from xlaunch.machine.model import Machine
+
+GNU = "gnu"
+INTEL = "intel"
+
+# jemalloc: big allocations straight from their own extents (oversize_threshold:1), transparent
+# huge pages for metadata, and freed pages never purged (decay -1), so a steady-state loop never
+# page-faults. Measured on examples/infer.py (2 CPUs, 3 interleaved runs): ~290 img/s with decay
+# -1 vs ~200 with 10 s or 60 s decay, and a background purging thread only costs CPU. The price:
+# the process keeps its peak memory (as IPEX's launcher did). --benchmark changes nothing here.
+JEMALLOC_CONF = "oversize_threshold:1,background_thread:false,metadata_thp:auto,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+JEMALLOC_CONF_BENCHMARK = JEMALLOC_CONF
+# glibc without a preloaded allocator: blocks up to 32 MiB (glibc's maximum on 64-bit) come from
+# the heap instead of fresh mmap()s, and the heap top is trimmed only past 1 GiB (4 GiB with
+# --benchmark) -- this stops the mmap/munmap + page-fault churn of tensor-sized allocations.
+GLIBC_TUNABLES_VALUE = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+GLIBC_TUNABLES_BENCHMARK = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+# gperftools prints a line for every allocation above 1 GiB by default; that is noise here.
+TCMALLOC_REPORT_THRESHOLD = str(1 << 40)
+
+_MALLOC_LIBRARY = re.compile(r"lib(jemalloc|tcmalloc|mimalloc|hoard|tbbmalloc)", re.IGNORECASE)
+
+
+@record
+class Runtime:
+    """The OpenMP runtime and allocator every instance gets."""
+
+    openmp: str                               # gnu (torch's own libgomp) | intel (libiomp5 preloaded)
+    openmp_library: Optional[str]             # libiomp5 path when intel
+    allocator: str                            # jemalloc | tcmalloc | tcmalloc_minimal | glibc | default | user
+    allocator_library: Optional[str]          # the file preloaded, when any
+    benchmark: bool = False
+    warnings: tuple[str, ...] = ()
+
+
+@record
+class InstanceEnvironment:
+    """The complete environment of one instance and how it differs from the user's."""
+
+    env: dict[str, str]
+    added: dict[str, str] = factory(dict)   # what xlaunch set or extended
+    kept: dict[str, str] = factory(dict)    # user values xlaunch would have changed
+
+
+def preload_entries(value: str) -> list[str]:
+    """Split ``LD_PRELOAD`` the way the dynamic loader does (spaces and colons)."""
+    return [entry for entry in re.split(r"[ :]+", value) if entry]
+
+
+def choose_runtime(
+    machine: Machine,
+    *,
+    memory_allocator: str = "auto",
+    omp_runtime: str = "auto",
+    benchmark: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> Runtime:
+    """Pick the OpenMP runtime and the allocator from the libraries the machine model found.
+
+    ``auto`` allocator: jemalloc, else tcmalloc, else tcmalloc_minimal, else tuned glibc malloc.
+    ``auto`` OpenMP: Intel OpenMP when libiomp5 is found (IPEX's launcher default), else GNU.
+    An allocator already in the user's ``LD_PRELOAD`` is respected. Raises :class:`PlanError`
+    when a library asked for by name is not installed.
+    """
+    environ = environ or {}
+    warnings: list[str] = []
+    user_preload = preload_entries(environ.get("LD_PRELOAD", ""))
+    user_allocator = next((e for e in user_preload if _MALLOC_LIBRARY.search(os.path.basename(e))), None)
+
+    allocator, allocator_library = "default", None
+    if memory_allocator == "jemalloc":
+        lib = machine.library("jemalloc")
+        if lib is None:
+            raise PlanError("--memory-allocator", "jemalloc not found (Debian: apt install libjemalloc2)")
+        allocator, allocator_library = "jemalloc", lib.path
+    elif memory_allocator == "tcmalloc":
+        lib = machine.library("tcmalloc") or machine.library("tcmalloc_minimal")
+        if lib is None:
+            raise PlanError(
+                "--memory-allocator", "tcmalloc not found (Debian: apt install libtcmalloc-minimal4)"
+            )
+        allocator, allocator_library = lib.kind, lib.path
+    elif memory_allocator == "auto":
+        for kind in ("jemalloc", "tcmalloc", "tcmalloc_minimal"):
+            lib = machine.library(kind)
+            if lib is not None:
+                allocator, allocator_library = kind, lib.path
+                break
+        else:
+            allocator = "glibc"
+            warnings.append(
+                "no jemalloc or tcmalloc found: using glibc malloc with tuned GLIBC_TUNABLES "
+                "(install libjemalloc2 for the best throughput)"
+            )
+    if allocator_library is not None and user_allocator is not None:
+        warnings.append(f"kept the allocator in your LD_PRELOAD ({user_allocator}); not adding {allocator}")
+        allocator, allocator_library = "user", None
+
+    openmp, openmp_library = GNU, None
+    iomp = machine.library("iomp")
+    if omp_runtime == "intel":
+        if iomp is None:
+            raise PlanError("--omp-runtime", "Intel OpenMP (libiomp5.so) not found (pip install intel-openmp)")
+        openmp, openmp_library = INTEL, iomp.path
+    elif omp_runtime == "auto" and iomp is not None:
+        openmp, openmp_library = INTEL, iomp.path
+    return Runtime(
+        openmp=openmp,
+        openmp_library=openmp_library,
+        allocator=allocator,
+        allocator_library=allocator_library,
+        benchmark=benchmark,
+        warnings=tuple(warnings),
+    )
+
+
+def team_places(cpus: Sequence[int]) -> str:
+    """An Intel OpenMP proclist that binds the team's worker threads but not its master thread.
+
+    Entry 0 -- the master, i.e. the process's main thread -- is the whole instance; worker ``i``
+    gets ``cpus[i]``: ``{0,1,2,3},1,2,3``. Binding the master to ``cpus[0]`` as well narrows the
+    main thread at the first parallel region, and every thread the program starts afterwards
+    (data loading, a server, a Task) inherits that one CPU.
+
+    Measured (docs/runtime.md, examples/infer.py in a 2-CPU instance, interleaved medians on a
+    shared machine): with libiomp5 binding only the workers was 1.25x and 1.47x the throughput
+    of binding all; with libgomp it was 1.07x in one series and 0.69x in another -- its workers
+    spin while waiting, and a floating master shared a worker's CPU in about half of the
+    samples -- so GNU OpenMP keeps one place per CPU, master included.
+    """
+    whole = "{" + ",".join(str(c) for c in cpus) + "}"
+    return ",".join([whole, *(str(c) for c in cpus[1:])])
+
+
+def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstances: int) -> dict[str, str]:
+    """The variables xlaunch wants for one instance (before the user's environment is consulted).
+
+    ``LD_PRELOAD`` here holds only xlaunch's libraries; :func:`instance_environment` prepends them.
+    """
+    count = str(len(cpus))
+    wanted: dict[str, str] = {"OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count}
+    preload: list[str] = []
+    if runtime.allocator_library:
+        preload.append(runtime.allocator_library)
+    if runtime.openmp == INTEL:
+        if runtime.openmp_library:
+            preload.append(runtime.openmp_library)
+        wanted["KMP_AFFINITY"] = f"granularity=fine,proclist=[{team_places(cpus)}],explicit"
+        wanted["KMP_BLOCKTIME"] = "1"
+    else:
+        # One place per CPU: libgomp binds the main thread to cpus[0] when it loads (see team_places).
+        wanted["OMP_PROC_BIND"] = "close"
+        wanted["OMP_PLACES"] = ",".join("{%d}" % c for c in cpus)
+    if runtime.allocator == "jemalloc":
+        wanted["MALLOC_CONF"] = JEMALLOC_CONF_BENCHMARK if runtime.benchmark else JEMALLOC_CONF
+    elif runtime.allocator in ("tcmalloc", "tcmalloc_minimal"):
+        wanted["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] = TCMALLOC_REPORT_THRESHOLD
+        if runtime.benchmark:
+            wanted["TCMALLOC_RELEASE_RATE"] = "0"
+    elif runtime.allocator == "glibc":
+        wanted["GLIBC_TUNABLES"] = GLIBC_TUNABLES_BENCHMARK if runtime.benchmark else GLIBC_TUNABLES_VALUE
+    if preload:
+        wanted["LD_PRELOAD"] = ":".join(preload)
+    return wanted
+
+
+def instance_environment(
+    base: Mapping[str, str],
+    runtime: Runtime,
+    *,
+    cpus: Sequence[int],
+    index: int,
+    ninstances: int,
+    extra: Mapping[str, str] | None = None,
+) -> InstanceEnvironment:
+    """``base`` plus xlaunch's variables for one instance; a variable the user already set keeps
+    the user's value (reported in ``kept``) -- except ``LD_PRELOAD``, where xlaunch's libraries
+    are prepended and the user's entries kept, and ``XLAUNCH_*``, which describe the instance.
+    ``extra`` (e.g. from ``--auto-optimize``) is applied as given.
+    """
+    env = dict(base)
+    added: dict[str, str] = {}
+    kept: dict[str, str] = {}
+    for name, value in runtime_variables(runtime, cpus, index, ninstances).items():
+        if name == "LD_PRELOAD":
+            user_entries = preload_entries(base.get("LD_PRELOAD", ""))
+            ours = [p for p in value.split(":") if os.path.basename(p) not in {os.path.basename(u) for u in user_entries}]
+            if not ours:
+                continue
+            env[name] = ":".join(ours + user_entries)
+            added[name] = env[name]
+        elif name in base:
+            if base[name] != value:
+                kept[name] = base[name]
+        else:
+            env[name] = value
+            added[name] = value
+    ours_fixed = {
+        "XLAUNCH_INSTANCE_INDEX": str(index),
+        "XLAUNCH_NINSTANCES": str(ninstances),
+        "XLAUNCH_CPUS": format_cpulist(cpus),
+    }
+    for name, value in {**ours_fixed, **(extra or {})}.items():
+        env[name] = value
+        added[name] = value
+    return InstanceEnvironment(env=env, added=added, kept=kept)

@@ -1,0 +1,448 @@
+"""What the launcher will do, as data: a :class:`Plan` of :class:`Instance` s.
+
+The planner (``plan()``, a pure function of Options and Machine) builds these; the runner
+only reads them. ``Plan.to_json()`` is the ``--dry-run --json`` schema.
+"""
+from __future__ import annotations
+
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+
+from xlaunch._records import factory, record
+from xlaunch.cpulist import format_cpulist
+from xlaunch.launcher.errors import PlanError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, Callable, Mapping, Optional
+
+    from xlaunch.machine.model import Machine
+    from xlaunch.launcher.plan.options import Options
+
+
+@record
+class Instance:
+    """One process to start: where it runs, with what environment, and what it executes."""
+
+    index: int
+    cpus: tuple[int, ...]
+    mem_nodes: tuple[int, ...]
+    env: dict[str, str]          # the complete environment of the child
+    argv: tuple[str, ...]        # what is exec'd; includes numactl/taskset when bind == those
+    bind: str = "native"         # native: runner pins with sched_setaffinity + set_mempolicy
+    membind: str = "bind"        # bind | preferred | interleave | none (native binding only)
+
+    def to_json(self, inherited: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+        env = dict(self.env)
+        unset: list[str] = []
+        if inherited is not None:
+            env = {k: v for k, v in self.env.items() if inherited.get(k) != v}
+            unset = sorted(k for k in inherited if k not in self.env)
+        return {
+            "index": self.index,
+            "cpus": list(self.cpus),
+            "mem_nodes": list(self.mem_nodes),
+            "env": env,
+            **({"env_unset": unset} if unset else {}),
+            "argv": list(self.argv),
+            "bind": self.bind,
+            "membind": self.membind,
+        }
+
+
+@record
+class Plan:
+    instances: tuple[Instance, ...]
+    idle_cpus: tuple[int, ...] = ()          # allowed CPUs no instance uses
+    warnings: tuple[str, ...] = ()
+    env_set: dict[str, str] = factory(dict)     # what xlaunch added (all instances alike)
+    env_kept: dict[str, str] = factory(dict)    # user's values xlaunch did not override
+    machine_summary: dict[str, Any] = factory(dict)
+    allocator: str = "default"               # jemalloc | tcmalloc | tcmalloc_minimal | glibc | default | user
+    openmp: str = "gnu"                      # gnu | intel
+
+    def to_json(self, inherited: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+        """The plan as JSON. With ``inherited`` (the user's environment), each instance's ``env``
+        lists only what xlaunch changed, and ``env_unset`` what it removed: the rest of the
+        user's environment (tokens, keys) is never printed."""
+        return {
+            "allocator": self.allocator,
+            "openmp": self.openmp,
+            "instances": [i.to_json(inherited) for i in self.instances],
+            "idle_cpus": list(self.idle_cpus),
+            "warnings": list(self.warnings),
+            "env_set": dict(self.env_set),
+            "env_kept": dict(self.env_kept),
+            "machine": dict(self.machine_summary),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# The planner: Options x Machine -> Plan (pure; reads nothing but its arguments and, for
+# --bind-with numactl|taskset, where the tool is on PATH through ``which``).
+# --------------------------------------------------------------------------------------------
+
+LATENCY_CORES_PER_INSTANCE = 4
+
+
+@record
+class Unit:
+    """One physical core as the planner sees it: the CPUs it contributes, and where it sits."""
+
+    cpus: tuple[int, ...]        # one CPU, or every allowed sibling with --use-logical-cores
+    node: Optional[int]
+    l3: Optional[int]
+
+
+def plan(
+    options: "Options",
+    machine: "Machine",
+    environ: Optional[Mapping[str, str]] = None,
+    *,
+    which: Optional[Callable[[str], Optional[str]]] = None,
+) -> Plan:
+    """Decide the instances: which CPUs, memory nodes, environment and argv each one gets.
+
+    ``environ`` is the user's environment the instances inherit (default: empty).
+    ``which`` finds numactl/taskset for ``--bind-with numactl|taskset`` (default
+    :func:`xlaunch.launcher.plan.which.which` on ``environ``'s PATH). Raises :class:`PlanError` naming the option
+    that cannot be satisfied on this machine.
+    """
+    from xlaunch.launcher.plan.environment import choose_runtime, instance_environment
+
+    environ = dict(environ or {})
+    notes: list[str] = []
+    units = _select_units(options, machine, notes)
+    slices, shape_note = _shape(options, units)
+    if shape_note:
+        notes.append(shape_note)
+    ninstances = len(slices)
+    indices = _chosen_indices(options, ninstances)
+
+    bind = options.bind_tool
+    runtime = choose_runtime(
+        machine,
+        memory_allocator=options.memory_allocator,
+        omp_runtime=options.omp_runtime,
+        benchmark=options.benchmark,
+        environ=environ,
+    )
+    notes.extend(runtime.warnings)
+    extra_env = _injection_env(options, environ)
+    command = _command(options)
+    tool = _bind_tool_path(bind, environ, which)
+    allowed_mems = set(machine.allowed_mems)
+    chosen_mems = _membind_nodes(options, machine)
+    if bind == "taskset" and options.membind != "none":
+        notes.append("--bind-with taskset binds CPUs only; memory is not bound (use native or numactl)")
+
+    instances: list[Instance] = []
+    kept: dict[str, str] = {}
+    added_per_instance: list[dict[str, str]] = []
+    for index in indices:
+        cpus = tuple(sorted(cpu for unit in slices[index] for cpu in unit.cpus))
+        nodes = {machine.cpu(c).node for c in cpus if machine.cpu(c) is not None}
+        nodes.discard(None)
+        mem_nodes = chosen_mems or tuple(sorted(n for n in nodes if not allowed_mems or n in allowed_mems))
+        membind = options.membind if mem_nodes and bind in ("native", "numactl") else "none"
+        result = instance_environment(
+            environ, runtime, cpus=cpus, index=index, ninstances=ninstances, extra=extra_env
+        )
+        kept.update(result.kept)
+        added_per_instance.append(result.added)
+        argv = _bind_prefix(bind, tool, cpus, mem_nodes, membind) + command
+        instances.append(
+            Instance(
+                index=index,
+                cpus=cpus,
+                mem_nodes=mem_nodes,
+                env=result.env,
+                argv=tuple(argv),
+                bind=bind,
+                membind=membind,
+            )
+        )
+    for name, value in sorted(kept.items()):
+        notes.append(f"kept your {name}={value} (xlaunch did not override it)")
+    used = {cpu for inst in instances for cpu in inst.cpus}
+    online = set(machine.online_cpus)
+    idle = tuple(sorted(c for c in machine.allowed_cpus if c in online and c not in used))
+    threads = sum(len(i.cpus) for i in instances)
+    if machine.cpu_budget is not None and threads > machine.cpu_budget + 1e-9:
+        notes.append(
+            f"the cgroup CPU budget is {machine.cpu_budget:g} CPUs but the plan runs {threads} "
+            "OpenMP threads: expect throttling (ask for fewer cores)"
+        )
+    result = Plan(
+        instances=tuple(instances),
+        idle_cpus=idle,
+        warnings=tuple(notes),
+        env_set=_common(added_per_instance),
+        env_kept=kept,
+        allocator=runtime.allocator,
+        openmp=runtime.openmp,
+    )
+    # -- --reserve-cores: K cores of each slice kept out of its OpenMP threads (plan/reserve.py)
+    if getattr(options, "reserve_cores", 0):
+        from xlaunch.launcher.plan.reserve import reserve_cores
+
+        result = reserve_cores(result, options, machine, environ)
+    return result
+
+
+def _membind_nodes(options: "Options", machine: "Machine") -> tuple[int, ...]:
+    """numactl-style ``--membind 0-1``: every instance's memory on these nodes (checked)."""
+    if not options.membind_nodes:
+        return ()
+    memory_nodes = {n.id for n in machine.nodes if n.memory_kib is None or n.memory_kib > 0}
+    for node in options.membind_nodes:
+        if node not in memory_nodes:
+            raise PlanError("--membind", f"no NUMA node {node} with memory (nodes with memory: "
+                                         f"{format_cpulist(sorted(memory_nodes)) or 'none'})")
+        if machine.allowed_mems and node not in machine.allowed_mems:
+            raise PlanError("--membind", f"NUMA node {node} is not allowed for this process (cpuset mems "
+                                         f"{format_cpulist(machine.allowed_mems)})")
+    return options.membind_nodes
+
+
+def _select_units(options: "Options", machine: "Machine", notes: list[str]) -> list[Unit]:
+    """The cores the plan may use, ordered node -> L3 -> core, each as the CPUs it contributes."""
+    from xlaunch.machine.model import EFFICIENCY, PERFORMANCE
+
+    online = set(machine.online_cpus)
+    allowed = set(machine.allowed_cpus) & online
+    present = {c.id for c in machine.cpus}
+    if options.cores_list is not None:
+        for cpu in options.cores_list:
+            if cpu not in present:
+                raise PlanError("--cores-list", f"CPU {cpu} does not exist (CPUs: {format_cpulist(present)})")
+            if cpu not in online:
+                raise PlanError("--cores-list", f"CPU {cpu} is offline")
+            if cpu not in allowed:
+                raise PlanError(
+                    "--cores-list", f"CPU {cpu} is not allowed for this process (allowed: {format_cpulist(allowed)})"
+                )
+    if options.nodes_list is not None:
+        known = {n.id for n in machine.nodes}
+        for node_id in options.nodes_list:
+            node = machine.node(node_id)
+            if node is None:
+                raise PlanError("--nodes-list", f"no NUMA node {node_id} (nodes: {format_cpulist(known)})")
+            if not node.cpus:
+                raise PlanError("--nodes-list", f"node {node_id} has no CPUs (memory only)")
+            if not set(node.cpus) & allowed:
+                raise PlanError("--nodes-list", f"node {node_id} has no CPU this process may use")
+
+    core_type = options.core_type
+    if core_type is None:
+        core_type = "all" if options.cores_list is not None else PERFORMANCE
+    if core_type == EFFICIENCY and not machine.is_hybrid:
+        raise PlanError("--core-type", "this machine has no efficiency cores")
+    wanted_kind = {"performance": PERFORMANCE, "efficiency": EFFICIENCY}.get(core_type)
+
+    chosen = set(options.cores_list) if options.cores_list is not None else allowed
+    ordered = sorted(machine.cores, key=lambda core: (_order(core.node), _order(core.l3)))
+    units: list[Unit] = []
+    folded = 0
+    for core in ordered:
+        cpus = tuple(c for c in core.cpus if c in allowed and c in chosen)
+        if not cpus:
+            continue
+        if options.nodes_list is not None and core.node not in options.nodes_list:
+            continue
+        if wanted_kind is not None and machine.is_hybrid and core.kind != wanted_kind:
+            continue
+        if not options.use_logical_cores:
+            folded += len(cpus) - 1
+            cpus = cpus[:1]
+        units.append(Unit(cpus=cpus, node=core.node, l3=core.l3))
+    if not units:
+        if options.nodes_list is not None or options.cores_list is not None:
+            option = "--cores-list" if options.cores_list is not None else "--nodes-list"
+            raise PlanError(option, f"no {core_type} core among the selected CPUs")
+        raise PlanError("--core-type", f"no {core_type} core among the allowed CPUs")
+    if folded and options.cores_list is not None:
+        notes.append(
+            f"--cores-list names {folded} SMT sibling(s) of listed cores: one CPU per physical core "
+            "is used (add --use-logical-cores to use siblings)"
+        )
+    return units
+
+
+def _order(value: Optional[int]) -> int:
+    return -1 if value is None else value
+
+
+def _shape(options: "Options", units: list[Unit]) -> tuple[list[list[Unit]], Optional[str]]:
+    """Split the ordered units into instances; returns the slices and a note about idle cores."""
+
+    total_units = len(units)
+    if options.throughput_mode:
+        slices = [list(group) for group in _groups(units, by_l3=False)]
+        return slices, None
+    by_cpu = options.use_logical_cores and options.ncores_per_instance is not None
+    weight = (lambda unit: len(unit.cpus)) if by_cpu else (lambda unit: 1)
+    total = sum(weight(u) for u in units)
+    kind = "logical CPUs" if by_cpu else "cores"
+    count: Optional[int]
+    note = None
+    if options.latency_mode:
+        size, count = LATENCY_CORES_PER_INSTANCE, None
+        if total < size:
+            size = total
+            note = f"--latency-mode: only {total} cores available, one instance of {total}"
+    elif options.ninstances is not None and options.ncores_per_instance is not None:
+        size, count = options.ncores_per_instance, options.ninstances
+        if size * count > total:
+            raise PlanError(
+                "--ninstances",
+                f"{count} instances x {size} {kind} need {size * count} {kind}, only {total} available",
+            )
+    elif options.ncores_per_instance is not None:
+        size, count = options.ncores_per_instance, None
+        if size > total:
+            raise PlanError("--ncores-per-instance", f"{size} {kind} per instance, only {total} available")
+    else:
+        count = options.ninstances if options.ninstances is not None else 1
+        if count > total_units:
+            raise PlanError("--ninstances", f"{count} instances need at least {count} cores, only {total_units} available")
+        size = total_units // count
+        if options.bind_numa_node:
+            while size > 0 and len(_pack(units, size, weight, "node")) < count:
+                size -= 1
+            if size == 0:
+                raise PlanError("--bind-numa-node", f"{count} instances do not fit inside NUMA nodes")
+    levels = ("l3", "node") if options.bind_numa_node else ("l3", "node", "all")
+    best: Optional[list[list[Unit]]] = None
+    target = count
+    if target is None:
+        target = len(_pack(units, size, weight, levels[-1]))
+        if target == 0 and by_cpu:
+            raise PlanError(
+                "--ncores-per-instance", f"{size} logical CPUs per instance would split a core's SMT siblings"
+            )
+        if target == 0:
+            raise PlanError("--bind-numa-node", f"no NUMA node has {size} {kind} available")
+    for level in levels:
+        slices = _pack(units, size, weight, level)
+        if len(slices) >= target:
+            best = slices[:target]
+            break
+    if best is None and by_cpu and len(_pack(units, size, weight, "all")) < target:
+        raise PlanError(
+            "--ncores-per-instance",
+            f"{target} instances of {size} logical CPUs do not fit without splitting a core's SMT siblings",
+        )
+    if best is None:
+        raise PlanError("--bind-numa-node", f"{target} instances of {size} {kind} do not fit inside NUMA nodes")
+    used = sum(len(s) for s in best)
+    idle = total_units - used
+    if idle and note is None:
+        note = f"{idle} of {total_units} cores stay idle ({len(best)} instances x {size} {kind})"
+    return best, note
+
+
+def _groups(units: list[Unit], by_l3: bool) -> list[list[Unit]]:
+    """Consecutive runs of units sharing a node (and an L3 domain when ``by_l3``)."""
+    groups: list[list[Unit]] = []
+    last: object = object()
+    for unit in units:
+        key = (unit.node, unit.l3) if by_l3 else unit.node
+        if not groups or key != last:
+            groups.append([])
+            last = key
+        groups[-1].append(unit)
+    return groups
+
+
+def _pack(units: list[Unit], size: int, weight: Callable[[Unit], int], level: str) -> list[list[Unit]]:
+    """Greedy consecutive slices of exactly ``size`` (by ``weight``) that never cross a group
+    boundary of ``level`` (l3, node, or all). A core that cannot complete a slice without
+    splitting its SMT siblings stays idle."""
+    groups = [units] if level == "all" else _groups(units, by_l3=level == "l3")
+    slices: list[list[Unit]] = []
+    for group in groups:
+        current: list[Unit] = []
+        filled = 0
+        for unit in group:
+            current.append(unit)
+            filled += weight(unit)
+            while filled > size:       # a core's siblings would be split: leave leading cores idle
+                filled -= weight(current.pop(0))
+            if filled == size:
+                slices.append(current)
+                current, filled = [], 0
+    return slices
+
+
+def _chosen_indices(options: "Options", ninstances: int) -> list[int]:
+
+    if options.instance_idx is None:
+        return list(range(ninstances))
+    for index in options.instance_idx:
+        if index >= ninstances:
+            raise PlanError(
+                "--instance-idx", f"index {index} out of range: the plan has {ninstances} instance(s), 0-{ninstances - 1}"
+            )
+    return list(options.instance_idx)
+
+
+def _command(options: "Options") -> list[str]:
+    """What each instance executes (before any numactl/taskset prefix)."""
+    if options.program is None:
+        return []
+    if options.no_python:
+        return [options.program, *options.args]
+    if options.module:
+        return [options.python, "-u", "-m", options.program, *options.args]
+    return [options.python, "-u", options.program, *options.args]
+
+
+def _injection_env(options: "Options", environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``--auto-optimize`` variables (imported only when asked: it is not the launcher's room)."""
+    if not options.auto_optimize:
+        return {}
+    try:
+        from xlaunch.kernels.inject import injection_env
+    except ImportError as exc:
+        raise PlanError("--auto-optimize", f"the injection module is not available ({exc})") from None
+    return dict(injection_env(environ, dtype=options.dtype, verbose=options.auto_optimize_verbose))
+
+
+def _bind_tool_path(
+    bind: str, environ: Mapping[str, str], which: Optional[Callable[[str], Optional[str]]]
+) -> Optional[str]:
+    if bind not in ("numactl", "taskset"):
+        return None
+    if which is None:
+        from xlaunch.launcher.plan.which import which as find
+
+        found = find(bind, path=environ.get("PATH") or None)
+    else:
+        found = which(bind)
+    if not found:
+        package = "numactl" if bind == "numactl" else "util-linux"
+        raise PlanError("--bind-with", f"{bind} not found on PATH (Debian: apt install {package})")
+    return found
+
+
+def _bind_prefix(bind: str, tool: Optional[str], cpus: tuple[int, ...], mem_nodes: tuple[int, ...], membind: str) -> list[str]:
+
+    if bind == "taskset":
+        return [str(tool), "-c", format_cpulist(cpus)]
+    if bind != "numactl":
+        return []
+    prefix = [str(tool), f"--physcpubind={format_cpulist(cpus)}"]
+    if membind == "bind":
+        prefix.append(f"--membind={format_cpulist(mem_nodes)}")
+    elif membind == "preferred":
+        prefix.append(f"--preferred={mem_nodes[0]}")
+    elif membind == "interleave":
+        prefix.append(f"--interleave={format_cpulist(mem_nodes)}")
+    return prefix + ["--"]
+
+
+def _common(per_instance: list[dict[str, str]]) -> dict[str, str]:
+    """The variables xlaunch set to the same value in every instance."""
+    if not per_instance:
+        return {}
+    first = per_instance[0]
+    return {k: v for k, v in first.items() if all(d.get(k) == v for d in per_instance[1:])}

@@ -1,0 +1,59 @@
+"""One instance while it runs, and how its end is told (``exit 3``, ``killed by SIGSEGV``)."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Optional
+
+from xlaunch._records import factory, record
+from xlaunch.launcher.plan.planner import Instance
+from xlaunch.launcher.run.console import InstanceStream
+from xlaunch.launcher.run.signals import signal_name
+
+
+def status_code(wait_code: int, value: int) -> int:
+    """Shell-style status from ``waitid``: the exit code, or 128+N when killed by signal N."""
+    return value if wait_code == os.CLD_EXITED else 128 + value
+
+
+def status_text(wait_code: int, value: int) -> str:
+    """``"exit 3"``, ``"killed by SIGSEGV (core dumped)"``."""
+    if wait_code == os.CLD_EXITED:
+        return f"exit {value}"
+    text = f"killed by {signal_name(value)}"
+    return text + " (core dumped)" if wait_code == os.CLD_DUMPED else text
+
+
+@record(frozen=False)
+class Child:
+    """One instance while it runs."""
+
+    instance: Instance
+    stream: InstanceStream
+    proc: Optional[subprocess.Popen] = None
+    fd: Optional[int] = None              # read end of the output pipe while open
+    started: float = 0.0
+    ended: Optional[float] = None
+    status: Optional[int] = None          # shell-style status once known
+    text: str = "not started"
+    stopped_by: str = ""                  # why xlaunch signalled it, if it did
+    group_alive: bool = False             # its process group may still have members
+    kill_at: Optional[float] = None       # when the group gets SIGKILL
+    notes: list[str] = factory(list)
+    observer: Optional[object] = None     # observe.Observer, from its first sampling interval on
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.ended is None
+
+    @property
+    def done(self) -> bool:
+        """Never started, or ended with nothing left in its process group."""
+        return self.proc is None or (self.ended is not None and not self.group_alive)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else -1

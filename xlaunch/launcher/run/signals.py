@@ -1,0 +1,81 @@
+"""The signals xlaunch forwards (SIGINT, SIGTERM, SIGHUP), caught into a queue the runner's
+``select`` loop empties; SIGCHLD and those signals wake the loop through a pipe
+(``signal.set_wakeup_fd``). A signal inherited as ignored (``nohup``, a background job) stays
+ignored. Only from the main thread: elsewhere the runner polls for exits instead."""
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import threading
+
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Callable, Optional
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class SignalInbox:
+    """Handlers for :data:`FORWARDED_SIGNALS` that queue what arrives; :meth:`take` empties it."""
+
+    def __init__(self, selector: selectors.BaseSelector) -> None:
+        self.selector = selector
+        self.pending: list[int] = []
+        self.wakeup_r: Optional[int] = None
+        self.wakeup_w: Optional[int] = None
+        self.saved_handlers: dict[int, object] = {}
+        self.saved_wakeup_fd: Optional[int] = None
+
+    def install(self, log: Callable[[str], None]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log("not in the main thread: no signal forwarding, polling for exits")
+            return
+        self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.saved_wakeup_fd = signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
+        self.selector.register(self.wakeup_r, selectors.EVENT_READ, None)
+        for number in FORWARDED_SIGNALS:
+            if signal.getsignal(number) is signal.SIG_IGN:
+                # ignored since start (nohup, a shell's background job): stays ignored, as it
+                # was before this point and is for the instances, which inherit the ignore
+                log(f"{signal_name(number)} is ignored (inherited): not forwarded")
+                continue
+            self.saved_handlers[number] = signal.signal(number, self._on_signal)
+        self.saved_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, _wake_only)
+
+    def restore(self) -> None:
+        for number, handler in self.saved_handlers.items():
+            signal.signal(number, handler)  # type: ignore[arg-type]
+        if self.wakeup_w is not None:
+            signal.set_wakeup_fd(self.saved_wakeup_fd if self.saved_wakeup_fd is not None else -1)
+            self.selector.unregister(self.wakeup_r)
+            os.close(self.wakeup_r)  # type: ignore[arg-type]
+            os.close(self.wakeup_w)
+            self.wakeup_r = self.wakeup_w = None
+
+    def take(self) -> list[int]:
+        """The signals received since the last call, in order."""
+        taken, self.pending = self.pending, []
+        return taken
+
+    def _on_signal(self, number: int, _frame: object) -> None:
+        self.pending.append(number)
+
+
+def _wake_only(_number: int, _frame: object) -> None:
+    """SIGCHLD only needs to wake the select loop (through the wake-up fd)."""
+
+
+def drain_fd(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass

@@ -1,0 +1,95 @@
+"""Starting one instance: ``argv`` exec'd directly (never a shell) with its complete ``env``, in
+its own session and process group, stdout and stderr merged into one pipe, pinned when the plan
+binds natively, and set to die with xlaunch.
+
+Pinning (``bind == "native"``) pins the spawning thread around the fork: affinity and memory
+policy are inherited across fork and exec, see :mod:`xlaunch.launcher.run.binding`.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Callable, Optional
+
+from xlaunch.launcher.plan.planner import Instance
+
+
+class MemoryPolicy:
+    """Whether the kernel accepts memory policies here; refused once, never asked again."""
+
+    def __init__(self) -> None:
+        self.refused: Optional[OSError] = None
+
+
+def spawn(instance: Instance, *, stdin: Optional[int], die_with_parent: bool,
+          memory: MemoryPolicy) -> subprocess.Popen:
+    """Start ``instance``; raises OSError when it cannot be started."""
+    if instance.bind != "native":
+        return _popen(instance, stdin, die_with_parent)
+    from xlaunch.launcher.run import binding
+
+    policy = None if memory.refused else binding.mempolicy_for(instance.membind, instance.mem_nodes)
+    try:
+        with binding.pinned_thread(instance.cpus, policy):
+            return _popen(instance, stdin, die_with_parent)
+    except binding.MemoryPolicyRefused as refused:
+        memory.refused = refused
+    with binding.pinned_thread(instance.cpus, None):
+        return _popen(instance, stdin, die_with_parent)
+
+
+def _popen(instance: Instance, stdin: Optional[int], die_with_parent: bool) -> subprocess.Popen:
+    return subprocess.Popen(
+        list(instance.argv),
+        env=dict(instance.env),
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        close_fds=True,
+        preexec_fn=_die_with_parent_setup(os.getpid()) if die_with_parent else None,
+    )
+
+
+def _die_with_parent_setup(parent_pid: int) -> Callable[[], None]:
+    """The child's only pre-exec step: SIGTERM when xlaunch dies, even if it already has."""
+    from xlaunch.launcher.run import binding
+
+    def setup() -> None:
+        binding.die_with_parent(signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os._exit(128 + signal.SIGTERM)
+
+    return setup
+
+
+def start_failure(error: OSError, instance: Instance) -> tuple[int, str]:
+    """Shell-style status and a message for an instance that could not start."""
+    program = instance.argv[0] if instance.argv else "(empty argv)"
+    if isinstance(error, FileNotFoundError):
+        return 127, f"{program}: command not found"
+    if isinstance(error, PermissionError):
+        return 126, f"{program}: permission denied"
+    return 1, f"{program}: {error}"
+
+
+def single_threaded() -> bool:
+    """A pre-exec function is only safe when the launcher has no other thread."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return threading.active_count() == 1
+
+
+def stdin_for(count: int) -> Optional[int]:
+    """Several instances, or a terminal: no instance reads xlaunch's stdin."""
+    try:
+        tty = os.isatty(0)
+    except OSError:
+        tty = False
+    return subprocess.DEVNULL if count > 1 or tty else None

@@ -1,0 +1,141 @@
+"""What this process may use: allowed CPUs and memory nodes, and the cgroup CPU budget.
+
+Live (root ``/``) the allowed CPUs are ``os.sched_getaffinity(0)``; under a recorded root
+they are ``Cpus_allowed_list`` from ``<root>/proc/self/status`` (restricted to online CPUs,
+as ``sched_getaffinity`` is). The budget is the smallest cgroup quota on the way from this
+process's cgroup to the root: v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``.
+"""
+from __future__ import annotations
+
+import os
+
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Iterable, Optional
+
+from xlaunch._records import record
+from xlaunch.cpulist import CpuListError, parse_cpulist
+from xlaunch.machine._files import Notes, join, read_text, status_fields
+
+CGROUP_MOUNT = "sys/fs/cgroup"
+
+
+@record
+class Limits:
+    allowed_cpus: tuple[int, ...]
+    allowed_mems: tuple[int, ...]
+    cpu_budget: Optional[float]
+
+
+def read_limits(
+    root: str,
+    live: bool,
+    online_cpus: Iterable[int],
+    memory_nodes: Iterable[int],
+    notes: Notes,
+) -> Limits:
+    online = tuple(sorted(online_cpus))
+    status_text = read_text(join(root, "proc/self/status"))
+    status = status_fields(status_text) if status_text is not None else {}
+    if status_text is None:
+        notes.add("proc/self/status unreadable; allowed CPUs/memory nodes assumed unrestricted")
+
+    if live:
+        allowed = tuple(sorted(os.sched_getaffinity(0)))
+    else:
+        allowed = _allowed_cpus(status, online, notes)
+    mems = _listed(status, "Mems_allowed_list", notes)
+    if mems is None:
+        mems = tuple(sorted(memory_nodes))
+    return Limits(allowed_cpus=allowed, allowed_mems=mems, cpu_budget=read_cpu_budget(root, notes))
+
+
+def fallback_cpus(root: str, live: bool) -> tuple[int, ...]:
+    """CPUs to assume when sysfs lists none: the affinity (live), else Cpus_allowed_list, else 0."""
+    if live and hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    text = read_text(join(root, "proc/self/status"))
+    listed = _listed(status_fields(text), "Cpus_allowed_list", Notes()) if text else None
+    return listed or (0,)
+
+
+def _allowed_cpus(status: dict[str, str], online: tuple[int, ...], notes: Notes) -> tuple[int, ...]:
+    listed = _listed(status, "Cpus_allowed_list", notes)
+    if listed is None:
+        return online
+    online_set = set(online)
+    allowed = tuple(c for c in listed if c in online_set)
+    if not allowed:
+        notes.add("Cpus_allowed_list names no online CPU; assumed all online CPUs")
+        return online
+    return allowed
+
+
+def _listed(status: dict[str, str], key: str, notes: Notes) -> Optional[tuple[int, ...]]:
+    if not status:
+        return None
+    text = status.get(key)
+    if text is None:
+        notes.add(f"proc/self/status has no {key}; assumed unrestricted")
+        return None
+    try:
+        return parse_cpulist(text)
+    except CpuListError as exc:
+        notes.add(f"proc/self/status {key}: {exc}; assumed unrestricted")
+        return None
+
+
+def read_cpu_budget(root: str, notes: Notes) -> Optional[float]:
+    """The tightest CPU quota (in CPUs) over this process's cgroup and its ancestors; None: none."""
+    text = read_text(join(root, "proc/self/cgroup"))
+    if text is None:
+        notes.add("proc/self/cgroup unreadable; CPU budget unknown")
+        return None
+    budgets: list[float] = []
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            budgets += _walk(root, path, ("", "unified"), _v2_quota)
+        elif "cpu" in controllers.split(","):
+            names = controllers.split(",")
+            mounts = tuple(dict.fromkeys([",".join(names), ",".join(reversed(names)), "cpu"]))
+            budgets += _walk(root, path, mounts, _v1_quota)
+    return min(budgets) if budgets else None
+
+
+def _walk(root: str, path: str, mounts: tuple[str, ...], quota) -> list[float]:
+    """Quotas of ``path`` and each ancestor, under each candidate mount directory."""
+    parts = [p for p in path.strip().split("/") if p and p != ".."]
+    found: list[float] = []
+    for mount in mounts:
+        base = join(root, CGROUP_MOUNT if not mount else f"{CGROUP_MOUNT}/{mount}")
+        if not os.path.isdir(base):
+            continue
+        for depth in range(len(parts), -1, -1):
+            value = quota(os.path.join(base, *parts[:depth]))
+            if value is not None:
+                found.append(value)
+    return found
+
+
+def _v2_quota(directory: str) -> Optional[float]:
+    """``cpu.max`` is ``"<quota> <period>"`` or ``"max <period>"`` (no limit)."""
+    text = read_text(os.path.join(directory, "cpu.max"))
+    if not text:
+        return None
+    fields = text.split()
+    if len(fields) != 2 or not fields[0].isdigit() or not fields[1].isdigit() or int(fields[1]) == 0:
+        return None
+    return int(fields[0]) / int(fields[1])
+
+
+def _v1_quota(directory: str) -> Optional[float]:
+    """``cpu.cfs_quota_us`` (``-1``: no limit) over ``cpu.cfs_period_us``."""
+    quota = read_text(os.path.join(directory, "cpu.cfs_quota_us"))
+    period = read_text(os.path.join(directory, "cpu.cfs_period_us"))
+    if not quota or not period or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return None
+    return int(quota) / int(period)
