@@ -9,9 +9,12 @@ setup:
 demo: setup
 	.venv/bin/xlaunch --ninstances 2 --ncore_per_instance 1 examples/infer.py
 
+# lint-imports: the layers (pyproject.toml). compileall: the bytecode every test subprocess would
+# otherwise compile again (PYTHONDONTWRITEBYTECODE is common on CI). Two workers, one file each.
 test: setup
 	.venv/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m compileall -q xlaunch tests examples >/dev/null
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 bench: setup
 	$(PY) bench/launch.py
