@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -53,7 +54,7 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.optimize import dispatch, fold, freeze, layout, measure, precision
 
-from xlaunch.kernels.optim import splitstate
+from xlaunch.kernels.native_dtypes import EmulatedPrecisionWarning
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
 from xlaunch.kernels.optimize.notes import OptimizeWarning, info, logger, warn
 
@@ -197,7 +198,9 @@ def _convert_optimizer(optimizer: Any, model: nn.Module, dtype: torch.dtype, rep
         _warn(report, f"optimizer kept as given: the fused optimizers are unavailable ({exc})")
         return optimizer
     try:
-        fused = to_fused(optimizer, model, dtype=dtype)
+        with warnings.catch_warnings():   # force_bf16 asked for bf16 knowing it is emulated here
+            warnings.simplefilter("ignore", EmulatedPrecisionWarning)
+            fused = to_fused(optimizer, model, dtype=dtype)
     except Exception as exc:
         _warn(report, f"optimizer kept as given: {type(exc).__name__}: {exc}")
         return optimizer
@@ -308,9 +311,7 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
         model.register_load_state_dict_pre_hook(fold.FoldedCheckpointLoader(log.records))
     if optimizer is not None and opts.fused_optimizer:
         split = use_dtype if (opts.split_master_weights and use_dtype == torch.bfloat16) else torch.float32
-        optimizer = _convert_optimizer(optimizer, model, split, report)
-        if split == torch.bfloat16 and report.optimizer is not None:
-            splitstate.register(model, optimizer)
+        optimizer = _convert_optimizer(optimizer, model, split, report)   # split-bf16: its checkpoint hooks too
     model._xlaunch_optimize_report = report
     logger.debug("xlaunch.optimize: %s", report)
     return model if optimizer is None else (model, optimizer)
