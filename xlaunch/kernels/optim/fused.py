@@ -363,8 +363,8 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
     Each parameter's ``.data`` becomes its bf16 high half (the same ``Parameter`` object, so the
     model and optimizer keep their references) and the low half goes to the optimizer state.
     Existing gradients are dropped (they have the old dtype). ``model``'s other float32 parameters
-    are cast to bf16 so the forward sees one dtype, except BatchNorm's: batch_norm takes bf16
-    inputs with fp32 parameters but not bf16 ones, so they stay fp32 (as ipex keeps them). Buffers too.
+    are cast to bf16 so the forward sees one dtype. ``model``'s BatchNorm parameters, trained or
+    not, stay fp32 (batch_norm takes bf16 inputs with fp32 parameters, not bf16 ones; ipex too), as do buffers.
     """
     if not isinstance(optimizer, _FusedBase):
         raise TypeError("split-bf16 parameters need a fused optimizer (see to_fused)")
