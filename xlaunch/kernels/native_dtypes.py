@@ -2,7 +2,7 @@
 
 bf16 is native with AVX512_BF16 or AMX_BF16, fp16 with AVX512_FP16 or AMX_FP16; elsewhere oneDNN
 emulates them through fp32 conversions and they run slower than fp32 (measured on an AVX2-only
-EPYC: a small CNN 60x slower under bf16 autocast, a split-bf16 training step ~18x an fp32 one).
+EPYC: a small CNN 60x slower under bf16 autocast, a split-bf16 MLP training step 6-18x an fp32 one).
 ``optimize()`` (:mod:`.optimize.precision`) falls back to fp32 on that answer; ``to_fused``
 (:mod:`.optim.fused`) warns with it. Imports no torch.
 """
