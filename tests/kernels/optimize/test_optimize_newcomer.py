@@ -221,3 +221,21 @@ def test_each_message_is_printed_once_with_logging_basicconfig() -> None:
     assert "Warning" not in steps["eager"]
     captured = [line for line in steps["captured"].splitlines() if "deployment_mode" in line]
     assert len(captured) == 1 and captured[0].startswith("LOG WARNING py.warnings"), steps["captured"]
+
+
+def test_a_subclass_with_its_own_forward_is_not_taken_for_its_base() -> None:
+    class Unflatten(nn.Flatten):      # named like a Flatten, but gives (N, 6, 2)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(x.size(0), 6, -1)
+
+    class Keep(nn.Identity):          # an Identity that is one (RemovedDropout is such a subclass)
+        pass
+
+    from xlaunch.kernels.optimize import ranks
+
+    assert ranks.through_modules([nn.Flatten(), Keep(), nn.Linear(12, 6)]) == frozenset({2})
+    assert ranks.through_modules([Unflatten(), nn.Linear(2, 6)]) is None
+    model = randomized(nn.Sequential(Unflatten(), nn.Linear(2, 6), nn.BatchNorm1d(6)))
+    with pytest.warns(OptimizeWarning, match="rank 3"):   # FX traces into the subclass: reshape to 3 sizes
+        kept = optimize(model, **EAGER)
+    assert bn1d_count(kept) == 1

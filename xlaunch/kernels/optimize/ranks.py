@@ -57,20 +57,23 @@ def _meet(ranks: Ranks, allowed: frozenset) -> frozenset:
     return allowed if ranks is None else ranks & allowed
 
 
+def _acts_as(module: nn.Module, classes: tuple) -> bool:
+    """``module`` is one of ``classes`` and runs that class's own forward (a subclass may not)."""
+    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in classes)
+
+
 def through_module(module: nn.Module, ranks: Ranks) -> Ranks:
     """The ranks of ``module``'s output, given the ranks of its input."""
-    if isinstance(module, nn.Flatten):
+    if _acts_as(module, (nn.Flatten,)):
         return _flattened(module.start_dim, module.end_dim, ranks)
-    if isinstance(module, nn.EmbeddingBag):
+    if _acts_as(module, (nn.EmbeddingBag,)):
         return frozenset({2})
     for types, allowed in FIXED_RANKS:
-        if isinstance(module, types):
+        if _acts_as(module, types):
             return _meet(ranks, allowed)
-    if isinstance(module, nn.Sequential):
+    if _acts_as(module, (nn.Sequential,)):
         return through_modules(module, ranks)
-    if isinstance(module, KEEP_RANK_MODULES) or type(module).__name__ == "RemovedDropout":
-        return ranks
-    return None
+    return ranks if _acts_as(module, KEEP_RANK_MODULES) else None   # e.g. RemovedDropout is an Identity
 
 
 def through_modules(modules: Iterable[nn.Module], ranks: Ranks = None) -> Ranks:
