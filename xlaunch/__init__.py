@@ -18,6 +18,7 @@ _LAZY = {
     "Task": "xlaunch.runtime_ext",
     "MultiStreamModule": "xlaunch.runtime_ext",
     "MultiStreamModuleHint": "xlaunch.runtime_ext",
+    "get_default_num_streams": "xlaunch.runtime_ext",
     "get_core_list_of_node_id": "xlaunch.runtime_ext",
     "is_runtime_ext_enabled": "xlaunch.runtime_ext",
     "optimize": "xlaunch.kernels",

@@ -26,11 +26,12 @@ def where() -> tuple:
 
 def test_names_are_exported_from_runtime_ext_and_lazily_from_xlaunch():
     names = ["CPUPool", "pin", "Task", "MultiStreamModule", "MultiStreamModuleHint",
-             "get_core_list_of_node_id", "is_runtime_ext_enabled"]
+             "get_core_list_of_node_id", "is_runtime_ext_enabled", "get_default_num_streams"]
     for name in names:
         assert getattr(xlaunch, name) is getattr(runtime, name)
         assert name in dir(xlaunch) and name in runtime.__all__
-    code = "import sys, xlaunch; xlaunch.MultiStreamModuleHint; xlaunch.is_runtime_ext_enabled; assert 'torch' not in sys.modules"
+    code = ("import sys, xlaunch; xlaunch.MultiStreamModuleHint; xlaunch.is_runtime_ext_enabled; "
+            "assert xlaunch.get_default_num_streams() >= 1; assert 'torch' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
@@ -129,3 +130,18 @@ def test_multi_stream_module_ipex_style():
         torch.testing.assert_close(b, model(x, y)[1])
     with pytest.raises(ValueError, match="one output"):
         runtime.MultiStreamModule(model, 1, cpu_pool, output_concat_hint=MultiStreamModuleHint(0, logits=0))
+
+
+def test_get_default_num_streams_is_what_auto_streams_give():
+    """IPEX's test: a MultiStreamModule without num_streams has get_default_num_streams(pool) streams."""
+    model = torch.nn.Linear(4, 3).eval()
+    x = torch.randn(4, 4)
+    for count in range(1, len(ALLOWED) + 1):
+        cpu_pool = runtime.CPUPool(core_ids=list(ALLOWED[:count]))
+        assert runtime.get_default_num_streams(cpu_pool) == count   # one core per stream
+        with torch.no_grad(), runtime.MultiStreamModule(model, cpu_pool=cpu_pool) as msm:
+            torch.testing.assert_close(msm(x), model(x))
+            assert msm.get_stream_number() == runtime.get_default_num_streams(cpu_pool)
+    assert runtime.get_default_num_streams() == len(runtime.CPUPool())
+    with pytest.raises(TypeError, match="cpu_pool must be a CPUPool"):
+        runtime.get_default_num_streams([0])

@@ -5,6 +5,7 @@
 * :mod:`.quantize`: INT8 ``quantize``/``load_quantized`` (torchao's PT2E flow)
 * :mod:`.inject`: ``xlaunch --auto-optimize``, the optimizer library in an unmodified program
 * :mod:`.probe_worker`: ``xlaunch --check-isa --probe``, what each dtype really reaches here
+* :mod:`.native_dtypes`: does this CPU compute bf16/fp16 natively (shared by optimize and optim)
 """
 from __future__ import annotations
 

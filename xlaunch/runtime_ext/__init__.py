@@ -19,6 +19,7 @@ _LAZY = {
     "MultiStreamModule": "xlaunch.runtime_ext.streams",
     "StreamHint": "xlaunch.runtime_ext.batching",
     "MultiStreamModuleHint": "xlaunch.runtime_ext.batching",
+    "get_default_num_streams": "xlaunch.runtime_ext.batching",
     "TaskFuture": "xlaunch.runtime_ext.task",
     "get_core_list_of_node_id": "xlaunch.runtime_ext.pool",
     "is_runtime_ext_enabled": "xlaunch.runtime_ext.openmp",

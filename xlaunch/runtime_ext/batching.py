@@ -1,4 +1,5 @@
-"""Pure helpers for :class:`MultiStreamModule`: split inputs into per-stream slices, join outputs.
+"""Pure helpers for :class:`MultiStreamModule`: how many streams, split inputs into per-stream
+slices, join outputs.
 
 A *hint* mirrors the structure of the value it describes. A leaf hint is an ``int`` (the batch
 dimension of every tensor below it) or ``None`` (do not split: every stream gets the whole
@@ -30,6 +31,19 @@ class StreamHint:
 
 
 MultiStreamModuleHint = StreamHint
+
+
+def get_default_num_streams(cpu_pool: Any = None) -> int:
+    """IPEX's name: the streams ``num_streams="auto"`` gives for ``cpu_pool``, one per CPU (one
+    core per stream usually gives the best throughput). ``cpu_pool`` defaults to ``CPUPool()``, one
+    CPU per allowed physical core."""
+    from xlaunch.runtime_ext.pool import CPUPool
+
+    if cpu_pool is None:
+        cpu_pool = CPUPool()
+    if not isinstance(cpu_pool, CPUPool):
+        raise TypeError(f"cpu_pool must be a CPUPool, got {type(cpu_pool).__name__}")
+    return len(cpu_pool)
 
 
 def output_hint(hint: Any) -> Hint:

@@ -21,6 +21,7 @@ from xlaunch.runtime_ext.batching import (
     MultiStreamModuleHint,
     StreamHint,
     common_batch,
+    get_default_num_streams,
     join_outputs,
     output_hint,
     slice_sizes,
@@ -34,7 +35,7 @@ AUTO = "auto"
 
 def auto_streams(pool: CPUPool) -> int:
     """``num_streams="auto"``: one stream per CPU of the pool (throughput first)."""
-    return len(pool)
+    return get_default_num_streams(pool)
 
 
 def stream_count(num_streams: Union[int, str], pool: CPUPool) -> int:
@@ -138,4 +139,4 @@ class MultiStreamModule(nn.Module):
         return f"num_streams={self.num_streams}, streams=[{pools}]"
 
 
-__all__ = ["MultiStreamModule", "MultiStreamModuleHint", "StreamHint", "auto_streams"]
+__all__ = ["MultiStreamModule", "MultiStreamModuleHint", "StreamHint", "auto_streams", "get_default_num_streams"]

@@ -8,6 +8,8 @@ import warnings
 import pytest
 
 torch = pytest.importorskip("torch")
+# these tests are about the arithmetic; the "bf16 is emulated here" warning has its own test
+pytestmark = pytest.mark.filterwarnings("ignore::xlaunch.kernels.native_dtypes.EmulatedPrecisionWarning")
 
 from xlaunch.kernels import optim  # noqa: E402
 from xlaunch.kernels.optim.fused import (  # noqa: E402

@@ -30,22 +30,14 @@ with needs_torch(__name__):
     import torch
     from torch import Tensor
 
+from xlaunch.kernels import native_dtypes
+from xlaunch.kernels.optim import splitstate
 from xlaunch.kernels.optim.splitbf16 import join_into, split, split_into
+from xlaunch.kernels.optim.splitstate import TRAIL_KEY
 
-__all__ = [
-    "FusedSGD",
-    "FusedAdagrad",
-    "FusedAdam",
-    "FusedAdamW",
-    "FusedLamb",
-    "TRAIL_KEY",
-    "to_fused",
-    "split_params",
-    "master_params",
-    "is_split",
-]
+__all__ = ["FusedSGD", "FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedLamb", "TRAIL_KEY", "to_fused",
+           "split_params", "master_params", "is_split"]
 
-TRAIL_KEY = "bf16_trail"
 Closure = Callable[[], Any]
 
 
@@ -290,14 +282,8 @@ class FusedLamb(_FusedBase, torch.optim.Optimizer):
             raise ValueError(f"invalid LAMB hyperparameters lr={lr} eps={eps} wd={weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid LAMB betas {betas}")
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            bias_correction=bias_correction,
-            max_trust_ratio=max_trust_ratio,
-        )
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, max_trust_ratio=max_trust_ratio)
         super().__init__(params, defaults)
 
     def _group_step(self, group: dict, tensors: _StepTensors) -> None:
@@ -376,29 +362,28 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
 
     Each parameter's ``.data`` becomes its bf16 high half (the same ``Parameter`` object, so the
     model and optimizer keep their references) and the low half goes to the optimizer state.
-    Existing gradients are dropped (they have the old dtype). The other float32 parameters of
-    ``model`` (not trained by this optimizer) are cast to bf16 so the forward pass sees one dtype.
-    Buffers (e.g. BatchNorm statistics) are left as they are.
+    Existing gradients are dropped (they have the old dtype). ``model``'s other float32 parameters
+    are cast to bf16 so the forward sees one dtype. ``model``'s BatchNorm parameters, trained or
+    not, stay fp32 (batch_norm takes bf16 inputs with fp32 parameters, not bf16 ones; ipex too), as do buffers.
     """
     if not isinstance(optimizer, _FusedBase):
         raise TypeError("split-bf16 parameters need a fused optimizer (see to_fused)")
-    converted = 0
-    trained = set()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] if model else []
+    keep = {id(p) for norm in norms for p in norm.parameters(recurse=False)}
+    converted, trained = 0, set()
     for group in optimizer.param_groups:
         for p in group["params"]:
             trained.add(p)
-            if p.dtype != torch.float32 or is_split(optimizer, p):
+            if p.dtype != torch.float32 or is_split(optimizer, p) or id(p) in keep:
                 continue
             top, trail = split(p.data)
             p.data = top
             p.grad = None
             optimizer.state[p][TRAIL_KEY] = trail
             converted += 1
-    if model is not None:
-        for p in model.parameters():
-            if p not in trained and p.dtype == torch.float32:
-                p.data = p.data.to(torch.bfloat16)
-                p.grad = None
+    for p in model.parameters() if model is not None else ():
+        if p not in trained and p.dtype == torch.float32 and id(p) not in keep:
+            p.data, p.grad = p.data.to(torch.bfloat16), None
     return converted
 
 
@@ -425,10 +410,13 @@ def to_fused(
 
     Same param groups, hyperparameters and state. With ``dtype=torch.bfloat16`` the trained
     float32 parameters become split-bf16 (see :func:`split_params`; ``model``'s other float
-    parameters are cast to bf16). The state tensors are shared with ``optimizer``, which should
-    not be stepped again. An optimizer of another type is returned unchanged with a
-    warning (and no parameter is converted). A fused optimizer is returned as is (converted when
-    ``dtype`` asks for it).
+    parameters are cast to bf16), and ``model`` is made ready for them (:mod:`.splitstate`): its
+    forward runs under bf16 autocast with fp32 outputs, so the fp32 training loop runs as written,
+    and its ``state_dict`` holds the fp32 masters. Where the CPU only emulates bf16 (no
+    AVX512_BF16/AMX_BF16) that is said in an ``EmulatedPrecisionWarning``. The state tensors are
+    shared with ``optimizer``, which should not be stepped again. An optimizer of another type is
+    returned unchanged with a warning (and no parameter is converted). A fused optimizer is
+    returned as is (converted when ``dtype`` asks for it).
     """
     if dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"to_fused: dtype must be None, float32 or bfloat16, not {dtype}")
@@ -443,5 +431,15 @@ def to_fused(
         )
         return optimizer
     if dtype == torch.bfloat16:
-        split_params(fused, model)
+        reason = native_dtypes.bf16_unsupported_reason(native_dtypes.isa_flags())
+        if reason is not None:
+            warnings.warn(f"xlaunch.kernels: to_fused(dtype=torch.bfloat16): {reason} (dtype=None "
+                          "trains in fp32)", native_dtypes.EmulatedPrecisionWarning, stacklevel=2)
+        if split_params(fused, model) and model is not None:
+            splitstate.prepare_model(model, fused)
+        elif model is None:
+            warnings.warn("xlaunch.kernels: to_fused(dtype=torch.bfloat16) without the model: its "
+                          "parameters are bf16 now, so run its forward under torch.autocast('cpu', "
+                          "dtype=torch.bfloat16), or pass the model (to_fused(optimizer, model, "
+                          "dtype=...)) to have that done", stacklevel=2)
     return fused

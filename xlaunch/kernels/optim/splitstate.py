@@ -1,14 +1,19 @@
-"""Checkpoints of a split-bf16 trained model hold fp32 masters (as ipex's do).
+"""What a model with split-bf16 parameters needs: checkpoints of fp32 masters, a bf16 forward.
 
-After ``optimize(model, optimizer, dtype=torch.bfloat16)`` a trained parameter is the bf16 high
-half of its fp32 master; the low half lives in the optimizer state (:mod:`splitbf16`). These
-hooks, registered on the model, make ``model.state_dict()`` give the joined fp32 master and make
+After ``to_fused(optimizer, model, dtype=torch.bfloat16)`` (or ``optimize(model, optimizer,
+dtype=torch.bfloat16)``) a trained parameter is the bf16 high half of its fp32 master; the low
+half lives in the optimizer state (:mod:`splitbf16`). The hooks of :class:`SplitMasters`,
+registered on the model, make ``model.state_dict()`` give the joined fp32 master and make
 ``model.load_state_dict`` of an fp32 checkpoint set both halves, so saving and loading round-trip
-bit for bit and a checkpoint from (or for) the plain fp32 model works. The optimizer is held by
-a weak reference: once it is gone, the model saves and loads its bf16 tensors as they are.
+bit for bit and a checkpoint from (or for) the plain fp32 model works (as ipex's do). The optimizer
+is held by a weak reference: once it is gone, the model saves and loads its bf16 tensors as they are.
+
+:class:`Bf16Forward` runs the model's forward under bf16 autocast and gives floating outputs back
+in fp32, so the training loop written for the fp32 model (fp32 inputs, targets, loss) runs as is.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Optional
 
@@ -19,6 +24,8 @@ with needs_torch(__name__):
     from torch import nn
 
 from xlaunch.kernels.optim.splitbf16 import join, split
+
+TRAIL_KEY = "bf16_trail"   # the optimizer-state entry holding a split parameter's low half
 
 
 class SplitMasters:
@@ -32,8 +39,6 @@ class SplitMasters:
         optimizer: Optional[torch.optim.Optimizer] = self._optimizer()
         if optimizer is None:
             return []
-        from xlaunch.kernels.optim.fused import TRAIL_KEY
-
         found = []
         for name in self.names:
             try:
@@ -46,16 +51,12 @@ class SplitMasters:
         return found
 
     def save(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        from xlaunch.kernels.optim.fused import TRAIL_KEY
-
         for key, param, state in self._split_params(module, prefix):
             if key in state_dict:
                 state_dict[key] = join(param.detach(), state[TRAIL_KEY])
 
     def load(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
-        from xlaunch.kernels.optim.fused import TRAIL_KEY
-
         for key, param, state in self._split_params(module, prefix):
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.shape == param.shape:
@@ -76,3 +77,45 @@ def register(model: nn.Module, optimizer: torch.optim.Optimizer) -> SplitMasters
     model._register_state_dict_hook(hooks.save)
     model.register_load_state_dict_pre_hook(hooks.load)
     return hooks
+
+
+def _floats_to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_floats_to_fp32(v) for v in value)
+    if isinstance(value, list):
+        return [_floats_to_fp32(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _floats_to_fp32(v) for k, v in value.items()}
+    return value
+
+
+class Bf16Forward:
+    """The instance ``forward`` of a model whose parameters are split-bf16: its own forward under
+    ``torch.autocast("cpu", dtype=torch.bfloat16)``, bf16/fp16 outputs returned as fp32. Copies
+    and pickles of the model carry it (it refers to the module it is set on)."""
+
+    autocast_dtype = torch.bfloat16
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.inner = module.__dict__.get("forward")   # an instance forward set before, if any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.inner or functools.partial(type(self.module).forward, self.module)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _floats_to_fp32(forward(*args, **kwargs))
+
+
+def runs_under_autocast(model: nn.Module) -> bool:
+    """Whether ``model``'s forward already enters autocast itself (ours, or optimize()'s)."""
+    return getattr(model.__dict__.get("forward"), "autocast_dtype", None) is not None
+
+
+def prepare_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Checkpoint hooks for ``model``'s split parameters and, unless its forward already runs
+    under autocast, a :class:`Bf16Forward`."""
+    register(model, optimizer)
+    if not runs_under_autocast(model):
+        model.forward = Bf16Forward(model)   # type: ignore[method-assign]

@@ -71,10 +71,9 @@ def _outputs_to(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _default_notify(message: str, is_warning: bool) -> None:
-    if is_warning:
-        from xlaunch.kernels.optimize.notes import warn
+    from xlaunch.kernels.optimize.notes import info, warn
 
-        warn(message)
+    (warn if is_warning else info)(message)
 
 
 class OptimizedForward:
@@ -192,7 +191,7 @@ class OptimizedForward:
             self.prefer_eager = not timings.not_slower("frozen", "eager")
             if self.prefer_eager:
                 self._note(f"kept the eager forward: the {backend} graph for inputs {inputs} measured "
-                           f"{1 / timings.ratio('frozen', 'eager'):.2f}x the eager speed", True)
+                           f"{1 / timings.ratio('frozen', 'eager'):.2f}x the eager speed", False)
                 return None
         self._note(f"frozen with {backend} for inputs {inputs}", False)
         return graph

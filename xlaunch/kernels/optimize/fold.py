@@ -9,7 +9,9 @@ keeps its class, attributes and ``forward``. Every fold can be undone (:func:`un
 
 A pair is only folded when it is safe: both modules in eval mode, the BN has running statistics
 and as many features as the producer has outputs, the producer's output feeds only this BN, and
-neither module is called anywhere else (shared modules are left alone).
+neither module is called anywhere else (shared modules are left alone); a Linear+BatchNorm1d only
+when the BN's input is certainly ``(N, C)``, shown by a sample input or fixed by the graph
+(:mod:`ranks`: e.g. a ``Flatten`` before the Linear).
 
 What folding does to parameters (as with ipex): the producer's ``weight``/``bias`` become the
 folded values (a bias appears where there was none), the BN's parameters and statistics leave
@@ -30,6 +32,8 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.optimize import ranks
+
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -42,7 +46,7 @@ class Pair:
     producer: str
     norm: str
     kind: str                       # "conv" | "linear"
-    norm_input_rank: Optional[int] = None   # rank of the BN input when a sample input was traced
+    norm_input_rank: Optional[int] = None   # rank of the BN input: from a sample input, or fixed by the graph
     blocked: Optional[str] = None   # why the graph forbids folding (sharing, other users), if it does
 
 
@@ -213,6 +217,8 @@ def _pairs_from_fx(model: nn.Module, sample_input: Any) -> list[Pair]:
             blocked = "the forward reads these modules' tensors directly"
         meta = source.meta.get("tensor_meta")
         rank = len(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+        if rank is None and kind == "linear":   # no sample input: the rank the graph fixes, if any
+            rank = ranks.certain(ranks.of_node(source, graph_module))
         pairs.append(Pair(source.target, node.target, kind, rank, blocked))
     return pairs
 
@@ -225,11 +231,12 @@ def _pairs_from_sequentials(model: nn.Module) -> list[Pair]:
             continue
         seen.add(id(container))
         children = list(container.named_children())
-        for (first_name, first), (second_name, second) in zip(children, children[1:]):
+        for index, ((first_name, first), (second_name, second)) in enumerate(zip(children, children[1:])):
             kind = _producer_kind(first)
             if kind is not None and isinstance(second, BN_TYPES):
                 prefix = f"{name}." if name else ""
-                pairs.append(Pair(prefix + first_name, prefix + second_name, kind))
+                rank = ranks.certain(ranks.through_modules(m for _, m in children[:index + 1]))
+                pairs.append(Pair(prefix + first_name, prefix + second_name, kind, rank if kind == "linear" else None))
     return pairs
 
 
@@ -251,7 +258,8 @@ def why_not(pair: Pair, producer: nn.Module, norm: nn.Module, names: dict[int, l
         return "grouped transposed convolution is not folded"
     if pair.kind == "linear":
         if pair.norm_input_rank is None and linear_needs_shape:
-            return "linear+BN folding needs a sample_input to confirm the BN sees (N, C) inputs"
+            return ("nothing before the linear fixes the rank of its input (e.g. a Flatten), so the batch norm "
+                    "may see (N, L, C) and folding could change results; a sample_input would show (N, C)")
         if pair.norm_input_rank is not None and pair.norm_input_rank != 2:
             return f"the batch norm input has rank {pair.norm_input_rank}; it normalizes a dim the linear does not produce"
     if len(names.get(id(producer), ())) > 1:

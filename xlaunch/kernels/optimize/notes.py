@@ -1,6 +1,10 @@
-"""How the optimizer library tells the user something was not done: one message, sent both as an
-``OptimizeWarning`` (``warnings``) and as a ``logging`` warning on the ``xlaunch.optimize`` logger,
-as ipex does through its own logger."""
+"""How the optimizer library tells the user something: each message once, on one channel.
+
+Something asked for and not done (or undone) is an ``OptimizeWarning`` through ``warnings``
+(filterable, catchable with ``pytest.warns``; ``logging.captureWarnings(True)`` puts it in the
+program's logs). It is not also logged: a program with ``logging.basicConfig()`` would print it
+twice. What went as planned (a graph frozen, the faster variant kept) is an INFO record on the
+``xlaunch.optimize`` logger, and the whole report a DEBUG record."""
 from __future__ import annotations
 
 import logging
@@ -9,8 +13,7 @@ import warnings
 
 logger = logging.getLogger("xlaunch.optimize")
 # A library logger: records reach the handlers the program configured (e.g. logging.basicConfig);
-# without any, Python's last-resort handler would print every message a second time beside the
-# warning, so it is kept quiet.
+# without any, Python's last-resort handler would print them, so it is kept quiet.
 logger.addHandler(logging.NullHandler())
 
 
@@ -27,6 +30,10 @@ def caller_stacklevel() -> int:
 
 
 def warn(message: str) -> None:
-    """``message`` as an OptimizeWarning pointing at the user's call, and on the logger."""
-    logger.warning("xlaunch.optimize: %s", message)
+    """``message`` as an OptimizeWarning pointing at the user's call."""
     warnings.warn(f"xlaunch.optimize: {message}", OptimizeWarning, stacklevel=caller_stacklevel())
+
+
+def info(message: str) -> None:
+    """``message`` as an INFO record on the ``xlaunch.optimize`` logger."""
+    logger.info("xlaunch.optimize: %s", message)

@@ -11,7 +11,8 @@ checkpoint of the un-optimized model loads into a folded one, see :mod:`fold`). 
 defaults, explicit flags beat the level: ``O0`` does nothing, ``O1`` does every rewrite that
 keeps results (within float tolerance). The steps, in order:
 
-  1. eval only: ``conv_bn_folding``, ``linear_bn_folding`` (needs ``sample_input``), ``remove_dropout``
+  1. eval only: ``conv_bn_folding``, ``linear_bn_folding`` (where a ``sample_input`` or the graph
+     shows the BN sees ``(N, C)``, :mod:`ranks`), ``remove_dropout``
   2. ``channels_last`` for models holding 2-D/3-D convolutions
   3. ``dtype=torch.bfloat16``/``torch.float16`` (only where the CPU has native support, else fp32
      and a warning; ``force_bf16=True`` overrides): ``bf16_weights`` and ``autocast`` forward (eval);
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -52,9 +54,9 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.optimize import dispatch, fold, freeze, layout, measure, precision
 
-from xlaunch.kernels.optim import splitstate
+from xlaunch.kernels.native_dtypes import EmulatedPrecisionWarning
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
-from xlaunch.kernels.optimize.notes import OptimizeWarning, logger, warn
+from xlaunch.kernels.optimize.notes import OptimizeWarning, info, logger, warn
 
 __all__ = ["optimize", "Options", "Report", "OptimizeWarning", "outputs_close"]
 
@@ -196,7 +198,9 @@ def _convert_optimizer(optimizer: Any, model: nn.Module, dtype: torch.dtype, rep
         _warn(report, f"optimizer kept as given: the fused optimizers are unavailable ({exc})")
         return optimizer
     try:
-        fused = to_fused(optimizer, model, dtype=dtype)
+        with warnings.catch_warnings():   # force_bf16 asked for bf16 knowing it is emulated here
+            warnings.simplefilter("ignore", EmulatedPrecisionWarning)
+            fused = to_fused(optimizer, model, dtype=dtype)
     except Exception as exc:
         _warn(report, f"optimizer kept as given: {type(exc).__name__}: {exc}")
         return optimizer
@@ -307,9 +311,7 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
         model.register_load_state_dict_pre_hook(fold.FoldedCheckpointLoader(log.records))
     if optimizer is not None and opts.fused_optimizer:
         split = use_dtype if (opts.split_master_weights and use_dtype == torch.bfloat16) else torch.float32
-        optimizer = _convert_optimizer(optimizer, model, split, report)
-        if split == torch.bfloat16 and report.optimizer is not None:
-            splitstate.register(model, optimizer)
+        optimizer = _convert_optimizer(optimizer, model, split, report)   # split-bf16: its checkpoint hooks too
     model._xlaunch_optimize_report = report
     logger.debug("xlaunch.optimize: %s", report)
     return model if optimizer is None else (model, optimizer)
@@ -322,7 +324,7 @@ def _notifier(report: Report) -> dispatch.Notify:
         if is_warning:
             _warn(report, message)
         else:
-            logger.info("xlaunch.optimize: %s", message)
+            info(message)
     return notify
 
 
@@ -355,7 +357,7 @@ def _keep_the_fastest(given: nn.Module, model: nn.Module, forward: Optional[disp
     report.kept = kept
     speed = ", ".join(f"{name} {1 / timings.ratio(name, 'given'):.2f}x" for name in timings.samples)
     if kept == "frozen":
-        logger.info("xlaunch.optimize: kept the frozen graph (speed vs the model as given: %s)", speed)
+        info(f"kept the frozen graph (speed vs the model as given: {speed})")
         return
     if forward is not None:
         forward.prefer_eager = True
@@ -367,5 +369,9 @@ def _keep_the_fastest(given: nn.Module, model: nn.Module, forward: Optional[disp
         if forward is not None:
             forward.freeze_backend = None
     report.frozen_with = None
-    what = "the eager rewrite, not frozen" if kept == "eager" else "the model as given (rewrites undone)"
-    _warn(report, f"kept {what}: on the sample input it measured fastest (speed vs the model as given: {speed})")
+    if kept == "eager":   # the rewrites are kept; only the graph is left out: as planned, not a warning
+        info(f"kept the eager rewrite, not frozen: on the sample input it measured fastest (speed vs "
+             f"the model as given: {speed})")
+        return
+    _warn(report, f"kept the model as given (rewrites undone): on the sample input it measured fastest "
+                  f"(speed vs the model as given: {speed})")

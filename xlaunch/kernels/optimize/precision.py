@@ -1,8 +1,8 @@
 """Precision: is bf16/fp16 worth it on this CPU, and low-precision weights.
 
 bf16 is used only where the CPU computes it natively (AVX512_BF16 or AMX_BF16), fp16 only with
-AVX512_FP16 or AMX_FP16; elsewhere oneDNN emulates them and they run slower than fp32 (measured on
-an AVX2-only EPYC: a small CNN 60x slower under bf16 autocast), so the request falls back to fp32
+AVX512_FP16 or AMX_FP16 (:mod:`xlaunch.kernels.native_dtypes`, shared with the fused optimizers);
+elsewhere oneDNN emulates them and they run slower than fp32, so the request falls back to fp32
 with a warning unless ``force_bf16=True`` (which forces either low-precision dtype).
 
 Decision for inference (see docs/kernels.md): convolution/linear weights are stored in the low
@@ -13,8 +13,6 @@ like the original model's, and ``state_dict()`` gives the cast weights back in t
 """
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import Any, Optional
 
 from xlaunch._torch import needs_torch
@@ -23,58 +21,19 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-FP16_FLAGS = ("avx512_fp16", "amx_fp16")
+from xlaunch.kernels.native_dtypes import (  # noqa: F401 - names this module has always had
+    BF16_FLAGS,
+    FP16_FLAGS,
+    bf16_unsupported_reason,
+    flags_from_cpuinfo,
+    fp16_unsupported_reason,
+    isa_flags,
+)
+
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
 WEIGHT_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                 nn.ConvTranspose3d)
-
-
-@functools.lru_cache(maxsize=1)
-def isa_flags() -> frozenset[str]:
-    """CPU flags from the machine model (``current_machine().isa``), else from /proc/cpuinfo."""
-    try:
-        from xlaunch.machine import current_machine  # type: ignore[attr-defined]
-
-        flags = current_machine().isa.flags
-        if flags:
-            return frozenset(flags)
-    except Exception:
-        pass
-    return flags_from_cpuinfo(Path("/proc/cpuinfo"))
-
-
-def flags_from_cpuinfo(path: Path) -> frozenset[str]:
-    """The ``flags`` line of the first processor in a cpuinfo file (empty when unreadable)."""
-    try:
-        with path.open() as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _unsupported_reason(name: str, native: tuple[str, str], flags: frozenset[str]) -> Optional[str]:
-    """None when one of the ``native`` flags is present, else why ``name`` should not be used."""
-    if any(flag in flags for flag in native):
-        return None
-    if not flags:
-        return f"the CPU flags could not be read, so native {name} support is unknown"
-    return (f"this CPU has neither {native[0].upper()} nor {native[1].upper()}, so {name} "
-            "matmuls/convolutions are emulated and slower than fp32")
-
-
-def bf16_unsupported_reason(flags: frozenset[str]) -> Optional[str]:
-    """None when bf16 runs natively, else why it should not be used."""
-    return _unsupported_reason("bf16", BF16_FLAGS, flags)
-
-
-def fp16_unsupported_reason(flags: frozenset[str]) -> Optional[str]:
-    """None when fp16 runs natively, else why it should not be used."""
-    return _unsupported_reason("fp16", FP16_FLAGS, flags)
 
 
 def resolve_dtype(dtype: Optional[torch.dtype], force_bf16: bool,

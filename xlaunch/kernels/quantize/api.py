@@ -38,13 +38,12 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.quantize import policy
 from xlaunch.kernels.optimize.compare import flat_tensors
-from xlaunch.kernels.quantize import routes
+from xlaunch.kernels.quantize import routes, saved
 from xlaunch.kernels.quantize.routes import QuantizeWarning
 
 __all__ = ["QuantizeReport", "QuantizeWarning", "QuantizedModule", "load_quantized", "quantize"]
 
-META_FILE = "xlaunch-quantize.json"
-FORMAT_VERSION = 1
+META_FILE, FORMAT_VERSION = saved.META_FILE, saved.FORMAT_VERSION
 
 
 @dataclass
@@ -132,14 +131,18 @@ class QuantizedModule(nn.Module):
 
 def load_quantized(path: str) -> QuantizedModule:
     """Load what :meth:`QuantizedModule.save` wrote; needs neither the model's class nor the
-    calibration data. INT8 PT2E programs are compiled again (freezing) on the first call."""
-    routes.import_torchao()
-    routes.register_decomposed_ops()
-    extra = {META_FILE: ""}
-    program = torch.export.load(path, extra_files=extra)
-    if not extra[META_FILE]:
-        raise ValueError(f"load_quantized: {path} was not written by xlaunch quantize (no {META_FILE})")
-    meta = json.loads(extra[META_FILE])
+    calibration data. INT8 PT2E programs are compiled again (freezing) on the first call. A missing
+    file is a ``FileNotFoundError``; a file that is not a regular file, not written by
+    :meth:`QuantizedModule.save`, or damaged is one ``ValueError`` saying which (:mod:`.saved`)."""
+    def prepare() -> None:   # the ops a PT2E program holds, registered only for a file that passed the checks
+        routes.import_torchao()
+        routes.register_decomposed_ops()
+
+    program, meta = saved.read(path, prepare)   # one clear ValueError/OSError: missing, foreign or damaged file
+    try:
+        report = QuantizeReport.from_dict(meta["report"])
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"load_quantized: {path} is corrupt: its report does not read back ({exc})") from None
     mode = meta["mode"]
     module = program.module()
     runner: Callable[..., Any]
@@ -149,7 +152,7 @@ def load_quantized(path: str) -> QuantizedModule:
         def runner(*args: Any) -> Any:
             with torch.no_grad():
                 return module(*args)
-    return QuantizedModule(runner, program, mode, QuantizeReport.from_dict(meta["report"]), keep=module)
+    return QuantizedModule(runner, program, mode, report, keep=module)
 
 
 # --- measuring -------------------------------------------------------------------------------

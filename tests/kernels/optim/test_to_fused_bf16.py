@@ -1,0 +1,88 @@
+"""``to_fused(optimizer, model, dtype=torch.bfloat16)`` as docs/kernels.md writes it: the fp32
+training loop runs unchanged, checkpoints hold fp32 masters, and a CPU that only emulates bf16
+says so."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from xlaunch.kernels import master_params, native_dtypes, to_fused  # noqa: E402  (as documented)
+from xlaunch.kernels.native_dtypes import EmulatedPrecisionWarning  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).train()
+
+
+def batches(n: int) -> list:
+    """Inputs and a target the MLP can learn."""
+    gen = torch.Generator().manual_seed(1)
+    teacher = torch.randn(8, 4, generator=gen)
+    inputs = [torch.randn(16, 8, generator=gen) for _ in range(n)]
+    return [(x, torch.tanh(x @ teacher)) for x in inputs]
+
+
+def test_documented_recipe_trains_with_the_fp32_loop_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_dtypes, "isa_flags", lambda: frozenset({"avx512_bf16"}))   # no emulation warning
+    model = mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer = to_fused(torch.optim.AdamW(model.parameters(), lr=1e-2), model, dtype=torch.bfloat16)
+    linear, norm = model[0], model[1]
+    assert linear.weight.dtype == torch.bfloat16 and optimizer.state[linear.weight]["bf16_trail"].dtype == torch.int16
+    assert norm.weight.dtype == torch.float32   # batch_norm takes bf16 inputs with fp32 parameters only
+    losses = []
+    for x, y in batches(20):            # fp32 inputs, targets and loss: the loop of the fp32 model
+        optimizer.zero_grad()
+        out = model(x)
+        assert out.dtype == torch.float32
+        loss = nn.functional.mse_loss(out, y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    state = model.state_dict()           # checkpoints hold the fp32 masters, bit for bit
+    trained = [state[name] for name, _ in model.named_parameters()]
+    assert all(t.dtype == torch.float32 for t in trained)
+    assert all(torch.equal(a, b) for a, b in zip(trained, master_params(optimizer)))
+    plain = mlp()
+    plain.load_state_dict(state)
+    twin = copy.deepcopy(model)          # a copy runs its own parameters
+    with torch.no_grad():
+        x = batches(1)[0][0]
+        model.eval(), twin.eval(), plain.eval()
+        torch.testing.assert_close(twin(x), model(x))
+        torch.testing.assert_close(model(x), plain(x), rtol=0.05, atol=0.05)   # bf16 halves vs fp32 masters
+
+
+def test_emulated_bf16_is_said_once_and_not_under_force_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_dtypes, "isa_flags", lambda: frozenset({"avx2", "fma"}))
+    model = mlp()
+    with pytest.warns(EmulatedPrecisionWarning, match="neither AVX512_BF16 nor AMX_BF16, so bf16 .* emulated") as caught:
+        to_fused(torch.optim.SGD(model.parameters(), lr=0.1), model, dtype=torch.bfloat16)
+    assert len(caught) == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        to_fused(torch.optim.SGD(mlp().parameters(), lr=0.1), dtype=torch.bfloat16)
+    assert [w.category for w in caught] == [EmulatedPrecisionWarning, UserWarning]
+    assert "without the model: its parameters are bf16 now, so run its forward under" in str(caught[1].message)
+
+    from xlaunch.kernels.optimize import dispatch, precision
+    from xlaunch.kernels.optimize.pipeline import optimize
+
+    monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"avx2"}))
+    model = mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EmulatedPrecisionWarning)   # force_bf16 knows it is emulated
+        model, optimizer = optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.bfloat16,
+                                    force_bf16=True)
+    assert type(optimizer).__name__ == "FusedSGD" and dispatch.of(model) is not None   # optimize's own autocast forward
+    assert model(batches(1)[0][0]).dtype == torch.float32
