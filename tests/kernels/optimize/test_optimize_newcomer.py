@@ -231,7 +231,7 @@ def test_a_subclass_with_its_own_forward_is_not_taken_for_its_base() -> None:
     class Keep(nn.Identity):          # an Identity that is one (RemovedDropout is such a subclass)
         pass
 
-    from xlaunch.kernels.optimize import ranks
+    from xlaunch.kernels.optimize import tensor_rank as ranks
 
     assert ranks.through_modules([nn.Flatten(), Keep(), nn.Linear(12, 6)]) == frozenset({2})
     assert ranks.through_modules([Unflatten(), nn.Linear(2, 6)]) is None

@@ -11,7 +11,7 @@ A pair is only folded when it is safe: both modules in eval mode, the BN has run
 and as many features as the producer has outputs, the producer's output feeds only this BN, and
 neither module is called anywhere else (shared modules are left alone); a Linear+BatchNorm1d only
 when the BN's input is certainly ``(N, C)``, shown by a sample input or fixed by the graph
-(:mod:`ranks`: e.g. a ``Flatten`` before the Linear).
+(:mod:`tensor_rank`: e.g. a ``Flatten`` before the Linear).
 
 What folding does to parameters (as with ipex): the producer's ``weight``/``bias`` become the
 folded values (a bias appears where there was none), the BN's parameters and statistics leave
@@ -32,7 +32,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
-from xlaunch.kernels.optimize import ranks
+from xlaunch.kernels.optimize import tensor_rank
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -218,7 +218,7 @@ def _pairs_from_fx(model: nn.Module, sample_input: Any) -> list[Pair]:
         meta = source.meta.get("tensor_meta")
         rank = len(meta.shape) if meta is not None and hasattr(meta, "shape") else None
         if rank is None and kind == "linear":   # no sample input: the rank the graph fixes, if any
-            rank = ranks.certain(ranks.of_node(source, graph_module))
+            rank = tensor_rank.certain(tensor_rank.of_node(source, graph_module))
         pairs.append(Pair(source.target, node.target, kind, rank, blocked))
     return pairs
 
@@ -235,7 +235,7 @@ def _pairs_from_sequentials(model: nn.Module) -> list[Pair]:
             kind = _producer_kind(first)
             if kind is not None and isinstance(second, BN_TYPES):
                 prefix = f"{name}." if name else ""
-                rank = ranks.certain(ranks.through_modules(m for _, m in children[:index + 1]))
+                rank = tensor_rank.certain(tensor_rank.through_modules(m for _, m in children[:index + 1]))
                 pairs.append(Pair(prefix + first_name, prefix + second_name, kind, rank if kind == "linear" else None))
     return pairs
 
