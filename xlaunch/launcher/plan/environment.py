@@ -245,10 +245,10 @@ def kernel_report_variables(environ: Mapping[str, str], notes: list[str]) -> dic
     flags = {flag.strip().lower() for flag in value.split(",")}
     if name == "DNNL_VERBOSE":
         notes.append(f"kept your DNNL_VERBOSE={value} (--kernel-report did not set ONEDNN_VERBOSE over it)")
-    if not flags & (_CREATION_FLAGS | _EXECUTION_FLAGS):
-        notes.append(f"--kernel-report: your {name}={value} prints no primitive lines, so the kernel report "
-                     f"will be empty (unset it, or use {ONEDNN_VERBOSE_VALUE})")
-    elif flags & _EXECUTION_FLAGS:
+    if not flags & _CREATION_FLAGS:
+        notes.append(f"--kernel-report: your {name}={value} prints no primitive creation lines, which the kernel "
+                     f"report is made of (unset it, or use {ONEDNN_VERBOSE_VALUE})")
+    if flags & _EXECUTION_FLAGS:
         notes.append(f"--kernel-report: your {name}={value} prints a line per execution; they are taken out "
                      f"of the output too, but printing them slows the program down ({ONEDNN_VERBOSE_VALUE} "
                      "prints creations only)")
