@@ -4,14 +4,16 @@
 
 Runs alternate (with, without, without, with, ...) so a change in the machine's load hits both
 alike; the throughput of a run is the sum of its instances' ``throughput: X img/s`` lines. Prints
-the medians, their ratio (target: with >= 0.97x without), the oneDNN lines each instance printed
-(from ``--summary-json``) and the load average before and after.
+the medians, their ratio (target: with >= 0.97x without), the CPU time of each run (xlaunch and
+its instances: on a shared machine the steadier measure of what the report costs), the oneDNN
+lines each instance printed (from ``--summary-json``) and the load average before and after.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -28,10 +30,17 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def run(report: bool, ninstances: int, infer_args: list[str], summary: str) -> tuple[float, list[int]]:
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(report: bool, ninstances: int, infer_args: list[str], summary: str) -> tuple[float, float, list[int]]:
     argv = [XLAUNCH, "-q", "--ninstances", str(ninstances), "--summary-json", summary]
     argv += ["--kernel-report"] if report else []
+    before = cpu_seconds()
     done = subprocess.run([*argv, INFER, *infer_args], capture_output=True, cwd=REPO, timeout=600)
+    cpu = cpu_seconds() - before
     if done.returncode != 0:
         raise SystemExit(f"xlaunch failed ({done.returncode}): {done.stderr.decode()[-500:]}")
     if b"onednn_verbose" in done.stdout:
@@ -41,7 +50,7 @@ def run(report: bool, ninstances: int, infer_args: list[str], summary: str) -> t
         raise SystemExit(f"expected {ninstances} throughput lines, got {done.stdout.decode()[-500:]}")
     data = json.loads(Path(summary).read_text())
     lines = [((i.get("observed") or {}).get("kernels") or {}).get("lines", 0) for i in data["instances"]]
-    return sum(values), lines
+    return sum(values), cpu, lines
 
 
 def main() -> None:
@@ -52,22 +61,26 @@ def main() -> None:
     args = parser.parse_args()
     infer_args = ["--iterations", str(args.iterations)]
     results: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     lines: list[int] = []
     print(f"load average before: {loadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         summary = str(Path(scratch) / "summary.json")
         for rep in range(args.reps):
             for report in ((True, False) if rep % 2 == 0 else (False, True)):
-                value, seen = run(report, args.ninstances, infer_args, summary)
+                value, seconds, seen = run(report, args.ninstances, infer_args, summary)
                 results[report].append(value)
+                cpu[report].append(seconds)
                 if report:
                     lines = seen
-                print(f"  rep {rep + 1}/{args.reps} {'with   ' if report else 'without'} {value:8.1f} img/s",
-                      flush=True)
+                print(f"  rep {rep + 1}/{args.reps} {'with   ' if report else 'without'} {value:8.1f} img/s "
+                      f"{seconds:6.2f} CPU s", flush=True)
     with_report, without = statistics.median(results[True]), statistics.median(results[False])
     print(f"load average after: {loadavg()}")
     print(f"median img/s: with --kernel-report {with_report:.1f}, without {without:.1f}, "
           f"ratio {with_report / without:.3f} (target >= 0.97)")
+    cpu_with, cpu_without = statistics.median(cpu[True]), statistics.median(cpu[False])
+    print(f"median CPU s per run: with {cpu_with:.2f}, without {cpu_without:.2f}, ratio {cpu_with / cpu_without:.3f}")
     print(f"oneDNN lines per instance in the last reported run: {lines}")
 
 
