@@ -98,7 +98,10 @@ def kernel_cell(data: Optional[dict[str, Any]]) -> str:
 
 
 def kernel_warnings(data: dict[str, Any], requested_dtype: Optional[str] = None) -> list[str]:
-    """Plain-word findings: precision not reached, AMX idle, weights re-laid-out, cache churn."""
+    """Plain-word findings: precision not reached, AMX idle, weights re-laid-out, cache churn.
+
+    ``requested_dtype``: what ``--auto-optimize`` asked the program's models to compute in (None:
+    the program ran without it)."""
     primitives: dict[str, dict[str, Any]] = data.get("primitives", {})
     compute = {kind: entry for kind, entry in primitives.items() if kind in COMPUTE_KINDS and entry["creations"]}
     warnings: list[str] = []
@@ -121,8 +124,10 @@ def kernel_warnings(data: dict[str, Any], requested_dtype: Optional[str] = None)
         per_call = weights / entry["creations"]
         if weights > distinct and per_call >= SOME_CALLS:
             how_often = "on every call" if per_call >= EVERY_CALL else f"on {per_call:.0%} of calls"
+            advice = ("even under --auto-optimize (what ran was not prepacked)" if requested_dtype is not None
+                      else "try xlaunch.optimize")
             warnings.append(f"weights re-laid-out {how_often} ({kind}: {weights} weight reorders in "
-                            f"{entry['creations']} calls): try xlaunch.optimize")
+                            f"{entry['creations']} calls): {advice}")
     if data.get("recreated"):
         warnings.append(f"{data['recreated']} oneDNN primitives built again after their first use (dropped from "
                         f"the primitive cache: raise ONEDNN_PRIMITIVE_CACHE_CAPACITY)")
