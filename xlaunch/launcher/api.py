@@ -22,6 +22,7 @@ from xlaunch.launcher.plan.options import (
 __all__ = [
     "USAGE_EXIT_STATUS", "LaunchInputError", "OptionError", "SETTABLE", "Options", "build_options",
     "canonical_name", "flag_name", "load_config_option", "option_fields", "click_options", "run_command_line",
+    "kernel_cell",
 ]
 
 
@@ -39,3 +40,11 @@ def run_command_line(argv: Sequence[str], environ: Optional[Mapping[str, str]] =
     from xlaunch.launcher.cli.command import run
 
     return run(list(argv), environ=None if environ is None else dict(environ))
+
+
+def kernel_cell(kernels: Optional[Mapping[str, Any]]) -> str:
+    """A few words on what oneDNN ran (``AVX2, conv avx2 f32, w 1.0/call``) from an instance's
+    ``observed.kernels`` in ``--summary-json``; ``-`` when there is none."""
+    from xlaunch.launcher.observe.kernel_report import kernel_cell as cell
+
+    return cell(dict(kernels) if kernels else None)

@@ -65,7 +65,7 @@ def save_csv(directory: str, tuner: Tuner) -> str:
     path = os.path.join(directory, TRIALS_CSV)
     keys = list(tuner.space.keys)
     header = ["number", *keys, "status", "reason", "value", "low", "high", "repeats", "wall_time",
-              "instance_values"]
+              "instance_values", "kernels"]
     with open(path, "w", encoding="utf-8", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
@@ -76,9 +76,9 @@ def save_csv(directory: str, tuner: Tuner) -> str:
             )
             writer.writerow([row["number"], *(row["config"].get(k) for k in keys), row["status"], row["reason"],
                              _num(row["value"]), _num(row["low"]), _num(row["high"]), row["repeats"],
-                             _num(row["wall_time"]), per_run])
+                             _num(row["wall_time"]), per_run, record.kernels])
         for skip in tuner.skipped:
-            writer.writerow(["", *(skip.point.get(k) for k in keys), "skipped", skip.reason, "", "", "", 0, "", ""])
+            writer.writerow(["", *(skip.point.get(k) for k in keys), "skipped", skip.reason, "", "", "", 0, "", "", ""])
     return path
 
 

@@ -21,7 +21,9 @@ def _wall(value: Optional[float]) -> str:
 def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], list[str]]:
     """Header, one row per trial (ranked ok ones first, then failed), and footnote lines."""
     keys = list(tuner.space.keys)
-    header = ["rank", "#", *keys, "median", "spread", "wall s", "status"]
+    with_kernels = any(run.get("kernels") for record in tuner.records for run in record.runs)
+    kernels = (lambda record: [record.kernels]) if with_kernels else (lambda record: [])
+    header = ["rank", "#", *keys, "median", "spread", "wall s", *(["kernels"] if with_kernels else []), "status"]
     body: list[list[str]] = []
     best = outcome.best.number if outcome.best is not None else None
     for rank, record in enumerate(tuner.ranked(), 1):
@@ -31,11 +33,11 @@ def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], li
         if outcome.final is not None and record.number in outcome.final.numbers and record.number != best:
             status = "ok, lost the re-measurement"
         body.append([str(rank), str(record.number), *(_cell(record.point.get(k)) for k in keys),
-                     _fmt(record.value), spread, _wall(record.wall_time), status])
+                     _fmt(record.value), spread, _wall(record.wall_time), *kernels(record), status])
     for record in tuner.records:
         if not record.ok:
             body.append(["-", str(record.number), *(_cell(record.point.get(k)) for k in keys), "-", "-",
-                         _wall(record.wall_time), f"failed: {record.reason}"])
+                         _wall(record.wall_time), *kernels(record), f"failed: {record.reason}"])
     notes = [f"objective: {tuner.objective.label}, {'higher' if tuner.objective.goal == 'max' else 'lower'} is better"]
     for skip in tuner.skipped:
         notes.append(f"skipped {describe(skip.point)}: {skip.reason}")

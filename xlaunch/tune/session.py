@@ -52,6 +52,14 @@ class TrialRecord:
         return summary.median if summary else None
 
     @property
+    def kernels(self) -> str:
+        """What oneDNN ran in the last run with a kernel report (``xlaunch --kernel-report``): one
+        text for all instances when they agree, else one per instance; "-" when none."""
+        cells = next((run["kernels"] for run in reversed(self.runs) if run.get("kernels")), [])
+        unique = list(dict.fromkeys(cells))
+        return "-" if not unique else unique[0] if len(unique) == 1 else " | ".join(cells)
+
+    @property
     def wall_time(self) -> Optional[float]:
         walls = [run["wall_time"] for run in self.runs]
         return statistics.median(walls) if walls else None

@@ -2,7 +2,8 @@
 
 The launcher runs in its own session (process group) with its console output in
 ``DIR/console.log`` and each instance's output in ``DIR/trial_instance_<i>.log`` (the runner's
-own per-instance logs), which is where the metric is read. At ``timeout`` the launcher gets
+own per-instance logs), which is where the metric is read. With ``kernel-report`` in the trial's
+configuration, the launcher also writes ``DIR/summary.json``, read for the kernels column. At ``timeout`` the launcher gets
 SIGTERM -- it forwards it to every instance's process group and SIGKILLs them after its grace
 period -- and if it is still there ``grace + 5`` s later its group is SIGKILLed (its instances
 die with it: the runner starts them with a parent-death signal). Nothing is left running.
@@ -22,6 +23,7 @@ from xlaunch.tune.candidate import Candidate
 from xlaunch.tune.objective import Objective, aggregate, last_value
 
 LOG_PREFIX = "trial"
+SUMMARY_JSON = "summary.json"
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class RunResult:
     instance_values: tuple[Optional[float], ...] = ()   # per instance, in plan order
     reason: str = ""                                   # why it failed
     directory: str = ""
+    kernels: tuple[str, ...] = ()                      # per instance, with kernel-report: what oneDNN ran
 
     def to_json(self) -> dict:
         return {
@@ -43,6 +46,7 @@ class RunResult:
             "instance_values": list(self.instance_values),
             "wall_time": round(self.wall_time, 4),
             "directory": self.directory,
+            **({"kernels": list(self.kernels)} if self.kernels else {}),
         }
 
 
@@ -63,7 +67,11 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
     config = os.path.join(directory, "trial.toml")
     tomlfile.write(config, candidate.table, "xlaunch config written by xlaunch-tune")
     argv = [launch.python, "-m", "xlaunch", "--config", config, "-q", "--log-dir", directory,
-            "--log-file-prefix", LOG_PREFIX, *launch.command]
+            "--log-file-prefix", LOG_PREFIX]
+    summary = os.path.join(directory, SUMMARY_JSON)
+    if candidate.table.get("kernel-report") is True:
+        argv += ["--summary-json", summary]
+    argv += list(launch.command)
     environ = dict(os.environ if launch.environ is None else launch.environ)
     timed_out = False
     with open(os.path.join(directory, "console.log"), "wb") as console:
@@ -79,6 +87,7 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
             stop(proc, launch.grace)
             raise
         wall = time.monotonic() - started
+    kernels = _kernel_cells(summary, candidate.instances) if "--summary-json" in argv else ()
     values: list[Optional[float]] = []
     problems: list[str] = []
     for index in candidate.instances:
@@ -87,15 +96,29 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
         if isinstance(found, str):
             problems.append(f"{found} from instance {index}")
     if timed_out:
-        return RunResult(False, wall, None, tuple(values), f"timeout after {launch.timeout:g}s", directory)
+        return RunResult(False, wall, None, tuple(values), f"timeout after {launch.timeout:g}s", directory, kernels)
     if proc.returncode != 0:
-        return RunResult(False, wall, None, tuple(values), _failure(proc.returncode, directory), directory)
+        return RunResult(False, wall, None, tuple(values), _failure(proc.returncode, directory), directory, kernels)
     if objective.metric is None:
-        return RunResult(True, wall, wall, tuple(values), "", directory)
+        return RunResult(True, wall, wall, tuple(values), "", directory, kernels)
     if problems:
-        return RunResult(False, wall, None, tuple(values), problems[0], directory)
+        return RunResult(False, wall, None, tuple(values), problems[0], directory, kernels)
     value = aggregate([v for v in values if v is not None], objective.aggregate)
-    return RunResult(True, wall, value, tuple(values), "", directory)
+    return RunResult(True, wall, value, tuple(values), "", directory, kernels)
+
+
+def _kernel_cells(path: str, instances: Sequence[int]) -> tuple[str, ...]:
+    """What each instance's kernels ran, in a few words, from the launcher's ``--summary-json``."""
+    import json
+
+    from xlaunch.launcher.api import kernel_cell
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            rows = {row.get("index"): row for row in json.load(handle).get("instances", [])}
+    except (OSError, ValueError, AttributeError):
+        return ()
+    return tuple(kernel_cell(((rows.get(index) or {}).get("observed") or {}).get("kernels")) for index in instances)
 
 
 def _instance_value(objective: Objective, directory: str, index: int) -> float | str | None:

@@ -109,7 +109,7 @@ def options_from(line: CommandLine, environ: Mapping[str, str]) -> Options:
         _check_log_dir(options.log_dir)
         from xlaunch.launcher.run.logfiles import check_names
 
-        check_names(options.log_dir, options.log_file_prefix, [0])
+        check_names(options.log_dir, options.log_file_prefix, [0], onednn=options.kernel_report)
     if options.summary_json is not None:
         _check_output_file("--summary-json", options.summary_json)
     if options.program is None:

@@ -116,6 +116,8 @@ OPTIONS: tuple[Opt, ...] = (
          "Seconds between SIGTERM and SIGKILL when stopping instances (default 5).", metavar="S"),
     _opt("summary_json", VALUE, GROUP_SUPERVISION,
          "Write the end-of-run summary (statuses, what was observed) as JSON to FILE.", metavar="FILE"),
+    _opt("kernel_report", FLAG, GROUP_SUPERVISION,
+         "Report which oneDNN kernels each instance ran: ISA, implementations, data types, weight reorders."),
     _opt("dry_run", FLAG, GROUP_SUPERVISION, "Print the plan; start nothing."),
     _opt("json", FLAG, GROUP_SUPERVISION, "With --dry-run, --check-isa or --show-topology: print one JSON object."),
     _opt("config", VALUE, GROUP_SUPERVISION,

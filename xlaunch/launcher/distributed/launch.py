@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 RANK_OPTIONS = (
     "ncores_per_instance", "nodes_list", "cores_list", "use_logical_cores", "core_type", "bind_numa_node",
     "memory_allocator", "omp_runtime", "bind_with", "membind", "benchmark",
-    "module", "no_python", "auto_optimize", "dtype", "auto_optimize_verbose", "reserve_cores",
+    "module", "no_python", "auto_optimize", "dtype", "auto_optimize_verbose", "reserve_cores", "kernel_report",
 )
 
 
@@ -123,12 +123,25 @@ def run_per_rank(options: "Options", environ: Mapping[str, str], machine: Any) -
     if options.verbosity > 0:
         sys.stderr.write(f"xlaunch: {local.describe()}: cpus {format_cpulist(instance.cpus)}, "
                          f"mem nodes {format_cpulist(instance.mem_nodes) or '-'}, argv {shlex.join(instance.argv)}\n")
-    return exec_instance(instance, quiet=options.verbosity < 0, die_with_parent=FRONT_MARKER in environ)
+    kernels = rank_label(environ, local) if options.kernel_report else None
+    return exec_instance(instance, quiet=options.verbosity < 0, die_with_parent=FRONT_MARKER in environ,
+                         kernel_report=kernels)
 
 
-def exec_instance(instance: "Instance", *, quiet: bool = False, die_with_parent: bool = False) -> int:
+def rank_label(environ: Mapping[str, str], local: LocalRank) -> str:
+    """``rank 3`` (the job-wide rank an engine set), else ``local rank 1``: how reports name a rank."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if environ.get(name, "").isdigit():
+            return f"rank {environ[name]}"
+    return f"local rank {local.rank}"
+
+
+def exec_instance(instance: "Instance", *, quiet: bool = False, die_with_parent: bool = False,
+                  kernel_report: str | None = None) -> int:
     """Pin the calling (single-threaded) process to ``instance`` and ``execve`` its argv.
 
+    ``kernel_report`` (the rank's name in the report): a filter process takes oneDNN's lines out
+    of the program's stdout and reports them at its end (:mod:`xlaunch.launcher.run.kernel_tee`).
     Returns only on failure: 1 when the CPUs cannot be used, 126/127 when the program cannot run.
     """
     from xlaunch.launcher.run import binding
@@ -148,6 +161,8 @@ def exec_instance(instance: "Instance", *, quiet: bool = False, die_with_parent:
                 if not quiet:
                     sys.stderr.write(f"xlaunch: warning: memory policy refused ({refused.strerror or refused}): "
                                      "bound to CPUs only\n")
+    if kernel_report is not None:
+        instance = _start_kernel_filter(instance, kernel_report, quiet)
     if die_with_parent:   # the front's agent started us: die with it even if it is SIGKILLed
         parent = os.getppid()
         binding.die_with_parent(signal.SIGTERM)
@@ -163,6 +178,25 @@ def exec_instance(instance: "Instance", *, quiet: bool = False, die_with_parent:
         sys.stderr.write(f"xlaunch: error: PROGRAM: {argv[0]}: {error.strerror or error}\n")
         return code
     return 1  # pragma: no cover  (execve does not return)
+
+
+def _start_kernel_filter(instance: "Instance", label: str, quiet: bool) -> "Instance":
+    """The filter on stdout; if it cannot start, oneDNN's verbose setting of ours is dropped (its
+    lines would reach the output unfiltered)."""
+    from xlaunch.kernels.inject import DTYPE_ENV
+    from xlaunch.launcher.plan.environment import ONEDNN_VERBOSE_VALUE
+    from xlaunch.launcher.run.kernel_tee import filter_stdout
+
+    sys.stdout.flush()
+    try:
+        filter_stdout(label, instance.env.get(DTYPE_ENV))
+    except OSError as error:
+        if not quiet:
+            sys.stderr.write(f"xlaunch: warning: --kernel-report: cannot start the filter ({error.strerror or error}): "
+                             "no kernel report for this rank\n")
+        env = {k: v for k, v in instance.env.items() if not (k == "ONEDNN_VERBOSE" and v == ONEDNN_VERBOSE_VALUE)}
+        return replace(instance, env=env)
+    return instance
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from typing import Any, Optional
 
+from xlaunch.launcher.observe.kernels import isa_of, parse_line
+
 MARKER = "XLAUNCH_PROBE"
 WORKER = "xlaunch.kernels.probe_worker"
 # Time the child may spend importing torch and starting, on top of the measuring budget.
 STARTUP_ALLOWANCE_S = 60.0
-# oneDNN's ISA spellings in implementation names (jit:avx2, brg_conv_fwd:avx512_core_amx, ...).
-_ISA_TOKEN = re.compile(r"^(sse41|avx\w*|amx\w*)$")
 
 
 class ProbeError(RuntimeError):
@@ -30,24 +29,16 @@ class ProbeError(RuntimeError):
 
 
 def parse_verbose_line(line: str) -> Optional[dict[str, str]]:
-    """``{"kind", "impl", "isa"}`` for a oneDNN ``primitive,exec`` line, else None.
+    """``{"kind", "impl", "isa"}`` for a oneDNN execution line, else None.
 
-    Handles the v3 (``onednn_verbose,v1,primitive,exec,cpu,...``) and older
-    (``onednn_verbose,exec,cpu,...``/``dnnl_verbose``) layouts. ``isa`` is the ISA named in the
-    implementation (``jit:avx2`` -> ``avx2``), or "" when the name carries none (``gemm:jit``).
+    The layouts are those of :func:`xlaunch.launcher.observe.kernels.parse_line` (the parser
+    ``--kernel-report`` uses). ``isa`` is the ISA named in the implementation (``jit:avx2`` ->
+    ``avx2``), or "" when the name carries none (``gemm:jit``).
     """
-    if not (line.startswith("onednn_verbose,") or line.startswith("dnnl_verbose,")):
+    parsed = parse_line(line)
+    if parsed is None or parsed.what != "exec":
         return None
-    fields = line.strip().split(",")
-    try:
-        at = fields.index("exec")
-    except ValueError:
-        return None
-    if len(fields) < at + 4 or fields[at + 1] != "cpu":
-        return None
-    kind, impl = fields[at + 2], fields[at + 3]
-    isa = next((tok for tok in impl.split(":") if _ISA_TOKEN.match(tok)), "")
-    return {"kind": kind, "impl": impl, "isa": isa}
+    return {"kind": parsed.kind, "impl": parsed.impl, "isa": isa_of(parsed.impl)}
 
 
 def parse_output(stdout: str) -> dict[str, Any]:
@@ -66,15 +57,16 @@ def parse_output(stdout: str) -> dict[str, Any]:
             else:
                 current = None
             continue
-        if ",info," in line and (line.startswith("onednn_verbose") or line.startswith("dnnl_verbose")):
-            tail = line.split(",info,", 1)[1]
-            if tail.startswith("cpu,isa:"):
-                info["isa"] = tail[len("cpu,isa:"):]
-            elif tail.startswith("oneDNN v"):
-                info["version"] = tail.split()[1]
+        verbose = parse_line(line)
+        if verbose is None:
             continue
-        parsed = parse_verbose_line(line)
-        if parsed is not None and current is not None and parsed["kind"] != "reorder":
+        if verbose.what == "info":
+            if verbose.isa:
+                info["isa"] = verbose.isa
+            if verbose.version:
+                info["version"] = verbose.version
+        elif verbose.what == "exec" and current is not None and verbose.kind != "reorder":
+            parsed = {"kind": verbose.kind, "impl": verbose.impl, "isa": isa_of(verbose.impl)}
             seen = primitives.setdefault(current, [])
             if parsed not in seen:
                 seen.append(parsed)

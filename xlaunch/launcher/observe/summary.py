@@ -7,7 +7,9 @@
                     "exit_code": 0, "wall_s": 1.23, "observed": {...} | null}]}
 
 ``observed`` is what :mod:`xlaunch.launcher.observe.observer` saw while the instance ran (null when
-nothing could be sampled).
+nothing could be sampled); with ``--kernel-report`` it also holds ``kernels``, what oneDNN ran
+(:meth:`~xlaunch.launcher.observe.kernels.KernelTally.to_json`), shown under the table as one line
+per instance.
 """
 from __future__ import annotations
 
@@ -50,6 +52,12 @@ def table_lines(results: list[InstanceResult], exit_status: int) -> list[str]:
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    for r in results:
+        kernels = (r.observed or {}).get("kernels")
+        if kernels is not None:
+            from xlaunch.launcher.observe.kernel_report import kernel_line
+
+            lines.append(f"instance {r.index} kernels: {kernel_line(kernels)}")
     lines.append(f"exit status {exit_status}")
     return lines
 

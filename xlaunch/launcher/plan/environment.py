@@ -192,16 +192,18 @@ def instance_environment(
     index: int,
     ninstances: int,
     extra: Mapping[str, str] | None = None,
+    wanted: Mapping[str, str] | None = None,
 ) -> InstanceEnvironment:
     """``base`` plus xlaunch's variables for one instance; a variable the user already set keeps
     the user's value (reported in ``kept``) -- except ``LD_PRELOAD``, where xlaunch's libraries
     are prepended and the user's entries kept, and ``XLAUNCH_*``, which describe the instance.
-    ``extra`` (e.g. from ``--auto-optimize``) is applied as given.
+    ``extra`` (e.g. from ``--auto-optimize``) is applied as given; ``wanted`` (e.g. from
+    ``--kernel-report``) like xlaunch's own variables, never over the user's.
     """
     env = dict(base)
     added: dict[str, str] = {}
     kept: dict[str, str] = {}
-    for name, value in runtime_variables(runtime, cpus, index, ninstances).items():
+    for name, value in {**runtime_variables(runtime, cpus, index, ninstances), **(wanted or {})}.items():
         if name == "LD_PRELOAD":
             user_entries = preload_entries(base.get("LD_PRELOAD", ""))
             ours = [p for p in value.split(":") if os.path.basename(p) not in {os.path.basename(u) for u in user_entries}]
@@ -224,3 +226,32 @@ def instance_environment(
         env[name] = value
         added[name] = value
     return InstanceEnvironment(env=env, added=added, kept=kept)
+
+
+# --kernel-report: oneDNN prints one line per primitive creation (never per execution) on stdout
+ONEDNN_VERBOSE_VALUE = "profile_create"
+_CREATION_FLAGS = frozenset({"profile_create", "profile", "all", "2"})
+_EXECUTION_FLAGS = frozenset({"profile_exec", "profile", "all", "1", "2"})
+
+
+def kernel_report_variables(environ: Mapping[str, str], notes: list[str]) -> dict[str, str]:
+    """The variables ``--kernel-report`` wants (``ONEDNN_VERBOSE=profile_create``); appends to
+    ``notes`` what a verbose setting of the user's, which is kept, means for the report
+    (``DNNL_VERBOSE`` counts: oneDNN would let our ``ONEDNN_VERBOSE`` override it)."""
+    own = next(((name, environ[name]) for name in ("ONEDNN_VERBOSE", "DNNL_VERBOSE") if name in environ), None)
+    if own is None:
+        return {"ONEDNN_VERBOSE": ONEDNN_VERBOSE_VALUE}
+    name, value = own
+    flags = {flag.strip().lower() for flag in value.split(",")}
+    if name == "DNNL_VERBOSE":
+        notes.append(f"kept your DNNL_VERBOSE={value} (--kernel-report did not set ONEDNN_VERBOSE over it)")
+    if not flags & _CREATION_FLAGS:
+        notes.append(f"--kernel-report: your {name}={value} prints no primitive creation lines, which the kernel "
+                     f"report is made of (unset it, or use {ONEDNN_VERBOSE_VALUE})")
+    if flags & _EXECUTION_FLAGS:
+        notes.append(f"--kernel-report: your {name}={value} prints a line per execution; they are taken out "
+                     f"of the output too, but printing them slows the program down ({ONEDNN_VERBOSE_VALUE} "
+                     "prints creations only)")
+    if any(flag.startswith("filter=") for flag in flags):
+        notes.append(f"--kernel-report: the filter in your {name} hides the primitives it does not match")
+    return {"ONEDNN_VERBOSE": ONEDNN_VERBOSE_VALUE} if name == "ONEDNN_VERBOSE" else {}

@@ -71,6 +71,7 @@ class Options:
     keep_going: bool = False
     grace_period: float = 5.0
     summary_json: Optional[str] = None
+    kernel_report: bool = False              # oneDNN's creation-level verbose lines, filtered and summarised
     dry_run: bool = False
     json: bool = False
     config: Optional[str] = None             # where merged settings came from (path), for the record
@@ -106,7 +107,8 @@ _KINDS: dict[str, str] = {
     "membind": "choice", "benchmark": "flag",
     "auto_optimize": "flag", "dtype": "choice", "auto_optimize_verbose": "flag",
     "log_dir": "text", "log_file_prefix": "text", "keep_going": "flag",
-    "grace_period": "seconds", "summary_json": "text", "dry_run": "flag", "json": "flag", "verbosity": "int",
+    "grace_period": "seconds", "summary_json": "text", "kernel_report": "flag",
+    "dry_run": "flag", "json": "flag", "verbosity": "int",
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "core_type": CORE_TYPES, "memory_allocator": ALLOCATORS, "omp_runtime": OMP_RUNTIMES,

@@ -58,6 +58,7 @@ class Plan:
     machine_summary: dict[str, Any] = factory(dict)
     allocator: str = "default"               # jemalloc | tcmalloc | tcmalloc_minimal | glibc | default | user
     openmp: str = "gnu"                      # gnu | intel
+    kernel_report: bool = False              # instances print oneDNN's verbose lines: take them out, summarise
 
     def to_json(self, inherited: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
         """The plan as JSON. With ``inherited`` (the user's environment), each instance's ``env``
@@ -106,7 +107,7 @@ def plan(
     :func:`xlaunch.launcher.plan.which.which` on ``environ``'s PATH). Raises :class:`PlanError` naming the option
     that cannot be satisfied on this machine.
     """
-    from xlaunch.launcher.plan.environment import choose_runtime, instance_environment
+    from xlaunch.launcher.plan.environment import choose_runtime, instance_environment, kernel_report_variables
 
     environ = dict(environ or {})
     notes: list[str] = []
@@ -127,6 +128,7 @@ def plan(
     )
     notes.extend(runtime.warnings)
     extra_env = _injection_env(options, environ)
+    wanted_env = kernel_report_variables(environ, notes) if options.kernel_report else {}
     command = _command(options)
     tool = _bind_tool_path(bind, environ, which)
     allowed_mems = set(machine.allowed_mems)
@@ -144,7 +146,7 @@ def plan(
         mem_nodes = chosen_mems or tuple(sorted(n for n in nodes if not allowed_mems or n in allowed_mems))
         membind = options.membind if mem_nodes and bind in ("native", "numactl") else "none"
         result = instance_environment(
-            environ, runtime, cpus=cpus, index=index, ninstances=ninstances, extra=extra_env
+            environ, runtime, cpus=cpus, index=index, ninstances=ninstances, extra=extra_env, wanted=wanted_env
         )
         kept.update(result.kept)
         added_per_instance.append(result.added)
@@ -178,7 +180,7 @@ def plan(
         env_set=_common(added_per_instance),
         env_kept=kept,
         allocator=runtime.allocator,
-        openmp=runtime.openmp,
+        openmp=runtime.openmp, kernel_report=options.kernel_report,
     )
     # -- --reserve-cores: K cores of each slice kept out of its OpenMP threads (plan/reserve.py)
     if getattr(options, "reserve_cores", 0):

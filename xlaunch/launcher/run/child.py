@@ -8,6 +8,8 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 if TYPE_CHECKING:
     from typing import Optional
 
+    from xlaunch.launcher.observe.kernel_filter import VerboseFilter
+
 from xlaunch._records import factory, record
 from xlaunch.launcher.plan.planner import Instance
 from xlaunch.launcher.run.console import InstanceStream
@@ -44,6 +46,7 @@ class Child:
     kill_at: Optional[float] = None       # when the group gets SIGKILL
     notes: list[str] = factory(list)
     observer: Optional[object] = None     # observe.Observer, from its first sampling interval on
+    kernels: Optional[VerboseFilter] = None   # --kernel-report: takes oneDNN's lines out of the stream
 
     @property
     def running(self) -> bool:

@@ -1,6 +1,7 @@
 """Per-instance and launcher log files under ``--log-dir``: checked, created and opened safely.
 
-* Names: ``<prefix>_instance_<i>.log`` and ``<prefix>_launcher.log``; a prefix that makes a name
+* Names: ``<prefix>_instance_<i>.log`` and ``<prefix>_launcher.log`` (and, with ``--kernel-report``,
+  ``<prefix>_instance_<i>_onednn.log`` for oneDNN's verbose lines); a prefix that makes a name
   longer than the file system allows is an input error, found before anything is created.
 * Directories: created as needed; when opening then fails, the directories this call created
   are removed again, so a refused run leaves nothing behind.
@@ -33,9 +34,15 @@ def launcher_log_name(prefix: str) -> str:
     return f"{prefix}_launcher.log"
 
 
-def check_names(log_dir: str, prefix: str, indices: Iterable[int]) -> None:
+def onednn_log_name(prefix: str, index: int) -> str:
+    return f"{prefix}_instance_{index}_onednn.log"
+
+
+def check_names(log_dir: str, prefix: str, indices: Iterable[int], *, onednn: bool = False) -> None:
     """Refuse a prefix whose longest file name the file system under ``log_dir`` cannot hold."""
+    indices = list(indices)
     names = [launcher_log_name(prefix)] + [instance_log_name(prefix, i) for i in indices]
+    names += [onednn_log_name(prefix, i) for i in indices] if onednn else []
     longest = max(names, key=lambda n: len(os.fsencode(n)))
     limit = _name_max(log_dir)
     if len(os.fsencode(longest)) > limit:
@@ -49,6 +56,7 @@ class LogFiles:
 
     instances: dict[int, BinaryIO] = factory(dict)
     launcher: Optional[TextIO] = None
+    onednn: dict[int, BinaryIO] = factory(dict)    # --kernel-report: oneDNN's verbose lines per instance
     kept: list[str] = factory(list)      # earlier logs renamed aside
     _moves: list[tuple[str, str]] = factory(list)   # (log path, where it was kept)
     _created: list[str] = factory(list)
@@ -64,19 +72,25 @@ class LogFiles:
     def close(self) -> None:
         for log in self.instances.values():
             log.close()
+        for log in self.onednn.values():
+            log.close()
         if self.launcher is not None:
             self.launcher.close()
 
 
-def open_log_files(log_dir: str, prefix: str, indices: Iterable[int]) -> LogFiles:
-    """Create ``log_dir`` if needed and open every log file, or raise :class:`OptionError`."""
+def open_log_files(log_dir: str, prefix: str, indices: Iterable[int], onednn: bool = False) -> LogFiles:
+    """Create ``log_dir`` if needed and open every log file, or raise :class:`OptionError`.
+    ``onednn``: also one file per instance for oneDNN's verbose lines (``--kernel-report``)."""
     indices = list(indices)
-    check_names(log_dir, prefix, indices)
+    check_names(log_dir, prefix, indices, onednn=onednn)
     created = _make_dirs(log_dir)
     files = LogFiles()
     try:
         for index in indices:
             files.instances[index] = os.fdopen(_create(log_dir, instance_log_name(prefix, index), files), "wb")
+            if onednn:
+                # unbuffered: a full disk fails the write of a line (counted by the filter), never close()
+                files.onednn[index] = os.fdopen(_create(log_dir, onednn_log_name(prefix, index), files), "wb", 0)
         fd = _create(log_dir, launcher_log_name(prefix), files)
         files.launcher = open(fd, "w", encoding="utf-8", errors="replace")
     except BaseException:

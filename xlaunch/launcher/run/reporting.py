@@ -1,13 +1,16 @@
 """What the runner tells: the plan for its log, instances observed while they run (:mod:`..observe`), the
-warnings where that differs from the plan, and the summary table and JSON."""
+warnings where that differs from the plan, the kernels oneDNN ran (``--kernel-report``), and the
+summary table and JSON."""
 from __future__ import annotations
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Any, Optional, Sequence
 
+    from xlaunch.launcher.observe.kernel_filter import VerboseFilter
     from xlaunch.launcher.plan.planner import Plan
     from xlaunch.launcher.run.child import Child
+    from xlaunch.launcher.run.logfiles import LogFiles
 
 OBSERVE_AFTER = 0.25         # an instance is observed once it has run this long
 
@@ -27,6 +30,8 @@ def plan_lines(plan: Plan, *, keep_going: bool, grace: float) -> list[str]:
         lines.append(f"instance {instance.index}: cpus {format_cpulist(instance.cpus) or '-'}, "
                      f"mem nodes {format_cpulist(instance.mem_nodes) or '-'}, bind {instance.bind}, "
                      f"membind {instance.membind}, argv {shlex.join(instance.argv)}")
+    if plan.kernel_report:
+        lines.append("kernel report: oneDNN's verbose lines are taken out of each instance's output")
     if plan.idle_cpus:
         lines.append(f"idle cpus: {format_cpulist(plan.idle_cpus)}")
     lines += [f"env set: {name}={value}" for name, value in sorted(plan.env_set.items())]
@@ -57,10 +62,43 @@ def observe(children: Sequence[Child], now: float) -> Optional[float]:
     return min(due) if due else None
 
 
+def kernel_filter(logs: Optional[LogFiles], index: int) -> VerboseFilter:
+    """``--kernel-report``: the filter of instance ``index``'s stream (raw lines to its oneDNN log)."""
+    from xlaunch.launcher.observe.kernel_filter import VerboseFilter
+
+    return VerboseFilter(raw=logs.onednn.get(index) if logs is not None else None)
+
+
+def _requested_dtype(child: Child) -> Optional[str]:
+    """What the instance's program was asked to compute in (``--auto-optimize --dtype``), if anything."""
+    from xlaunch.kernels.inject import DTYPE_ENV
+
+    return child.instance.env.get(DTYPE_ENV)
+
+
+def kernel_warnings(children: Sequence[Child]) -> list[str]:
+    """``--kernel-report`` findings in plain words, one line each, prefixed with the instance."""
+    from xlaunch.launcher.observe.kernel_report import kernel_warnings as judge
+
+    warnings = []
+    for child in children:
+        if child.kernels is None or child.proc is None:
+            continue
+        index = child.instance.index
+        for warning in judge(child.kernels.tally.to_json(), _requested_dtype(child)):
+            warnings.append(f"instance {index}: {warning}")
+        if child.kernels.raw_error is not None:
+            error = child.kernels.raw_error
+            warnings.append(f"instance {index}: its oneDNN log stopped ({error.strerror or error}); "
+                            "the report still counts every line")
+    return warnings
+
+
 def observation_warnings(children: Sequence[Child], plan: Plan) -> list[str]:
-    """Where what ran differs from the plan, one line per finding."""
+    """Where what ran differs from the plan (and, with ``--kernel-report``, what the kernels say),
+    one line per finding."""
     if all(child.observer is None for child in children):
-        return []
+        return kernel_warnings(children)
     from xlaunch.launcher.observe.observer import compare
 
     warnings = []
@@ -71,7 +109,7 @@ def observation_warnings(children: Sequence[Child], plan: Plan) -> list[str]:
         planned_cpus = instance.cpus if instance.bind != "none" else ()
         for warning in compare(child.observer.observed, planned_cpus, instance.mem_nodes, plan.allocator, plan.openmp):
             warnings.append(f"instance {instance.index}: {warning}")
-    return warnings
+    return warnings + kernel_warnings(children)
 
 
 def results(children: Sequence[Child]) -> list:
@@ -85,6 +123,8 @@ def results(children: Sequence[Child]) -> list:
             from xlaunch.launcher.observe.observer import cells as observed_cells, to_json
 
             observed, cells = to_json(c.observer.observed), observed_cells(c.observer.observed)
+        if c.kernels is not None and c.proc is not None:
+            observed = {**(observed or {}), "kernels": c.kernels.tally.to_json()}
         out.append(InstanceResult(
             index=c.instance.index, cpus=c.instance.cpus, mem_nodes=c.instance.mem_nodes,
             status=c.status,

@@ -89,10 +89,11 @@ class _Supervisor:
         if self.log_dir is not None:
             from xlaunch.launcher.run.logfiles import open_log_files
 
-            self.logs = open_log_files(self.log_dir, self.prefix, [i.index for i in self.plan.instances])
+            self.logs = open_log_files(self.log_dir, self.prefix, [i.index for i in self.plan.instances], self.plan.kernel_report)
         for instance in self.plan.instances:
             log = self.logs.instances[instance.index] if self.logs is not None else None
-            self.children.append(Child(instance, InstanceStream(instance.index, self.console, log)))
+            kernels = reporting.kernel_filter(self.logs, instance.index) if self.plan.kernel_report else None
+            self.children.append(Child(instance, InstanceStream(instance.index, self.console, log), kernels=kernels))
         if self.logs is not None and self.logs.kept:
             self.say(f"earlier logs kept as {', '.join(os.path.basename(p) for p in self.logs.kept[:2])}"
                      + (f" and {len(self.logs.kept) - 2} more" if len(self.logs.kept) > 2 else ""))
@@ -283,7 +284,7 @@ class _Supervisor:
                 raise
             chunk = b""
         if chunk:
-            child.stream.feed(chunk)
+            child.stream.feed(chunk if child.kernels is None else child.kernels.feed(chunk))
         else:
             self.close_pipe(child)
 
@@ -291,6 +292,8 @@ class _Supervisor:
         if child.fd is None:
             return
         self.selector.unregister(child.fd)
+        if child.kernels is not None:     # --kernel-report: the bytes the filter held back
+            child.stream.feed(child.kernels.close())
         child.stream.close()
         if child.proc is not None and child.proc.stdout is not None:
             child.proc.stdout.close()

@@ -1,0 +1,94 @@
+"""--kernel-report in ranks: ``xlaunch --per-rank`` becomes the program (same pid, same exit
+status) with a filter process on its stdout; the torchrun front forwards the option to its ranks.
+Real processes, no torch: the program replays a recorded oneDNN log inside its own lines."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.live
+
+REPO = Path(__file__).resolve().parents[3]
+LOG = REPO / "tests" / "launcher" / "observe" / "onednn_logs" / "avx2_eager_f32.log"
+PROGRAM = f"""\
+import os, sys
+for n, line in enumerate(open({str(LOG)!r}, "rb").read().splitlines(keepends=True)):
+    os.write(1, b"mine %d " % n)      # half a line of ours, oneDNN's whole line, the rest of ours
+    os.write(1, line)
+    os.write(1, b"end\\n")
+os.write(1, b"pid %d\\n" % os.getpid())
+if sys.argv[1] == "wait":
+    sys.stdin.read()                  # until the test signals us
+sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
+"""
+EXPECTED = b"".join(b"mine %d end\n" % n for n in range(len(LOG.read_bytes().splitlines())))
+
+
+def rank(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, str]:
+    token = uuid.uuid4().hex
+    program = tmp_path / f"rank_{token}.py"
+    program.write_text(PROGRAM)
+    env = {**os.environ, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "RANK": "3", "WORLD_SIZE": "4"}
+    proc = subprocess.Popen([sys.executable, "-m", "xlaunch", "--per-rank", "--kernel-report", str(program), mode],
+                            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    return proc, token
+
+
+def left_running(token: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and token in " ".join(proc.info["cmdline"] or ()):
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_rank_is_its_program_and_its_output_is_clean(tmp_path: Path) -> None:
+    proc, token = rank(tmp_path, "3")
+    out, err = proc.communicate(timeout=60)      # both pipes at end of file: the filter is gone too
+    assert proc.returncode == 3                  # the program's own status
+    assert out == EXPECTED + b"pid %d\n" % proc.pid   # the engine's pid is the program's
+    lines = err.decode().splitlines()
+    assert lines == [
+        "xlaunch: rank 3 kernels: oneDNN v3.12.0, AVX2; convolution: jit:avx2 21 (f32); reorders 60, of weights 21 "
+        "(1.00 per call); re-created 0",
+        "xlaunch: warning: rank 3: weights re-laid-out on every call (convolution: 21 weight reorders in 21 calls): "
+        "try xlaunch.optimize",
+    ]
+    assert left_running(token) == []
+
+
+def test_a_stopped_rank_still_gets_its_output_and_report(tmp_path: Path) -> None:
+    proc, token = rank(tmp_path, "wait")
+    assert proc.stdout is not None
+    seen = b""
+    while not seen.endswith(b"pid %d\n" % proc.pid):
+        seen += proc.stdout.read1(1 << 16)
+    os.killpg(proc.pid, signal.SIGTERM)          # the engine stopping the rank: the filter ignores it
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    assert seen + out == EXPECTED + b"pid %d\n" % proc.pid
+    assert "xlaunch: rank 3 kernels: oneDNN v3.12.0, AVX2;" in err.decode()
+    assert left_running(token) == []
+
+
+def test_front_forwards_the_option_to_every_rank() -> None:
+    out = subprocess.run([sys.executable, "-m", "xlaunch", "--nproc-per-node", "2", "--kernel-report", "--dry-run",
+                          "--json", "--master-addr", "127.0.0.1", "--master-port", "29999", str(LOG)],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    command = data["distributed"]["rank_command"]
+    assert command[command.index("--per-rank"):].count("--kernel-report") == 1
+    assert all(instance["env"]["ONEDNN_VERBOSE"] == "profile_create" for instance in data["instances"])
