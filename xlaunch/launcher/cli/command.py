@@ -24,7 +24,11 @@ from xlaunch.launcher.plan.options import Options, build_options
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console-script entry point. A Ctrl-C before the runner took over signals is exit 130 with
-    no traceback (nothing had started)."""
+    no traceback (nothing had started). A closed or full stderr never stops a job
+    (:mod:`.streams`)."""
+    from xlaunch.launcher.cli.streams import prepare_standard_streams
+
+    prepare_standard_streams()
     try:
         sys.exit(run(argv))
     except KeyboardInterrupt:
