@@ -37,10 +37,10 @@ _OBSERVED_COLUMNS = (("threads", "threads"), ("ran on", "cpus_seen"), ("allocato
                      ("openmp", "openmp"), ("remote mem", "remote_mem"))
 
 
-def table_lines(results: list[InstanceResult], exit_status: int) -> list[str]:
-    """Aligned rows (instance, cpus, status, wall, and what was observed), then the exit status."""
+def table_lines(results: list[InstanceResult], exit_status: int, noun: str = "instance") -> list[str]:
+    """Aligned rows (instance or rank, cpus, status, wall, and what was observed), then the exit status."""
     observed = any(r.cells for r in results)
-    header = ["instance", "cpus", "status", "wall"] + ([title for title, _key in _OBSERVED_COLUMNS] if observed else [])
+    header = [noun, "cpus", "status", "wall"] + ([title for title, _key in _OBSERVED_COLUMNS] if observed else [])
     rows = [header]
     for r in results:
         row = [str(r.index), format_cpulist(r.cpus) or "-", r.text,

@@ -90,10 +90,12 @@ class Supervisor:
     def label(self, child: Child) -> str:
         return f"{self.noun} {child.instance.index}"
 
-    def signal_groups(self, number: int, why: str, *, immediate: bool = False) -> None:
-        """Send ``number`` to every live process group; schedule SIGKILL after the grace period."""
+    def signal_groups(self, number: int, why: str, *, immediate: bool = False,
+                      targets: Optional[list[Child]] = None) -> None:
+        """Send ``number`` to every live process group (or those of ``targets``); schedule SIGKILL
+        after the grace period."""
         now = time.monotonic()
-        for child in self.groups():
+        for child in self.groups() if targets is None else targets:
             if not child.group_alive:
                 continue
             if child.running and not child.stopped_by:
@@ -107,13 +109,13 @@ class Supervisor:
 
     def _killpg(self, child: Child, number: int) -> None:
         try:
-            os.killpg(child.pid, number)
+            os.killpg(child.pgid, number)
         except (ProcessLookupError, PermissionError):  # gone, or the pgid now belongs to a stranger
             self._group_gone(child)
 
     def _group_gone(self, child: Child) -> None:
         if child.group_alive and self.watchdog is not None:
-            self.watchdog.forget(child.pid)
+            self.watchdog.forget(child.pgid)
         child.group_alive = False
         child.kill_at = None
 
@@ -122,13 +124,13 @@ class Supervisor:
         for child in self.groups():
             if child.group_alive and child.kill_at is not None and now >= child.kill_at:
                 child.kill_at = None
-                self.log(f"{self.label(child)}: grace period over, SIGKILL to group {child.pid}")
+                self.log(f"{self.label(child)}: grace period over, SIGKILL to group {child.pgid}")
                 self._killpg(child, signal.SIGKILL)
 
     def check_group(self, child: Child) -> None:
         """After its leader ended: stop what is left of the group, note when it is empty."""
         try:
-            os.killpg(child.pid, 0)
+            os.killpg(child.pgid, 0)
         except (ProcessLookupError, PermissionError):
             self._group_gone(child)
             return
@@ -151,11 +153,15 @@ class Supervisor:
         from xlaunch.launcher.run.watchdog import Watchdog
 
         try:
-            self.watchdog = Watchdog.start(self.grace)
+            self.watchdog = Watchdog.start(self.grace, self.registry_fd())
         except OSError as error:
             self.log(f"no watchdog ({error}): if xlaunch is killed, {self.noun}s get SIGTERM only")
             return
         self.log(f"watchdog pid {self.watchdog.pid}")
+
+    def registry_fd(self) -> Optional[int]:
+        """A descriptor the watchdog drains for ``+PGID`` lines once xlaunch is gone (the front's)."""
+        return None
 
     def become_subreaper(self) -> None:
         from xlaunch.launcher.run import binding
@@ -206,7 +212,7 @@ class Supervisor:
     def close_pipe(self, child: Child) -> None:
         if child.fd is None:
             return
-        if self.reading:
+        if child.fd in self.selector.get_map():
             self.selector.unregister(child.fd)
         child.stream.close()
         self.release_pipe(child)
@@ -218,7 +224,7 @@ class Supervisor:
 
     def drain_and_close_pipes(self) -> None:
         """Groups are gone; read what is left in the pipes without waiting, then close them."""
-        for child in self.children:
+        for child in self.groups():
             while child.fd is not None:
                 ready = selectors.DefaultSelector()
                 ready.register(child.fd, selectors.EVENT_READ)
@@ -381,7 +387,7 @@ class Supervisor:
                 if child.group_alive and child.ended is not None:
                     self._killpg(child, signal.SIGKILL)
             time.sleep(0.01)
-        for child in self.children:
+        for child in self.groups():
             self.close_pipe(child)
 
     # ---------------------------------------------------------------- the end
@@ -402,7 +408,8 @@ class Supervisor:
     def summarize(self, code: int, plan: object, extra: Optional[dict] = None) -> None:
         from xlaunch.launcher.run import reporting
 
-        lines, data = reporting.summary(self.children, plan, code, json=self.summary_json is not None)
+        lines, data = reporting.summary(self.children, plan, code, json=self.summary_json is not None,
+                                        noun=self.noun)
         for line in lines:
             self.log("summary: " + line)
         if not self.quiet:
