@@ -250,6 +250,13 @@ def parse(*argv: str) -> Options:
     return cli.options_from(cli.parse_command_line(argv), {"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
 
 
+def test_ipexrun_ninstances_with_the_same_nprocs_per_node_means_that_many_ranks() -> None:
+    options = parse("--ninstances", "2", "--nprocs-per-node", "2", "--dry-run", "examples/train.py")
+    assert (options.nproc_per_node, options.ninstances) == (2, None)
+    with pytest.raises(OptionError, match="3 conflicts with --nproc-per-node 2"):
+        parse("--ninstances", "3", "--nprocs_per_node", "2", "--dry-run", "examples/train.py")
+
+
 def test_one_node_ranks_host_their_store_at_the_masters_the_user_gave() -> None:
     """One node: torchrun's private rendezvous, rank 0 hosts the process-group store (so a script
     that sets MASTER_ADDR/MASTER_PORT itself works), at --master-addr/--master-port when given."""

@@ -13,7 +13,7 @@ restarts and failure handling. How each local rank gets its own CPUs:
   options> PROGRAM ...``. So every rank is pinned by the same code as under mpirun, with the
   environment the agent built for it (RANK, MASTER_ADDR...) as its base, and the agent supervises
   the program itself (after the exec). xlaunch supervises the agent and the ranks as it does
-  instances (:mod:`.front`): each rank's output on a pipe of its own, per-rank logs and summary,
+  instances (:mod:`xlaunch.launcher.run.front`): each rank's output on a pipe of its own, per-rank logs and summary,
   the grace period and the watchdog. It uses torchrun's public command line only; torch is
   imported only in the agent's process.
 * One node without a rendezvous backend of the user's: torchrun's private c10d rendezvous, with
@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from xlaunch._records import replace
 from xlaunch.cpulist import format_cpulist
-from xlaunch.launcher.errors import PlanError
+from xlaunch.launcher.errors import OptionError, PlanError
 from xlaunch.launcher.plan.options import parse_nnodes
 from xlaunch.launcher.plan.target import refuse_recorded, target_machine
 from xlaunch.launcher.plan.reserve import ccl_available
 from xlaunch.launcher.distributed.ranks import (
+    CHANNELS_VAR,
     FRONT_MARKER,
     OMP_DEFAULT_MARKER,
     LocalRank,
@@ -47,6 +48,8 @@ from xlaunch.launcher.distributed.ranks import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Optional
+
     from xlaunch.launcher.plan.options import Options
     from xlaunch.launcher.plan.planner import Instance, Plan
 
@@ -128,8 +131,6 @@ def run_per_rank(options: "Options", environ: Mapping[str, str], machine: Any) -
         return 0
     refuse_recorded(machine, options.dry_run)
     if FRONT_MARKER in environ:   # started by xlaunch's front: output to its pipe, say who we are
-        from xlaunch.launcher.distributed.channels import attach_rank
-
         problem = attach_rank(environ, local.rank)
         if problem is not None:
             sys.stderr.write(f"xlaunch: error: --per-rank: {problem}: not starting\n")
@@ -138,6 +139,36 @@ def run_per_rank(options: "Options", environ: Mapping[str, str], machine: Any) -
         sys.stderr.write(f"xlaunch: {local.describe()}: cpus {format_cpulist(instance.cpus)}, "
                          f"mem nodes {format_cpulist(instance.mem_nodes) or '-'}, argv {shlex.join(instance.argv)}\n")
     return exec_instance(instance, quiet=options.verbosity < 0, die_with_parent=FRONT_MARKER in environ)
+
+
+def attach_rank(environ: Mapping[str, str], local_rank: int) -> Optional[str]:
+    """In ``xlaunch --per-rank`` under the front, before the exec: send stdout and stderr to this
+    rank's pipe and register (:class:`xlaunch.launcher.run.front.Channels`). Returns why it could
+    not (the front is gone), or None."""
+    import fcntl
+
+    from xlaunch.launcher.run.front import REGISTRY, output_name
+
+    path = environ.get(CHANNELS_VAR)
+    if not path:
+        return None
+    try:
+        out = os.open(os.path.join(path, output_name(local_rank)), os.O_WRONLY | os.O_NONBLOCK)
+        registry = os.open(os.path.join(path, REGISTRY), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as error:     # ENXIO: no reader, ENOENT: the directory is gone
+        return f"the xlaunch front that started this rank is gone ({error.strerror or error})"
+    try:
+        flags = fcntl.fcntl(out, fcntl.F_GETFL)
+        fcntl.fcntl(out, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)   # the program gets a blocking pipe
+        os.write(registry, f"+{os.getpgid(0)} {local_rank} {os.getpid()}\n".encode())
+        for fd in (1, 2):
+            os.dup2(out, fd)
+    except OSError as error:
+        return f"cannot reach the xlaunch front ({error.strerror or error})"
+    finally:
+        os.close(registry)
+        os.close(out)
+    return None
 
 
 def exec_instance(instance: "Instance", *, quiet: bool = False, die_with_parent: bool = False) -> int:
@@ -238,8 +269,7 @@ def torchrun_options(options: "Options") -> list[str]:
 def agent_environment(options: "Options", environ: Mapping[str, str], front_pid: int) -> dict[str, str]:
     """The agent's environment, which it passes on to every rank: the user's, plus what the
     ranks need to know (the front's markers, the master address on one node)."""
-    from xlaunch.launcher.distributed.channels import GRACE_VAR
-    from xlaunch.launcher.distributed.ranks import MASTER_ADDR_VAR, MASTER_PORT_VAR
+    from xlaunch.launcher.distributed.ranks import GRACE_VAR, MASTER_ADDR_VAR, MASTER_PORT_VAR
 
     env = dict(environ)
     env[FRONT_MARKER] = str(front_pid)
@@ -299,8 +329,11 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any) -> i
 def run_job(options: "Options", node_plan: "Plan", agent: list[str], worker: list[str],
             environ: Mapping[str, str]) -> int:
     """Run torch's agent as xlaunch's child and supervise it and its ranks (:mod:`.front`)."""
-    from xlaunch.launcher.distributed.front import FrontSupervisor
+    from xlaunch._torch import missing_torch_message, torch_installed
+    from xlaunch.launcher.run.front import FrontSupervisor
 
+    if options.python == sys.executable and not torch_installed():   # one line, nothing started
+        raise OptionError("--nproc-per-node", missing_torch_message("torch's elastic agent"))
     agent_argv = [options.python, "-m", "xlaunch.launcher.distributed.agent", *agent, "--", *worker]
     quiet = options.verbosity < 0
     if not quiet:
@@ -309,7 +342,7 @@ def run_job(options: "Options", node_plan: "Plan", agent: list[str], worker: lis
     return FrontSupervisor(node_plan, agent_argv, agent_environment(options, environ, os.getpid()),
                            log_dir=options.log_dir, log_file_prefix=options.log_file_prefix,
                            grace_period=options.grace_period, quiet=quiet, summary_json=options.summary_json,
-                           torchrun=agent).run()
+                           torchrun=agent, channels_var=CHANNELS_VAR).run()
 
 
 def resolve_auto_ranks(options: "Options", machine: Any, environ: Mapping[str, str]) -> "Options":

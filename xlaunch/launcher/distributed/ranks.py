@@ -14,7 +14,6 @@ import re
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from xlaunch._records import record, replace
-from xlaunch.launcher.distributed.channels import CHANNELS_VAR, GRACE_VAR
 from xlaunch.launcher.errors import OptionError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,6 +42,8 @@ ENGINES: tuple[Engine, ...] = (
 )
 FRONT_MARKER = "XLAUNCH_FRONT"                       # set by xlaunch's torchrun front for its ranks
 OMP_DEFAULT_MARKER = "XLAUNCH_TORCHRUN_OMP_DEFAULT"  # "1": OMP_NUM_THREADS in a rank is torchrun's default
+CHANNELS_VAR = "XLAUNCH_FRONT_CHANNELS"             # the front: where a rank's pipe and registry are
+GRACE_VAR = "XLAUNCH_FRONT_GRACE"                   # the front: the agent's cap on its waits before SIGKILL
 MASTER_ADDR_VAR = "XLAUNCH_FRONT_MASTER_ADDR"        # the front on one node: the ranks' MASTER_ADDR
 MASTER_PORT_VAR = "XLAUNCH_FRONT_MASTER_PORT"        # ... and MASTER_PORT (--master-addr/--master-port)
 _FRONT_ONLY = (OMP_DEFAULT_MARKER, FRONT_MARKER, MASTER_ADDR_VAR, MASTER_PORT_VAR, CHANNELS_VAR, GRACE_VAR)

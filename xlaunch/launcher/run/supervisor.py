@@ -1,7 +1,7 @@
 """What every supervising loop of xlaunch shares: messages, signals, process groups, output.
 
 :class:`Supervisor` is the base of the plan runner (:mod:`.runner`, instances it starts itself)
-and of the torchrun front (:mod:`xlaunch.launcher.distributed.front`, ranks torch's agent starts).
+and of the torchrun front (:mod:`.front`, ranks torch's agent starts).
 It owns:
 
 * the two output sinks, :class:`~.console.Console` objects for the instances' lines (stdout) and

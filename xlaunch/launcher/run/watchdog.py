@@ -10,7 +10,7 @@ lines as instance process groups start and end, ``done`` on a normal exit. End o
 ``done`` means xlaunch is gone: the watchdog sends SIGTERM to every live group, SIGKILL after the
 grace period, and exits.
 
-The torchrun front (:mod:`xlaunch.launcher.distributed.front`) also hands the watchdog the read
+The torchrun front (:mod:`.front`) also hands the watchdog the read
 end of its rank registry (a FIFO where each rank writes ``+PGID ...`` as it starts): the watchdog
 reads it only after xlaunch is gone, so a rank that registered while xlaunch was being killed
 is stopped too.

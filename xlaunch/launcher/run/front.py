@@ -1,23 +1,12 @@
-"""The torchrun front at run time: ``xlaunch --nproc-per-node N`` supervises torch's agent and its
-ranks the way the single-node launcher supervises instances (:mod:`xlaunch.launcher.run`).
-
-torch's elastic agent runs as a child of xlaunch (:mod:`.agent`, its own session), so xlaunch
-stays the single-threaded, torch-free supervisor of :class:`~xlaunch.launcher.run.supervisor.Supervisor`:
-
-* **output**: every rank writes to a FIFO of its own (:mod:`.channels`): whole lines, ``[i] ``
-  on the console, ``<prefix>_rank_<i>.log`` with ``--log-dir``; the agent's own lines go to
-  stderr as ``[agent] ...``;
-* **ranks**: each registers its process as it starts (a restart registers again); xlaunch sees it
-  end through a pidfd, reads its exit status from the zombie before the agent reaps it (else from
-  the agent's report), observes it like an instance and lists it in the summary (and
-  ``--summary-json``);
-* **stopping**: a rank that fails on its own makes xlaunch stop the others itself (SIGTERM, SIGKILL
-  after ``--grace-period``), as the agent also does, but without its fixed 30 s; SIGINT, SIGTERM
-  and SIGHUP go to the agent and every rank group, SIGKILL after the grace period; what is left
-  of a rank's group after it ended (children that ignore SIGTERM) is stopped the same way; when
-  the agent ends, so does every rank group;
-* **xlaunch killed outright**: the watchdog knows the agent's and every rank's group (and drains
-  the registry for ranks that started while xlaunch was dying).
+"""The torchrun front at run time (``xlaunch --nproc-per-node N``; planned and started by
+:mod:`xlaunch.launcher.distributed.launch`): torch's elastic agent runs as a child of xlaunch, in
+its own session (:mod:`xlaunch.launcher.distributed.agent`), and xlaunch supervises it and its
+ranks as the runner supervises instances (:class:`~.supervisor.Supervisor`): a pipe per rank
+(``[i]`` lines, per-rank logs), each rank registered as it starts (restarts too), seen ending
+through a pidfd (its status read from its zombie, else from the agent's report), observed and
+summarised; a rank failing on its own stops the others (SIGTERM, SIGKILL after the grace period,
+without the agent's fixed 30 s); signals go to the agent and every rank group; the watchdog knows
+every group. docs/distributed.md tells the whole of it.
 
 Exit status: 128+N after signal N (unless a rank failed on its own first), else the agent's
 (0, or the first failed rank's status, after any restarts), else the first failed rank's.
@@ -26,7 +15,9 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
+import tempfile
 import time
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
@@ -35,12 +26,95 @@ if TYPE_CHECKING:
 
     from xlaunch.launcher.plan.planner import Plan
 
-from xlaunch.launcher.distributed.channels import CHANNELS_VAR, Channels
 from xlaunch.launcher.plan.planner import Instance
 from xlaunch.launcher.run import reporting, spawning
 from xlaunch.launcher.run.child import Child, status_code, status_text
 from xlaunch.launcher.run.console import InstanceStream
 from xlaunch.launcher.run.supervisor import Supervisor
+
+
+REGISTRY = "ranks"
+RESULT = "result.json"      # the agent's report: exit status, and each failed rank's exit code
+
+
+def output_name(local_rank: int) -> str:
+    return f"out_{local_rank}"
+
+
+class Channels:
+    """A private directory of FIFOs to the ranks (torch's agent starts them with ``close_fds``, so
+    no descriptor of xlaunch's reaches them; the directory is named in their environment):
+    ``out_<i>`` is local rank *i*'s stdout and stderr (``xlaunch --per-rank`` puts it on fds 1 and 2
+    before the exec; a restart opens it again); ``ranks`` gets ``+<pgid> <local rank> <pid>`` as
+    each rank starts (the watchdog drains it if xlaunch is killed); ``result.json`` is the agent's
+    report. xlaunch holds a write end of each FIFO, so reads never see end-of-file between ranks;
+    a rank finding no reader (xlaunch gone) does not start. :meth:`close` removes it all."""
+
+    def __init__(self, ranks: int) -> None:
+        self.path = tempfile.mkdtemp(prefix="xlaunch-front-")
+        self.outputs: dict[int, int] = {}       # local rank -> read end
+        self._writers: list[int] = []
+        self.registry: int = -1
+        try:
+            for rank in range(ranks):
+                self.outputs[rank] = self._open(output_name(rank))
+            self.registry = self._open(REGISTRY)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, name: str) -> int:
+        path = os.path.join(self.path, name)
+        os.mkfifo(path, 0o600)
+        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._writers.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        return reader
+
+    @property
+    def result_path(self) -> str:
+        return os.path.join(self.path, RESULT)
+
+    def read_registrations(self) -> list[tuple[int, int, int]]:
+        """``(pgid, local rank, pid)`` for every complete line waiting in the registry."""
+        data = b""
+        while True:
+            try:
+                chunk = os.read(self.registry, 4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not chunk:
+                break
+            data += chunk
+        return parse_registrations(data)
+
+    def close_writers(self) -> None:
+        """Let reads reach end-of-file once the ranks' own write ends are closed."""
+        for fd in self._writers:
+            os.close(fd)
+        self._writers = []
+
+    def close(self) -> None:
+        self.close_writers()
+        if self.registry >= 0:
+            os.close(self.registry)
+            self.registry = -1
+        for fd in self.outputs.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.outputs = {}
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def parse_registrations(data: bytes) -> list[tuple[int, int, int]]:
+    found = []
+    for line in data.split(b"\n"):
+        parts = line[1:].split() if line[:1] == b"+" else []
+        if len(parts) == 3 and all(p.isdigit() for p in parts):
+            found.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return found
+
 
 
 class RankProcess:
@@ -95,7 +169,7 @@ class FrontSupervisor(Supervisor):
 
     def __init__(self, plan: Plan, agent_argv: list[str], agent_env: dict[str, str], *,
                  log_dir: Optional[str], log_file_prefix: str, grace_period: float, quiet: bool,
-                 summary_json: Optional[str], torchrun: list[str]) -> None:
+                 summary_json: Optional[str], torchrun: list[str], channels_var: str) -> None:
         super().__init__(grace_period=grace_period, quiet=quiet, summary_json=summary_json)
         self.plan = plan
         self.agent_instance = Instance(index=-1, cpus=(), mem_nodes=(), env=dict(agent_env),
@@ -103,6 +177,7 @@ class FrontSupervisor(Supervisor):
         self.log_dir = log_dir
         self.prefix = log_file_prefix
         self.torchrun = torchrun
+        self.channels_var = channels_var            # where the agent's environment names the channels
         self.channels: Optional[Channels] = None
         self.agent: Optional[Child] = None
         self.agent_result: dict[str, Any] = {}
@@ -147,7 +222,7 @@ class FrontSupervisor(Supervisor):
     def start_agent(self, single_threaded: bool) -> None:
         assert self.channels is not None
         instance = self.agent_instance
-        instance.env[CHANNELS_VAR] = self.channels.path
+        instance.env[self.channels_var] = self.channels.path
         agent = Child(instance, InstanceStream(-1, self.messages, None))
         agent.stream.prefix = b"[agent] "
         agent.started = time.monotonic()
