@@ -233,7 +233,7 @@ def _machine_information(line: CommandLine, environ: Mapping[str, str]) -> int:
                 sys.stderr.write(f"xlaunch: error: --probe: {exc}\n")
                 return 1
             result["probe"] = measured
-            report.apply_measurements(result, measured["verdicts"])   # one verdict per dtype
+            report.apply_measurements(result, measured.get("verdicts") or {})   # one verdict per dtype
         text = "" if params["json"] else report.format_isa(result)
         if params["probe"] and not params["json"]:
             text = text.rstrip("\n") + "\n\n" + probe.format_probe(result["probe"])

@@ -145,10 +145,12 @@ def advise(cases: list[dict[str, Any]]) -> list[str]:
 
 class StepPrinter:
     """Shows the probe's steps on ``stream``: one line rewritten in place on a terminal (with the
-    seconds spent), one line per step otherwise."""
+    seconds spent), one line per step otherwise; nothing for a child that is over within
+    ``delay`` seconds (a quick failure shows its error alone)."""
 
-    def __init__(self, stream: Optional[TextIO]) -> None:
+    def __init__(self, stream: Optional[TextIO], delay: float = 1.0) -> None:
         self.stream = stream
+        self.delay = delay
         try:
             self.tty = bool(stream is not None and stream.isatty())
         except (AttributeError, ValueError, OSError):
@@ -157,6 +159,8 @@ class StepPrinter:
 
     def __call__(self, step: str, elapsed: float, *, done: bool = False) -> None:
         if self.stream is None or (step == self.last and not self.tty):
+            return
+        if (done and self.last is None) or (not done and elapsed < self.delay):
             return
         text = f"xlaunch: probe: {step}" + (f" ({elapsed:.0f} s)" if self.tty and not done else "")
         try:
@@ -212,7 +216,9 @@ def _stream_child(argv: list[str], env: dict[str, str], timeout: float, budget: 
         proc.stdout.close()  # type: ignore[union-attr]
         proc.stderr.close()  # type: ignore[union-attr]
     if progress is not None:
-        progress(f"done in {time.monotonic() - start:.1f} s", time.monotonic() - start, done=True)
+        spent = time.monotonic() - start
+        progress(f"done in {spent:.1f} s" if status == 0 else f"the child failed after {spent:.1f} s", spent,
+                 done=True)
     return status, out.decode(errors="replace"), err.decode(errors="replace")
 
 
