@@ -184,6 +184,7 @@ class FrontSupervisor(Supervisor):
         self.attempts: dict[int, int] = {}
         self.pidfds: dict[int, Child] = {}
         self.agent_exited = False                   # the agent exited (rather than being killed)
+        self.retired: list[Child] = []              # groups of earlier attempts, while anything is left
 
     # ---------------------------------------------------------------- who is who
 
@@ -191,7 +192,7 @@ class FrontSupervisor(Supervisor):
         return "the agent" if child is self.agent else f"rank {child.instance.index}"
 
     def groups(self) -> list[Child]:
-        return [*self.children, self.agent] if self.agent is not None else list(self.children)
+        return [*self.children, *self.retired, *([self.agent] if self.agent is not None else [])]
 
     def pipes(self) -> list[Child]:
         return [c for c in self.children if c.fd is not None]
@@ -266,20 +267,26 @@ class FrontSupervisor(Supervisor):
         attempt = self.attempts[index] = self.attempts.get(index, 0) + 1
         if child.proc is not None and child.ended is None:
             self.rank_ended(child, None)            # the agent replaced it without us seeing the end
+        if child.proc is not None and child.group_alive:    # the last attempt's group lives on: keep
+            retired = Child(child.instance, child.stream, proc=child.proc, started=child.started,   # stopping it
+                            ended=child.ended, status=child.status, text=child.text, stopped_by=child.stopped_by,
+                            group_alive=True, kill_at=child.kill_at, notes=list(child.notes))
+            self.retired.append(retired)
         child.proc = RankProcess(pid, pgid)
         child.started, child.ended, child.status = time.monotonic(), None, None
         child.text, child.stopped_by, child.kill_at, child.observer = "running", "", None, None
         child.group_alive = True
-        if attempt > 1:
-            child.notes[:] = [f"attempt {attempt}"]
+        child.notes[:] = []                          # a new group: its leftovers are looked at afresh
         self.log(f"rank {index} started: pid {pid}" + (f" (attempt {attempt})" if attempt > 1 else ""))
+        opener = getattr(os, "pidfd_open", None)     # Linux 5.3: without it, reap() polls
         try:
-            pidfd = os.pidfd_open(pid)
+            pidfd = opener(pid) if opener is not None else None
         except OSError:                              # already gone (or no pidfds): seen by reap()
-            return
-        process = child.proc
-        self.pidfds[pidfd] = child
-        self.selector.register(pidfd, selectors.EVENT_READ, lambda: self.on_rank_exit(pidfd, child, process))
+            pidfd = None
+        if pidfd is not None:
+            process = child.proc
+            self.pidfds[pidfd] = child
+            self.selector.register(pidfd, selectors.EVENT_READ, lambda: self.on_rank_exit(pidfd, child, process))
         if self.interrupted is not None:             # started after xlaunch was told to stop
             self.signal_groups(self.interrupted, f"{self._signal_text()} forwarded", targets=[child])
 
@@ -356,13 +363,13 @@ class FrontSupervisor(Supervisor):
                 self.agent_result = json.load(report)
         except (OSError, ValueError):
             self.agent_result = {}
-        left = [c for c in self.children if c.group_alive and c.kill_at is None]
+        left = [c for c in [*self.children, *self.retired] if c.group_alive and c.kill_at is None]
         if left:
             self.log(f"the agent ended: stopping what is left of rank(s) {', '.join(str(c.instance.index) for c in left)}")
             self.signal_groups(signal.SIGTERM, "the agent ended", targets=left)
 
     def finished(self) -> bool:
-        return (self.agent is None or self.agent.done) and all(c.done for c in self.children)
+        return all(c.done for c in self.groups())
 
     def next_due(self) -> Optional[float]:
         return reporting.observe(self.children, time.monotonic())
