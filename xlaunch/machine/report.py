@@ -180,6 +180,23 @@ def dtype_advice(machine: Machine) -> dict[str, dict[str, Any]]:
     }
 
 
+def apply_measurements(report: dict[str, Any], measured: dict[str, dict[str, Any]]) -> None:
+    """Let measured verdicts (``--probe``: ``{"bf16": {"mark", "ratio", "route", "verdict"}}``)
+    decide the dtype table: one verdict per dtype, the flags' reason kept after it."""
+    for dtype, found in measured.items():
+        advice = report["advice"].get(dtype)
+        if advice is None:
+            continue
+        flags = advice["why"]
+        report["advice"][dtype] = {
+            "fast": found["mark"] == "yes",
+            "mark": found["mark"],
+            "measured_vs_fp32": found["ratio"],
+            "why": f"measured {found['ratio']:.2f}x fp32 ({found['route']}): {found['verdict']}; "
+                   f"the flags alone said {'fast' if advice['fast'] else 'not fast'}: {flags}",
+        }
+
+
 def torch_report() -> dict[str, Any]:
     """What the installed torch sees (imports torch; only for ``--check-isa --torch``)."""
     try:
@@ -214,7 +231,8 @@ def format_isa(report: dict[str, Any]) -> str:
     out.append("")
     out.append("dtype  fast  why")
     for dtype, verdict in report["advice"].items():
-        out.append(f"{dtype:<5}  {'yes' if verdict['fast'] else 'no ':<4}  {verdict['why']}")
+        mark = verdict.get("mark") or ("yes" if verdict["fast"] else "no")
+        out.append(f"{dtype:<5}  {mark:<4}  {verdict['why']}")
     torch_info = report.get("torch")
     if torch_info is not None:
         out.append("")

@@ -206,7 +206,7 @@ def test_check_isa_probe_adds_the_measurement(capsys, monkeypatch) -> None:
     from xlaunch.launcher.observe import probe
 
     measured = {"torch": "2.13.0", "cases": [], "advice": ["keep fp32"]}
-    monkeypatch.setattr(probe, "run_probe", lambda: dict(measured))
+    monkeypatch.setattr(probe, "run_probe", lambda **_progress: dict(measured))
     monkeypatch.setattr(probe, "format_probe", lambda result: "PROBE TABLE")
     assert cli.run(["--check-isa", "--probe", "--json"], {"PATH": os.environ.get("PATH", "")}) == 0
     data = json.loads(capsys.readouterr().out)
@@ -214,7 +214,7 @@ def test_check_isa_probe_adds_the_measurement(capsys, monkeypatch) -> None:
     assert cli.run(["--check-isa", "--probe"], {"PATH": os.environ.get("PATH", "")}) == 0
     assert capsys.readouterr().out.rstrip().endswith("PROBE TABLE")
 
-    def fails():
+    def fails(**_progress):
         raise probe.ProbeError("the probe child exited with status 1: no torch")
 
     monkeypatch.setattr(probe, "run_probe", fails)

@@ -1,6 +1,7 @@
 """Distributed jobs on this machine, loopback only: DDP (gloo) through ``xlaunch --nproc-per-node``,
 under a plain torchrun with ``--no-python xlaunch --per-rank``, two "nodes" on 127.0.0.1, a failing
-rank, SIGTERM. Each rank's CPUs are read back from /proc; leftovers are looked for with psutil."""
+rank, SIGTERM, SIGKILL of the front, a script that sets its own MASTER_ADDR/MASTER_PORT. Each rank's
+CPUs are read back from /proc; what is left running is looked for in /proc and with psutil."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,16 +31,22 @@ TRAIN = str(REPO / "examples" / "train.py")
 if len(os.sched_getaffinity(0)) < 2:
     pytest.skip("needs 2 allowed CPUs", allow_module_level=True)
 
-# a torch-free rank: reports where it runs, then fails, exits or waits as told
+# a torch-free rank: reports where it runs (print() under PYTHONUNBUFFERED=1: text and newline are two
+# writes), then fails, exits or waits as told; with "stubborn" it and a child of its ignore SIGTERM
 RANK_PROGRAM = """\
-import os, sys, time
+import os, signal, subprocess, sys, time
 rank = int(os.environ["LOCAL_RANK"])
 cpus = [l.split(":", 1)[1].strip() for l in open("/proc/self/status") if l.startswith("Cpus_allowed_list")][0]
-# one write per line: ranks share the agent's stdout, and under PYTHONUNBUFFERED print() writes the
-# text and its newline separately, so two ranks' lines could run together
-sys.stdout.write(f"ready {rank} cpus {cpus} ppid {os.getppid()} omp {os.environ.get('OMP_NUM_THREADS')} "
-                 f"rank {os.environ['RANK']} world {os.environ['WORLD_SIZE']}\\n")
-sys.stdout.flush()
+child = None
+if "stubborn" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); time.sleep(120)"])
+print(f"ready {rank} cpus {cpus} ppid {os.getppid()} omp {os.environ.get('OMP_NUM_THREADS')} "
+      f"rank {os.environ['RANK']} world {os.environ['WORLD_SIZE']} pid {os.getpid()} "
+      f"child {child.pid if child else 0}", flush=True)
+for i in range(int(os.environ.get("LINES", "0"))):
+    print(f"line {rank} {i}", flush=True)
 if sys.argv[1] == "exit":
     sys.exit(0)
 if rank == int(sys.argv[1]):
@@ -66,6 +73,7 @@ def job_env() -> dict[str, str]:
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
@@ -85,8 +93,8 @@ DDP_LINE = re.compile(r"ddp rank (\d+) world (\d+) local_rank (\d+) cpus (\S+) t
 
 
 def ddp_lines(output: str) -> dict[int, dict[str, str]]:
-    """The ``ddp rank ...`` reports by rank (found anywhere: ``python -u`` ranks sharing one pipe
-    may write a line's text and its newline apart)."""
+    """The ``ddp rank ...`` reports by rank (found anywhere: under a plain torchrun, ``python -u``
+    ranks share one pipe and may write a line's text and its newline apart)."""
     names = ("rank", "world", "local_rank", "cpus", "threads", "checksum")
     return {int(m.group(1)): dict(zip(names, m.groups())) for m in DDP_LINE.finditer(output)}
 
@@ -141,6 +149,45 @@ def test_plain_torchrun_with_per_rank_ranks(tmp_path: Path) -> None:
     check_ddp(done.stdout, expected)
 
 
+def prefixed(output: str) -> list[tuple[int, str]]:
+    """``[i] text`` console lines as (i, text); anything else is not a rank's line."""
+    found = []
+    for line in output.splitlines():
+        head, _, text = line.partition("] ")
+        if head.startswith("[") and head[1:].isdigit():
+            found.append((int(head[1:]), text))
+    return found
+
+
+def ready_fields(output: str) -> dict[int, list[str]]:
+    """Each rank's ``ready`` report (fields: ready L cpus C ppid P omp T rank R world W pid X child Y)."""
+    return {index: text.split() for index, text in prefixed(output) if text.startswith("ready ")}
+
+
+def job_pids(ready: dict[int, list[str]]) -> list[int]:
+    return [int(f[13]) for f in ready.values()] + [int(f[15]) for f in ready.values() if f[15] != "0"]
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that still exist and are not zombies (read from /proc)."""
+    left = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state not in ("Z", "X"):
+            left.append(pid)
+    return left
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(pids)
+
+
 def test_two_nodes_on_loopback_reach_world_size_two(tmp_path: Path) -> None:
     """Two fronts rendezvous on 127.0.0.1 (torch's static rendezvous): each rank is told world 2."""
     program, token = _rank_program(tmp_path)
@@ -163,9 +210,8 @@ def test_two_nodes_on_loopback_reach_world_size_two(tmp_path: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    ready = [[line.split() for line in out.splitlines() if line.startswith("ready ")] for out in outputs]
-    assert [len(lines) for lines in ready] == [1, 1], outputs
-    # fields: ready L cpus C ppid P omp T rank R world W
+    ready = [ready_fields(out) for out in outputs]
+    assert [list(r) for r in ready] == [[0], [0]], outputs
     assert [(r[0][3], r[0][9], r[0][11]) for r in ready] == [(str(cpus[0]), "0", "2"), (str(cpus[1]), "1", "2")]
     assert leftovers(token) == []
 
@@ -177,76 +223,117 @@ def _rank_program(tmp_path: Path) -> tuple[str, str]:
     return str(path), token
 
 
-def test_failing_rank_fails_the_job_and_nothing_stays(tmp_path: Path) -> None:
+def test_failing_rank_stops_the_others_within_the_grace_period(tmp_path: Path) -> None:
+    """Rank 1 exits 3 after 1 s; rank 0 and its child ignore SIGTERM: SIGKILL 2 s later (torch's
+    agent alone waited 30 s). Each rank's 300 print() lines arrive whole under its own prefix,
+    in its own log, and in a per-rank --summary-json."""
     program, token = _rank_program(tmp_path)
     expected = slices("--nproc-per-node", "2", program)
-    started = time.monotonic()
-    done = subprocess.run(xlaunch("--nproc-per-node", "2", *loopback(), "--grace-period", "2", program, "1", "1"),
-                          env=job_env(), cwd=REPO, capture_output=True, text=True, timeout=100)
+    summary, logs = tmp_path / "summary.json", tmp_path / "logs"
+    env = {**job_env(), "LINES": "300"}
+    done = subprocess.run(xlaunch("--nproc-per-node", "2", *loopback(), "--grace-period", "2", "--log-dir", str(logs),
+                                  "--log-file-prefix", "job", "--summary-json", str(summary), program, "1", "1",
+                                  "stubborn"),
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=100)
     assert done.returncode == 3, done.stderr
-    assert time.monotonic() - started < 60          # rank 0 (sleeping 120 s) was stopped
-    ready = sorted(line.split() for line in done.stdout.splitlines() if line.startswith("ready "))
-    # fields: ready L cpus C ppid P omp T rank R world W
-    assert [(r[1], r[3]) for r in ready] == [("0", expected[0]), ("1", expected[1])], done.stdout
-    assert all(r[7] == "1" for r in ready)          # OMP_NUM_THREADS: the slice's size, not torchrun's 1
-    assert len({r[5] for r in ready}) == 1          # both ranks are children of the same agent (exec'd)
+    ready = ready_fields(done.stdout)
+    assert [(r[1], r[3]) for r in (ready[0], ready[1])] == [("0", expected[0]), ("1", expected[1])], done.stdout
+    assert all(r[7] == "1" for r in ready.values())          # OMP_NUM_THREADS: the slice's size, not torchrun's 1
+    assert ready[0][5] == ready[1][5]                        # both ranks are children of the same agent (exec'd)
+    for rank in (0, 1):                                      # whole lines, each under its own rank's prefix
+        lines = [text for index, text in prefixed(done.stdout) if index == rank and not text.startswith("ready ")]
+        assert lines == [f"line {rank} {i}" for i in range(300)], done.stdout[-2000:]
+        log = (logs / f"job_rank_{rank}.log").read_text().splitlines()
+        assert log[1:] == lines and log[0].startswith(f"ready {rank} ")
+    assert (logs / "job_launcher.log").is_file()
+    ranks = {r["index"]: r for r in json.loads(summary.read_text())["instances"]}
+    assert ranks[1]["status"] == "exit 3" and ranks[1]["exit_code"] == 3
+    assert ranks[0]["status"] == "killed by SIGKILL (stopped after rank 1 failed)", ranks
+    assert ranks[0]["wall_s"] < 1 + 2 + 3.0                  # failure after 1 s, SIGKILL 2 s later (+ slack)
+    assert wait_gone(job_pids(ready), 2.0) == []
     assert leftovers(token) == []
 
 
-def wait_ready(job: subprocess.Popen, count: int, timeout: float = 60) -> list[bytes]:
+def wait_ready(job: subprocess.Popen, count: int, timeout: float = 60) -> dict[int, list[str]]:
     """Read the job's stdout until ``count`` ranks printed their ``ready`` line."""
-    seen: list[bytes] = []
-    ready = selectors.DefaultSelector()
-    ready.register(job.stdout, selectors.EVENT_READ)
+    ready: dict[int, list[str]] = {}
+    selector = selectors.DefaultSelector()
+    selector.register(job.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
     buffer = b""
-    while len(seen) < count and time.monotonic() < deadline:
-        if ready.select(timeout=1):
+    while len(ready) < count and time.monotonic() < deadline:
+        if selector.select(timeout=1):
             chunk = os.read(job.stdout.fileno(), 4096)
             if not chunk:
                 break
             buffer += chunk
-            seen = [line for line in buffer.splitlines() if line.startswith(b"ready ")]
-    ready.close()
-    assert len(seen) == count, (buffer, job.poll())
-    return seen
+            ready = ready_fields(buffer.decode(errors="replace"))
+    selector.close()
+    assert len(ready) == count, (buffer, job.poll())
+    return ready
 
 
-def test_sigterm_mid_run_leaves_nothing_running(tmp_path: Path) -> None:
+def test_sigterm_mid_run_stops_stubborn_ranks_within_the_grace_period(tmp_path: Path) -> None:
     program, token = _rank_program(tmp_path)
-    job = subprocess.Popen(xlaunch("--nproc-per-node", "2", *loopback(), "--grace-period", "2", program, "-1", "0"),
+    job = subprocess.Popen(xlaunch("--nproc-per-node", "2", *loopback(), "--grace-period", "1", program, "-1", "0",
+                                   "stubborn"),
                            env=job_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        seen = wait_ready(job, 2)
-        assert {int(line.split()[5]) for line in seen} == {job.pid}   # ranks are the agent's children
-        ranks = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
-        assert len(ranks) >= 2
+        ready = wait_ready(job, 2)
+        agent = {int(f[5]) for f in ready.values()}
+        assert len(agent) == 1 and psutil.Process(agent.pop()).ppid() == job.pid   # the agent is xlaunch's child
+        started = time.monotonic()
         job.send_signal(signal.SIGTERM)
         job.wait(timeout=60)
         assert job.returncode == 128 + signal.SIGTERM, job.stderr.read()
+        assert time.monotonic() - started < 1 + 2.0
+        assert wait_gone(job_pids(ready), 1.0) == []
         assert leftovers(token) == []
-        assert not [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
 
 
-def test_ranks_die_with_a_killed_front(tmp_path: Path) -> None:
-    """SIGKILL gives the agent no chance to stop its ranks: the kernel does (PR_SET_PDEATHSIG)."""
+def test_kill_9_of_the_front_leaves_nothing_running(tmp_path: Path) -> None:
+    """SIGKILL gives xlaunch no chance: its watchdog stops the agent, the ranks and their children
+    (all ignoring SIGTERM) within the grace period."""
     program, token = _rank_program(tmp_path)
-    job = subprocess.Popen(xlaunch("--nproc-per-node", "2", *loopback(), program, "-1", "0"),
+    job = subprocess.Popen(xlaunch("--nproc-per-node", "2", *loopback(), "--grace-period", "1", program, "-1", "0",
+                                   "stubborn"),
                            env=job_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        wait_ready(job, 2)
-        assert len(set(leftovers(token)) - {job.pid}) == 2     # the two ranks (the front names it too)
+        ready = wait_ready(job, 2)
+        pids = job_pids(ready)
+        assert len(alive(pids)) == 4
         job.kill()
         job.wait(timeout=30)
-        deadline = time.monotonic() + 15
-        while leftovers(token) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert leftovers(token) == []
+        assert wait_gone(pids, 1 + 3.0) == []
+        assert wait_gone(leftovers(token), 2.0) == []
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
+
+
+IPEX_STYLE_DDP = """\
+import os, sys
+os.environ["MASTER_ADDR"] = "127.0.0.1"          # as IPEX's DDP test script does, before init
+os.environ["MASTER_PORT"] = sys.argv[1]
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+total = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()} sum {total.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_script_setting_its_own_master_address_works_under_the_front(tmp_path: Path) -> None:
+    """Under plain torchrun such a script waits for the agent's store at its own port (30 min)."""
+    program = tmp_path / "ipex_style_ddp.py"
+    program.write_text(IPEX_STYLE_DDP)
+    done = subprocess.run(xlaunch("-q", "--nproc-per-node", "2", str(program), str(free_port())), env=job_env(),
+                          cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert sorted(prefixed(done.stdout)) == [(0, "rank 0 sum 3"), (1, "rank 1 sum 3")], done.stdout

@@ -13,7 +13,14 @@ from machine_trees import machine_tree
 
 from xlaunch._records import replace
 from xlaunch.launcher.cli import command as cli
-from xlaunch.launcher.distributed.launch import plan_rank, rank_argv, rank_command, resolve_auto_ranks, torchrun_options
+from xlaunch.launcher.distributed.launch import (
+    agent_environment,
+    plan_rank,
+    rank_argv,
+    rank_command,
+    resolve_auto_ranks,
+    torchrun_options,
+)
 from xlaunch.launcher.plan.environment import team_places
 from xlaunch.launcher.errors import OptionError, PlanError
 from xlaunch.machine import load_machine
@@ -243,6 +250,31 @@ def parse(*argv: str) -> Options:
     return cli.options_from(cli.parse_command_line(argv), {"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
 
 
+def test_ipexrun_ninstances_with_the_same_nprocs_per_node_means_that_many_ranks() -> None:
+    options = parse("--ninstances", "2", "--nprocs-per-node", "2", "--dry-run", "examples/train.py")
+    assert (options.nproc_per_node, options.ninstances) == (2, None)
+    with pytest.raises(OptionError, match="3 conflicts with --nproc-per-node 2"):
+        parse("--ninstances", "3", "--nprocs_per_node", "2", "--dry-run", "examples/train.py")
+
+
+def test_one_node_ranks_host_their_store_at_the_masters_the_user_gave() -> None:
+    """One node: torchrun's private rendezvous, rank 0 hosts the process-group store (so a script
+    that sets MASTER_ADDR/MASTER_PORT itself works), at --master-addr/--master-port when given."""
+    one = parse("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", "29777", "--dry-run", "examples/train.py")
+    env = agent_environment(one, {"PATH": "/bin"}, 4242)
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["XLAUNCH_FRONT"] == "4242"
+    rank_env = {**env, **engine_env("torchrun", 1, 2), "MASTER_ADDR": "node0.example", "MASTER_PORT": "40000"}
+    base = rank_environment(rank_env, local_rank_from(rank_env))
+    assert (base["MASTER_ADDR"], base["MASTER_PORT"]) == ("127.0.0.1", "29777")
+    assert not [name for name in base if name.startswith("XLAUNCH_FRONT") or name == "XLAUNCH_TORCHRUN_OMP_DEFAULT"]
+    two = parse("--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1",
+                "--master-port", "29777", "--dry-run", "examples/train.py")          # static rendezvous: the agent's store
+    env = agent_environment(two, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, 1)
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0" and "XLAUNCH_FRONT_MASTER_PORT" not in env
+    assert torchrun_options(two)[:8] == ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "0",
+                                         "--master-addr", "10.0.0.1"]
+
+
 @pytest.mark.parametrize("dash", [True, False])
 def test_torchrun_spellings_and_front_options(dash: bool) -> None:
     def flag(name: str) -> str:
@@ -264,7 +296,9 @@ def test_torchrun_spellings_and_front_options(dash: bool) -> None:
     assert back.per_rank and back.nodes_list == (0,) and back.reserve_cores == 1 and back.verbosity == -1
     assert rank_argv(replace(options, verbosity=2))[-2:] == ["-v", "-v"]
     logged = torchrun_options(replace(options, log_dir="/tmp/logs", grace_period=0.5))
-    assert logged[-7:] == ["--shutdown-timeout", "1", "--log-dir", "/tmp/logs", "--tee", "3", "--no-python"]
+    assert logged[-3:] == ["--shutdown-timeout", "1", "--no-python"]     # xlaunch keeps the per-rank logs
+    one_node = torchrun_options(replace(options, nnodes=None, rdzv_backend=None, rdzv_endpoint=None))
+    assert "--master-port" not in one_node and "--master-addr" not in one_node   # the ranks' MASTER_* instead
 
 
 @pytest.mark.parametrize("tree, extra, ranks", [
@@ -297,7 +331,9 @@ def test_nproc_per_node_auto_is_one_rank_per_node_with_cpus(tree: str, extra: tu
         (["--master-port", "1"], "--master-port"),
         (["--nproc-per-node", "2", "--per-rank"], "--per-rank"),
         (["--nproc-per-node", "0"], "--nproc-per-node"),
-        (["--nproc-per-node", "2", "--ninstances", "2"], "--ninstances"),
+        (["--nproc-per-node", "2", "--ninstances", "3"], "--ninstances"),
+        (["--per-rank", "--summary-json", "/tmp/s.json"], "--summary-json"),
+        (["--per-rank", "--log-file-prefix", "p"], "--log-file-prefix"),
         (["--per-rank", "--throughput-mode"], "--throughput-mode"),
         (["--nproc-per-node", "2", "--nnodes", "2:1"], "--nnodes"),
         (["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2"], "--node-rank"),

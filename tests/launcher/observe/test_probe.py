@@ -118,3 +118,62 @@ def test_probe_module_does_not_import_torch() -> None:
     code = "import sys, xlaunch.launcher.observe.probe; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_one_verdict_per_dtype_in_the_check_isa_table() -> None:
+    """The flags say int8 is fast (AVX2 multiply-adds); measured 1.05x, the table says "even", once."""
+    from synthetic_machines import synthetic_machine
+
+    from xlaunch.machine.report import apply_measurements, format_isa, isa_report
+
+    cases = [dict(c) for c in CASES[:4]]
+    cases[2]["gflops"] = 33.0 * 1.05
+    found = probe.verdicts(cases)
+    assert found["int8"] == {"mark": "even", "ratio": 1.05, "route": "int8 static",
+                             "verdict": "about even with fp32 here; only worth it for memory savings"}
+    assert found["bf16"]["mark"] == "no" and "fp16" not in found
+    machine = synthetic_machine()
+    report = isa_report(machine)
+    report["advice"]["int8"] = {"fast": True, "why": "AVX2 integer multiply-adds"}
+    apply_measurements(report, found)
+    rows = {line.split()[0]: line for line in format_isa(report).splitlines() if line[:5].strip() in
+            ("fp32", "bf16", "fp16", "int8")}
+    assert rows["int8"].split()[1] == "even" and "measured 1.05x fp32" in rows["int8"]
+    assert "the flags alone said fast: AVX2" in rows["int8"]
+    assert report["advice"]["int8"]["fast"] is False and rows["bf16"].split()[1] == "no"
+    assert rows["fp16"].split()[1] in ("yes", "no") and "measured" not in rows["fp16"]   # nothing measured
+
+
+def test_progress_steps_follow_the_child(tmp_path) -> None:
+    """A stand-in child printing the worker's markers: each step is told once, in order."""
+    fake = tmp_path / "python"
+    result = json.dumps({"torch": "x", "threads": 1, "cases": [dict(c) for c in CASES[:3]]})
+    fake.write_text("#!/bin/sh\necho 'XLAUNCH_PROBE case 0'\nsleep 0.1\necho 'XLAUNCH_PROBE timing'\n"
+                    f"sleep 0.1\necho 'XLAUNCH_PROBE result {result}'\n")
+    fake.chmod(0o755)
+
+    class Lines:
+        def __init__(self, tty: bool) -> None:
+            self.text, self.tty = "", tty
+
+        def write(self, text: str) -> None:
+            self.text += text
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    plain, terminal = Lines(False), Lines(True)
+    measured = probe.run_probe(1, python=str(fake), progress=probe.StepPrinter(plain, delay=0))
+    assert measured["verdicts"]["int8"]["mark"] == "yes"
+    steps = plain.text.splitlines()
+    shown = [s.split(": ", 2)[2][:8] for s in steps]   # each step once, in order ("torch loaded" may be
+    assert shown in (["starting", "torch lo", "timing t", "done in "],   # passed over on a busy machine)
+                     ["starting", "timing t", "done in "]), steps
+    probe.run_probe(1, python=str(fake), progress=probe.StepPrinter(terminal, delay=0))
+    assert terminal.text.count("\n") == 1 and terminal.text.count("\r\x1b[K") >= 4   # one line, rewritten
+    quiet = Lines(False)                     # over within the delay: nothing shown
+    probe.run_probe(1, python=str(fake), progress=probe.StepPrinter(quiet, delay=30))
+    assert quiet.text == ""

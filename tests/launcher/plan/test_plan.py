@@ -81,6 +81,33 @@ def test_bind_numa_node_shrinks_instances_to_fit_nodes() -> None:
     assert len(p.instances) == 4
 
 
+def _ranges(p) -> list[str]:
+    from xlaunch.cpulist import format_cpulist
+
+    return [format_cpulist(i.cpus) for i in p.instances]
+
+
+def test_bind_numa_node_shares_nodes_out_without_idle_cores_as_ipexrun_does() -> None:
+    """IPEX's launcher tests with --bind-numa-node (2 x 28 cores, SMT; 4 x 14): instances per node in
+    proportion to its cores, every core of a node with an instance used (xlaunch used 42 of 56)."""
+    two = synthetic_machine(nodes=2, cores_per_l3=28, smt=2)
+    p = plan(Options(program="x.py", ninstances=3, bind_numa_node=True), two)
+    assert _ranges(p) == ["0-27", "28-41", "42-55"] and p.idle_cpus == tuple(range(56, 112))
+    assert [i.mem_nodes for i in p.instances] == [(0,), (1,), (1,)]
+    assert not any("stay idle" in w for w in p.warnings)
+    logical = plan(Options(program="x.py", ninstances=7, bind_numa_node=True, use_logical_cores=True), two)
+    assert _ranges(logical) == ["0-9,56-65", "10-18,66-74", "19-27,75-83", "28-34,84-90", "35-41,91-97",
+                                "42-48,98-104", "49-55,105-111"]
+    assert not logical.idle_cpus
+    four = synthetic_machine(nodes=4, cores_per_l3=14, smt=2)
+    some = plan(Options(program="x.py", ninstances=3, bind_numa_node=True, use_logical_cores=True,
+                        nodes_list=(1, 2)), four)
+    assert _ranges(some) == ["14-27,70-83", "28-34,84-90", "35-41,91-97"]
+    # an explicit size keeps equal instances (and says what idles)
+    sized = plan(Options(program="x.py", ncores_per_instance=12, bind_numa_node=True), two)
+    assert [len(i.cpus) for i in sized.instances] == [12, 12, 12, 12]
+
+
 def test_throughput_mode_one_instance_per_node_with_cpus() -> None:
     m = synthetic_machine(nodes=2, cores_per_l3=4, smt=2, memory_only_nodes=1)
     p = plan(Options(program="x.py", throughput_mode=True), m)

@@ -79,8 +79,19 @@ def test_plan_properties(m, o) -> None:
         assert set(sizes) == {o.ncores_per_instance}, "sizes as asked"
     if o.ninstances is not None:
         assert len(p.instances) == o.ninstances, "count as asked"
-        if o.ncores_per_instance is None and not o.use_logical_cores:
+        if o.ncores_per_instance is None and not o.use_logical_cores and not o.bind_numa_node:
             assert len(set(sizes)) == 1, "even split"
+        if o.ncores_per_instance is None and o.bind_numa_node:
+            # ipexrun's split: no core of a node that has an instance idles, a node's instances
+            # differ by at most one core
+            for node in {m.cpu(i.cpus[0]).node for i in p.instances}:
+                mine = [i for i in p.instances if m.cpu(i.cpus[0]).node == node]
+                cores = [len({m.core_of(c).index for c in i.cpus}) for i in mine]
+                assert max(cores) - min(cores) <= 1, "a node's instances differ by one core at most"
+                assert not {c for c in p.idle_cpus if m.cpu(c).node == node
+                            and (o.use_logical_cores or c == m.core_of(c).cpus[0])
+                            and (m.core_of(c).kind == "performance" or not m.is_hybrid or o.core_type == "all")
+                            }, "no core of the node idles"
     if o.latency_mode:   # 4 physical cores each (fewer only when fewer exist)
         assert max(len({m.core_of(c).index for c in i.cpus}) for i in p.instances) <= 4
     if o.ncores_per_instance is not None and o.ninstances is None and not o.use_logical_cores \

@@ -24,7 +24,11 @@ from xlaunch.launcher.plan.options import Options, build_options
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console-script entry point. A Ctrl-C before the runner took over signals is exit 130 with
-    no traceback (nothing had started)."""
+    no traceback (nothing had started). A closed or full stderr never stops a job
+    (:mod:`.streams`)."""
+    from xlaunch.launcher.cli.streams import prepare_standard_streams
+
+    prepare_standard_streams()
     try:
         sys.exit(run(argv))
     except KeyboardInterrupt:
@@ -220,17 +224,19 @@ def _machine_information(line: CommandLine, environ: Mapping[str, str]) -> int:
     machine = target_machine(environ)
     if params["check_isa"]:
         result = report.isa_report(machine, with_torch=bool(params["torch"]))
-        text = "" if params["json"] else report.format_isa(result)
         if params["probe"]:
             from xlaunch.launcher.observe import probe
 
             try:
-                measured = probe.run_probe()
+                measured = probe.run_probe(progress=probe.StepPrinter(sys.stderr))
             except probe.ProbeError as exc:
                 sys.stderr.write(f"xlaunch: error: --probe: {exc}\n")
                 return 1
             result["probe"] = measured
-            text = text if params["json"] else text.rstrip("\n") + "\n\n" + probe.format_probe(measured)
+            report.apply_measurements(result, measured.get("verdicts") or {})   # one verdict per dtype
+        text = "" if params["json"] else report.format_isa(result)
+        if params["probe"] and not params["json"]:
+            text = text.rstrip("\n") + "\n\n" + probe.format_probe(result["probe"])
         if params["json"]:
             text = json.dumps(result, indent=2, sort_keys=False)
     else:

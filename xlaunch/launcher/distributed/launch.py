@@ -8,13 +8,19 @@ restarts and failure handling. How each local rank gets its own CPUs:
   ``--ninstances <local size>``, pins itself to its slice (``sched_setaffinity`` + ``set_mempolicy``,
   both kept across exec), and replaces itself with the program (``execve``): no supervisor per rank,
   the engine's pid *is* the program, its signals and exit status arrive unchanged.
-* ``--nproc-per-node N`` runs torch's agent in this process with ``--no-python`` and, as the
-  worker command, ``python -m xlaunch --per-rank <the placement options> PROGRAM ...``. So
-  every rank is pinned by the same code as under mpirun, with the environment the agent built for
-  it (RANK, MASTER_ADDR...) as its base, and the agent supervises the program itself (after
-  the exec). The alternative -- patching the agent's process start to pass per-rank masks --
-  depends on torch internals; this uses torchrun's public command line only. torch is imported
-  only here, when the front really launches.
+* ``--nproc-per-node N`` runs torch's agent as a child of xlaunch (:mod:`.agent`) with
+  ``--no-python`` and, as the worker command, ``python -m xlaunch --per-rank <the placement
+  options> PROGRAM ...``. So every rank is pinned by the same code as under mpirun, with the
+  environment the agent built for it (RANK, MASTER_ADDR...) as its base, and the agent supervises
+  the program itself (after the exec). xlaunch supervises the agent and the ranks as it does
+  instances (:mod:`xlaunch.launcher.run.front`): each rank's output on a pipe of its own, per-rank logs and summary,
+  the grace period and the watchdog. It uses torchrun's public command line only; torch is
+  imported only in the agent's process.
+* One node without a rendezvous backend of the user's: torchrun's private c10d rendezvous, with
+  the process-group store hosted by rank 0 at ``MASTER_ADDR:MASTER_PORT`` (``--master-addr`` /
+  ``--master-port`` when given) rather than shared with the agent, so a script that sets
+  ``MASTER_ADDR``/``MASTER_PORT`` itself before ``init_process_group`` (as scripts written for
+  ipexrun or mpirun do) works as it does there.
 """
 from __future__ import annotations
 
@@ -28,9 +34,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 from xlaunch._records import replace
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import OptionError, PlanError
+from xlaunch.launcher.plan.options import parse_nnodes
 from xlaunch.launcher.plan.target import refuse_recorded, target_machine
 from xlaunch.launcher.plan.reserve import ccl_available
 from xlaunch.launcher.distributed.ranks import (
+    CHANNELS_VAR,
     FRONT_MARKER,
     OMP_DEFAULT_MARKER,
     LocalRank,
@@ -40,6 +48,8 @@ from xlaunch.launcher.distributed.ranks import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Optional
+
     from xlaunch.launcher.plan.options import Options
     from xlaunch.launcher.plan.planner import Instance, Plan
 
@@ -120,6 +130,11 @@ def run_per_rank(options: "Options", environ: Mapping[str, str], machine: Any) -
             sys.stdout.write(f"xlaunch: {local.describe()}\n" + format_plan(shown, environ, verbose=True))
         return 0
     refuse_recorded(machine, options.dry_run)
+    if FRONT_MARKER in environ:   # started by xlaunch's front: output to its pipe, say who we are
+        problem = attach_rank(environ, local.rank)
+        if problem is not None:
+            sys.stderr.write(f"xlaunch: error: --per-rank: {problem}: not starting\n")
+            return 128 + signal.SIGTERM
     if options.verbosity > 0:
         sys.stderr.write(f"xlaunch: {local.describe()}: cpus {format_cpulist(instance.cpus)}, "
                          f"mem nodes {format_cpulist(instance.mem_nodes) or '-'}, argv {shlex.join(instance.argv)}\n")
@@ -134,6 +149,36 @@ def rank_label(environ: Mapping[str, str], local: LocalRank) -> str:
         if environ.get(name, "").isdigit():
             return f"rank {environ[name]}"
     return f"local rank {local.rank}"
+
+
+def attach_rank(environ: Mapping[str, str], local_rank: int) -> Optional[str]:
+    """In ``xlaunch --per-rank`` under the front, before the exec: send stdout and stderr to this
+    rank's pipe and register (:class:`xlaunch.launcher.run.front.Channels`). Returns why it could
+    not (the front is gone), or None."""
+    import fcntl
+
+    from xlaunch.launcher.run.front import REGISTRY, output_name
+
+    path = environ.get(CHANNELS_VAR)
+    if not path:
+        return None
+    try:
+        out = os.open(os.path.join(path, output_name(local_rank)), os.O_WRONLY | os.O_NONBLOCK)
+        registry = os.open(os.path.join(path, REGISTRY), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as error:     # ENXIO: no reader, ENOENT: the directory is gone
+        return f"the xlaunch front that started this rank is gone ({error.strerror or error})"
+    try:
+        flags = fcntl.fcntl(out, fcntl.F_GETFL)
+        fcntl.fcntl(out, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)   # the program gets a blocking pipe
+        os.write(registry, f"+{os.getpgid(0)} {local_rank} {os.getpid()}\n".encode())
+        for fd in (1, 2):
+            os.dup2(out, fd)
+    except OSError as error:
+        return f"cannot reach the xlaunch front ({error.strerror or error})"
+    finally:
+        os.close(registry)
+        os.close(out)
+    return None
 
 
 def exec_instance(instance: "Instance", *, quiet: bool = False, die_with_parent: bool = False,
@@ -231,18 +276,51 @@ def rank_command(options: "Options") -> list[str]:
     return [options.python, "-m", "xlaunch", *rank_argv(options), "--", str(options.program), *options.args]
 
 
+def single_node(options: "Options") -> bool:
+    """One node and no rendezvous backend of the user's: torchrun's private c10d rendezvous."""
+    one = options.nnodes is None or parse_nnodes(options.nnodes)[1] == 1
+    return one and options.rdzv_backend is None and options.rdzv_endpoint is None
+
+
 def torchrun_options(options: "Options") -> list[str]:
-    """torchrun's command-line options for ``options`` (before the worker command)."""
+    """torchrun's command-line options for ``options`` (before the worker command).
+
+    On a single node ``--master-addr``/``--master-port`` are not torchrun's: they become the
+    ranks' ``MASTER_ADDR``/``MASTER_PORT`` (:func:`agent_environment`). ``--log-dir`` is xlaunch's
+    own (per-rank logs), not torchrun's.
+    """
     argv = ["--nproc-per-node", str(options.nproc_per_node)]
+    skipped = ("master_addr", "master_port") if single_node(options) else ()
     for name in ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
                  "rdzv_id", "max_restarts"):
         value = getattr(options, name)
-        if value is not None:
+        if value is not None and name not in skipped:
             argv += ["--" + name.replace("_", "-"), str(value)]
     argv += ["--shutdown-timeout", str(int(math.ceil(options.grace_period)))]
-    if options.log_dir is not None:
-        argv += ["--log-dir", options.log_dir, "--tee", "3"]
     return argv + ["--no-python"]
+
+
+def agent_environment(options: "Options", environ: Mapping[str, str], front_pid: int) -> dict[str, str]:
+    """The agent's environment, which it passes on to every rank: the user's, plus what the
+    ranks need to know (the front's markers, the master address on one node)."""
+    from xlaunch.launcher.distributed.ranks import GRACE_VAR, MASTER_ADDR_VAR, MASTER_PORT_VAR
+
+    env = dict(environ)
+    env[FRONT_MARKER] = str(front_pid)
+    # whether OMP_NUM_THREADS in the ranks will be torchrun's blanket default rather than the user's
+    env[OMP_DEFAULT_MARKER] = "0" if "OMP_NUM_THREADS" in environ else "1"
+    env.setdefault("OMP_NUM_THREADS", "1")   # torchrun would set 1 and warn; the ranks drop it anyway
+    env[GRACE_VAR] = f"{options.grace_period:g}"
+    if single_node(options) or (options.rdzv_backend or "").strip().lower() == "c10d":
+        # rank 0 hosts the process-group store (torch's own switch): a script that sets
+        # MASTER_ADDR/MASTER_PORT itself then works instead of waiting for the agent's store
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if single_node(options):
+        if options.master_addr is not None:
+            env[MASTER_ADDR_VAR] = options.master_addr
+        if options.master_port is not None:
+            env[MASTER_PORT_VAR] = str(options.master_port)
+    return env
 
 
 def run_front(options: "Options", environ: Mapping[str, str], machine: Any) -> int:
@@ -279,7 +357,26 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any) -> i
         if options.dry_run:
             return 0
     refuse_recorded(machine, options.dry_run)
-    return run_agent(agent, worker, environ)
+    return run_job(options, node_plan, agent, worker, environ)
+
+
+def run_job(options: "Options", node_plan: "Plan", agent: list[str], worker: list[str],
+            environ: Mapping[str, str]) -> int:
+    """Run torch's agent as xlaunch's child and supervise it and its ranks (:mod:`.front`)."""
+    from xlaunch._torch import missing_torch_message, torch_installed
+    from xlaunch.launcher.run.front import FrontSupervisor
+
+    if options.python == sys.executable and not torch_installed():   # one line, nothing started
+        raise OptionError("--nproc-per-node", missing_torch_message("torch's elastic agent"))
+    agent_argv = [options.python, "-m", "xlaunch.launcher.distributed.agent", *agent, "--", *worker]
+    quiet = options.verbosity < 0
+    if not quiet:
+        for note in options.notes:
+            sys.stderr.write(f"xlaunch: note: {note}\n")
+    return FrontSupervisor(node_plan, agent_argv, agent_environment(options, environ, os.getpid()),
+                           log_dir=options.log_dir, log_file_prefix=options.log_file_prefix,
+                           grace_period=options.grace_period, quiet=quiet, summary_json=options.summary_json,
+                           torchrun=agent, channels_var=CHANNELS_VAR).run()
 
 
 def resolve_auto_ranks(options: "Options", machine: Any, environ: Mapping[str, str]) -> "Options":
@@ -296,44 +393,3 @@ def resolve_auto_ranks(options: "Options", machine: Any, environ: Mapping[str, s
     except PlanError as exc:
         raise PlanError("--nproc-per-node", f"auto: {exc.problem}") from None
     return replace(options, nproc_per_node=count, bind_numa_node=options.bind_numa_node or count > 1)
-
-
-def run_agent(agent: list[str], worker: list[str], environ: Mapping[str, str]) -> int:
-    """Run torch's elastic agent here (``torch.distributed.run``); return the job's exit status.
-
-    Status: 0, the first failed rank's exit code (128+N when killed by signal N), or 128+N when
-    this process got signal N (the agent then stops every rank: SIGTERM, SIGKILL after
-    ``--shutdown-timeout``).
-    """
-    # The agent builds each worker's environment from os.environ: say who we are, and whether
-    # OMP_NUM_THREADS in the ranks will be torchrun's blanket default rather than the user's.
-    os.environ[FRONT_MARKER] = str(os.getpid())
-    os.environ[OMP_DEFAULT_MARKER] = "0" if "OMP_NUM_THREADS" in environ else "1"
-    if "OMP_NUM_THREADS" not in environ:   # torchrun would set 1 and warn; the ranks drop it anyway
-        os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        from torch.distributed import run as torchrun
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    except ImportError as exc:
-        raise OptionError("--nproc-per-node", f"needs torch.distributed ({exc})") from None
-    parser = torchrun.get_args_parser()
-    known = getattr(parser, "_option_string_actions", None)
-    if known is not None and "--shutdown-timeout" not in known:   # older torch: its fixed 30 s
-        at = agent.index("--shutdown-timeout")
-        agent = agent[:at] + agent[at + 2:]
-    args = parser.parse_args([*agent, worker[0]])
-    args.training_script_args = worker[1:]
-    try:
-        torchrun.run(args)
-    except ChildFailedError as failed:
-        sys.stderr.write(failed.format_msg() + "\n")
-        _rank, first = failed.get_first_failure()
-        code = first.exitcode
-        return 128 - code if code < 0 else code or 1
-    except SignalException as stopped:
-        return 128 + int(stopped.sigval)
-    except Exception as error:   # rendezvous timeouts, unreachable endpoints, bad backend names
-        sys.stderr.write(f"xlaunch: error: torch's elastic agent failed: {type(error).__name__}: {error}\n")
-        return 1
-    return 0

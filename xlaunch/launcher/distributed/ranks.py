@@ -42,6 +42,11 @@ ENGINES: tuple[Engine, ...] = (
 )
 FRONT_MARKER = "XLAUNCH_FRONT"                       # set by xlaunch's torchrun front for its ranks
 OMP_DEFAULT_MARKER = "XLAUNCH_TORCHRUN_OMP_DEFAULT"  # "1": OMP_NUM_THREADS in a rank is torchrun's default
+CHANNELS_VAR = "XLAUNCH_FRONT_CHANNELS"             # the front: where a rank's pipe and registry are
+GRACE_VAR = "XLAUNCH_FRONT_GRACE"                   # the front: the agent's cap on its waits before SIGKILL
+MASTER_ADDR_VAR = "XLAUNCH_FRONT_MASTER_ADDR"        # the front on one node: the ranks' MASTER_ADDR
+MASTER_PORT_VAR = "XLAUNCH_FRONT_MASTER_PORT"        # ... and MASTER_PORT (--master-addr/--master-port)
+_FRONT_ONLY = (OMP_DEFAULT_MARKER, FRONT_MARKER, MASTER_ADDR_VAR, MASTER_PORT_VAR, CHANNELS_VAR, GRACE_VAR)
 _SLURM_COUNTS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 
@@ -158,12 +163,17 @@ def torchrun_default_threads(environ: Mapping[str, str], local: LocalRank) -> bo
 
 def rank_environment(environ: Mapping[str, str], local: LocalRank) -> dict[str, str]:
     """The environment a rank is planned from: the launcher's, minus torchrun's thread default
-    and the front's markers."""
+    and the front's markers; on one node the front's ``--master-addr``/``--master-port`` become
+    ``MASTER_ADDR``/``MASTER_PORT`` (rank 0 hosts the process-group store there)."""
     env = dict(environ)
     if torchrun_default_threads(environ, local):
         env.pop("OMP_NUM_THREADS", None)
-    env.pop(OMP_DEFAULT_MARKER, None)
-    env.pop(FRONT_MARKER, None)
+    if MASTER_ADDR_VAR in env:
+        env["MASTER_ADDR"] = env[MASTER_ADDR_VAR]
+    if MASTER_PORT_VAR in env:
+        env["MASTER_PORT"] = env[MASTER_PORT_VAR]
+    for name in _FRONT_ONLY:
+        env.pop(name, None)
     return env
 
 

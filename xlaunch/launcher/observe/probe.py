@@ -4,17 +4,23 @@ Runs ``python -m xlaunch.kernels.probe_worker`` in a child process (the launcher
 torch) that turns oneDNN verbose on for each case's first call, reads which oneDNN implementation, and so which ISA, each timed
 GEMM/convolution dispatched to, and turns the measured GFLOP/s (GOP/s for int8) into advice.
 
-    result = run_probe(seconds_budget=12)     # JSON-able dict
+    result = run_probe(seconds_budget=12, progress=StepPrinter(sys.stderr))     # JSON-able dict
     print(format_probe(result))
+    verdicts(result["cases"])     # one verdict per dtype, for the --check-isa table
+
+The child takes a while (torch's import, then the timed rounds): ``progress`` hears of each step
+as the child's marker lines arrive (:class:`StepPrinter` shows them, one updating line on a
+terminal, one line per step otherwise).
 """
 from __future__ import annotations
 
 import json
 import os
+import selectors
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TextIO
 
 from xlaunch.launcher.observe.kernels import isa_of, parse_line
 
@@ -84,40 +90,139 @@ def _ratio(cases: list[dict[str, Any]], op: str, dtype: str) -> Optional[float]:
     return other / base if base and other else None
 
 
+PAYS_OFF, EVEN = 1.2, 0.9      # a dtype pays off from 1.2x fp32; below 0.9x it is slower
+_ROUTES = (("bf16", "bf16", "bf16 (autocast / optimize(dtype=torch.bfloat16))"),
+           ("fp16", "fp16", "fp16"),
+           ("int8 static", "int8", "static INT8 (quantize(mode='static'))"),
+           ("int8 weight-only", "int8", "INT8 weight-only Linear (quantize(mode='weight_only'))"))
+
+
+def _verdict(best: float) -> tuple[str, str]:
+    """(mark for the --check-isa table, words) for the best measured ratio to fp32."""
+    if best >= PAYS_OFF:
+        return "yes", "pays off here"
+    if best >= EVEN:
+        return "even", "about even with fp32 here; only worth it for memory savings"
+    return "no", "slower than fp32 here: keep fp32"
+
+
+def verdicts(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One measured verdict per dtype of the ``--check-isa`` table (bf16, fp16, int8: its best
+    route): ``{"mark": yes|even|no, "ratio": best x fp32, "route": ..., "verdict": words}``."""
+    found: dict[str, dict[str, Any]] = {}
+    for dtype, row, _what in _ROUTES:
+        ratios = [r for r in (_ratio(cases, op, dtype) for op in ("gemm", "conv")) if r is not None]
+        if not ratios or (row in found and found[row]["ratio"] >= max(ratios)):
+            continue
+        mark, words = _verdict(max(ratios))
+        found[row] = {"mark": mark, "ratio": round(max(ratios), 2), "route": dtype, "verdict": words}
+    return found
+
+
 def advise(cases: list[dict[str, Any]]) -> list[str]:
     """Plain advice from the measured ratios (>= 1.2x pays off, < 0.9x is slower here)."""
     for case in cases:
         case["vs_fp32"] = _ratio(cases, case["op"], case["dtype"])
     advice = []
-    for dtype, what in (("bf16", "bf16 (autocast / optimize(dtype=torch.bfloat16))"),
-                        ("fp16", "fp16"),
-                        ("int8 static", "static INT8 (quantize(mode='static'))"),
-                        ("int8 weight-only", "INT8 weight-only Linear (quantize(mode='weight_only'))")):
+    for dtype, _row, what in _ROUTES:
         ratios = {op: _ratio(cases, op, dtype) for op in ("gemm", "conv")}
         known = {op: r for op, r in ratios.items() if r is not None}
         if not known:
             continue
         parts = ", ".join(f"{op} {r:.2f}x" for op, r in known.items())
-        best = max(known.values())
-        if best >= 1.2:
-            verdict = "pays off here"
-        elif best >= 0.9:
-            verdict = "about even with fp32 here; only worth it for memory savings"
-        else:
-            verdict = "slower than fp32 here: keep fp32"
-        advice.append(f"{what}: {parts} vs fp32 -> {verdict}")
+        advice.append(f"{what}: {parts} vs fp32 -> {_verdict(max(known.values()))[1]}")
     advice.append("quantize(mode='auto') measures your own model and keeps fp32 when no INT8 route wins")
     return advice
 
 
+class StepPrinter:
+    """Shows the probe's steps on ``stream``: one line rewritten in place on a terminal (with the
+    seconds spent), one line per step otherwise; nothing for a child that is over within
+    ``delay`` seconds (a quick failure shows its error alone)."""
+
+    def __init__(self, stream: Optional[TextIO], delay: float = 1.0) -> None:
+        self.stream = stream
+        self.delay = delay
+        try:
+            self.tty = bool(stream is not None and stream.isatty())
+        except (AttributeError, ValueError, OSError):
+            self.tty = False
+        self.last: Optional[str] = None
+
+    def __call__(self, step: str, elapsed: float, *, done: bool = False) -> None:
+        if self.stream is None or (step == self.last and not self.tty):
+            return
+        if (done and self.last is None) or (not done and elapsed < self.delay):
+            return
+        text = f"xlaunch: probe: {step}" + (f" ({elapsed:.0f} s)" if self.tty and not done else "")
+        try:
+            if self.tty:
+                self.stream.write("\r\x1b[K" + text + ("\n" if done else ""))
+            else:
+                self.stream.write(text + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.stream = None
+        self.last = step
+
+
+def _stream_child(argv: list[str], env: dict[str, str], timeout: float, budget: float,
+                  progress: Optional[Callable[..., None]]) -> tuple[int, str, str]:
+    """Run the probe child, telling ``progress`` its steps; return (status, stdout, stderr)."""
+    start = time.monotonic()
+    step = "starting a torch child (importing torch takes a few seconds)"
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = bytearray(), bytearray()
+    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}  # type: ignore[union-attr]
+    selector = selectors.DefaultSelector()
+    for fd in sinks:
+        selector.register(fd, selectors.EVENT_READ)
+    try:
+        while sinks:
+            now = time.monotonic()
+            if now - start > timeout:
+                proc.kill()
+                raise ProbeError(f"the probe child did not finish within {timeout:.0f} s")
+            if progress is not None:
+                progress(step, now - start)
+            for key, _events in selector.select(0.5):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fd)
+                    del sinks[key.fd]
+                    continue
+                sinks[key.fd] += chunk
+                if key.fd == proc.stdout.fileno():  # type: ignore[union-attr]
+                    chunk = bytes(out[-len(chunk) - 64:])      # a marker split between two reads
+                    if f"{MARKER} timing".encode() in chunk:
+                        step = f"timing the cases in interleaved rounds (up to {budget:g} s)"
+                    elif f"{MARKER} case ".encode() in chunk and step.startswith("starting"):
+                        step = (f"torch loaded after {time.monotonic() - start:.0f} s; "
+                                "which kernels does oneDNN pick (first call of each case)")
+        status = proc.wait()
+    finally:
+        selector.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
+    if progress is not None:
+        spent = time.monotonic() - start
+        progress(f"done in {spent:.1f} s" if status == 0 else f"the child failed after {spent:.1f} s", spent,
+                 done=True)
+    return status, out.decode(errors="replace"), err.decode(errors="replace")
+
+
 def run_probe(seconds_budget: float = 10.0, threads: Optional[int] = 1,
-              python: Optional[str] = None) -> dict[str, Any]:
+              python: Optional[str] = None, progress: Optional[Callable[..., None]] = None) -> dict[str, Any]:
     """Run the microbenchmarks in a child and return the JSON-able result (see module doc).
 
     ``seconds_budget`` bounds the timed rounds (torch's import comes on top, a few seconds).
     ``threads=1`` (default) measures one core's kernels: the dtype ratios are what the advice
     needs, and a single thread is not thrown off by other jobs the way an OpenMP team is on a busy
-    machine; ``None`` uses torch's default thread count.
+    machine; ``None`` uses torch's default thread count. ``progress(step, elapsed_s)`` is told what
+    the child is doing (:class:`StepPrinter`).
     """
     if not seconds_budget > 0:
         raise ValueError(f"probe: seconds_budget must be > 0, not {seconds_budget!r}")
@@ -129,18 +234,16 @@ def run_probe(seconds_budget: float = 10.0, threads: Optional[int] = 1,
     argv = [python or sys.executable, "-m", WORKER, "--budget", f"{seconds_budget:g}",
             "--threads", str(threads or 0)]
     start = time.monotonic()
-    try:
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True,
-                              timeout=seconds_budget * 2 + STARTUP_ALLOWANCE_S)
-    except subprocess.TimeoutExpired as exc:   # run() killed and reaped the child
-        raise ProbeError(f"the probe child did not finish within {exc.timeout:.0f} s") from exc
-    if proc.returncode != 0:
-        raise ProbeError(f"the probe child exited with status {proc.returncode}: {proc.stderr.strip()[-1500:]}")
-    result = parse_output(proc.stdout)
+    status, stdout, stderr = _stream_child(argv, env, seconds_budget * 2 + STARTUP_ALLOWANCE_S, seconds_budget,
+                                           progress)
+    if status != 0:
+        raise ProbeError(f"the probe child exited with status {status}: {stderr.strip()[-1500:]}")
+    result = parse_output(stdout)
     result["seconds"] = round(time.monotonic() - start, 2)
-    if proc.stderr.strip():   # never lose the child's output: warnings it printed travel along
-        result["stderr"] = proc.stderr.strip()[-2000:]
+    if stderr.strip():   # never lose the child's output: warnings it printed travel along
+        result["stderr"] = stderr.strip()[-2000:]
     result["advice"] = advise(result["cases"])
+    result["verdicts"] = verdicts(result["cases"])
     return result
 
 

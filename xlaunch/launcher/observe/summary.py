@@ -39,10 +39,10 @@ _OBSERVED_COLUMNS = (("threads", "threads"), ("ran on", "cpus_seen"), ("allocato
                      ("openmp", "openmp"), ("remote mem", "remote_mem"))
 
 
-def table_lines(results: list[InstanceResult], exit_status: int) -> list[str]:
-    """Aligned rows (instance, cpus, status, wall, and what was observed), then the exit status."""
+def table_lines(results: list[InstanceResult], exit_status: int, noun: str = "instance") -> list[str]:
+    """Aligned rows (instance or rank, cpus, status, wall, and what was observed), then the exit status."""
     observed = any(r.cells for r in results)
-    header = ["instance", "cpus", "status", "wall"] + ([title for title, _key in _OBSERVED_COLUMNS] if observed else [])
+    header = [noun, "cpus", "status", "wall"] + ([title for title, _key in _OBSERVED_COLUMNS] if observed else [])
     rows = [header]
     for r in results:
         row = [str(r.index), format_cpulist(r.cpus) or "-", r.text,
@@ -88,7 +88,14 @@ def write_json(path: str, data: dict[str, Any]) -> None:
 
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        json.dump(data, out, indent=2)
-        out.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(data, out, indent=2)
+            out.write("\n")
+        os.replace(tmp, path)
+    except BaseException:     # a full disk: no half-written temporary file stays behind
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -171,6 +171,9 @@ def build_options(
         if name is None:
             raise OptionError(flag_name(key), "no such option")
         merged[name] = _convert(name, value, "")
+    if merged.get("ninstances") is not None and merged.get("ninstances") == merged.get("nproc_per_node"):
+        # ipexrun's habit, --ninstances N --nprocs-per-node N: N ranks (their number sets the instances)
+        merged.pop("ninstances")
     if isinstance(merged.get("membind"), tuple):
         merged["membind_nodes"] = merged.pop("membind")
         merged["membind"] = "bind"
@@ -334,6 +337,9 @@ def validate_distributed(o: Options) -> None:
         return
     if o.per_rank and o.nproc_per_node is not None:
         raise OptionError("--per-rank", "conflicts with --nproc-per-node (the front starts --per-rank ranks itself)")
+    if o.ninstances is not None and o.nproc_per_node is not None:
+        raise OptionError("--ninstances", f"{o.ninstances} conflicts with --nproc-per-node {o.nproc_per_node} "
+                                          "(the number of ranks sets the instances; give one, or the same number)")
     for name, given in (("ninstances", o.ninstances is not None), ("throughput_mode", o.throughput_mode),
                         ("latency_mode", o.latency_mode), ("instance_idx", o.instance_idx is not None),
                         ("keep_going", o.keep_going)):
@@ -341,6 +347,12 @@ def validate_distributed(o: Options) -> None:
             raise OptionError(flag_name(name), f"conflicts with {ranked} (the number of ranks sets the instances)")
     if o.per_rank and o.log_dir is not None:
         raise OptionError("--log-dir", "conflicts with --per-rank (the rank becomes the program; its engine keeps the logs)")
+    if o.per_rank and o.log_file_prefix != "xlaunch":
+        raise OptionError("--log-file-prefix", "conflicts with --per-rank (the rank becomes the program and writes "
+                                               "no logs; --nproc-per-node keeps per-rank logs)")
+    if o.per_rank and o.summary_json is not None:
+        raise OptionError("--summary-json", "conflicts with --per-rank (the rank becomes the program: nothing of "
+                                            "xlaunch is left to write a summary; --nproc-per-node writes one per rank)")
     if o.nnodes is not None:
         _low, high = parse_nnodes(o.nnodes)
         if o.node_rank is not None and o.node_rank >= high:

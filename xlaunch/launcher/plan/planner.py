@@ -10,6 +10,7 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 from xlaunch._records import factory, record
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import PlanError
+from xlaunch.launcher.plan.shape import LATENCY_CORES_PER_INSTANCE, Unit, shape  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Callable, Mapping, Optional
@@ -81,18 +82,6 @@ class Plan:
 # --bind-with numactl|taskset, where the tool is on PATH through ``which``).
 # --------------------------------------------------------------------------------------------
 
-LATENCY_CORES_PER_INSTANCE = 4
-
-
-@record
-class Unit:
-    """One physical core as the planner sees it: the CPUs it contributes, and where it sits."""
-
-    cpus: tuple[int, ...]        # one CPU, or every allowed sibling with --use-logical-cores
-    node: Optional[int]
-    l3: Optional[int]
-
-
 def plan(
     options: "Options",
     machine: "Machine",
@@ -112,7 +101,7 @@ def plan(
     environ = dict(environ or {})
     notes: list[str] = []
     units = _select_units(options, machine, notes)
-    slices, shape_note = _shape(options, units)
+    slices, shape_note = shape(options, units)
     if shape_note:
         notes.append(shape_note)
     ninstances = len(slices)
@@ -271,108 +260,6 @@ def _select_units(options: "Options", machine: "Machine", notes: list[str]) -> l
 
 def _order(value: Optional[int]) -> int:
     return -1 if value is None else value
-
-
-def _shape(options: "Options", units: list[Unit]) -> tuple[list[list[Unit]], Optional[str]]:
-    """Split the ordered units into instances; returns the slices and a note about idle cores."""
-
-    total_units = len(units)
-    if options.throughput_mode:
-        slices = [list(group) for group in _groups(units, by_l3=False)]
-        return slices, None
-    by_cpu = options.use_logical_cores and options.ncores_per_instance is not None
-    weight = (lambda unit: len(unit.cpus)) if by_cpu else (lambda unit: 1)
-    total = sum(weight(u) for u in units)
-    kind = "logical CPUs" if by_cpu else "cores"
-    count: Optional[int]
-    note = None
-    if options.latency_mode:
-        size, count = LATENCY_CORES_PER_INSTANCE, None
-        if total < size:
-            size = total
-            note = f"--latency-mode: only {total} cores available, one instance of {total}"
-    elif options.ninstances is not None and options.ncores_per_instance is not None:
-        size, count = options.ncores_per_instance, options.ninstances
-        if size * count > total:
-            raise PlanError(
-                "--ninstances",
-                f"{count} instances x {size} {kind} need {size * count} {kind}, only {total} available",
-            )
-    elif options.ncores_per_instance is not None:
-        size, count = options.ncores_per_instance, None
-        if size > total:
-            raise PlanError("--ncores-per-instance", f"{size} {kind} per instance, only {total} available")
-    else:
-        count = options.ninstances if options.ninstances is not None else 1
-        if count > total_units:
-            raise PlanError("--ninstances", f"{count} instances need at least {count} cores, only {total_units} available")
-        size = total_units // count
-        if options.bind_numa_node:
-            while size > 0 and len(_pack(units, size, weight, "node")) < count:
-                size -= 1
-            if size == 0:
-                raise PlanError("--bind-numa-node", f"{count} instances do not fit inside NUMA nodes")
-    levels = ("l3", "node") if options.bind_numa_node else ("l3", "node", "all")
-    best: Optional[list[list[Unit]]] = None
-    target = count
-    if target is None:
-        target = len(_pack(units, size, weight, levels[-1]))
-        if target == 0 and by_cpu:
-            raise PlanError(
-                "--ncores-per-instance", f"{size} logical CPUs per instance would split a core's SMT siblings"
-            )
-        if target == 0:
-            raise PlanError("--bind-numa-node", f"no NUMA node has {size} {kind} available")
-    for level in levels:
-        slices = _pack(units, size, weight, level)
-        if len(slices) >= target:
-            best = slices[:target]
-            break
-    if best is None and by_cpu and len(_pack(units, size, weight, "all")) < target:
-        raise PlanError(
-            "--ncores-per-instance",
-            f"{target} instances of {size} logical CPUs do not fit without splitting a core's SMT siblings",
-        )
-    if best is None:
-        raise PlanError("--bind-numa-node", f"{target} instances of {size} {kind} do not fit inside NUMA nodes")
-    used = sum(len(s) for s in best)
-    idle = total_units - used
-    if idle and note is None:
-        note = f"{idle} of {total_units} cores stay idle ({len(best)} instances x {size} {kind})"
-    return best, note
-
-
-def _groups(units: list[Unit], by_l3: bool) -> list[list[Unit]]:
-    """Consecutive runs of units sharing a node (and an L3 domain when ``by_l3``)."""
-    groups: list[list[Unit]] = []
-    last: object = object()
-    for unit in units:
-        key = (unit.node, unit.l3) if by_l3 else unit.node
-        if not groups or key != last:
-            groups.append([])
-            last = key
-        groups[-1].append(unit)
-    return groups
-
-
-def _pack(units: list[Unit], size: int, weight: Callable[[Unit], int], level: str) -> list[list[Unit]]:
-    """Greedy consecutive slices of exactly ``size`` (by ``weight``) that never cross a group
-    boundary of ``level`` (l3, node, or all). A core that cannot complete a slice without
-    splitting its SMT siblings stays idle."""
-    groups = [units] if level == "all" else _groups(units, by_l3=level == "l3")
-    slices: list[list[Unit]] = []
-    for group in groups:
-        current: list[Unit] = []
-        filled = 0
-        for unit in group:
-            current.append(unit)
-            filled += weight(unit)
-            while filled > size:       # a core's siblings would be split: leave leading cores idle
-                filled -= weight(current.pop(0))
-            if filled == size:
-                slices.append(current)
-                current, filled = [], 0
-    return slices
 
 
 def _chosen_indices(options: "Options", ninstances: int) -> list[int]:

@@ -35,7 +35,7 @@ class Child:
 
     instance: Instance
     stream: InstanceStream
-    proc: Optional[subprocess.Popen] = None
+    proc: Optional[subprocess.Popen] = None   # or a stand-in with ``pid`` (a rank the agent started)
     fd: Optional[int] = None              # read end of the output pipe while open
     started: float = 0.0
     ended: Optional[float] = None
@@ -60,3 +60,8 @@ class Child:
     @property
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else -1
+
+    @property
+    def pgid(self) -> int:
+        """Its process group: its own pid (it leads a new session), unless its process says otherwise."""
+        return getattr(self.proc, "pgid", None) or self.pid

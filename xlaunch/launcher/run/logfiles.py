@@ -1,24 +1,33 @@
 """Per-instance and launcher log files under ``--log-dir``: checked, created and opened safely.
 
-* Names: ``<prefix>_instance_<i>.log`` and ``<prefix>_launcher.log`` (and, with ``--kernel-report``,
+* Names: ``<prefix>_instance_<i>.log`` (``<prefix>_rank_<i>.log`` for the ranks of
+  ``--nproc-per-node``) and ``<prefix>_launcher.log`` (and, with ``--kernel-report``,
   ``<prefix>_instance_<i>_onednn.log`` for oneDNN's verbose lines); a prefix that makes a name
   longer than the file system allows is an input error, found before anything is created.
 * Directories: created as needed; when opening then fails, the directories this call created
   are removed again, so a refused run leaves nothing behind.
 * A log file of an earlier run is never overwritten: it is renamed to
   ``<name>.<its mtime as YYYYmmdd-HHMMSS>`` first (the rename moves a symlink itself, never its
-  target).
+  target). So are the logs of instances an earlier, larger run had and this one does not
+  (``instance_3.log`` of a 4-instance run when 2 instances run now), so that no log under its
+  plain name is older than the run.
 * Files are created with ``O_EXCL | O_NOFOLLOW``: a symlink planted at a log path is never followed.
+* Writing never fails the job: a write that fails (a full file system) stops that log, and
+  :class:`LogWriter` counts what it dropped for the runner to report.
 
-Every failure is a :class:`~xlaunch.launcher.errors.OptionError` naming ``--log-dir`` or
+Every failure to open is a :class:`~xlaunch.launcher.errors.OptionError` naming ``--log-dir`` or
 ``--log-file-prefix``: one line for the user, exit status 2, nothing started.
 """
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
-from typing import BinaryIO, Iterable, Optional, TextIO
+
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Iterable, Optional
 
 from xlaunch._records import factory, record
 from xlaunch.launcher.errors import OptionError
@@ -26,8 +35,8 @@ from xlaunch.launcher.errors import OptionError
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def instance_log_name(prefix: str, index: int) -> str:
-    return f"{prefix}_instance_{index}.log"
+def instance_log_name(prefix: str, index: int, kind: str = "instance") -> str:
+    return f"{prefix}_{kind}_{index}.log"
 
 
 def launcher_log_name(prefix: str) -> str:
@@ -50,13 +59,54 @@ def check_names(log_dir: str, prefix: str, indices: Iterable[int], *, onednn: bo
                                                f"{len(os.fsencode(longest))} bytes (the limit is {limit})")
 
 
+class LogWriter:
+    """One open log file. Every byte given is written, until a write fails (``ENOSPC``, ``EFBIG``,
+    ``EIO``): from then on nothing more is written and :attr:`dropped_lines` counts the lines
+    that did not reach the file, so the log is whole up to one point and never has holes."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self._fd: Optional[int] = fd
+        self.path = path
+        self.written = 0
+        self.dropped_lines = 0
+        self.problem: Optional[str] = None
+
+    def write(self, data: bytes) -> None:
+        if self.problem is not None or self._fd is None:
+            self.dropped_lines += data.count(b"\n")
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                count = os.write(self._fd, view)
+            except InterruptedError:
+                continue
+            except OSError as error:
+                self.problem = error.strerror or str(error)
+                self.dropped_lines += max(1, bytes(view).count(b"\n"))
+                return
+            self.written += count
+            view = view[count:]
+
+    def write_text(self, text: str) -> None:
+        self.write(text.encode("utf-8", "replace"))
+
+    def flush(self) -> None:
+        """Nothing is buffered: each :meth:`write` went to the file."""
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 @record(frozen=False)
 class LogFiles:
     """Open log files of one run; :meth:`close` closes them all."""
 
-    instances: dict[int, BinaryIO] = factory(dict)
-    launcher: Optional[TextIO] = None
-    onednn: dict[int, BinaryIO] = factory(dict)    # --kernel-report: oneDNN's verbose lines per instance
+    instances: dict[int, LogWriter] = factory(dict)
+    launcher: Optional[LogWriter] = None
+    onednn: dict[int, LogWriter] = factory(dict)   # --kernel-report: oneDNN's verbose lines per instance
     kept: list[str] = factory(list)      # earlier logs renamed aside
     _moves: list[tuple[str, str]] = factory(list)   # (log path, where it was kept)
     _created: list[str] = factory(list)
@@ -78,27 +128,55 @@ class LogFiles:
             self.launcher.close()
 
 
-def open_log_files(log_dir: str, prefix: str, indices: Iterable[int], onednn: bool = False) -> LogFiles:
+def open_log_files(log_dir: str, prefix: str, indices: Iterable[int], *, total: Optional[int] = None,
+                   kind: str = "instance", onednn: bool = False) -> LogFiles:
     """Create ``log_dir`` if needed and open every log file, or raise :class:`OptionError`.
-    ``onednn``: also one file per instance for oneDNN's verbose lines (``--kernel-report``)."""
+
+    ``total``: how many instances (or ranks) the plan has; earlier logs of indices from ``total``
+    on are set aside too (``--instance-idx`` runs of one plan may share a directory, so logs of
+    indices inside the plan are left to their own launches). ``onednn``: also one file per
+    instance for oneDNN's verbose lines (``--kernel-report``).
+    """
     indices = list(indices)
     check_names(log_dir, prefix, indices, onednn=onednn)
     created = _make_dirs(log_dir)
     files = LogFiles()
     try:
         for index in indices:
-            files.instances[index] = os.fdopen(_create(log_dir, instance_log_name(prefix, index), files), "wb")
+            path = os.path.join(log_dir, instance_log_name(prefix, index, kind))
+            files.instances[index] = LogWriter(_create(log_dir, instance_log_name(prefix, index, kind), files), path)
             if onednn:
-                # unbuffered: a full disk fails the write of a line (counted by the filter), never close()
-                files.onednn[index] = os.fdopen(_create(log_dir, onednn_log_name(prefix, index), files), "wb", 0)
-        fd = _create(log_dir, launcher_log_name(prefix), files)
-        files.launcher = open(fd, "w", encoding="utf-8", errors="replace")
+                path = os.path.join(log_dir, onednn_log_name(prefix, index))
+                files.onednn[index] = LogWriter(_create(log_dir, onednn_log_name(prefix, index), files), path)
+        path = os.path.join(log_dir, launcher_log_name(prefix))
+        files.launcher = LogWriter(_create(log_dir, launcher_log_name(prefix), files), path)
+        if total is not None:
+            _set_aside_stale(log_dir, prefix, kind, max(total, max(indices, default=-1) + 1), files)
     except BaseException:
         files.undo()
         for path in reversed(created):
             _quietly(os.rmdir, path)
         raise
     return files
+
+
+def _set_aside_stale(log_dir: str, prefix: str, kind: str, total: int, files: LogFiles) -> None:
+    """Keep aside ``<prefix>_<kind>_<i>.log`` for every ``i >= total`` (an earlier, larger run's)."""
+    pattern = re.compile(re.escape(f"{prefix}_{kind}_") + r"(\d+)\.log")
+    try:
+        names = os.listdir(log_dir)
+    except OSError:
+        return
+    for name in sorted(names):
+        found = pattern.fullmatch(name)
+        if found is None or int(found.group(1)) < total:
+            continue
+        path = os.path.join(log_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            continue
+        aside = _keep_aside(path)
+        files.kept.append(aside)
+        files._moves.append((path, aside))
 
 
 def _quietly(call, *paths: str) -> None:

@@ -135,10 +135,11 @@ def results(children: Sequence[Child]) -> list:
     return out
 
 
-def summary(children: Sequence[Child], plan: Plan, code: int, *, json: bool) -> tuple[list[str], Optional[dict[str, Any]]]:
+def summary(children: Sequence[Child], plan: Plan, code: int, *, json: bool,
+            noun: str = "instance") -> tuple[list[str], Optional[dict[str, Any]]]:
     """The summary table's lines, and the ``--summary-json`` document when ``json``."""
     from xlaunch.launcher.observe import summary as tables
 
     rows = results(children)
     data = tables.summary_json(rows, code, allocator=plan.allocator, openmp=plan.openmp) if json else None
-    return tables.table_lines(rows, code), data
+    return tables.table_lines(rows, code, noun), data

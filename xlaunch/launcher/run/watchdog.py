@@ -10,6 +10,11 @@ lines as instance process groups start and end, ``done`` on a normal exit. End o
 ``done`` means xlaunch is gone: the watchdog sends SIGTERM to every live group, SIGKILL after the
 grace period, and exits.
 
+The torchrun front (:mod:`.front`) also hands the watchdog the read
+end of its rank registry (a FIFO where each rank writes ``+PGID ...`` as it starts): the watchdog
+reads it only after xlaunch is gone, so a rank that registered while xlaunch was being killed
+is stopped too.
+
 Limits (documented in docs/runner.md): a process that leaves its instance's process group
 (``setsid``, ``setpgid``) is not found; killing the watchdog itself with SIGKILL leaves only the
 parent-death signal.
@@ -35,15 +40,16 @@ class Watchdog:
         self._fd: Optional[int] = write_fd
 
     @classmethod
-    def start(cls, grace_period: float) -> "Watchdog":
-        """Fork the watchdog (raises OSError when it cannot)."""
+    def start(cls, grace_period: float, registry_fd: Optional[int] = None) -> "Watchdog":
+        """Fork the watchdog (raises OSError when it cannot). ``registry_fd``: a non-blocking
+        descriptor with ``+PGID`` lines, read once xlaunch is gone."""
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
         if pid == 0:  # the watchdog
             code = 0
             try:
-                _become_watchdog(read_fd)
-                _watch(read_fd, max(0.0, grace_period))
+                _become_watchdog(read_fd, registry_fd)
+                _watch(read_fd, max(0.0, grace_period), registry_fd)
             except BaseException:
                 code = 1
             finally:
@@ -79,8 +85,8 @@ class Watchdog:
             self._fd = None
 
 
-def _become_watchdog(read_fd: int) -> None:
-    """Detach from xlaunch's signals, terminal and pipes; keep only ``read_fd``."""
+def _become_watchdog(read_fd: int, registry_fd: Optional[int] = None) -> None:
+    """Detach from xlaunch's signals, terminal and pipes; keep only ``read_fd`` (and the registry)."""
     os.setpgid(0, 0)
     try:
         signal.set_wakeup_fd(-1)
@@ -92,11 +98,15 @@ def _become_watchdog(read_fd: int) -> None:
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    os.closerange(3, read_fd)
-    os.closerange(read_fd + 1, _max_fd())
+    keep = sorted({read_fd, registry_fd} - {None})
+    start = 3
+    for fd in keep:
+        os.closerange(start, fd)
+        start = fd + 1
+    os.closerange(start, _max_fd())
 
 
-def _watch(read_fd: int, grace: float) -> None:
+def _watch(read_fd: int, grace: float, registry_fd: Optional[int] = None) -> None:
     groups: set[int] = set()
     pending = b""
     while True:
@@ -112,10 +122,29 @@ def _watch(read_fd: int, grace: float) -> None:
             if line == b"done":
                 return
             if line[:1] == b"+":
-                groups.add(int(line[1:]))
+                groups.add(int(line[1:].split()[0]))
             elif line[:1] == b"-":
                 groups.discard(int(line[1:]))
+    if registry_fd is not None:
+        groups |= _registered(registry_fd)
     _stop_groups(groups, grace)
+
+
+def _registered(fd: int) -> set[int]:
+    """Groups announced in the registry that xlaunch did not read before it died."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return {int(line[1:].split()[0]) for line in data.split(b"\n")
+            if line[:1] == b"+" and line[1:].split()[:1] and line[1:].split()[0].isdigit()}
 
 
 def _stop_groups(groups: set[int], grace: float) -> None:

@@ -1,0 +1,101 @@
+"""The front's channels to its ranks, without torch: a rank attaches to its own pipe and registers;
+a rank finding no front does not start; the watchdog stops a group that registered while the
+front was being killed (it drains the registry nobody else will read)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from xlaunch.launcher.run.front import Channels, parse_registrations, zombie_status
+from xlaunch.launcher.run.watchdog import Watchdog
+
+REPO = Path(__file__).resolve().parents[3]
+
+# what ``xlaunch --per-rank`` does under the front before it becomes the program, then the program
+RANK = """\
+import os, sys
+from xlaunch.launcher.distributed.launch import attach_rank
+problem = attach_rank(os.environ, int(sys.argv[1]))
+if problem:
+    sys.stderr.write(problem + "\\n")
+    sys.exit(143)
+os.execv(sys.executable, [sys.executable, "-c", "import sys; print('to stdout'); print('to stderr', file=sys.stderr)"])
+"""
+
+
+def _rank(channels_path: str, local: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLAUNCH_FRONT_CHANNELS": channels_path}
+    return subprocess.run([sys.executable, "-c", RANK, str(local)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=30, start_new_session=True)   # as torch's agent starts ranks
+
+
+def _read(fd: int) -> bytes:
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_a_rank_writes_to_its_own_pipe_and_registers() -> None:
+    channels = Channels(2)
+    try:
+        done = _rank(channels.path, 1)
+        assert done.returncode == 0 and done.stdout == "" and done.stderr == ""   # all went to the pipe
+        assert _read(channels.outputs[1]) == b"to stdout\nto stderr\n"
+        assert _read(channels.outputs[0]) == b""
+        registered = channels.read_registrations()
+        assert len(registered) == 1 and registered[0][1] == 1 and registered[0][0] == registered[0][2]
+    finally:
+        path = channels.path
+        channels.close()
+    assert not os.path.exists(path)
+    gone = _rank(path, 0)                                  # no front: the rank does not start
+    assert gone.returncode == 143 and "front that started this rank is gone" in gone.stderr
+    assert parse_registrations(b"+12 0 12\n+x 1 2\n+13 1\n") == [(12, 0, 12)]
+
+
+def test_watchdog_stops_a_group_registered_while_the_front_died() -> None:
+    channels = Channels(1)
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                                 "time.sleep(60)"], start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        assert stubborn.stdout.readline() == b"ready\n"
+        watchdog = Watchdog.start(0.3, channels.registry)
+        writer = os.open(os.path.join(channels.path, "ranks"), os.O_WRONLY | os.O_NONBLOCK)
+        os.write(writer, f"+{stubborn.pid} 0 {stubborn.pid}\n".encode())   # never read by the front
+        os.close(writer)
+        channels.close()                  # the front's registry ends go away with it...
+        os.close(watchdog._fd)            # ...and so does its pipe to the watchdog: "xlaunch is gone"
+        watchdog._fd = None
+        started = time.monotonic()
+        assert stubborn.wait(timeout=10) == -signal.SIGKILL        # SIGTERM ignored, SIGKILL after 0.3 s
+        assert time.monotonic() - started < 3
+        os.waitpid(watchdog.pid, 0)
+    finally:
+        if stubborn.poll() is None:
+            stubborn.kill()
+            stubborn.wait()
+        stubborn.stdout.close()
+
+
+def test_zombie_status_reads_exit_codes_and_signals() -> None:
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(7)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.send_signal(signal.SIGKILL)
+    for proc in (exited, killed):
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)   # exited, still a zombie
+    assert zombie_status(exited.pid) == (os.CLD_EXITED, 7)
+    assert zombie_status(killed.pid) == (os.CLD_KILLED, signal.SIGKILL)
+    assert zombie_status(os.getpid()) is None                     # running: no status
+    exited.wait()
+    killed.wait()

@@ -1,0 +1,53 @@
+"""Log files across runs in one directory: no log under its plain name is older than the run."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from xlaunch.launcher.run.logfiles import open_log_files
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _run(log_dir: Path, indices: list[int], total: int, kind: str = "instance") -> list[str]:
+    files = open_log_files(str(log_dir), "x", indices, total=total, kind=kind)
+    for index, log in files.instances.items():
+        log.write(f"run of {len(indices)}, {kind} {index}\n".encode())
+    files.close()
+    return [Path(p).name for p in files.kept]
+
+
+def test_logs_of_instances_a_smaller_run_does_not_have_are_set_aside(tmp_path: Path) -> None:
+    assert _run(tmp_path, [0, 1, 2], 3) == []
+    kept = _run(tmp_path, [0], 1)
+    plain = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".log"))
+    assert plain == ["x_instance_0.log", "x_launcher.log"]            # no stale x_instance_1/2.log
+    assert sorted(name.split(".log.")[0] for name in kept) == ["x_instance_0", "x_instance_1", "x_instance_2",
+                                                               "x_launcher"]
+    assert (tmp_path / "x_instance_0.log").read_text() == "run of 1, instance 0\n"
+
+
+def test_instance_idx_runs_of_one_plan_leave_each_others_logs_alone(tmp_path: Path) -> None:
+    _run(tmp_path, [0], 2)                     # --instance-idx 0 of a 2-instance plan
+    kept = _run(tmp_path, [1], 2)              # --instance-idx 1 of the same plan
+    assert not [name for name in kept if "instance_0" in name]
+    assert (tmp_path / "x_instance_0.log").read_text() == "run of 1, instance 0\n"
+
+
+def test_rank_logs_are_named_and_set_aside_the_same_way(tmp_path: Path) -> None:
+    _run(tmp_path, [0, 1], 2, kind="rank")
+    kept = _run(tmp_path, [0], 1, kind="rank")
+    assert "x_rank_1.log" not in {p.name for p in tmp_path.iterdir()}
+    assert any(name.startswith("x_rank_1.log.") for name in kept)
+
+
+def test_cli_two_instances_then_one(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    for count in ("2", "1"):
+        done = subprocess.run([sys.executable, "-m", "xlaunch", "--ninstances", count, "--log-dir", str(logs),
+                               "--no-python", "echo", count], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    assert not (logs / "xlaunch_instance_1.log").exists()
+    assert (logs / "xlaunch_instance_0.log").read_text() == "1\n"
+    assert "earlier logs kept as" in done.stderr

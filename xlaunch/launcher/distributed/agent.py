@@ -1,0 +1,99 @@
+"""torch's elastic agent, run by the xlaunch front as its child:
+``python -m xlaunch.launcher.distributed.agent TORCHRUN_OPTIONS -- WORKER_COMMAND...``.
+
+The agent (``torch.distributed.run``) keeps rendezvous, restarts and failure detection. This
+entry adds three things:
+
+* every wait of the agent for its workers to stop is capped at the front's grace period
+  (``XLAUNCH_FRONT_GRACE``): torch's agent sends SIGTERM to the other workers when one fails, and
+  between restarts, then waits a fixed 30 s before SIGKILL whatever ``--shutdown-timeout`` says
+  (``PContext.close``'s default). The front enforces the grace period on the rank groups as well;
+* the outcome goes to the front's result file (:data:`xlaunch.launcher.run.front.RESULT`): the job's status and
+  the exit code of every rank the agent saw fail, for the front's per-rank summary;
+* the exit status is the job's: 0, the first failed rank's exit code (128+N when it was killed
+  by signal N), 128+N when the agent got signal N, 1 when the agent itself failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Optional
+
+from xlaunch.launcher.distributed.ranks import CHANNELS_VAR, GRACE_VAR
+from xlaunch.launcher.run.front import RESULT
+
+
+def cap_shutdown_waits(grace: float) -> bool:
+    """Make ``PContext.close`` wait at most ``grace`` seconds before SIGKILL; False if it cannot."""
+    import inspect
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = getattr(api.PContext, "close", None)
+    if original is None or "timeout" not in inspect.signature(original).parameters:
+        return False
+
+    def close(self: Any, death_sig: Any = None, timeout: float = 30) -> Any:
+        return original(self, death_sig, min(timeout, grace))
+
+    api.PContext.close = close  # type: ignore[method-assign]
+    return True
+
+
+def _write_result(path: Optional[str], result: dict[str, Any]) -> None:
+    if not path:
+        return
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as out:
+            json.dump(result, out)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass   # the front then relies on what it saw itself
+
+
+def run(argv: list[str], environ: dict[str, str]) -> int:
+    at = argv.index("--")
+    options, worker = argv[:at], argv[at + 1:]
+    channels = environ.get(CHANNELS_VAR)
+    result_path = os.path.join(channels, RESULT) if channels else None
+    try:
+        from torch.distributed import run as torchrun
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    except ImportError as exc:
+        sys.stderr.write(f"xlaunch: error: --nproc-per-node needs torch.distributed ({exc})\n")
+        _write_result(result_path, {"status": 1, "error": str(exc)})
+        return 1
+    grace = environ.get(GRACE_VAR)
+    if grace is not None and not cap_shutdown_waits(float(grace)):
+        sys.stderr.write("xlaunch: note: this torch's agent waits its own time before SIGKILL; "
+                         "the front still kills the ranks after --grace-period\n")
+    parser = torchrun.get_args_parser()
+    known = getattr(parser, "_option_string_actions", None)
+    if known is not None and "--shutdown-timeout" not in known and "--shutdown-timeout" in options:
+        at = options.index("--shutdown-timeout")          # older torch: its fixed 30 s
+        options = options[:at] + options[at + 2:]
+    args = parser.parse_args([*options, worker[0]])
+    args.training_script_args = worker[1:]
+    result: dict[str, Any] = {"status": 0, "failures": {}}
+    try:
+        torchrun.run(args)
+    except ChildFailedError as failed:
+        sys.stderr.write(failed.format_msg() + "\n")
+        _rank, first = failed.get_first_failure()
+        code = first.exitcode
+        result["status"] = 128 - code if code < 0 else code or 1
+        result["failures"] = {str(f.local_rank): (128 - f.exitcode if f.exitcode < 0 else f.exitcode)
+                              for f in failed.failures.values()}
+    except SignalException as stopped:
+        result["status"] = 128 + int(stopped.sigval)
+    except Exception as error:   # rendezvous timeouts, unreachable endpoints, bad backend names
+        sys.stderr.write(f"xlaunch: error: torch's elastic agent failed: {type(error).__name__}: {error}\n")
+        result = {"status": 1, "error": f"{type(error).__name__}: {error}"}
+    _write_result(result_path, result)
+    return int(result["status"])
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:], dict(os.environ)))

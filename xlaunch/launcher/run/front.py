@@ -1,0 +1,441 @@
+"""The torchrun front at run time (``xlaunch --nproc-per-node N``; planned and started by
+:mod:`xlaunch.launcher.distributed.launch`): torch's elastic agent runs as a child of xlaunch, in
+its own session (:mod:`xlaunch.launcher.distributed.agent`), and xlaunch supervises it and its
+ranks as the runner supervises instances (:class:`~.supervisor.Supervisor`): a pipe per rank
+(``[i]`` lines, per-rank logs), each rank registered as it starts (restarts too), seen ending
+through a pidfd (its status read from its zombie, else from the agent's report), observed and
+summarised; a rank failing on its own stops the others (SIGTERM, SIGKILL after the grace period,
+without the agent's fixed 30 s); signals go to the agent and every rank group; the watchdog knows
+every group. docs/distributed.md tells the whole of it.
+
+Exit status: 128+N after signal N (unless a rank failed on its own first), else the agent's
+(0, or the first failed rank's status, after any restarts), else the first failed rank's.
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import tempfile
+import time
+
+TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
+if TYPE_CHECKING:
+    from typing import Any, Optional
+
+    from xlaunch.launcher.plan.planner import Plan
+
+from xlaunch.launcher.plan.planner import Instance
+from xlaunch.launcher.run import reporting, spawning
+from xlaunch.launcher.run.child import Child, status_code, status_text
+from xlaunch.launcher.run.console import InstanceStream
+from xlaunch.launcher.run.supervisor import Supervisor
+
+
+REGISTRY = "ranks"
+RESULT = "result.json"      # the agent's report: exit status, and each failed rank's exit code
+
+
+def output_name(local_rank: int) -> str:
+    return f"out_{local_rank}"
+
+
+class Channels:
+    """A private directory of FIFOs to the ranks (torch's agent starts them with ``close_fds``, so
+    no descriptor of xlaunch's reaches them; the directory is named in their environment):
+    ``out_<i>`` is local rank *i*'s stdout and stderr (``xlaunch --per-rank`` puts it on fds 1 and 2
+    before the exec; a restart opens it again); ``ranks`` gets ``+<pgid> <local rank> <pid>`` as
+    each rank starts (the watchdog drains it if xlaunch is killed); ``result.json`` is the agent's
+    report. xlaunch holds a write end of each FIFO, so reads never see end-of-file between ranks;
+    a rank finding no reader (xlaunch gone) does not start. :meth:`close` removes it all."""
+
+    def __init__(self, ranks: int) -> None:
+        self.path = tempfile.mkdtemp(prefix="xlaunch-front-")
+        self.outputs: dict[int, int] = {}       # local rank -> read end
+        self._writers: list[int] = []
+        self.registry: int = -1
+        try:
+            for rank in range(ranks):
+                self.outputs[rank] = self._open(output_name(rank))
+            self.registry = self._open(REGISTRY)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, name: str) -> int:
+        path = os.path.join(self.path, name)
+        os.mkfifo(path, 0o600)
+        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._writers.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        return reader
+
+    @property
+    def result_path(self) -> str:
+        return os.path.join(self.path, RESULT)
+
+    def read_registrations(self) -> list[tuple[int, int, int]]:
+        """``(pgid, local rank, pid)`` for every complete line waiting in the registry."""
+        data = b""
+        while True:
+            try:
+                chunk = os.read(self.registry, 4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not chunk:
+                break
+            data += chunk
+        return parse_registrations(data)
+
+    def close_writers(self) -> None:
+        """Let reads reach end-of-file once the ranks' own write ends are closed."""
+        for fd in self._writers:
+            os.close(fd)
+        self._writers = []
+
+    def close(self) -> None:
+        self.close_writers()
+        if self.registry >= 0:
+            os.close(self.registry)
+            self.registry = -1
+        for fd in self.outputs.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.outputs = {}
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def parse_registrations(data: bytes) -> list[tuple[int, int, int]]:
+    found = []
+    for line in data.split(b"\n"):
+        parts = line[1:].split() if line[:1] == b"+" else []
+        if len(parts) == 3 and all(p.isdigit() for p in parts):
+            found.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return found
+
+
+
+class RankProcess:
+    """A rank torch's agent started: xlaunch knows its pid, not a ``Popen``."""
+
+    def __init__(self, pid: int, pgid: int) -> None:
+        self.pid = pid
+        self.pgid = pgid
+        self.returncode: Optional[int] = None
+        self.stdout = None
+
+
+def zombie_status(pid: int) -> Optional[tuple[int, int]]:
+    """``(CLD_* code, value)`` of an exited process not reaped yet, from ``/proc/PID/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[:1] != [b"Z"] or len(fields) < 50:
+        return None
+    raw = int(fields[49])                 # field 52, exit_code: the status as waitpid(2) gives it
+    if os.WIFEXITED(raw):
+        return os.CLD_EXITED, os.WEXITSTATUS(raw)
+    if os.WIFSIGNALED(raw):
+        return (os.CLD_DUMPED if os.WCOREDUMP(raw) else os.CLD_KILLED), os.WTERMSIG(raw)
+    return None
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[:1] == [b"Z"]
+    except (OSError, IndexError):
+        return False
+
+
+class FrontSupervisor(Supervisor):
+    """Runs torch's agent and supervises it and its ranks. Construct, call :meth:`run` once."""
+
+    noun = "rank"
+
+    def __init__(self, plan: Plan, agent_argv: list[str], agent_env: dict[str, str], *,
+                 log_dir: Optional[str], log_file_prefix: str, grace_period: float, quiet: bool,
+                 summary_json: Optional[str], torchrun: list[str], channels_var: str) -> None:
+        super().__init__(grace_period=grace_period, quiet=quiet, summary_json=summary_json)
+        self.plan = plan
+        self.agent_instance = Instance(index=-1, cpus=(), mem_nodes=(), env=dict(agent_env),
+                                       argv=tuple(agent_argv), bind="none", membind="none")
+        self.log_dir = log_dir
+        self.prefix = log_file_prefix
+        self.torchrun = torchrun
+        self.channels_var = channels_var            # where the agent's environment names the channels
+        self.channels: Optional[Channels] = None
+        self.agent: Optional[Child] = None
+        self.agent_result: dict[str, Any] = {}
+        self.attempts: dict[int, int] = {}
+        self.pidfds: dict[int, Child] = {}
+        self.agent_exited = False                   # the agent exited (rather than being killed)
+        self.retired: list[Child] = []              # groups of earlier attempts, while anything is left
+
+    # ---------------------------------------------------------------- who is who
+
+    def label(self, child: Child) -> str:
+        return "the agent" if child is self.agent else f"rank {child.instance.index}"
+
+    def groups(self) -> list[Child]:
+        return [*self.children, *self.retired, *([self.agent] if self.agent is not None else [])]
+
+    def pipes(self) -> list[Child]:
+        return [c for c in self.children if c.fd is not None]
+
+    def registry_fd(self) -> Optional[int]:
+        return self.channels.registry if self.channels is not None else None
+
+    # ---------------------------------------------------------------- start
+
+    def open_channels(self) -> None:
+        self.channels = Channels(len(self.plan.instances))
+        indices = [i.index for i in self.plan.instances]
+        if self.log_dir is not None:
+            from xlaunch.launcher.run.logfiles import open_log_files
+
+            self.logs = open_log_files(self.log_dir, self.prefix, indices, total=len(indices), kind="rank")
+        for instance in self.plan.instances:
+            log = self.logs.instances[instance.index] if self.logs is not None else None
+            child = Child(instance, InstanceStream(instance.index, self.console, log))
+            child.fd = self.channels.outputs[instance.index]
+            self.children.append(child)
+            self.watch_pipe(child)
+        self.selector.register(self.channels.registry, selectors.EVENT_READ, self.on_registrations)
+        if self.logs is not None and self.logs.kept:
+            self.say(f"earlier logs kept as {', '.join(os.path.basename(p) for p in self.logs.kept[:2])}"
+                     + (f" and {len(self.logs.kept) - 2} more" if len(self.logs.kept) > 2 else ""))
+
+    def start_agent(self, single_threaded: bool) -> None:
+        assert self.channels is not None
+        instance = self.agent_instance
+        instance.env[self.channels_var] = self.channels.path
+        agent = Child(instance, InstanceStream(-1, self.messages, None))
+        agent.stream.prefix = b"[agent] "
+        agent.started = time.monotonic()
+        try:
+            agent.proc = spawning.spawn(instance, stdin=spawning.stdin_for(len(self.children)),
+                                        die_with_parent=single_threaded, memory=spawning.MemoryPolicy())
+        except OSError as error:
+            self.say(f"torch's agent could not start: {error.strerror or error}", warning=True)
+            agent.status, agent.text, agent.ended = 1, f"not started ({error})", time.monotonic()
+            self.agent = agent
+            return
+        self.agent = agent
+        if self.watchdog is not None:
+            self.watchdog.watch(agent.pid)
+        agent.group_alive = True
+        agent.text = "running"
+        agent.fd = agent.proc.stdout.fileno()
+        self.selector.register(agent.fd, selectors.EVENT_READ, agent)
+        self.log(f"agent started: pid {agent.pid}: {' '.join(instance.argv)}")
+
+    def release_pipe(self, child: Child) -> None:
+        if child is self.agent:
+            if child.proc is not None and child.proc.stdout is not None:
+                child.proc.stdout.close()
+        elif self.channels is not None and self.channels.outputs.pop(child.instance.index, None) is not None:
+            os.close(child.fd)  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------- ranks
+
+    def on_registrations(self) -> None:
+        assert self.channels is not None
+        for pgid, local, pid in self.channels.read_registrations():
+            if not 0 <= local < len(self.children):
+                continue
+            if self.watchdog is not None:
+                self.watchdog.watch(pgid)
+            self.rank_started(self.children[local], pid, pgid)
+
+    def rank_started(self, child: Child, pid: int, pgid: int) -> None:
+        index = child.instance.index
+        attempt = self.attempts[index] = self.attempts.get(index, 0) + 1
+        if child.proc is not None and child.ended is None:
+            self.rank_ended(child, None)            # the agent replaced it without us seeing the end
+        if child.proc is not None and child.group_alive:    # the last attempt's group lives on: keep
+            retired = Child(child.instance, child.stream, proc=child.proc, started=child.started,   # stopping it
+                            ended=child.ended, status=child.status, text=child.text, stopped_by=child.stopped_by,
+                            group_alive=True, kill_at=child.kill_at, notes=list(child.notes))
+            self.retired.append(retired)
+        child.proc = RankProcess(pid, pgid)
+        child.started, child.ended, child.status = time.monotonic(), None, None
+        child.text, child.stopped_by, child.kill_at, child.observer = "running", "", None, None
+        child.group_alive = True
+        child.notes[:] = []                          # a new group: its leftovers are looked at afresh
+        self.log(f"rank {index} started: pid {pid}" + (f" (attempt {attempt})" if attempt > 1 else ""))
+        opener = getattr(os, "pidfd_open", None)     # Linux 5.3: without it, reap() polls
+        try:
+            pidfd = opener(pid) if opener is not None else None
+        except OSError:                              # already gone (or no pidfds): seen by reap()
+            pidfd = None
+        if pidfd is not None:
+            process = child.proc
+            self.pidfds[pidfd] = child
+            self.selector.register(pidfd, selectors.EVENT_READ, lambda: self.on_rank_exit(pidfd, child, process))
+        if self.interrupted is not None:             # started after xlaunch was told to stop
+            self.signal_groups(self.interrupted, f"{self._signal_text()} forwarded", targets=[child])
+
+    def _signal_text(self) -> str:
+        from xlaunch.launcher.run.signals import signal_name
+
+        return signal_name(self.interrupted or 0)
+
+    def on_rank_exit(self, pidfd: int, child: Child, process: object) -> None:
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        self.pidfds.pop(pidfd, None)
+        if child.proc is process and child.ended is None:
+            self.rank_ended(child, zombie_status(child.pid))
+
+    def rank_ended(self, child: Child, how: Optional[tuple[int, int]]) -> None:
+        child.ended = time.monotonic()
+        if how is not None:
+            child.status, child.text = status_code(*how), status_text(*how)
+        else:
+            child.status, child.text = None, "ended"
+        if child.proc is not None:
+            child.proc.returncode = child.status
+        self.log(f"rank {child.instance.index} (pid {child.pid}) ended: {child.text} after "
+                 f"{child.ended - child.started:.3f}s" + (f" ({child.stopped_by})" if child.stopped_by else ""))
+        if not child.status or child.stopped_by or self.interrupted is not None:
+            return
+        if self.first_failure is None:
+            self.first_failure = child
+        others = [c for c in self.children if c is not child and c.running and not c.stopped_by]
+        if others:
+            self.say(f"rank {child.instance.index} failed ({child.text}): stopping the others "
+                     f"(SIGTERM, SIGKILL after {self.grace:g}s)")
+            self.signal_groups(signal.SIGTERM, f"stopped after rank {child.instance.index} failed", targets=others)
+
+    # ---------------------------------------------------------------- reaping
+
+    def reap(self) -> None:
+        """Reap the agent and orphans (xlaunch is their subreaper); stop what ranks left behind."""
+        ranks = {c.pid: c for c in self.children if c.proc is not None and c.ended is None}
+        while True:
+            try:
+                result = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+            if result is None or result.si_pid == 0:
+                break
+            if self.agent is not None and result.si_pid == self.agent.pid and self.agent.ended is None:
+                self.agent_ended(result.si_code, result.si_status)
+            elif result.si_pid in ranks:             # a rank orphaned by a dead agent
+                self.rank_ended(ranks.pop(result.si_pid), (result.si_code, result.si_status))
+        watched = set(map(id, self.pidfds.values()))
+        for child in ranks.values():                 # no pidfd: look whether it still exists
+            if id(child) not in watched and child.ended is None and not _exists(child.pid):
+                self.rank_ended(child, None)
+        for child in self.groups():
+            if child.ended is not None and child.group_alive and not is_zombie(child.pid):
+                self.check_group(child)
+
+    def agent_ended(self, wait_code: int, value: int) -> None:
+        agent = self.agent
+        assert agent is not None and self.channels is not None
+        agent.ended = time.monotonic()
+        agent.status, agent.text = status_code(wait_code, value), status_text(wait_code, value)
+        agent.proc.returncode = agent.status
+        self.agent_exited = wait_code == os.CLD_EXITED
+        self.log(f"the agent (pid {agent.pid}) ended: {agent.text}")
+        try:
+            import json
+
+            with open(self.channels.result_path, encoding="utf-8") as report:
+                self.agent_result = json.load(report)
+        except (OSError, ValueError):
+            self.agent_result = {}
+        left = [c for c in [*self.children, *self.retired] if c.group_alive and c.kill_at is None]
+        if left:
+            self.log(f"the agent ended: stopping what is left of rank(s) {', '.join(str(c.instance.index) for c in left)}")
+            self.signal_groups(signal.SIGTERM, "the agent ended", targets=left)
+
+    def finished(self) -> bool:
+        return all(c.done for c in self.groups())
+
+    def next_due(self) -> Optional[float]:
+        return reporting.observe(self.children, time.monotonic())
+
+    # ---------------------------------------------------------------- the end
+
+    def fill_statuses(self) -> None:
+        """Ranks whose status xlaunch did not see: the agent's report (failures, else success)."""
+        failures = self.agent_result.get("failures") or {}
+        ok = self.agent_result.get("status") == 0
+        for child in self.children:
+            if child.proc is None or child.status is not None:
+                continue
+            code = failures.get(str(child.instance.index), 0 if ok else None)
+            if code is not None:
+                child.status = code
+                child.text = f"exit {code}" if code < 128 else status_text(os.CLD_KILLED, code - 128)
+
+    def exit_status(self) -> int:
+        agent = self.agent
+        if self.interrupted is not None and self.first_failure is None:
+            return 128 + self.interrupted
+        if agent is not None and agent.status is not None and getattr(self, "agent_exited", False):
+            return agent.status
+        if self.first_failure is not None and self.first_failure.status:
+            return self.first_failure.status
+        if self.interrupted is not None:
+            return 128 + self.interrupted
+        return agent.status if agent is not None and agent.status else 1
+
+    def run(self) -> int:
+        try:
+            self.open_channels()      # an OptionError here: nothing started, nothing left behind
+            for line in reporting.plan_lines(self.plan, keep_going=False, grace=self.grace):
+                self.log(line)
+            count = len(self.plan.instances)
+            cpus = sum(len(i.cpus) for i in self.plan.instances)
+            self.say(f"starting torch's agent for {count} rank{'s' if count != 1 else ''} on {cpus} "
+                     f"CPU{'s' if cpus != 1 else ''}: allocator {self.plan.allocator}, OpenMP {self.plan.openmp}")
+            self.signals.install(self.log)
+            single_threaded = spawning.single_threaded()
+            self.become_subreaper()
+            try:
+                self.start_watchdog(single_threaded)
+                self.start_agent(single_threaded)
+                self.loop()
+            except BaseException:
+                self.kill_everything()
+                raise
+            finally:
+                if self.watchdog is not None:
+                    self.watchdog.stop()
+                self.restore_subreaper()
+            self.fill_statuses()
+            code = self.exit_status()
+            for warning in reporting.observation_warnings(self.children, self.plan):
+                self.say(warning, warning=True)
+            self.summarize(code, self.plan, {"distributed": {"engine": "torch.distributed.run",
+                                                             "torchrun_options": self.torchrun,
+                                                             "attempts": dict(sorted(self.attempts.items()))}})
+            self.report_drops()
+            self.finish_output()
+            return code
+        finally:
+            for pidfd in list(self.pidfds):
+                os.close(pidfd)
+            self.close()
+            if self.channels is not None:
+                self.channels.close()
