@@ -71,7 +71,7 @@ def test_each_engine_is_read(engine: str) -> None:
 
 
 def test_slurm_counts_and_node_pick() -> None:
-    assert slurm_task_counts("X", "2(x3),1") == [2, 2, 2, 1]
+    assert slurm_task_counts("X", "2(x3),1") == [(2, 3), (1, 1)]
     env = {"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}
     assert local_rank_from(env).size == 1
     assert local_rank_from({**env, "SLURM_NODEID": "1"}).size == 2
