@@ -127,18 +127,23 @@ class _Stream(io.RawIOBase):
     """The tar stream of an archive (xz, gzip or plain), decompressed as it is read.
 
     Refuses to give more than MAX_UNPACKED_BYTES, and the xz decoder may use at most
-    MAX_DECODER_MEMORY (an xz header may ask for a 1.5 GiB dictionary)."""
+    MAX_DECODER_MEMORY (an xz header may ask for a 1.5 GiB dictionary). Concatenated xz streams
+    and gzip members are read one after the other, as ``xz -d`` and ``gzip -d`` do."""
 
     def __init__(self, raw: io.BufferedReader, archive: str) -> None:
         self._raw = raw
         self._archive = archive
         self._total = 0
         magic = raw.peek(6)[:6]
-        self._decoder: Any = None
-        if magic.startswith(b"\xfd7zXZ\x00"):
-            self._decoder = lzma.LZMADecompressor(lzma.FORMAT_XZ, memlimit=MAX_DECODER_MEMORY)
-        elif magic.startswith(b"\x1f\x8b"):
-            self._decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        self._kind = "xz" if magic.startswith(b"\xfd7zXZ\x00") else "gz" if magic.startswith(b"\x1f\x8b") else None
+        self._decoder: Any = self._new_decoder()
+
+    def _new_decoder(self) -> Any:
+        if self._kind == "xz":
+            return lzma.LZMADecompressor(lzma.FORMAT_XZ, memlimit=MAX_DECODER_MEMORY)
+        if self._kind == "gz":
+            return zlib.decompressobj(16 + zlib.MAX_WBITS)
+        return None
 
     def readable(self) -> bool:
         return True
@@ -153,20 +158,29 @@ class _Stream(io.RawIOBase):
         return len(data)
 
     def _decompress(self, wanted: int) -> bytes:
-        decoder = self._decoder
-        while not decoder.eof:                   # what follows the first stream is ignored
-            if isinstance(decoder, lzma.LZMADecompressor):
-                chunk = self._raw.read(1 << 16) if decoder.needs_input else b""
+        pending = b""
+        while True:
+            decoder = self._decoder
+            if decoder.eof:                      # the next stream (member), if any
+                pending = decoder.unused_data.lstrip(b"\0")     # xz pads streams with zeros
+                while not pending:
+                    more = self._raw.read(1 << 16)
+                    if not more:
+                        return b""
+                    pending = more.lstrip(b"\0")
+                self._decoder = decoder = self._new_decoder()
+            if self._kind == "xz":
+                chunk = pending or (self._raw.read(1 << 16) if decoder.needs_input else b"")
                 if decoder.needs_input and not chunk:
                     raise EOFError("compressed data ends early")
             else:
-                chunk = decoder.unconsumed_tail or self._raw.read(1 << 16)
+                chunk = pending or decoder.unconsumed_tail or self._raw.read(1 << 16)
                 if not chunk:
                     raise EOFError("compressed data ends early")
+            pending = b""
             data = decoder.decompress(chunk, wanted)
             if data:
                 return data
-        return b""
 
     def close(self) -> None:
         self._raw.close()
