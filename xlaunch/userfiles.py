@@ -2,10 +2,11 @@
 
 The policy (docs/runner.md, "Hostile files, full disks, closed streams"), written once here:
 
-* :func:`read_user_file` reads only a *regular* file, at most ``limit`` bytes. It looks at the
-  path before opening (a FIFO, device or socket is refused without being opened), opens with
-  ``O_NONBLOCK`` (a FIFO swapped in meanwhile cannot block the open) and checks the open
-  descriptor again with ``fstat``: what is read is what was checked. A symlink to a regular
+* :func:`read_user_file` (and :func:`open_user_file`, for readers that stream, such as machine
+  archives) reads only a *regular* file, at most ``limit`` bytes. It looks at the path before
+  opening (a FIFO, device or socket is refused without being opened), opens with ``O_NONBLOCK``
+  (a FIFO swapped in meanwhile cannot block the open) and checks the open descriptor again with
+  ``fstat``: what is read is what was checked. A symlink to a regular
   file is read (the user named it); ``/dev/zero``, a FIFO with no writer, a directory or a
   file over the cap is one :class:`UserFileError` naming the file and the problem.
 * :func:`write_atomically` writes a whole file through a new temporary file in the same
@@ -39,8 +40,9 @@ def kind_of(mode: int) -> str:
     return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
 
 
-def read_user_file(path: str, limit: int = DEFAULT_LIMIT) -> bytes:
-    """The bytes of the regular file ``path`` (at most ``limit``), or :class:`UserFileError`."""
+def open_user_file(path: str, limit: int = DEFAULT_LIMIT) -> int:
+    """A read-only descriptor on the regular file ``path`` of at most ``limit`` bytes (by its
+    size; readers still stop at ``limit``), or :class:`UserFileError`. The caller closes it."""
     shown = path or "''"
     try:
         before = os.stat(path)
@@ -58,8 +60,18 @@ def read_user_file(path: str, limit: int = DEFAULT_LIMIT) -> bytes:
             raise UserFileError(f"{shown} is {kind_of(info.st_mode)}, not a regular file")
         if info.st_size > limit:
             raise UserFileError(f"{shown} is {info.st_size} bytes; files over {limit} bytes are not read")
-        chunks: list[bytes] = []
-        total = 0
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_user_file(path: str, limit: int = DEFAULT_LIMIT) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit``), or :class:`UserFileError`."""
+    fd = open_user_file(path, limit)
+    chunks: list[bytes] = []
+    total = 0
+    try:
         while True:
             chunk = os.read(fd, min(_CHUNK, limit + 1 - total))
             if not chunk:
@@ -67,9 +79,9 @@ def read_user_file(path: str, limit: int = DEFAULT_LIMIT) -> bytes:
             chunks.append(chunk)
             total += len(chunk)
             if total > limit:               # grew after fstat, or a file whose size lies (procfs)
-                raise UserFileError(f"{shown} holds more than {limit} bytes; larger files are not read")
+                raise UserFileError(f"{path} holds more than {limit} bytes; larger files are not read")
     except OSError as exc:
-        raise UserFileError(f"cannot read {shown}: {exc.strerror or exc}") from None
+        raise UserFileError(f"cannot read {path}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
     return b"".join(chunks)

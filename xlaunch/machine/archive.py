@@ -12,7 +12,6 @@ import io
 import lzma
 import os
 import shutil
-import stat
 import tarfile
 import tempfile
 import zlib
@@ -194,21 +193,10 @@ def _open_stream(archive: str) -> io.BufferedReader:
 
 def _open_archive(archive: str) -> io.BufferedReader:
     """The archive file itself: a regular file of at most MAX_ARCHIVE_BYTES, opened without
-    blocking (xlaunch.userfiles' checks: a FIFO or device is refused, never read)."""
-    from xlaunch.userfiles import kind_of
+    blocking (:func:`xlaunch.userfiles.open_user_file`: a FIFO or device is refused, never read)."""
+    from xlaunch.userfiles import open_user_file
 
-    fd = os.open(archive, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{archive} is {kind_of(info.st_mode)}, not a regular file")
-        if info.st_size > MAX_ARCHIVE_BYTES:
-            raise ValueError(f"{archive} is {info.st_size} bytes; machine archives over "
-                             f"{MAX_ARCHIVE_BYTES >> 20} MiB are not read")
-        return open(fd, "rb", closefd=True)
-    except BaseException:
-        os.close(fd)
-        raise
+    return open(open_user_file(archive, MAX_ARCHIVE_BYTES), "rb", closefd=True)
 
 
 def cache_dir() -> str:

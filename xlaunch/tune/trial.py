@@ -165,7 +165,7 @@ def _failure(code: int, directory: str) -> str:
         instances = []
     if instances:
         failed = [i for i in instances if i.get("exit_code") not in (0, None)]
-        own = [i for i in failed if "(" not in str(i.get("status", ""))]       # not stopped by xlaunch
+        own = [i for i in failed if not _stopped_by_launcher(str(i.get("status", "")))]
         first = next((i for group in ([i for i in own if i.get("exit_code") == code], own,
                                       [i for i in failed if i.get("exit_code") == code], failed) for i in group), None)
         if first is None:
@@ -180,3 +180,10 @@ def _failure(code: int, directory: str) -> str:
         text = ""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return f"exit {code} ({lines[-1][:200]})" if lines else f"exit {code}"
+
+
+def _stopped_by_launcher(status: str) -> bool:
+    """``killed by SIGTERM (stopped after instance 1 failed)``, ``... (SIGTERM forwarded)``: the
+    launcher signalled it (the reason it appends); ``killed by SIGSEGV (core dumped)`` is its own."""
+    reason = status.rpartition(" (")[2]
+    return status.startswith("killed by") and (reason.startswith("stopped after") or reason.endswith("forwarded)"))
