@@ -160,3 +160,30 @@ def test_refuses_an_existing_target(tmp_path, archive, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
     assert err.startswith("xlaunch-record-machine: error: DIR: ") and "already exists" in err
+
+
+def test_archives_are_streamed_member_by_member_and_capped(tmp_path, monkeypatch):
+    """Concatenated gzip members and xz streams are read as gzip -d and xz -d read them; past the
+    member cap the archive is refused and what was unpacked is removed. (The size cap, against a
+    600 MB bomb in bounded memory, runs through the CLI: tests/launcher/cli/test_hostile_input.py.)"""
+    import gzip
+    import lzma
+
+    from xlaunch.machine import archive
+
+    tree = machine_tree("vm-no-node")
+    plain = tmp_path / "box.tar"
+    write_archive(str(tree), str(tmp_path / "box.tar.xz"))
+    plain.write_bytes(lzma.decompress((tmp_path / "box.tar.xz").read_bytes()))
+    raw = plain.read_bytes()
+    half = len(raw) // 2
+    (tmp_path / "two.tar.gz").write_bytes(gzip.compress(raw[:half]) + gzip.compress(raw[half:]))
+    (tmp_path / "two.tar.xz").write_bytes(lzma.compress(raw[:half]) + bytes(4) + lzma.compress(raw[half:]))
+    for name in ("two.tar.gz", "two.tar.xz"):
+        unpack_archive(str(tmp_path / name), str(tmp_path / f"out-{name}"))
+        same_model(load_machine(str(tree)), load_machine(str(tmp_path / f"out-{name}")))
+    members = len(tarfile.open(plain).getmembers())
+    monkeypatch.setattr(archive, "MAX_MEMBERS", members - 1)
+    with pytest.raises(ValueError, match=f"more than {members - 1} members"):
+        unpack_archive(str(plain), str(tmp_path / "capped"))
+    assert not (tmp_path / "capped").exists()

@@ -60,6 +60,9 @@ def test_grid_finds_the_known_best_and_writes_its_files(tmp_path: Path, iomp_pat
     only_start_line(done.stderr)
     check_known_best(load(tmp_path / "out"))
     assert "best" in done.stdout and "failed: exit 3 (instance 0)" in done.stdout
+    assert "runner-up" in done.stdout and "lost the re-measurement" not in done.stdout
+    assert "30 re-measured (median of 1 interleaved round, 30 .. 30); search: 30" in \
+        (tmp_path / "out" / "best.toml").read_text()
     csv_lines = (tmp_path / "out" / "trials.csv").read_text().splitlines()
     assert len(csv_lines) == 1 + 6 + 2 and csv_lines[0].startswith("number,ninstances,ncores-per-instance,omp-runtime")
     assert (tmp_path / "out" / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,13 +5,20 @@
 table of option names (``ninstances = 2``, ``memory-allocator = "jemalloc"``); command-line
 flags override it. TOML is read with :mod:`tomllib` (Python 3.11+), else ``tomli`` when
 installed, else a small reader for the flat subset presets use.
+
+A config file is a file a user hands us: read through :mod:`xlaunch.userfiles` (a regular file
+of at most 1 MiB; a FIFO, device or directory is refused without blocking), and nested no
+deeper than :data:`MAX_NESTING` arrays/tables before the TOML reader sees it.
 """
 from __future__ import annotations
 
 import os
 from typing import Any
 
-__all__ = ["ConfigError", "preset_names", "load_config", "parse_toml"]
+__all__ = ["ConfigError", "MAX_NESTING", "preset_names", "load_config", "parse_toml"]
+
+MAX_NESTING = 32
+"""Arrays and inline tables nested deeper than this are refused (the TOML readers recurse)."""
 
 
 class ConfigError(ValueError):
@@ -44,15 +51,12 @@ def load_config(spec: str) -> tuple[dict[str, Any], str]:
             known = ", ".join(preset_names()) or "none"
             raise ConfigError(f"no preset named {spec!r} (presets: {known}) and no such file")
         return _parse(resource.read_text(encoding="utf-8"), f"preset:{spec}"), f"preset:{spec}"
+    from xlaunch.userfiles import UserFileError, read_user_text
+
     try:
-        with open(spec, "rb") as handle:
-            raw = handle.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {spec}: {exc.strerror or exc}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{spec} is not UTF-8 text") from None
+        text = read_user_text(spec)
+    except UserFileError as exc:
+        raise ConfigError(str(exc)) from None
     return _parse(text, spec), spec
 
 
@@ -65,7 +69,10 @@ def _parse(text: str, source: str) -> dict[str, Any]:
 
 
 def parse_toml(text: str) -> dict[str, Any]:
-    """Parse TOML text; raise ValueError when invalid."""
+    """Parse TOML text; raise ValueError when invalid or nested deeper than :data:`MAX_NESTING`."""
+    depth = nesting_depth(text)
+    if depth > MAX_NESTING:
+        raise ValueError(f"arrays or tables nested {depth} deep (at most {MAX_NESTING})")
     try:
         import tomllib as toml_reader  # Python 3.11+
     except ModuleNotFoundError:  # pragma: no cover - exercised on 3.9/3.10 only
@@ -77,6 +84,71 @@ def parse_toml(text: str) -> dict[str, Any]:
         return toml_reader.loads(text)
     except toml_reader.TOMLDecodeError as exc:
         raise ValueError(str(exc)) from None
+    except RecursionError:      # not expected below MAX_NESTING; never a traceback all the same
+        raise ValueError("nested too deep") from None
+
+
+def nesting_depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` in TOML ``text``, outside strings and comments.
+
+    A table header (``[a]``, ``[[a]]``) counts as one or two levels, closed on its line. Stops
+    counting once past :data:`MAX_NESTING` (the answer is then just "too deep").
+    """
+    depth = deepest = 0
+    position, end = 0, len(text)
+    while position < end:
+        char = text[position]
+        if char in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_NESTING:
+                    return deepest
+        elif char in "]}":
+            depth = max(0, depth - 1)
+        elif char == "#":
+            newline = text.find("\n", position)
+            position = end if newline < 0 else newline
+            continue
+        elif char in "\"'":
+            position = _string_end(text, position)
+            continue
+        position += 1
+    return deepest
+
+
+def _string_end(text: str, start: int) -> int:
+    """Index just past the TOML string starting at ``start`` (basic or literal, one-line or
+    multi-line); the end of ``text`` when it is not closed (the reader then says why)."""
+    quote = text[start]
+    if text.startswith(quote * 3, start):
+        close = text.find(quote * 3, start + 3)
+        while quote == '"' and close > 0 and _escaped(text, close):
+            close = text.find(quote * 3, close + 1)
+        if close < 0:
+            return len(text)
+        close += 3
+        while close < len(text) and text[close] == quote:    # up to two quotes may end the content
+            close += 1
+        return close
+    position = start + 1
+    while position < len(text):
+        char = text[position]
+        if char == "\\" and quote == '"':
+            position += 2
+            continue
+        if char == quote or char == "\n":
+            return position + 1
+        position += 1
+    return len(text)
+
+
+def _escaped(text: str, index: int) -> bool:
+    """Whether the character at ``index`` follows an odd number of backslashes."""
+    count = 0
+    while index - count - 1 >= 0 and text[index - count - 1] == "\\":
+        count += 1
+    return count % 2 == 1
 
 
 def _parse_flat_toml(text: str) -> dict[str, Any]:

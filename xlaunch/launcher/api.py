@@ -17,12 +17,14 @@ from xlaunch.launcher.plan.options import (
     flag_name,
     load_config_option,
     option_fields,
+    strict_float,
+    strict_int,
 )
 
 __all__ = [
     "USAGE_EXIT_STATUS", "LaunchInputError", "OptionError", "SETTABLE", "Options", "build_options",
-    "canonical_name", "flag_name", "load_config_option", "option_fields", "click_options", "run_command_line",
-    "kernel_cell",
+    "canonical_name", "flag_name", "load_config_option", "option_fields", "strict_int", "strict_float", "click_options",
+    "run_command_line", "kernel_cell",
 ]
 
 

@@ -92,7 +92,7 @@ def dry_run(config_path: str, command: Sequence[str], environ: Optional[Mapping[
     from xlaunch.launcher.api import run_command_line
 
     out, err = io.StringIO(), io.StringIO()
-    argv = ["--config", config_path, "--dry-run", "--json", "-q", *command]
+    argv = ["--config", config_path, "--dry-run", "--json", "-q", "--", *command]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = run_command_line(argv, os.environ if environ is None else environ)
     return code, out.getvalue(), err.getvalue()

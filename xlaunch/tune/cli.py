@@ -143,8 +143,10 @@ def _number(params: Mapping[str, Any], name: str, kind: type, minimum: float) ->
     if text is None:
         return None
     option = "--" + name.replace("_", "-")
+    from xlaunch.launcher.api import strict_float, strict_int
+
     try:
-        value = kind(text)
+        value = strict_int(text) if kind is int else strict_float(text)
     except ValueError:
         raise UsageError(option, f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
     if not value >= minimum or value != value or value == float("inf"):
@@ -211,13 +213,13 @@ def _machine(environ: Mapping[str, str]) -> Any:
 
 
 def _read(path: str) -> str:
+    """The space file: a regular file of at most 1 MiB (xlaunch.userfiles)."""
+    from xlaunch.userfiles import UserFileError, read_user_text
+
     try:
-        with open(path, "rb") as handle:
-            return handle.read().decode("utf-8")
-    except OSError as exc:
-        raise UsageError("--space", f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UsageError("--space", f"{path} is not UTF-8 text") from None
+        return read_user_text(path)
+    except UserFileError as exc:
+        raise UsageError("--space", str(exc)) from None
 
 
 def _given(ctx: click.Context, name: str) -> bool:
@@ -283,10 +285,15 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
         except StrategyError as exc:
             raise UsageError("--strategy", str(exc)) from None
     if out is not None:
+        from xlaunch.userfiles import check_writable_dir
+
         try:
             os.makedirs(out, exist_ok=True)
         except OSError as exc:
             raise UsageError("--output-dir", f"cannot create {out!r}: {exc.strerror or exc}") from None
+        problem = check_writable_dir(out)
+        if problem is not None:
+            raise UsageError("--output-dir", f"cannot write in {out!r}: {problem}")
     workdir = out if out is not None else tempfile.mkdtemp(prefix="xlaunch-tune-")
     try:
         try:
@@ -310,7 +317,7 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
                 text = "re-measuring best vs runner-up"
             bar.update(len(tuner.records), settings.trials, text)
             if out is not None and event in ("trial", "skipped"):
-                records.save_json(out, records.document(tuner, sig))
+                _save(os.path.join(out, records.TRIALS_JSON), lambda: records.save_json(out, records.document(tuner, sig)))
 
         tuner = Tuner(space=space, program=program, objective=objective, strategy=strategy, launch=launch,
                       workdir=workdir, trials=settings.trials, repeats=settings.repeats,
@@ -366,17 +373,40 @@ def _restore_signals(saved: dict[int, Any]) -> None:
         signal.signal(number, handler)
 
 
+_unsaved: list[str] = []
+
+
+def _save(path: str, write: Any) -> Optional[str]:
+    """Run ``write()`` (which writes ``path``); a file that cannot be written (a full disk, a
+    special file planted at its path) is a warning, once per file, and the session goes on."""
+    from xlaunch.userfiles import UserFileError
+
+    try:
+        return write()
+    except (OSError, UserFileError) as exc:
+        problem = getattr(exc, "strerror", None) or str(exc)
+        line = f"{PROG}: warning: cannot write {path}: {problem}"
+        if line not in _unsaved:
+            _unsaved.append(line)
+            sys.stderr.write(line + "\n")
+        return None
+
+
 def _write_outputs(out: str, tuner: Any, outcome: Any, sig: dict, program: Any) -> list[str]:
     from xlaunch.tune import records
     from xlaunch.tune.plot import save_plot
 
-    written = [records.save_json(out, records.document(tuner, sig, outcome)), records.save_csv(out, tuner)]
+    def plot() -> Optional[str]:
+        title = f"xlaunch-tune: {shlex.join(program.command)}"
+        png = save_plot(os.path.join(out, "tune.png"), tuner, outcome, title=title[:100])
+        if png is None:
+            sys.stderr.write(f"{PROG}: matplotlib is not installed: no tune.png (pip install 'xlaunch[tune]')\n")
+        return png
+
+    writes = [(records.TRIALS_JSON, lambda: records.save_json(out, records.document(tuner, sig, outcome))),
+              (records.TRIALS_CSV, lambda: records.save_csv(out, tuner))]
     if outcome.best is not None:
-        written.append(records.save_best(out, outcome.best, list(program.command), tuner.objective.label))
-    title = f"xlaunch-tune: {shlex.join(program.command)}"
-    png = save_plot(os.path.join(out, "tune.png"), tuner, outcome, title=title[:100])
-    if png is None:
-        sys.stderr.write(f"{PROG}: matplotlib is not installed: no tune.png (pip install 'xlaunch[tune]')\n")
-    else:
-        written.append(png)
-    return written
+        writes.append((records.BEST_TOML, lambda: records.save_best(
+            out, outcome.best, list(program.command), tuner.objective.label, outcome.final)))
+    writes.append(("tune.png", plot))
+    return [path for path in (_save(os.path.join(out, name), write) for name, write in writes) if path]

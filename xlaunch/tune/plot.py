@@ -6,14 +6,13 @@ configurations at the bottom with their reason. matplotlib is imported here only
 """
 from __future__ import annotations
 
+import io
 from typing import Any, Optional
 
 from xlaunch.tune.session import Outcome, Tuner
+from xlaunch.tune.space import short_key
+from xlaunch.userfiles import write_atomically
 
-SHORT_KEYS = {
-    "ninstances": "inst", "ncores-per-instance": "cores", "memory-allocator": "malloc",
-    "omp-runtime": "omp", "use-logical-cores": "smt", "bind-numa-node": "numa-bind",
-}
 MAX_OK_ROWS = 30          # the best 30 and up to 10 failures: a readable height
 MAX_FAILED_ROWS = 10
 
@@ -22,12 +21,13 @@ def label(point: dict[str, Any]) -> str:
     parts = []
     for key, value in point.items():
         shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
-        parts.append(f"{SHORT_KEYS.get(key, key)}={shown}")
+        parts.append(f"{short_key(key)}={shown}")
     return "  ".join(parts) or "(defaults)"
 
 
 def save_plot(path: str, tuner: Tuner, outcome: Outcome, title: Optional[str] = None) -> Optional[str]:
-    """Write the plot; returns None (and writes nothing) when matplotlib is not installed."""
+    """Write the plot (atomically, never through a symlink); returns None (and writes nothing)
+    when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -86,6 +86,7 @@ def save_plot(path: str, tuner: Tuner, outcome: Outcome, title: Optional[str] = 
     if finals:
         ax.legend(loc="lower right", fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
     plt.close(fig)
-    return path
+    return write_atomically(path, image.getvalue())

@@ -1,11 +1,20 @@
-"""The final ranked table (rich when installed, plain columns otherwise)."""
+"""The final ranked table (rich when installed, plain columns otherwise).
+
+One row per measured configuration, the winner first: it is the one the interleaved
+re-measurement chose, which may not be the best search median. Short column names and cells
+that never wrap keep it readable in 80 columns; why a configuration failed or was skipped is
+told below the table, one line each.
+"""
 from __future__ import annotations
 
 import sys
 from typing import Any, Optional, TextIO
 
+from xlaunch.tune.objective import summarize
 from xlaunch.tune.session import Outcome, Tuner
-from xlaunch.tune.space import describe
+from xlaunch.tune.space import describe, short_key
+
+BEST, RUNNER_UP, OK, FAILED = "best", "runner-up", "ok", "failed"
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -19,39 +28,51 @@ def _wall(value: Optional[float]) -> str:
 
 
 def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], list[str]]:
-    """Header, one row per trial (ranked ok ones first, then failed), and footnote lines."""
+    """Header, one row per trial (the winner, then the other ok ones by median, then the failed
+    ones), and the lines under the table."""
     keys = list(tuner.space.keys)
-    with_kernels = any(run.get("kernels") for record in tuner.records for run in record.runs)
-    kernels = (lambda record: [record.kernels]) if with_kernels else (lambda record: [])
-    header = ["rank", "#", *keys, "median", "spread", "wall s", *(["kernels"] if with_kernels else []), "status"]
-    body: list[list[str]] = []
-    best = outcome.best.number if outcome.best is not None else None
-    for rank, record in enumerate(tuner.ranked(), 1):
-        summary = record.summary
-        spread = f"{_fmt(summary.low)}..{_fmt(summary.high)}" if summary and summary.count > 1 else "-"
-        status = "best" if record.number == best else "ok"
-        if outcome.final is not None and record.number in outcome.final.numbers and record.number != best:
-            status = "ok, lost the re-measurement"
-        body.append([str(rank), str(record.number), *(_cell(record.point.get(k)) for k in keys),
-                     _fmt(record.value), spread, _wall(record.wall_time), *kernels(record), status])
-    for record in tuner.records:
-        if not record.ok:
-            body.append(["-", str(record.number), *(_cell(record.point.get(k)) for k in keys), "-", "-",
-                         _wall(record.wall_time), *kernels(record), f"failed: {record.reason}"])
-    notes = [f"objective: {tuner.objective.label}, {'higher' if tuner.objective.goal == 'max' else 'lower'} is better"]
-    for skip in tuner.skipped:
-        notes.append(f"skipped {describe(skip.point)}: {skip.reason}")
     final = outcome.final
+    finals = {n: summarize(v).median for n, v in final.values.items() if v} if final is not None else {}
+    spread_shown = any((r.summary is not None and r.summary.count > 1) for r in tuner.records)
+    header = ["rank", "#", *(short_key(k) for k in keys), "median"]
+    header += ["spread"] if spread_shown else []
+    header += ["final"] if final is not None else []          # the interleaved re-measurement
+    with_kernels = any(run.get("kernels") for record in tuner.records for run in record.runs)   # --kernel-report
+    kernels = (lambda record: [record.kernels]) if with_kernels else (lambda record: [])
+    header += ["wall s", *(["kernels"] if with_kernels else []), "status"]
+    best = outcome.best.number if outcome.best is not None else None
+    ranked = tuner.ranked()
+    ranked = [r for r in ranked if r.number == best] + [r for r in ranked if r.number != best]
+    body: list[list[str]] = []
+    for rank, record in enumerate(ranked, 1):
+        summary = record.summary
+        status = BEST if record.number == best else OK
+        if final is not None and record.number in final.numbers and record.number != best:
+            status = RUNNER_UP
+        row = [str(rank), str(record.number), *(_cell(record.point.get(k)) for k in keys), _fmt(record.value)]
+        if spread_shown:
+            row.append(f"{_fmt(summary.low)}..{_fmt(summary.high)}" if summary and summary.count > 1 else "-")
+        if final is not None:
+            row.append(_fmt(finals.get(record.number)))
+        body.append(row + [_wall(record.wall_time), *kernels(record), status])
+    failed = [r for r in tuner.records if not r.ok]
+    for record in failed:
+        row = ["-", str(record.number), *(_cell(record.point.get(k)) for k in keys), "-"]
+        row += ["-"] * (spread_shown + (final is not None))
+        body.append(row + [_wall(record.wall_time), *kernels(record), FAILED])
+    notes = [f"objective: {tuner.objective.label}, {'higher' if tuner.objective.goal == 'max' else 'lower'} is better"]
+    notes += [f"#{record.number} failed: {record.reason}" for record in failed]
+    notes += [f"skipped {describe(skip.point)}: {skip.reason}" for skip in tuner.skipped]
     if final is not None:
-        parts = []
-        for number in final.numbers:
-            values = final.values.get(number, [])
-            median = sorted(values)[len(values) // 2] if values else None
-            parts.append(f"#{number} {_fmt(median)} (n={len(values)})")
+        parts = [f"#{n} {_fmt(finals.get(n))} (n={len(final.values.get(n, []))})" for n in final.numbers]
         notes.append("re-measured interleaved: " + " vs ".join(parts) +
                      (f" -> #{final.winner} wins" if final.winner is not None else " -> no result"))
     if outcome.best is not None:
         notes.append(f"best: #{outcome.best.number} {describe(outcome.best.point)}")
+    elif not tuner.records and tuner.skipped:
+        notes.append(f"nothing ran: all {len(tuner.skipped)} point(s) of the space were skipped (reasons above)")
+    elif not tuner.records:
+        notes.append("nothing ran")
     else:
         notes.append("no configuration succeeded")
     if outcome.interrupted:
@@ -68,24 +89,29 @@ def _cell(value: Any) -> str:
 def print_table(tuner: Tuner, outcome: Outcome, stream: Optional[TextIO] = None) -> None:
     stream = stream if stream is not None else sys.stdout
     header, body, notes = rows(tuner, outcome)
+    if not body:                  # nothing measured: the notes say why
+        stream.write("\n".join(notes) + "\n")
+        return
     try:
+        from rich import box
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         stream.write(plain_table(header, body) + "\n".join(notes) + "\n")
         return
-    table = Table(title="xlaunch-tune: ranked configurations", title_justify="left")
+    table = Table(title="xlaunch-tune: ranked configurations", title_justify="left", box=box.SIMPLE_HEAD,
+                  show_edge=False, pad_edge=False, collapse_padding=True)
+    numeric = {"rank", "#", "median", "spread", "final", "wall s"}
     for name in header:
-        table.add_column(name, justify="right" if name in ("rank", "#", "median", "wall s") else "left",
-                         overflow="fold")
+        table.add_column(name, justify="right" if name in numeric else "left", no_wrap=True, overflow="ellipsis")
     for row in body:
-        style = "bold green" if row[-1] == "best" else ("red" if row[-1].startswith("failed") else None)
+        style = "bold green" if row[-1] == BEST else ("red" if row[-1] == FAILED else None)
         table.add_row(*row, style=style)
     tty = bool(getattr(stream, "isatty", lambda: False)())
     console = Console(file=stream, width=None if tty else 220, highlight=False)
     console.print(table)
     for note in notes:
-        console.print(note, highlight=False, markup=False)
+        console.print(note, highlight=False, markup=False, soft_wrap=True)
 
 
 def plain_table(header: list[str], body: list[list[str]]) -> str:

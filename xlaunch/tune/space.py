@@ -88,6 +88,17 @@ def point_key(point: Mapping[str, Any]) -> str:
     return json.dumps(sorted(point.items()), separators=(",", ":"))
 
 
+SHORT_KEYS = {
+    "ninstances": "inst", "ncores-per-instance": "cores", "memory-allocator": "malloc",
+    "omp-runtime": "omp", "use-logical-cores": "smt", "bind-numa-node": "numa-bind",
+}
+"""Column and plot labels for the usual dimensions (keeps the result table within 80 columns)."""
+
+
+def short_key(key: str) -> str:
+    return SHORT_KEYS.get(key, key)
+
+
 def describe(point: Mapping[str, Any]) -> str:
     """``ninstances=2 memory-allocator=jemalloc`` (for tables and plots)."""
     return " ".join(f"{key}={_short(value)}" for key, value in point.items()) or "(launcher defaults)"

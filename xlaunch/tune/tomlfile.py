@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any, Mapping
+
+from xlaunch.userfiles import write_atomically
 
 
 def toml_value(value: Any) -> str:
@@ -32,8 +33,6 @@ def dumps(table: Mapping[str, Any], header: str = "") -> str:
 
 
 def write(path: str, table: Mapping[str, Any], header: str = "") -> None:
-    """Write atomically (a reader never sees half a file)."""
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(dumps(table, header))
-    os.replace(temporary, path)
+    """Write atomically (a reader never sees half a file), never through a symlink
+    (:func:`xlaunch.userfiles.write_atomically`)."""
+    write_atomically(path, dumps(table, header).encode("utf-8"))

@@ -1,16 +1,21 @@
 """One measured launch: ``python -m xlaunch --config FILE --log-dir DIR PROGRAM ARGS`` as a child.
 
 The launcher runs in its own session (process group) with its console output in
-``DIR/console.log`` and each instance's output in ``DIR/trial_instance_<i>.log`` (the runner's
-own per-instance logs), which is where the metric is read. With ``kernel-report`` in the trial's
-configuration, the launcher also writes ``DIR/summary.json``, read for the kernels column. At ``timeout`` the launcher gets
-SIGTERM -- it forwards it to every instance's process group and SIGKILLs them after its grace
-period -- and if it is still there ``grace + 5`` s later its group is SIGKILLed (its instances
-die with it: the runner starts them with a parent-death signal). Nothing is left running.
+``DIR/console.log``, each instance's output in ``DIR/trial_instance_<i>.log`` (the runner's own
+per-instance logs, where the metric is read) and its summary in ``DIR/summary.json`` (which
+instance failed first; with ``kernel-report`` in the trial's configuration, what each
+instance's kernels ran, for the kernels column). ``DIR`` is made anew for the run: nothing in it was planted, nothing
+is written through a symlink. At ``timeout`` the launcher gets SIGTERM -- it forwards it to
+every instance's process group and SIGKILLs them after its grace period -- and if it is still
+there ``grace + 5`` s later its group is SIGKILLed (its instances die with it: the runner
+starts them with a parent-death signal). Nothing is left running. Reading the metric is
+time-bounded too (:func:`.objective.metric_values`).
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,10 +25,11 @@ from typing import Mapping, Optional, Sequence
 
 from xlaunch.tune import tomlfile
 from xlaunch.tune.candidate import Candidate
-from xlaunch.tune.objective import Objective, aggregate, last_value
+from xlaunch.tune.objective import METRIC_TIME_LIMIT, Objective, aggregate, metric_values
+from xlaunch.userfiles import read_user_file
 
 LOG_PREFIX = "trial"
-SUMMARY_JSON = "summary.json"
+SUMMARY = "summary.json"
 
 
 @dataclass(frozen=True)
@@ -60,21 +66,28 @@ class Launch:
     environ: Optional[Mapping[str, str]] = None
     python: str = field(default_factory=lambda: sys.executable)
 
+    @property
+    def metric_time_limit(self) -> float:
+        """How long reading the metric may take: ``timeout`` (2 s at least), else 10 s."""
+        return max(2.0, self.timeout) if self.timeout is not None else METRIC_TIME_LIMIT
+
 
 def run_once(launch: Launch, candidate: Candidate, objective: Objective, directory: str) -> RunResult:
-    """Run ``candidate`` once with logs in ``directory`` (created) and measure it."""
-    os.makedirs(directory, exist_ok=True)
+    """Run ``candidate`` once with logs in ``directory`` (made anew) and measure it."""
     config = os.path.join(directory, "trial.toml")
-    tomlfile.write(config, candidate.table, "xlaunch config written by xlaunch-tune")
+    try:
+        fresh_directory(directory)
+        tomlfile.write(config, candidate.table, "xlaunch config written by xlaunch-tune")
+        console_fd = os.open(os.path.join(directory, "console.log"),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:     # a full disk, a read-only directory: this run fails, the session goes on
+        return RunResult(False, 0.0, None, (), f"cannot write {directory}: {error.strerror or error}", directory)
     argv = [launch.python, "-m", "xlaunch", "--config", config, "-q", "--log-dir", directory,
-            "--log-file-prefix", LOG_PREFIX]
-    summary = os.path.join(directory, SUMMARY_JSON)
-    if candidate.table.get("kernel-report") is True:
-        argv += ["--summary-json", summary]
-    argv += list(launch.command)
+            "--log-file-prefix", LOG_PREFIX, "--summary-json", os.path.join(directory, SUMMARY), "--",
+            *launch.command]
     environ = dict(os.environ if launch.environ is None else launch.environ)
     timed_out = False
-    with open(os.path.join(directory, "console.log"), "wb") as console:
+    with open(console_fd, "wb") as console:
         started = time.monotonic()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
                                 env=environ, start_new_session=True)
@@ -87,50 +100,51 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
             stop(proc, launch.grace)
             raise
         wall = time.monotonic() - started
-    kernels = _kernel_cells(summary, candidate.instances) if "--summary-json" in argv else ()
-    values: list[Optional[float]] = []
-    problems: list[str] = []
-    for index in candidate.instances:
-        found = _instance_value(objective, directory, index)
-        values.append(found if isinstance(found, float) else None)
-        if isinstance(found, str):
-            problems.append(f"{found} from instance {index}")
+    kernels = _kernel_cells(os.path.join(directory, SUMMARY), candidate.instances) \
+        if candidate.table.get("kernel-report") is True else ()
     if timed_out:
-        return RunResult(False, wall, None, tuple(values), f"timeout after {launch.timeout:g}s", directory, kernels)
+        return RunResult(False, wall, None, (), f"timeout after {launch.timeout:g}s", directory, kernels)
     if proc.returncode != 0:
-        return RunResult(False, wall, None, tuple(values), _failure(proc.returncode, directory), directory, kernels)
+        return RunResult(False, wall, None, (), _failure(proc.returncode, directory), directory, kernels)
     if objective.metric is None:
-        return RunResult(True, wall, wall, tuple(values), "", directory, kernels)
+        return RunResult(True, wall, wall, (None,) * len(candidate.instances), "", directory, kernels)
+    paths = [os.path.join(directory, f"{LOG_PREFIX}_instance_{index}.log") for index in candidate.instances]
+    found = metric_values(objective.metric, paths, launch.metric_time_limit)
+    values = tuple(value if isinstance(value, float) else None for value in found)
+    problems = [f"{value} from instance {index}" for index, value in zip(candidate.instances, found)
+                if isinstance(value, str)]
     if problems:
-        return RunResult(False, wall, None, tuple(values), problems[0], directory, kernels)
+        return RunResult(False, wall, None, values, problems[0], directory, kernels)
     value = aggregate([v for v in values if v is not None], objective.aggregate)
-    return RunResult(True, wall, value, tuple(values), "", directory, kernels)
+    return RunResult(True, wall, value, values, "", directory, kernels)
 
 
 def _kernel_cells(path: str, instances: Sequence[int]) -> tuple[str, ...]:
     """What each instance's kernels ran, in a few words, from the launcher's ``--summary-json``."""
-    import json
-
     from xlaunch.launcher.api import kernel_cell
 
     try:
-        with open(path, encoding="utf-8") as handle:
-            rows = {row.get("index"): row for row in json.load(handle).get("instances", [])}
-    except (OSError, ValueError, AttributeError):
+        rows = {row.get("index"): row for row in json.loads(read_user_file(path, 16 << 20)).get("instances", [])}
+    except (OSError, ValueError, AttributeError):   # UserFileError is a ValueError
         return ()
     return tuple(kernel_cell(((rows.get(index) or {}).get("observed") or {}).get("kernels")) for index in instances)
 
 
-def _instance_value(objective: Objective, directory: str, index: int) -> float | str | None:
-    if objective.metric is None:
-        return None
-    path = os.path.join(directory, f"{LOG_PREFIX}_instance_{index}.log")
-    try:
-        with open(path, "rb") as handle:
-            text = handle.read().decode("utf-8", "replace")
-    except FileNotFoundError:
-        return "no output"
-    return last_value(objective.metric, text)
+def fresh_directory(directory: str) -> None:
+    """Make ``directory`` anew (an earlier one of that name is removed), so everything in it was
+    created by this run: nothing planted there is followed. Its parents must be real
+    directories: a symlink on the way is removed and replaced by one."""
+    parent = os.path.dirname(directory)
+    if parent:
+        if os.path.islink(parent):
+            os.unlink(parent)
+        os.makedirs(parent, exist_ok=True)
+    if os.path.lexists(directory):
+        if os.path.isdir(directory) and not os.path.islink(directory):
+            shutil.rmtree(directory)
+        else:
+            os.unlink(directory)
+    os.mkdir(directory)
 
 
 def stop(proc: subprocess.Popen, grace: float) -> None:
@@ -154,26 +168,38 @@ def stop(proc: subprocess.Popen, grace: float) -> None:
 
 
 def _failure(code: int, directory: str) -> str:
-    """``exit 3 (instance 1: killed by SIGSEGV)`` from the launcher's status and log summary."""
-    detail = ""
+    """``exit 3 (instance 1)`` or ``exit 139 (instance 1: killed by SIGSEGV)``: the launcher's
+    status and the instance that failed first, from its ``--summary-json``.
+
+    Under fail-fast the launcher exits with the first failure's status and stops the others,
+    whose status then says why (``killed by SIGTERM (stopped after instance 1 failed)``): the
+    instance named is one with the launcher's status that failed on its own."""
     try:
-        with open(os.path.join(directory, f"{LOG_PREFIX}_launcher.log"), encoding="utf-8", errors="replace") as log:
-            rows = [line.split("summary: ", 1)[1] for line in log if "summary: " in line]
-    except OSError:
-        rows = []
-    for row in rows:
-        parts = row.split()
-        if len(parts) >= 4 and parts[0].isdigit():
-            text = " ".join(parts[2:-1])
-            if text != "exit 0":
-                detail = f" (instance {parts[0]})" if text == f"exit {code}" else f" (instance {parts[0]}: {text})"
-                break
-    if not rows:     # the launcher itself failed: its last line says why
-        try:
-            with open(os.path.join(directory, "console.log"), encoding="utf-8", errors="replace") as console:
-                lines = [line.strip() for line in console if line.strip()]
-            if lines:
-                detail = f" ({lines[-1][:200]})"
-        except OSError:
-            pass
-    return f"exit {code}{detail}"
+        doc = json.loads(read_user_file(os.path.join(directory, SUMMARY), 16 << 20))
+        instances = [i for i in doc["instances"] if isinstance(i, dict)]
+    except (ValueError, KeyError, TypeError):
+        instances = []
+    if instances:
+        failed = [i for i in instances if i.get("exit_code") not in (0, None)]
+        own = [i for i in failed if not _stopped_by_launcher(str(i.get("status", "")))]
+        first = next((i for group in ([i for i in own if i.get("exit_code") == code], own,
+                                      [i for i in failed if i.get("exit_code") == code], failed) for i in group), None)
+        if first is None:
+            return f"exit {code}"
+        status = str(first.get("status", ""))
+        if status == f"exit {code}":
+            return f"exit {code} (instance {first.get('index')})"
+        return f"exit {code} (instance {first.get('index')}: {status[:200]})"
+    try:       # the launcher itself failed before any instance: its last line says why
+        text = read_user_file(os.path.join(directory, "console.log"), 16 << 20).decode("utf-8", "replace")
+    except ValueError:
+        text = ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"exit {code} ({lines[-1][:200]})" if lines else f"exit {code}"
+
+
+def _stopped_by_launcher(status: str) -> bool:
+    """``killed by SIGTERM (stopped after instance 1 failed)``, ``... (SIGTERM forwarded)``: the
+    launcher signalled it (the reason it appends); ``killed by SIGSEGV (core dumped)`` is its own."""
+    reason = status.rpartition(" (")[2]
+    return status.startswith("killed by") and (reason.startswith("stopped after") or reason.endswith("forwarded)"))

@@ -225,3 +225,38 @@ def test_check_isa_probe_adds_the_measurement(capsys, monkeypatch) -> None:
 def test_probe_and_int8_refusals(capsys) -> None:
     assert "only applies with --check-isa" in refused(capsys, "--probe")
     assert "xlaunch.quantize(" in refused(capsys, "--auto-optimize", "--dtype", "int8")
+
+
+# ---------------------------------------------------------------- notes, and errors as typed
+
+@pytest.mark.parametrize("argv, note", [
+    (["--ncore_per_instance", "4"], "--ncore_per_instance (ipexrun 1.x) means --ncores-per-instance"),
+    (["--node-id", "1"], "--node-id (run_cpu) means --nodes-list"),
+    (["--core-list", "0-3"], "--core-list (run_cpu) means --cores-list"),
+    (["--skip-cross-node-cores"], "--skip-cross-node-cores (run_cpu, ipexrun 1.x) means --bind-numa-node"),
+    (["--nprocs-per-node", "2"], "--nprocs-per-node (ipexrun) means --nproc-per-node"),
+    (["--nprocs-per-node", "2", "--ccl-worker-count", "1"], "--ccl-worker-count (ipexrun) means --reserve-cores"),
+])
+def test_every_old_spelling_prints_its_note(capsys, argv: list[str], note: str) -> None:
+    environ = {"PATH": os.environ.get("PATH", ""), "XLAUNCH_FSROOT": str(machine_tree(XEON))}
+    assert cli.run(["--dry-run", *argv, "--no-python", "true"], environ) == 0
+    err = capsys.readouterr().err
+    assert f"xlaunch: note: {note}" in err, err
+    assert cli.run(["--dry-run", "--ncores-per-instance", "4", "--no-python", "true"], environ) == 0
+    assert "note:" not in capsys.readouterr().err            # the option's own spelling: no note
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--ccl-worker-count", "56", "--ninstances", "2"], "--ccl-worker-count"),   # the slices have 56 cores
+    (["--reserve-cores", "56", "--ninstances", "2"], "--reserve-cores"),
+    (["--ncore_per_instance", "0"], "--ncore_per_instance"),
+    (["--node-id", "9"], "--node-id"),
+])
+def test_errors_name_the_option_as_typed(capsys, argv: list[str], option: str) -> None:
+    assert refused(capsys, *argv).startswith(f"xlaunch: error: {option}: ")
+
+
+def test_help_says_membind_takes_a_node_list(capsys) -> None:
+    assert cli.run(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--membind [bind|preferred|interleave|none|NODES]" in text and "node list" in text

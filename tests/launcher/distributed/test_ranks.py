@@ -78,7 +78,7 @@ def test_each_engine_is_read(engine: str) -> None:
 
 
 def test_slurm_counts_and_node_pick() -> None:
-    assert slurm_task_counts("X", "2(x3),1") == [2, 2, 2, 1]
+    assert slurm_task_counts("X", "2(x3),1") == [(2, 3), (1, 1)]
     env = {"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}
     assert local_rank_from(env).size == 1
     assert local_rank_from({**env, "SLURM_NODEID": "1"}).size == 2
@@ -409,3 +409,25 @@ def test_no_torch_on_the_planning_paths() -> None:
         assert done.returncode == 0, done.stderr
         imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line]
         assert "xlaunch.launcher.cli.command" in imported and not [name for name in imported if name.split(".")[0] == "torch"]
+
+
+@pytest.mark.parametrize("text", ["\u0660", "\uff10", "0_1", "\u00b9", " 1 2"])
+def test_ranks_are_ascii_decimal(text: str) -> None:
+    with pytest.raises(OptionError, match="is not a non-negative integer"):
+        local_rank_from({"LOCAL_RANK": text, "LOCAL_WORLD_SIZE": "4"})
+    with pytest.raises(OptionError, match="is not a positive integer"):
+        local_rank_from({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": text.replace("0", "2")})
+
+
+def test_slurm_counts_are_never_expanded() -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    env = {"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2(x100000000),1", "SLURM_NODEID": "100000000"}
+    assert local_rank_from(env).size == 1                     # the last node: after 10^8 nodes of 2
+    assert local_rank_from({**env, "SLURM_NODEID": "99999999"}).size == 2
+    assert tracemalloc.get_traced_memory()[1] < 1 << 20       # the old list took 800 MB
+    tracemalloc.stop()
+    for bad in ("2(x1000000000000)", "2(x0)", "\uff12", "2(x\u0663)", "0"):
+        with pytest.raises(OptionError, match="not a Slurm task count list"):
+            local_rank_from({"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": bad})

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from typing import Any, Mapping, Optional, Sequence, Union
 
 from xlaunch._records import replace
-from xlaunch.launcher.cli.parse import CommandLine, parse_fast
+from xlaunch.launcher.cli.parse import CommandLine, parse_fast, typed_spellings
 from xlaunch.launcher.cli.spec import COMPLETE_VAR, NOT_OPTIONS
 from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError, OptionError
 from xlaunch.launcher.plan.options import Options, build_options
@@ -43,17 +43,39 @@ def run(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str
         from xlaunch.launcher.cli.click_command import shell_complete
 
         return shell_complete(instruction)
-    line = parse_command_line(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    line = parse_command_line(args)
     if isinstance(line, int):     # click printed the help or the version, or wrote the error
         return line
     params = line.params
     try:
         if params["check_isa"] or params["show_topology"]:
             return _machine_information(line, environ)
-        options = options_from(line, environ)
+        options = options_from(line, environ, typed_spellings(args))
         return _launch(options, environ)
     except LaunchInputError as exc:
-        return _usage_error(exc.line())
+        option = _as_typed(exc.option, line, typed_spellings(args))
+        return _usage_error(f"xlaunch: error: {option}: {exc.problem}")
+
+
+def _as_typed(option: str, line: CommandLine, typed: Mapping[str, str]) -> str:
+    """The option an error names, as the user spelled it: ``--core-list`` rather than
+    ``--cores-list``, ``--ccl-worker-count`` rather than the ``--reserve-cores`` it stands for."""
+    from xlaunch.launcher.cli import compat
+    from xlaunch.launcher.plan.options import canonical_name
+
+    name = canonical_name(option) if option.startswith("--") else None
+    if name is None:
+        return option
+    if name in typed and compat.alias_note(typed[name]) is not None:
+        return typed[name]
+    if name not in line.given:           # set by an old spelling the user typed instead?
+        for old in compat.BY_NAME:
+            spelling = compat.BY_NAME[old]
+            if old in line.given and spelling.to_options is not None \
+                    and name in spelling.to_options(line.params[old]):
+                return typed.get(old, compat.flags(spelling)[0])
+    return option
 
 
 def parse_command_line(args: Sequence[str]) -> Union[CommandLine, int]:
@@ -75,8 +97,10 @@ def _verbosity(line: CommandLine) -> int:
     return int(line.params["verbose"] or 0) - int(line.params["quiet"] or 0)
 
 
-def options_from(line: CommandLine, environ: Mapping[str, str]) -> Options:
-    """Options from the command line over the config file; the program checked and resolved."""
+def options_from(line: CommandLine, environ: Mapping[str, str],
+                 typed: Optional[Mapping[str, str]] = None) -> Options:
+    """Options from the command line over the config file; the program checked and resolved.
+    ``typed``: the flags as spelled (:func:`.parse.typed_spellings`), for the ``note:`` lines."""
     params = line.params
     for flag in ("torch", "probe"):
         if params[flag]:
@@ -95,11 +119,12 @@ def options_from(line: CommandLine, environ: Mapping[str, str]) -> Options:
     cli = {name: value for name, value in params.items()
            if name not in NOT_OPTIONS and name not in compat.BY_NAME and name in line.given}
     old = {name: params[name] for name in compat.BY_NAME if name in line.given}
-    notes = ()
+    notes: tuple[str, ...] = tuple(note for flag in (typed or {}).values()
+                                   if (note := compat.alias_note(flag)) is not None)
     if old:
         cli = {**compat.translate(old, cli), **cli}
-        notes = tuple(f"{compat.flags(compat.BY_NAME[name])[0]} ({compat.BY_NAME[name].origin}) means "
-                      f"{compat.BY_NAME[name].meaning}" for name in old)
+        notes += tuple(f"{compat.flags(compat.BY_NAME[name])[0]} ({compat.BY_NAME[name].origin}) means "
+                       f"{compat.BY_NAME[name].meaning}" for name in old)
     cli["verbosity"] = _verbosity(line)
     command = tuple(params["command"])
     options = build_options(
@@ -115,7 +140,7 @@ def options_from(line: CommandLine, environ: Mapping[str, str]) -> Options:
 
         check_names(options.log_dir, options.log_file_prefix, [0], onednn=options.kernel_report)
     if options.summary_json is not None:
-        _check_output_file("--summary-json", options.summary_json)
+        _check_output_file("--summary-json", options.summary_json, created_dir=options.log_dir)
     if options.program is None:
         if options.dry_run:
             return options
@@ -138,13 +163,26 @@ def _check_log_dir(path: str) -> None:
         raise OptionError("--log-dir", f"cannot create {path!r} ({parent!r} is not a writable directory)")
 
 
-def _check_output_file(option: str, path: str) -> None:
-    """A file we will write at the end: its directory must exist and be writable."""
-    if os.path.isdir(path):
-        raise OptionError(option, f"{path!r} is a directory")
+def _check_output_file(option: str, path: str, created_dir: Optional[str] = None) -> None:
+    """A file we will write at the end (atomically, by rename): nothing but a regular file or a
+    symlink (replaced, not followed) may sit at ``path``, and a file must be creatable in its
+    directory (tried: permissions, read-only mounts and /proc all say no). ``created_dir`` is a
+    directory this run will create (``--log-dir``), checked on its own."""
+    from xlaunch.userfiles import UserFileError, check_writable_dir, refuse_special
+
+    try:
+        refuse_special(path)
+    except UserFileError as exc:
+        raise OptionError(option, str(exc)) from None
     parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise OptionError(option, f"cannot write {path!r} ({parent!r} is not a writable directory)")
+    if created_dir is not None and parent == os.path.abspath(created_dir) and not os.path.exists(parent):
+        return                                  # --log-dir creates it; _check_log_dir checked that
+    if not os.path.isdir(parent):
+        problem = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise OptionError(option, f"cannot write {path!r} ({parent!r} {problem})")
+    problem = check_writable_dir(parent)
+    if problem is not None:
+        raise OptionError(option, f"cannot write {path!r} in {parent!r}: {problem}")
 
 
 def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
@@ -156,6 +194,9 @@ def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
         path = environ.get("PATH", os.defpath)
         found = which(program, path=path)
         if found is None:
+            if os.sep in program and os.path.isfile(program):
+                raise OptionError("PROGRAM", f"{program!r} is not executable (chmod +x it, or name its "
+                                             "interpreter as PROGRAM)")
             where = "" if os.sep in program else " on PATH"
             raise OptionError("PROGRAM", f"{program!r} not found{where} (or not executable)")
         return replace(options, program=os.path.abspath(found) if os.sep in program else found)
@@ -168,8 +209,22 @@ def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
         if not os.path.isfile(os.path.join(program, "__main__.py")):
             raise OptionError("PROGRAM", f"directory {program!r} has no __main__.py")
     elif not os.path.isfile(program):
-        raise OptionError("PROGRAM", f"no such file {program!r}")
+        raise OptionError("PROGRAM", f"no such file {program!r}{_not_a_script_hint(program, environ)}")
+    if program.startswith("-"):      # python would take -x.py for an option, and - for stdin
+        return replace(options, program=os.path.join(os.curdir, program))
     return options
+
+
+def _not_a_script_hint(program: str, environ: Mapping[str, str]) -> str:
+    """For ``xlaunch python x.py`` or ``xlaunch make``: what to type instead."""
+    from xlaunch.launcher.plan.which import which
+
+    if os.sep in program or which(program, path=environ.get("PATH", os.defpath)) is None:
+        return ""
+    if os.path.basename(program).startswith("python"):
+        return (f" (xlaunch runs a Python PROGRAM with its own interpreter: drop {program!r}, "
+                f"or add --no-python to run {program!r} from PATH)")
+    return f" (to run {program!r} from PATH, add --no-python)"
 
 
 def _module_problem(name: str, environ: Mapping[str, str]) -> Optional[str]:

@@ -85,12 +85,28 @@ SPELLINGS: tuple[Spelling, ...] = (
              "not needed: use --nproc-per-node N (torchrun) or `xlaunch --per-rank` inside your MPI ranks"),
 )
 BY_NAME: dict[str, Spelling] = {s.name: s for s in SPELLINGS}
+# spellings that only rename an option (ALIASES), and who spells them so
+ALIAS_ORIGINS: dict[str, str] = {
+    "ncore_per_instance": "ipexrun 1.x", "core_list": "run_cpu", "node_id": "run_cpu",
+    "skip_cross_node_cores": "run_cpu, ipexrun 1.x", "nprocs_per_node": "ipexrun",
+}
 _SHAPE = ("ninstances", "ncores_per_instance", "throughput_mode", "latency_mode")
 
 
 def flags(spelling: Spelling) -> list[str]:
     dashed = "--" + spelling.name.replace("_", "-")
     return [dashed, "--" + spelling.name] if "_" in spelling.name else [dashed]
+
+
+def alias_note(typed: str) -> Optional[str]:
+    """The ``note:`` for a flag typed in an old spelling that only renames an option
+    (``--ncore_per_instance (ipexrun 1.x) means --ncores-per-instance``), else None."""
+    from xlaunch.launcher.plan.options import ALIASES, flag_name
+
+    alias = typed.lstrip("-").replace("-", "_")
+    if alias not in ALIASES:
+        return None
+    return f"{typed} ({ALIAS_ORIGINS.get(alias, 'ipexrun')}) means {flag_name(ALIASES[alias])}"
 
 
 def _same(given: Any, meant: Any) -> bool:

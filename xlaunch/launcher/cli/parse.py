@@ -72,3 +72,23 @@ def parse_fast(args: Sequence[str]) -> CommandLine | None:
         given.add(opt.name)
     params["command"] = tuple(args[position:])
     return CommandLine(params, frozenset(given))
+
+
+def typed_spellings(args: Sequence[str]) -> dict[str, str]:
+    """Parameter name -> the flag as typed (``ncores_per_instance`` -> ``--ncore_per_instance``),
+    for the options before PROGRAM; the last spelling of a repeated option wins."""
+    typed: dict[str, str] = {}
+    position = 0
+    while position < len(args):
+        arg = args[position]
+        if arg == "--" or len(arg) < 2 or arg[0] != "-":
+            break
+        spelled, equals, _inline = arg.partition("=")
+        opt = _BY_FLAG.get(spelled)
+        position += 1
+        if opt is None:
+            continue                          # clustered counts (-vv) or what click refused
+        typed[opt.name] = spelled
+        if opt.kind not in (FLAG, COUNT) and not equals:
+            position += 1                     # its value
+    return typed

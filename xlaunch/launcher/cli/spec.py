@@ -53,7 +53,7 @@ def _opt(name: str, kind: str, group: str, help: str, *, metavar: str | None = N
          choices: tuple[str, ...] = (), short: str | None = None) -> Opt:
     flags = ((short,) if short else ()) + _spellings(name)
     if choices:
-        metavar = "[" + "|".join(choices) + "]"
+        metavar = "[" + "|".join(choices) + (f"|{metavar}" if metavar else "") + "]"
     return Opt(name, kind, group, help, metavar, tuple(choices), flags)
 
 
@@ -85,8 +85,9 @@ OPTIONS: tuple[Opt, ...] = (
          "OpenMP runtime (auto: Intel OpenMP when libiomp5 is installed, else GNU).", choices=OMP_RUNTIMES),
     _opt("bind_with", VALUE, GROUP_TUNING,
          "How instances are pinned (auto = native: sched_setaffinity + set_mempolicy).", choices=BIND_TOOLS),
-    _opt("membind", VALUE, GROUP_TUNING, "Memory policy on the instance's NUMA nodes (default bind).",
-         choices=MEMBIND_POLICIES),
+    _opt("membind", VALUE, GROUP_TUNING,
+         "Memory policy on the instance's NUMA nodes (default bind), or a node list as numactl takes it "
+         "(0-1): every instance's memory bound to those nodes.", choices=MEMBIND_POLICIES, metavar="NODES"),
     _opt("benchmark", FLAG, GROUP_TUNING, "Latency-tuned allocator settings: never give memory back."),
     # distributed (docs/distributed.md; logic in launcher/distributed/)
     _opt("nproc_per_node", VALUE, GROUP_DISTRIBUTED,

@@ -72,6 +72,8 @@ def launch_distributed(options: "Options", environ: Mapping[str, str]) -> int:
 def _warn(plan: "Plan", options: "Options", environ: Mapping[str, str]) -> None:
     if options.verbosity < 0:
         return
+    for note in options.notes:          # what old (ipexrun) spellings were taken to mean
+        sys.stderr.write(f"xlaunch: note: {note}\n")
     warnings = list(plan.warnings)
     if not options.reserve_cores and ccl_available(environ):
         warnings.append("oneCCL found: its worker threads share the compute cores; --reserve-cores K "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 from xlaunch._records import record, replace
 from xlaunch.launcher.errors import OptionError
+from xlaunch.launcher.plan.options import strict_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from xlaunch.launcher.plan.options import Options
@@ -47,7 +48,7 @@ GRACE_VAR = "XLAUNCH_FRONT_GRACE"                   # the front: the agent's cap
 MASTER_ADDR_VAR = "XLAUNCH_FRONT_MASTER_ADDR"        # the front on one node: the ranks' MASTER_ADDR
 MASTER_PORT_VAR = "XLAUNCH_FRONT_MASTER_PORT"        # ... and MASTER_PORT (--master-addr/--master-port)
 _FRONT_ONLY = (OMP_DEFAULT_MARKER, FRONT_MARKER, MASTER_ADDR_VAR, MASTER_PORT_VAR, CHANNELS_VAR, GRACE_VAR)
-_SLURM_COUNTS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+_SLURM_COUNTS = re.compile(r"^([0-9]{1,9})(?:\(x([0-9]{1,9})\))?$")   # ASCII digits; 9 of them at most
 
 
 @record
@@ -66,24 +67,29 @@ class LocalRank:
 
 def _integer(name: str, text: str, minimum: int) -> int:
     try:
-        value = int(text.strip())
+        value = strict_int(text)
     except ValueError:
         value = minimum - 1
     if value < minimum:
         kind = "a non-negative integer" if minimum == 0 else "a positive integer"
-        raise OptionError("--per-rank", f"{name}={text!r} is not {kind}")
+        raise OptionError("--per-rank", f"{name}={_shown(text)} is not {kind}")
     return value
 
 
-def slurm_task_counts(name: str, text: str) -> list[int]:
-    """Slurm's compressed per-node task counts: ``2(x3),1`` -> ``[2, 2, 2, 1]``."""
-    counts: list[int] = []
+def slurm_task_counts(name: str, text: str) -> list[tuple[int, int]]:
+    """Slurm's compressed per-node task counts as (tasks, nodes) runs: ``2(x3),1`` ->
+    ``[(2, 3), (1, 1)]``. Never expanded (``2(x1000000000)`` is two numbers, not a list)."""
+    runs: list[tuple[int, int]] = []
     for part in text.split(","):
         match = _SLURM_COUNTS.match(part.strip())
-        if not match or int(match.group(1)) < 1:
-            raise OptionError("--per-rank", f"{name}={text!r} is not a Slurm task count list like 2(x3),1")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return counts
+        if not match or int(match.group(1)) < 1 or int(match.group(2) or 1) < 1:
+            raise OptionError("--per-rank", f"{name}={_shown(text)} is not a Slurm task count list like 2(x3),1")
+        runs.append((int(match.group(1)), int(match.group(2) or 1)))
+    return runs
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 60 else repr(text[:60]) + "..."
 
 
 def _slurm_size(environ: Mapping[str, str]) -> Optional[tuple[str, int]]:
@@ -91,16 +97,20 @@ def _slurm_size(environ: Mapping[str, str]) -> Optional[tuple[str, int]]:
         text = environ.get(name)
         if text is None:
             continue
-        counts = slurm_task_counts(name, text)
-        if len(set(counts)) == 1:
-            return name, counts[0]
+        runs = slurm_task_counts(name, text)
+        if len({tasks for tasks, _nodes in runs}) == 1:
+            return name, runs[0][0]
         node = environ.get("SLURM_NODEID")
         index = _integer("SLURM_NODEID", node, 0) if node is not None else -1
-        if not 0 <= index < len(counts):
+        nodes = sum(count for _tasks, count in runs)
+        if not 0 <= index < nodes:
             raise OptionError(
-                "--per-rank", f"{name}={text!r} differs between nodes and SLURM_NODEID "
-                f"({node if node is not None else 'unset'}) does not pick one of its {len(counts)} nodes")
-        return name, counts[index]
+                "--per-rank", f"{name}={_shown(text)} differs between nodes and SLURM_NODEID "
+                f"({_shown(node) if node is not None else 'unset'}) does not pick one of its {nodes} nodes")
+        for tasks, count in runs:
+            if index < count:
+                return name, tasks
+            index -= count
     return None
 
 

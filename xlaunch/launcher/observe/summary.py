@@ -13,8 +13,6 @@ per instance.
 """
 from __future__ import annotations
 
-import os
-
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Any, Optional
@@ -83,19 +81,15 @@ def summary_json(results: list[InstanceResult], exit_status: int, *, allocator: 
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
-    """Write atomically (a reader never sees half a file); never follow a symlink at ``path``."""
+    """Write atomically (a reader never sees half a file), never through a symlink at ``path``,
+    never over a device, FIFO or socket there (:func:`xlaunch.userfiles.write_atomically`).
+    Raises OSError (a :class:`~xlaunch.userfiles.UserFileError` is a ValueError, turned into one)."""
     import json
 
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    from xlaunch.userfiles import UserFileError, write_atomically
+
+    text = json.dumps(data, indent=2) + "\n"
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(data, out, indent=2)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:     # a full disk: no half-written temporary file stays behind
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        write_atomically(path, text.encode("utf-8"))
+    except UserFileError as exc:
+        raise OSError(str(exc)) from None

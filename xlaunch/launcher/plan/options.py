@@ -213,7 +213,7 @@ def _convert(name: str, value: Any, where: str) -> Any:
         if isinstance(value, bool):
             raise OptionError(option, f"expected a number of seconds, got {value!r}{where}")
         try:
-            seconds = float(value)
+            seconds = float(value) if isinstance(value, (int, float)) else strict_float(value)
         except (TypeError, ValueError):
             raise OptionError(option, f"expected a number of seconds, got {value!r}{where}") from None
         if not seconds >= 0 or seconds == float("inf"):
@@ -248,13 +248,30 @@ def _as_int(option: str, value: Any, where: str) -> int:
         raise OptionError(option, f"expected an integer, got {value!r}{where}")
     if isinstance(value, int):
         return value
-    text = str(value).strip()
     try:
-        if not text.isascii():
-            raise ValueError(text)
-        return int(text)
+        return strict_int(str(value))
     except ValueError:
         raise OptionError(option, f"expected an integer, got {value!r}{where}") from None
+
+
+def strict_int(text: str) -> int:
+    """``text`` as a decimal integer written with ASCII digits and an optional sign, spaces
+    around allowed; ValueError for anything Python's ``int()`` accepts beyond that (``0_2``,
+    fullwidth or Arabic-Indic digits) or for more than 30 characters."""
+    text = text.strip()
+    digits = text[1:] if text[:1] in "+-" else text
+    if not (digits.isascii() and digits.isdigit()) or len(text) > 30:
+        raise ValueError(f"not an integer: {text!r}")
+    return int(text)
+
+
+def strict_float(text: str) -> float:
+    """``text`` as a decimal number (``2``, ``0.5``, ``1e-3``) in ASCII; ValueError for what
+    Python's ``float()`` accepts beyond that (``1_0``, fullwidth digits, ``inf``, ``nan``)."""
+    text = text.strip()
+    if not text.isascii() or not text or not all(c in "0123456789.eE+-" for c in text) or len(text) > 40:
+        raise ValueError(f"not a number: {text!r}")
+    return float(text)
 
 
 def _as_list(option: str, value: Any, where: str) -> tuple[int, ...]:
@@ -303,6 +320,8 @@ def validate(o: Options) -> None:
         raise OptionError("--log-file-prefix", f"must be a non-empty file name without '/', got {o.log_file_prefix!r}")
     if o.log_dir is not None and not o.log_dir.strip():
         raise OptionError("--log-dir", "empty path")
+    if o.summary_json is not None and not o.summary_json.strip():
+        raise OptionError("--summary-json", "empty path")
     validate_distributed(o)
 
 
@@ -315,7 +334,9 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     """torchrun's ``--nnodes``: ``M`` or ``MIN:MAX`` -> ``(min, max)``; raises OptionError."""
     parts = text.strip().split(":")
     try:
-        low, high = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+        low = high = strict_int(parts[0])
+        if len(parts) > 1:
+            high = strict_int(parts[1])
     except ValueError:
         low = high = -1
     if len(parts) > 2 or not 0 < low <= high:
