@@ -1,15 +1,9 @@
 """xlaunch: CPU performance launcher and runtime-tuning toolkit for stock PyTorch.
 
 ``import xlaunch`` is light: the runtime and kernel APIs are loaded on first use, and
-nothing here imports torch.
+nothing here imports torch. This module's body is kept to a few statements and imports no other
+module: ``python -m xlaunch`` runs it before its Ctrl-C handling can start.
 """
-from __future__ import annotations
-
-from xlaunch import _moved
-from xlaunch._lazy import lazy_exports
-
-_moved.install()
-
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -28,4 +22,42 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+# Names of modules that moved into rooms (the 0.1 layout): xlaunch/_moved.py maps them, loaded
+# only when one of them is imported.
+_MOVED_TOP = frozenset((
+    "machine", "report", "cli_click", "cli_parse", "cli_spec", "compat", "options", "environment", "which",
+    "binding", "runner", "spawning", "watchdog", "logfiles", "output", "summary", "probe", "ranks",
+    "autooptimize", "_inject", "splitbf16", "splitstate", "quantize_routes", "quantize_policy",
+    "compare", "dispatch", "fold", "freeze", "layout", "measure", "notes", "precision",
+))
+
+
+class _MovedModules:
+    """First on ``sys.meta_path``: hands an old module path to :mod:`xlaunch._moved`."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        parts = name.split(".", 3)
+        if len(parts) < 3 or parts[0] != "xlaunch" or parts[1] not in ("launcher", "kernels") \
+                or parts[2] not in _MOVED_TOP:
+            return None
+        from xlaunch._moved import find_spec
+
+        return find_spec(name)
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xlaunch' has no attribute {name!r}")
+    from xlaunch._lazy import load_export
+
+    value = globals()[name] = load_export(module, name, f"xlaunch.{name}")
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__import__("sys").meta_path.insert(0, _MovedModules)

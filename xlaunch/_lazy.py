@@ -10,6 +10,17 @@ if TYPE_CHECKING:
     from typing import Callable
 
 
+def load_export(module: str, name: str, what: str) -> object:
+    """``module.name``; torch missing is one ImportError naming ``what`` and the extra."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        from xlaunch._torch import needs_torch
+
+        with needs_torch(what):   # torch missing: the one message naming the extra
+            raise
+
+
 def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``: ``table`` maps each exported name to the module
     that defines it. Torch missing is one ImportError naming ``package.name`` and the extra."""
@@ -18,13 +29,7 @@ def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], o
         module = table.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        try:
-            value = getattr(importlib.import_module(module), name)
-        except ImportError:
-            from xlaunch._torch import needs_torch
-
-            with needs_torch(f"{package}.{name}"):   # torch missing: the one message naming the extra
-                raise
+        value = load_export(module, name, f"{package}.{name}")
         setattr(sys.modules[package], name, value)
         return value
 

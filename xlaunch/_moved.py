@@ -1,11 +1,9 @@
 """Module paths from before the rooms (0.1 layout) keep working: ``import xlaunch.launcher.runner``
 gives ``xlaunch.launcher.run.runner`` (the same module object, so patches reach it) with a
-``DeprecationWarning`` naming the new path. The finder goes first on ``sys.meta_path`` (a
-submodule of a moved package, ``xlaunch.launcher.machine.record``, would otherwise load twice
-under two names); for any other name it costs one ``str.startswith``."""
+``DeprecationWarning`` naming the new path. The finder (``xlaunch._MovedModules``) goes first on
+``sys.meta_path`` (a submodule of a moved package, ``xlaunch.launcher.machine.record``, would
+otherwise load twice under two names) and imports this module only for a moved name."""
 from __future__ import annotations
-
-import sys
 
 _L, _K = "xlaunch.launcher", "xlaunch.kernels"
 MOVED = {
@@ -38,9 +36,6 @@ MOVED = {
 }
 
 
-_OLD_PREFIXES = tuple(MOVED)
-
-
 def new_name(old: str) -> str | None:
     """Where ``old`` lives now (its moved package's submodules included), or None."""
     if old in MOVED:
@@ -67,25 +62,15 @@ class _Alias:
         """Already executed at its new path."""
 
 
-class MovedModuleFinder:
-    """``sys.meta_path`` entry for :data:`MOVED`."""
+def find_spec(name: str) -> object:
+    """A spec that loads ``name``'s new module under the old name, or None (not moved)."""
+    new = new_name(name)
+    if new is None:
+        return None
+    import importlib.util
 
-    @staticmethod
-    def find_spec(name: str, path: object = None, target: object = None) -> object:
-        if not name.startswith(_OLD_PREFIXES):
-            return None
-        new = new_name(name)
-        if new is None:
-            return None
-        import importlib.util
+    if importlib.util.find_spec(new) is None:
+        return None
+    from importlib.machinery import ModuleSpec
 
-        if importlib.util.find_spec(new) is None:
-            return None
-        from importlib.machinery import ModuleSpec
-
-        return ModuleSpec(name, _Alias(name, new))
-
-
-def install() -> None:
-    if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, MovedModuleFinder())
+    return ModuleSpec(name, _Alias(name, new))
