@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from xlaunch.launcher.run.front import Channels, parse_registrations, zombie_status
+from xlaunch.launcher.run.child import zombie_status
+from xlaunch.launcher.run.front import Channels, parse_registrations
 from xlaunch.launcher.run.watchdog import Watchdog
 
 REPO = Path(__file__).resolve().parents[3]
@@ -99,3 +100,27 @@ def test_zombie_status_reads_exit_codes_and_signals() -> None:
     assert zombie_status(os.getpid()) is None                     # running: no status
     exited.wait()
     killed.wait()
+
+
+def test_ranks_the_agent_stopped_after_a_failure_it_reaped_first_are_told_so() -> None:
+    """Under load torch's agent may reap a failed rank before xlaunch reads its status: the agent
+    then stops the others itself. The summary still says they were stopped after that rank failed."""
+    from xlaunch.launcher.plan.planner import Instance, Plan
+    from xlaunch.launcher.run.child import Child
+    from xlaunch.launcher.run.front import FrontSupervisor
+
+    plan = Plan(tuple(Instance(i, (i,), (0,), {}, ("true",)) for i in range(3)))
+    front = FrontSupervisor(plan, ["true"], {}, log_dir=None, log_file_prefix="x", grace_period=1, quiet=True,
+                            summary_json=None, torchrun=[], channels_var="X")
+    ranks = [Child(instance, None) for instance in plan.instances]
+    for rank, (ended, status, text) in zip(ranks, [(12.0, 137, "killed by SIGKILL"), (10.0, None, "ended"),
+                                                    (11.0, 0, "exit 0")]):
+        rank.proc, rank.ended, rank.status, rank.text = object(), ended, status, text
+    front.children = ranks
+    front.agent_result = {"status": 1, "failures": {"1": 3, "0": 137}}
+    front.fill_statuses()
+    assert (ranks[1].status, ranks[1].text, ranks[1].stopped_by) == (3, "exit 3", "")
+    assert front.first_failure is ranks[1]
+    assert ranks[0].stopped_by == "stopped after rank 1 failed"
+    assert ranks[2].stopped_by == ""          # it ended on its own, with 0
+    assert front.exit_status() == 3

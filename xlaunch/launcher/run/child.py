@@ -1,4 +1,5 @@
-"""One instance while it runs, and how its end is told (``exit 3``, ``killed by SIGSEGV``)."""
+"""One process while it runs (an instance xlaunch started, or a rank torch's agent started), and how
+its end is told (``exit 3``, ``killed by SIGSEGV``)."""
 from __future__ import annotations
 
 import os
@@ -65,3 +66,48 @@ class Child:
     def pgid(self) -> int:
         """Its process group: its own pid (it leads a new session), unless its process says otherwise."""
         return getattr(self.proc, "pgid", None) or self.pid
+
+
+class RankProcess:
+    """A rank torch's agent started: xlaunch knows its pid, not a ``Popen``."""
+
+    def __init__(self, pid: int, pgid: int) -> None:
+        self.pid = pid
+        self.pgid = pgid
+        self.returncode: Optional[int] = None
+        self.stdout = None
+
+
+def zombie_status(pid: int) -> Optional[tuple[int, int]]:
+    """``(CLD_* code, value)`` of an exited process not reaped yet, from ``/proc/PID/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[:1] != [b"Z"] or len(fields) < 50:
+        return None
+    raw = int(fields[49])                 # field 52, exit_code: the status as waitpid(2) gives it
+    if os.WIFEXITED(raw):
+        return os.CLD_EXITED, os.WEXITSTATUS(raw)
+    if os.WIFSIGNALED(raw):
+        return (os.CLD_DUMPED if os.WCOREDUMP(raw) else os.CLD_KILLED), os.WTERMSIG(raw)
+    return None
+
+
+def exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[:1] == [b"Z"]
+    except (OSError, IndexError):
+        return False

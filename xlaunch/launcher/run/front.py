@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 from xlaunch.launcher.plan.planner import Instance
 from xlaunch.launcher.run import reporting, spawning
-from xlaunch.launcher.run.child import Child, status_code, status_text
+from xlaunch.launcher.run.child import Child, RankProcess, exists, is_zombie, status_code, status_text, zombie_status
 from xlaunch.launcher.run.console import InstanceStream
 from xlaunch.launcher.run.supervisor import Supervisor
 
@@ -115,51 +115,6 @@ def parse_registrations(data: bytes) -> list[tuple[int, int, int]]:
             found.append((int(parts[0]), int(parts[1]), int(parts[2])))
     return found
 
-
-
-class RankProcess:
-    """A rank torch's agent started: xlaunch knows its pid, not a ``Popen``."""
-
-    def __init__(self, pid: int, pgid: int) -> None:
-        self.pid = pid
-        self.pgid = pgid
-        self.returncode: Optional[int] = None
-        self.stdout = None
-
-
-def zombie_status(pid: int) -> Optional[tuple[int, int]]:
-    """``(CLD_* code, value)`` of an exited process not reaped yet, from ``/proc/PID/stat``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[:1] != [b"Z"] or len(fields) < 50:
-        return None
-    raw = int(fields[49])                 # field 52, exit_code: the status as waitpid(2) gives it
-    if os.WIFEXITED(raw):
-        return os.CLD_EXITED, os.WEXITSTATUS(raw)
-    if os.WIFSIGNALED(raw):
-        return (os.CLD_DUMPED if os.WCOREDUMP(raw) else os.CLD_KILLED), os.WTERMSIG(raw)
-    return None
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[:1] == [b"Z"]
-    except (OSError, IndexError):
-        return False
 
 
 class FrontSupervisor(Supervisor):
@@ -342,7 +297,7 @@ class FrontSupervisor(Supervisor):
                 self.rank_ended(ranks.pop(result.si_pid), (result.si_code, result.si_status))
         watched = set(map(id, self.pidfds.values()))
         for child in ranks.values():                 # no pidfd: look whether it still exists
-            if id(child) not in watched and child.ended is None and not _exists(child.pid):
+            if id(child) not in watched and child.ended is None and not exists(child.pid):
                 self.rank_ended(child, None)
         for child in self.groups():
             if child.ended is not None and child.group_alive and not is_zombie(child.pid):
@@ -387,6 +342,21 @@ class FrontSupervisor(Supervisor):
             if code is not None:
                 child.status = code
                 child.text = f"exit {code}" if code < 128 else status_text(os.CLD_KILLED, code - 128)
+        self._attribute_stops()
+
+    def _attribute_stops(self) -> None:
+        """When the agent reaped a failed rank before xlaunch read its status, the agent (not
+        xlaunch) stopped the others: they still were stopped after that rank failed."""
+        own = [c for c in self.children if c.status and c.status < 128 and not c.stopped_by and c.ended is not None]
+        if not own:
+            return
+        first = self.first_failure or min(own, key=lambda c: c.ended)
+        if self.first_failure is None and self.interrupted is None:
+            self.first_failure = first
+        for child in self.children:
+            if child is not first and child.status and child.status >= 128 and not child.stopped_by \
+                    and child.ended is not None and child.ended >= first.ended and self.interrupted is None:
+                child.stopped_by = f"stopped after rank {first.instance.index} failed"
 
     def exit_status(self) -> int:
         agent = self.agent
