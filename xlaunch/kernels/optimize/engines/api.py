@@ -78,6 +78,16 @@ def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report
     return result
 
 
+def _run(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module, sample: Sample, context: Context,
+         report: EngineReport, budget: float, show: Progress, single: Optional[str]) -> tuple[str, dict[str, Built]]:
+    choice, built = auto.run(names, routes, working, sample, context, report, budget, show, single)
+    if single is not None and choice != single:   # the route asked for by name could not be used
+        warn(f"backend={single}: {report.reason}")
+    else:
+        show.line(f"kept {choice}: {report.reason}")
+    return choice, built
+
+
 def _torch_route(torch_optimize: Callable[..., Any], model: nn.Module, optimizer: Any, dtype: Any, level: str,
                  inplace: bool, sample_input: Any, flags: dict[str, Any], label: str, reason: str) -> Any:
     warn(f"backend={label}: the torch route is used: {reason}")
@@ -154,8 +164,7 @@ def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, 
     show = Progress(total=len(names) + 1, enabled=progress)
     try:
         if not cache:
-            choice, built = auto.run(names, routes, working, sample, context, report, budget, show, single)
-            show.line(f"kept {choice}: {report.reason}")
+            choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
             return _finish(built[choice], choice, working, sample, report)
         return _cached(names, routes, working, sample, context, report, budget, show, single, label, flags)
     finally:
@@ -173,7 +182,7 @@ def _cached(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module
         locked.__enter__()
     except OSError as exc:
         warn(f"the engine cache is not used ({exc}); building without it")
-        choice, built = auto.run(names, routes, working, sample, context, report, budget, show, single)
+        choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
         return _finish(built[choice], choice, working, sample, report)
     try:
         hit = _load_cached(store, key, routes, working, sample, context, label, show)
@@ -181,8 +190,7 @@ def _cached(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module
             built_hit, name, cached_report = hit
             show.line(f"cache hit: {name} ({store.path(key)})")
             return _finish(built_hit, name, working, sample, cached_report)
-        choice, built = auto.run(names, routes, working, sample, context, report, budget, show, single)
-        show.line(f"kept {choice}: {report.reason}")
+        choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
         report.cache, report.cache_path = "miss", store.path(key)
         files = built[choice].files if routes[choice].cached_files else {}
         try:
