@@ -193,8 +193,9 @@ def tracing_for_export() -> Iterator[None]:
                 mha.set_fastpath_enabled(previous)
     for warning in caught:
         if issubclass(warning.category, torch.jit.TracerWarning) and not _from_torch(warning.filename):
-            raise UnsafeTrace("the trace depends on input values (TracerWarning: "
-                              f"{str(warning.message).splitlines()[0][:160]})")
+            where = f"{os.path.basename(str(warning.filename))}:{warning.lineno}"
+            raise UnsafeTrace(f"the trace depends on input values (Python control flow on a tensor at {where}: "
+                              f"{str(warning.message).splitlines()[0][:70]}...)")
 
 
 def _from_torch(filename: Any) -> bool:
