@@ -17,6 +17,7 @@ The chosen route is cached on disk (:mod:`.cache`), so the next process (or the 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import warnings
@@ -175,32 +176,36 @@ def _cached(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module
             report: EngineReport, budget: float, show: Progress, single: Optional[str], label: str,
             flags: dict[str, Any]) -> nn.Module:
     """The route from the cache, or built, timed, kept and written to the cache (under its lock)."""
-    try:
-        key = disk.model_key(working, sample.spec, names, context.threads, _isa(), context.level, flags)
-        store = disk.Cache(disk.cache_dir())
-        locked = store.lock(key, on_wait=lambda: show.line("another process is building this model; waiting for it"))
-        locked.__enter__()
-    except OSError as exc:
-        warn(f"the engine cache is not used ({exc}); building without it")
-        choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
-        return _finish(built[choice], choice, working, sample, report)
-    try:
-        hit = _load_cached(store, key, routes, working, sample, context, label, show)
-        if hit is not None:
-            built_hit, name, cached_report = hit
-            show.line(f"cache hit: {name} ({store.path(key)})")
-            return _finish(built_hit, name, working, sample, cached_report)
-        choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
-        report.cache, report.cache_path = "miss", store.path(key)
-        files = built[choice].files if routes[choice].cached_files else {}
+    with contextlib.ExitStack() as stack:
         try:
-            store.write(key, choice, built[choice].state, report.to_dict(), files)
-        except OSError as exc:   # a full or read-only disk: the model still runs, just not cached
-            report.cache = f"not written ({exc.strerror or exc})"
-            warn(f"the engine cache entry was not written ({exc})")
-        for name in list(built):   # drop the routes not kept (sessions, compiled graphs) now
-            if name != choice:
-                del built[name]
-        return _finish(built[choice], choice, working, sample, report)
-    finally:
-        locked.__exit__(None, None, None)
+            key = disk.model_key(working, sample.spec, names, context.threads, _isa(), context.level, flags)
+            store = disk.Cache(disk.cache_dir())
+            stack.enter_context(store.lock(key, on_wait=lambda: show.line(
+                "another process is building this model; waiting for it")))
+        except OSError as exc:   # the cache folder cannot be made or locked: build without it
+            warn(f"the engine cache is not used ({exc}); building without it")
+            choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
+            return _finish(built[choice], choice, working, sample, report)
+        return _cached_locked(store, key, names, routes, working, sample, context, report, budget, show, single, label)
+
+
+def _cached_locked(store: disk.Cache, key: str, names: tuple[str, ...], routes: dict[str, Route], working: nn.Module,
+                   sample: Sample, context: Context, report: EngineReport, budget: float, show: Progress,
+                   single: Optional[str], label: str) -> nn.Module:
+    hit = _load_cached(store, key, routes, working, sample, context, label, show)
+    if hit is not None:
+        built_hit, name, cached_report = hit
+        show.line(f"cache hit: {name} ({store.path(key)})")
+        return _finish(built_hit, name, working, sample, cached_report)
+    choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
+    report.cache, report.cache_path = "miss", store.path(key)
+    files = built[choice].files if routes[choice].cached_files else {}
+    try:
+        store.write(key, choice, built[choice].state, report.to_dict(), files)
+    except OSError as exc:   # a full or read-only disk: the model still runs, just not cached
+        report.cache = f"not written ({exc.strerror or exc})"
+        warn(f"the engine cache entry was not written ({exc})")
+    for name in list(built):   # drop the routes not kept (sessions, compiled graphs) now
+        if name != choice:
+            del built[name]
+    return _finish(built[choice], choice, working, sample, report)

@@ -85,11 +85,12 @@ class EngineForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.serves(args, kwargs):
-            shapes = tuple(tuple(a.shape) for a in self.sample.tensors(args))
-            if shapes not in self._failed_shapes:
+            shapes = tuple(tuple(a.shape) for a in self.sample.tensors(args)) if self._failed_shapes else ()
+            if not shapes or shapes not in self._failed_shapes:
                 try:
                     out = self.runner(*args)   # type: ignore[misc]
                 except Exception as exc:
+                    shapes = tuple(tuple(a.shape) for a in self.sample.tensors(args))
                     self._failed_shapes.add(shapes)
                     self._tell("failed", f"{self.route} failed on inputs {list(shapes)} ({type(exc).__name__}: "
                                          f"{str(exc)[:200]}); the eager forward answers such calls")

@@ -77,6 +77,8 @@ class Sample:
                              and int(a.shape[0]) == self.batch for a in args)
         self.spec = tuple(_arg_spec(a, b) for a, b in zip(args, self.batched))
         self.tensor_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self._tensor_checks = [(i, args[i].dtype, self.spec[i][3], self.batched[i]) for i in self.tensor_positions]
+        self._plain_checks = [(i, self.spec[i]) for i in range(len(args)) if i not in self.tensor_positions]
         with torch.no_grad():
             self.outputs = model(*args)
         leaves, self.treespec = pytree.tree_flatten(self.outputs)
@@ -86,17 +88,22 @@ class Sample:
 
     # -- what later calls may be served ----------------------------------------------------------
     def accepts(self, args: tuple) -> bool:
-        """Whether ``args`` match the sample except for the batch size."""
+        """Whether ``args`` match the sample except for the batch size (checked on every call:
+        kept cheap)."""
         if len(args) != len(self.args):
             return False
-        for arg, spec, batched in zip(args, self.spec, self.batched):
-            if isinstance(arg, torch.Tensor):
-                if (spec[0] != "T" or arg.dtype != spec[1] or arg.dim() != spec[2] or arg.requires_grad
-                        or arg.device.type != "cpu"):
+        for position, dtype, shape, batched in self._tensor_checks:
+            arg = args[position]
+            if not isinstance(arg, torch.Tensor) or arg.dtype != dtype or arg.requires_grad or not arg.is_cpu:
+                return False
+            size = arg.shape
+            if batched:
+                if len(size) != len(shape) + 1 or size[1:] != shape:
                     return False
-                if (tuple(arg.shape[1:]) if batched else tuple(arg.shape)) != spec[3]:
-                    return False
-            elif spec != _arg_spec(arg, False):
+            elif size != shape:
+                return False
+        for position, spec in self._plain_checks:
+            if _arg_spec(args[position], False) != spec:
                 return False
         return True
 
