@@ -18,8 +18,8 @@ a directory and regular files, ``entry.json`` is read up to 1 MiB, each artifact
 declares (at most :data:`MAX_ARTIFACT`) and checked against its sha256. A bad entry is
 :class:`CorruptEntry`: the caller warns, removes it and builds again.
 
-No torch at import: the launcher imports :func:`cache_dir` (``--auto-optimize`` points every
-instance at one cache).
+No torch, typing or shutil at import: the launcher imports :func:`cache_dir` (``--auto-optimize``
+points every instance at one cache).
 """
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ import errno
 import hashlib
 import json
 import os
-import shutil
 import stat
 import time
-import uuid
-from typing import Any, Iterator, Mapping, Optional
+
+TYPE_CHECKING = False   # the launcher imports cache_dir: typing stays off its path
+if TYPE_CHECKING:
+    from typing import Any, Iterator, Mapping, Optional
 
 CACHE_ENV = "XLAUNCH_CACHE_DIR"
 FORMAT = 1
@@ -185,7 +186,7 @@ class Cache:
               files: Mapping[str, bytes]) -> bool:
         """Publish an entry atomically; False when another process published it first."""
         self._ensure_root()
-        temporary = os.path.join(self.root, f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        temporary = os.path.join(self.root, f".tmp-{key}-{os.getpid()}-{os.urandom(4).hex()}")
         os.mkdir(temporary, 0o700)
         try:
             entry = {"format": FORMAT, "key": key, "route": route, "state": state, "report": report,
@@ -204,6 +205,8 @@ class Cache:
             return True
         finally:
             if os.path.lexists(temporary):
+                import shutil
+
                 shutil.rmtree(temporary, ignore_errors=True)
 
     def remove(self, key: str) -> None:
@@ -214,8 +217,10 @@ class Cache:
         if os.path.islink(path) or not os.path.isdir(path):
             os.unlink(path)
             return
-        trash = os.path.join(self.root, f".trash-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        trash = os.path.join(self.root, f".trash-{key}-{os.getpid()}-{os.urandom(4).hex()}")
         os.rename(path, trash)
+        import shutil
+
         shutil.rmtree(trash, ignore_errors=True)
 
 
