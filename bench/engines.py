@@ -215,7 +215,7 @@ def startup(model: str, budget: str) -> None:
             kept = [line.split("optimized: ", 1)[1] for line in (result.stdout + result.stderr).splitlines()
                     if "optimized: backend" in line]
             if result.returncode != 0 or len(ready) != 2:
-                print(f"  {label}: failed (exit {result.returncode})\n{result.stderr[-2000:]}")
+                print(f"  {label}: failed (exit {result.returncode})\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
                 return
             runs.append(max(ready))
             print(f"  {label:22s}: first result after {ready[0]:6.1f} s / {ready[1]:6.1f} s "

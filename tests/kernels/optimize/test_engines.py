@@ -8,6 +8,7 @@ choice runs in-process with fake routes (no engine threads): one deliberately sl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -87,13 +88,19 @@ def fake_routes(monkeypatch: pytest.MonkeyPatch, **fakes: Route) -> None:
     monkeypatch.setattr(api, "ROUTES_BY_NAME", table)
 
 
-def test_auto_keeps_the_fastest_route_and_rejects_wrong_results(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_keeps_the_fastest_route_and_rejects_wrong_results(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture) -> None:
     fake_routes(monkeypatch, onnxruntime=FastFake(), inductor=SlowFake(), openvino=WrongFake())
     torch.manual_seed(0)
     model, x = Wasteful().eval(), torch.randn(8, 64)
     with warnings.catch_warnings():
         warnings.simplefilter("error", OptimizeWarning)   # nothing here deserves a warning
-        fast = optimize(model, sample_input=x, backend="auto", cache=False, progress=False, time_budget=20)
+        fast = optimize(model, sample_input=x, backend="auto", cache=False, time_budget=20)
+    progress = capsys.readouterr().err.splitlines()   # not a terminal: one line per step
+    assert [line.split(":")[1].strip() for line in progress] == [
+        "building eager", "building torch", "building onnxruntime", "building openvino", "building inductor",
+        "timing eager, torch, onnxruntime, inductor", "kept onnxruntime"], progress
+    assert progress[3].startswith("xlaunch.optimize: building openvino: wrong results")
     report = fast.report
     assert report.backend == "onnxruntime", str(report)
     assert "onnxruntime measured" in report.reason
@@ -269,9 +276,13 @@ print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def engine_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def engine_run(tmp_path_factory: pytest.TempPathFactory, jemalloc_path: str) -> dict:
+    """With jemalloc preloaded, as ``xlaunch`` runs programs by default (OpenVINO's bundled hwloc
+    aborted the process there until the route set TBB_ENABLE_SANITIZERS)."""
+    env = {k: v for k, v in os.environ.items() if k != "TBB_ENABLE_SANITIZERS"}
+    env["LD_PRELOAD"] = jemalloc_path
     proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path_factory.mktemp("engines"))
+                          cwd=tmp_path_factory.mktemp("engines"), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "", proc.stderr[-3000:]   # engines' and exporters' noise stays quiet
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -7,6 +7,13 @@ not be empty for symbol ..."), so the model is converted whole. The CPU plugin w
 models in bf16 on CPUs with native bf16 (its default precision hint there); the route pins f32 so
 its numbers are the model's. The artifacts cached are the IR (``model.xml`` + ``model.bin``), read
 back from bytes the cache has checked.
+
+With an allocator preloaded (``LD_PRELOAD`` of jemalloc or tcmalloc, as ``xlaunch`` does by
+default) OpenVINO 2026.4 aborts the process at its first compile ("free(): invalid pointer"):
+oneTBB loads its hwloc binding with ``RTLD_DEEPBIND``, so hwloc frees with glibc's ``free`` what
+libc allocated through the preloaded ``malloc`` (oneTBB #1645, OpenVINO #29025). oneTBB's own
+switch ``TBB_ENABLE_SANITIZERS=1`` drops that flag; it is set (unless the user set it) before
+OpenVINO is first used in such a process.
 """
 from __future__ import annotations
 
@@ -25,10 +32,31 @@ from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.sample import FlatOutputs, Sample, tracing_for_export
 
 XML, WEIGHTS = "model.xml", "model.bin"
+DEEPBIND_SWITCH = "TBB_ENABLE_SANITIZERS"
+ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "tbbmalloc_proxy")
+
+
+def allocator_preloaded() -> bool:
+    """Whether a malloc replacement is interposed (preloaded, or mapped into this process)."""
+    if any(name in entry for entry in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
+           for name in ALLOCATORS):
+        return True
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return any(name in line for line in maps for name in ALLOCATORS[:3])
+    except OSError:
+        return False
+
+
+def avoid_deepbind_crash() -> None:
+    """``TBB_ENABLE_SANITIZERS=1`` when an allocator is interposed (see the module docstring)."""
+    if DEEPBIND_SWITCH not in os.environ and allocator_preloaded():
+        os.environ[DEEPBIND_SWITCH] = "1"
 
 
 def convert(model: nn.Module, sample: Sample) -> Any:
     """The model as an ``openvino.Model``, every batched input's dimension 0 dynamic."""
+    avoid_deepbind_crash()
     import openvino as ov
 
     flat = FlatOutputs(model, sample).eval()
@@ -58,6 +86,7 @@ class CompiledRunner:
     Outputs are copied out of the request's buffers, which the next inference overwrites."""
 
     def __init__(self, ov_model: Any, sample: Sample, threads: int) -> None:
+        avoid_deepbind_crash()
         import openvino as ov
 
         config = {"INFERENCE_NUM_THREADS": max(1, threads), "PERFORMANCE_HINT": "LATENCY",
@@ -88,6 +117,7 @@ class OpenVinoRoute(Route):
 
     def load(self, model: nn.Module, sample: Sample, context: Context, files: dict[str, bytes],
              state: dict[str, Any]) -> Built:
+        avoid_deepbind_crash()
         import openvino as ov
 
         ov_model = ov.Core().read_model(model=files[XML], weights=files[WEIGHTS])
