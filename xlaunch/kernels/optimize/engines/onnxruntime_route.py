@@ -50,6 +50,10 @@ class SessionRunner:
         options.inter_op_num_threads = 1
         options.log_severity_level = QUIET
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Idle threads sleep instead of spinning: spinning cost ResNet-50 nothing here but slowed
+        # the next torch call 1.1-1.7x (its OpenMP threads waited for the CPUs); see docs/kernels.md.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         self.session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
         self.names = [node.name for node in self.session.get_inputs()]
         self.sample = sample
