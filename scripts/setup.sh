@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up: venv, torch 2.13.0 (CPU build), torchao 0.18.0, xlaunch with dev and tune extras, and the
+# Idempotent set-up: venv, torch 2.13.0 (CPU build), torchao 0.18.0, xlaunch with dev, tune and engine
+# (onnxruntime, openvino) extras, and the
 # Debian allocator/numactl packages when they are missing and we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ fi
 stamp="$VENV/.xlaunch-setup"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log="$VENV/setup.log"
-  echo "setup: installing torch==2.13.0, intel-openmp, torchao and xlaunch[dev,tune] into $VENV (log: $log)"
+  echo "setup: installing torch==2.13.0, intel-openmp, torchao and xlaunch[dev,tune,onnxruntime,openvino] into $VENV (log: $log)"
   pip_install() { "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
   : >"$log"
   pip_install --upgrade pip
@@ -33,6 +34,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip_install intel-openmp
   # torchao (INT8 PT2E flow) is pure Python for the CPU path; --no-deps keeps it off torch's pin.
   pip_install --no-deps "torchao==0.18.0"
-  pip_install -e ".[dev,tune]"
+  # The engines (pinned in pyproject.toml) install next to torch without moving it.
+  pip_install -e ".[dev,tune,onnxruntime,openvino]"
   touch "$stamp"
 fi

@@ -41,6 +41,20 @@ def _first(patterns: list[str]) -> str | None:
     return None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """``optimize(backend=...)`` caches engines under ``XLAUNCH_CACHE_DIR``: the tests (and the
+    processes they start) use a folder of their own, never the user's ``~/.cache/xlaunch``."""
+    path = tmp_path_factory.mktemp("xlaunch-cache")
+    previous = os.environ.get("XLAUNCH_CACHE_DIR")
+    os.environ["XLAUNCH_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("XLAUNCH_CACHE_DIR", None)
+    else:
+        os.environ["XLAUNCH_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def jemalloc_path() -> str:
     return require("libjemalloc.so.2", _first(["/usr/lib/*/libjemalloc.so.2", "/usr/lib/libjemalloc.so.2"]))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from xlaunch.kernels.inject import DTYPE_ENV, FREEZE_ENV, SITE_DIR, VERBOSE_ENV, injection_env
+from xlaunch.kernels.inject import BACKEND_ENV, CACHE_ENV, DTYPE_ENV, FREEZE_ENV, SITE_DIR, VERBOSE_ENV, injection_env
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -40,10 +40,11 @@ print(json.dumps({
 """
 
 
-def xlaunch(*args: str, env: dict | None = None, freeze: str = "none") -> subprocess.CompletedProcess:
-    """``python -m xlaunch -q ARGS``; graph freezing off unless asked (it costs seconds per model)."""
+def xlaunch(*args: str, env: dict | None = None, freeze: str = "none", backend: str = "torch") -> subprocess.CompletedProcess:
+    """``python -m xlaunch -q ARGS``; graph freezing off unless asked (it costs seconds per model),
+    the torch rewrite unless another backend is asked (auto builds and times every engine)."""
     full_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    full_env.update({FREEZE_ENV: freeze, **(env or {})})
+    full_env.update({FREEZE_ENV: freeze, BACKEND_ENV: backend, **(env or {})})
     return subprocess.run([sys.executable, "-m", "xlaunch", "-q", "--memory-allocator", "default", *args],
                           capture_output=True, text=True, env=full_env, cwd=REPO, timeout=180)
 
@@ -95,6 +96,12 @@ def test_injection_env_defaults_and_bad_dtype() -> None:
     assert env["PYTHONPATH"].split(os.pathsep)[0] == SITE_DIR
     with pytest.raises(ValueError, match="dtype"):
         injection_env({}, dtype="float16", verbose=False)
+
+
+def test_every_instance_is_pointed_at_one_engine_cache(tmp_path) -> None:
+    env = injection_env({"HOME": str(tmp_path)}, dtype=None, verbose=False)
+    assert env[CACHE_ENV] == str(tmp_path / ".cache" / "xlaunch")
+    assert CACHE_ENV not in injection_env({CACHE_ENV: "/mine"}, dtype=None, verbose=False)   # the user's stays
 
 
 def test_launcher_side_imports_no_torch() -> None:
@@ -170,6 +177,40 @@ def test_two_instances_are_both_injected(script) -> None:
     lines = [line for line in result.stdout.splitlines() if '"optimizer"' in line]
     assert sorted(line[:3] for line in lines) == ["[0]", "[1]"]
     assert all("FusedAdamW" in line for line in lines)
+
+
+ENGINE_SCRIPT = """
+import json, torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
+x = torch.randn(5, 32)
+reference = model(x).tolist()
+with torch.no_grad():
+    out = [model(x) for _ in range(3)][-1]
+    small = model(x[:2])
+print(json.dumps({"out": out.tolist(), "reference": reference, "small": small.tolist()}))
+"""
+
+
+def test_two_instances_build_the_engine_once(tmp_path) -> None:
+    """``--ninstances 2 --auto-optimize``: one instance builds the engine, the other loads it."""
+    pytest.importorskip("onnxruntime")
+    script = tmp_path / "engine_script.py"
+    script.write_text(ENGINE_SCRIPT)
+    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--ninstances", "2", "--ncores-per-instance", "1",
+                     str(script), backend="onnxruntime", env={CACHE_ENV: str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    text = result.stdout + result.stderr
+    built = [line for line in text.splitlines() if "Sequential optimized: backend onnxruntime" in line]
+    assert len(built) == 2, text
+    assert sorted(line[:3] + line.rsplit("cache ", 1)[1] for line in built) in (["[0]hit)", "[1]miss)"],
+                                                                                ["[0]miss)", "[1]hit)"]), built
+    rows = [json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines() if '"reference"' in line]
+    assert len(rows) == 2
+    for row in rows:
+        assert close(row["out"], row["reference"]) and close(row["small"], row["reference"][:2])
+    assert len(list((tmp_path / "cache" / "engines" / "v1").glob("*/model.onnx"))) == 1
 
 
 def test_a_model_the_library_cannot_handle_runs_unchanged_with_one_warning(tmp_path) -> None:

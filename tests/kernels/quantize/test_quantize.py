@@ -166,6 +166,7 @@ def test_weight_only_reports_what_stays_fp32() -> None:
 
 LOAD_SCRIPT = r"""
 import json, sys, torch
+from torch._dynamo.utils import counters
 from xlaunch.kernels import load_quantized
 for path, io_path in json.loads(sys.argv[1]):
     x, expected, mode = torch.load(io_path)
@@ -174,8 +175,11 @@ for path, io_path in json.loads(sys.argv[1]):
     out = model(x)
     error = (out - expected).abs().max().item() / expected.abs().max().item()
     assert error < 1e-4, (path, error)
-    small = model(x[:1])   # the batch dimension was exported as dynamic
-    assert small.shape[0] == 1
+    graphs = counters["stats"]["unique_graphs"]
+    for batch in (1, 3, 16):   # one compile serves every batch size (no recompile per new batch)
+        rows = x.repeat(16, *[1] * (x.dim() - 1))[:batch]
+        assert model(rows).shape[0] == batch
+    assert counters["stats"]["unique_graphs"] == graphs, (path, graphs, counters["stats"]["unique_graphs"])
 print("loaded", len(json.loads(sys.argv[1])))
 """
 

@@ -4,7 +4,9 @@ unmodified Python program.
 Runs in the launcher, so it imports neither torch nor the rest of ``xlaunch.kernels``. The child
 finds our ``sitecustomize`` first on ``PYTHONPATH`` (the user's entries follow, unchanged); it
 runs the user's own ``sitecustomize`` if one exists further down the path, then installs the hooks
-of :mod:`xlaunch.kernels.inject.hooks`, configured by the variables below.
+of :mod:`xlaunch.kernels.inject.hooks`, configured by the variables below. Every instance gets
+the same ``XLAUNCH_CACHE_DIR`` (the user's, else the default folder spelled out), so the engine
+chosen for a model is built by one instance and loaded by the others and by later runs.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))   # ho
 DTYPE_ENV = "XLAUNCH_AUTO_OPTIMIZE"                 # float32 | bfloat16
 VERBOSE_ENV = "XLAUNCH_AUTO_OPTIMIZE_VERBOSE"       # 1 when --auto-optimize-verbose
 FREEZE_ENV = "XLAUNCH_AUTO_OPTIMIZE_FREEZE"         # jit | inductor | none (user may set it)
+BACKEND_ENV = "XLAUNCH_AUTO_OPTIMIZE_BACKEND"       # auto (default) | torch | a route | routes, comma-separated
+BUDGET_ENV = "XLAUNCH_AUTO_OPTIMIZE_BUDGET"         # seconds auto may spend per model (default 120)
+CACHE_ENV = "XLAUNCH_CACHE_DIR"                     # the engine cache every instance shares
 DTYPES = ("float32", "bfloat16")
 
 
@@ -31,6 +36,10 @@ def injection_env(environ: Mapping[str, str], *, dtype: Optional[str], verbose: 
     if PACKAGE_PARENT not in entries:
         entries.append(PACKAGE_PARENT)
     env = {"PYTHONPATH": os.pathsep.join(entries), DTYPE_ENV: dtype or "float32"}
+    if not environ.get(CACHE_ENV):   # one cache folder for every instance: the first builds, the rest load
+        from xlaunch.kernels.optimize.engines.cache import cache_dir
+
+        env[CACHE_ENV] = cache_dir(environ)
     if verbose:
         env[VERBOSE_ENV] = "1"
     return env

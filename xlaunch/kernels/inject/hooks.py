@@ -8,9 +8,13 @@ finder on ``sys.meta_path`` that lets torch import normally and then patches it.
 * ``nn.Module.__call__`` gains one check: a module called by the program itself (not from inside
   another module's forward) in eval mode with autograd off (``torch.no_grad()`` or
   ``torch.inference_mode()``) is optimized once, on that first call, and that call and later ones
-  go to the optimized copy, whose forward freezes a graph per exact input signature on its first
-  call with it (:mod:`xlaunch.kernels.optimize.dispatch`, without the timing ``optimize`` does with a
-  sample input). The program's own model object is
+  go to the optimized copy. In fp32 that copy is the fastest route measured on the first call's
+  arguments (``optimize(..., sample_input=args, backend="auto")`` within
+  ``XLAUNCH_AUTO_OPTIMIZE_BUDGET`` seconds, default 120; ``XLAUNCH_AUTO_OPTIMIZE_BACKEND`` picks
+  another backend, ``torch`` for the rewrite alone), cached on disk, so the next run and the other
+  instances load it. In bf16 (or with keyword arguments) it is the torch rewrite, whose forward
+  freezes a graph per exact input signature on its first call with it
+  (:mod:`xlaunch.kernels.optimize.dispatch`, without the timing). The program's own model object is
   never modified. When its parameters or buffers change in place (more training, a loaded state
   dict) the copy is rebuilt. A module the library cannot handle runs unchanged, with one warning.
 """
@@ -25,13 +29,15 @@ import warnings
 import weakref
 from typing import Any, Callable, Optional
 
-from xlaunch.kernels.inject import DTYPE_ENV, FREEZE_ENV, VERBOSE_ENV
+from xlaunch.kernels.inject import BACKEND_ENV, BUDGET_ENV, DTYPE_ENV, FREEZE_ENV, VERBOSE_ENV
 
 PREFIX = "xlaunch --auto-optimize"
 OPTIMIZERS = ("SGD", "Adagrad", "Adam", "AdamW")
 MAX_REBUILDS = 3
 FREEZE_BACKENDS = ("jit", "inductor", "none")
 DEFAULT_FREEZE = "jit"
+DEFAULT_BACKEND = "auto"
+DEFAULT_BUDGET_S = 120.0
 
 
 class Settings:
@@ -44,6 +50,13 @@ class Settings:
         self.freeze = environ.get(FREEZE_ENV, DEFAULT_FREEZE) or DEFAULT_FREEZE
         if self.freeze not in FREEZE_BACKENDS:
             raise ValueError(f"{FREEZE_ENV} must be one of {', '.join(FREEZE_BACKENDS)}, not {self.freeze!r}")
+        backend = (environ.get(BACKEND_ENV, DEFAULT_BACKEND) or DEFAULT_BACKEND).strip()
+        self.backend: Any = backend if "," not in backend else [name.strip() for name in backend.split(",") if name.strip()]
+        budget = environ.get(BUDGET_ENV, "") or str(DEFAULT_BUDGET_S)
+        try:
+            self.budget = float(budget)
+        except ValueError:
+            raise ValueError(f"{BUDGET_ENV} must be a number of seconds, not {budget!r}") from None
 
 
 _settings: Optional[Settings] = None
@@ -206,7 +219,7 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
                     _give_up(module, "its weights keep changing between eval calls")
                     return None
                 _verbose(f"{_name(module)}: weights changed since it was optimized; optimizing again")
-            _build_eager(module, entry, torch)
+            _build_eager(module, entry, torch, args if not kwargs else None)
         return entry.eager
 
 
@@ -233,9 +246,23 @@ def _quietly(build: Callable[[], Any]) -> tuple[Any, list[str]]:
     return result, [str(w.message) for w in caught if issubclass(w.category, OptimizeWarning)]
 
 
-def _build_eager(module: Any, entry: _Entry, torch: Any) -> None:
-    """The optimized copy; its forward freezes a graph per input signature on first use
-    (unless the freeze backend is "none"), checked against the eager copy."""
+def _engine_sample(settings: Settings, args: Optional[tuple], torch: Any) -> Optional[tuple]:
+    """The first call's arguments as the sample for ``backend`` auto/engines, or None (torch route:
+    bf16, keywords, or arguments other than tensors and plain values)."""
+    if settings.backend == "torch" or settings.dtype != "float32" or not args:
+        return None
+    if not any(isinstance(a, torch.Tensor) for a in args):
+        return None
+    if not all(isinstance(a, torch.Tensor) or a is None or isinstance(a, (bool, int, float, str)) for a in args):
+        return None
+    return tuple(args)
+
+
+def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] = None) -> None:
+    """The optimized copy. With the engine backend (default ``auto``, fp32): the fastest route
+    measured on the first call's arguments (``optimize(..., backend=...)``, cached on disk).
+    Else (bf16, or ``XLAUNCH_AUTO_OPTIMIZE_BACKEND=torch``): the torch rewrite, whose forward
+    freezes a graph per input signature on first use (unless the freeze backend is "none")."""
     from xlaunch.kernels.optimize import dispatch
     from xlaunch.kernels.optimize.pipeline import optimize
 
@@ -245,8 +272,18 @@ def _build_eager(module: Any, entry: _Entry, torch: Any) -> None:
     flags = {"weights_prepack": freezing, "measure": False}
     if freezing:
         flags["freeze_backend"] = settings.freeze
+    sample = _engine_sample(settings, args, torch)
+    if sample is not None:
+        flags = {"freeze_backend": settings.freeze} if freezing else {"weights_prepack": False}
+
+        def build() -> Any:
+            return optimize(module, sample_input=sample, backend=settings.backend, time_budget=settings.budget,
+                            **flags)
+    else:
+        def build() -> Any:
+            return optimize(module, dtype=dtype, **flags)
     try:
-        eager, notes = _quietly(lambda: optimize(module, dtype=dtype, **flags))
+        eager, notes = _quietly(build)
     except Exception as exc:
         _give_up(module, f"{type(exc).__name__}: {str(exc)[:300]}")
         return
@@ -259,14 +296,16 @@ def _build_eager(module: Any, entry: _Entry, torch: Any) -> None:
     entry.versions = tuple(t._version for t in entry.tensors)
     report = getattr(eager, "_xlaunch_optimize_report", None)
     if settings.verbose:
-        _verbose(f"{_name(module)} optimized: {_describe(report)}")
+        _verbose(f"{_name(module)} optimized: {_describe(report, getattr(eager, '_xlaunch_engine_report', None))}")
         for note in notes:
             _verbose(f"  {note}")
     elif settings.dtype == "bfloat16" and report is not None and report.dtype != torch.bfloat16:
         _say(f"{_name(module)}: bf16 not used; see --auto-optimize-verbose")
 
 
-def _describe(report: Any) -> str:
+def _describe(report: Any, engine: Any = None) -> str:
+    if engine is not None:
+        return f"backend {engine.backend} ({engine.reason}; cache {engine.cache})"
     if report is None:
         return "done"
     parts = []

@@ -210,12 +210,22 @@ def _convert_optimizer(optimizer: Any, model: nn.Module, dtype: torch.dtype, rep
 
 def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
              level: str = "O1", inplace: bool = False, *, sample_input: Any = None,
-             **flags: Any) -> Any:
+             backend: Any = "torch", time_budget: Optional[float] = None, cache: bool = True,
+             progress: bool = True, **flags: Any) -> Any:
     """Rewrite ``model`` for fast CPU execution; see the module docstring for every flag.
 
     Returns the model, or ``(model, optimizer)`` when an optimizer is given. The model's
     ``_xlaunch_optimize_report`` (a :class:`Report`) lists what was done and why anything was not.
+    ``backend`` other than "torch" ("auto", "onnxruntime", "openvino", "inductor", "eager" or a
+    list) measures engines and keeps the fastest: :mod:`xlaunch.kernels.optimize.engines.api`
+    (``time_budget``, ``cache`` and ``progress`` belong to it).
     """
+    if not (isinstance(backend, str) and backend == "torch"):
+        from xlaunch.kernels.optimize.engines.api import optimize_with_engines
+
+        return optimize_with_engines(optimize, model, optimizer, dtype, level, inplace, sample_input=sample_input,
+                                     backend=backend, time_budget=time_budget, cache=cache, progress=progress,
+                                     flags=flags)
     optimizer, dtype = _ipex_argument_order(optimizer, dtype)
     if isinstance(model, torch.jit.ScriptModule):
         warn("the model is already a TorchScript module; returned as given")

@@ -86,24 +86,23 @@ def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProg
 
 
 class FrozenCompiled:
-    """torch.compile'd module whose compiles run with inductor freezing (int8 weight prepacking)."""
+    """torch.compile'd module whose compiles run with inductor freezing (int8 weight prepacking),
+    compiled once for every batch size: the batch dimension is marked unbacked on the first call
+    (:class:`xlaunch.kernels.optimize.engines.inductor_route.FrozenDynamicBatch`), so batches 3,
+    16 and 1 after 8 reuse the first compile instead of compiling again (seconds each)."""
 
     def __init__(self, module: nn.Module) -> None:
+        from xlaunch.kernels.optimize.engines.inductor_route import FrozenDynamicBatch
+
         self.module = module
-        self.compiled = torch.compile(module)
-        self.calls = 0
+        self._compiled = FrozenDynamicBatch(module, how="unbacked", quiet=NOISE)
+
+    @property
+    def calls(self) -> int:
+        return self._compiled.calls
 
     def __call__(self, *args: Any) -> Any:
-        import torch._inductor.config as inductor_config
-
-        with torch.no_grad(), inductor_config.patch(freezing=True):
-            self.calls += 1
-            if self.calls > 1:
-                return self.compiled(*args)
-            with warnings.catch_warnings():   # the first call compiles: keep inductor's noise quiet
-                warnings.filterwarnings("ignore", message=NOISE[0], category=UserWarning)
-                warnings.filterwarnings("ignore", message=NOISE[1], category=UserWarning)
-                return self.compiled(*args)
+        return self._compiled(*args)
 
 
 def _layer_name(node: Any) -> str:

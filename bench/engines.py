@@ -1,0 +1,272 @@
+"""Engines side by side, in one run: eager, today's ``optimize`` (the torch route), inductor,
+OpenVINO, ONNX Runtime and ``backend="auto"``; then the first and the cached start of a program
+under ``xlaunch --ninstances 2 --auto-optimize``.
+
+    .venv/bin/python bench/engines.py [--models resnet50-b1,resnet50-b4,bert,mlp,export-fails]
+                                      [--rounds 7] [--threads N] [--no-startup] [--startup-model resnet50-b1]
+
+Models are written in plain torch (no torchvision), with random weights: ResNet-50 (batch 1 and
+4, 3x224x224), a BERT-like encoder (4 layers, d 768, 12 heads, FFN 3072, batch 4, seq 128), an MLP
+(1024-4096-4096-1024, batch 64) and a model whose export fails (Python control flow on a tensor's
+value: both exporters refuse it, ``auto`` falls back). Every row of a model is timed round robin
+(so load from other processes hits every row alike), with one untimed call before each sample
+(the previous row's thread pool goes idle), medians over rounds and ratios to eager.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
+
+ROUTES = ("onnxruntime", "openvino", "inductor")
+
+
+# -- models ------------------------------------------------------------------------------------
+class Bottleneck(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * 4
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ResNet50(nn.Module):
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], 64
+        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for i in range(blocks):
+                layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
+                cin = width * 4
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+class ExportFails(nn.Module):
+    """An MLP whose branch depends on the input's values: a trace bakes one branch in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
+        self.b = nn.Linear(1024, 1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if x.mean() > -1.0 else self.b(x)
+
+
+def workload(name: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    if name.startswith("resnet50"):
+        batch = int(name.rsplit("-b", 1)[1])
+        model = ResNet50()
+        for module in model.modules():   # non-trivial BN statistics, as a trained model has
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.1, 0.1)
+                module.running_var.uniform_(0.5, 1.5)
+        return model.eval(), torch.randn(batch, 3, 224, 224)
+    if name == "bert":
+        layer = nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.1, activation="gelu", batch_first=True)
+        return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).eval(), torch.randn(4, 128, 768)
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+        return model.eval(), torch.randn(64, 1024)
+    if name == "export-fails":
+        return ExportFails().eval(), torch.randn(64, 1024)
+    raise SystemExit(f"--models: unknown model {name!r}")
+
+
+# -- timing ------------------------------------------------------------------------------------
+def time_interleaved(rows: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of every row, per round (round robin; one untimed call before each sample)."""
+    per_call = {}
+    with torch.no_grad():
+        for name, run in rows.items():
+            run()
+            start = time.perf_counter()
+            run()
+            per_call[name] = time.perf_counter() - start
+        reps = {name: max(1, min(20, int(0.2 / max(t, 1e-5)))) for name, t in per_call.items()}
+        samples: dict[str, list[float]] = {name: [] for name in rows}
+        for index in range(rounds):
+            order = list(rows) if index % 2 == 0 else list(reversed(rows))
+            for name in order:
+                rows[name]()
+                start = time.perf_counter()
+                for _ in range(reps[name]):
+                    rows[name]()
+                samples[name].append((time.perf_counter() - start) / reps[name])
+    return samples
+
+
+def build(label: str, make: Callable[[], nn.Module]) -> tuple[nn.Module, float, list[str]]:
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = make()
+    return module, time.perf_counter() - start, [str(w.message) for w in caught if "xlaunch" in str(w.message)]
+
+
+def bench_model(name: str, rounds: int) -> dict[str, Any]:
+    model, x = workload(name)
+    print(f"\n== {name}: input {tuple(x.shape)}, torch threads {torch.get_num_threads()}", flush=True)
+    quiet = {"cache": False, "progress": False}
+    makers: dict[str, Callable[[], nn.Module]] = {
+        "eager": lambda: model,
+        "optimize (torch)": lambda: optimize(model, sample_input=x),
+        **{route: (lambda route=route: optimize(model, sample_input=x, backend=route, **quiet)) for route in ROUTES},
+        "auto": lambda: optimize(model, sample_input=x, backend="auto", cache=False),
+    }
+    modules, rows = {}, {}
+    for label, make in makers.items():
+        module, seconds, notes = build(label, make)
+        report = getattr(module, "_xlaunch_engine_report", None)
+        what = f" -> {report.backend}" if report is not None and report.backend != label else ""
+        print(f"  built {label:18s} in {seconds:6.1f} s{what}", flush=True)
+        for note in notes[:3]:
+            print(f"      {note[:160]}")
+        if report is not None and label in ROUTES and report.backend != label:
+            print(f"      ({label} fell back: {report.routes.get(label).skipped if label in report.routes else report.reason})")
+        modules[label] = module
+        rows[label] = lambda module=module: module(x)
+    auto_report = modules["auto"]._xlaunch_engine_report
+    print("  auto's report:\n    " + str(auto_report).replace("\n", "\n    "))
+    samples = time_interleaved(rows, rounds)
+    ms = {label: statistics.median(values) * 1e3 for label, values in samples.items()}
+    spread = {label: (min(values) * 1e3, max(values) * 1e3) for label, values in samples.items()}
+    print(f"  {'row':18s} {'median ms':>10s} {'min..max ms':>18s} {'vs eager':>9s}")
+    for label, value in ms.items():
+        low, high = spread[label]
+        print(f"  {label:18s} {value:10.2f} {low:8.1f}..{high:<8.1f} {ms['eager'] / value:8.2f}x")
+    singles = {label: ms[label] for label in ("eager", "optimize (torch)", *ROUTES)
+               if not (label in ROUTES and modules[label]._xlaunch_engine_report.backend != label)}
+    best = min(singles, key=singles.__getitem__)
+    print(f"  auto kept {auto_report.backend}; auto vs best single route ({best}): {singles[best] / ms['auto']:.2f}x; "
+          f"auto vs eager: {ms['eager'] / ms['auto']:.2f}x")
+    return {"ms": ms, "kept": auto_report.backend, "best": best}
+
+
+# -- start-up under xlaunch --------------------------------------------------------------------
+STARTUP_SCRIPT = r"""
+import json, os, sys, time
+import psutil
+sys.path.insert(0, {repo!r})
+import torch
+from bench.engines import workload
+model, x = workload({model!r})
+with torch.no_grad():
+    model(x)
+ready = time.time() - psutil.Process().create_time()
+print(json.dumps({{"ready_s": ready}}), flush=True)
+"""
+
+
+def startup(model: str, budget: str) -> None:
+    """First and second run of a program under ``xlaunch --ninstances 2 --auto-optimize``, one
+    fresh cache: seconds from each instance's start to its first result."""
+    print(f"\n== start-up: xlaunch --ninstances 2 --ncores-per-instance 1 --auto-optimize ({model}, "
+          f"XLAUNCH_AUTO_OPTIMIZE_BUDGET={budget})", flush=True)
+    with tempfile.TemporaryDirectory(prefix="xlaunch-bench-") as folder:
+        script = Path(folder) / "program.py"
+        script.write_text(STARTUP_SCRIPT.format(repo=str(REPO), model=model))
+        env = {**os.environ, "XLAUNCH_CACHE_DIR": str(Path(folder) / "cache"), "XLAUNCH_AUTO_OPTIMIZE_BUDGET": budget}
+        env.pop("PYTHONPATH", None)
+        runs = []
+        for label in ("first start (builds)", "second start (cache)"):
+            start = time.perf_counter()
+            result = subprocess.run([sys.executable, "-m", "xlaunch", "-q", "--ninstances", "2",
+                                     "--ncores-per-instance", "1", "--auto-optimize", "--auto-optimize-verbose",
+                                     str(script)], capture_output=True, text=True, env=env, cwd=folder)
+            wall = time.perf_counter() - start
+            ready = [json.loads(line.split("] ", 1)[1])["ready_s"] for line in result.stdout.splitlines()
+                     if '"ready_s"' in line]
+            kept = [line.split("optimized: ", 1)[1] for line in (result.stdout + result.stderr).splitlines()
+                    if "optimized: backend" in line]
+            if result.returncode != 0 or len(ready) != 2:
+                print(f"  {label}: failed (exit {result.returncode})\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+                return
+            runs.append(max(ready))
+            print(f"  {label:22s}: first result after {ready[0]:6.1f} s / {ready[1]:6.1f} s "
+                  f"(instances), launcher wall {wall:6.1f} s")
+            for line in kept:
+                print(f"      {line[:200]}")
+        print(f"  second start {runs[0] / runs[1]:.1f}x faster to first result (slower instance)")
+
+
+def machine() -> str:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from importlib import metadata
+
+    versions = []
+    for package in ("torch", "onnxruntime", "openvino"):
+        try:
+            versions.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{package} -")
+    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}; {', '.join(versions)}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet50-b1,resnet50-b4,bert,mlp,export-fails")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--no-startup", action="store_true")
+    parser.add_argument("--startup-model", default="resnet50-b1")
+    parser.add_argument("--startup-budget", default="300")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"machine: {machine()}")
+    print(f"load average at start: {Path('/proc/loadavg').read_text().split()[:3]}")
+    summary = {}
+    for name in args.models.split(","):
+        summary[name] = bench_model(name.strip(), args.rounds)
+        print(f"  load average: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+    if not args.no_startup:
+        startup(args.startup_model, args.startup_budget)
+    print(f"\nload average at end: {Path('/proc/loadavg').read_text().split()[:3]}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

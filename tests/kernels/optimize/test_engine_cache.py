@@ -1,0 +1,200 @@
+"""The engine cache: an entry written by one process is loaded by the next; two processes asking
+for one entry at once build it once; a corrupt entry is rebuilt with a warning; entries are read
+without following symlinks, from regular files only, within their declared sizes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xlaunch.kernels.optimize.engines.cache import ENTRY, Cache, CorruptEntry, cache_dir
+
+KEY = "0" * 40
+
+
+def test_cache_dir_follows_the_environment(tmp_path: Path) -> None:
+    assert cache_dir({"XLAUNCH_CACHE_DIR": str(tmp_path / "c")}) == str(tmp_path / "c")
+    assert cache_dir({"XDG_CACHE_HOME": "/x/cache", "HOME": "/home/u"}) == "/x/cache/xlaunch"
+    assert cache_dir({"HOME": "/home/u"}) == "/home/u/.cache/xlaunch"
+
+
+def test_an_entry_round_trips_and_a_second_writer_loses(tmp_path: Path) -> None:
+    store = Cache(str(tmp_path))
+    assert store.read(KEY) is None
+    assert store.write(KEY, "onnxruntime", {"a": 1}, {"backend": "onnxruntime"}, {"model.onnx": b"bytes"})
+    assert not store.write(KEY, "onnxruntime", {}, {}, {"model.onnx": b"other"})   # first one stays
+    entry, files = store.read(KEY)
+    assert entry["route"] == "onnxruntime" and entry["state"] == {"a": 1} and files == {"model.onnx": b"bytes"}
+    assert sorted(p.name for p in Path(store.root).iterdir()) == [KEY]   # no temporary folder left
+    assert oct(os.stat(store.path(KEY)).st_mode & 0o777) == "0o700"
+
+
+def corrupt(store: Cache, how: str) -> None:
+    path = Path(store.path(KEY))
+    if how == "bytes":
+        (path / "model.onnx").write_bytes(b"BYTES")
+    elif how == "json":
+        (path / ENTRY).write_text("{not json")
+    elif how == "symlink_file":
+        os.unlink(path / "model.onnx")
+        (Path(store.root) / "elsewhere").write_bytes(b"bytes")
+        os.symlink(Path(store.root) / "elsewhere", path / "model.onnx")
+    elif how == "fifo":
+        os.unlink(path / "model.onnx")
+        os.mkfifo(path / "model.onnx")
+    elif how == "oversize":
+        entry = json.loads((path / ENTRY).read_text())
+        entry["files"]["model.onnx"]["size"] = 1 << 40
+        (path / ENTRY).write_text(json.dumps(entry))
+    elif how == "bad_name":
+        entry = json.loads((path / ENTRY).read_text())
+        entry["files"] = {"../../etc/passwd": {"size": 1, "sha256": "x"}}
+        (path / ENTRY).write_text(json.dumps(entry))
+    elif how == "symlink_dir":
+        real = Path(store.root) / "real"
+        path.rename(real)
+        os.symlink(real, path)
+
+
+@pytest.mark.parametrize("how", ["bytes", "json", "symlink_file", "fifo", "oversize", "bad_name", "symlink_dir"])
+def test_a_bad_entry_is_corrupt_never_followed(tmp_path: Path, how: str) -> None:
+    store = Cache(str(tmp_path))
+    store.write(KEY, "onnxruntime", {}, {}, {"model.onnx": b"bytes"})
+    corrupt(store, how)
+    with pytest.raises(CorruptEntry):
+        store.read(KEY)
+    store.remove(KEY)
+    assert not os.path.lexists(store.path(KEY))
+    if how == "symlink_dir":   # the link was removed, not what it pointed to
+        assert (Path(store.root) / "real" / "model.onnx").read_bytes() == b"bytes"
+
+
+CACHE_SCRIPT = r"""
+import json, sys, time, warnings
+start = time.perf_counter()
+import torch
+from torch import nn
+from xlaunch import optimize
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
+x = torch.randn(6, 32)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fast = optimize(model, sample_input=x, backend="onnxruntime", progress=False)
+    with torch.no_grad():
+        first = fast(x)
+    ready = time.perf_counter() - start
+    with torch.no_grad():
+        ok = all(torch.allclose(fast(v), model(v), atol=1e-5) for v in (x, torch.randn(3, 32)))
+print(json.dumps({"cache": fast.report.cache, "backend": fast.report.backend, "ok": ok, "ready_s": ready,
+                  "warnings": [str(w.message) for w in caught], "path": fast.report.cache_path}))
+"""
+
+
+def start(cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "XLAUNCH_CACHE_DIR": str(cache)}
+    return subprocess.Popen([sys.executable, "-c", CACHE_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=str(cache.parent))
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert err == "", err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_two_processes_asking_at_once_build_once_and_share_the_entry(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    cache = tmp_path / "cache"
+    first, second = start(cache), start(cache)     # at once: one builds, the other waits and loads
+    results = [finish(first), finish(second)]
+    assert sorted(r["cache"] for r in results) == ["hit", "miss"], results
+    assert all(r["ok"] and r["backend"] == "onnxruntime" and r["warnings"] == [] for r in results)
+    entry_dir = Path(results[0]["path"])
+    assert results[1]["path"] == str(entry_dir)
+    root = entry_dir.parent
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [entry_dir.name]
+    assert sorted(p.name for p in entry_dir.iterdir()) == ["entry.json", "model.onnx"]
+    entry = json.loads((entry_dir / "entry.json").read_text())
+    onnx = entry_dir / "model.onnx"
+    assert entry["files"]["model.onnx"]["sha256"] == hashlib.sha256(onnx.read_bytes()).hexdigest()
+
+
+class FileRoute:
+    """A route whose artifact is the weights (torch.save bytes): the cache path of an engine,
+    in-process (no engine threads). Counts its builds and loads."""
+
+    cached_files = True
+    needs: tuple = ()
+    builds = loads = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def missing(self):
+        return None
+
+    def _runner(self, model, data: bytes):
+        import copy
+        import io
+
+        import torch
+
+        copy_ = copy.deepcopy(model)
+        copy_.load_state_dict(torch.load(io.BytesIO(data)))
+        return copy_
+
+    def build(self, model, sample, context):
+        import io
+
+        import torch
+
+        from xlaunch.kernels.optimize.engines.base import Built
+
+        type(self).builds += 1
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        return Built(self._runner(model, buffer.getvalue()), files={"weights.pt": buffer.getvalue()})
+
+    def load(self, model, sample, context, files, state):
+        from xlaunch.kernels.optimize.engines.base import Built
+
+        type(self).loads += 1
+        return Built(self._runner(model, files["weights.pt"]), files=files)
+
+
+def test_a_corrupt_entry_is_rebuilt_with_one_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from xlaunch.kernels.optimize.engines import api
+    from xlaunch.kernels.optimize.notes import OptimizeWarning
+    from xlaunch.kernels.optimize.pipeline import optimize
+
+    monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(api, "ROUTES_BY_NAME", {**api.ROUTES_BY_NAME, "onnxruntime": FileRoute("onnxruntime")})
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval(), torch.randn(3, 8)
+
+    def run():
+        return optimize(model, sample_input=x, backend="onnxruntime", progress=False)
+
+    assert run().report.cache == "miss" and (FileRoute.builds, FileRoute.loads) == (1, 0)
+    hit = run()
+    assert hit.report.cache == "hit" and (FileRoute.builds, FileRoute.loads) == (1, 1)
+    artifact = next(tmp_path.glob("engines/v1/*/weights.pt"))
+    artifact.write_bytes(artifact.read_bytes()[:-7] + b"garbage")
+    with pytest.warns(OptimizeWarning, match="is corrupt .*weights.pt does not match its recorded size and sha256"
+                                             ".*rebuilding it") as caught:
+        rebuilt = run()
+    assert len([w for w in caught if "corrupt" in str(w.message)]) == 1
+    assert rebuilt.report.cache == "miss" and (FileRoute.builds, FileRoute.loads) == (2, 1)
+    with torch.no_grad():
+        assert torch.allclose(rebuilt(x), model(x))
+    assert run().report.cache == "hit"   # the rebuilt entry is good

@@ -1,0 +1,317 @@
+"""optimize(..., backend=...): route choice, numerics, missing extras, inference-only fallbacks,
+the drop-in module, every batch size on one build, exports that fail.
+
+Engines start thread pools, so the tests that build real ONNX Runtime / OpenVINO engines run in
+one subprocess (many checks, torch imported once) that must exit 0 with an empty stderr. The route
+choice runs in-process with fake routes (no engine threads): one deliberately slow, one wrong.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from xlaunch.kernels.optimize.engines import api, policy  # noqa: E402
+from xlaunch.kernels.optimize.engines.base import Built, Route  # noqa: E402
+from xlaunch.kernels.optimize.notes import OptimizeWarning  # noqa: E402
+from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
+
+pytestmark = pytest.mark.torch
+REPO = Path(__file__).resolve().parents[3]
+
+
+class Wasteful(nn.Module):
+    """Computes its (correct) answer four times; a route computing it once is ~4x faster."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+        self.tag = "mine"
+
+    def forward(self, x: torch.Tensor) -> dict:
+        out = None
+        for _ in range(4):
+            out = self.net(x)
+        return {"logits": out, "pair": (out.sum(-1), x.mean(-1))}
+
+
+def net_once(model: nn.Module, x: torch.Tensor) -> dict:
+    out = model.net(x)
+    return {"logits": out, "pair": (out.sum(-1), x.mean(-1))}
+
+
+class FastFake(Route):
+    def build(self, model, sample, context):
+        return Built(lambda x: net_once(model, x))
+
+
+class SlowFake(Route):
+    def build(self, model, sample, context):
+        def run(x):
+            for _ in range(7):
+                model(x)
+            return model(x)
+        return Built(run)
+
+
+class WrongFake(Route):
+    def build(self, model, sample, context):
+        def run(x):
+            out = net_once(model, x)
+            return {"logits": out["logits"] * 1.01, "pair": out["pair"]}
+        return Built(run)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Timing on a shared 2-vCPU machine: one thread per op keeps the medians meaningful (two
+    threads wait on each other whenever another process takes one of the CPUs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fake_routes(monkeypatch: pytest.MonkeyPatch, **fakes: Route) -> None:
+    table = dict(api.ROUTES_BY_NAME)
+    for name, route in fakes.items():
+        route.name = name
+        table[name] = route
+    monkeypatch.setattr(api, "ROUTES_BY_NAME", table)
+
+
+def test_auto_keeps_the_fastest_route_and_rejects_wrong_results(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    fake_routes(monkeypatch, onnxruntime=FastFake(), inductor=SlowFake(), openvino=WrongFake())
+    torch.manual_seed(0)
+    model, x = Wasteful().eval(), torch.randn(8, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OptimizeWarning)   # nothing here deserves a warning
+        fast = optimize(model, sample_input=x, backend="auto", cache=False, time_budget=20)
+    progress = capsys.readouterr().err.splitlines()   # not a terminal: one line per step
+    assert [line.split(":")[1].strip() for line in progress] == [
+        "building eager", "building torch", "building onnxruntime", "building openvino", "building inductor",
+        "timing eager, torch, onnxruntime, inductor", "kept onnxruntime"], progress
+    assert progress[3].startswith("xlaunch.optimize: building openvino: wrong results")
+    report = fast.report
+    assert report.backend == "onnxruntime", str(report)
+    assert "onnxruntime measured" in report.reason
+    routes = report.routes
+    assert routes["inductor"].ms is not None and routes["inductor"].skipped is None   # timed, and lost
+    assert routes["openvino"].skipped.startswith("wrong results: max relative error")
+    assert routes["openvino"].rel_error > policy.MAX_REL_ERROR and routes["openvino"].ms is None
+    assert routes["onnxruntime"].rel_error == 0.0 and routes["onnxruntime"].build_s is not None
+    text = str(report)
+    assert "route openvino: skipped: wrong results" in text and "route inductor:" in text
+    # the drop-in module: the user's class, attributes and state_dict; the structure out
+    assert type(fast) is Wasteful and fast.tag == "mine" and fast is not model
+    assert fast.state_dict().keys() == model.state_dict().keys()
+    with torch.no_grad():
+        for batch in (1, 3, 16):
+            xb = torch.randn(batch, 64)
+            out, ref = fast(xb), model(xb)
+            assert isinstance(out, dict) and isinstance(out["pair"], tuple)
+            assert torch.allclose(out["logits"], ref["logits"], atol=1e-5)
+
+
+def test_no_engine_wins_by_the_margin_keeps_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_routes(monkeypatch, onnxruntime=SlowFake())
+    model, x = Wasteful().eval(), torch.randn(4, 64)
+    kept = optimize(model, sample_input=x, backend=["onnxruntime"], cache=False, progress=False)
+    assert kept.report.backend in ("eager", "torch") and "no engine beat" in kept.report.reason
+    assert set(kept.report.routes) == {"eager", "torch", "onnxruntime"}
+
+
+def test_choose_needs_the_margin() -> None:
+    rounds = {"eager": [1.0] * 5, "torch": [0.9] * 5, "onnxruntime": [0.88] * 5, "openvino": [0.95] * 5}
+    assert policy.choose(rounds)[0] == "torch"        # 0.88 / 0.9 = 0.978: not 3 % better
+    rounds["onnxruntime"] = [0.85] * 5
+    assert policy.choose(rounds) == ("onnxruntime", "onnxruntime measured 1.06x torch")
+    assert policy.choose({"eager": [1.0] * 3, "torch": [1.1] * 3})[0] == "eager"
+
+
+def test_missing_extra_skips_the_route_and_names_the_pip_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)   # as if not installed
+    model, x = Wasteful().eval(), torch.randn(4, 64)
+    with pytest.warns(OptimizeWarning) as caught:
+        fallback = optimize(model, sample_input=x, backend="onnxruntime", cache=False, progress=False)
+    route = fallback.report.routes["onnxruntime"]
+    assert route.skipped == 'onnxruntime is not installed: pip install "xlaunch[onnxruntime]"'
+    assert fallback.report.backend == "torch"
+    assert any('pip install "xlaunch[onnxruntime]"' in str(w.message) for w in caught) or \
+        'pip install "xlaunch[onnxruntime]"' in fallback.report.reason
+    assert 'route onnxruntime: skipped: onnxruntime is not installed: pip install "xlaunch[onnxruntime]"' in str(fallback.report)
+
+
+@pytest.mark.parametrize("case", ["training", "optimizer", "grad_input", "no_sample"])
+def test_inference_only_means_the_torch_route_with_a_reason(case: str) -> None:
+    model, x = Wasteful(), torch.randn(2, 64)
+    kwargs: dict = {"sample_input": x}
+    if case == "training":
+        model.train()
+    elif case == "optimizer":
+        model.train()
+        kwargs["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif case == "grad_input":
+        model.eval()
+        kwargs["sample_input"] = x.requires_grad_()
+    else:
+        model.eval()
+        kwargs = {}
+    with pytest.warns(OptimizeWarning, match="backend=auto: the torch route is used: ") as caught:
+        result = optimize(model, backend="auto", cache=False, progress=False, **kwargs)
+    messages = [str(w.message) for w in caught if "torch route is used" in str(w.message)]
+    assert len(messages) == 1 and "\n" not in messages[0]
+    if case == "optimizer":
+        assert isinstance(result, tuple) and "optimizer" in messages[0]
+    else:
+        assert result.report.backend == "torch" and result.report.reason in messages[0]
+
+
+def test_bad_backend_and_budget() -> None:
+    model, x = Wasteful().eval(), torch.randn(2, 64)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        optimize(model, sample_input=x, backend="tensorrt")
+    with pytest.raises(ValueError, match="backend routes must be among"):
+        optimize(model, sample_input=x, backend=["onnxruntime", "tvm"])
+    with pytest.raises(ValueError, match="time_budget must be > 0"):
+        optimize(model, sample_input=x, backend="auto", time_budget=0)
+
+
+ENGINE_SCRIPT = r"""
+import copy, json, sys, warnings
+import torch
+from torch import nn
+from xlaunch import optimize
+from xlaunch.kernels.optimize.engines import forward as engine_forward
+
+torch.manual_seed(0)
+results = {}
+
+class Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(2), nn.Flatten())
+        self.head = nn.Linear(32, 5)
+        self.tag = "heads"
+    def forward(self, x, scale: float = 1.0):
+        feats = self.body(x)
+        return {"logits": self.head(feats) * scale, "extra": (feats.sum(-1), feats)}
+
+class ValueDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 4), nn.Linear(16, 4)
+    def forward(self, x):
+        return self.a(x) if x.sum() > 0 else self.b(x)
+
+def close(out, ref):
+    return torch.allclose(out["logits"], ref["logits"], atol=1e-4, rtol=1e-4) and \
+        torch.allclose(out["extra"][1], ref["extra"][1], atol=1e-4, rtol=1e-4)
+
+model = Heads().eval()
+with torch.no_grad():
+    model.body[1].running_mean.uniform_(-1, 1); model.body[1].running_var.uniform_(0.5, 2)
+x = torch.randn(8, 3, 16, 16)
+for backend in ("onnxruntime", "openvino"):
+    got = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = optimize(model, sample_input=(x, 0.5), backend=backend, cache=False, progress=False)
+        got["build_warnings"] = [str(w.message) for w in caught]
+        engine = engine_forward.of(fast)
+        runner = engine.runner
+        got["backend"] = fast.report.backend
+        got["class"], got["tag"] = type(fast).__name__, fast.tag
+        got["state_dict_same"] = list(fast.state_dict()) == list(model.state_dict())
+        batches = {}
+        with torch.no_grad():
+            for batch in (1, 3, 8, 16):
+                xb = torch.randn(batch, 3, 16, 16)
+                out, ref = fast(xb, 0.5), model(xb, 0.5)
+                batches[batch] = [close(out, ref), type(out).__name__, type(out["extra"]).__name__,
+                                  tuple(out["logits"].shape), type(out["logits"]).__name__]
+            got["other_scale_is_eager"] = close(fast(x, 2.0), model(x, 2.0))
+        got["batches"] = batches
+        got["served"], got["one_build"] = engine.calls_served, engine.runner is runner
+        got["warnings_before_grad"] = len(caught)
+        out = fast(x, 0.5)                     # autograd on: the eager forward, said once
+        fast(x, 0.5)
+        got["grad_out"] = out["logits"].requires_grad
+        got["grad_warnings"] = [str(w.message) for w in caught[got["warnings_before_grad"]:]]
+        state = copy.deepcopy(model.state_dict())
+        state["head.weight"] += 1.0
+        fast.load_state_dict(state)
+        model2 = copy.deepcopy(model); model2.load_state_dict(state)
+        with torch.no_grad():
+            got["after_load_matches_new_weights"] = close(fast(x, 0.5), model2(x, 0.5))
+        got["after_load_warning"] = any("weights changed" in str(w.message) for w in caught)
+        got["report"] = str(fast.report)
+    results[backend] = got
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    vd = ValueDependent().eval()
+    xv = torch.randn(4, 16)
+    kept = optimize(vd, sample_input=xv, backend=["onnxruntime", "openvino"], cache=False, progress=False)
+    with torch.no_grad():
+        results["value_dependent"] = {
+            "backend": kept.report.backend,
+            "onnxruntime": kept.report.routes["onnxruntime"].skipped,
+            "openvino": kept.report.routes["openvino"].skipped,
+            "correct": all(torch.allclose(kept(v), vd(v)) for v in (xv, -xv.abs(), xv.abs())),
+            "warnings": [str(w.message) for w in caught],
+        }
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory: pytest.TempPathFactory, jemalloc_path: str) -> dict:
+    """With jemalloc preloaded, as ``xlaunch`` runs programs by default (OpenVINO's bundled hwloc
+    aborted the process there until the route set TBB_ENABLE_SANITIZERS)."""
+    env = {k: v for k, v in os.environ.items() if k != "TBB_ENABLE_SANITIZERS"}
+    env["LD_PRELOAD"] = jemalloc_path
+    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path_factory.mktemp("engines"), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]   # engines' and exporters' noise stays quiet
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_engine_serves_every_batch_size_from_one_build(engine_run: dict, backend: str) -> None:
+    got = engine_run[backend]
+    assert got["backend"] == backend, got["report"]
+    assert got["build_warnings"] == []
+    assert got["batches"] == {str(b): [True, "dict", "tuple", [b, 5], "Tensor"] for b in (1, 3, 8, 16)}
+    assert got["served"] == 4 and got["one_build"]   # the other scale (a plain value) went eager
+    assert got["other_scale_is_eager"]
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_engine_module_is_a_drop_in(engine_run: dict, backend: str) -> None:
+    got = engine_run[backend]
+    assert got["class"] == "Heads" and got["tag"] == "heads" and got["state_dict_same"]
+    assert got["grad_out"] is True
+    assert len(got["grad_warnings"]) == 1 and "autograd on" in got["grad_warnings"][0]
+    assert got["after_load_matches_new_weights"] and got["after_load_warning"]
+    assert f"route {backend}: " in got["report"] and "rel error" in got["report"]
+
+
+def test_an_export_that_fails_skips_the_route_never_the_call(engine_run: dict) -> None:
+    got = engine_run["value_dependent"]
+    assert got["backend"] in ("eager", "torch")
+    for route in ("onnxruntime", "openvino"):
+        assert "the trace depends on input values" in got[route], got[route]
+    assert got["correct"]
+    assert got["warnings"] == []

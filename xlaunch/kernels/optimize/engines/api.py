@@ -1,0 +1,211 @@
+"""``optimize(model, sample_input=x, backend="auto")``: the fastest way to run this model here,
+measured, kept, and built once per machine.
+
+    model = xlaunch.optimize(model.eval(), sample_input=x, backend="auto")
+    model(x); print(model.report)          # every route: time, error, build time, or why skipped
+    xlaunch.optimize(model, sample_input=x, backend="onnxruntime")     # one route by name
+    xlaunch.optimize(model, sample_input=x, backend=["onnxruntime", "openvino"])   # auto among these
+
+Routes: ``eager`` (the model as given), ``torch`` (the default rewrite of :mod:`..pipeline`),
+``onnxruntime``, ``openvino``, ``inductor``. ``auto`` builds every route that applies, checks each
+against eager, times them round robin within ``time_budget`` seconds and keeps the fastest; an
+engine must beat eager/torch by 3 %. Inference only: training mode, an optimizer, a sample that
+requires grad or a low-precision dtype mean the torch route, with a one-line warning saying why.
+
+The chosen route is cached on disk (:mod:`.cache`), so the next process (or the other instances
+``xlaunch --ninstances N --auto-optimize`` starts) loads it instead of building and timing again.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+from typing import Any, Callable, Optional, Sequence, Union
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import nn
+
+from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, policy
+from xlaunch.kernels.optimize.engines.base import Built, Context, Route
+from xlaunch.kernels.optimize.engines.inductor_route import InductorRoute
+from xlaunch.kernels.optimize.engines.onnxruntime_route import OnnxRuntimeRoute
+from xlaunch.kernels.optimize.engines.openvino_route import OpenVinoRoute
+from xlaunch.kernels.optimize.engines.report import EngineReport, RouteResult
+from xlaunch.kernels.optimize.engines.sample import Sample, Unsupported, max_relative_error
+from xlaunch.kernels.optimize.engines.torch_route import EagerRoute, TorchRoute
+from xlaunch.kernels.optimize.notes import warn
+from xlaunch.kernels.optimize.progress import Progress
+
+DEFAULT_TIME_BUDGET_S = 300.0
+# The routes by name (tests put fakes here).
+ROUTES_BY_NAME: dict[str, Route] = {route.name: route for route in (
+    EagerRoute(), TorchRoute(), OnnxRuntimeRoute(), OpenVinoRoute(), InductorRoute())}
+REPORT_ATTRIBUTE = "_xlaunch_engine_report"
+
+
+def _isa() -> str:
+    try:
+        from xlaunch.machine import current_machine
+
+        return " ".join(sorted(current_machine().isa.flags))
+    except Exception:
+        return ""
+
+
+def attach(model: nn.Module, report: EngineReport) -> None:
+    """The report as ``model.report`` (unless the model has its own ``report``) and
+    ``model._xlaunch_engine_report``."""
+    setattr(model, REPORT_ATTRIBUTE, report)
+    own = "report" in model.__dict__ or hasattr(type(model), "report") or "report" in model._modules
+    if not own or isinstance(model.__dict__.get("report"), EngineReport):
+        model.__dict__["report"] = report
+
+
+def _notify(message: str) -> None:
+    warn(message)
+
+
+def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report: EngineReport) -> nn.Module:
+    if built.module is not None:
+        result = built.module
+    else:
+        forward.install(working, built.runner, sample, route, _notify)
+        result = working
+    attach(result, report)
+    return result
+
+
+def _run(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module, sample: Sample, context: Context,
+         report: EngineReport, budget: float, show: Progress, single: Optional[str]) -> tuple[str, dict[str, Built]]:
+    choice, built = auto.run(names, routes, working, sample, context, report, budget, show, single)
+    if single is not None and choice != single:   # the route asked for by name could not be used
+        warn(f"backend={single}: {report.reason}")
+    else:
+        show.line(f"kept {choice}: {report.reason}")
+    return choice, built
+
+
+def _torch_route(torch_optimize: Callable[..., Any], model: nn.Module, optimizer: Any, dtype: Any, level: str,
+                 inplace: bool, sample_input: Any, flags: dict[str, Any], label: str, reason: str) -> Any:
+    warn(f"backend={label}: the torch route is used: {reason}")
+    result = torch_optimize(model, optimizer, dtype, level, inplace, sample_input=sample_input, **flags)
+    if isinstance(result, nn.Module):
+        attach(result, EngineReport(backend="torch", requested=label, reason=reason))
+    return result
+
+
+def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working: nn.Module, sample: Sample,
+                 context: Context, label: str, progress: Progress) -> Optional[tuple[Built, str, EngineReport]]:
+    """The cached route loaded and checked on the sample, or None (no entry, or a bad one: warned,
+    removed, to be rebuilt)."""
+    try:
+        found = store.read(key)
+        if found is None:
+            return None
+        entry, files = found
+        name = entry.get("route")
+        if name not in routes:
+            raise disk.CorruptEntry(f"unknown route {name!r}")
+        with progress.step(f"loading {name} from the cache") as step:
+            begin = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                built = routes[name].load(working, sample, context, files, entry.get("state") or {})
+                with torch.no_grad():
+                    error = max_relative_error(sample.outputs, built.runner(*sample.args))
+            if not error <= policy.MAX_REL_ERROR:
+                raise disk.CorruptEntry(f"the cached {name} gives wrong results (max relative error {error:.2e})")
+            step.done("loaded")
+        report = EngineReport.from_dict(entry["report"])
+        report.requested, report.cache, report.cache_path = label, "hit", store.path(key)
+        report.routes.setdefault(name, RouteResult()).build_s = time.perf_counter() - begin
+        return built, name, report
+    except Exception as exc:   # anything wrong with an entry: rebuild, never fail the call
+        problem = str(exc) if isinstance(exc, disk.CorruptEntry) else f"{type(exc).__name__}: {exc}"
+        warn(f"the cache entry {store.path(key)} is corrupt ({problem[:300]}); rebuilding it")
+        try:
+            store.remove(key)
+        except OSError:
+            pass
+        return None
+
+
+def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, optimizer: Any = None,
+                          dtype: Any = None, level: str = "O1", inplace: bool = False, *, sample_input: Any = None,
+                          backend: Union[str, Sequence[str]] = "auto", time_budget: Optional[float] = None,
+                          cache: bool = True, progress: bool = True, flags: Optional[dict[str, Any]] = None) -> Any:
+    """See the module docstring; ``torch_optimize`` is :func:`..pipeline.optimize` (the torch route)."""
+    flags = dict(flags or {})
+    label, names = policy.requested_routes(backend)
+    single = None if label == "auto" or label.startswith("auto:") else label
+    if not isinstance(model, nn.Module) or isinstance(model, torch.jit.ScriptModule):
+        return torch_optimize(model, optimizer, dtype, level, inplace, sample_input=sample_input, **flags)
+    budget = DEFAULT_TIME_BUDGET_S if time_budget is None else float(time_budget)
+    if not budget > 0:
+        raise ValueError(f"optimize: time_budget must be > 0 seconds, not {time_budget!r}")
+    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    grad_inputs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    low = None if dtype in (None, torch.float32) else str(dtype).removeprefix("torch.")
+    reason = policy.inference_only_reason(model.training, optimizer is not None, sample_input is not None,
+                                          grad_inputs, low)
+    if reason:
+        return _torch_route(torch_optimize, model, optimizer, dtype, level, inplace, sample_input, flags, label, reason)
+    working = copy.deepcopy(model)
+    try:
+        sample = Sample(working, sample_input)
+    except Unsupported as exc:
+        return _torch_route(torch_optimize, model, optimizer, dtype, level, inplace, sample_input, flags, label, str(exc))
+    routes = dict(ROUTES_BY_NAME)
+    context = Context(torch.get_num_threads(), torch_optimize, level, flags)
+    report = EngineReport(backend="", requested=label, sample=sample.describe(), threads=context.threads)
+    show = Progress(total=len(names) + 1, enabled=progress)
+    try:
+        if not cache:
+            choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
+            return _finish(built[choice], choice, working, sample, report)
+        return _cached(names, routes, working, sample, context, report, budget, show, single, label, flags)
+    finally:
+        show.close()
+
+
+def _cached(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module, sample: Sample, context: Context,
+            report: EngineReport, budget: float, show: Progress, single: Optional[str], label: str,
+            flags: dict[str, Any]) -> nn.Module:
+    """The route from the cache, or built, timed, kept and written to the cache (under its lock)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            key = disk.model_key(working, sample.spec, names, context.threads, _isa(), context.level, flags)
+            store = disk.Cache(disk.cache_dir())
+            stack.enter_context(store.lock(key, on_wait=lambda: show.line(
+                "another process is building this model; waiting for it")))
+        except OSError as exc:   # the cache folder cannot be made or locked: build without it
+            warn(f"the engine cache is not used ({exc}); building without it")
+            choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
+            return _finish(built[choice], choice, working, sample, report)
+        return _cached_locked(store, key, names, routes, working, sample, context, report, budget, show, single, label)
+
+
+def _cached_locked(store: disk.Cache, key: str, names: tuple[str, ...], routes: dict[str, Route], working: nn.Module,
+                   sample: Sample, context: Context, report: EngineReport, budget: float, show: Progress,
+                   single: Optional[str], label: str) -> nn.Module:
+    hit = _load_cached(store, key, routes, working, sample, context, label, show)
+    if hit is not None:
+        built_hit, name, cached_report = hit
+        show.line(f"cache hit: {name} ({store.path(key)})")
+        return _finish(built_hit, name, working, sample, cached_report)
+    choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
+    report.cache, report.cache_path = "miss", store.path(key)
+    files = built[choice].files if routes[choice].cached_files else {}
+    try:
+        store.write(key, choice, built[choice].state, report.to_dict(), files)
+    except OSError as exc:   # a full or read-only disk: the model still runs, just not cached
+        report.cache = f"not written ({exc.strerror or exc})"
+        warn(f"the engine cache entry was not written ({exc})")
+    for name in list(built):   # drop the routes not kept (sessions, compiled graphs) now
+        if name != choice:
+            del built[name]
+    return _finish(built[choice], choice, working, sample, report)

@@ -1,0 +1,112 @@
+"""Progress of the steps that take seconds (building a route, exporting, timing), on stderr.
+
+On a terminal: a rich progress bar (tqdm when rich is not installed). Otherwise (a log, a pipe,
+``xlaunch`` prefixing each instance's lines): one line per step when it ends. A closed or full
+stderr never stops the work: the line is dropped.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any, Iterator, Optional
+
+PREFIX = "xlaunch.optimize"
+
+
+def _write(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):   # closed, full, or no stderr: output degrades
+        pass
+
+
+class Progress:
+    """``with progress.step("building onnxruntime") as step: ...; step.done("3.1 s")``."""
+
+    def __init__(self, total: int, enabled: bool = True, title: str = PREFIX) -> None:
+        self.enabled = enabled
+        self.title = title
+        self.total = total
+        self._bar: Any = None
+        self._task: Any = None
+        self._tqdm: Any = None
+        if enabled and _is_terminal():
+            self._start_bar()
+
+    def _start_bar(self) -> None:
+        try:
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                     TimeElapsedColumn(), transient=False)
+            self._bar.start()
+            self._task = self._bar.add_task(self.title, total=self.total)
+            return
+        except Exception:
+            self._bar = None
+        try:
+            from tqdm import tqdm
+
+            self._tqdm = tqdm(total=self.total, desc=self.title, file=sys.stderr, leave=True)
+        except Exception:
+            self._tqdm = None
+
+    def line(self, text: str) -> None:
+        """A line of its own (not a step): what was kept, a cache hit."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(f"{self.title}: {text}", highlight=False)
+        elif self._tqdm is not None:
+            self._tqdm.write(f"{self.title}: {text}", file=sys.stderr)
+        else:
+            _write(f"{self.title}: {text}")
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator["Step"]:
+        step = Step(what)
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"{self.title}: {what}")
+        elif self._tqdm is not None:
+            self._tqdm.set_description(f"{self.title}: {what}")
+        try:
+            yield step
+        finally:
+            seconds = time.perf_counter() - step.start
+            outcome = step.outcome or "failed"
+            if self._bar is not None:
+                self._bar.advance(self._task)
+                self._bar.console.print(f"{self.title}: {what}: {outcome} ({seconds:.1f} s)", highlight=False)
+            elif self._tqdm is not None:
+                self._tqdm.update(1)
+                self._tqdm.write(f"{self.title}: {what}: {outcome} ({seconds:.1f} s)", file=sys.stderr)
+            elif self.enabled:
+                _write(f"{self.title}: {what}: {outcome} ({seconds:.1f} s)")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=self.title)
+            self._bar.stop()
+            self._bar = None
+        if self._tqdm is not None:
+            self._tqdm.close()
+            self._tqdm = None
+
+
+class Step:
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.start = time.perf_counter()
+        self.outcome: Optional[str] = None
+
+    def done(self, outcome: str) -> None:
+        self.outcome = outcome
+
+
+def _is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (OSError, ValueError, AttributeError):
+        return False
