@@ -2,9 +2,9 @@
 
 * :mod:`.merged`: ``MergedEmbeddingBag`` and its fused-optimizer forms ``...WithSGD``,
   ``...WithAdaGrad``, and ``...WithCat``; ``EmbeddingSpec``
-* :mod:`.interaction`: DLRM's ``interaction(dense, *sparse)``
+* :mod:`.feature_interaction`: DLRM's ``interaction(dense, *sparse)``
 * :mod:`.frozen_bn`: ``FrozenBatchNorm2d`` (folded into the conv before it by ``optimize()``)
-* :mod:`.roi_align`: ``roi_align`` / ``RoIAlign`` (torchvision's semantics)
+* :mod:`.roi`: ``roi_align`` / ``RoIAlign`` (torchvision's semantics)
 * :mod:`.native`: the compiled kernels (``python -m xlaunch.nn.native`` builds them) and their
   pure-torch fallbacks (:mod:`.bag_ops`, :mod:`.roi_torch`)
 
@@ -22,10 +22,10 @@ _LAZY = {
     "MergedEmbeddingBagWithSGD": "xlaunch.nn.merged",
     "MergedEmbeddingBagWithAdaGrad": "xlaunch.nn.merged",
     "MergedEmbeddingBagWithCat": "xlaunch.nn.merged",
-    "interaction": "xlaunch.nn.interaction",
+    "interaction": "xlaunch.nn.feature_interaction",
     "FrozenBatchNorm2d": "xlaunch.nn.frozen_bn",
-    "roi_align": "xlaunch.nn.roi_align",
-    "RoIAlign": "xlaunch.nn.roi_align",
+    "roi_align": "xlaunch.nn.roi",
+    "RoIAlign": "xlaunch.nn.roi",
 }
 
 __all__ = [*_LAZY, "functional"]

@@ -1,10 +1,11 @@
-// RoIAlign (torchvision's semantics) for any memory format, fp32 or bf16 storage, fp32 math.
+// RoIAlign (torchvision's semantics) on channels-last images, fp32 or bf16 storage, fp32 math.
 //
 // The bilinear sampling is separable: a sample at (y, x) reads the rows (y_low, y_high) and the
 // columns (x_low, x_high) with weights (hy, ly) x (hx, lx), and it is zero when y or x is outside
 // [-1, size]. So each RoI first tabulates its rows and columns once; the forward then sums the four
-// corners of every sample per output bin. Channels-last reads whole channel vectors per corner;
-// NCHW walks one channel plane at a time.
+// corners of every sample per output bin, a whole channel vector per corner (the image must be
+// channel stride 1: the Python side converts NCHW inputs once, much cheaper than walking channel
+// planes). Other strides, and the output's, are free.
 //
 // Forward: threads share the RoIs. Backward: threads share the channels (every thread walks every
 // RoI for its own channels), so no two threads add into one element and the result does not
@@ -107,51 +108,27 @@ void forward_typed(const T* input, Strides in_s, int64_t batches, int64_t channe
       T* dst = out + k * out_s.n;
       for (int64_t ph = 0; ph < g.pooled_h; ++ph) {
         for (int64_t pw = 0; pw < g.pooled_w; ++pw) {
-          if (in_s.c == 1) {  // channels-last: whole channel vectors per corner
-            std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int64_t iy = 0; iy < plan.grid_h; ++iy) {
-              const Axis& y = plan.ys[ph * plan.grid_h + iy];
-              if (!y.valid) continue;
-              for (int64_t ix = 0; ix < plan.grid_w; ++ix) {
-                const Axis& x = plan.xs[pw * plan.grid_w + ix];
-                if (!x.valid) continue;
-                const float w1 = y.w_low * x.w_low, w2 = y.w_low * x.w_high;
-                const float w3 = y.w_high * x.w_low, w4 = y.w_high * x.w_high;
-                const T* p1 = image + y.low * in_s.h + x.low * in_s.w;
-                const T* p2 = image + y.low * in_s.h + x.high * in_s.w;
-                const T* p3 = image + y.high * in_s.h + x.low * in_s.w;
-                const T* p4 = image + y.high * in_s.h + x.high * in_s.w;
-                for (int64_t c = 0; c < channels; ++c) {
-                  acc[c] += w1 * load(p1 + c) + w2 * load(p2 + c) + w3 * load(p3 + c) + w4 * load(p4 + c);
-                }
+          float* __restrict__ a = acc.data();
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int64_t iy = 0; iy < plan.grid_h; ++iy) {
+            const Axis& y = plan.ys[ph * plan.grid_h + iy];
+            if (!y.valid) continue;
+            for (int64_t ix = 0; ix < plan.grid_w; ++ix) {
+              const Axis& x = plan.xs[pw * plan.grid_w + ix];
+              if (!x.valid) continue;
+              const float w1 = y.w_low * x.w_low, w2 = y.w_low * x.w_high;
+              const float w3 = y.w_high * x.w_low, w4 = y.w_high * x.w_high;
+              const T* p1 = image + y.low * in_s.h + x.low * in_s.w;
+              const T* p2 = image + y.low * in_s.h + x.high * in_s.w;
+              const T* p3 = image + y.high * in_s.h + x.low * in_s.w;
+              const T* p4 = image + y.high * in_s.h + x.high * in_s.w;
+              for (int64_t c = 0; c < channels; ++c) {
+                a[c] += w1 * load(p1 + c) + w2 * load(p2 + c) + w3 * load(p3 + c) + w4 * load(p4 + c);
               }
             }
-            T* o = dst + ph * out_s.h + pw * out_s.w;
-            for (int64_t c = 0; c < channels; ++c) store(o + c * out_s.c, acc[c] * plan.inv_count);
           }
-        }
-      }
-      if (in_s.c != 1) {  // NCHW (or any other strides): one channel plane at a time
-        for (int64_t c = 0; c < channels; ++c) {
-          const T* plane = image + c * in_s.c;
-          for (int64_t ph = 0; ph < g.pooled_h; ++ph) {
-            for (int64_t pw = 0; pw < g.pooled_w; ++pw) {
-              float sum = 0.0f;
-              for (int64_t iy = 0; iy < plan.grid_h; ++iy) {
-                const Axis& y = plan.ys[ph * plan.grid_h + iy];
-                if (!y.valid) continue;
-                for (int64_t ix = 0; ix < plan.grid_w; ++ix) {
-                  const Axis& x = plan.xs[pw * plan.grid_w + ix];
-                  if (!x.valid) continue;
-                  sum += y.w_low * x.w_low * load(plane + y.low * in_s.h + x.low * in_s.w) +
-                         y.w_low * x.w_high * load(plane + y.low * in_s.h + x.high * in_s.w) +
-                         y.w_high * x.w_low * load(plane + y.high * in_s.h + x.low * in_s.w) +
-                         y.w_high * x.w_high * load(plane + y.high * in_s.h + x.high * in_s.w);
-                }
-              }
-              store(dst + c * out_s.c + ph * out_s.h + pw * out_s.w, sum * plan.inv_count);
-            }
-          }
+          T* o = dst + ph * out_s.h + pw * out_s.w;
+          for (int64_t c = 0; c < channels; ++c) store(o + c * out_s.c, a[c] * plan.inv_count);
         }
       }
     }
@@ -161,16 +138,18 @@ void forward_typed(const T* input, Strides in_s, int64_t batches, int64_t channe
 template <typename T>
 void backward_typed(const T* grad, Strides g_s, const float* rois, int64_t n_rois, const Geometry& g, float* grad_in,
                     Strides gi_s, int64_t batches, int64_t channels, int64_t height, int64_t width) {
-  const int64_t grain = gi_s.c == 1 ? 16 : 1;
-  at::parallel_for(0, channels, grain, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, channels, 16, [&](int64_t c0, int64_t c1) {
     RoiPlan plan;
+    std::vector<float> bin_grad(c1 - c0);
     for (int64_t k = 0; k < n_rois; ++k) {
       plan_roi(rois + 5 * k, g, height, width, batches, plan);
-      float* image = grad_in + plan.batch * gi_s.n;
-      const T* gk = grad + k * g_s.n;
+      float* image = grad_in + plan.batch * gi_s.n + c0;
+      const T* gk = grad + k * g_s.n + c0 * g_s.c;
       for (int64_t ph = 0; ph < g.pooled_h; ++ph) {
         for (int64_t pw = 0; pw < g.pooled_w; ++pw) {
           const T* gb = gk + ph * g_s.h + pw * g_s.w;
+          float* __restrict__ gv = bin_grad.data();
+          for (int64_t c = 0; c < c1 - c0; ++c) gv[c] = load(gb + c * g_s.c) * plan.inv_count;
           for (int64_t iy = 0; iy < plan.grid_h; ++iy) {
             const Axis& y = plan.ys[ph * plan.grid_h + iy];
             if (!y.valid) continue;
@@ -183,20 +162,23 @@ void backward_typed(const T* grad, Strides g_s, const float* rois, int64_t n_roi
               float* p2 = image + y.low * gi_s.h + x.high * gi_s.w;
               float* p3 = image + y.high * gi_s.h + x.low * gi_s.w;
               float* p4 = image + y.high * gi_s.h + x.high * gi_s.w;
-              for (int64_t c = c0; c < c1; ++c) {
-                const float gv = load(gb + c * g_s.c);
-                const int64_t at_c = c * gi_s.c;
-                p1[at_c] += gv * w1 * plan.inv_count;
-                p2[at_c] += gv * w2 * plan.inv_count;
-                p3[at_c] += gv * w3 * plan.inv_count;
-                p4[at_c] += gv * w4 * plan.inv_count;
-              }
+              // The four corners may coincide (clamped at the border): separate loops keep each
+              // one's additions in order, as torchvision's four atomic adds.
+              for (int64_t c = 0; c < c1 - c0; ++c) p1[c] += w1 * gv[c];
+              for (int64_t c = 0; c < c1 - c0; ++c) p2[c] += w2 * gv[c];
+              for (int64_t c = 0; c < c1 - c0; ++c) p3[c] += w3 * gv[c];
+              for (int64_t c = 0; c < c1 - c0; ++c) p4[c] += w4 * gv[c];
             }
           }
         }
       }
     }
   });
+}
+
+void check_channels_last(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.size(1) == 1 || t.stride(1) == 1,
+              "roi_align: ", what, "'s channels must be contiguous (x.contiguous(memory_format=torch.channels_last))");
 }
 
 Geometry geometry(double spatial_scale, int64_t pooled_h, int64_t pooled_w, int64_t sampling, bool aligned) {
@@ -217,6 +199,7 @@ void roi_align_forward(const at::Tensor& input, const at::Tensor& rois, double s
   const Geometry g = geometry(spatial_scale, pooled_h, pooled_w, sampling, aligned);
   TORCH_CHECK(out.size(0) == rois.size(0) && out.size(1) == input.size(1) && out.size(2) == pooled_h && out.size(3) == pooled_w,
               "roi_align: out has the wrong shape");
+  check_channels_last(input, "input");
   const int64_t n = input.size(0), c = input.size(1), h = input.size(2), w = input.size(3);
   if (input.scalar_type() == at::kBFloat16) {
     forward_typed(reinterpret_cast<const uint16_t*>(input.data_ptr()), strides_of(input), n, c, h, w, rois.data_ptr<float>(),
@@ -236,6 +219,7 @@ void roi_align_backward(const at::Tensor& grad, const at::Tensor& rois, double s
   const Geometry g = geometry(spatial_scale, pooled_h, pooled_w, sampling, aligned);
   TORCH_CHECK(grad.size(0) == rois.size(0) && grad.size(1) == grad_input.size(1) && grad.size(2) == pooled_h &&
               grad.size(3) == pooled_w, "roi_align: grad has the wrong shape");
+  check_channels_last(grad_input, "grad_input");
   const int64_t n = grad_input.size(0), c = grad_input.size(1), h = grad_input.size(2), w = grad_input.size(3);
   if (grad.scalar_type() == at::kBFloat16) {
     backward_typed(reinterpret_cast<const uint16_t*>(grad.data_ptr()), strides_of(grad), rois.data_ptr<float>(), rois.size(0),

@@ -62,13 +62,18 @@ def _channels_last(x: Tensor) -> bool:
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
+def _channels_inner(x: Tensor) -> Tensor:
+    """``x`` with contiguous channels (the kernel's layout): itself, or a channels-last copy."""
+    return x if x.shape[1] == 1 or x.stride(1) == 1 else x.contiguous(memory_format=torch.channels_last)
+
+
 class _RoIAlignFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: Tensor, rois: Tensor, geometry: tuple) -> Tensor:
         scale, height, width, sampling, aligned = geometry
         memory_format = torch.channels_last if _channels_last(input) else torch.contiguous_format
         out = torch.empty(rois.shape[0], input.shape[1], height, width, dtype=input.dtype, memory_format=memory_format)
-        native.ops().roi_align_forward(input, rois, scale, height, width, sampling, aligned, out)
+        native.ops().roi_align_forward(_channels_inner(input), rois, scale, height, width, sampling, aligned, out)
         ctx.save_for_backward(rois)
         ctx.geometry, ctx.input_shape, ctx.input_dtype, ctx.memory_format = geometry, input.shape, input.dtype, memory_format
         return out
@@ -77,11 +82,11 @@ class _RoIAlignFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple:
         (rois,) = ctx.saved_tensors
         scale, height, width, sampling, aligned = ctx.geometry
-        grad_input = torch.empty(ctx.input_shape, dtype=torch.float32, memory_format=ctx.memory_format).zero_()
+        grad_input = torch.zeros(ctx.input_shape, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
         if grad.dtype not in KERNEL_DTYPES:
             grad = grad.float()
         native.ops().roi_align_backward(grad, rois, scale, height, width, sampling, aligned, grad_input)
-        return grad_input.to(ctx.input_dtype), None, None
+        return grad_input.to(dtype=ctx.input_dtype, memory_format=ctx.memory_format), None, None
 
 
 def roi_align(input: Tensor, boxes: Boxes, output_size: Union[int, Sequence[int]], spatial_scale: float = 1.0,
