@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 from conftest import require
@@ -15,6 +16,7 @@ torch = pytest.importorskip("torch")
 from xlaunch.nn import native  # noqa: E402
 
 pytestmark = pytest.mark.torch
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_library_is_keyed_by_its_sources_under_the_cache_dir(monkeypatch, tmp_path):
@@ -92,6 +94,18 @@ def test_a_child_running_the_kernels_on_two_threads_exits_cleanly():
     require("xlaunch.nn's compiled kernels (python -m xlaunch.nn.native)",
             str(native.library_path()) if native.available() else None)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", native.DISABLE_ENV)}
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
-        assert (done.returncode, done.stderr, done.stdout) == (0, "", "done 2\n")
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", "done 2\n")
+
+
+@pytest.mark.live
+def test_the_dlrm_example_trains_under_xlaunch_auto_optimize():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", native.DISABLE_ENV)}
+    done = subprocess.run([sys.executable, "-m", "xlaunch", "--ninstances", "1", "--ncore_per_instance", "1",
+                           "--auto-optimize", str(REPO / "examples" / "dlrm.py"), "--steps", "16", "--tables", "6"],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    train = next(line for line in done.stdout.splitlines() if "train:" in line)
+    first, last = (float(word) for word in train.split("loss ")[1].split(" -> "))
+    assert last < first - 0.05, train
+    assert "infer:" in done.stdout and "Traceback" not in done.stderr
