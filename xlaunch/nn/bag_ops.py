@@ -22,7 +22,7 @@ from xlaunch.kernels.optim.splitbf16 import join_into, split_into
 from xlaunch.nn import native
 from xlaunch.nn.tables import BagInputs, TableLayout
 
-WRITE_GRAD, SGD, ADAGRAD = 0, 1, 2   # update kinds (xlaunch/nn/csrc/embedding_bag.cpp, enum Kind)
+WRITE_GRAD, SGD, ADAGRAD = 0, 1, 2   # update kinds (xlaunch/nn/csrc/bag_common.h, enum Kind)
 Outputs = Union[list, Tensor]
 # Called by the fused classes' backward with (per-table upstream gradients, inputs).
 UpdateHook = Callable[[list, BagInputs], None]

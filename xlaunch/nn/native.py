@@ -31,8 +31,8 @@ with needs_torch(__name__):
     import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("embedding_bag.cpp", "roi_align.cpp")
-HEADERS = ("common.h",)
+SOURCES = ("bag_forward.cpp", "bag_backward.cpp", "roi_align.cpp")
+HEADERS = ("common.h", "bag_common.h")
 LIBRARY_STEM = "xlaunch_nn_ops"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
 DISABLE_ENV = "XLAUNCH_NN_NATIVE"
@@ -99,14 +99,25 @@ def library_path(cxx: Optional[str] = None) -> Path:
     return cache_dir() / f"{LIBRARY_STEM}-{build_key(cxx)}.so"
 
 
-def _command(cxx: str, sources: list[Path], output: Path) -> list[str]:
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """(compile flags, link flags) for an extension of the installed torch."""
     from torch.utils import cpp_extension
 
     lib = Path(torch.__file__).resolve().parent / "lib"
-    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [cxx, *FLAGS, abi, *includes, f"-I{CSRC}", "-shared", *map(str, sources), f"-L{lib}", "-lc10",
-            "-ltorch_cpu", f"-Wl,-rpath,{lib}", "-o", str(output)]
+    compile_flags = [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                     *(f"-I{path}" for path in cpp_extension.include_paths()), f"-I{CSRC}"]
+    return compile_flags, [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+
+
+def _run(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(process: subprocess.Popen, what: str, cxx: str) -> None:
+    output, _ = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"compiling the xlaunch.nn kernels failed ({Path(cxx).name} exit {process.returncode} "
+                           f"on {what}):\n{output[-4000:]}")
 
 
 def build(force: bool = False, echo: Callable[[str], None] = print) -> Path:
@@ -125,14 +136,27 @@ def build(force: bool = False, echo: Callable[[str], None] = print) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.parent.is_symlink():
         raise RuntimeError(f"refusing to build into {target.parent}: it is a symlink")
+    compile_flags, link_flags = _torch_flags()
+    parallel = max(1, min(len(SOURCES), os.cpu_count() or 1))
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
+        objects, running = [], []
+        echo(f"xlaunch.nn: compiling {len(SOURCES)} sources with {Path(cxx).name}, {parallel} at a time "
+             "(about a minute) ...")
+        try:
+            for number, name in enumerate(SOURCES, 1):
+                objects.append(Path(scratch) / f"{Path(name).stem}.o")
+                running.append((name, _run([cxx, *compile_flags, "-c", str(CSRC / name), "-o", str(objects[-1])])))
+                while len(running) >= parallel or (number == len(SOURCES) and running):
+                    done, process = running[0]
+                    _finish(process, done, cxx)
+                    running.pop(0)
+                    echo(f"xlaunch.nn: compiled {done}")
+        finally:   # a failure or an interrupt leaves no compiler running
+            for _, process in running:
+                process.kill()
+                process.wait()
         partial = Path(scratch) / target.name
-        command = _command(cxx, [CSRC / name for name in SOURCES], partial)
-        echo(f"xlaunch.nn: compiling {', '.join(SOURCES)} with {Path(cxx).name} (about a minute) ...")
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling the xlaunch.nn kernels failed ({Path(cxx).name} exit {done.returncode}):\n"
-                               f"{done.stderr[-4000:]}")
+        _finish(_run([cxx, "-shared", *FLAGS, *map(str, objects), *link_flags, "-o", str(partial)]), "linking", cxx)
         if target.is_symlink():
             target.unlink()
         os.replace(partial, target)

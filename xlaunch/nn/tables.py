@@ -18,7 +18,7 @@ with needs_torch(__name__):
     from torch import Tensor
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
-# Columns of the kernels' meta table (xlaunch/nn/csrc/embedding_bag.cpp, enum Col).
+# Columns of the kernels' meta table (xlaunch/nn/csrc/bag_common.h, enum Col).
 WEIGHT_OFFSET, ROWS, DIM, MODE, OUT_OFFSET, OUT_STRIDE, ROW_BASE = range(7)
 
 

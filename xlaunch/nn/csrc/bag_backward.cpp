@@ -1,14 +1,11 @@
-// Merged embedding bags: every table's rows in one flat weight storage, pooled in one call, and
-// the backward fused with the optimizer update on the touched rows only.
+// Merged embedding bags, backward fused with the update of the touched rows (or, for a plain
+// MergedEmbeddingBag, the dense gradient written row by row).
 //
-// A table is described by one row of `meta` (int64): see the Col enum. Table t's output (and its
-// gradient) is outs[t], where bag b starts at element out_offset[t] + b * out_stride[t]: one tensor
-// per table, or one (batch, width) matrix passed once per table with column offsets.
-//
-// Backward: every lookup becomes a (global row, lookup) pair, the pairs are radix-sorted by row
-// (stable, so each row's contributions are summed in lookup order), and each thread then owns
-// whole runs of equal rows: it sums their upstream gradients in fp32 and updates the row (SGD,
-// Adagrad) or writes its gradient, with no atomics and the same result for any thread count.
+// Every lookup becomes a (global row, lookup) pair; each table's pairs are radix-sorted by row
+// (stable, so each row's contributions are summed in lookup order; one table at a time stays in
+// the L2 cache), and each thread then owns whole runs of equal rows: it sums their upstream
+// gradients in fp32 and updates the row (SGD, Adagrad; bf16 weights through their split fp32
+// master) with no atomics and the same result for any thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -19,208 +16,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "common.h"
+#include "bag_common.h"
 
 namespace xlaunch_nn {
 namespace {
 
-enum Col { WEIGHT_OFFSET = 0, ROWS, DIM, MODE, OUT_OFFSET, OUT_STRIDE, ROW_BASE, NCOLS };
-enum Mode { SUM = 0, MEAN = 1, MAX = 2 };
-enum Kind { WRITE_GRAD = 0, SGD = 1, ADAGRAD = 2 };
-
-constexpr int kPrefetchAhead = 8;  // lookups ahead: measured 4, 8 and 16 here, 8 as good as any
-
-struct Table {
-  int64_t weight_offset, rows, dim, mode, out_offset, out_stride, row_base;
-  int64_t n_indices, n_offsets, n_lookups;  // lookups: indices that fall in a bag
-};
-
-template <typename I>
-struct Inputs {
-  std::vector<Table> tables;
-  std::vector<const I*> indices, offsets;
-  std::vector<const void*> weights;  // per-sample weights or nullptr
-  int64_t batch = 0, max_dim = 0;
-
-  int64_t bag_begin(int64_t t, int64_t b) const { return offsets[t][b]; }
-  int64_t bag_end(int64_t t, int64_t b) const {
-    return b + 1 < tables[t].n_offsets ? int64_t(offsets[t][b + 1]) : tables[t].n_indices;
-  }
-};
-
-// Reads the per-table description and checks what a bad input could turn into a wild read.
-template <typename I>
-Inputs<I> read_inputs(const at::TensorList& indices, const at::TensorList& offsets,
-                      const c10::List<std::optional<at::Tensor>>& per_sample_weights,
-                      const at::Tensor& meta, int64_t batch, int64_t weight_numel) {
-  const int64_t n = meta.size(0);
-  TORCH_CHECK(meta.dim() == 2 && meta.size(1) == NCOLS && meta.scalar_type() == at::kLong && meta.is_contiguous(),
-              "xlaunch_nn: meta must be a contiguous int64 (tables, ", int(NCOLS), ") tensor");
-  TORCH_CHECK(int64_t(indices.size()) == n && int64_t(offsets.size()) == n && int64_t(per_sample_weights.size()) == n,
-              "xlaunch_nn: one indices, offsets and per_sample_weights entry per table");
-  Inputs<I> in;
-  in.batch = batch;
-  const int64_t* m = meta.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t, m += NCOLS) {
-    const at::Tensor& idx = indices[t];
-    const at::Tensor& off = offsets[t];
-    TORCH_CHECK(idx.dim() == 1 && idx.is_contiguous() && off.dim() == 1 && off.is_contiguous(),
-                "xlaunch_nn: indices and offsets must be contiguous 1-D tensors (table ", t, ")");
-    Table tab{m[WEIGHT_OFFSET], m[ROWS], m[DIM], m[MODE], m[OUT_OFFSET], m[OUT_STRIDE], m[ROW_BASE],
-              idx.numel(), off.numel(), 0};
-    TORCH_CHECK(tab.n_offsets == batch || tab.n_offsets == batch + 1,
-                "xlaunch_nn: table ", t, " has ", tab.n_offsets, " offsets for a batch of ", batch);
-    TORCH_CHECK(tab.weight_offset >= 0 && tab.rows >= 0 && tab.dim > 0 &&
-                tab.weight_offset + tab.rows * tab.dim <= weight_numel,
-                "xlaunch_nn: table ", t, " does not fit in the weight storage");
-    const I* o = off.data_ptr<I>();
-    TORCH_CHECK(batch == 0 || o[0] == 0, "offsets[0] has to be 0 (table ", t, "), got ", int64_t(o[0]));
-    for (int64_t b = 1; b < tab.n_offsets; ++b) {
-      TORCH_CHECK(o[b] >= o[b - 1], "offsets must not decrease (table ", t, ", position ", b, ")");
-    }
-    TORCH_CHECK(tab.n_offsets == 0 || int64_t(o[tab.n_offsets - 1]) <= tab.n_indices,
-                "the last offset of table ", t, " is past its ", tab.n_indices, " indices");
-    tab.n_lookups = batch == 0 ? 0 : (tab.n_offsets > batch ? int64_t(o[batch]) : tab.n_indices);
-    in.tables.push_back(tab);
-    in.indices.push_back(idx.data_ptr<I>());
-    in.offsets.push_back(o);
-    const auto& psw = per_sample_weights.get(t);
-    if (psw.has_value() && psw->defined()) {
-      TORCH_CHECK(psw->is_contiguous() && psw->numel() == tab.n_indices,
-                  "per_sample_weights of table ", t, " must be contiguous with one weight per index");
-      in.weights.push_back(psw->data_ptr());
-    } else {
-      in.weights.push_back(nullptr);
-    }
-    in.max_dim = std::max(in.max_dim, tab.dim);
-  }
-  return in;
-}
-
-template <typename I>
-[[noreturn]] void bad_index(int64_t t, int64_t j, I value, int64_t rows) {
-  TORCH_CHECK(false, "index ", int64_t(value), " at position ", j, " of table ", t, " is out of range [0, ", rows, ")");
-}
-
-// Each table's output (or upstream gradient) tensor, checked to hold all of its bags.
-template <typename W>
-std::vector<W*> table_tensors(at::TensorList tensors, const std::vector<Table>& tables, int64_t batch,
-                              at::ScalarType dtype, const char* what) {
-  TORCH_CHECK(tensors.size() == tables.size(), "xlaunch_nn: one ", what, " tensor per table");
-  std::vector<W*> pointers;
-  for (size_t t = 0; t < tables.size(); ++t) {
-    const at::Tensor& x = tensors[t];
-    const Table& tab = tables[t];
-    TORCH_CHECK(x.scalar_type() == dtype && x.is_contiguous(), "xlaunch_nn: ", what, " of table ", t,
-                " must be contiguous and of the weights' dtype");
-    TORCH_CHECK(batch == 0 || (tab.out_offset >= 0 && tab.out_stride >= tab.dim &&
-                               tab.out_offset + (batch - 1) * tab.out_stride + tab.dim <= x.numel()),
-                "xlaunch_nn: ", what, " of table ", t, " is too small for its bags");
-    pointers.push_back(reinterpret_cast<W*>(x.data_ptr()));
-  }
-  return pointers;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Forward
-
-template <typename W>
-inline void prefetch_row(const W* row, int64_t dim, int rw = 0) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t line = 0; line < int64_t(dim * sizeof(W)); line += 64) {
-    if (rw) __builtin_prefetch(p + line, 1); else __builtin_prefetch(p + line);
-  }
-}
-
-// One bag. FIXED > 0 is the table's dim known at compile time (its sums then stay in registers).
-template <int FIXED, typename W, typename I>
-void pool_bag(const Inputs<I>& in, int64_t t, int64_t b, const W* weight, W* out, float* __restrict__ scratch) {
-  const Table& tab = in.tables[t];
-  const int64_t dim = FIXED > 0 ? FIXED : tab.dim;
-  float local[FIXED > 0 ? FIXED : 1];
-  float* __restrict__ acc = FIXED > 0 ? local : scratch;
-  const I* idx = in.indices[t];
-  const W* psw = static_cast<const W*>(in.weights[t]);
-  const int64_t begin = in.bag_begin(t, b), end = in.bag_end(t, b);
-  const W* base = weight + tab.weight_offset;
-  W* dst = out + tab.out_offset + b * tab.out_stride;
-  if (begin == end) {
-    for (int64_t d = 0; d < dim; ++d) store(dst + d, 0.0f);
-    return;
-  }
-  const float init = tab.mode == MAX ? -std::numeric_limits<float>::infinity() : 0.0f;
-  for (int64_t d = 0; d < dim; ++d) acc[d] = init;
-  // Prefetch runs ahead through the table's indices, past this bag into the next ones.
-  const int64_t prefetch_end = tab.n_lookups;
-  for (int64_t j = begin; j < end; ++j) {
-    if (j + kPrefetchAhead < prefetch_end) {
-      const I ahead = idx[j + kPrefetchAhead];
-      if (ahead >= 0 && ahead < tab.rows) prefetch_row(base + int64_t(ahead) * dim, dim);
-    }
-    const I r = idx[j];
-    if (r < 0 || r >= tab.rows) bad_index(t, j, r, tab.rows);
-    const W* __restrict__ row = base + int64_t(r) * dim;
-    if (tab.mode == MAX) {
-      for (int64_t d = 0; d < dim; ++d) acc[d] = std::max(acc[d], load(row + d));
-    } else if (psw != nullptr) {
-      const float s = load(psw + j);
-      for (int64_t d = 0; d < dim; ++d) acc[d] += s * load(row + d);
-    } else {
-      for (int64_t d = 0; d < dim; ++d) acc[d] += load(row + d);
-    }
-  }
-  if (tab.mode == MEAN) {
-    const float scale = 1.0f / float(end - begin);
-    for (int64_t d = 0; d < dim; ++d) store(dst + d, acc[d] * scale);
-  } else {
-    for (int64_t d = 0; d < dim; ++d) store(dst + d, acc[d]);
-  }
-}
-
-template <typename W, typename I>
-void forward_typed(const Inputs<I>& in, const W* weight, const std::vector<W*>& outs) {
-  const int64_t batch = in.batch, n_tables = int64_t(in.tables.size());
-  at::parallel_for(0, n_tables * batch, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(in.max_dim);
-    for (int64_t tb = begin; tb < end; ++tb) {
-      const int64_t t = tb / batch, b = tb % batch;
-      switch (in.tables[t].dim) {
-        case 16: pool_bag<16>(in, t, b, weight, outs[t], acc.data()); break;
-        case 32: pool_bag<32>(in, t, b, weight, outs[t], acc.data()); break;
-        case 64: pool_bag<64>(in, t, b, weight, outs[t], acc.data()); break;
-        case 128: pool_bag<128>(in, t, b, weight, outs[t], acc.data()); break;
-        default: pool_bag<0>(in, t, b, weight, outs[t], acc.data());
-      }
-    }
-  });
-}
-
-void bag_forward(const at::Tensor& weight, at::TensorList indices, at::TensorList offsets,
-                 const c10::List<std::optional<at::Tensor>>& per_sample_weights, const at::Tensor& meta,
-                 int64_t batch, at::TensorList outs) {
-  TORCH_CHECK(weight.is_contiguous(), "xlaunch_nn: the weight storage must be contiguous");
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || weight.scalar_type() == at::kFloat, "xlaunch_nn: weights must be float32 or bfloat16");
-  const bool i32 = !indices.empty() && indices[0].scalar_type() == at::kInt;
-  for (size_t t = 0; t < indices.size(); ++t) {
-    TORCH_CHECK(indices[t].scalar_type() == (i32 ? at::kInt : at::kLong) && offsets[t].scalar_type() == indices[t].scalar_type(),
-                "xlaunch_nn: all indices and offsets must share one dtype, int32 or int64");
-  }
-  auto run = [&](auto index_tag) {
-    using I = decltype(index_tag);
-    auto in = read_inputs<I>(indices, offsets, per_sample_weights, meta, batch, weight.numel());
-    if (bf16) {
-      forward_typed(in, reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-                    table_tensors<uint16_t>(outs, in.tables, batch, weight.scalar_type(), "out"));
-    } else {
-      forward_typed(in, weight.data_ptr<float>(), table_tensors<float>(outs, in.tables, batch, weight.scalar_type(), "out"));
-    }
-  };
-  if (i32) run(int32_t{}); else run(int64_t{});
-}
-
-// ---------------------------------------------------------------------------------------------
-// Backward
 
 // Stable LSD radix sort of n (key, value) pairs by key - base, for keys in [base, base + span),
 // with at most 11 bits per pass. The sorted pairs end in (keys, values); the tmp buffers are
@@ -463,11 +263,7 @@ void bag_backward(at::TensorList grads, at::TensorList indices, at::TensorList o
     TORCH_CHECK(state.scalar_type() == at::kFloat && state.numel() == weight.numel() && state.is_contiguous(),
                 "xlaunch_nn: the Adagrad state must be a float32 tensor shaped like the weight");
   }
-  const bool i32 = !indices.empty() && indices[0].scalar_type() == at::kInt;
-  for (size_t t = 0; t < indices.size(); ++t) {
-    TORCH_CHECK(indices[t].scalar_type() == (i32 ? at::kInt : at::kLong) && offsets[t].scalar_type() == indices[t].scalar_type(),
-                "xlaunch_nn: all indices and offsets must share one dtype, int32 or int64");
-  }
+  const bool i32 = int32_indices(indices, offsets);
   const Update u{kind, float(lr), float(weight_decay), float(eps)};
   const int64_t* m = meta.data_ptr<int64_t>();
   for (int64_t t = 0; t < meta.size(0); ++t) {
@@ -490,15 +286,12 @@ void bag_backward(at::TensorList grads, at::TensorList indices, at::TensorList o
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(xlaunch_nn, m) {
-  m.def("bag_forward(Tensor weight, Tensor[] indices, Tensor[] offsets, Tensor?[] per_sample_weights, "
-        "Tensor meta, int batch, Tensor(a!)[] outs) -> ()");
   m.def("bag_backward(Tensor[] grads, Tensor[] indices, Tensor[] offsets, Tensor?[] per_sample_weights, "
         "Tensor meta, int batch, int kind, Tensor(a!) weight, Tensor(b!) trail, Tensor(c!) state, "
         "float lr, float weight_decay, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(xlaunch_nn, CompositeExplicitAutograd, m) {
-  m.impl("bag_forward", &bag_forward);
   m.impl("bag_backward", &bag_backward);
 }
 
