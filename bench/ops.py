@@ -1,7 +1,7 @@
 """xlaunch.nn's operators side by side with what they replace, on 1 and 2 threads.
 
-Every row of a section is timed interleaved (one call of each row per round, medians over rounds);
-ratios are against the section's first row, measured in the same rounds.
+Every row of a section is timed interleaved (each round calls every row twice and times the
+second call; medians over rounds); ratios are against the section's first row, in the same rounds.
 
   embedding bags  26 tables of 1,000-100,000 rows (589k), dim 64, mean of 20, batch 2048 (flags):
                   a Python loop of nn.EmbeddingBag, one concatenated table (one F.embedding_bag,
@@ -14,7 +14,11 @@ ratios are against the section's first row, measured in the same rounds.
   roi_align       (2, 256, 50, 68) features, 1000 boxes, 7x7, sampling 2, aligned: the compiled
                   kernel (channels-last and NCHW input) vs its pure-torch path.
 
-    .venv/bin/python bench/ops.py [--rounds 7] [--threads 1 2] [--only bags interaction roi]
+    .venv/bin/python bench/ops.py [--rounds 7] [--threads 1 2] [--only bags interaction roi] [--cpu-time]
+
+``--cpu-time`` times with the process's CPU time instead of the wall clock: on a machine shared
+with other work, a single-threaded comparison then does not count the time the benchmark was not
+running (the cache it shares is still shared). Scaling over threads needs the wall clock.
 """
 from __future__ import annotations
 
@@ -46,17 +50,16 @@ def loadavg() -> str:
         return "?"
 
 
-def interleaved(rows: list[Row], rounds: int, calls: int = 1) -> dict[str, float]:
-    """Median ms per call of each row; each round runs every row once (after one warm-up)."""
+def interleaved(rows: list[Row], rounds: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median ms per call of each row. Each round runs every row twice and times the second call:
+    the steady state of a loop, not the cold caches another row (say, a slow pure-torch one) left."""
     samples: dict[str, list[float]] = {name: [] for name, _ in rows}
-    for _, run in rows:
-        run()
     for _ in range(rounds):
         for name, run in rows:
-            start = time.perf_counter()
-            for _ in range(calls):
-                run()
-            samples[name].append((time.perf_counter() - start) * 1e3 / calls)
+            run()
+            start = clock()
+            run()
+            samples[name].append((clock() - start) * 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -260,11 +263,14 @@ def main() -> int:
     parser.add_argument("--bag", type=int, default=20)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--boxes", type=int, default=1000)
+    parser.add_argument("--cpu-time", action="store_true", help="time with process CPU time, not the wall clock")
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     warnings.simplefilter("ignore")
     if native.ops() is None:
         say("note: xlaunch.nn's kernels are not built (python -m xlaunch.nn.native); the kernel rows use torch")
-    say(f"torch {torch.__version__}, load average {loadavg()} at start")
+    say(f"torch {torch.__version__}, {'process CPU time' if args.cpu_time else 'wall clock'}, "
+        f"load average {loadavg()} at start")
     results: dict[tuple, dict[str, float]] = {}
     for key in args.only:
         title, build = SECTIONS[key]
@@ -275,7 +281,7 @@ def main() -> int:
             for phase, rows in (("forward", forward), ("forward + backward" + (" + update" if key == "bags" else ""),
                                                       train)):
                 say(f"{title}, {threads} thread(s), {phase}: {len(rows)} rows x {args.rounds} rounds")
-                results[(title, phase, threads)] = interleaved(rows, args.rounds)
+                results[(title, phase, threads)] = interleaved(rows, args.rounds, clock)
     say(f"load average {loadavg()} at end\n")
     for (title, phase, threads), medians in results.items():
         first = next(iter(medians.values()))

@@ -132,8 +132,8 @@ class BagInputs(NamedTuple):
 
 
 def _as_list(value: object, name: str, count: int) -> list:
-    if isinstance(value, Tensor):
-        value = [value] if count == 1 else list(value.unbind(0)) if value.dim() >= 1 and len(value) == count else value
+    if isinstance(value, Tensor) and count == 1:
+        value = [value]
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{name} must be a list of {count} tensors (one per table), not {type(value).__name__}")
     if len(value) != count:
