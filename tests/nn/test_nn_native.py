@@ -102,7 +102,8 @@ def test_a_child_running_the_kernels_on_two_threads_exits_cleanly():
 def test_the_dlrm_example_trains_under_xlaunch_auto_optimize():
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", native.DISABLE_ENV)}
     done = subprocess.run([sys.executable, "-m", "xlaunch", "--ninstances", "1", "--ncore_per_instance", "1",
-                           "--auto-optimize", str(REPO / "examples" / "dlrm.py"), "--steps", "16", "--tables", "6"],
+                           "--auto-optimize", str(REPO / "examples" / "dlrm.py"), "--steps", "16", "--tables", "6",
+                           "--infer-steps", "2"],
                           capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr
     train = next(line for line in done.stdout.splitlines() if "train:" in line)
