@@ -13,6 +13,8 @@ second call; medians over rounds); ratios are against the section's first row, i
   interaction     dense + 26 features of (2048, 128): eager cat/bmm/index vs xlaunch.nn.interaction.
   roi_align       (2, 256, 50, 68) features, 1000 boxes, 7x7, sampling 2, aligned: the compiled
                   kernel (channels-last and NCHW input) vs its pure-torch path.
+  threads         xlaunch's kernels on each thread count, the thread counts interleaved in the same
+                  rounds (torch.set_num_threads before each call): the scaling, measured fairly.
 
     .venv/bin/python bench/ops.py [--rounds 7] [--threads 1 2] [--only bags interaction roi] [--cpu-time]
 
@@ -248,8 +250,30 @@ def roi_rows(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
              ("pure torch, channels-last", train(last, False))])
 
 
+def on_threads(threads: int, run: Callable[[], object]) -> Callable[[], None]:
+    def call() -> None:
+        torch.set_num_threads(threads)
+        run()
+    return call
+
+
+def thread_rows(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
+    """The xlaunch rows of the other sections, one per thread count, interleaved."""
+    bags_forward, bags_train = bag_rows(args)
+    _, inter_train = interaction_rows(args)
+    roi_forward, roi_train = roi_rows(args)
+    picked = [("merged bag forward", dict(bags_forward)["xlaunch merged (kernels)"]),
+              ("MergedEmbeddingBagWithSGD step", dict(bags_train)["xlaunch MergedEmbeddingBagWithSGD (kernels)"]),
+              ("interaction fwd+bwd", dict(inter_train)["xlaunch.nn.interaction"]),
+              ("roi_align forward", dict(roi_forward)["kernel, channels-last"]),
+              ("roi_align fwd+bwd", dict(roi_train)["kernel, channels-last"])]
+    rows = [(f"{name}, {threads} thread(s)", on_threads(threads, run)) for name, run in picked
+            for threads in args.threads]
+    return rows, []
+
+
 SECTIONS = {"bags": ("embedding bags", bag_rows), "interaction": ("interaction", interaction_rows),
-            "roi": ("roi_align", roi_rows)}
+            "roi": ("roi_align", roi_rows), "threads": ("threads", thread_rows)}
 
 
 def main() -> int:
@@ -274,18 +298,30 @@ def main() -> int:
     results: dict[tuple, dict[str, float]] = {}
     for key in args.only:
         title, build = SECTIONS[key]
-        for threads in args.threads:
+        for threads in args.threads if key != "threads" else [max(args.threads)]:
             torch.set_num_threads(threads)
             say(f"{title}, {threads} thread(s): building")
             forward, train = build(args)
             for phase, rows in (("forward", forward), ("forward + backward" + (" + update" if key == "bags" else ""),
                                                       train)):
-                say(f"{title}, {threads} thread(s), {phase}: {len(rows)} rows x {args.rounds} rounds")
-                results[(title, phase, threads)] = interleaved(rows, args.rounds, clock)
+                if not rows:
+                    continue
+                label = "interleaved" if key == "threads" else f"{threads} thread(s)"
+                say(f"{title}, {label}, {phase}: {len(rows)} rows x {args.rounds} rounds")
+                results[(title, phase if key != "threads" else "each kernel", label)] = interleaved(rows, args.rounds,
+                                                                                                  clock)
     say(f"load average {loadavg()} at end\n")
-    for (title, phase, threads), medians in results.items():
+    for (title, phase, label), medians in results.items():
+        if title == "threads":
+            say(f"threads, {label}\n\n| | ms (median) | vs {min(args.threads)} thread(s) |\n|---|---:|---:|")
+            names = list(medians)
+            for name in names:
+                base = medians[names[names.index(name) - names.index(name) % len(args.threads)]]
+                say(f"| {name} | {medians[name]:.1f} | {base / medians[name]:.2f}x |")
+            say("")
+            continue
         first = next(iter(medians.values()))
-        say(f"{title}, {phase}, {threads} thread(s)\n\n| | ms (median) | vs first row |\n|---|---:|---:|")
+        say(f"{title}, {phase}, {label}\n\n| | ms (median) | vs first row |\n|---|---:|---:|")
         for name, value in medians.items():
             say(f"| {name} | {value:.1f} | {first / value:.2f}x |")
         say("")
