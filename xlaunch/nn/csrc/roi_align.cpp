@@ -7,15 +7,16 @@
 // channel stride 1: the Python side converts NCHW inputs once, much cheaper than walking channel
 // planes). Other strides, and the output's, are free.
 //
-// Forward: threads share the RoIs. Backward: threads share the channels (every thread walks every
-// RoI for its own channels), so no two threads add into one element and the result does not
-// depend on the thread count.
+// Forward: threads share the RoIs. Backward: threads share the rows of the gradient image (every
+// thread walks every RoI and adds only into its own rows), so no two threads add into one element
+// and the result does not depend on the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include "common.h"
@@ -135,39 +136,63 @@ void forward_typed(const T* input, Strides in_s, int64_t batches, int64_t channe
   });
 }
 
+// Rows of the gradient image a worker owns: bands of kBandRows rows, dealt round-robin. Every
+// worker walks every RoI but adds only into its own rows, so each element still receives its
+// additions in RoI order (the same result for any thread count) and the workers write disjoint
+// memory. (Splitting the channels instead had both cores writing alternate halves of the same
+// pixels and measured no faster on two threads than on one.)
+constexpr int64_t kBandRows = 4;
+
 template <typename T>
 void backward_typed(const T* grad, Strides g_s, const float* rois, int64_t n_rois, const Geometry& g, float* grad_in,
                     Strides gi_s, int64_t batches, int64_t channels, int64_t height, int64_t width) {
-  at::parallel_for(0, channels, 16, [&](int64_t c0, int64_t c1) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
+                                                                  (batches * height + kBandRows - 1) / kBandRows));
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     RoiPlan plan;
-    std::vector<float> bin_grad(c1 - c0);
-    for (int64_t k = 0; k < n_rois; ++k) {
-      plan_roi(rois + 5 * k, g, height, width, batches, plan);
-      float* image = grad_in + plan.batch * gi_s.n + c0;
-      const T* gk = grad + k * g_s.n + c0 * g_s.c;
-      for (int64_t ph = 0; ph < g.pooled_h; ++ph) {
-        for (int64_t pw = 0; pw < g.pooled_w; ++pw) {
-          const T* gb = gk + ph * g_s.h + pw * g_s.w;
-          float* __restrict__ gv = bin_grad.data();
-          for (int64_t c = 0; c < c1 - c0; ++c) gv[c] = load(gb + c * g_s.c) * plan.inv_count;
-          for (int64_t iy = 0; iy < plan.grid_h; ++iy) {
+    std::vector<float> bin_grad(channels);
+    for (int64_t worker = w0; worker < w1; ++worker) {
+      for (int64_t k = 0; k < n_rois; ++k) {
+        plan_roi(rois + 5 * k, g, height, width, batches, plan);
+        auto mine = [&](int64_t y) { return ((plan.batch * height + y) / kBandRows) % workers == worker; };
+        float* image = grad_in + plan.batch * gi_s.n;
+        const T* gk = grad + k * g_s.n;
+        for (int64_t ph = 0; ph < g.pooled_h; ++ph) {
+          bool any = false;   // does this row of bins touch one of my rows?
+          for (int64_t iy = 0; iy < plan.grid_h && !any; ++iy) {
             const Axis& y = plan.ys[ph * plan.grid_h + iy];
-            if (!y.valid) continue;
-            for (int64_t ix = 0; ix < plan.grid_w; ++ix) {
-              const Axis& x = plan.xs[pw * plan.grid_w + ix];
-              if (!x.valid) continue;
-              const float w1 = y.w_low * x.w_low, w2 = y.w_low * x.w_high;
-              const float w3 = y.w_high * x.w_low, w4 = y.w_high * x.w_high;
-              float* p1 = image + y.low * gi_s.h + x.low * gi_s.w;
-              float* p2 = image + y.low * gi_s.h + x.high * gi_s.w;
-              float* p3 = image + y.high * gi_s.h + x.low * gi_s.w;
-              float* p4 = image + y.high * gi_s.h + x.high * gi_s.w;
-              // The four corners may coincide (clamped at the border): separate loops keep each
-              // one's additions in order, as torchvision's four atomic adds.
-              for (int64_t c = 0; c < c1 - c0; ++c) p1[c] += w1 * gv[c];
-              for (int64_t c = 0; c < c1 - c0; ++c) p2[c] += w2 * gv[c];
-              for (int64_t c = 0; c < c1 - c0; ++c) p3[c] += w3 * gv[c];
-              for (int64_t c = 0; c < c1 - c0; ++c) p4[c] += w4 * gv[c];
+            any = y.valid && (mine(y.low) || mine(y.high));
+          }
+          if (!any) continue;
+          for (int64_t pw = 0; pw < g.pooled_w; ++pw) {
+            const T* gb = gk + ph * g_s.h + pw * g_s.w;
+            float* __restrict__ gv = bin_grad.data();
+            for (int64_t c = 0; c < channels; ++c) gv[c] = load(gb + c * g_s.c) * plan.inv_count;
+            for (int64_t iy = 0; iy < plan.grid_h; ++iy) {
+              const Axis& y = plan.ys[ph * plan.grid_h + iy];
+              if (!y.valid) continue;
+              const bool low = mine(y.low), high = mine(y.high);
+              if (!low && !high) continue;
+              for (int64_t ix = 0; ix < plan.grid_w; ++ix) {
+                const Axis& x = plan.xs[pw * plan.grid_w + ix];
+                if (!x.valid) continue;
+                // The four corners may coincide (clamped at the border): separate loops keep
+                // each one's additions in order, as torchvision's four atomic adds.
+                if (low) {
+                  const float w1 = y.w_low * x.w_low, w2 = y.w_low * x.w_high;
+                  float* p1 = image + y.low * gi_s.h + x.low * gi_s.w;
+                  float* p2 = image + y.low * gi_s.h + x.high * gi_s.w;
+                  for (int64_t c = 0; c < channels; ++c) p1[c] += w1 * gv[c];
+                  for (int64_t c = 0; c < channels; ++c) p2[c] += w2 * gv[c];
+                }
+                if (high) {
+                  const float w3 = y.w_high * x.w_low, w4 = y.w_high * x.w_high;
+                  float* p3 = image + y.high * gi_s.h + x.low * gi_s.w;
+                  float* p4 = image + y.high * gi_s.h + x.high * gi_s.w;
+                  for (int64_t c = 0; c < channels; ++c) p3[c] += w3 * gv[c];
+                  for (int64_t c = 0; c < channels; ++c) p4[c] += w4 * gv[c];
+                }
+              }
             }
           }
         }
