@@ -16,7 +16,12 @@ second call; medians over rounds); ratios are against the section's first row, i
   threads         xlaunch's kernels on each thread count, the thread counts interleaved in the same
                   rounds (torch.set_num_threads before each call): the scaling, measured fairly.
 
-    .venv/bin/python bench/ops.py [--rounds 7] [--threads 1 2] [--only bags interaction roi] [--cpu-time]
+    .venv/bin/xlaunch --ninstances 1 bench/ops.py [--rounds 7] [--threads 1 2] [--only bags interaction roi threads]
+                      [--cpu-time]
+
+Run it under xlaunch (jemalloc with its page-keeping settings, pinned cores): with glibc's malloc,
+every fresh 50 MB roi_align output is page-faulted in again on each call, which costs more than
+the kernel (46 ms against 14 here).
 
 ``--cpu-time`` times with the process's CPU time instead of the wall clock: on a machine shared
 with other work, a single-threaded comparison then does not count the time the benchmark was not
