@@ -21,6 +21,7 @@ bench: setup
 	$(PY) bench/throughput.py
 	$(PY) bench/streams.py
 	LD_PRELOAD=$$(ls /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -1) $(PY) bench/optimize.py
+	.venv/bin/xlaunch --ninstances 1 bench/ops.py
 
 clean:
 	rm -rf .venv build *.egg-info

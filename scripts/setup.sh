@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: venv, torch 2.13.0 (CPU build), torchao 0.18.0, xlaunch with dev, tune and engine
-# (onnxruntime, openvino) extras, and the
-# Debian allocator/numactl packages when they are missing and we are root.
+# (onnxruntime, openvino) extras, the Debian allocator/numactl packages when they are missing and we
+# are root, and xlaunch.nn's compiled kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -38,3 +38,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip_install -e ".[dev,tune,onnxruntime,openvino]"
   touch "$stamp"
 fi
+
+# xlaunch.nn's kernels: compiled once per source, torch, compiler and CPU into ~/.cache/xlaunch/nn
+# (nothing to do when that build exists); without a compiler the pure-torch paths are used.
+"$VENV/bin/python" -m xlaunch.nn.native || echo "setup: warning: xlaunch.nn kernels not built (pure-torch paths)" >&2

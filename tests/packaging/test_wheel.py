@@ -63,7 +63,8 @@ def test_the_wheel_holds_the_data_files_and_both_commands(installed):
         metadata = archive.read(meta).decode()
         entry_points = archive.read(meta.replace("METADATA", "entry_points.txt")).decode()
     for path in ("xlaunch/py.typed", "xlaunch/configs/throughput.toml", "xlaunch/kernels/inject/site/sitecustomize.py",
-                 "xlaunch/machine/record.py"):
+                 "xlaunch/machine/record.py", "xlaunch/nn/csrc/bag_forward.cpp", "xlaunch/nn/csrc/roi_align.cpp",
+                 "xlaunch/nn/csrc/common.h"):
         assert path in names, path
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "Requires-Dist: torch>=2.13; extra == \"torch\"" in metadata

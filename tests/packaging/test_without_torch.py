@@ -17,9 +17,10 @@ def python(code: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("expression", ["xlaunch.optimize", "xlaunch.MultiStreamModule",
-                                        "xlaunch.kernels.FusedSGD", "xlaunch.kernels.to_fused"])
+                                        "xlaunch.kernels.FusedSGD", "xlaunch.kernels.to_fused",
+                                        "xlaunch.nn.MergedEmbeddingBag", "xlaunch.nn.roi_align"])
 def test_one_import_error_names_the_extra(expression):
-    result = python(f"import xlaunch, xlaunch.kernels\n{expression}\n")
+    result = python(f"import xlaunch, xlaunch.kernels, xlaunch.nn\n{expression}\n")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"ImportError: {expression} needs PyTorch, which is not installed here: {HINT}"), result.stderr

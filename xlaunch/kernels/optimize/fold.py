@@ -13,6 +13,11 @@ neither module is called anywhere else (shared modules are left alone); a Linear
 when the BN's input is certainly ``(N, C)``, shown by a sample input or fixed by the graph
 (:mod:`tensor_rank`: e.g. a ``Flatten`` before the Linear).
 
+Frozen batch norms (``xlaunch.nn.FrozenBatchNorm2d``, torchvision's ``FrozenBatchNorm2d``) fold
+like an eval-mode BN. They are recognized by what they hold (:func:`is_frozen_norm`), not by
+class, so this module imports neither package; FX keeps them (and every ``xlaunch.nn`` module)
+as leaves instead of tracing through their forward.
+
 What folding does to parameters (as with ipex): the producer's ``weight``/``bias`` become the
 folded values (a bias appears where there was none), the BN's parameters and statistics leave
 the model (its ``state_dict`` has no BN entries). A checkpoint of the *un-optimized* model can
@@ -139,6 +144,31 @@ class FoldLog:
     _undo: list[Any] = field(default_factory=list, repr=False)
 
 
+FROZEN_NORM_BUFFERS = ("weight", "bias", "running_mean", "running_var")
+
+
+def is_frozen_norm(module: nn.Module) -> bool:
+    """A frozen batch norm: a ``FrozenBatchNorm*`` class holding the four per-channel buffers
+    (no parameters, no children) and a float ``eps`` (torchvision's and xlaunch.nn's classes)."""
+    if not type(module).__name__.startswith("FrozenBatchNorm") or not isinstance(getattr(module, "eps", None), float):
+        return False
+    buffers = dict(module.named_buffers(recurse=False))
+    tensors = [buffers.get(name) for name in FROZEN_NORM_BUFFERS]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and t.is_floating_point() for t in tensors):
+        return False
+    return (len({t.numel() for t in tensors}) == 1 and not any(True for _ in module.parameters(recurse=False))
+            and not any(True for _ in module.children()))
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A batch norm that folds: ``nn.BatchNorm1d/2d/3d`` or a frozen batch norm."""
+    return isinstance(module, BN_TYPES) or is_frozen_norm(module)
+
+
+def _norm_features(norm: nn.Module) -> int:
+    return int(norm.running_mean.numel()) if norm.running_mean is not None else int(norm.num_features)
+
+
 def aliases(model: nn.Module) -> dict[int, list[str]]:
     """Every qualified name each submodule is registered under (shared modules have several)."""
     names: dict[int, list[str]] = {}
@@ -177,9 +207,15 @@ def _pairs_from_fx(model: nn.Module, sample_input: Any) -> list[Pair]:
 
     import torch.fx
 
+    class LeafTracer(torch.fx.Tracer):
+        def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+            return (is_frozen_norm(module) or type(module).__module__.startswith("xlaunch.nn.")
+                    or super().is_leaf_module(module, qualified_name))
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph_module = torch.fx.symbolic_trace(model)
+        tracer = LeafTracer()
+        graph_module = torch.fx.GraphModule(model, tracer.trace(model), type(model).__name__)
     if sample_input is not None:
         from torch.fx.passes.shape_prop import ShapeProp
 
@@ -196,7 +232,7 @@ def _pairs_from_fx(model: nn.Module, sample_input: Any) -> list[Pair]:
             attr_users.add(str(node.target).rpartition(".")[0])
     pairs = []
     for node in graph.nodes:
-        if node.op != "call_module" or not isinstance(graph_module.get_submodule(node.target), BN_TYPES):
+        if node.op != "call_module" or not is_norm(graph_module.get_submodule(node.target)):
             continue
         if len(node.args) != 1 or node.kwargs:
             continue
@@ -233,7 +269,7 @@ def _pairs_from_sequentials(model: nn.Module) -> list[Pair]:
         children = list(container.named_children())
         for index, ((first_name, first), (second_name, second)) in enumerate(zip(children, children[1:])):
             kind = _producer_kind(first)
-            if kind is not None and isinstance(second, BN_TYPES):
+            if kind is not None and is_norm(second):
                 prefix = f"{name}." if name else ""
                 rank = tensor_rank.certain(tensor_rank.through_modules(m for _, m in children[:index + 1]))
                 pairs.append(Pair(prefix + first_name, prefix + second_name, kind, rank if kind == "linear" else None))
@@ -247,11 +283,11 @@ def why_not(pair: Pair, producer: nn.Module, norm: nn.Module, names: dict[int, l
         return pair.blocked
     if producer.training or norm.training:
         return "a module is in training mode (folding is for eval only)"
-    if not norm.track_running_stats or norm.running_mean is None or norm.running_var is None:
+    if not getattr(norm, "track_running_stats", True) or norm.running_mean is None or norm.running_var is None:
         return "the batch norm has no running statistics (track_running_stats=False)"
     outputs = producer.out_channels if pair.kind == "conv" else producer.out_features
-    if norm.num_features != outputs:
-        return f"the batch norm has {norm.num_features} features but the {pair.kind} has {outputs} outputs"
+    if _norm_features(norm) != outputs:
+        return f"the batch norm has {_norm_features(norm)} features but the {pair.kind} has {outputs} outputs"
     if not producer.weight.is_floating_point():
         return f"the {pair.kind} weight is {producer.weight.dtype}, not floating point"
     if pair.kind == "conv" and producer.transposed and producer.groups != 1:

@@ -172,7 +172,7 @@ def _eval_rewrites(model: nn.Module, opts: Options, sample_input: Any, reference
                    report: Report) -> fold.FoldLog:
     kinds = {kind for kind, on in (("conv", opts.conv_bn_folding), ("linear", opts.linear_bn_folding)) if on}
     log = fold.FoldLog()
-    if kinds and any(isinstance(m, fold.BN_TYPES) for m in model.modules()):
+    if kinds and any(fold.is_norm(m) for m in model.modules()):
         pairs, notes = fold.find_pairs(model, sample_input)
         for note in notes:
             _warn(report, note)

@@ -1,0 +1,49 @@
+"""interaction(): DLRM's dense feature + pairwise dot products, against the eager bmm/gather
+formulation, forward and gradients on random upstream gradients."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import xlaunch.nn.functional as F  # noqa: E402
+from xlaunch.nn import interaction  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def eager(*features: torch.Tensor) -> torch.Tensor:
+    stacked = torch.stack(features, dim=1)
+    dots = torch.bmm(stacked, stacked.transpose(1, 2))
+    rows, cols = zip(*[(i, j) for i in range(len(features)) for j in range(i)])   # DLRM's li, lj
+    return torch.cat([features[0], dots[:, list(rows), list(cols)]], dim=1)
+
+
+def test_forward_and_gradients_equal_the_eager_formulation():
+    gen = torch.Generator().manual_seed(0)
+    features = [torch.randn(5, 7, generator=gen, requires_grad=True) for _ in range(6)]
+    got, want = interaction(*features), eager(*features)
+    assert got.shape == (5, 7 + 6 * 5 // 2)
+    torch.testing.assert_close(got, want)
+    upstream = torch.randn(got.shape, generator=gen)
+    for g, w in zip(torch.autograd.grad(got, features, upstream), torch.autograd.grad(want, features, upstream)):
+        torch.testing.assert_close(g, w)
+    assert F.interaction is interaction
+
+
+def test_gradcheck_in_double_precision():
+    gen = torch.Generator().manual_seed(1)
+    features = [torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    assert torch.autograd.gradcheck(interaction, features)
+
+
+def test_bf16_features_and_refusals():
+    gen = torch.Generator().manual_seed(2)
+    features = [torch.randn(4, 8, generator=gen) for _ in range(3)]
+    got = interaction(*[f.bfloat16() for f in features])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), eager(*features), rtol=2e-2, atol=5e-2)
+    with pytest.raises(ValueError, match="feature 1 must be a \\(batch, dim\\) tensor"):
+        interaction(features[0], torch.randn(4, 9))
+    with pytest.raises(ValueError, match="feature 2 is torch.bfloat16"):
+        interaction(features[0], features[1], features[2].bfloat16())

@@ -1,0 +1,217 @@
+"""Merged embedding bags against the nn.EmbeddingBag tables and torch optimizers they replace,
+on the compiled kernels and on the pure-torch paths (the ``kernels`` fixture runs both)."""
+from __future__ import annotations
+
+import pytest
+from nn_helpers import kernels  # noqa: F401 - the fixture
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from xlaunch.kernels.optim.splitbf16 import join  # noqa: E402
+from xlaunch.nn import (EmbeddingSpec, MergedEmbeddingBag, MergedEmbeddingBagWithAdaGrad,  # noqa: E402
+                        MergedEmbeddingBagWithCat, MergedEmbeddingBagWithSGD)
+
+pytestmark = pytest.mark.torch
+BATCH = 6
+
+
+def make_tables(modes=("mean", "sum", "max"), dims=(8, 8, 4), rows=(40, 25, 18), last=(False, False, True),
+                seed: int = 0) -> list[nn.EmbeddingBag]:
+    torch.manual_seed(seed)
+    return [nn.EmbeddingBag(r, d, mode=m, include_last_offset=li) for r, d, m, li in zip(rows, dims, modes, last)]
+
+
+def make_inputs(tables: list[nn.EmbeddingBag], dtype=torch.int64, seed: int = 1) -> tuple[list, list]:
+    """Per table: random bag sizes (an empty bag in each); include_last_offset tables get B + 1 offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    indices, offsets = [], []
+    for table in tables:
+        sizes = torch.randint(0, 5, (BATCH,), generator=gen)
+        sizes[1] = 0                                         # an empty bag in every table
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        total = int(starts[-1])
+        indices.append(torch.randint(0, table.num_embeddings, (total,), generator=gen).to(dtype))
+        offsets.append((starts if table.include_last_offset else starts[:-1]).to(dtype))
+    return indices, offsets
+
+
+def reference(tables, indices, offsets, weights=None) -> list[torch.Tensor]:
+    weights = weights or [None] * len(tables)
+    return [t(i.long(), o.long(), per_sample_weights=w) for t, i, o, w in zip(tables, indices, offsets, weights)]
+
+
+def copies(tables: list[nn.EmbeddingBag]) -> list[nn.EmbeddingBag]:
+    return [nn.EmbeddingBag.from_pretrained(t.weight.detach().clone(), freeze=False, mode=t.mode,
+                                            include_last_offset=t.include_last_offset) for t in tables]
+
+
+def touched(indices) -> list[torch.Tensor]:
+    """Rows each table's bags look up."""
+    return [torch.unique(i).long() for i in indices]
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_forward_equals_the_tables_for_every_mode_dim_and_offsets_form(kernels, index_dtype):
+    tables = make_tables()
+    indices, offsets = make_inputs(tables, index_dtype)
+    merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
+    with torch.no_grad():
+        got, want = merged(indices, offsets), reference(tables, indices, offsets)
+    assert [tuple(g.shape) for g in got] == [(BATCH, 8), (BATCH, 8), (BATCH, 4)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert torch.equal(got[1][1], torch.zeros(8)) and torch.equal(got[2][1], torch.zeros(4))   # empty bags
+
+    square = torch.randint(0, 18, (BATCH, 3), dtype=index_dtype)    # 2-D indices: bags of equal size
+    with torch.no_grad():
+        got = merged([indices[0], indices[1], square], [offsets[0], offsets[1], None])[2]
+    torch.testing.assert_close(got, tables[2](square.long()))
+
+
+def test_bf16_weights_pool_like_bf16_tables(kernels):
+    tables = [t.to(torch.bfloat16) for t in make_tables(modes=("mean", "sum", "sum"))]
+    indices, offsets = make_inputs(tables)
+    with torch.no_grad():
+        got = MergedEmbeddingBag.from_embeddingbag_list(tables)(indices, offsets)
+        want = reference(tables, indices, offsets)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_per_sample_weights_scale_sum_pooled_lookups(kernels):
+    tables = make_tables(modes=("sum", "sum", "mean"))
+    indices, offsets = make_inputs(tables)
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.rand(len(indices[0]), generator=gen), None, None]
+    merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
+    with torch.no_grad():
+        got = merged(indices, offsets, per_sample_weights=weights)
+    for g, w in zip(got, reference(tables, indices, offsets, weights)):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(ValueError, match="table 2: per_sample_weights need pooling_mode 'sum'"):
+        merged(indices, offsets, per_sample_weights=[None, None, torch.ones(len(indices[2]))])
+
+
+def test_dense_gradient_equals_the_tables_gradients(kernels):
+    tables = make_tables()
+    indices, offsets = make_inputs(tables)
+    merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
+    gen = torch.Generator().manual_seed(7)
+    upstream = [torch.randn(BATCH, t.embedding_dim, generator=gen) for t in tables]
+    torch.autograd.backward(merged(indices, offsets), upstream)
+    torch.autograd.backward(reference(tables, indices, offsets), upstream)
+    for number, table in enumerate(tables):
+        torch.testing.assert_close(merged.layout.view(merged.weight.grad, number), table.weight.grad)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_one_fused_sgd_step_equals_torch_sgd_on_the_touched_rows(kernels, index_dtype):
+    tables = make_tables(modes=("mean", "sum", "mean"))
+    indices, offsets = make_inputs(tables, index_dtype)
+    merged = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.5, weight_decay=0.1)
+    before = [w.clone() for w in merged.weights]
+    gen = torch.Generator().manual_seed(11)
+    upstream = [torch.randn(BATCH, t.embedding_dim, generator=gen) for t in tables]
+    ref = copies(tables)
+    torch.autograd.backward(reference(ref, indices, offsets), upstream)
+    torch.optim.SGD([t.weight for t in ref], lr=0.5, weight_decay=0.1).step()
+
+    torch.autograd.backward(merged(indices, offsets), upstream)
+    assert merged.weight.grad is None                       # the update replaced the gradient
+    for number, rows in enumerate(touched(indices)):
+        torch.testing.assert_close(merged.weights[number][rows], ref[number].weight.detach()[rows])
+        untouched = torch.ones(tables[number].num_embeddings, dtype=torch.bool)
+        untouched[rows] = False
+        assert torch.equal(merged.weights[number][untouched], before[number][untouched])
+
+
+def test_two_fused_adagrad_steps_equal_torch_adagrad(kernels):
+    tables = make_tables(modes=("sum", "mean", "mean"))
+    indices, offsets = make_inputs(tables)
+    merged = MergedEmbeddingBagWithAdaGrad.from_embeddingbag_list(tables, lr=0.3, eps=1e-8)
+    ref = copies(tables)
+    optimizer = torch.optim.Adagrad([t.weight for t in ref], lr=0.3, eps=1e-8)
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(2):
+        upstream = [torch.randn(BATCH, t.embedding_dim, generator=gen) for t in tables]
+        optimizer.zero_grad()
+        torch.autograd.backward(reference(ref, indices, offsets), upstream)
+        optimizer.step()
+        torch.autograd.backward(merged(indices, offsets), upstream)
+    for number, table in enumerate(ref):
+        torch.testing.assert_close(merged.weights[number], table.weight.detach())
+        torch.testing.assert_close(merged.layout.view(merged.state_sum, number), optimizer.state[table.weight]["sum"])
+
+
+@pytest.mark.parametrize("fused", [MergedEmbeddingBagWithSGD, MergedEmbeddingBagWithAdaGrad])
+def test_bf16_training_keeps_an_exact_fp32_master(kernels, fused):
+    tables = make_tables(modes=("mean", "sum", "sum"))
+    indices, offsets = make_inputs(tables)
+    fp32 = fused.from_embeddingbag_list(tables, lr=0.25)
+    split = fused.from_embeddingbag_list(tables, lr=0.25).to_bfloat16_train()
+    assert split.weight.dtype == torch.bfloat16 and split.trail.dtype == torch.int16
+    assert torch.equal(split.master_weight(), fp32.weight.detach())      # the split is exact
+    gen = torch.Generator().manual_seed(17)
+    for _ in range(2):
+        upstream = [torch.randn(BATCH, t.embedding_dim, generator=gen) for t in tables]
+        torch.autograd.backward(fp32(indices, offsets), upstream)
+        out = split(indices, offsets)
+        assert out[0].dtype == torch.bfloat16
+        torch.autograd.backward(out, [u.bfloat16() for u in upstream])
+    master = split.master_weight()
+    # the same fp32 update on the master: equal up to the bf16 rounding of the upstream gradient
+    torch.testing.assert_close(master, fp32.weight.detach(), rtol=0, atol=2e-2)
+    assert not torch.equal(master, split.weight.detach().float())        # the trail holds real bits
+    assert torch.equal(join(split.weight.detach(), split.trail), master)
+
+
+def test_with_cat_writes_dense_and_tables_into_one_matrix(kernels):
+    tables = make_tables(modes=("sum", "mean", "mean"), dims=(8, 4, 8))
+    indices, offsets = make_inputs(tables)
+    dense = torch.randn(BATCH, 5, requires_grad=True)
+    merged = MergedEmbeddingBagWithCat.from_embeddingbag_list(tables)
+    got = merged(indices, offsets, dense)
+    want = torch.cat([dense, *reference(tables, indices, offsets)], dim=1)
+    torch.testing.assert_close(got, want)
+    upstream = torch.randn_like(got)
+    got.backward(upstream)
+    assert torch.equal(dense.grad, upstream[:, :5])
+    want_grad = torch.autograd.grad(want, tables[1].weight, upstream)[0]
+    torch.testing.assert_close(merged.layout.view(merged.weight.grad, 1), want_grad)
+
+
+def test_specs_state_dict_and_ipex_checkpoints():
+    specs = [EmbeddingSpec(10, 4, "sum", torch.float32, None, False, False),
+             EmbeddingSpec(7, 6, "mean", torch.float32, torch.arange(42.0).view(7, 6), False, True)]
+    merged = MergedEmbeddingBag(specs)
+    assert merged.weight.shape == (10 * 4 + 7 * 6,) and torch.equal(merged.weights[1], torch.arange(42.0).view(7, 6))
+    again = MergedEmbeddingBag(specs)
+    again.load_state_dict(merged.state_dict())
+    assert torch.equal(again.weight, merged.weight)
+    ipex_style = {"weights.0": torch.ones(10, 4), "weights.1": torch.full((7, 6), 2.0)}
+    again.load_state_dict(ipex_style)
+    assert torch.equal(again.weights[0], torch.ones(10, 4)) and torch.equal(again.weights[1], torch.full((7, 6), 2.0))
+
+
+def test_refusals_say_what_is_wrong(kernels):
+    tables = make_tables()
+    indices, offsets = make_inputs(tables)
+    merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
+    bad = [indices[0].clone(), indices[1], indices[2]]
+    bad[0][0] = 40                                                   # table 0 has 40 rows
+    with pytest.raises((RuntimeError, IndexError)):
+        merged(bad, offsets)
+    with pytest.raises(ValueError, match="same number of bags"):
+        merged(indices, [offsets[0][:-1], offsets[1], offsets[2]])
+    with pytest.raises(ValueError, match="sum or mean"):
+        MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables)      # table 2 is max-pooled
+    with pytest.raises(ValueError, match="padding_idx"):
+        MergedEmbeddingBag.from_embeddingbag_list([nn.EmbeddingBag(5, 2, padding_idx=0)])
+    with pytest.raises(ValueError, match="sparse=True"):
+        MergedEmbeddingBag.from_embeddingbag_list([nn.EmbeddingBag(5, 2, sparse=True)])
+    with pytest.raises(ValueError, match="one weight dtype"):
+        MergedEmbeddingBag([EmbeddingSpec(3, 2, dtype=torch.float32), EmbeddingSpec(3, 2, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="learning rate"):
+        MergedEmbeddingBagWithSGD([EmbeddingSpec(3, 2)], lr=-1.0)

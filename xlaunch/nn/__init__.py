@@ -1,0 +1,39 @@
+"""Operators of recommendation and detection models, with ``ipex.nn``'s names (a port is a rename).
+
+* :mod:`.merged`: ``MergedEmbeddingBag`` and its fused-optimizer forms ``...WithSGD``,
+  ``...WithAdaGrad``, and ``...WithCat``; ``EmbeddingSpec``
+* :mod:`.feature_interaction`: DLRM's ``interaction(dense, *sparse)``
+* :mod:`.frozen_bn`: ``FrozenBatchNorm2d`` (folded into the conv before it by ``optimize()``)
+* :mod:`.roi`: ``roi_align`` / ``RoIAlign`` (torchvision's semantics)
+* :mod:`.native`: the compiled kernels (``python -m xlaunch.nn.native`` builds them) and their
+  pure-torch fallbacks (:mod:`.bag_ops`, :mod:`.roi_torch`)
+
+Importing this package loads nothing; each name imports torch on first use.
+"""
+from __future__ import annotations
+
+import importlib
+
+from xlaunch._lazy import lazy_exports
+
+_LAZY = {
+    "EmbeddingSpec": "xlaunch.nn.tables",
+    "MergedEmbeddingBag": "xlaunch.nn.merged",
+    "MergedEmbeddingBagWithSGD": "xlaunch.nn.merged",
+    "MergedEmbeddingBagWithAdaGrad": "xlaunch.nn.merged",
+    "MergedEmbeddingBagWithCat": "xlaunch.nn.merged",
+    "interaction": "xlaunch.nn.feature_interaction",
+    "FrozenBatchNorm2d": "xlaunch.nn.frozen_bn",
+    "roi_align": "xlaunch.nn.roi",
+    "RoIAlign": "xlaunch.nn.roi",
+}
+
+__all__ = [*_LAZY, "functional"]
+
+_exported, __dir__ = lazy_exports(__name__, _LAZY)
+
+
+def __getattr__(name: str) -> object:
+    if name == "functional":   # ipex.nn.functional's place: xlaunch.nn.functional.interaction
+        return importlib.import_module(f"{__name__}.functional")
+    return _exported(name)

@@ -1,0 +1,219 @@
+"""Merged embedding bags: many ``nn.EmbeddingBag`` tables in one module and one weight storage.
+
+    merged = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.01)
+    outputs = merged(indices, offsets)        # one (batch, dim) tensor per table
+    loss(outputs).backward()                  # rows updated here; no .grad, no optimizer step
+
+The names and signatures are ``ipex.nn``'s (``EmbeddingSpec``, ``from_embeddingbag_list``,
+``to_bfloat16_train``), so a port is a rename. Beyond IPEX: tables may differ in dim, pooling mode
+(sum, mean, max) and ``include_last_offset``; indices may be int32 or int64, 1-D with offsets or
+2-D ``(batch, bag size)``; ``per_sample_weights`` work with sum pooling.
+
+* :class:`MergedEmbeddingBag`: dense weight gradient, for any torch optimizer.
+* :class:`MergedEmbeddingBagWithSGD` / :class:`MergedEmbeddingBagWithAdaGrad`: the update runs
+  inside backward on the rows the batch touched, equal to ``torch.optim.SGD`` / ``Adagrad`` on
+  those rows. Rows the batch did not touch are left alone, so weight decay (SGD) applies to the
+  touched rows only, as in IPEX and fbgemm (a dense SGD would decay every row).
+  bf16 weights keep a split fp32 master: the bf16 weight is its high half, ``trail`` its low half.
+* :class:`MergedEmbeddingBagWithCat`: the dense feature and all pooled tables in one
+  ``(batch, dense_dim + sum of dims)`` matrix, written in place (no ``torch.cat``).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import Tensor, nn
+
+from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
+from xlaunch.nn.bag_ops import ADAGRAD, SGD, pool, update_rows
+from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, normalize
+
+__all__ = ["EmbeddingSpec", "MergedEmbeddingBag", "MergedEmbeddingBagWithCat", "MergedEmbeddingBagWithSGD",
+           "MergedEmbeddingBagWithAdaGrad"]
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _spec_of(table: nn.EmbeddingBag, number: int) -> EmbeddingSpec:
+    if not isinstance(table, nn.EmbeddingBag):
+        raise TypeError(f"table {number} is a {type(table).__name__}, not an nn.EmbeddingBag")
+    unsupported = [name for name, value in (("max_norm", table.max_norm), ("padding_idx", table.padding_idx))
+                   if value is not None]
+    if table.scale_grad_by_freq:
+        unsupported.append("scale_grad_by_freq")
+    if unsupported:
+        raise ValueError(f"table {number} uses {', '.join(unsupported)}, which merged embedding bags do not support")
+    rows, dim = table.weight.shape
+    return EmbeddingSpec(rows, dim, table.mode, table.weight.dtype, table.weight.detach(), table.sparse,
+                         table.include_last_offset)
+
+
+class MergedEmbeddingBag(nn.Module):
+    """Tables of ``nn.EmbeddingBag`` in one weight storage, pooled in one call.
+
+    ``weight`` is the one flat parameter (its gradient is dense); ``weights[t]`` is table ``t``'s
+    ``(rows, dim)`` view of it. ``forward(indices, offsets=None, per_sample_weights=None)`` takes
+    one entry per table (as ``nn.EmbeddingBag.forward`` would) and returns one output per table.
+    Gradients do not flow into ``per_sample_weights`` unless they require grad (then the table
+    pooling goes through ``F.embedding_bag``).
+    """
+
+    def __init__(self, embedding_specs: Sequence[EmbeddingSpec]) -> None:
+        super().__init__()
+        specs = [EmbeddingSpec(*spec) for spec in embedding_specs]
+        self.layout = TableLayout(specs)
+        dtypes = {spec.dtype for spec in specs}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in WEIGHT_DTYPES:
+            raise ValueError("all tables need one weight dtype, float32 or bfloat16; got "
+                             f"{', '.join(sorted(str(d) for d in dtypes))}")
+        self._check_specs(specs)
+        weight = torch.empty(self.layout.numel, dtype=specs[0].dtype)
+        with torch.no_grad():
+            for number, spec in enumerate(specs):
+                block = self.layout.view(weight, number)
+                if spec.weight is None:
+                    block.normal_()   # nn.EmbeddingBag's initialization
+                elif tuple(spec.weight.shape) != tuple(block.shape):
+                    raise ValueError(f"table {number}: weight has shape {tuple(spec.weight.shape)}, "
+                                     f"the spec says {tuple(block.shape)}")
+                else:
+                    block.copy_(spec.weight)
+        self.weight = nn.Parameter(weight)
+        self.n_tables = len(specs)
+
+    def _check_specs(self, specs: list[EmbeddingSpec]) -> None:
+        sparse = [number for number, spec in enumerate(specs) if spec.sparse]
+        if sparse:
+            raise ValueError(f"tables {sparse} have sparse=True: MergedEmbeddingBag gives a dense gradient; "
+                             "use MergedEmbeddingBagWithSGD or MergedEmbeddingBagWithAdaGrad for sparse updates")
+
+    @classmethod
+    def from_embeddingbag_list(cls, tables: Sequence[nn.EmbeddingBag], *args: Any, **kwargs: Any) -> "MergedEmbeddingBag":
+        """A merged module holding copies of ``tables``' weights (their modes and offsets forms)."""
+        return cls([_spec_of(table, number) for number, table in enumerate(tables)], *args, **kwargs)
+
+    @property
+    def weights(self) -> tuple[Tensor, ...]:
+        """Each table's ``(rows, dim)`` view of the storage (``ipex.nn``'s ``weights[i]``)."""
+        flat = self.weight.detach()
+        return tuple(self.layout.view(flat, number) for number in range(self.n_tables))
+
+    def _inputs(self, indices: Any, offsets: Any, per_sample_weights: Any) -> BagInputs:
+        return normalize(self.layout, indices, offsets, per_sample_weights, self.weight.dtype)
+
+    def forward(self, indices: Sequence[Tensor], offsets: Optional[Sequence[Tensor]] = None,
+                per_sample_weights: Optional[Sequence[Optional[Tensor]]] = None) -> list[Tensor]:
+        """One ``(batch, dim)`` output per table."""
+        return pool(self.weight, self.layout, self._inputs(indices, offsets, per_sample_weights))
+
+    def extra_repr(self) -> str:
+        layout = self.layout
+        tables = ", ".join(f"{layout.rows[t]}x{layout.dims[t]} {layout.modes[t]}" for t in range(self.n_tables))
+        return f"{self.n_tables} tables ({tables}), {self.weight.dtype}"
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        # A checkpoint of ipex.nn's MergedEmbeddingBag holds one ``weights.N`` entry per table.
+        if prefix + "weight" not in state_dict and prefix + "weights.0" in state_dict:
+            flat = torch.empty_like(self.weight)
+            for number in range(self.n_tables):
+                self.layout.view(flat, number).copy_(state_dict.pop(f"{prefix}weights.{number}"))
+            state_dict[prefix + "weight"] = flat
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class MergedEmbeddingBagWithCat(MergedEmbeddingBag):
+    """``torch.cat([dense_feature, *pooled], dim=1)`` computed in place: ``forward(indices,
+    offsets, dense_feature)`` returns one ``(batch, dense_dim + sum of dims)`` matrix."""
+
+    def forward(self, indices: Sequence[Tensor], offsets: Optional[Sequence[Tensor]] = None,  # type: ignore[override]
+                dense_feature: Optional[Tensor] = None,
+                per_sample_weights: Optional[Sequence[Optional[Tensor]]] = None) -> Tensor:
+        inputs = self._inputs(indices, offsets, per_sample_weights)
+        if not isinstance(dense_feature, Tensor) or dense_feature.dim() != 2 or dense_feature.shape[0] != inputs.batch:
+            raise ValueError(f"dense_feature must be a (batch={inputs.batch}, dim) tensor")
+        return pool(self.weight, self.layout, inputs, dense_feature)
+
+
+class _FusedUpdate(MergedEmbeddingBag):
+    """Shared by the fused classes: no gradient, the rows are updated in backward."""
+
+    kind = SGD
+
+    def __init__(self, embedding_specs: Sequence[EmbeddingSpec]) -> None:
+        super().__init__(embedding_specs)
+        if "max" in self.layout.modes:
+            raise ValueError(f"{type(self).__name__} updates tables with sum or mean pooling; train max-pooled "
+                             "tables with MergedEmbeddingBag and a torch optimizer")
+        trail = torch.zeros_like(self.weight, dtype=TRAIL_DTYPE) if self.weight.dtype == torch.bfloat16 else None
+        self.register_buffer("trail", trail)
+
+    def _check_specs(self, specs: list[EmbeddingSpec]) -> None:
+        pass   # sparse=True or not, the update only ever touches the looked-up rows
+
+    def to_bfloat16_train(self) -> "_FusedUpdate":
+        """bf16 weights with a split fp32 master (``ipex.nn``'s name): the forward reads the bf16
+        high half, the update runs on the exact fp32 master (``weight`` joined with ``trail``)."""
+        if self.weight.dtype == torch.float32:
+            top, trail = split(self.weight.detach())
+            self.weight = nn.Parameter(top)
+            self.trail = trail
+        return self
+
+    def master_weight(self) -> Tensor:
+        """The fp32 weights the updates work on (a new tensor)."""
+        weight = self.weight.detach()
+        if self.trail is not None:
+            return join(weight, self.trail)
+        return weight.float().clone()
+
+    def forward(self, indices: Sequence[Tensor], offsets: Optional[Sequence[Tensor]] = None,
+                per_sample_weights: Optional[Sequence[Optional[Tensor]]] = None) -> list[Tensor]:
+        """One ``(batch, dim)`` output per table; their backward updates the touched rows."""
+        inputs = self._inputs(indices, offsets, per_sample_weights)
+        return pool(self.weight, self.layout, inputs, None, self._update)
+
+    def _update(self, grads: list[Tensor], inputs: BagInputs) -> None:  # pragma: no cover - per class
+        raise NotImplementedError
+
+
+def _non_negative(name: str, value: float) -> float:
+    if not value >= 0.0:
+        raise ValueError(f"invalid {name}: {value} (must be >= 0)")
+    return float(value)
+
+
+class MergedEmbeddingBagWithSGD(_FusedUpdate):
+    """Merged tables trained by plain SGD fused into backward (``lr``, ``weight_decay``)."""
+
+    def __init__(self, embedding_specs: Sequence[EmbeddingSpec], lr: float = 0.01, weight_decay: float = 0.0) -> None:
+        super().__init__(embedding_specs)
+        self.lr = _non_negative("learning rate", lr)
+        self.weight_decay = _non_negative("weight_decay", weight_decay)
+
+    def _update(self, grads: list[Tensor], inputs: BagInputs) -> None:
+        update_rows(SGD, self.layout, inputs, grads, self.weight.data, self.trail, None, self.lr, self.weight_decay)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lr={self.lr}, weight_decay={self.weight_decay}"
+
+
+class MergedEmbeddingBagWithAdaGrad(_FusedUpdate):
+    """Merged tables trained by Adagrad fused into backward (``lr``, ``eps``); the squared-gradient
+    sums are the fp32 buffer ``state_sum`` (``torch.optim.Adagrad``'s ``state_sum``)."""
+
+    def __init__(self, embedding_specs: Sequence[EmbeddingSpec], lr: float = 0.01, eps: float = 1e-10) -> None:
+        super().__init__(embedding_specs)
+        self.lr = _non_negative("learning rate", lr)
+        self.eps = _non_negative("eps", eps)
+        self.register_buffer("state_sum", torch.zeros(self.layout.numel, dtype=torch.float32))
+
+    def _update(self, grads: list[Tensor], inputs: BagInputs) -> None:
+        update_rows(ADAGRAD, self.layout, inputs, grads, self.weight.data, self.trail, self.state_sum, self.lr,
+                    eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lr={self.lr}, eps={self.eps}"

@@ -1,0 +1,126 @@
+"""RoIAlign with torchvision's semantics, multi-threaded, any memory format, fp32 or bf16.
+
+    roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, aligned=False)
+
+``input`` is ``(N, C, H, W)``; ``boxes`` a ``Tensor[K, 5]`` of ``(batch index, x1, y1, x2, y2)`` or
+a list of ``Tensor[L, 4]``, one per image. Each box is scaled by ``spatial_scale``, split into
+``output_size`` bins, and each bin averages ``sampling_ratio``^2 bilinear samples (``-1`` or
+``0``: ``ceil(box size / bins)`` per axis, per box). ``aligned=True`` shifts boxes by half a pixel
+(Detectron2's alignment). The result is ``(K, C, out_h, out_w)`` in the input's dtype and
+memory format: channels-last in, channels-last out. bf16 input is read as bf16 and summed in
+fp32 (what the input of RoIAlign under ``torch.autocast`` usually is); other dtypes compute in
+fp32 and are cast back, as torchvision's autocast rule does.
+
+The compiled kernel splits the boxes across threads in the forward and the channels in the
+backward (no two threads add into one gradient element). Without it, a vectorized torch
+formulation (:mod:`xlaunch.nn.roi_torch`) gives the same results.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import Tensor, nn
+
+from xlaunch.nn import native
+from xlaunch.nn.roi_torch import roi_align_torch
+
+__all__ = ["roi_align", "RoIAlign", "boxes_to_rois"]
+
+Boxes = Union[Tensor, Sequence[Tensor]]
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def boxes_to_rois(boxes: Boxes) -> Tensor:
+    """``(K, 5)`` float32 rows ``(batch index, x1, y1, x2, y2)`` from either form of boxes."""
+    if isinstance(boxes, Tensor):
+        if boxes.dim() != 2 or boxes.shape[1] != 5:
+            raise ValueError(f"boxes as one tensor must be (K, 5), got {tuple(boxes.shape)}")
+        return boxes.detach().float().contiguous()
+    if not isinstance(boxes, (list, tuple)):
+        raise TypeError("boxes must be a (K, 5) tensor or a list of (L, 4) tensors, one per image")
+    rows = []
+    for image, per_image in enumerate(boxes):
+        if not isinstance(per_image, Tensor) or per_image.dim() != 2 or per_image.shape[1] != 4:
+            raise ValueError(f"boxes[{image}] must be an (L, 4) tensor")
+        index = torch.full((per_image.shape[0], 1), float(image))
+        rows.append(torch.cat([index, per_image.detach().float()], dim=1))
+    return torch.cat(rows).contiguous() if rows else torch.zeros(0, 5)
+
+
+def _pair(output_size: Union[int, Sequence[int]]) -> tuple[int, int]:
+    if isinstance(output_size, int):
+        return output_size, output_size
+    height, width = output_size
+    return int(height), int(width)
+
+
+def _channels_last(x: Tensor) -> bool:
+    return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _channels_inner(x: Tensor) -> Tensor:
+    """``x`` with contiguous channels (the kernel's layout): itself, or a channels-last copy."""
+    return x if x.shape[1] == 1 or x.stride(1) == 1 else x.contiguous(memory_format=torch.channels_last)
+
+
+class _RoIAlignFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input: Tensor, rois: Tensor, geometry: tuple) -> Tensor:
+        scale, height, width, sampling, aligned = geometry
+        memory_format = torch.channels_last if _channels_last(input) else torch.contiguous_format
+        out = torch.empty(rois.shape[0], input.shape[1], height, width, dtype=input.dtype, memory_format=memory_format)
+        native.ops().roi_align_forward(_channels_inner(input), rois, scale, height, width, sampling, aligned, out)
+        ctx.save_for_backward(rois)
+        ctx.geometry, ctx.input_shape, ctx.input_dtype, ctx.memory_format = geometry, input.shape, input.dtype, memory_format
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple:
+        (rois,) = ctx.saved_tensors
+        scale, height, width, sampling, aligned = ctx.geometry
+        grad_input = torch.zeros(ctx.input_shape, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
+        if grad.dtype not in KERNEL_DTYPES:
+            grad = grad.float()
+        native.ops().roi_align_backward(grad, rois, scale, height, width, sampling, aligned, grad_input)
+        return grad_input.to(dtype=ctx.input_dtype, memory_format=ctx.memory_format), None, None
+
+
+def roi_align(input: Tensor, boxes: Boxes, output_size: Union[int, Sequence[int]], spatial_scale: float = 1.0,
+              sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
+    """Pool each box of ``boxes`` from ``input`` into ``output_size`` bins (see the module doc)."""
+    if not isinstance(input, Tensor) or input.dim() != 4:
+        raise ValueError("roi_align: input must be an (N, C, H, W) tensor")
+    rois = boxes_to_rois(boxes)
+    height, width = _pair(output_size)
+    if height <= 0 or width <= 0:
+        raise ValueError(f"roi_align: output_size must be positive, got {(height, width)}")
+    geometry = (float(spatial_scale), height, width, int(sampling_ratio), bool(aligned))
+    ops = native.ops()
+    if ops is None or input.dtype == torch.float64:
+        return roi_align_torch(input, rois, *geometry)
+    if input.dtype not in KERNEL_DTYPES:
+        return _RoIAlignFunction.apply(input.float(), rois, geometry).to(input.dtype)
+    return _RoIAlignFunction.apply(input, rois, geometry)
+
+
+class RoIAlign(nn.Module):
+    """:func:`roi_align` as a module (torchvision's and ``ipex.nn``'s ``RoIAlign``)."""
+
+    def __init__(self, output_size: Union[int, Sequence[int]], spatial_scale: float = 1.0, sampling_ratio: int = -1,
+                 aligned: bool = False) -> None:
+        super().__init__()
+        self.output_size = output_size
+        self.spatial_scale = spatial_scale
+        self.sampling_ratio = sampling_ratio
+        self.aligned = aligned
+
+    def forward(self, input: Tensor, rois: Boxes) -> Tensor:
+        return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned)
+
+    def extra_repr(self) -> str:
+        return (f"output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
+                f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned}")

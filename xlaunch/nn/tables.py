@@ -1,0 +1,187 @@
+"""Where each table of a merged embedding bag lives, and the per-call inputs, checked once.
+
+Every table's rows live in one flat weight storage, table after table (table ``t`` starts at
+element ``weight_offsets[t]`` and is a ``(rows, dim)`` block); tables may differ in dim, pooling
+mode and ``include_last_offset``. The outputs of one call are one flat buffer too: as a list
+(table ``t``'s ``(batch, dim)`` block after the previous tables'), or as one ``(batch, width)``
+matrix with a dense feature first (``MergedEmbeddingBagWithCat``). The compiled kernels read a
+small int64 table (``meta``) describing both; the pure-torch paths read the same record.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from torch import Tensor
+
+MODES = {"sum": 0, "mean": 1, "max": 2}
+# Columns of the kernels' meta table (xlaunch/nn/csrc/bag_common.h, enum Col).
+WEIGHT_OFFSET, ROWS, DIM, MODE, OUT_OFFSET, OUT_STRIDE, ROW_BASE = range(7)
+
+
+class EmbeddingSpec(NamedTuple):
+    """One table, as ``ipex.nn.modules.merged_embeddingbag.EmbeddingSpec`` spells it."""
+
+    num_embeddings: int
+    embedding_dim: int
+    pooling_mode: str = "mean"
+    dtype: torch.dtype = torch.float32
+    weight: Optional[Tensor] = None
+    sparse: bool = False
+    include_last_offset: bool = False
+
+
+class TableLayout:
+    """The tables' places in the flat weight storage (fixed at construction)."""
+
+    def __init__(self, specs: Sequence[EmbeddingSpec]) -> None:
+        if not specs:
+            raise ValueError("a merged embedding bag needs at least one table")
+        self.rows: list[int] = []
+        self.dims: list[int] = []
+        self.modes: list[str] = []
+        self.include_last: list[bool] = []
+        self.weight_offsets: list[int] = []
+        self.row_bases: list[int] = []
+        numel = total_rows = 0
+        for number, spec in enumerate(specs):
+            rows, dim = int(spec.num_embeddings), int(spec.embedding_dim)
+            if rows < 0 or dim <= 0:
+                raise ValueError(f"table {number}: num_embeddings must be >= 0 and embedding_dim > 0, "
+                                 f"got ({rows}, {dim})")
+            if spec.pooling_mode not in MODES:
+                raise ValueError(f"table {number}: pooling_mode must be one of {', '.join(MODES)}, "
+                                 f"not {spec.pooling_mode!r}")
+            self.rows.append(rows)
+            self.dims.append(dim)
+            self.modes.append(spec.pooling_mode)
+            self.include_last.append(bool(spec.include_last_offset))
+            self.weight_offsets.append(numel)
+            self.row_bases.append(total_rows)
+            numel += rows * dim
+            total_rows += rows
+        self.numel, self.total_rows = numel, total_rows
+        self._meta: dict[tuple, Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def view(self, flat: Tensor, table: int) -> Tensor:
+        """Table ``table``'s ``(rows, dim)`` block of a flat storage (a view)."""
+        start = self.weight_offsets[table]
+        return flat[start:start + self.rows[table] * self.dims[table]].view(self.rows[table], self.dims[table])
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Maximal runs ``[first, stop)`` of consecutive tables with one dim and one pooling mode
+        (the pure-torch path pools each run with one ``F.embedding_bag``)."""
+        runs, first = [], 0
+        for table in range(1, len(self) + 1):
+            if table == len(self) or (self.dims[table], self.modes[table]) != (self.dims[first], self.modes[first]):
+                runs.append((first, table))
+                first = table
+        return runs
+
+    def list_places(self, batch: int) -> tuple[list[int], list[int], int]:
+        """(offsets, strides, numel) of the outputs as one flat buffer of per-table blocks."""
+        offsets, at = [], 0
+        for dim in self.dims:
+            offsets.append(at)
+            at += batch * dim
+        return offsets, list(self.dims), at
+
+    def cat_places(self, batch: int, dense_dim: int) -> tuple[list[int], list[int], int]:
+        """(offsets, strides, numel) of the outputs as columns of one ``(batch, width)`` matrix
+        whose first ``dense_dim`` columns hold the dense feature."""
+        width = dense_dim + sum(self.dims)
+        offsets, at = [], dense_dim
+        for dim in self.dims:
+            offsets.append(at)
+            at += dim
+        return offsets, [width] * len(self), batch * width
+
+    def meta(self, out_offsets: list[int], out_strides: list[int]) -> Tensor:
+        """The kernels' int64 ``(tables, 7)`` description for these output places (cached)."""
+        key = (tuple(out_offsets), tuple(out_strides))
+        found = self._meta.get(key)
+        if found is None:
+            found = torch.tensor([[self.weight_offsets[t], self.rows[t], self.dims[t], MODES[self.modes[t]],
+                                   out_offsets[t], out_strides[t], self.row_bases[t]] for t in range(len(self))],
+                                 dtype=torch.int64)
+            if len(self._meta) > 16:
+                self._meta.clear()
+            self._meta[key] = found
+        return found
+
+
+class BagInputs(NamedTuple):
+    """One call's inputs, normalized: contiguous 1-D indices and offsets of one integer dtype,
+    ``batch`` bags per table, per-sample weights (or None) in the weights' dtype."""
+
+    indices: list[Tensor]
+    offsets: list[Tensor]
+    per_sample_weights: list[Optional[Tensor]]
+    batch: int
+
+    def lookups(self, table: int) -> int:
+        """How many of table ``table``'s indices fall in a bag."""
+        offsets = self.offsets[table]
+        return int(offsets[self.batch]) if offsets.numel() > self.batch else self.indices[table].numel()
+
+
+def _as_list(value: object, name: str, count: int) -> list:
+    if isinstance(value, Tensor) and count == 1:
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {count} tensors (one per table), not {type(value).__name__}")
+    if len(value) != count:
+        raise ValueError(f"{name} has {len(value)} entries for {count} tables")
+    return list(value)
+
+
+def normalize(layout: TableLayout, indices: object, offsets: object, per_sample_weights: object,
+              weight_dtype: torch.dtype) -> BagInputs:
+    """Check and normalize one call's inputs (the forms ``nn.EmbeddingBag`` accepts, per table)."""
+    count = len(layout)
+    indices = _as_list(indices, "indices", count)
+    offsets = [None] * count if offsets is None else _as_list(offsets, "offsets", count)
+    weights = [None] * count if per_sample_weights is None else _as_list(per_sample_weights, "per_sample_weights", count)
+    wide = any(not isinstance(i, Tensor) or i.dtype != torch.int32 for i in indices)
+    dtype = torch.int64 if wide else torch.int32
+    out_indices, out_offsets, out_weights, batch = [], [], [], None
+    for t in range(count):
+        idx, off, psw = indices[t], offsets[t], weights[t]
+        if not isinstance(idx, Tensor) or idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices of table {t} must be an int32 or int64 tensor")
+        if idx.dim() == 2:
+            if off is not None:
+                raise ValueError(f"table {t}: offsets must be None when indices are 2-D (batch, bag size)")
+            bags, size = idx.shape
+            off = torch.arange(0, bags * size, size, dtype=dtype)
+            idx = idx.reshape(-1)
+            table_batch = bags
+        elif idx.dim() == 1:
+            if not isinstance(off, Tensor) or off.dim() != 1:
+                raise ValueError(f"table {t}: 1-D indices need 1-D offsets")
+            table_batch = off.numel() - (1 if layout.include_last[t] else 0)
+            if table_batch < 0:
+                raise ValueError(f"table {t}: include_last_offset needs at least one offset")
+        else:
+            raise ValueError(f"indices of table {t} must be 1-D (with offsets) or 2-D, not {idx.dim()}-D")
+        if batch is None:
+            batch = table_batch
+        elif table_batch != batch:
+            raise ValueError(f"every table needs the same number of bags: table 0 has {batch}, table {t} has {table_batch}")
+        if psw is not None:
+            if layout.modes[t] != "sum":
+                raise ValueError(f"table {t}: per_sample_weights need pooling_mode 'sum', not {layout.modes[t]!r}")
+            psw = psw.reshape(-1)
+            if psw.numel() != idx.numel():
+                raise ValueError(f"table {t}: per_sample_weights must have one weight per index")
+            psw = psw.to(weight_dtype).contiguous()
+        out_indices.append(idx.to(dtype).contiguous())
+        out_offsets.append(off.to(dtype).contiguous())
+        out_weights.append(psw)
+    return BagInputs(out_indices, out_offsets, out_weights, int(batch or 0))
