@@ -31,6 +31,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip_install --upgrade pip
   # The CPU build of torch 2.13.0 is pinned here, never a range (a range pulls a CUDA build).
   pip_install "torch==2.13.0"
+  # With torch in place, xlaunch.nn's kernels compile (about half a minute of g++) while pip
+  # installs the rest; `python -m` from here imports xlaunch from this source tree.
+  "$VENV/bin/python" -m xlaunch.nn.native >"$VENV/nn-build.log" 2>&1 &
+  nn_build=$!
+  trap 'kill "$nn_build" 2>/dev/null || true' EXIT   # a failed pip step leaves no compiler behind
+  echo "setup: compiling xlaunch.nn's kernels alongside (log: $VENV/nn-build.log)"
   pip_install intel-openmp
   # torchao (INT8 PT2E flow) is pure Python for the CPU path; --no-deps keeps it off torch's pin.
   pip_install --no-deps "torchao==0.18.0"
@@ -41,4 +47,12 @@ fi
 
 # xlaunch.nn's kernels: compiled once per source, torch, compiler and CPU into ~/.cache/xlaunch/nn
 # (nothing to do when that build exists); without a compiler the pure-torch paths are used.
-"$VENV/bin/python" -m xlaunch.nn.native || echo "setup: warning: xlaunch.nn kernels not built (pure-torch paths)" >&2
+# A build started above is waited for here.
+nn_status=0
+if [ -n "${nn_build:-}" ]; then
+  wait "$nn_build" || nn_status=$?
+  cat "$VENV/nn-build.log"
+else
+  "$VENV/bin/python" -m xlaunch.nn.native || nn_status=$?
+fi
+[ "$nn_status" = 0 ] || echo "setup: warning: xlaunch.nn kernels not built (pure-torch paths)" >&2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +19,13 @@ import pytest
 from machine_trees import MACHINE_NAMES, machine_tree
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A shell starts a background job (`make test &`) with SIGINT ignored, and an ignored SIGINT is
+# inherited: every xlaunch a test starts would then keep ignoring it (as it should: see
+# test_startup_signals.py), and the tests that send SIGINT would wait forever. Tests that want
+# SIGINT ignored set it themselves.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 VENV_PREFIX = Path(sys.prefix)
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -136,6 +136,8 @@ def test_choose_needs_the_margin() -> None:
     rounds["onnxruntime"] = [0.85] * 5
     assert policy.choose(rounds) == ("onnxruntime", "onnxruntime measured 1.06x torch")
     assert policy.choose({"eager": [1.0] * 3, "torch": [1.1] * 3})[0] == "eager"
+    assert policy.choose({"eager": [1.0] * 3, "torch": [0.98] * 3})[0] == "eager"   # within noise
+    assert policy.choose({"eager": [1.0] * 3, "torch": [0.98] * 3, "openvino": [0.96] * 3})[0] == "openvino"
 
 
 def test_missing_extra_skips_the_route_and_names_the_pip_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -182,8 +182,10 @@ def test_inplace_eval_rewrites_the_given_module_ipex_port() -> None:
             assert "bn.running_mean" not in given.state_dict()
         else:
             assert given.conv.weight is conv_weight and isinstance(given.bn, nn.BatchNorm2d)
+        # bf16 runs natively where the CPU has AVX512_BF16 or AMX (refused where it would be emulated)
+        rtol, atol = (1e-4, 1e-5) if dtype is torch.float32 else (3e-2, 8e-2)
         with torch.no_grad():
-            torch.testing.assert_close(given(*inputs), expected, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(given(*inputs).float(), expected, rtol=rtol, atol=atol)
 
 
 ONCE = textwrap.dedent('''

@@ -72,7 +72,8 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
 def test_console_on_a_full_device_keeps_the_job_and_the_logs(tmp_path: Path, job) -> None:
     program, pids = job
     with open("/dev/full", "wb") as full:
-        done = run(xlaunch_argv("--log-dir", str(tmp_path / "logs"), str(program), str(pids), "3", "200"),
+        # --keep-going: without it, instance 1's exit may stop instance 0 before it printed (seen under load)
+        done = run(xlaunch_argv("--keep-going", "--log-dir", str(tmp_path / "logs"), str(program), str(pids), "3", "200"),
                    stdout=full, stderr=subprocess.PIPE, text=True)
     assert done.returncode == 3, done.stderr                    # the program's status, not a traceback
     assert "Traceback" not in done.stderr
