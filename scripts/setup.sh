@@ -25,19 +25,19 @@ fi
 stamp="$VENV/.xlaunch-setup"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log="$VENV/setup.log"
-  echo "setup: installing torch==2.13.0, intel-openmp, torchao and xlaunch[dev,tune,onnxruntime,openvino] into $VENV (log: $log)"
+  echo "setup: installing torch==2.13.0, intel-openmp==2026.2.0, torchao and xlaunch[dev,tune,onnxruntime,openvino] into $VENV (log: $log)"
   pip_install() { "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
   : >"$log"
   pip_install --upgrade pip
   # The CPU build of torch 2.13.0 is pinned here, never a range (a range pulls a CUDA build).
-  pip_install "torch==2.13.0"
+  pip_install "torch==2.13.0" "numpy==2.4.6"   # numpy now: torch warns without it
   # With torch in place, xlaunch.nn's kernels compile (about half a minute of g++) while pip
   # installs the rest; `python -m` from here imports xlaunch from this source tree.
   "$VENV/bin/python" -m xlaunch.nn.native >"$VENV/nn-build.log" 2>&1 &
   nn_build=$!
   trap 'kill "$nn_build" 2>/dev/null || true' EXIT   # a failed pip step leaves no compiler behind
   echo "setup: compiling xlaunch.nn's kernels alongside (log: $VENV/nn-build.log)"
-  pip_install intel-openmp
+  pip_install "intel-openmp==2026.2.0"
   # torchao (INT8 PT2E flow) is pure Python for the CPU path; --no-deps keeps it off torch's pin.
   pip_install --no-deps "torchao==0.18.0"
   # The engines (pinned in pyproject.toml) install next to torch without moving it.

@@ -80,6 +80,21 @@ def script(tmp_path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """MODEL_SCRIPT's output without xlaunch (one plain run serves every comparison)."""
+    path = tmp_path_factory.mktemp("reference") / "model_script.py"
+    path.write_text(MODEL_SCRIPT)
+    return plain(path)
+
+
+def instance_payloads(result: subprocess.CompletedProcess) -> dict[str, dict]:
+    """The JSON line of each instance of a multi-instance run, by its ``[N]`` prefix."""
+    assert result.returncode == 0, result.stderr + result.stdout
+    rows = [line for line in result.stdout.splitlines() if line[:1] == "[" and '] {"' in line]
+    return {line.split("]", 1)[0] + "]": json.loads(line.split("] ", 1)[1]) for line in rows}
+
+
 # -- the launcher side: pure, no torch ----------------------------------------------------------
 
 def test_injection_env_prepends_our_site_dir_and_keeps_the_users_path() -> None:
@@ -125,19 +140,22 @@ def test_dry_run_shows_the_injection_without_importing_torch(script) -> None:
 
 # -- real launches --------------------------------------------------------------------------------
 
-def test_unmodified_script_is_optimized_and_gives_the_same_results(script) -> None:
+def test_unmodified_script_is_optimized_in_every_instance_and_gives_the_same_results(script, reference) -> None:
     before = digest(script)
-    reference = plain(script)
-    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script), freeze="jit")
-    got = payload(result)
+    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--ninstances", "2", "--ncores-per-instance", "1",
+                     str(script), freeze="jit")
+    rows = instance_payloads(result)
+    assert sorted(rows) == ["[0]", "[1]"], result.stdout
     text = result.stderr + result.stdout
-    assert "Sequential optimized: folded 1 BN, removed 1 dropout, channels_last on 1 conv" in text
-    assert "Sequential: frozen with jit for inputs [(2, 3, 16, 16)]" in text
-    assert close(got["out"], reference["out"])
-    assert close(got["changed"], reference["changed"])       # rebuilt after the in-place change
-    assert "weights changed since it was optimized" in result.stderr + result.stdout
-    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW" and got["is_adamw"]
-    assert got["module_types"] == reference["module_types"]   # the user's model object untouched
+    for index in ("[0]", "[1]"):
+        got = rows[index]
+        assert f"{index} " in text and "Sequential optimized: folded 1 BN, removed 1 dropout, channels_last on 1 conv" in text
+        assert close(got["out"], reference["out"])
+        assert close(got["changed"], reference["changed"])       # rebuilt after the in-place change
+        assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW" and got["is_adamw"]
+        assert got["module_types"] == reference["module_types"]   # the user's model object untouched
+    for line in ("Sequential: frozen with jit for inputs [(2, 3, 16, 16)]", "weights changed since it was optimized"):
+        assert {row[:3] for row in text.splitlines() if line in row} == {"[0]", "[1]"}, (line, text)
     assert digest(script) == before
 
 
@@ -146,14 +164,14 @@ def test_without_auto_optimize_nothing_is_injected(script) -> None:
     assert got["optimizer"] == "torch.optim.adamw.AdamW"
 
 
-def test_module_mode(tmp_path, script) -> None:
+def test_module_mode(tmp_path, reference) -> None:
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "run.py").write_text(MODEL_SCRIPT)
     got = payload(xlaunch("--auto-optimize", "-m", "pkg.run", env={"PYTHONPATH": str(tmp_path)}))
     assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
-    assert close(got["out"], plain(script)["out"])
+    assert close(got["out"], reference["out"])
 
 
 def test_existing_sitecustomize_still_runs_and_is_untouched(tmp_path, script) -> None:
@@ -169,14 +187,6 @@ def test_existing_sitecustomize_still_runs_and_is_untouched(tmp_path, script) ->
     assert got["site"] == "yes"
     assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
     assert (digest(custom), digest(probe)) == before
-
-
-def test_two_instances_are_both_injected(script) -> None:
-    result = xlaunch("--auto-optimize", "--ninstances", "2", "--ncores-per-instance", "1", str(script))
-    assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if '"optimizer"' in line]
-    assert sorted(line[:3] for line in lines) == ["[0]", "[1]"]
-    assert all("FusedAdamW" in line for line in lines)
 
 
 ENGINE_SCRIPT = """
@@ -213,41 +223,108 @@ def test_two_instances_build_the_engine_once(tmp_path) -> None:
     assert len(list((tmp_path / "cache" / "engines" / "v1").glob("*/model.onnx"))) == 1
 
 
-def test_a_model_the_library_cannot_handle_runs_unchanged_with_one_warning(tmp_path) -> None:
-    """optimize() raises for this model (a bad flag forced through the environment would be
-    artificial); here the model's own deepcopy refuses, which optimize needs."""
-    script = tmp_path / "odd.py"
-    script.write_text(
-        "import torch\nfrom torch import nn\n"
-        "class Odd(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__(); self.lin = nn.Linear(4, 2)\n"
-        "    def __deepcopy__(self, memo):\n"
-        "        raise RuntimeError('this model cannot be copied')\n"
-        "    def forward(self, x):\n"
-        "        return self.lin(x) * 2\n"
-        "torch.manual_seed(0); m = Odd().eval(); x = torch.ones(1, 4)\n"
-        "with torch.no_grad():\n"
-        "    outs = [m(x) for _ in range(3)]\n"
-        "print('ok', round(float(outs[-1].sum()), 5), round(float((m.lin(x) * 2).sum()), 5))\n")
-    result = xlaunch("--auto-optimize", str(script))
-    assert result.returncode == 0, result.stderr
-    warnings = [line for line in (result.stdout + result.stderr).splitlines() if "runs unoptimized" in line]
-    assert len(warnings) == 1 and "cannot be copied" in warnings[0]
+# Small scenarios share a launch (each launch imports torch twice: ~4 s of CPU): one script per
+# freeze mode runs every scenario in its own function, and each test reads its own lines.
+SCENARIOS = {
+    # optimize() raises for this model (a bad flag forced through the environment would be
+    # artificial); here the model's own deepcopy refuses, which optimize needs.
+    "odd": """
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__(); self.lin = nn.Linear(4, 2)
+    def __deepcopy__(self, memo):
+        raise RuntimeError('this model cannot be copied')
+    def forward(self, x):
+        return self.lin(x) * 2
+torch.manual_seed(0); m = Odd().eval(); x = torch.ones(1, 4)
+with torch.no_grad():
+    outs = [m(x) for _ in range(3)]
+print('ok', round(float(outs[-1].sum()), 5), round(float((m.lin(x) * 2).sum()), 5))
+""",
+    "grad": """
+m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+x = torch.randn(3, 4, requires_grad=True)
+y = m(x).sum(); y.backward()
+print('grad', x.grad is not None, type(m[1]).__name__)
+""",
+    # Tracing bakes in shape-dependent control flow (no TracerWarning for ``x.dim()``).
+    "shapes": """
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__(); self.lin = nn.Linear(4, 4)
+    def forward(self, x):
+        return self.lin(x) if x.dim() == 2 else self.lin(x).sum(0)
+m = Branchy().eval()
+with torch.no_grad():
+    a = m(torch.ones(2, 4))
+    b = m(torch.ones(3, 2, 4))
+    c = m(torch.ones(3, 2, 4))
+print('shapes', tuple(a.shape), tuple(b.shape), tuple(c.shape))
+""",
+    "values": """
+class Sign(nn.Module):
+    def __init__(self):
+        super().__init__(); self.lin = nn.Linear(4, 4)
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else -self.lin(x)
+torch.manual_seed(0); m = Sign().eval()
+with torch.no_grad():
+    got = [m(torch.ones(2, 4)), m(-torch.ones(2, 4))]
+    m.lin.weight.add_(0)
+with torch.no_grad():
+    want = [m.lin(torch.ones(2, 4)), -m.lin(-torch.ones(2, 4))]
+print('same', all(torch.equal(a, b) for a, b in zip(got, want)))
+""",
+    # A hook on the user's BatchNorm never fires: the calls run the folded copy (eager or frozen),
+    # also for more input signatures than are frozen, and with keyword arguments.
+    "hooks": """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__(); self.conv = nn.Conv2d(3, 4, 3); self.bn = nn.BatchNorm2d(4)
+    def forward(self, x, scale=1.0):
+        return self.bn(self.conv(x)) * scale
+m = Net().eval(); calls = []
+m.bn.register_forward_hook(lambda *a: calls.append(1))
+with torch.no_grad():
+    for size in range(6, 13):
+        m(torch.randn(1, 3, size, size))
+    m(torch.randn(1, 3, 8, 8), scale=2.0)
+print('bn calls', len(calls))
+""",
+}
+SCENARIOS_OF = {"none": ("odd", "grad", "hooks"), "jit": ("shapes", "values", "hooks")}
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """``scenarios(freeze)``: the one verbose ``--auto-optimize`` launch of that mode's scenarios."""
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def launch(freeze: str) -> subprocess.CompletedProcess:
+        if freeze not in done:
+            body = ["import torch", "from torch import nn"]
+            for name in SCENARIOS_OF[freeze]:
+                body.append(f"def scenario_{name}():" + SCENARIOS[name].replace("\n", "\n    "))
+                body.append(f"scenario_{name}()")
+            script = tmp_path_factory.mktemp(f"scenarios_{freeze}") / "scenarios.py"
+            script.write_text("\n".join(body) + "\n")
+            done[freeze] = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script), freeze=freeze)
+            assert done[freeze].returncode == 0, done[freeze].stderr + done[freeze].stdout
+        return done[freeze]
+    return launch
+
+
+def test_a_model_the_library_cannot_handle_runs_unchanged_with_one_warning(scenarios) -> None:
+    result = scenarios("none")
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if "runs unoptimized" in line
+                and "Odd" in line]
+    assert len(warnings) == 1 and "cannot be copied" in warnings[0], result.stdout + result.stderr
     ok = [line for line in result.stdout.splitlines() if " ok " in line or line.startswith("ok")][0].split()
     assert ok[-1] == ok[-2]
 
 
-def test_grad_enabled_eval_calls_run_unoptimized(tmp_path) -> None:
-    script = tmp_path / "grad.py"
-    script.write_text(
-        "import torch\nfrom torch import nn\n"
-        "m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()\n"
-        "x = torch.randn(3, 4, requires_grad=True)\n"
-        "y = m(x).sum(); y.backward()\n"
-        "print('grad', x.grad is not None, type(m[1]).__name__)\n")
-    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script))
-    assert result.returncode == 0, result.stderr
+def test_grad_enabled_eval_calls_run_unoptimized(scenarios) -> None:
+    result = scenarios("none")
     assert "grad True BatchNorm1d" in result.stdout
     assert "autograd on: runs unoptimized" in result.stdout + result.stderr
 
@@ -260,7 +337,7 @@ def test_script_without_torch_never_imports_it(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_bf16_follows_the_isa(script, dtype) -> None:
+def test_bf16_follows_the_isa(script, reference, dtype) -> None:
     """bf16 only where the CPU has AVX512_BF16/AMX; otherwise fp32 and a line saying why."""
     from xlaunch.machine import current_machine
 
@@ -271,77 +348,26 @@ def test_bf16_follows_the_isa(script, dtype) -> None:
     text = result.stdout + result.stderr
     if native:
         assert "bf16 (" in text
-        assert close(got["out"], plain(script)["out"], tol=5e-2)
+        assert close(got["out"], reference["out"], tol=5e-2)
     else:
         assert "bf16 not used" in text and "AVX512_BF16" in text
-        assert close(got["out"], plain(script)["out"])
+        assert close(got["out"], reference["out"])
 
 
-def test_a_traced_graph_only_serves_inputs_like_its_sample(tmp_path) -> None:
-    """Tracing bakes in shape-dependent control flow (no TracerWarning for ``x.dim()``): each
-    input signature gets its own graph, so every call gets the model's own answer."""
-    script = tmp_path / "shapes.py"
-    script.write_text(
-        "import torch\nfrom torch import nn\n"
-        "class Branchy(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__(); self.lin = nn.Linear(4, 4)\n"
-        "    def forward(self, x):\n"
-        "        return self.lin(x) if x.dim() == 2 else self.lin(x).sum(0)\n"
-        "m = Branchy().eval()\n"
-        "with torch.no_grad():\n"
-        "    a = m(torch.ones(2, 4))\n"
-        "    b = m(torch.ones(3, 2, 4))\n"
-        "    c = m(torch.ones(3, 2, 4))\n"
-        "print('shapes', tuple(a.shape), tuple(b.shape), tuple(c.shape))\n")
-    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script), freeze="jit")
-    assert result.returncode == 0, result.stderr
+def test_a_traced_graph_only_serves_inputs_like_its_sample(scenarios) -> None:
+    """Each input signature gets its own graph, so every call gets the model's own answer."""
+    result = scenarios("jit")
     assert "shapes (2, 4) (2, 4) (2, 4)" in result.stdout
-    text = result.stderr + result.stdout
-    assert "frozen with jit for inputs [(2, 4)]" in text and "frozen with jit for inputs [(3, 2, 4)]" in text
+    frozen = [line for line in (result.stderr + result.stdout).splitlines() if "Branchy: frozen with jit" in line]
+    assert any("inputs [(2, 4)]" in line for line in frozen) and any("inputs [(3, 2, 4)]" in line for line in frozen), frozen
 
 
-def test_value_dependent_control_flow_is_never_frozen(tmp_path) -> None:
-    script = tmp_path / "values.py"
-    script.write_text(
-        "import torch\nfrom torch import nn\n"
-        "class Sign(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__(); self.lin = nn.Linear(4, 4)\n"
-        "    def forward(self, x):\n"
-        "        return self.lin(x) if x.sum() > 0 else -self.lin(x)\n"
-        "torch.manual_seed(0); m = Sign().eval()\n"
-        "with torch.no_grad():\n"
-        "    got = [m(torch.ones(2, 4)), m(-torch.ones(2, 4))]\n"
-        "    m.lin.weight.add_(0)\n"
-        "with torch.no_grad():\n"
-        "    want = [m.lin(torch.ones(2, 4)), -m.lin(-torch.ones(2, 4))]\n"
-        "print('same', all(torch.equal(a, b) for a, b in zip(got, want)))\n")
-    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script), freeze="jit")
-    assert result.returncode == 0, result.stderr
+def test_value_dependent_control_flow_is_never_frozen(scenarios) -> None:
+    result = scenarios("jit")
     assert "same True" in result.stdout
     assert "UnsafeTrace" in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("freeze", ["none", "jit"])
-def test_calls_go_to_the_optimized_copy_not_the_users_modules(tmp_path, freeze) -> None:
-    """A hook on the user's BatchNorm never fires: the calls run the folded copy (eager or
-    frozen), also for more input signatures than are frozen, and with keyword arguments."""
-    script = tmp_path / "hooks.py"
-    script.write_text(
-        "import torch\nfrom torch import nn\n"
-        "class Net(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__(); self.conv = nn.Conv2d(3, 4, 3); self.bn = nn.BatchNorm2d(4)\n"
-        "    def forward(self, x, scale=1.0):\n"
-        "        return self.bn(self.conv(x)) * scale\n"
-        "m = Net().eval(); calls = []\n"
-        "m.bn.register_forward_hook(lambda *a: calls.append(1))\n"
-        "with torch.no_grad():\n"
-        "    for size in range(6, 13):\n"
-        "        m(torch.randn(1, 3, size, size))\n"
-        "    m(torch.randn(1, 3, 8, 8), scale=2.0)\n"
-        "print('bn calls', len(calls))\n")
-    result = xlaunch("--auto-optimize", str(script), freeze=freeze)
-    assert result.returncode == 0, result.stderr
-    assert "bn calls 0" in result.stdout
+def test_calls_go_to_the_optimized_copy_not_the_users_modules(scenarios, freeze) -> None:
+    assert "bn calls 0" in scenarios(freeze).stdout
