@@ -351,10 +351,15 @@ def test_slower_rewrite_is_undone(monkeypatch: pytest.MonkeyPatch, image: torch.
 
     monkeypatch.setattr(layout, "to_channels_last", slow_layout)
     model = trained_net(0)
-    with pytest.warns(OptimizeWarning, match=r"kept the model as given \(rewrites undone\)"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         optimized = optimize(model, sample_input=image)
     report = optimized._xlaunch_optimize_report
-    assert report.kept == "given" and report.folded == [] and report.frozen_with is None
+    # (seen once in CI, not reproduced: no warning; the report says what was kept and the timings)
+    assert report.kept == "given", (report.kept, report.timings_ms, report.channels_last_convs)
+    kept = [str(w.message) for w in caught if issubclass(w.category, OptimizeWarning) and "kept" in str(w.message)]
+    assert len(kept) == 1 and "kept the model as given (rewrites undone)" in kept[0], kept
+    assert report.folded == [] and report.frozen_with is None
     assert isinstance(optimized.bn, nn.BatchNorm2d) and optimized.conv.weight.is_contiguous()
     assert close(run(model, image), run(optimized, image))
 

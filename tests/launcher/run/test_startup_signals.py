@@ -69,7 +69,7 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 def traceback_in_xlaunch(err: str) -> bool:
     """A traceback with a frame in xlaunch's code. (A Ctrl-C that lands while the interpreter
     itself starts, in ``site``, before any xlaunch code runs, is Python's to report.)"""
-    return "Traceback" in err and "/xlaunch/" in err
+    return "Traceback" in err and f"{REPO / 'xlaunch'}{os.sep}" in err
 
 
 def cleanup(pids: list[int]) -> None:
@@ -125,6 +125,29 @@ def test_signal_between_spawns_starts_nothing_more_and_stops_the_started(tmp_pat
 
 # ------------------------------------------------------------------ random moments, real CLI
 
+def finish_or_resend(proc: subprocess.Popen, number: int, trial: int) -> str:
+    """stderr of ``proc`` once it ended after ``number``; a hang fails the test.
+
+    One window is the interpreter's, not xlaunch's: Python 3.11 turns a KeyboardInterrupt raised
+    while site.py imports an editable install's finder (pathlib -> ipaddress, in a __set_name__)
+    into a RuntimeError that site.py reports as "Error processing line 1 of ...pth" and ignores,
+    so the SIGINT is lost before xlaunch's code runs (CPython 3.12 no longer wraps it). Then the
+    signal is sent again, as a user would press Ctrl-C again."""
+    try:
+        return proc.communicate(timeout=3)[1]
+    except subprocess.TimeoutExpired as early:
+        partial = early.stderr.decode(errors="replace") if isinstance(early.stderr, bytes) else early.stderr or ""
+    if "Error processing line" in partial and "KeyboardInterrupt" in partial:
+        proc.send_signal(number)
+    try:
+        return proc.communicate(timeout=17)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"trial {trial}: xlaunch hung after {signal.Signals(number).name}")
+    raise AssertionError("unreachable")
+
+
 def test_signals_at_random_moments_of_startup_never_hang(tmp_path) -> None:
     rng = random.Random(1234)
     program = tmp_path / "prog.py"
@@ -139,11 +162,7 @@ def test_signals_at_random_moments_of_startup_never_hang(tmp_path) -> None:
                                 preexec_fn=default_signals)
         time.sleep(rng.uniform(0.0, 0.4))
         proc.send_signal(number)
-        try:
-            _out, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"trial {trial}: xlaunch hung after {signal.Signals(number).name}")
+        err = finish_or_resend(proc, number, trial)
         pids = recorded(record)
         leftovers += wait_gone(pids, 1.0)
         cleanup(pids)
