@@ -14,7 +14,7 @@ demo: setup
 test: setup
 	.venv/bin/lint-imports --no-cache
 	$(PY) -m compileall -q xlaunch tests examples >/dev/null
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=12 tests
 
 bench: setup
 	$(PY) bench/launch.py
