@@ -152,10 +152,18 @@ def test_static_mode_quantizes_every_linear(static_mlp: tuple) -> None:
     assert quantized.report.routes[policy.FP32_EAGER].ms > 0 and quantized.report.routes["static"].ms > 0
 
 
-def test_weight_only_reports_what_stays_fp32() -> None:
+@pytest.fixture(scope="module")
+def weight_only_encoder() -> tuple:
+    """The encoder quantized weight-only, with the warnings that call gave (compiled once)."""
     model, example, calibration = make("encoder")
-    with pytest.warns(QuantizeWarning, match="stay fp32") as caught:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         quantized = quantize(model, example, mode="weight_only")
+    return model, example, quantized, [w for w in caught if issubclass(w.category, QuantizeWarning)]
+
+
+def test_weight_only_reports_what_stays_fp32(weight_only_encoder: tuple) -> None:
+    _, _, quantized, caught = weight_only_encoder
     assert len([w for w in caught if "stay fp32" in str(w.message)]) == 1
     assert [w.filename for w in caught if "stay fp32" in str(w.message)] == [__file__]
     report = quantized.report
@@ -184,13 +192,11 @@ print("loaded", len(json.loads(sys.argv[1])))
 """
 
 
-def test_save_then_load_in_a_fresh_process(tmp_path, static_mlp: tuple, auto_results: dict) -> None:
+def test_save_then_load_in_a_fresh_process(tmp_path, static_mlp: tuple, weight_only_encoder: tuple,
+                                           auto_results: dict) -> None:
     cases = []
     model, example, _, quantized = static_mlp
-    enc_model, enc_x, _ = make("encoder")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", QuantizeWarning)
-        weight_only = quantize(enc_model, enc_x, mode="weight_only")
+    _, enc_x, weight_only, _ = weight_only_encoder
     for label, (q, x) in {"static": (quantized, example), "weight_only": (weight_only, enc_x),
                           "auto_cnn": (auto_results["cnn"][3], auto_results["cnn"][1])}.items():
         path, io_path = tmp_path / f"{label}.pt2", tmp_path / f"{label}.io"
