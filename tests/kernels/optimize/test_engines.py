@@ -317,3 +317,32 @@ def test_an_export_that_fails_skips_the_route_never_the_call(engine_run: dict) -
         assert "the trace depends on input values" in got[route], got[route]
     assert got["correct"]
     assert got["warnings"] == []
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_inductor_past_dynamos_recompile_limit_runs_eager_not_into_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that builds many models reaches dynamo's recompile_limit; dynamo then runs the
+    compiled module's own forward eagerly. That module must not be the user's (whose forward is
+    the engine's): bench/engines.py's third model failed with RecursionError on every call."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    x = torch.randn(8, 16)
+    models = [Small().eval() for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = [optimize(m, sample_input=x, backend="inductor", cache=False, progress=False) for m in models]
+        with torch.no_grad():
+            for _ in range(2):
+                for model, fast in zip(models, built):
+                    assert torch.allclose(fast(x), model(x), atol=1e-5)
+    assert [b.report.backend for b in built] == ["inductor", "inductor"]
+    assert not [str(w.message) for w in caught if "failed on inputs" in str(w.message)]

@@ -15,6 +15,7 @@ on-disk caches warm.
 """
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 from typing import Any, Sequence
@@ -89,6 +90,10 @@ class InductorRoute(Route):
     name = "inductor"
 
     def build(self, model: nn.Module, sample: Sample, context: Context) -> Built:
-        runner = FrozenDynamicBatch(model)
+        # A shallow copy (same parameters and submodules): ``model`` gets an EngineForward that
+        # calls this runner, and a module whose compiled frame dynamo gives up on (its
+        # recompile_limit, reached by a process building many models) runs that module's own
+        # forward eagerly; on ``model`` itself that would call the runner again, without end.
+        runner = FrozenDynamicBatch(copy.copy(model))
         runner(*sample.args)   # compiles now (tens of seconds for a large model)
         return Built(runner)
