@@ -278,3 +278,38 @@ def test_sigint_ignored_at_start_stays_ignored_for_xlaunch_and_its_instances(tmp
     _out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert "received SIGINT" not in err
+
+
+SWALLOWED = """\
+import os, signal, sys
+from xlaunch.launcher import main, record_early_sigint
+record_early_sigint()
+
+class Dropped:
+    def __del__(self):   # Python prints "Exception ignored in: ..." and drops the KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+
+Dropped()
+print("still running", flush=True)
+sys.argv = ["xlaunch", "--ninstances", "1", "--ncores-per-instance", "1", sys.argv[1], sys.argv[2]]
+main()
+"""
+
+
+def test_a_ctrl_c_python_dropped_during_startup_still_starts_nothing(tmp_path) -> None:
+    """A KeyboardInterrupt raised inside a ``__del__`` or weakref callback (importlib's module-lock
+    callback, seen in CI) is dropped by Python; the recorded SIGINT still stops the launch."""
+    record = tmp_path / "pids"
+    program = tmp_path / "prog.py"
+    program.write_text(RECORDER)
+    script = tmp_path / "dropped.py"
+    script.write_text(SWALLOWED)
+    done = subprocess.run([sys.executable, str(script), str(program), str(record)], cwd=REPO,
+                          capture_output=True, text=True, timeout=30, preexec_fn=default_signals)
+    assert "still running" in done.stdout                       # the interrupt really was dropped
+    assert "Exception ignored" in done.stderr and "KeyboardInterrupt" in done.stderr
+    assert done.returncode == 130, done.stderr
+    assert recorded(record) == []                               # no instance started
+    assert "not started (SIGINT received)" in done.stderr, done.stderr

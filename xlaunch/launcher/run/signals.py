@@ -47,7 +47,14 @@ class SignalInbox:
                 # was before this point and is for the instances, which inherit the ignore
                 log(f"{signal_name(number)} is ignored (inherited): not forwarded")
                 continue
-            self.saved_handlers[number] = signal.signal(number, self._on_signal)
+            previous = signal.signal(number, self._on_signal)
+            self.saved_handlers[number] = previous
+            # a Ctrl-C whose KeyboardInterrupt Python dropped during start-up (xlaunch.launcher's
+            # record_early_sigint): acted on now, before any instance starts
+            early = getattr(previous, "xlaunch_received", None)
+            if early:
+                self.pending.extend(early)
+                early.clear()
         self.saved_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, _wake_only)
 
     def restore(self) -> None:
