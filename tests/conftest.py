@@ -27,12 +27,6 @@ REPO = Path(__file__).resolve().parent.parent
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# Inductor compiles in a pool of worker processes (one per CPU, each importing torch) in every
-# process that compiles: with two test workers already using both CPUs the pool only adds torch
-# imports (measured: about 40 CPU-s less for the whole suite with one compile thread). Tests and
-# the processes they start compile in-process unless told otherwise.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
 # The files that take longest (cold inductor caches, many processes) go first, so the two
 # workers (--dist loadfile) do not end with one of them running a long file alone.
 SLOW_FIRST = (
