@@ -30,8 +30,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # The files that take longest (cold inductor caches, many processes) go first, so the two
 # workers (--dist loadfile) do not end with one of them running a long file alone.
 SLOW_FIRST = (
-    "kernels/quantize/test_quantize.py", "runtime_ext/test_runtime_exit.py", "runtime_ext/test_runtime_iomp.py",
-    "kernels/inject/test_inject.py", "launcher/distributed/test_distributed.py", "tune/test_tune_live.py",
+    "kernels/quantize/test_quantize.py", "kernels/quantize/test_quantize_encoder.py",
+    "runtime_ext/test_runtime_exit.py", "runtime_ext/test_runtime_iomp.py", "kernels/inject/test_inject.py", "launcher/distributed/test_distributed.py", "tune/test_tune_live.py",
     "kernels/optimize/test_engines.py", "kernels/optimize/test_optimize_ipex.py",
 )
 

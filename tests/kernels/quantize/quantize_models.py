@@ -1,0 +1,141 @@
+"""The models the quantize tests share (a CNN, an MLP, a transformer encoder) and the one
+``auto`` quantization per model that the route tests read."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import torch
+from torch import nn
+
+from xlaunch.kernels.quantize import policy
+from xlaunch.kernels.quantize.api import QuantizeWarning, quantize
+
+# Bounds: max |int8 - fp32| / max |fp32| over the calibration inputs, and argmax agreement.
+# Measured here (AVX2, reduce_range): static/dynamic 0.005-0.03, weight-only 0.005-0.01.
+MAX_ERROR = {"static": 0.08, "dynamic": 0.08, "weight_only": 0.03}
+MIN_AGREEMENT = 0.9
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(1))
+
+
+SHAPES = {"cnn": (8, 3, 16, 16), "mlp": (32, 64), "encoder": (8, 16, 64)}
+MODELS = {"cnn": CNN, "mlp": MLP, "encoder": Encoder}
+
+
+def make(name: str) -> tuple[nn.Module, torch.Tensor, list[tuple]]:
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    gen = torch.Generator().manual_seed(1)
+    example = torch.randn(SHAPES[name], generator=gen)
+    calibration = [(torch.randn(SHAPES[name], generator=gen),) for _ in range(4)]
+    return model, example, calibration
+
+
+
+
+def auto_quantized(names: list[str]) -> dict:
+    """One auto quantization per named model: builds every INT8 route and times them with fp32."""
+    results = {}
+    for name in names:
+        model, example, calibration = make(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", QuantizeWarning)
+            results[name] = (model, example, calibration, quantize(model, (example,), calibration=calibration))
+    return results
+
+
+def check_route(result, route: str) -> None:
+    assert result.skipped is None, result.skipped
+    assert result.rel_error is not None and result.rel_error <= MAX_ERROR[route], result
+    assert result.argmax_agreement is not None and result.argmax_agreement >= MIN_AGREEMENT, result
+    assert result.ms is not None and result.ms > 0
+
+
+def check_auto(model, example, _calibration, quantized) -> None:
+    report = quantized.report
+    times = {k: v.ms for k, v in report.routes.items() if v.ms is not None}
+    best_fp32 = min(times[policy.FP32_EAGER], times.get(policy.FP32_OPTIMIZE, float("inf")))
+    if quantized.mode == "fp32":   # the faster of fp32 eager and optimize(), nothing labelled int8
+        assert report.quantized == [] and report.rel_error is None
+    else:
+        assert times[quantized.mode] * policy.DEFAULT_SPEEDUP_MARGIN <= best_fp32
+        assert report.quantized and report.rel_error <= policy.DEFAULT_MAX_ERROR
+    # The returned model is the variant that was measured: INT8 ops in its program exactly when
+    # an INT8 route was picked. (A fresh timing here would only re-measure the machine's noise.)
+    targets = {str(n.target) for n in quantized.program.graph.nodes if n.op == "call_function"}
+    has_int8 = any("quantize_per" in t or "access_subclass_inner_tensor" in t for t in targets)
+    assert has_int8 == (quantized.mode != "fp32"), (quantized.mode, sorted(targets))
+    with torch.no_grad():
+        ref, out = model(example), quantized(example)
+    assert (ref - out).abs().max() <= policy.DEFAULT_MAX_ERROR * ref.abs().max()
+
+
+LOAD_SCRIPT = r"""
+import json, sys, torch
+from torch._dynamo.utils import counters
+from xlaunch.kernels import load_quantized
+for path, io_path in json.loads(sys.argv[1]):
+    x, expected, mode = torch.load(io_path)
+    model = load_quantized(path)
+    assert model.mode == mode, (model.mode, mode)
+    out = model(x)
+    error = (out - expected).abs().max().item() / expected.abs().max().item()
+    assert error < 1e-4, (path, error)
+    graphs = counters["stats"]["unique_graphs"]
+    for batch in (1, 3, 16):   # one compile serves every batch size (no recompile per new batch)
+        rows = x.repeat(16, *[1] * (x.dim() - 1))[:batch]
+        assert model(rows).shape[0] == batch
+    assert counters["stats"]["unique_graphs"] == graphs, (path, graphs, counters["stats"]["unique_graphs"])
+print("loaded", len(json.loads(sys.argv[1])))
+"""
+
+
+def save_then_load(tmp_path, variants: dict) -> None:
+    """Save each (quantized, input), load it in a fresh process: same outputs, one compile for
+    every batch size, nothing printed."""
+    cases = []
+    for label, (q, x) in variants.items():
+        path, io_path = tmp_path / f"{label}.pt2", tmp_path / f"{label}.io"
+        q.save(str(path))
+        with torch.no_grad():
+            torch.save((x, q(x), q.mode), io_path)
+        cases.append((str(path), str(io_path)))
+    # The child cannot import this test module: the models' classes are not available there.
+    proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, json.dumps(cases)], capture_output=True,
+                          text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == f"loaded {len(cases)}"
+    assert proc.stderr == ""   # loading and compiling print nothing (torchao's CUDA-library notices are muted)

@@ -1,0 +1,63 @@
+"""quantize() on a transformer encoder: every INT8 route, auto, weight-only (attention stays
+fp32), save and load in a fresh process. Apart from test_quantize.py so that another test worker
+compiles these graphs while that file compiles the CNN's and the MLP's."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from xlaunch.kernels.quantize import routes as quantize_routes  # noqa: E402
+
+try:
+    quantize_routes.import_torchao()
+except ImportError:
+    pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+
+from quantize_models import MAX_ERROR, auto_quantized, check_auto, check_route, make, save_then_load  # noqa: E402
+
+from xlaunch.kernels.quantize import policy  # noqa: E402
+from xlaunch.kernels.quantize.api import QuantizeWarning, quantize  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(scope="module")
+def auto_encoder() -> tuple:
+    return auto_quantized(["encoder"])["encoder"]
+
+
+@pytest.mark.parametrize("route", policy.INT8_ROUTES)
+def test_each_route_keeps_accuracy_on_the_encoder(auto_encoder: tuple, route: str) -> None:
+    check_route(auto_encoder[3].report.routes[route], route)
+
+
+def test_auto_on_the_encoder_is_never_slower_than_fp32_eager(auto_encoder: tuple) -> None:
+    check_auto(*auto_encoder)
+
+
+@pytest.fixture(scope="module")
+def weight_only_encoder() -> tuple:
+    """The encoder quantized weight-only, with the warnings that call gave (compiled once)."""
+    model, example, calibration = make("encoder")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantized = quantize(model, example, mode="weight_only")
+    return model, example, quantized, [w for w in caught if issubclass(w.category, QuantizeWarning)]
+
+
+def test_weight_only_reports_what_stays_fp32(weight_only_encoder: tuple) -> None:
+    _, _, quantized, caught = weight_only_encoder
+    assert len([w for w in caught if "stay fp32" in str(w.message)]) == 1
+    assert [w.filename for w in caught if "stay fp32" in str(w.message)] == [__file__]
+    report = quantized.report
+    assert report.quantized == ["encoder.layers.0.linear1", "encoder.layers.0.linear2", "head"]
+    assert "MultiheadAttention" in report.kept_fp32["encoder.layers.0.self_attn"]
+    assert report.rel_error <= MAX_ERROR["weight_only"]
+
+
+def test_weight_only_encoder_saved_then_loaded_in_a_fresh_process(tmp_path, weight_only_encoder: tuple) -> None:
+    _, enc_x, weight_only, _ = weight_only_encoder
+    save_then_load(tmp_path, {"weight_only": (weight_only, enc_x)})
