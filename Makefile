@@ -11,10 +11,11 @@ demo: setup
 
 # lint-imports: the layers (pyproject.toml). compileall: the bytecode every test subprocess would
 # otherwise compile again (PYTHONDONTWRITEBYTECODE is common on CI). Two workers, one file each.
+# --no-loadscope-reorder: files in the order tests/conftest.py gives (slowest first), not by test count.
 test: setup
 	.venv/bin/lint-imports --no-cache
 	$(PY) -m compileall -q xlaunch tests examples >/dev/null
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=12 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=12 tests
 
 bench: setup
 	$(PY) bench/launch.py

@@ -27,11 +27,16 @@ REPO = Path(__file__).resolve().parent.parent
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+VENV_PREFIX = Path(sys.prefix)
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
 # The files that take longest (cold inductor caches, many processes) go first, so the two
-# workers (--dist loadfile) do not end with one of them running a long file alone.
+# workers (--dist loadfile) do not end with one of them running a long file alone. make test
+# passes --no-loadscope-reorder: by default xdist orders files by their number of tests instead.
 SLOW_FIRST = (
     "kernels/quantize/test_quantize.py", "kernels/quantize/test_quantize_encoder.py",
-    "runtime_ext/test_runtime_exit.py", "runtime_ext/test_runtime_iomp.py", "kernels/inject/test_inject.py", "launcher/distributed/test_distributed.py", "tune/test_tune_live.py",
+    "runtime_ext/test_runtime_exit.py", "runtime_ext/test_runtime_iomp.py", "kernels/inject/test_inject.py",
+    "launcher/distributed/test_distributed.py", "tune/test_tune_live.py",
     "kernels/optimize/test_engines.py", "kernels/optimize/test_optimize_ipex.py",
 )
 
@@ -41,8 +46,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
         return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
     items.sort(key=rank)   # stable: the order within a file and among the others is kept
-VENV_PREFIX = Path(sys.prefix)
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def require(what: str, found: str | None) -> str:
