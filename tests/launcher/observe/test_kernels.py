@@ -1,17 +1,28 @@
 """--kernel-report without a live program: recorded oneDNN verbose logs parsed into summaries,
 the line layouts of earlier oneDNN versions, the stream filter, and the plan's environment.
 
-The logs in ``onednn_logs/`` (``ONEDNN_VERBOSE=profile_create``, oneDNN 3.12 as torch 2.13 ships it):
+The logs in ``onednn_logs/`` (``ONEDNN_VERBOSE=profile_create`` unless said, oneDNN 3.12 as torch
+2.13 ships it):
 
-* ``avx2_eager_f32.log``: recorded on this AVX2 machine, ``examples/infer.py --batch-size 2
-  --iterations 2 --warmup 1 --image-size 32`` (7 convolutions, 3 forward calls).
-* ``amx_autocast_bf16.log``, ``amx_eager_f32.log``: the same model on a Sapphire Rapids machine
-  under bf16 autocast (with ``ONEDNN_VERBOSE_TIMESTAMP=1``), and in f32;
+* ``avx2_eager_f32.log``: recorded on the project's earlier AVX2 VM, ``examples/infer.py
+  --batch-size 2 --iterations 2 --warmup 1 --image-size 32`` (7 convolutions, 3 forward calls).
+* ``avx512_*.log``: recorded on the AMD EPYC Zen 4 VM (AVX-512 with VNNI and BF16, no AMX), torch
+  2.13, a 2-conv + linear model, batch 2, 16x16 images: ``avx512_bf16_autocast.log`` (2 calls under
+  bf16 autocast); ``avx512_user_verbose_1.log`` (2 f32 calls with the user's own
+  ``ONEDNN_VERBOSE=1``: execution lines only); ``avx512_torch_and_openvino.log`` (eager calls,
+  then ``openvino.convert_model`` + ``compile_model`` and 2 OpenVINO calls, then 1 eager call:
+  torch's oneDNN v3.12.0 and OpenVINO's v3.13.0 in one log); ``avx512_optimize_build.log`` (2
+  eager calls, ``xlaunch.optimize(backend=["torch"])`` with ``XLAUNCH_KERNEL_MARKS=1``, 3 calls of
+  the result; between the build marks only the first 120 lines after each mark are kept: the cut
+  15,513 lines were more of the same timing rounds).
+* ``amx_autocast_bf16.log``, ``amx_eager_f32.log``: the infer.py model on a Sapphire Rapids
+  machine under bf16 autocast (with ``ONEDNN_VERBOSE_TIMESTAMP=1``), and in f32;
 * ``avx512_vnni_int8_small_cache.log``: an int8 model (weights prepacked once) on an AVX-512 VNNI
   machine with ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=4``, so every call builds its convolutions again.
 
-The last three are written from oneDNN's documented line format (header, ISA sentences,
-implementation names and tensor descriptors as 3.x prints them on those ISAs).
+The last three are written from oneDNN's line format as 3.x prints it on those ISAs (header, ISA
+sentences, implementation names such as ``brg_conv_fwd:avx10_1_512_amx``, which the project's AMX
+machine printed, and tensor descriptors).
 """
 from __future__ import annotations
 
@@ -23,7 +34,8 @@ from synthetic_machines import synthetic_machine
 
 from xlaunch.launcher.errors import OptionError
 from xlaunch.launcher.observe.kernel_filter import MAX_VERBOSE_LINE, VerboseFilter
-from xlaunch.launcher.observe.kernel_report import kernel_cell, kernel_line, kernel_warnings, short_isa
+from xlaunch.launcher.observe.kernel_report import (RELAYOUT_ADVICE, RELAYOUT_UNDER_AUTO, kernel_cell, kernel_line,
+                                                    kernel_warnings, short_isa)
 from xlaunch.launcher.observe.kernels import KernelTally, isa_of, parse_line
 from xlaunch.launcher.plan.options import build_options
 from xlaunch.launcher.plan.planner import plan
@@ -56,7 +68,9 @@ def test_avx2_eager_cnn_recorded_here() -> None:
     assert kernel_line(data) == ("oneDNN v3.12.0, AVX2; convolution: jit:avx2 21 (f32); reorders 60, of weights 21 "
                                  "(1.00 per call); re-created 0")
     assert kernel_warnings(data) == [
-        "weights re-laid-out on every call (convolution: 21 weight reorders in 21 calls): try xlaunch.optimize"]
+        "weights re-laid-out on every call (convolution: 21 weight reorders in 21 calls): a route that lays weights "
+        "out once removes this (--auto-optimize --kernel-report shows whether the route xlaunch.optimize keeps does, "
+        "here)"]
     assert kernel_cell(data) == "AVX2, conv avx2 f32, w 1.0/call"
 
 
@@ -69,7 +83,7 @@ def test_amx_bf16_autocast_uses_amx_but_relays_weights() -> None:
     assert "weight_reorders" not in data["primitives"]["matmul"]   # matmul packs its weights inside
     warnings = kernel_warnings(data, requested_dtype="bfloat16")     # the program ran under --auto-optimize
     assert warnings == ["weights re-laid-out on every call (convolution: 21 weight reorders in 21 calls): "
-                        "even under --auto-optimize (what ran was not prepacked)"]
+                        "under --auto-optimize: the route it kept does not lay them out once here"]
     assert kernel_line(data).startswith("oneDNN v3.12.0, AMX; convolution: brg_conv_fwd:avx10_1_512_amx 21 (bf16); "
                                         "matmul: brg_matmul:avx10_1_512_amx 3 (bf16)")
 
@@ -100,6 +114,89 @@ def test_avx512_int8_with_a_small_primitive_cache() -> None:
         "16 oneDNN primitives built again after their first use (dropped from the primitive cache: raise "
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY)"]
     assert "(s8/u8)" in kernel_line(data)
+
+
+def test_isa_names_from_the_three_machines() -> None:
+    assert [short_isa(tally_of(name)["isa"]) for name in
+            ("avx2_eager_f32.log", "avx512_bf16_autocast.log", "amx_autocast_bf16.log")] == \
+        ["AVX2", "AVX-512 VNNI BF16", "AMX"]
+
+
+def test_avx512_bf16_recorded_on_zen4() -> None:
+    data = tally_of("avx512_bf16_autocast.log")
+    assert data["isa"] == "Intel AVX-512 with Intel DL Boost and bfloat16 support"
+    conv = data["primitives"]["convolution"]
+    assert conv["implementations"] == {"jit_bf16:avx512_core_bf16": 4} and conv["data_types"] == ["bf16"]
+    line = kernel_line(data)
+    assert line.startswith("oneDNN v3.12.0, AVX-512 VNNI BF16; convolution: jit_bf16:avx512_core_bf16 4 (bf16)")
+    assert "FP16" not in line and "FP16" not in kernel_cell(data)
+    assert kernel_warnings(data, requested_dtype="bfloat16") == [
+        f"weights re-laid-out on every call (convolution: 4 weight reorders in 4 calls): {RELAYOUT_UNDER_AUTO}"]
+
+
+def test_torch_and_openvino_onednn_in_one_log() -> None:
+    data = tally_of("avx512_torch_and_openvino.log")
+    torch_lib, openvino = data["libraries"]
+    assert (torch_lib["onednn_version"], torch_lib["runtime"], torch_lib["owner"]) == ("v3.12.0", "OpenMP", "torch")
+    assert (openvino["onednn_version"], openvino["runtime"], openvino["owner"]) == ("v3.13.0", "threadpool", "OpenVINO")
+    # torch's eager call after OpenVINO's header still counts under torch (the primitives are torch's)
+    assert torch_lib["primitives"]["convolution"]["implementations"] == {"jit:avx512_core": 16}
+    assert openvino["primitives"]["convolution"]["implementations"] == {"brg_conv_fwd:avx512_core": 2}
+    assert (data["onednn_version"], data["calls"]) == ("v3.12.0", 16)      # the top: the first library
+    line = kernel_line(data)
+    assert line.startswith("oneDNN v3.12.0 (OpenMP: torch's), AVX-512 VNNI BF16; convolution: jit:avx512_core 16")
+    assert " | oneDNN v3.13.0 (threadpool: OpenVINO's), AVX-512 VNNI BF16; convolution: brg_conv_fwd:avx512_core 2" \
+        in line
+    # OpenVINO laid its weights out once per primitive: only torch's are judged re-laid-out
+    assert kernel_warnings(data) == [
+        "oneDNN v3.12.0 (OpenMP: torch's): weights re-laid-out on every call (convolution: 16 weight reorders in 16 "
+        f"calls): {RELAYOUT_ADVICE}"]
+    assert kernel_cell(data) == ("v3.12.0 AVX-512 VNNI BF16, conv avx512_core f32, w 1.0/call | "
+                                 "v3.13.0 AVX-512 VNNI BF16, conv avx512_core f32")
+
+
+def test_build_calls_are_reported_apart() -> None:
+    data = tally_of("avx512_optimize_build.log")
+    steady, build = data["libraries"][0], data["build"]
+    # steady state: 2 eager calls before optimize, 3 calls of the model it kept (eager): 5 x 2 convolutions
+    assert steady["calls"] == 10 and steady["primitives"]["convolution"]["implementations"] == {"jit:avx512_core": 10}
+    assert (build["builds"], build["calls"]) == (3, 85)
+    assert kernel_line(data).endswith(" | while optimize/quantize built (3 builds, not counted above): 247 lines, "
+                                      "85 calls")
+    assert all("85" not in warning for warning in kernel_warnings(data))
+    assert len(kernel_warnings(data)) == 1 and "(convolution: 10 weight reorders in 10 calls)" in kernel_warnings(data)[0]
+
+
+def test_users_own_onednn_verbose_1_counts_executions() -> None:
+    data = tally_of("avx512_user_verbose_1.log")
+    assert (data["counted"], data["exec_lines"], data["calls"]) == ("executions", 14, 4)
+    assert data["primitives"]["convolution"]["executions"] == 4
+    line = kernel_line(data)
+    assert "convolution: jit:avx512_core 4 executions (f32)" in line and "no primitive" not in line
+    assert line.endswith("counted from 14 execution lines (no creation line)")
+    warnings = kernel_warnings(data)
+    assert warnings[0].startswith("weights re-laid-out on every execution (convolution: 4 weight reorders in 4 "
+                                  "executions)")
+    assert warnings[1].startswith("oneDNN printed 14 per-execution lines")
+
+
+def test_build_marks_are_written_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from xlaunch.kernels import build_mark
+
+    written: list[bytes] = []
+    monkeypatch.setattr(os, "write", lambda fd, data: written.append(data) or len(data))
+    monkeypatch.delenv(build_mark.MARKS_ENV, raising=False)
+    with build_mark.building("optimize"):
+        pass
+    assert written == []
+    monkeypatch.setenv(build_mark.MARKS_ENV, "1")
+    assert build_mark.marked("quantize")(lambda: 7)() == 7
+    assert written == [b"xlaunch_verbose,build,start,quantize\n", b"xlaunch_verbose,build,end,quantize\n"]
+    keep = VerboseFilter()
+    assert keep.feed(b"a" + written[0] + b"b\n" + written[1]) == b"ab\n"    # taken out of the output
+    assert keep.tally.builds == 1
 
 
 # ------------------------------------------------------------------------------ line layouts
@@ -160,9 +257,10 @@ def test_graph_api_and_check_lines_are_counted_apart() -> None:
     tally.add("onednn_verbose,v1,primitive,exec,cpu,convolution,jit:avx2,forward_inference,src:f32::blocked:abcd::f0,"
               ",,mb1,0.1")
     data = tally.to_json()
-    assert (data["lines"], data["exec_lines"], data["primitives"]) == (3, 1, {})
+    assert (data["lines"], data["exec_lines"], data["counted"]) == (3, 1, "executions")
+    assert data["primitives"]["convolution"]["executions"] == 1 and data["libraries"][0]["other_lines"] == 2
     assert "per-execution lines" in kernel_warnings(data)[0]
-    assert kernel_line(data).endswith("no primitive created")
+    assert kernel_line(data).endswith("counted from 1 execution lines (no creation line)")
 
 
 def test_isa_of_and_short_isa() -> None:
@@ -170,6 +268,10 @@ def test_isa_of_and_short_isa() -> None:
         ["avx2", "avx10_1_512_amx", "", ""]
     assert [short_isa(s) for s in (AMX_ISA, "Intel AVX2", "Intel AVX2 with Intel DL Boost", None)] == \
         ["AMX", "AVX2", "AVX2 VNNI", "?"]
+    # whole words: "bfloat16" is BF16 and never FP16; "float16" is FP16
+    assert short_isa("Intel AVX-512 with Intel DL Boost and bfloat16 support") == "AVX-512 VNNI BF16"
+    assert short_isa("Intel AVX-512 with float16, Intel DL Boost and bfloat16 support") == "AVX-512 VNNI BF16 FP16"
+    assert short_isa("Intel AVX-512 with AVX512BW, AVX512VL, and AVX512DQ extensions") == "AVX-512"
 
 
 def test_nothing_ran_through_onednn() -> None:

@@ -57,6 +57,7 @@ from xlaunch.kernels.optimize import dispatch, fold, freeze, layout, measure, pr
 from xlaunch.kernels.native_dtypes import EmulatedPrecisionWarning
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
 from xlaunch.kernels.optimize.notes import OptimizeWarning, info, logger, warn
+from xlaunch.kernels.build_mark import marked
 
 __all__ = ["optimize", "Options", "Report", "OptimizeWarning", "outputs_close"]
 
@@ -208,6 +209,7 @@ def _convert_optimizer(optimizer: Any, model: nn.Module, dtype: torch.dtype, rep
     return fused
 
 
+@marked("optimize")
 def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
              level: str = "O1", inplace: bool = False, *, sample_input: Any = None,
              backend: Any = "torch", time_budget: Optional[float] = None, cache: bool = True,

@@ -40,6 +40,7 @@ from xlaunch.kernels.quantize import policy
 from xlaunch.kernels.optimize.compare import flat_tensors
 from xlaunch.kernels.quantize import routes, saved
 from xlaunch.kernels.quantize.routes import QuantizeWarning
+from xlaunch.kernels.build_mark import marked
 
 __all__ = ["QuantizeReport", "QuantizeWarning", "QuantizedModule", "load_quantized", "quantize"]
 
@@ -249,6 +250,7 @@ def _warn(report: QuantizeReport, message: str) -> None:
     warnings.warn(f"xlaunch.quantize: {message}", QuantizeWarning, stacklevel=level)
 
 
+@marked("quantize")
 def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Iterable[Any]] = None,
              mode: str = "auto", max_error: float = policy.DEFAULT_MAX_ERROR,
              rounds: int = 7) -> QuantizedModule:

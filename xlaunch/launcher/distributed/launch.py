@@ -230,6 +230,7 @@ def exec_instance(instance: "Instance", *, quiet: bool = False, die_with_parent:
 def _start_kernel_filter(instance: "Instance", label: str, quiet: bool) -> "Instance":
     """The filter on stdout; if it cannot start, oneDNN's verbose setting of ours is dropped (its
     lines would reach the output unfiltered)."""
+    from xlaunch.kernels.build_mark import MARKS_ENV
     from xlaunch.kernels.inject import DTYPE_ENV
     from xlaunch.launcher.plan.environment import ONEDNN_VERBOSE_VALUE
     from xlaunch.launcher.run.kernel_tee import filter_stdout
@@ -241,7 +242,8 @@ def _start_kernel_filter(instance: "Instance", label: str, quiet: bool) -> "Inst
         if not quiet:
             sys.stderr.write(f"xlaunch: warning: --kernel-report: cannot start the filter ({error.strerror or error}): "
                              "no kernel report for this rank\n")
-        env = {k: v for k, v in instance.env.items() if not (k == "ONEDNN_VERBOSE" and v == ONEDNN_VERBOSE_VALUE)}
+        env = {k: v for k, v in instance.env.items()
+               if not (k == "ONEDNN_VERBOSE" and v == ONEDNN_VERBOSE_VALUE) and k != MARKS_ENV}
         return replace(instance, env=env)
     return instance
 

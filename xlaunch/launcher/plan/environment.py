@@ -237,10 +237,15 @@ _EXECUTION_FLAGS = frozenset({"profile_exec", "profile", "all", "1", "2"})
 def kernel_report_variables(environ: Mapping[str, str], notes: list[str]) -> dict[str, str]:
     """The variables ``--kernel-report`` wants (``ONEDNN_VERBOSE=profile_create``); appends to
     ``notes`` what a verbose setting of the user's, which is kept, means for the report
-    (``DNNL_VERBOSE`` counts: oneDNN would let our ``ONEDNN_VERBOSE`` override it)."""
+    (``DNNL_VERBOSE`` counts: oneDNN would let our ``ONEDNN_VERBOSE`` override it). Also
+    ``XLAUNCH_KERNEL_MARKS=1``: ``optimize``/``quantize`` mark their builds in the stream, so the
+    report counts the steady state apart (:mod:`xlaunch.kernels.build_mark`)."""
+    from xlaunch.kernels.build_mark import MARKS_ENV
+
+    marks = {MARKS_ENV: "1"}
     own = next(((name, environ[name]) for name in ("ONEDNN_VERBOSE", "DNNL_VERBOSE") if name in environ), None)
     if own is None:
-        return {"ONEDNN_VERBOSE": ONEDNN_VERBOSE_VALUE}
+        return {"ONEDNN_VERBOSE": ONEDNN_VERBOSE_VALUE, **marks}
     name, value = own
     flags = {flag.strip().lower() for flag in value.split(",")}
     if name == "DNNL_VERBOSE":
@@ -254,4 +259,4 @@ def kernel_report_variables(environ: Mapping[str, str], notes: list[str]) -> dic
                      "prints creations only)")
     if any(flag.startswith("filter=") for flag in flags):
         notes.append(f"--kernel-report: the filter in your {name} hides the primitives it does not match")
-    return {"ONEDNN_VERBOSE": ONEDNN_VERBOSE_VALUE} if name == "ONEDNN_VERBOSE" else {}
+    return {"ONEDNN_VERBOSE": ONEDNN_VERBOSE_VALUE, **marks} if name == "ONEDNN_VERBOSE" else marks

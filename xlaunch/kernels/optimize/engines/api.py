@@ -39,6 +39,7 @@ from xlaunch.kernels.optimize.engines.sample import Sample, Unsupported, max_rel
 from xlaunch.kernels.optimize.engines.torch_route import EagerRoute, TorchRoute
 from xlaunch.kernels.optimize.notes import warn
 from xlaunch.kernels.optimize.progress import Progress
+from xlaunch.kernels.build_mark import marked
 
 DEFAULT_TIME_BUDGET_S = 300.0
 # The routes by name (tests put fakes here).
@@ -134,6 +135,7 @@ def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working:
         return None
 
 
+@marked("optimize")
 def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, optimizer: Any = None,
                           dtype: Any = None, level: str = "O1", inplace: bool = False, *, sample_input: Any = None,
                           backend: Union[str, Sequence[str]] = "auto", time_budget: Optional[float] = None,
