@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from xlaunch.launcher.observe.kernel_report import RELAYOUT_ADVICE
+
 pytestmark = pytest.mark.live
 
 REPO = Path(__file__).resolve().parents[3]
@@ -64,7 +66,7 @@ def test_rank_is_its_program_and_its_output_is_clean(tmp_path: Path) -> None:
         "xlaunch: rank 3 kernels: oneDNN v3.12.0, AVX2; convolution: jit:avx2 21 (f32); reorders 60, of weights 21 "
         "(1.00 per call); re-created 0",
         "xlaunch: warning: rank 3: weights re-laid-out on every call (convolution: 21 weight reorders in 21 calls): "
-        "try xlaunch.optimize",
+        f"{RELAYOUT_ADVICE}",
     ]
     assert left_running(token) == []
 

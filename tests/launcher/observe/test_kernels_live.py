@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from xlaunch.launcher.observe.kernel_report import RELAYOUT_ADVICE
+
 if importlib.util.find_spec("torch") is None:     # the program imports it; this process need not
     pytest.skip("torch is not installed", allow_module_level=True)
 
@@ -55,4 +57,4 @@ def test_eager_convolution_report_and_clean_output(tmp_path: Path) -> None:
     # eager convolutions lay their weights out again on every call (what optimize() removes)
     assert conv["weight_reorders"] == 4 and kernels["weight_reorders_per_call"] == 1.0
     assert "xlaunch: warning: instance 0: weights re-laid-out on every call (convolution: 4 weight reorders in " \
-           "4 calls): try xlaunch.optimize" in err
+           f"4 calls): {RELAYOUT_ADVICE}" in err
