@@ -23,6 +23,8 @@ from xlaunch.kernels.optimize.engines import api, policy  # noqa: E402
 from xlaunch.kernels.optimize.engines.base import Built, Route  # noqa: E402
 from xlaunch.kernels.optimize.notes import OptimizeWarning  # noqa: E402
 from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
+from xlaunch.kernels.optimize.engines.report import EngineReport, RouteResult  # noqa: E402
+from xlaunch.kernels.optimize.text import excerpt  # noqa: E402
 
 pytestmark = pytest.mark.torch
 REPO = Path(__file__).resolve().parents[3]
@@ -96,14 +98,23 @@ def test_auto_keeps_the_fastest_route_and_rejects_wrong_results(monkeypatch: pyt
     with warnings.catch_warnings():
         warnings.simplefilter("error", OptimizeWarning)   # nothing here deserves a warning
         fast = optimize(model, sample_input=x, backend="auto", cache=False, time_budget=20)
-    progress = capsys.readouterr().err.splitlines()   # not a terminal: one line per step
-    assert [line.split(":")[1].strip() for line in progress] == [
-        "building eager", "building torch", "building onnxruntime", "building openvino", "building inductor",
-        "timing eager, torch, onnxruntime, inductor", "kept onnxruntime"], progress
-    assert progress[3].startswith("xlaunch.optimize: building openvino: wrong results")
+    progress = capsys.readouterr().err.splitlines()   # not a terminal: a line as each step starts, one as it ends
+    steps = ["building eager", "building torch", "building onnxruntime", "building openvino", "building inductor",
+             "timing eager, torch, onnxruntime, inductor"]
+    assert len(progress) == 13 and progress[0:12:2] == [f"xlaunch.optimize: {step} ..." for step in steps], progress
+    assert [line.split(":")[1].strip() for line in progress[1:12:2]] == steps, progress
+    assert progress[7].startswith("xlaunch.optimize: building openvino: wrong results")
     report = fast.report
     assert report.backend == "onnxruntime", str(report)
-    assert "onnxruntime measured" in report.reason
+    assert report.reason.startswith("onnxruntime measured ") and report.reason.endswith("x faster than eager")
+    # one build time per route: the progress line gives the report's
+    built = report.routes["onnxruntime"].build_s
+    assert f"xlaunch.optimize: building onnxruntime: built in {built:.1f} s, checked in " in progress[5]
+    assert f"built in {built:.1f} s" in str(report)
+    # one baseline: the summary line, the reason and the report say the same ratio against eager
+    assert progress[-1] == f"xlaunch.optimize: kept onnxruntime: {report.reason}"
+    ratio = report.reason.removeprefix("onnxruntime measured ")
+    assert f"route onnxruntime: " in report and f"({ratio})" in report.text
     routes = report.routes
     assert routes["inductor"].ms is not None and routes["inductor"].skipped is None   # timed, and lost
     assert routes["openvino"].skipped.startswith("wrong results: max relative error")
@@ -134,10 +145,35 @@ def test_choose_needs_the_margin() -> None:
     rounds = {"eager": [1.0] * 5, "torch": [0.9] * 5, "onnxruntime": [0.88] * 5, "openvino": [0.95] * 5}
     assert policy.choose(rounds)[0] == "torch"        # 0.88 / 0.9 = 0.978: not 3 % better
     rounds["onnxruntime"] = [0.85] * 5
-    assert policy.choose(rounds) == ("onnxruntime", "onnxruntime measured 1.06x torch")
+    assert policy.choose(rounds) == ("onnxruntime", "onnxruntime measured 1.18x faster than eager")
+    slow = {"eager": [1.0] * 3, "torch": [0.9] * 3, "inductor": [7.1] * 3}
+    assert policy.choose(slow) == ("torch", "no engine beat torch by 3% (the fastest engine, inductor, measured "
+                                            "7.1x slower than eager)")
     assert policy.choose({"eager": [1.0] * 3, "torch": [1.1] * 3})[0] == "eager"
     assert policy.choose({"eager": [1.0] * 3, "torch": [0.98] * 3})[0] == "eager"   # within noise
     assert policy.choose({"eager": [1.0] * 3, "torch": [0.98] * 3, "openvino": [0.96] * 3})[0] == "openvino"
+
+
+def test_report_is_text_in_plain_words() -> None:
+    report = EngineReport(backend="eager", requested="auto", reason="kept eager", routes={
+        "eager": RouteResult(build_s=0.0, ms=10.0), "openvino": RouteResult(build_s=2.04, ms=4.425, rel_error=1e-7),
+        "inductor": RouteResult(build_s=5.9, ms=71.0), "torch": RouteResult(ms=10.02)})
+    long = ("Converting a tensor to a Python boolean might cause the trace to be incorrect. We can't record the data "
+            "flow of Python values, so this value will be treated as a constant in the future. This means that the "
+            "trace might not generalize to other inputs! ") * 3
+    report.warnings.append(f"torch: {excerpt(long)}")
+    text = str(report)
+    assert text == report.text and text.splitlines() == report.splitlines() and "route eager" in report
+    assert "route openvino: 4.425 ms, rel error 1.0e-07, built in 2.0 s (2.26x faster than eager)" in text
+    assert "route inductor: 71.000 ms, built in 5.9 s (7.1x slower than eager)" in text
+    assert "route torch: 10.020 ms (as fast as eager)" in text
+    warning = report.splitlines()[-1]
+    # no truncation mid-word: whole sentences, then "(...)"
+    assert "This means that the trace might not generalize to other inputs! Converting" in warning
+    assert warning.endswith("the trace to be incorrect. (...)") and len(warning) < len(long), warning
+    assert EngineReport.from_dict(report.to_dict()).text == text
+    with pytest.raises(AttributeError):
+        report.no_such_thing  # noqa: B018
 
 
 def test_missing_extra_skips_the_route_and_names_the_pip_line(monkeypatch: pytest.MonkeyPatch) -> None:

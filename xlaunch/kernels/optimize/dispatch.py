@@ -31,6 +31,7 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.optimize import freeze, measure
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
+from xlaunch.kernels.optimize.text import excerpt
 
 MAX_SIGNATURES = 4
 MAX_REBUILDS = 3
@@ -177,7 +178,7 @@ class OptimizedForward:
             graph = freeze.freeze(self.module, backend, args)
         except Exception as exc:
             self._note(f"not frozen for inputs {inputs}: {backend} failed: {type(exc).__name__}: "
-                       f"{str(exc)[:200]}", True)
+                       f"{excerpt(exc)}", True)
             return None
         if self.verify:
             rtol = FP32_RTOL if self.autocast_dtype is None else BF16_RTOL

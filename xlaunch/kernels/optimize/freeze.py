@@ -18,6 +18,7 @@ import warnings
 from typing import Any, Iterator
 
 from xlaunch._torch import needs_torch
+from xlaunch.kernels.optimize.text import excerpt
 
 with needs_torch(__name__):
     import torch
@@ -63,7 +64,7 @@ def freeze_jit(model: nn.Module, sample_input: Any) -> nn.Module:
         traced = torch.jit.trace(model, as_args(sample_input), check_trace=False)
         unsafe = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
         if unsafe:   # the trace baked in a Python value taken from a tensor: not valid for other inputs
-            raise UnsafeTrace(str(unsafe[0].message).splitlines()[0][:200])
+            raise UnsafeTrace(excerpt(unsafe[0].message))
         frozen = torch.jit.freeze(traced.eval())
         for _ in range(2):  # the profiling executor specialises and fuses on the first runs
             frozen(*as_args(sample_input))

@@ -52,12 +52,12 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.build_mark import marked
 from xlaunch.kernels.optimize import dispatch, fold, freeze, layout, measure, precision
 
 from xlaunch.kernels.native_dtypes import EmulatedPrecisionWarning
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
 from xlaunch.kernels.optimize.notes import OptimizeWarning, info, logger, warn
-from xlaunch.kernels.build_mark import marked
 
 __all__ = ["optimize", "Options", "Report", "OptimizeWarning", "outputs_close"]
 

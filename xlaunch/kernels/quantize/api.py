@@ -36,11 +36,11 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.build_mark import marked
 from xlaunch.kernels.quantize import policy
 from xlaunch.kernels.optimize.compare import flat_tensors
 from xlaunch.kernels.quantize import routes, saved
 from xlaunch.kernels.quantize.routes import QuantizeWarning
-from xlaunch.kernels.build_mark import marked
 
 __all__ = ["QuantizeReport", "QuantizeWarning", "QuantizedModule", "load_quantized", "quantize"]
 

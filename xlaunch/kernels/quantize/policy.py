@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
+from xlaunch.kernels.optimize.engines.report import versus
+
 MODES = ("auto", "static", "dynamic", "weight_only")
 INT8_ROUTES = ("static", "dynamic", "weight_only")
 FP32_EAGER = "fp32_eager"
@@ -77,6 +79,6 @@ def choose(times_ms: Mapping[str, float], errors: Mapping[str, float], max_error
         return fp32, "no INT8 route kept the relative error within max_error"
     fastest = min(accurate, key=times_ms.__getitem__)
     if times_ms[fastest] * margin <= best_fp32:
-        return fastest, f"{fastest} INT8 measured {best_fp32 / times_ms[fastest]:.2f}x the best fp32 variant ({fp32})"
-    return fp32, (f"no INT8 route was {margin:.2f}x faster than fp32 here "
-                  f"(best: {fastest} at {best_fp32 / times_ms[fastest]:.2f}x)")
+        return fastest, f"{fastest} INT8 measured {versus(best_fp32 / times_ms[fastest], fp32)}, the best fp32 variant"
+    return fp32, (f"no INT8 route was {margin:.2f}x faster than fp32 here (the fastest, {fastest}, measured "
+                  f"{versus(best_fp32 / times_ms[fastest], fp32)})")

@@ -29,6 +29,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.build_mark import marked
 from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, policy
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.inductor_route import InductorRoute
@@ -39,7 +40,6 @@ from xlaunch.kernels.optimize.engines.sample import Sample, Unsupported, max_rel
 from xlaunch.kernels.optimize.engines.torch_route import EagerRoute, TorchRoute
 from xlaunch.kernels.optimize.notes import warn
 from xlaunch.kernels.optimize.progress import Progress
-from xlaunch.kernels.build_mark import marked
 
 DEFAULT_TIME_BUDGET_S = 300.0
 # The routes by name (tests put fakes here).
@@ -120,10 +120,11 @@ def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working:
                     error = max_relative_error(sample.outputs, built.runner(*sample.args))
             if not error <= policy.MAX_REL_ERROR:
                 raise disk.CorruptEntry(f"the cached {name} gives wrong results (max relative error {error:.2e})")
-            step.done("loaded")
+            loaded_s = time.perf_counter() - begin
+            step.done(f"loaded in {loaded_s:.1f} s", timed=True)
         report = EngineReport.from_dict(entry["report"])
         report.requested, report.cache, report.cache_path = label, "hit", store.path(key)
-        report.routes.setdefault(name, RouteResult()).build_s = time.perf_counter() - begin
+        report.routes.setdefault(name, RouteResult()).build_s = loaded_s
         return built, name, report
     except Exception as exc:   # anything wrong with an entry: rebuild, never fail the call
         problem = str(exc) if isinstance(exc, disk.CorruptEntry) else f"{type(exc).__name__}: {exc}"

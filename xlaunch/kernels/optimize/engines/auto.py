@@ -27,6 +27,7 @@ from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.report import BASELINES, EngineReport, RouteResult
 from xlaunch.kernels.optimize.engines.sample import Sample, max_relative_error
 from xlaunch.kernels.optimize.progress import Progress
+from xlaunch.kernels.optimize.text import excerpt
 
 MIN_TIMING_S, MAX_TIMING_S = 2.0, 30.0
 SETTLE_S = 0.01   # untimed calls before each sample: the previous route's threads go idle
@@ -64,7 +65,7 @@ class Checker:
                     other = built.runner(*self.other)
                 except Exception as exc:
                     return error, (f"does not serve batch size {int(self.other[self.sample.batched.index(True)].shape[0])} "
-                                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})")
+                                   f"({type(exc).__name__}: {excerpt(exc)})")
                 error = max(error, max_relative_error(self.other_reference, other))
         if not error <= policy.MAX_REL_ERROR:
             return error, f"wrong results: max relative error {error:.2e} > {policy.MAX_REL_ERROR:g}"
@@ -97,7 +98,7 @@ def build_all(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Mod
                 error, unfit = (0.0, None) if name == "eager" else checker.error(candidate, name not in BASELINES)
             except Exception as exc:
                 result.build_s = time.perf_counter() - begin
-                text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                text = excerpt(exc)
                 result.skipped = f"failed: {type(exc).__name__}: {text}"
                 step.done(result.skipped)
                 continue
@@ -106,7 +107,9 @@ def build_all(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Mod
                 result.skipped = unfit
                 step.done(unfit)
                 continue
-            step.done(f"built, max relative error {error:.1e}")
+            checked = time.perf_counter() - begin - result.build_s
+            step.done(f"built in {result.build_s:.1f} s, checked in {checked:.1f} s (max relative error {error:.1e})",
+                      timed=True)     # the build time the report gives
             built[name] = candidate
     return built
 

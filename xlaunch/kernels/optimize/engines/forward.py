@@ -31,6 +31,7 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.optimize.dispatch import PrepareScriptable
 from xlaunch.kernels.optimize.engines.sample import Sample
+from xlaunch.kernels.optimize.text import excerpt
 
 
 class EngineForward:
@@ -93,7 +94,7 @@ class EngineForward:
                     shapes = tuple(tuple(a.shape) for a in self.sample.tensors(args))
                     self._failed_shapes.add(shapes)
                     self._tell("failed", f"{self.route} failed on inputs {list(shapes)} ({type(exc).__name__}: "
-                                         f"{str(exc)[:200]}); the eager forward answers such calls")
+                                         f"{excerpt(exc)}); the eager forward answers such calls")
                 else:
                     self.calls_served += 1
                     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Mapping, Optional, Sequence, Union
 
-from xlaunch.kernels.optimize.engines.report import BASELINES, ENGINE_ROUTES, ROUTES
+from xlaunch.kernels.optimize.engines.report import BASELINES, ENGINE_ROUTES, ROUTES, versus_eager
 
 # An engine must beat the best baseline (eager or the torch rewrite) by this fraction to be kept:
 # timing noise on a shared machine is a few percent, and a tie is not worth a second runtime.
@@ -72,5 +72,13 @@ def choose(samples: Mapping[str, Sequence[float]], margin: float = WIN_MARGIN) -
     fastest = min(engines, key=lambda name: _paired_median(samples[name], samples[baseline]))
     ratio = _paired_median(samples[fastest], samples[baseline])
     if ratio <= 1.0 - margin:
-        return fastest, f"{fastest} measured {1 / ratio:.2f}x {baseline}"
-    return baseline, (f"no engine beat {baseline} by {margin:.0%} (best: {fastest} at {1 / ratio:.2f}x)")
+        return fastest, f"{fastest} measured {_versus_eager(samples, fastest)}"
+    return baseline, (f"no engine beat {baseline} by {margin:.0%} (the fastest engine, {fastest}, measured "
+                      f"{_versus_eager(samples, fastest)})")
+
+
+def _versus_eager(samples: Mapping[str, Sequence[float]], name: str) -> str:
+    """Against eager, in words, from the medians the report shows (one baseline everywhere)."""
+    if "eager" not in samples:
+        return "with no eager time to compare"
+    return versus_eager(statistics.median(samples["eager"]) / statistics.median(samples[name]))

@@ -1,5 +1,10 @@
 """What ``optimize(..., backend=...)`` did: every route, its time, error and build time, or why it
-was skipped; which one was kept and why; whether the on-disk cache served it. No torch here."""
+was skipped; which one was kept and why; whether the on-disk cache served it. No torch here.
+
+Every speed is said against one baseline, eager, in plain words ("2.26x faster than eager",
+"7.1x slower than eager"): the summary line, the reason and the report agree. ``str(report)``
+and ``report.text`` are the text; str methods (``splitlines``, ``startswith``...) and ``in``
+work on the report as on its text."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -15,6 +20,22 @@ PIP_LINES = {
     "onnxruntime": 'pip install "xlaunch[onnxruntime]"',
     "openvino": 'pip install "xlaunch[openvino]"',
 }
+
+
+def versus(ratio: Optional[float], baseline: str = "eager") -> str:
+    """``ratio`` (the baseline's time / the route's) in words: ``2.26x faster than eager``,
+    ``7.1x slower than eager``, ``as fast as eager`` (within 0.5 %)."""
+    if ratio is None or ratio <= 0:
+        return f"not compared with {baseline}"
+    if abs(ratio - 1.0) < 0.005:
+        return f"as fast as {baseline}"
+    times = ratio if ratio > 1 else 1 / ratio
+    number = f"{times:.2f}" if times < 3 else f"{times:.1f}"
+    return f"{number}x {'faster' if ratio > 1 else 'slower'} than {baseline}"
+
+
+def versus_eager(ratio: Optional[float]) -> str:
+    return versus(ratio, "eager")
 
 
 @dataclass
@@ -68,14 +89,28 @@ class EngineReport:
         data["routes"] = {name: RouteResult(**value) for name, value in data.get("routes", {}).items()}
         return cls(**data)
 
-    def __str__(self) -> str:
+    @property
+    def text(self) -> str:
+        """The report as text (what ``str(report)`` and ``print(report)`` give)."""
         lines = [f"backend: {self.backend} (asked: {self.requested}){': ' + self.reason if self.reason else ''}"]
         if self.sample:
             lines.append(f"sample: {self.sample}; threads: {self.threads}")
         lines.append(f"cache: {self.cache}{' (' + self.cache_path + ')' if self.cache_path else ''}")
         for name, result in self.routes.items():
             ratio = self.speedup(name)
-            tail = f" ({ratio:.2f}x eager)" if ratio is not None and name != "eager" else ""
+            tail = f" ({versus_eager(ratio)})" if ratio is not None and name != "eager" else ""
             lines.append(f"route {name}: {result.describe()}{tail}")
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __contains__(self, part: str) -> bool:
+        return part in self.text
+
+    def __getattr__(self, name: str) -> Any:
+        """str's methods on the text: ``report.splitlines()``, ``report.startswith(...)``."""
+        if not name.startswith("_") and hasattr(str, name):
+            return getattr(self.text, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -32,6 +32,7 @@ with needs_torch(__name__):
     from torch.utils import _pytree as pytree
 
 from xlaunch.kernels.optimize.compare import flat_tensors
+from xlaunch.kernels.optimize.text import excerpt
 
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -202,7 +203,7 @@ def tracing_for_export() -> Iterator[None]:
         if issubclass(warning.category, torch.jit.TracerWarning) and not _from_torch(warning.filename):
             where = f"{os.path.basename(str(warning.filename))}:{warning.lineno}"
             raise UnsafeTrace(f"the trace depends on input values (Python control flow on a tensor at {where}: "
-                              f"{str(warning.message).splitlines()[0][:70]}...)")
+                              f"{excerpt(warning.message)})")
 
 
 def _from_torch(filename: Any) -> bool:
