@@ -39,6 +39,7 @@ with needs_torch(__name__):
 from xlaunch.kernels.build_mark import marked
 from xlaunch.kernels.quantize import policy
 from xlaunch.kernels.optimize.compare import flat_tensors
+from xlaunch.kernels.optimize.text import excerpt
 from xlaunch.kernels.quantize import routes, saved
 from xlaunch.kernels.quantize.routes import QuantizeWarning
 
@@ -298,8 +299,8 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
         except Exception as exc:
             if mode != "auto":
                 raise ValueError(f"quantize: {route} INT8 failed on {type(model).__name__}: "
-                                 f"{type(exc).__name__}: {str(exc)[:300]}") from exc
-            report.routes[route] = RouteResult(skipped=f"failed: {type(exc).__name__}: {str(exc)[:200]}")
+                                 f"{type(exc).__name__}: {excerpt(exc)}") from exc
+            report.routes[route] = RouteResult(skipped=f"failed: {type(exc).__name__}: {excerpt(exc)}")
             continue
         if not build.quantized:
             if mode != "auto":
