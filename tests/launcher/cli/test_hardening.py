@@ -197,6 +197,37 @@ def test_summary_json_path_checked_before_start(tmp_path, marker_script) -> None
     assert not marker.exists()
 
 
+def _without_dac_override() -> None:
+    """In the child, before exec: root loses the capabilities that let it read any file
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so mode 000 means unreadable, as for any user."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:          # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_unreadable_program_is_refused_before_anything_starts(marker_script) -> None:
+    """chmod 000: refused with exit 2 and one line naming the file and why, nothing started. Root
+    reads any file (and so would root's instances: it is not refused then), so as root the check
+    runs without the capabilities that allow it."""
+    script, marker = marker_script
+    script.chmod(0o000)
+    environ = {k: v for k, v in os.environ.items() if k != "XLAUNCH_FSROOT"}
+    try:
+        result = subprocess.run([sys.executable, "-m", "xlaunch", str(script)], capture_output=True, text=True,
+                                env=environ, cwd=REPO, timeout=60,
+                                preexec_fn=_without_dac_override if os.geteuid() == 0 else None)
+    except subprocess.SubprocessError as error:
+        pytest.skip(f"cannot drop root's file capabilities here ({error})")
+    line = one_line_error(result, "PROGRAM")
+    assert line == f"xlaunch: error: PROGRAM: cannot read {str(script)!r}: permission denied"
+    assert not marker.exists()
+    if os.geteuid() == 0:       # root with its capabilities reads it, and runs it
+        assert xlaunch(str(script)).returncode == 0 and marker.exists()
+
+
 def test_recorded_tree_plans_but_never_runs(marker_script) -> None:
     script, marker = marker_script
     result = xlaunch(str(script), env={"XLAUNCH_FSROOT": str(machine_tree("xeon-2s-amx"))})

@@ -210,9 +210,25 @@ def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
             raise OptionError("PROGRAM", f"directory {program!r} has no __main__.py")
     elif not os.path.isfile(program):
         raise OptionError("PROGRAM", f"no such file {program!r}{_not_a_script_hint(program, environ)}")
+    script = os.path.join(program, "__main__.py") if os.path.isdir(program) else program
+    problem = _unreadable(script)
+    if problem:     # python would start, then fail with [Errno 13] in every instance
+        raise OptionError("PROGRAM", f"cannot read {script!r}: {problem}")
     if program.startswith("-"):      # python would take -x.py for an option, and - for stdin
         return replace(options, program=os.path.join(os.curdir, program))
     return options
+
+
+def _unreadable(path: str) -> Optional[str]:
+    """Why this process (its effective user and groups, ACLs included) cannot read ``path``, or
+    None. Opened, not judged from the mode bits: root reads a mode-000 file, and so would the
+    instances, which run as this user."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        return (error.strerror or str(error)).lower()
+    os.close(fd)
+    return None
 
 
 def _not_a_script_hint(program: str, environ: Mapping[str, str]) -> str:
