@@ -172,3 +172,34 @@ def test_best_toml_gives_the_re_measured_value_and_replaces_a_planted_symlink(tm
     text = (tmp_path / "best.toml").read_text()
     assert "31 re-measured (median of 3 interleaved rounds, 30.5 .. 31.5); search: 29 (median of 1" in text
     assert victim.read_text() == "precious\n" and not (tmp_path / "best.toml").is_symlink()
+
+
+def test_metric_time_limit_counts_per_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pattern that backtracks costs a trial its limit once: the runs of a trial share it."""
+    from xlaunch.tune import session, trial
+    from xlaunch.tune.candidate import Candidate
+
+    log = tmp_path / "trial_instance_0.log"
+    log.write_text("a" * 40 + "!\n")
+    objective = Objective(compile_metric("(a+)+$"))
+    budget = trial.MatchBudget(0.5)
+    first = trial.read_metric(objective, [str(log)], budget)
+    assert first[0] == "matching the metric took over 0.5s (a pattern that backtracks, such as (a+)+$, on a long line?)"
+    assert budget.left == 0.0
+    second = trial.read_metric(objective, [str(log)], budget)       # no child started: nothing left
+    assert second == ["matching the metric took this trial's 0.5s in earlier runs"]
+
+    seen: list[object] = []
+
+    def fake_run_once(launch, candidate, objective, directory, budget=None):  # noqa: ANN001, ANN202
+        seen.append(budget)
+        return trial.RunResult(True, 0.1, 1.0, (1.0,), "", directory)
+
+    monkeypatch.setattr(session, "run_once", fake_run_once)
+    space = parse_space("[space]\nninstances = [1]\n", "space.toml", fixed={})
+    tuner = Tuner(space=space, program=Program(("x.py",)), objective=objective, strategy=GridStrategy(space),
+                  launch=Launch(("x.py",), timeout=3.0), workdir=str(tmp_path), trials=1, repeats=3)
+    tuner.measure(Candidate({"ninstances": 1}, {"ninstances": 1}, (0,)), 1)
+    tuner.measure(Candidate({"ninstances": 1}, {"ninstances": 1}, (0,)), 2)
+    assert len(seen) == 6 and seen[0] is seen[1] is seen[2] and seen[3] is not seen[0]
+    assert seen[0].total == 3.0                                          # the limit: --timeout, per trial

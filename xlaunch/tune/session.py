@@ -17,7 +17,7 @@ from xlaunch.tune.candidate import Candidate, Program, Skipped, prepare
 from xlaunch.tune.objective import Objective, Summary, summarize
 from xlaunch.tune.space import Point, Space, point_key
 from xlaunch.tune.strategies import Strategy
-from xlaunch.tune.trial import Launch, RunResult, run_once
+from xlaunch.tune.trial import Launch, MatchBudget, RunResult, run_once
 
 CANDIDATE_FILE = ".candidate.toml"      # where each point is checked by the launcher's --dry-run
 
@@ -194,9 +194,10 @@ class Tuner:
         record = TrialRecord(number, candidate.point, candidate.table, candidate.instances,
                              warnings=candidate.warnings)
         self.on_change(self, f"start {number}")
+        budget = MatchBudget(self.launch.metric_time_limit)     # reading the metric: per trial, not per run
         for repeat in range(1, self.repeats + 1):
             directory = os.path.join(self.workdir, "runs", f"{number:04d}-r{repeat}")
-            result = run_once(self.launch, candidate, self.objective, directory)
+            result = run_once(self.launch, candidate, self.objective, directory, budget)
             record.runs.append(result.to_json())
             if not result.ok:
                 break                            # failed once: failed; no need to insist
@@ -218,12 +219,15 @@ class Tuner:
                       {first.number: [], second.number: []}, None)
         self.final = final
         self.on_change(self, "final")
+        budgets = {first.number: MatchBudget(self.launch.metric_time_limit),
+                   second.number: MatchBudget(self.launch.metric_time_limit)}
         for round_number in range(1, self.final_rounds + 1):
             order = (first, second) if round_number % 2 else (second, first)
             for record in order:
                 candidate = Candidate(record.point, record.table, record.instances)
                 directory = os.path.join(self.workdir, "final", f"{record.number:04d}-round{round_number}")
-                result: RunResult = run_once(self.launch, candidate, self.objective, directory)
+                result: RunResult = run_once(self.launch, candidate, self.objective, directory,
+                                             budgets[record.number])
                 if result.ok and result.value is not None:
                     final.values[record.number].append(result.value)
                 else:

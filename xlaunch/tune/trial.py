@@ -9,7 +9,9 @@ is written through a symlink. At ``timeout`` the launcher gets SIGTERM -- it for
 every instance's process group and SIGKILLs them after its grace period -- and if it is still
 there ``grace + 5`` s later its group is SIGKILLed (its instances die with it: the runner
 starts them with a parent-death signal). Nothing is left running. Reading the metric is
-time-bounded too (:func:`.objective.metric_values`).
+time-bounded too (:func:`.objective.metric_values`), per trial: the runs of one trial (its
+repeats, its final rounds) share one :class:`MatchBudget`, so a pattern that backtracks costs a
+trial its limit once, not once per run.
 """
 from __future__ import annotations
 
@@ -30,6 +32,31 @@ from xlaunch.userfiles import read_user_file
 
 LOG_PREFIX = "trial"
 SUMMARY = "summary.json"
+
+
+@dataclass
+class MatchBudget:
+    """Seconds a trial may spend reading its metric, over all its runs."""
+
+    total: float
+    left: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.left < 0:
+            self.left = self.total
+
+
+def read_metric(objective: Objective, paths: Sequence[str], budget: MatchBudget) -> list[float | str]:
+    """:func:`.objective.metric_values` within what is left of ``budget`` (spent as it runs)."""
+    assert objective.metric is not None
+    if budget.left <= 0:
+        return [f"matching the metric took this trial's {budget.total:g}s in earlier runs"] * len(paths)
+    started = time.monotonic()
+    try:
+        found = metric_values(objective.metric, paths, budget.left)
+    finally:
+        budget.left = max(0.0, budget.left - (time.monotonic() - started))
+    return found
 
 
 @dataclass(frozen=True)
@@ -72,8 +99,10 @@ class Launch:
         return max(2.0, self.timeout) if self.timeout is not None else METRIC_TIME_LIMIT
 
 
-def run_once(launch: Launch, candidate: Candidate, objective: Objective, directory: str) -> RunResult:
-    """Run ``candidate`` once with logs in ``directory`` (made anew) and measure it."""
+def run_once(launch: Launch, candidate: Candidate, objective: Objective, directory: str,
+             budget: Optional[MatchBudget] = None) -> RunResult:
+    """Run ``candidate`` once with logs in ``directory`` (made anew) and measure it; reading the
+    metric spends ``budget`` (the trial's; a budget of its own when None)."""
     config = os.path.join(directory, "trial.toml")
     try:
         fresh_directory(directory)
@@ -109,7 +138,7 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
     if objective.metric is None:
         return RunResult(True, wall, wall, (None,) * len(candidate.instances), "", directory, kernels)
     paths = [os.path.join(directory, f"{LOG_PREFIX}_instance_{index}.log") for index in candidate.instances]
-    found = metric_values(objective.metric, paths, launch.metric_time_limit)
+    found = read_metric(objective, paths, budget if budget is not None else MatchBudget(launch.metric_time_limit))
     values = tuple(value if isinstance(value, float) else None for value in found)
     problems = [f"{value} from instance {index}" for index, value in zip(candidate.instances, found)
                 if isinstance(value, str)]
