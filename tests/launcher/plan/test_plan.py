@@ -87,7 +87,7 @@ def _ranges(p) -> list[str]:
     return [format_cpulist(i.cpus) for i in p.instances]
 
 
-def test_bind_numa_node_shares_nodes_out_without_idle_cores_as_ipexrun_does() -> None:
+def test_bind_numa_node_shares_nodes_out_without_idle_cores() -> None:
     """IPEX's launcher tests with --bind-numa-node (2 x 28 cores, SMT; 4 x 14): instances per node in
     proportion to its cores, every core of a node with an instance used (xlaunch used 42 of 56)."""
     two = synthetic_machine(nodes=2, cores_per_l3=28, smt=2)
@@ -99,6 +99,10 @@ def test_bind_numa_node_shares_nodes_out_without_idle_cores_as_ipexrun_does() ->
     assert _ranges(logical) == ["0-9,56-65", "10-18,66-74", "19-27,75-83", "28-34,84-90", "35-41,91-97",
                                 "42-48,98-104", "49-55,105-111"]
     assert not logical.idle_cpus
+    # unlike ipexrun (18/18/18 and 2 idle), node 0's leftover CPUs go to its first instance: the plan says so
+    assert "--bind-numa-node: node 0's 56 CPUs go to its 3 instances as 20/18/18 (ipexrun gives each 18 and leaves " \
+           "2 idle): xlaunch leaves no CPU idle" in logical.warnings
+    assert not any("ipexrun gives" in w for w in p.warnings)       # 28 and 14/14: nothing differs
     four = synthetic_machine(nodes=4, cores_per_l3=14, smt=2)
     some = plan(Options(program="x.py", ninstances=3, bind_numa_node=True, use_logical_cores=True,
                         nodes_list=(1, 2)), four)

@@ -8,6 +8,10 @@ the modes, ``--bind-numa-node``): pure functions over :class:`Unit` lists.
   node gets instances in proportion to its cores, and its cores are split among them, so no core
   of a node with an instance idles; instances of one node differ by at most one core, and nodes
   of different sizes give different sizes (2 nodes x 28 cores, 3 instances: 28, 14 and 14).
+  Where a node's CPUs do not divide evenly, xlaunch differs from ipexrun: ipexrun gives every
+  instance of the node the same share, rounded down, and leaves the rest idle (56 CPUs, 3
+  instances: 18/18/18 and 2 idle); xlaunch gives the rest to the node's first instances
+  (20/18/18 in whole cores: 10/9/9), so no CPU idles, and the plan's notes say so.
 """
 from __future__ import annotations
 
@@ -68,7 +72,8 @@ def shape(options: "Options", units: list[Unit]) -> tuple[list[list[Unit]], Opti
             raise PlanError("--ninstances", f"{count} instances need at least {count} cores, only {total_units} available")
         size = total_units // count
         if options.bind_numa_node:
-            return numa_node_shares(units, count), None
+            slices = numa_node_shares(units, count)
+            return slices, leftover_note(slices)
     levels = ("l3", "node") if options.bind_numa_node else ("l3", "node", "all")
     best: Optional[list[list[Unit]]] = None
     target = count
@@ -144,6 +149,33 @@ def numa_node_shares(units: list[Unit], count: int) -> list[list[Unit]]:
             slices.append(group[at:at + width])
             at += width
     return slices
+
+
+def leftover_note(slices: list[list[Unit]]) -> Optional[str]:
+    """Where a node's instances differ in size: what xlaunch did, and what ipexrun would have
+    done (the same share for each, rounded down, the rest idle); None when every node divides evenly."""
+    parts = []
+    for node, group in _by_node(slices):
+        cpus = [sum(len(unit.cpus) for unit in piece) for piece in group]
+        if len(set(cpus)) > 1:
+            each = sum(cpus) // len(cpus)
+            parts.append(f"node {node}'s {sum(cpus)} CPUs go to its {len(cpus)} instances as "
+                         f"{'/'.join(map(str, cpus))} (ipexrun gives each {each} and leaves {sum(cpus) - each * len(cpus)} "
+                         "idle)")
+    if not parts:
+        return None
+    return "--bind-numa-node: " + "; ".join(parts) + ": xlaunch leaves no CPU idle"
+
+
+def _by_node(slices: list[list[Unit]]) -> list[tuple[Optional[int], list[list[Unit]]]]:
+    out: list[tuple[Optional[int], list[list[Unit]]]] = []
+    for piece in slices:
+        node = piece[0].node if piece else None
+        if out and out[-1][0] == node:
+            out[-1][1].append(piece)
+        else:
+            out.append((node, [piece]))
+    return out
 
 
 def instances_per_node(sizes: list[int], count: int) -> list[int]:
