@@ -4,7 +4,7 @@ the modes, ``--bind-numa-node``): pure functions over :class:`Unit` lists.
 * Equal slices by default: the count first, then the largest size that fits, each slice inside
   one L3 domain if it can, else one NUMA node, else anywhere (never across nodes with
   ``--bind-numa-node``); cores that make no whole slice stay idle, and a note says how many.
-* ``--bind-numa-node --ninstances N`` (no size given) shares instances out as ipexrun does: each
+* ``--bind-numa-node --ninstances N`` (no size given) shares instances out like ipexrun: each
   node gets instances in proportion to its cores, and its cores are split among them, so no core
   of a node with an instance idles; instances of one node differ by at most one core, and nodes
   of different sizes give different sizes (2 nodes x 28 cores, 3 instances: 28, 14 and 14).
