@@ -25,6 +25,7 @@ MAX_IMPLS_SHOWN = 3
 RELAYOUT_ADVICE = ("a route that lays weights out once removes this (--auto-optimize --kernel-report shows "
                    "whether the route xlaunch.optimize keeps does, here)")
 RELAYOUT_UNDER_AUTO = "under --auto-optimize: the route it kept does not lay them out once here"
+RELAYOUT_AFTER_BUILD = "after xlaunch.optimize/quantize built: what they kept does not lay them out once here"
 EVERY_CALL = 0.95          # weight reorders per call from which "on every call" is said
 SOME_CALLS = 0.5           # ... and below which nothing is said (weights laid out once, then reused)
 
@@ -161,9 +162,13 @@ def kernel_warnings(data: dict[str, Any], requested_dtype: Optional[str] = None)
     sections = [s for s in _sections(data) if s.get("lines")]
     several = len(sections) > 1
     warnings: list[str] = []
+    # under --auto-optimize, or after the program's own optimize/quantize built, what ran is what
+    # they kept: advising them would not help
+    advice = RELAYOUT_UNDER_AUTO if requested_dtype is not None else \
+        RELAYOUT_AFTER_BUILD if data.get("build") else RELAYOUT_ADVICE
     for section in sections:
         prefix = f"{_name(section, True)}: " if several else ""
-        warnings += [prefix + warning for warning in _section_warnings(section, requested_dtype)]
+        warnings += [prefix + warning for warning in _section_warnings(section, requested_dtype, advice)]
     exec_lines = sum(section.get("exec_lines", 0) for section in sections)
     build = data.get("build") or {}
     exec_lines += build.get("exec_lines", 0)
@@ -173,7 +178,7 @@ def kernel_warnings(data: dict[str, Any], requested_dtype: Optional[str] = None)
     return warnings
 
 
-def _section_warnings(section: dict[str, Any], requested_dtype: Optional[str]) -> list[str]:
+def _section_warnings(section: dict[str, Any], requested_dtype: Optional[str], advice: str) -> list[str]:
     primitives: dict[str, dict[str, Any]] = section.get("primitives", {})
     compute = {kind: entry for kind, entry in primitives.items() if kind in COMPUTE_KINDS and _count(entry)}
     calls = "executions" if section.get("counted") == "executions" else "calls"
@@ -196,10 +201,6 @@ def _section_warnings(section: dict[str, Any], requested_dtype: Optional[str]) -
         per_call = weights / _count(entry)
         if weights > distinct and per_call >= SOME_CALLS:
             how_often = f"on every {calls[:-1]}" if per_call >= EVERY_CALL else f"on {per_call:.0%} of {calls}"
-            # Advice only where it can help: under --auto-optimize the kept route is what ran, so
-            # there is nothing to advise; without it, whether optimize's kept route lays weights out
-            # once depends on the route and the machine, so the advice says how to find out.
-            advice = RELAYOUT_UNDER_AUTO if requested_dtype is not None else RELAYOUT_ADVICE
             warnings.append(f"weights re-laid-out {how_often} ({kind}: {weights} weight reorders in "
                             f"{_count(entry)} {calls}): {advice}")
     if section.get("recreated"):
