@@ -16,9 +16,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any, Callable, Iterator, TypeVar
 
-F = TypeVar("F", bound=Callable[..., Any])
+TYPE_CHECKING = False   # the launcher reads MARK_PREFIX: typing stays off its path
+if TYPE_CHECKING:
+    from typing import Any, Callable, Iterator, TypeVar
+
+    F = TypeVar("F", bound=Callable[..., Any])
 
 MARK_PREFIX = "xlaunch_verbose"
 MARKS_ENV = "XLAUNCH_KERNEL_MARKS"
