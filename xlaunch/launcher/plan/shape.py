@@ -159,9 +159,9 @@ def leftover_note(slices: list[list[Unit]]) -> Optional[str]:
         cpus = [sum(len(unit.cpus) for unit in piece) for piece in group]
         if len(set(cpus)) > 1:
             each = sum(cpus) // len(cpus)
+            idle = sum(cpus) - each * len(cpus)
             parts.append(f"node {node}'s {sum(cpus)} CPUs go to its {len(cpus)} instances as "
-                         f"{'/'.join(map(str, cpus))} (ipexrun gives each {each} and leaves {sum(cpus) - each * len(cpus)} "
-                         "idle)")
+                         f"{'/'.join(map(str, cpus))} (ipexrun gives each {each} and leaves {idle} idle)")
     if not parts:
         return None
     return "--bind-numa-node: " + "; ".join(parts) + ": xlaunch leaves no CPU idle"
