@@ -155,6 +155,16 @@ def test_torch_and_openvino_onednn_in_one_log() -> None:
                                  "v3.13.0 AVX-512 VNNI BF16, conv avx512_core f32")
 
 
+def test_the_same_librarys_header_again_is_one_section() -> None:
+    """A second process of the same program (a spawned worker) prints torch's header again."""
+    tally = KernelTally()
+    lines = (LOGS / "avx512_bf16_autocast.log").read_text().splitlines()
+    for line in lines + lines:
+        tally.add(line)
+    data = tally.to_json()
+    assert len(data["libraries"]) == 1 and data["calls"] == 8
+
+
 def test_build_calls_are_reported_apart() -> None:
     data = tally_of("avx512_optimize_build.log")
     steady, build = data["libraries"][0], data["build"]
