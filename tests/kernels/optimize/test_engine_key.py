@@ -78,8 +78,15 @@ class TracedRoute(Route):
         return Built(torch.jit.load(io.BytesIO(files["traced.pt"])), files=files)
 
 
+def synthetic_rounds(built, sample, report, budget_s, progress):
+    """Rounds without timing (the tests here are about the cache, not the clock)."""
+    fast = {"eager": 1.0, "torch": 0.99, "onnxruntime": 0.5}
+    return {name: [fast[name]] * 5 for name in built}
+
+
 def test_a_changed_helper_rebuilds_and_the_output_follows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "time_routes", synthetic_rounds)
     route = TracedRoute()
     route.name = "onnxruntime"
     monkeypatch.setattr(api, "ROUTES_BY_NAME", {**api.ROUTES_BY_NAME, "onnxruntime": route})
@@ -144,18 +151,13 @@ def test_the_decision_is_stored_and_is_the_incumbent_of_a_retrained_model(
     fake.name = "onnxruntime"
     monkeypatch.setattr(api, "ROUTES_BY_NAME", {**api.ROUTES_BY_NAME, "onnxruntime": fake})
     seen = []
-
-    def timed(built, sample, report, budget_s, progress):   # synthetic rounds: no timing here
-        fast = {"eager": 1.0, "torch": 0.99, "onnxruntime": 0.5}
-        return {name: [fast[name]] * 5 for name in built}
-
     real_choose = policy.choose
 
     def choose(samples, margin=policy.WIN_MARGIN, incumbent=None):
         seen.append(incumbent)
         return real_choose(samples, margin, incumbent)
 
-    monkeypatch.setattr(auto, "time_routes", timed)
+    monkeypatch.setattr(auto, "time_routes", synthetic_rounds)
     monkeypatch.setattr(policy, "choose", choose)
     model, x = cache_models.comprehensions(), torch.randn(3, 8)
     first = optimize(model, sample_input=x, backend=["onnxruntime"], progress=False)
