@@ -9,7 +9,7 @@ measured, kept, and built once per machine.
 Routes: ``eager`` (the model as given), ``torch`` (the default rewrite of :mod:`..pipeline`),
 ``onnxruntime``, ``openvino``, ``inductor``. ``auto`` builds every route that applies, checks each
 against eager, times them round robin within ``time_budget`` seconds and keeps the fastest; an
-engine must beat eager/torch by 3 %. Inference only: training mode, an optimizer, a sample that
+engine must beat eager/torch by 3 % plus the noise of the rounds (:func:`.policy.choose`). Inference only: training mode, an optimizer, a sample that
 requires grad or a low-precision dtype mean the torch route, with a one-line warning saying why.
 
 The chosen route is cached on disk (:mod:`.cache`), so the next process (or the other instances
@@ -183,8 +183,8 @@ def _cached(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module
             store = disk.Cache(disk.cache_dir())
             stack.enter_context(store.lock(key, on_wait=lambda: show.line(
                 "another process is building this model; waiting for it")))
-        except (OSError, ValueError) as exc:   # no folder, no lock, a bad size cap: build without it
-            warn(f"the engine cache is not used ({exc}); building without it")
+        except Exception as exc:   # no folder, no lock, a bad size cap, a model the key cannot read: no cache
+            warn(f"the engine cache is not used ({type(exc).__name__}: {exc}); building without it")
             choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
             return _finish(built[choice], choice, working, sample, report)
         return _cached_locked(store, (key, choice_key), names, routes, working, sample, context, report, budget, show,

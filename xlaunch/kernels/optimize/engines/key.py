@@ -235,11 +235,14 @@ class _Walker:
             if name in _HOOKS:
                 parts.append(f"{name}=" + ",".join(self.value(hook) for hook in value.values()))
                 continue
-            parts.append(f"{name}={self.value(value)}")
+            try:
+                parts.append(f"{name}={self.value(value)}")
+            except Exception:   # an attribute that cannot be read as a value: its type
+                parts.append(f"{name}=unreadable:{_qualified(type(value))}")
         return "(" + ",".join(parts) + ")"
 
 
-def _tensor_bytes(tensor: torch.Tensor, sampled: bool) -> bytes:
+def _tensor_bytes(tensor: torch.Tensor, sampled: bool) -> Any:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     if not flat.numel():
         return b""
@@ -252,7 +255,7 @@ def _tensor_bytes(tensor: torch.Tensor, sampled: bool) -> bytes:
         torch.save(tensor, buffer)
         return buffer.getvalue()
     if not sampled or data.size <= SAMPLED_CHUNKS * CHUNK_BYTES:
-        return data.tobytes()
+        return data.data   # a view: no copy
     step = (data.size - CHUNK_BYTES) // (SAMPLED_CHUNKS - 1)
     return b"".join(data[i * step:i * step + CHUNK_BYTES].tobytes() for i in range(SAMPLED_CHUNKS))
 
