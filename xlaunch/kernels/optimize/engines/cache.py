@@ -2,13 +2,22 @@
 
 Layout under ``$XLAUNCH_CACHE_DIR`` (default ``$XDG_CACHE_HOME/xlaunch``, else ``~/.cache/xlaunch``)::
 
-    engines/v1/<key>/entry.json     route, what it kept, the report, each file's size and sha256
-    engines/v1/<key>/model.onnx     the route's artifacts (none for eager, torch, inductor)
-    engines/v1/<key>.lock           flock'd while one process builds that entry
+    engines/v2/<key>/entry.json     route, what it kept, the report, the decision (route, reason,
+                                    incumbent, medians), the model's class, the choice key, each
+                                    file's size and sha256
+    engines/v2/<key>/model.onnx     the route's artifacts (none for eager, torch, inductor)
+    engines/v2/<key>.lock           flock'd while one process reads or builds that entry
 
-The key hashes the model (its classes, their forward code, the module tree, every state_dict
-tensor's bytes), the sample's input signature (batch size excluded), the routes asked for, the
-thread count, the CPU's ISA flags and the versions of torch, the engines and xlaunch.
+The key (:mod:`.key`) hashes what runs: the normalized code reached from the modules' classes,
+the modules' attributes, the module tree, every state_dict tensor's bytes, the sample's input
+signature (batch size excluded), the routes asked for, dtype, level, flags, the thread count, the
+CPU's ISA flags and the libraries' versions; equal in every process. The *choice key* leaves the
+weights' values out: :meth:`Cache.decision` finds the decision of a model that differs only in
+them (the incumbent :func:`.policy.choose` keeps unless beaten).
+
+Bounded: at most ``$XLAUNCH_CACHE_MAX_SIZE`` (default 4 GiB) of entries; each write evicts the
+least recently used (a read marks an entry used: its folder's mtime), never one whose lock is
+held. ``xlaunch --show-cache`` prints :func:`describe` of :meth:`Cache.entries`.
 
 Writers never corrupt an entry: a process builds it in a private temporary folder and renames the
 folder into place (atomic; a second writer's rename fails and its copy is dropped). Processes that
@@ -336,8 +345,15 @@ def describe(root: str, limit: int, entries: list[dict[str, Any]]) -> str:
     """``xlaunch --show-cache``: the folder, its cap, and one line per entry, most recent first."""
     total = sum(item["size"] for item in entries)
     lines = [f"engine cache: {os.path.join(root, SUBDIR)}",
-             f"size: {_size(total)} of {_size(limit)} ({len(entries)} entries; cap: ${SIZE_ENV}, "
+             f"size: {_size(total)} of {_size(limit)} ({len(entries)} entr{'y' if len(entries) == 1 else 'ies'}; cap: ${SIZE_ENV}, "
              f"default {_size(DEFAULT_MAX_BYTES)}; least recently used evicted first)"]
+    engines = os.path.dirname(os.path.join(root, SUBDIR))
+    try:
+        older = sorted(name for name in os.listdir(engines) if name.startswith("v") and name != f"v{FORMAT}")
+    except OSError:
+        older = []
+    if older:
+        lines.append(f"older formats, never read again (remove them): {', '.join(os.path.join(engines, n) for n in older)}")
     for item in reversed(entries):
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(item["used"]))
         what = " ".join(part for part in (item.get("model") or "", item.get("sample") or "") if part) or "-"
