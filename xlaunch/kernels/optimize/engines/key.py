@@ -46,7 +46,7 @@ with needs_torch(__name__):
 
 FORMAT = 2
 MAX_FUNCTIONS = 4096          # functions and classes walked per key
-MAX_DEPTH = 48                # calls followed from one forward (a bound on the recursion)
+MAX_DEPTH = 96                # nested functions and code objects (two per call: ~48 calls deep)
 FULL_WEIGHT_BYTES = 2 << 30   # every byte of the weights up to this total
 SAMPLED_CHUNKS, CHUNK_BYTES = 64, 1 << 16
 SMALL_TENSOR_BYTES = 1 << 20  # a tensor attribute or global up to this size: its bytes
