@@ -9,7 +9,8 @@ measured, kept, and built once per machine.
 Routes: ``eager`` (the model as given), ``torch`` (the default rewrite of :mod:`..pipeline`),
 ``onnxruntime``, ``openvino``, ``inductor``. ``auto`` builds every route that applies, checks each
 against eager, times them round robin within ``time_budget`` seconds and keeps the fastest; an
-engine must beat eager/torch by 3 % plus the noise of the rounds (:func:`.policy.choose`). Inference only: training mode, an optimizer, a sample that
+engine must beat eager/torch by 3 % plus the noise of the rounds (:func:`.policy.choose`).
+Inference only: training mode, an optimizer, a sample that
 requires grad or a low-precision dtype mean the torch route, with a one-line warning saying why.
 
 The chosen route is cached on disk (:mod:`.cache`), so the next process (or the other instances
