@@ -119,6 +119,24 @@ def test_every_instance_is_pointed_at_one_engine_cache(tmp_path) -> None:
     assert CACHE_ENV not in injection_env({CACHE_ENV: "/mine"}, dtype=None, verbose=False)   # the user's stays
 
 
+def test_engine_records_reach_the_summary(tmp_path) -> None:
+    """What an instance appends to its XLAUNCH_AUTO_OPTIMIZE_RECORD file names its engines in the
+    table and the JSON (bad lines skipped; no file: no engines)."""
+    from xlaunch.kernels.inject import read_records
+    from xlaunch.launcher.observe.summary import InstanceResult, summary_json, table_lines
+
+    record = tmp_path / "instance-0.jsonl"
+    record.write_text('{"module": "ResNet", "backend": "openvino", "cache": "hit", "reason": "r"}\nnot json\n[1]\n')
+    engines = read_records(str(record))
+    assert engines == [{"module": "ResNet", "backend": "openvino", "cache": "hit", "reason": "r"}]
+    assert read_records(str(tmp_path / "missing")) == []
+    rows = [InstanceResult(0, (0,), (0,), 0, "exit 0", 1.0, engines=engines),
+            InstanceResult(1, (1,), (0,), 0, "exit 0", 1.0)]
+    assert "instance 0 engines: ResNet on openvino (cache hit)" in table_lines(rows, 0)
+    data = summary_json(rows, 0, allocator="default", openmp="gnu")
+    assert data["instances"][0]["engines"] == engines and "engines" not in data["instances"][1]
+
+
 def test_launcher_side_imports_no_torch() -> None:
     code = ("import sys; from xlaunch.kernels.inject import injection_env; injection_env({}, dtype=None, "
             "verbose=False); print('torch' in sys.modules)")
@@ -208,8 +226,10 @@ def test_two_instances_build_the_engine_once(tmp_path) -> None:
     pytest.importorskip("onnxruntime")
     script = tmp_path / "engine_script.py"
     script.write_text(ENGINE_SCRIPT)
+    summary = tmp_path / "summary.json"
     result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--ninstances", "2", "--ncores-per-instance", "1",
-                     str(script), backend="onnxruntime", env={CACHE_ENV: str(tmp_path / "cache")})
+                     "--summary-json", str(summary), str(script), backend="onnxruntime",
+                     env={CACHE_ENV: str(tmp_path / "cache")})
     assert result.returncode == 0, result.stderr
     text = result.stdout + result.stderr
     built = [line for line in text.splitlines() if "Sequential optimized: backend onnxruntime" in line]
@@ -220,7 +240,11 @@ def test_two_instances_build_the_engine_once(tmp_path) -> None:
     assert len(rows) == 2
     for row in rows:
         assert close(row["out"], row["reference"]) and close(row["small"], row["reference"][:2])
-    assert len(list((tmp_path / "cache" / "engines" / "v1").glob("*/model.onnx"))) == 1
+    assert len(list((tmp_path / "cache" / "engines").glob("v*/*/model.onnx"))) == 1
+    engines = [instance["engines"] for instance in json.loads(summary.read_text())["instances"]]   # named per instance
+    assert all([e["module"] for e in found] == ["Sequential"] and found[0]["backend"] == "onnxruntime"
+               for found in engines), engines
+    assert sorted(found[0]["cache"] for found in engines) == ["hit", "miss"], engines
 
 
 # Small scenarios share a launch (each launch imports torch twice: ~4 s of CPU): one script per

@@ -188,7 +188,7 @@ def test_a_corrupt_entry_is_rebuilt_with_one_warning(tmp_path: Path, monkeypatch
     assert run().report.cache == "miss" and (FileRoute.builds, FileRoute.loads) == (1, 0)
     hit = run()
     assert hit.report.cache == "hit" and (FileRoute.builds, FileRoute.loads) == (1, 1)
-    artifact = next(tmp_path.glob("engines/v1/*/weights.pt"))
+    artifact = next(tmp_path.glob("engines/v*/*/weights.pt"))
     artifact.write_bytes(artifact.read_bytes()[:-7] + b"garbage")
     with pytest.warns(OptimizeWarning, match="is corrupt .*weights.pt does not match its recorded size and sha256"
                                              ".*rebuilding it") as caught:

@@ -23,6 +23,9 @@ FREEZE_ENV = "XLAUNCH_AUTO_OPTIMIZE_FREEZE"         # jit | inductor | none (use
 BACKEND_ENV = "XLAUNCH_AUTO_OPTIMIZE_BACKEND"       # auto (default) | torch | a route | routes, comma-separated
 BUDGET_ENV = "XLAUNCH_AUTO_OPTIMIZE_BUDGET"         # seconds auto may spend per model (default 120)
 CACHE_ENV = "XLAUNCH_CACHE_DIR"                     # the engine cache every instance shares
+RECORD_ENV = "XLAUNCH_AUTO_OPTIMIZE_RECORD"         # set by the runner: the file an instance appends its engines to
+MAX_RECORD_BYTES = 1 << 20
+MAX_RECORDS = 64
 DTYPES = ("float32", "bfloat16")
 
 
@@ -43,3 +46,34 @@ def injection_env(environ: Mapping[str, str], *, dtype: Optional[str], verbose: 
     if verbose:
         env[VERBOSE_ENV] = "1"
     return env
+
+
+def read_records(path: str) -> list[dict]:
+    """What an instance wrote to its ``XLAUNCH_AUTO_OPTIMIZE_RECORD`` file: one object per model it
+    optimized (``module``, ``backend``, ``cache``, ``reason``), in order; [] when none (no file, or
+    lines that are not such objects, are skipped). Read without following a symlink, at most
+    :data:`MAX_RECORD_BYTES`, at most :data:`MAX_RECORDS` objects."""
+    import json
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        data = os.read(fd, MAX_RECORD_BYTES)
+    finally:
+        os.close(fd)
+    records = []
+    for line in data.decode("utf-8", "replace").splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict) and isinstance(item.get("backend"), str):
+            records.append({key: item.get(key) for key in ("module", "backend", "cache", "reason")})
+        if len(records) >= MAX_RECORDS:
+            break
+    return records

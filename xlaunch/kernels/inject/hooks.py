@@ -29,7 +29,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Optional
 
-from xlaunch.kernels.inject import BACKEND_ENV, BUDGET_ENV, DTYPE_ENV, FREEZE_ENV, VERBOSE_ENV
+from xlaunch.kernels.inject import BACKEND_ENV, BUDGET_ENV, DTYPE_ENV, FREEZE_ENV, RECORD_ENV, VERBOSE_ENV
 
 PREFIX = "xlaunch --auto-optimize"
 OPTIMIZERS = ("SGD", "Adagrad", "Adam", "AdamW")
@@ -228,6 +228,25 @@ def _give_up(module: Any, why: str) -> None:
     if entry is not None:
         entry.given_up, entry.eager = True, None
     _say(f"{_name(module)} runs unoptimized: {why}")
+    _record({"module": _name(module), "backend": "none", "cache": "off", "reason": f"runs unoptimized: {why}"})
+
+
+def _record(item: dict) -> None:
+    """The engine a model runs on, for the launcher's summary (``XLAUNCH_AUTO_OPTIMIZE_RECORD``,
+    set by the runner: one JSON line appended per model)."""
+    path = os.environ.get(RECORD_ENV, "")
+    if not path:
+        return
+    import json
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, (json.dumps(item) + "\n").encode("utf-8"))
+        finally:
+            os.close(fd)
+    except OSError:   # the summary just lacks the line
+        pass
 
 
 def _quietly(build: Callable[[], Any]) -> tuple[Any, list[str]]:
@@ -295,6 +314,10 @@ def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] =
     entry.tensors = list(module.parameters()) + list(module.buffers())
     entry.versions = tuple(t._version for t in entry.tensors)
     report = getattr(eager, "_xlaunch_optimize_report", None)
+    engine = getattr(eager, "_xlaunch_engine_report", None)
+    _record({"module": _name(module), "backend": engine.backend if engine is not None else "torch",
+             "cache": engine.cache if engine is not None else "off",
+             "reason": engine.reason if engine is not None else _describe(report)})
     if settings.verbose:
         _verbose(f"{_name(module)} optimized: {_describe(report, getattr(eager, '_xlaunch_engine_report', None))}")
         for note in notes:

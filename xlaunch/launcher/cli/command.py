@@ -49,6 +49,8 @@ def run(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str
         return line
     params = line.params
     try:
+        if params["show_cache"]:
+            return _show_cache(line, environ)
         if params["check_isa"] or params["show_topology"]:
             return _machine_information(line, environ)
         options = options_from(line, environ, typed_spellings(args))
@@ -312,6 +314,33 @@ def _machine_information(line: CommandLine, environ: Mapping[str, str]) -> int:
             text = json.dumps(result, indent=2, sort_keys=False)
     else:
         text = json.dumps(report.topology_json(machine), indent=2) if params["json"] else report.format_topology(machine)
+    sys.stdout.write(text.rstrip("\n") + "\n")
+    return 0
+
+
+def _show_cache(line: CommandLine, environ: Mapping[str, str]) -> int:
+    """``--show-cache``: the engine cache's folder, cap and entries (reads its metadata only; no torch)."""
+    params = line.params
+    if params["command"]:
+        raise OptionError("--show-cache", f"takes no PROGRAM (got {params['command'][0]!r})")
+    for flag in ("check_isa", "show_topology", "torch", "probe"):
+        if params[flag]:
+            raise OptionError("--show-cache", f"conflicts with --{flag.replace('_', '-')} (one at a time)")
+    from xlaunch.kernels.optimize.engines import cache
+
+    try:
+        limit = cache.max_bytes(environ)
+    except ValueError as exc:
+        raise OptionError(cache.SIZE_ENV, str(exc)) from None
+    root = cache.cache_dir(environ)
+    entries = cache.Cache(root, limit).entries()
+    if params["json"]:
+        import json
+
+        text = json.dumps({"path": cache.Cache(root, limit).root, "max_bytes": limit,
+                           "size": sum(item["size"] for item in entries), "entries": entries[::-1]}, indent=2)
+    else:
+        text = cache.describe(root, limit, entries)
     sys.stdout.write(text.rstrip("\n") + "\n")
     return 0
 

@@ -120,7 +120,7 @@ OPTIONS: tuple[Opt, ...] = (
     _opt("kernel_report", FLAG, GROUP_SUPERVISION,
          "Report which oneDNN kernels each instance ran: ISA, implementations, data types, weight reorders."),
     _opt("dry_run", FLAG, GROUP_SUPERVISION, "Print the plan; start nothing."),
-    _opt("json", FLAG, GROUP_SUPERVISION, "With --dry-run, --check-isa or --show-topology: print one JSON object."),
+    _opt("json", FLAG, GROUP_SUPERVISION, "With --dry-run, --check-isa, --show-topology or --show-cache: print one JSON object."),
     _opt("config", VALUE, GROUP_SUPERVISION,
          "TOML file of options (flags override it), or a shipped preset: throughput, latency, single.",
          metavar="FILE|PRESET"),
@@ -132,6 +132,8 @@ OPTIONS: tuple[Opt, ...] = (
     _opt("probe", FLAG, GROUP_MACHINE,
          "With --check-isa: measure GEMM/conv per dtype in a child process and show what oneDNN ran."),
     _opt("show_topology", FLAG, GROUP_MACHINE, "Print the machine model, then exit."),
+    _opt("show_cache", FLAG, GROUP_MACHINE,
+         "Print the engine cache (--auto-optimize, optimize(backend=...)): entries, sizes, cap; then exit."),
 ) + tuple(  # ipexrun / run_cpu spellings (compat.py): accepted, translated or refused, not in --help
     Opt(spelling.name, VALUE if spelling.takes_value else FLAG, GROUP_SUPERVISION, spelling.meaning,
         flags=tuple(compat.flags(spelling)), hidden=True)
@@ -141,4 +143,5 @@ OPTIONS: tuple[Opt, ...] = (
 COMPLETE_VAR = "_XLAUNCH_COMPLETE"   # click's shell completion protocol (xlaunch completion)
 HELP_FLAGS = ("-h", "--help")
 # parameters that are about this invocation, not launch options
-NOT_OPTIONS = frozenset({"command", "verbose", "quiet", "config", "check_isa", "torch", "probe", "show_topology"})
+NOT_OPTIONS = frozenset({"command", "verbose", "quiet", "config", "check_isa", "torch", "probe", "show_topology",
+                         "show_cache"})

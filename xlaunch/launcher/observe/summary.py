@@ -10,6 +10,9 @@
 nothing could be sampled); with ``--kernel-report`` it also holds ``kernels``, what oneDNN ran
 (:meth:`~xlaunch.launcher.observe.kernels.KernelTally.to_json`), shown under the table as one line
 per instance.
+With ``--auto-optimize`` each instance also has ``engines``: one object per model it optimized,
+``{"module": "ResNet", "backend": "onnxruntime", "cache": "hit", "reason": "..."}`` (``backend``
+"torch" for the rewrite, "none" when the model runs unoptimized), shown as one line per instance.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class InstanceResult:
     wall_s: Optional[float]
     observed: Optional[dict[str, Any]] = None     # observe.to_json(), for the JSON
     cells: Optional[dict[str, str]] = None        # observe.cells(), for the table
+    engines: Optional[list[dict[str, Any]]] = None   # --auto-optimize: each model's engine (inject.read_records)
 
 
 _OBSERVED_COLUMNS = (("threads", "threads"), ("ran on", "cpus_seen"), ("allocator", "allocator"),
@@ -56,6 +60,11 @@ def table_lines(results: list[InstanceResult], exit_status: int, noun: str = "in
             from xlaunch.launcher.observe.kernel_report import kernel_line
 
             lines.append(f"instance {r.index} kernels: {kernel_line(kernels)}")
+    for r in results:
+        if r.engines:
+            runs = "; ".join(f"{e.get('module') or '?'} on {e['backend']} (cache {e.get('cache') or 'off'})"
+                             for e in r.engines)
+            lines.append(f"instance {r.index} engines: {runs}")
     lines.append(f"exit status {exit_status}")
     return lines
 
@@ -74,6 +83,7 @@ def summary_json(results: list[InstanceResult], exit_status: int, *, allocator: 
                 "exit_code": r.status,
                 "wall_s": round(r.wall_s, 6) if r.wall_s is not None else None,
                 "observed": r.observed,
+                **({"engines": r.engines} if r.engines is not None else {}),
             }
             for r in results
         ],

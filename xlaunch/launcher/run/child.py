@@ -48,6 +48,7 @@ class Child:
     notes: list[str] = factory(list)
     observer: Optional[object] = None     # observe.Observer, from its first sampling interval on
     kernels: Optional[VerboseFilter] = None   # --kernel-report: takes oneDNN's lines out of the stream
+    engines: Optional[str] = None         # --auto-optimize: the file it records its engines in
 
     @property
     def running(self) -> bool:

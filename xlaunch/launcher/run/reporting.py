@@ -3,6 +3,8 @@ warnings where that differs from the plan, the kernels oneDNN ran (``--kernel-re
 summary table and JSON."""
 from __future__ import annotations
 
+import os
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Any, Optional, Sequence
@@ -60,6 +62,27 @@ def observe(children: Sequence[Child], now: float) -> Optional[float]:
         child.observer.poll(now)
         due.append(child.observer.next_due)
     return min(due) if due else None
+
+
+def with_engine_record(runner: Any, child: Child) -> Any:
+    """The instance to start: with ``--auto-optimize``, its environment also names the file where it
+    records the engine each model runs (``XLAUNCH_AUTO_OPTIMIZE_RECORD``, in a private folder the
+    runner removes at the end), read into the summary (:func:`results`)."""
+    instance = child.instance
+    if "XLAUNCH_AUTO_OPTIMIZE" not in instance.env:   # xlaunch.kernels.inject.DTYPE_ENV: not an --auto-optimize run
+        return instance
+    import tempfile
+
+    from xlaunch._records import replace
+    from xlaunch.kernels.inject import RECORD_ENV
+
+    if runner.records is None:
+        try:
+            runner.records = tempfile.mkdtemp(prefix="xlaunch-engines-")
+        except OSError:
+            return instance
+    child.engines = os.path.join(runner.records, f"instance-{instance.index}.jsonl")
+    return replace(instance, env={**instance.env, RECORD_ENV: child.engines})
 
 
 def kernel_filter(logs: Optional[LogFiles], index: int) -> VerboseFilter:
@@ -125,12 +148,17 @@ def results(children: Sequence[Child]) -> list:
             observed, cells = to_json(c.observer.observed), observed_cells(c.observer.observed)
         if c.kernels is not None and c.proc is not None:
             observed = {**(observed or {}), "kernels": c.kernels.tally.to_json()}
+        engines = None
+        if c.engines is not None:
+            from xlaunch.kernels.inject import read_records
+
+            engines = read_records(c.engines)
         out.append(InstanceResult(
             index=c.instance.index, cpus=c.instance.cpus, mem_nodes=c.instance.mem_nodes,
             status=c.status,
             text=c.text + (f" ({c.stopped_by})" if c.stopped_by and c.status else ""),
             wall_s=(c.ended - c.started) if c.ended is not None and c.started else None,
-            observed=observed, cells=cells,
+            observed=observed, cells=cells, engines=engines,
         ))
     return out
 

@@ -47,6 +47,7 @@ class _PlanRunner(Supervisor):
         self.log_dir = log_dir
         self.prefix = log_file_prefix
         self.memory = spawning.MemoryPolicy()
+        self.records: Optional[str] = None   # --auto-optimize: the folder of the instances' engine records
 
     # ---------------------------------------------------------------- messages
 
@@ -96,7 +97,8 @@ class _PlanRunner(Supervisor):
         child.started = time.monotonic()
         refused_before = self.memory.refused
         try:
-            child.proc = spawning.spawn(instance, stdin=stdin, die_with_parent=single_threaded, memory=self.memory)
+            started = reporting.with_engine_record(self, child)
+            child.proc = spawning.spawn(started, stdin=stdin, die_with_parent=single_threaded, memory=self.memory)
         except OSError as error:
             child.status, message = spawning.start_failure(error, instance)
             child.ended = time.monotonic()
@@ -200,6 +202,10 @@ class _PlanRunner(Supervisor):
             return code
         finally:
             self.close()
+            if self.records is not None:
+                import shutil
+
+                shutil.rmtree(self.records, ignore_errors=True)
 
 
 def _plan_size(plan: Plan) -> Optional[int]:

@@ -9,7 +9,8 @@ measured, kept, and built once per machine.
 Routes: ``eager`` (the model as given), ``torch`` (the default rewrite of :mod:`..pipeline`),
 ``onnxruntime``, ``openvino``, ``inductor``. ``auto`` builds every route that applies, checks each
 against eager, times them round robin within ``time_budget`` seconds and keeps the fastest; an
-engine must beat eager/torch by 3 %. Inference only: training mode, an optimizer, a sample that
+engine must beat eager/torch by 3 % plus the noise of the rounds (:func:`.policy.choose`).
+Inference only: training mode, an optimizer, a sample that
 requires grad or a low-precision dtype mean the torch route, with a one-line warning saying why.
 
 The chosen route is cached on disk (:mod:`.cache`), so the next process (or the other instances
@@ -81,8 +82,9 @@ def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report
 
 
 def _run(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module, sample: Sample, context: Context,
-         report: EngineReport, budget: float, show: Progress, single: Optional[str]) -> tuple[str, dict[str, Built]]:
-    choice, built = auto.run(names, routes, working, sample, context, report, budget, show, single)
+         report: EngineReport, budget: float, show: Progress, single: Optional[str],
+         incumbent: Optional[str] = None) -> tuple[str, dict[str, Built]]:
+    choice, built = auto.run(names, routes, working, sample, context, report, budget, show, single, incumbent)
     if single is not None and choice != single:   # the route asked for by name could not be used
         warn(f"backend={single}: {report.reason}")
     else:
@@ -181,30 +183,37 @@ def _cached(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module
     """The route from the cache, or built, timed, kept and written to the cache (under its lock)."""
     with contextlib.ExitStack() as stack:
         try:
-            key = disk.model_key(working, sample.spec, names, context.threads, _isa(), context.level, flags)
+            key, choice_key = disk.model_keys(working, sample.spec, names, context.threads, _isa(), context.level, flags)
             store = disk.Cache(disk.cache_dir())
             stack.enter_context(store.lock(key, on_wait=lambda: show.line(
                 "another process is building this model; waiting for it")))
-        except OSError as exc:   # the cache folder cannot be made or locked: build without it
-            warn(f"the engine cache is not used ({exc}); building without it")
+        except Exception as exc:   # no folder, no lock, a bad size cap, a model the key cannot read: no cache
+            warn(f"the engine cache is not used ({type(exc).__name__}: {exc}); building without it")
             choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
             return _finish(built[choice], choice, working, sample, report)
-        return _cached_locked(store, key, names, routes, working, sample, context, report, budget, show, single, label)
+        return _cached_locked(store, (key, choice_key), names, routes, working, sample, context, report, budget, show,
+                              single, label)
 
 
-def _cached_locked(store: disk.Cache, key: str, names: tuple[str, ...], routes: dict[str, Route], working: nn.Module,
-                   sample: Sample, context: Context, report: EngineReport, budget: float, show: Progress,
-                   single: Optional[str], label: str) -> nn.Module:
+def _cached_locked(store: disk.Cache, keys: tuple[str, str], names: tuple[str, ...], routes: dict[str, Route],
+                   working: nn.Module, sample: Sample, context: Context, report: EngineReport, budget: float,
+                   show: Progress, single: Optional[str], label: str) -> nn.Module:
+    key, choice_key = keys
     hit = _load_cached(store, key, routes, working, sample, context, label, show)
     if hit is not None:
         built_hit, name, cached_report = hit
         show.line(f"cache hit: {name} ({store.path(key)})")
         return _finish(built_hit, name, working, sample, cached_report)
-    choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
+    stored = store.decision(choice_key) if single is None else None   # the incumbent: kept unless beaten
+    incumbent = stored.get("route") if stored else None
+    choice, built = _run(names, routes, working, sample, context, report, budget, show, single, incumbent)
     report.cache, report.cache_path = "miss", store.path(key)
     files = built[choice].files if routes[choice].cached_files else {}
+    decision = {"route": choice, "reason": report.reason, "incumbent": incumbent,
+                "ms": {name: r.ms for name, r in report.routes.items() if r.ms is not None}}
+    meta = {"model": type(working).__qualname__, "choice_key": choice_key, "decision": decision}
     try:
-        store.write(key, choice, built[choice].state, report.to_dict(), files)
+        store.write(key, choice, built[choice].state, report.to_dict(), files, meta)
     except OSError as exc:   # a full or read-only disk: the model still runs, just not cached
         report.cache = f"not written ({exc.strerror or exc})"
         warn(f"the engine cache entry was not written ({exc})")

@@ -130,9 +130,10 @@ def time_routes(built: Mapping[str, Built], sample: Sample, report: EngineReport
 
 def run(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Module, sample: Sample,
         context: Context, report: EngineReport, budget_s: float, progress: Progress,
-        single: Optional[str] = None) -> tuple[str, dict[str, Built]]:
+        single: Optional[str] = None, incumbent: Optional[str] = None) -> tuple[str, dict[str, Built]]:
     """Build, check and time ``names``; the route kept and the built routes. With ``single`` (one
-    route asked for by name) that route is kept when it builds, else the torch route."""
+    route asked for by name) that route is kept when it builds, else the torch route.
+    ``incumbent``: the route the cache chose before for this model (see :func:`.policy.choose`)."""
     started = time.perf_counter()
     built = build_all(names, routes, model, sample, context, report, budget_s, progress, started)
     if single is not None:
@@ -146,6 +147,6 @@ def run(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Module, s
     left = budget_s - (time.perf_counter() - started)
     samples = time_routes(built, sample, report, left, progress) if len(built) > 1 else {}
     if single is None:
-        choice, why = policy.choose(samples) if samples else (next(iter(built)), "the only route built")
+        choice, why = policy.choose(samples, incumbent=incumbent) if samples else (next(iter(built)), "the only route built")
     report.backend, report.reason = choice, why
     return choice, built

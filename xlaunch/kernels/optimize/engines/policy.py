@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Mapping, Optional, Sequence, Union
 
-from xlaunch.kernels.optimize.engines.report import BASELINES, ENGINE_ROUTES, ROUTES, versus_eager
+from xlaunch.kernels.optimize.engines.report import BASELINES, ENGINE_ROUTES, ROUTES, versus, versus_eager
 
 # An engine must beat the best baseline (eager or the torch rewrite) by this fraction to be kept:
 # timing noise on a shared machine is a few percent, and a tie is not worth a second runtime.
@@ -49,32 +49,72 @@ def inference_only_reason(training: bool, has_optimizer: bool, has_sample: bool,
     return None
 
 
-def _paired_median(a: Sequence[float], b: Sequence[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b))
+def _ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b)]
 
 
-def choose(samples: Mapping[str, Sequence[float]], margin: float = WIN_MARGIN) -> tuple[str, str]:
+def noise(ratios: Sequence[float]) -> float:
+    """The noise of paired ratios: half their interquartile range (0 with fewer than 4 rounds,
+    where quartiles say nothing)."""
+    if len(ratios) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return (q3 - q1) / 2
+
+
+def beats(samples: Mapping[str, Sequence[float]], challenger: str, incumbent: str,
+          margin: float = WIN_MARGIN) -> tuple[bool, float, float]:
+    """``(wins, median ratio, noise)``: ``challenger`` wins when its median paired ratio to
+    ``incumbent`` (the rounds pair up: round robin) is below ``1 - margin - noise``: it must be
+    faster by the margin *and* by more than the spread the rounds measured."""
+    ratios = _ratios(samples[challenger], samples[incumbent])
+    ratio, spread = statistics.median(ratios), noise(ratios)
+    return ratio <= 1.0 - margin - spread, ratio, spread
+
+
+def _spread_text(spread: float) -> str:
+    return f", noise {spread:.1%}" if spread >= 0.0005 else ""
+
+
+def choose(samples: Mapping[str, Sequence[float]], margin: float = WIN_MARGIN,
+           incumbent: Optional[str] = None) -> tuple[str, str]:
     """The route to keep and why, from per-round seconds per call (round robin, so the rounds of
-    two routes pair up). The baseline is eager, or torch when torch beats eager by ``margin`` (a
-    rewrite measured within noise of eager is not kept: bench/engines.py saw such a pick run at
-    0.97x eager); an engine replaces the baseline only when its median paired ratio to it is at
-    most ``1 - margin``."""
+    two routes pair up).
+
+    The incumbent is ``incumbent`` when given and measured (the choice stored in the cache for
+    this model's code, inputs and machine); else the baseline: eager, or torch when torch beats
+    eager (a rewrite measured within noise of eager is not kept: bench/engines.py saw such a pick
+    run at 0.97x eager). The fastest other route replaces the incumbent only when it
+    :func:`beats` it: by ``margin`` plus the noise of the rounds. A noisy tie keeps the incumbent,
+    so a model's route does not flip from run to run."""
     baselines = [name for name in BASELINES if name in samples]
     engines = [name for name in ENGINE_ROUTES if name in samples]
     if not baselines:
         raise ValueError("choose: no baseline (eager or torch) was measured")
     baseline = baselines[0]
-    for other in baselines[1:]:   # torch only when it wins by the margin
-        if _paired_median(samples[other], samples[baseline]) <= 1.0 - margin:
+    for other in baselines[1:]:   # torch only when it wins by the margin and the noise
+        if beats(samples, other, baseline, margin)[0]:
             baseline = other
+    if incumbent is not None and incumbent in samples:
+        challengers = [name for name in (baseline, *engines) if name != incumbent]
+        if not challengers:
+            return incumbent, f"kept the stored choice {incumbent} (nothing else measured)"
+        fastest = min(challengers, key=lambda name: statistics.median(_ratios(samples[name], samples[incumbent])))
+        wins, ratio, spread = beats(samples, fastest, incumbent, margin)
+        if wins:
+            return fastest, (f"{fastest} measured {versus(1 / ratio, f'the stored choice {incumbent}')}"
+                             f"{_spread_text(spread)}")
+        return incumbent, (f"kept the stored choice {incumbent}: the best challenger, {fastest}, measured "
+                           f"{versus(1 / ratio, incumbent)}, within the margin ({margin:.0%}){_spread_text(spread)}")
     if not engines:
         return baseline, f"no engine route was built; kept {baseline} of {', '.join(baselines)}"
-    fastest = min(engines, key=lambda name: _paired_median(samples[name], samples[baseline]))
-    ratio = _paired_median(samples[fastest], samples[baseline])
-    if ratio <= 1.0 - margin:
-        return fastest, f"{fastest} measured {_versus_eager(samples, fastest)}"
-    return baseline, (f"no engine beat {baseline} by {margin:.0%} (the fastest engine, {fastest}, measured "
-                      f"{_versus_eager(samples, fastest)})")
+    fastest = min(engines, key=lambda name: statistics.median(_ratios(samples[name], samples[baseline])))
+    wins, ratio, spread = beats(samples, fastest, baseline, margin)
+    if wins:
+        return fastest, f"{fastest} measured {_versus_eager(samples, fastest)}{_spread_text(spread)}"
+    return baseline, (f"no engine beat {baseline} by {margin:.0%}{' plus the noise' if spread >= 0.0005 else ''} "
+                      f"(the fastest engine, {fastest}, measured {_versus_eager(samples, fastest)}"
+                      f"{_spread_text(spread)})")
 
 
 def _versus_eager(samples: Mapping[str, Sequence[float]], name: str) -> str:
