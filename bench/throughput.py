@@ -10,8 +10,8 @@ divides the cores of a NUMA node (so 1, 2, 4, 8 and 16 instances on a 16-core no
 and both tools' ``--throughput-mode``.
 
 Honest aggregates: every instance of a run measures over the same fixed window (``infer.py
---seconds S --start-at T``; T leaves time for start-up and warm-up, learned per configuration)
-and writes the end time of each batch (``--timeline-dir``). The aggregate counts only the work
+--seconds S --barrier K``: the K instances start together once all are warmed up) and writes the
+end time of each batch (``--timeline-dir``). The aggregate counts only the work
 done while every instance ran: the window from the last instance's start to the first
 instance's last batch, each batch counted in proportion to its part inside (``shared_window``).
 
@@ -51,7 +51,6 @@ class Config:
     cores_per_instance: int       # for plain python: every core (torch's own thread count)
     throughput_mode: bool = False
     runs: list[dict[str, Any]] = field(default_factory=list)
-    delay: float = 0.0            # seconds from launch to the shared start, learned per run
 
     @property
     def name(self) -> str:
@@ -91,6 +90,7 @@ def shared_window(timelines: list[dict[str, Any]]) -> dict[str, Any]:
 
     Each timeline (``infer.py --timeline-dir``) holds ``begin`` (its first batch's start),
     ``ends`` (each batch's end; a batch starts where the previous one ended) and ``batch_size``.
+    A run where any instance has no batch has no aggregate.
     The shared window runs from the latest ``begin`` to the earliest last batch end; a batch
     counts ``batch_size`` x the part of it inside the window. Returns ``aggregate`` (img/s, None
     when the instances never ran together), ``window`` ((start, end)), ``per_instance`` (img/s of
@@ -117,13 +117,20 @@ def shared_window(timelines: list[dict[str, Any]]) -> dict[str, Any]:
     return {"aggregate": sum(per_instance), "window": (start, end), "per_instance": per_instance, "late": late}
 
 
+def own_rate(timeline: dict[str, Any]) -> float:
+    """img/s of one instance over its own batches (what summing each instance's line counts)."""
+    ends = timeline["ends"]
+    if not ends:
+        return 0.0
+    return timeline["batch_size"] * len(ends) / max(ends[-1] - timeline["begin"], 1e-9)
+
+
 def run_once(config: Config, infer_args: list[str], seconds: float, timeout: float, env: dict[str, str]) -> dict[str, Any]:
     """One run: launch, share a start time, read each instance's timeline. A dict for the JSON."""
     scratch = tempfile.mkdtemp(prefix="xlaunch-bench-")
     try:
         launched = time.time()
-        start_at = launched + config.delay
-        program = [INFER, *infer_args, "--seconds", f"{seconds:g}", "--start-at", f"{start_at:.3f}",
+        program = [INFER, *infer_args, "--seconds", f"{seconds:g}", "--barrier", str(config.instances),
                    "--timeline-dir", scratch]
         try:
             done = subprocess.run(config.argv(program), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
@@ -139,14 +146,9 @@ def run_once(config: Config, infer_args: list[str], seconds: float, timeout: flo
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     wall = time.time() - launched
-    record: dict[str, Any] = {"status": status, "wall_s": round(wall, 2), "delay_s": round(config.delay, 2),
-                              "instances_seen": len(timelines)}
+    record: dict[str, Any] = {"status": status, "wall_s": round(wall, 2), "instances_seen": len(timelines)}
     if timelines:
-        ready = max(t["ready"] for t in timelines) - launched
-        record["ready_s"] = round(ready, 2)
-        # the next run's start leaves this run's start-up time and a margin (a late instance
-        # only shortens the shared window: the aggregate stays honest)
-        config.delay = ready * 1.3 + 0.5
+        record["ready_s"] = round(max(t["ready"] for t in timelines) - launched, 2)
     if status != 0 or len(timelines) != config.instances:
         tail = " | ".join(output.strip().splitlines()[-3:])
         record.update(aggregate=None, error=f"exit {status}, {len(timelines)} of {config.instances} instance(s): {tail}")
@@ -155,11 +157,11 @@ def run_once(config: Config, infer_args: list[str], seconds: float, timeout: flo
     record.update(
         aggregate=None if window["aggregate"] is None else round(window["aggregate"], 2),
         window_s=None if window["window"] is None else round(window["window"][1] - window["window"][0], 3),
-        late_s=None if window["late"] is None else round(window["late"], 3),
+        # the last instance's start after the shared start (the window lost to start-up)
+        late_s=round(max(0.0, max(t["begin"] for t in timelines) - timelines[0]["start_at"]), 3),
         per_instance=[round(v, 2) for v in window["per_instance"]],
-        # what each instance printed: its own window, alone in part of it (not the aggregate)
-        sum_of_own=round(sum(t["batch_size"] * len(t["ends"]) / max(t["ends"][-1] - t["begin"], 1e-9)
-                             for t in timelines), 2),
+        # what the instances' own lines add up to: each over its own window (not the aggregate)
+        sum_of_own=round(sum(own_rate(t) for t in timelines), 2),
     )
     if window["aggregate"] is None:
         record["error"] = "the instances never ran at the same time"
@@ -215,8 +217,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="interleaved rounds (default 3; --quick 2)")
     parser.add_argument("--seconds", type=float, default=None, help="measurement window (default 6; --quick 2)")
     parser.add_argument("--batch-size", type=int, default=16, help="infer.py --batch-size (default 16)")
-    parser.add_argument("--startup", type=float, default=None,
-                        help="first guess of launch-to-ready seconds (default 6; learned per configuration)")
     parser.add_argument("--only", action="append", default=[],
                         help="run only configurations whose name contains this (repeatable)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
@@ -226,7 +226,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     reps = args.reps if args.reps is not None else (2 if args.quick else 3)
     seconds = args.seconds if args.seconds is not None else (2.0 if args.quick else 6.0)
-    startup = args.startup if args.startup is not None else 6.0
 
     os.environ.pop("XLAUNCH_FSROOT", None)      # the runs are real: plan for this machine
     from xlaunch.machine import load_machine
@@ -238,8 +237,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     configs = configurations(per_node)
     if args.only:
         configs = [c for c in configs if any(word in c.name for word in args.only)]
-    for config in configs:
-        config.delay = startup + 0.1 * config.instances
     print(f"{len(configs)} configurations x {reps} interleaved rounds, {seconds:g} s windows: "
           + ", ".join(c.name for c in configs), flush=True)
     env = common.clean_environment(str(REPO))

@@ -7,11 +7,14 @@ Under ``xlaunch`` each instance prints its index and CPUs, so a multi-instance r
 line by line. The last line is machine-readable: ``throughput: <float> img/s``.
 
 A fixed window instead of a fixed count (what ``bench/throughput.py`` uses to count an aggregate
-honestly): ``--seconds S`` runs batches from ``--start-at`` (a ``time.time()`` value shared by
-every instance; default: as soon as warm-up ends) until S seconds later; the batch running at the
-end finishes and is counted in proportion. ``--timeline-dir DIR`` writes ``DIR/<pid>.json``: when
-the instance was ready, its window, and the end time of every batch, so the aggregate can count
-only the work done while every instance ran (``bench/throughput.py``, ``shared_window``).
+honestly): ``--seconds S`` runs batches from a start time until S seconds later; the batch running
+at the end finishes and is counted in proportion. The start is ``--start-at EPOCH`` (a
+``time.time()`` value given to every instance), or with ``--barrier K`` the moment the K-th
+instance is ready (each writes ``DIR/ready-<pid>`` with its ready time and waits for K of them;
+all start 0.2 s after the last), or else as soon as warm-up ends. ``--timeline-dir DIR`` writes
+``DIR/<pid>.json``: when the instance was ready, its window, and the end time of every batch, so
+the aggregate can count only the work done while every instance ran (``bench/throughput.py``,
+``shared_window``).
 """
 from __future__ import annotations
 
@@ -63,9 +66,13 @@ def main() -> None:
                         help="with --seconds: start the window at this time.time() (after warm-up)")
     parser.add_argument("--timeline-dir", default=None, metavar="DIR",
                         help="with --seconds: write DIR/<pid>.json (ready time, window, each batch's end)")
+    parser.add_argument("--barrier", type=int, default=None, metavar="K",
+                        help="with --timeline-dir: start when K instances are ready (instead of --start-at)")
     args = parser.parse_args()
     if (args.start_at is not None or args.timeline_dir is not None) and args.seconds is None:
         parser.error("--start-at and --timeline-dir need --seconds")
+    if args.barrier is not None and (args.timeline_dir is None or args.start_at is not None):
+        parser.error("--barrier needs --timeline-dir, and replaces --start-at")
 
     torch.manual_seed(0)
     model = small_cnn().eval()
@@ -78,7 +85,10 @@ def main() -> None:
         for _ in range(args.warmup):
             model(x)
         if args.seconds is not None:
-            images = fixed_window(model, x, args.seconds, args.start_at, args.timeline_dir, index, cpus)
+            start_at = args.start_at
+            if args.barrier is not None:
+                start_at = barrier(args.timeline_dir, args.barrier)
+            images = fixed_window(model, x, args.seconds, start_at, args.timeline_dir, index, cpus)
             print(f"throughput: {images:.1f} img/s", flush=True)
             return
         start = time.perf_counter()
@@ -86,6 +96,25 @@ def main() -> None:
             model(x)
         elapsed = time.perf_counter() - start
     print(f"throughput: {args.batch_size * args.iterations / elapsed:.1f} img/s", flush=True)
+
+
+def barrier(directory: str, count: int, timeout: float = 600.0) -> float:
+    """Announce this instance ready, wait for ``count`` ready instances; the shared start time
+    (0.2 s after the last one was ready; the same in every instance: it is read from the files)."""
+    path = os.path.join(directory, f"ready-{os.getpid()}")
+    with open(path + ".tmp", "w") as handle:
+        handle.write(repr(time.time()))
+    os.replace(path + ".tmp", path)
+    deadline = time.monotonic() + timeout
+    while True:
+        names = [n for n in os.listdir(directory) if n.startswith("ready-") and not n.endswith(".tmp")]
+        if len(names) >= count or time.monotonic() > deadline:
+            times = []
+            for name in names:
+                with open(os.path.join(directory, name)) as handle:
+                    times.append(float(handle.read()))
+            return max(times) + 0.2
+        time.sleep(0.01)
 
 
 def fixed_window(model: nn.Module, x: torch.Tensor, seconds: float, start_at: float | None,
