@@ -76,6 +76,12 @@ def machine_line(description: dict[str, Any]) -> str:
             f"ISA {' '.join(description['isa']) or '-'}; load average {description['load_average'][0]:.2f}")
 
 
+def short_line(description: dict[str, Any]) -> str:
+    """The machine in a few words (for a plot's title)."""
+    return (f"{description.get('label') or description['model_name']}, {description['cores']} cores, "
+            f"{len(description['nodes'])} node(s), load {description['load_average'][0]:.1f}")
+
+
 class Progress:
     """One line per finished run, with the time spent and an estimate of the time left."""
 

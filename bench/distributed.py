@@ -184,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"wrote {args.json_path}")
     if args.plot:
         title = (f"examples/train.py --ddp b{args.batch_size}, slowest rank, median of {reps}\n"
-                 f"{common.machine_line(description)}")
+                 f"{common.short_line(description)}")
         common.plot(args.plot, results, value="samples_per_s", ylabel="samples/s (all ranks)",
                     xlabel="ranks", title=title, x_of=lambda r: r["ranks"])
         print(f"wrote {args.plot}")

@@ -265,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"wrote {args.json_path}")
     if args.plot:
         title = (f"examples/infer.py b{args.batch_size}, aggregate over the shared window, median of {reps}\n"
-                 f"{common.machine_line(description)}")
+                 f"{common.short_line(description)}")
         common.plot(args.plot, [r for r in results if r["launcher"] != "plain"], value="aggregate",
                     ylabel="aggregate img/s", xlabel="cores per instance", title=title,
                     x_of=lambda r: r["cores_per_instance"] or 1,
