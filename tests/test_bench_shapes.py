@@ -39,11 +39,18 @@ NODE_CORES = {
     "container-cpuset": [4],            # cpuset 4-7 + siblings 36-39
     "vm-no-node": [4],
 }
+assert set(NODE_CORES) <= set(MACHINE_NAMES)
 
 
 @pytest.mark.parametrize("tree", sorted(NODE_CORES))
-def test_node_cores_are_the_planners(tree: str) -> None:
-    assert per_node(tree) == NODE_CORES[tree]
+def test_node_cores_are_the_planners_and_give_1xN_to_Nx1(tree: str) -> None:
+    cores = per_node(tree)
+    assert cores == NODE_CORES[tree]
+    total = sum(cores)
+    shapes = bench("_machine_bench").shapes(cores)
+    assert shapes[0] == (1, total) and shapes[-1] == (total, 1)
+    assert all(k * width == total for k, width in shapes)
+    assert all(all(n % width == 0 for n in cores) for k, width in shapes if k > 1)
 
 
 def test_shapes_of_a_16_core_node() -> None:
@@ -57,16 +64,6 @@ def test_shapes_never_span_two_nodes() -> None:
     assert shapes([16] * 4) == [(1, 64), (4, 16), (8, 8), (16, 4), (32, 2), (64, 1)]
     assert shapes([6, 4]) == [(1, 10), (5, 2), (10, 1)]       # widths that divide every node
     assert shapes([2]) == [(1, 2), (2, 1)] and shapes([1]) == [(1, 1)] and shapes([]) == []
-
-
-@pytest.mark.parametrize("tree", MACHINE_NAMES)
-def test_every_recorded_machine_gives_1xN_to_Nx1(tree: str) -> None:
-    cores = per_node(tree)
-    total = sum(cores)
-    shapes = bench("_machine_bench").shapes(cores)
-    assert shapes[0] == (1, total) and shapes[-1] == (total, 1)
-    assert all(k * width == total for k, width in shapes)
-    assert all(all(n % width == 0 for n in cores) for k, width in shapes if k > 1)
 
 
 def test_throughput_configurations() -> None:
