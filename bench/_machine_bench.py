@@ -144,6 +144,19 @@ def plot(path: str, results: list[dict[str, Any]], *, value: str, ylabel: str, x
     plt.close(figure)
 
 
+def plot_available(path: Optional[str]) -> bool:
+    """Whether ``--plot PATH`` can be drawn; says so at the start when matplotlib is missing
+    (``pip install 'xlaunch[bench]'``), so the runs still go on and the JSON is still written."""
+    if not path:
+        return False
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed (pip install 'xlaunch[bench]'); no plot")
+        return False
+    return True
+
+
 def clean_environment(extra_path: Optional[str] = None) -> dict[str, str]:
     """This process's environment without the variables a launcher sets (every peer starts alike)."""
     env = {k: v for k, v in os.environ.items()

@@ -132,6 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from xlaunch.machine import load_machine
 
     machine = load_machine()
+    draw = common.plot_available(args.plot)
     per_node = common.node_cores(machine)
     description = common.describe_machine(machine, per_node, args.label)
     print(common.machine_line(description))
@@ -182,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             json.dump({"machine": description, "steps": steps, "reps": reps, "batch_size": args.batch_size,
                        "results": results}, handle, indent=1)
         print(f"wrote {args.json_path}")
-    if args.plot:
+    if draw:
         title = (f"examples/train.py --ddp b{args.batch_size}, slowest rank, median of {reps}\n"
                  f"{common.short_line(description)}")
         common.plot(args.plot, results, value="samples_per_s", ylabel="samples/s (all ranks)",

@@ -231,6 +231,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from xlaunch.machine import load_machine
 
     machine = load_machine()
+    draw = common.plot_available(args.plot)
     per_node = common.node_cores(machine)
     description = common.describe_machine(machine, per_node, args.label)
     print(common.machine_line(description))
@@ -263,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             json.dump({"machine": description, "seconds": seconds, "reps": reps, "batch_size": args.batch_size,
                        "results": results}, handle, indent=1)
         print(f"wrote {args.json_path}")
-    if args.plot:
+    if draw:
         title = (f"examples/infer.py b{args.batch_size}, aggregate over the shared window, median of {reps}\n"
                  f"{common.short_line(description)}")
         common.plot(args.plot, [r for r in results if r["launcher"] != "plain"], value="aggregate",
