@@ -121,6 +121,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="run only configurations whose name contains this (repeatable); "
                              "'torchrun+per-rank' adds that launcher")
     parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+    parser.add_argument("--list", action="store_true",
+                        help="print the configurations and their command lines, run nothing "
+                             "(XLAUNCH_FSROOT=<recorded machine> shows another machine's)")
     parser.add_argument("--label", default=None, help="the machine's name in the output")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     parser.add_argument("--plot", default=None, metavar="PATH")
@@ -128,7 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     reps = args.reps if args.reps is not None else (2 if args.quick else 3)
     steps = args.steps if args.steps is not None else (15 if args.quick else 30)
 
-    os.environ.pop("XLAUNCH_FSROOT", None)
+    if not args.list:
+        os.environ.pop("XLAUNCH_FSROOT", None)
     from xlaunch.machine import load_machine
 
     machine = load_machine()
@@ -143,6 +147,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not configs:
         print("no configuration: DDP needs at least 2 cores")
         return 1
+    if args.list:
+        for config in configs:
+            omp = f"OMP_NUM_THREADS={config.omp} " if config.omp else ""
+            print(f"  {config.name:28s} {omp}{' '.join(config.command(['examples/train.py', '--ddp']))}")
+        return 0
     print(f"{len(configs)} configurations x {reps} interleaved rounds, {steps} steps: "
           + ", ".join(c.name for c in configs), flush=True)
     train = [TRAIN, "--ddp", "--steps", str(steps), "--batch-size", str(args.batch_size)]

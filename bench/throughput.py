@@ -220,6 +220,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", action="append", default=[],
                         help="run only configurations whose name contains this (repeatable)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
+    parser.add_argument("--list", action="store_true",
+                        help="print the configurations and their command lines, run nothing "
+                             "(XLAUNCH_FSROOT=<recorded machine> shows another machine's)")
     parser.add_argument("--label", default=None, help="the machine's name in the output (e.g. '16-core Xeon VM')")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="draw the aggregates as a PNG (matplotlib)")
@@ -227,7 +230,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     reps = args.reps if args.reps is not None else (2 if args.quick else 3)
     seconds = args.seconds if args.seconds is not None else (2.0 if args.quick else 6.0)
 
-    os.environ.pop("XLAUNCH_FSROOT", None)      # the runs are real: plan for this machine
+    if not args.list:
+        os.environ.pop("XLAUNCH_FSROOT", None)      # the runs are real: plan for this machine
     from xlaunch.machine import load_machine
 
     machine = load_machine()
@@ -238,6 +242,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     configs = configurations(per_node)
     if args.only:
         configs = [c for c in configs if any(word in c.name for word in args.only)]
+    if args.list:
+        for config in configs:
+            print(f"  {config.name:28s} {' '.join(config.argv(['examples/infer.py']))}")
+        return 0
     print(f"{len(configs)} configurations x {reps} interleaved rounds, {seconds:g} s windows: "
           + ", ".join(c.name for c in configs), flush=True)
     env = common.clean_environment(str(REPO))
