@@ -1,36 +1,85 @@
-"""DDP training steps/s of ``examples/train.py --ddp`` (gloo, 2 ranks), pinned by xlaunch vs plain torchrun.
+"""DDP training steps/s of ``examples/train.py --ddp`` (gloo), ranks under xlaunch vs torchrun,
+with and without ``OMP_NUM_THREADS``, at every rank count this machine allows.
 
-    .venv/bin/python bench/distributed.py [--reps 3] [--steps 30] [--batch-size 64] [--only NAME]
+    .venv/bin/python bench/distributed.py [--quick] [--reps 3] [--steps 30] [--json out.json] [--plot out.png]
 
-Configurations (2 ranks x 1 core on a 2-CPU machine; more cores give more per rank):
+Configurations come from the machine (xlaunch's own model): with N usable physical cores, k ranks
+of N/k cores for every k >= 2 of ``_machine_bench.shapes`` (the instance widths that divide the
+cores of a NUMA node), each run as
 
-* ``torchrun``: ``python -m torch.distributed.run --nproc-per-node 2`` (torchrun's own
+* ``torchrun``: ``python -m torch.distributed.run --nproc-per-node k`` (torchrun's own
   ``OMP_NUM_THREADS=1``, no pinning, the default allocator);
-* ``xlaunch``: ``xlaunch --nproc-per-node 2`` (each rank pinned to its slice, its thread count,
+* ``torchrun OMP=c``: the same with ``OMP_NUM_THREADS`` set to the cores per rank;
+* ``xlaunch``: ``xlaunch --nproc-per-node k`` (each rank pinned to its slice, its thread count,
   OpenMP places and allocator from the plan);
-* ``torchrun+per-rank``: plain torchrun running ``--no-python python -m xlaunch --per-rank``.
+* ``xlaunch OMP=c``: the same with the user's ``OMP_NUM_THREADS`` (xlaunch keeps it);
+* ``torchrun+per-rank`` (only with ``--only torchrun+per-rank``): torchrun running
+  ``--no-python python -m xlaunch --per-rank``.
 
-A run's speed is the slowest rank's ``steps/s`` (DDP ranks step together); its wall time includes
-start-up and rendezvous. Repetitions are interleaved; medians, ratios of the medians to torchrun
-and the median of the per-round ratios are printed.
+A run's speed is the slowest rank's ``steps/s`` (DDP ranks step together, so every rank runs for
+the whole measurement); samples/s is that times the batch and the ranks. Its wall time includes
+start-up and rendezvous. Repetitions are interleaved; medians, ratios to torchrun of the same rank
+count (of the medians, and the median of the per-round ratios) are printed.
 Everything stays on 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
-REPO = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import _machine_bench as common  # noqa: E402
+
+REPO = BENCH.parent
 TRAIN = str(REPO / "examples" / "train.py")
 # ranks share the console and python -u writes a line's text and its newline apart: no anchors
 STEPS = re.compile(r"ddp rank (\d+) world \d+ .*?steps/s ([0-9.]+) ")
+LAUNCHERS = ("torchrun", "torchrun OMP", "xlaunch", "xlaunch OMP")
+EXTRA = ("torchrun+per-rank",)
+
+
+@dataclass
+class Config:
+    launcher: str          # one of LAUNCHERS or EXTRA
+    ranks: int
+    cores_per_rank: int
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def omp(self) -> Optional[int]:
+        return self.cores_per_rank if self.launcher.endswith(" OMP") else None
+
+    @property
+    def name(self) -> str:
+        base = self.launcher.replace(" OMP", f" OMP={self.cores_per_rank}")
+        return f"{base} {self.ranks}x{self.cores_per_rank}"
+
+    def command(self, train: list[str]) -> list[str]:
+        port = str(free_port())
+        rendezvous = ["--nproc-per-node", str(self.ranks), "--master-addr", "127.0.0.1", "--master-port", port]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous]
+        if self.launcher.startswith("torchrun+per-rank"):
+            return [*torchrun, "--no-python", sys.executable, "-m", "xlaunch", "--per-rank", *train]
+        if self.launcher.startswith("torchrun"):
+            return [*torchrun, *train]
+        return [sys.executable, "-m", "xlaunch", *rendezvous, *train]
+
+
+def configurations(per_node: list[int], launchers: tuple[str, ...] = LAUNCHERS) -> list[Config]:
+    """Every launcher at k ranks x N/k cores, for the shapes with at least 2 instances."""
+    return [Config(launcher, ranks, width)
+            for ranks, width in common.shapes(per_node) if ranks >= 2
+            for launcher in launchers]
 
 
 def free_port() -> int:
@@ -39,63 +88,118 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def command(name: str, train: list[str]) -> list[str]:
-    port = str(free_port())
-    rendezvous = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous]
-    if name == "torchrun":
-        return [*torchrun, *train]
-    if name == "xlaunch":
-        return [sys.executable, "-m", "xlaunch", *rendezvous, *train]
-    if name == "torchrun+per-rank":
-        return [*torchrun, "--no-python", sys.executable, "-m", "xlaunch", "--per-rank", *train]
-    raise ValueError(name)
-
-
-def run_once(name: str, train: list[str]) -> tuple[float, float]:
-    """(steps/s of the slowest rank, wall seconds)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMP_", "KMP_", "MKL_", "XLAUNCH_")) and k not in ("LD_PRELOAD", "MALLOC_CONF")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+def run_once(config: Config, train: list[str], timeout: float) -> dict[str, Any]:
+    env = common.clean_environment(str(REPO))
     env["GLOO_SOCKET_IFNAME"] = "lo"
+    if config.omp is not None:
+        env["OMP_NUM_THREADS"] = str(config.omp)
     start = time.monotonic()
-    done = subprocess.run(command(name, train), env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run(config.command(train), env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout)
+        status, output = done.returncode, done.stdout + done.stderr[-2000:]
+    except subprocess.TimeoutExpired as exc:
+        status, output = "timeout", str(exc.stdout or "")
     wall = time.monotonic() - start
-    rates = {int(rank): float(rate) for rank, rate in STEPS.findall(done.stdout)}
-    if done.returncode != 0 or sorted(rates) != [0, 1]:
-        raise SystemExit(f"{name} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr[-2000:]}")
-    return min(rates.values()), wall
+    rates = {int(rank): float(rate) for rank, rate in STEPS.findall(output)}
+    record: dict[str, Any] = {"status": status, "wall_s": round(wall, 2), "per_rank": [rates[r] for r in sorted(rates)]}
+    if status != 0 or sorted(rates) != list(range(config.ranks)):
+        tail = " | ".join(output.strip().splitlines()[-3:])
+        record.update(steps_per_s=None, error=f"exit {status}, {len(rates)} of {config.ranks} rank(s): {tail}")
+    else:
+        record["steps_per_s"] = min(rates.values())
+    return record
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="a short run: 2 rounds of 15 steps")
+    parser.add_argument("--reps", type=int, default=None, help="interleaved rounds (default 3; --quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="train.py --steps (default 30; --quick 15)")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--only", action="append", choices=("torchrun", "xlaunch", "torchrun+per-rank"))
-    args = parser.parse_args()
-    names = args.only or ["torchrun", "xlaunch", "torchrun+per-rank"]
-    train = [TRAIN, "--ddp", "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    print(f"{len(os.sched_getaffinity(0))} CPUs allowed; load average {os.getloadavg()[0]:.2f} at start "
-          "(the machine may be shared)")
-    for rep in range(args.reps):
-        for name in names:           # interleaved: every configuration once per round
-            rate, wall = run_once(name, train)
-            results[name].append((rate, wall))
-            print(f"  round {rep + 1} {name:18s} {rate:7.2f} steps/s  wall {wall:5.1f} s", flush=True)
-    base = statistics.median(r for r, _ in results["torchrun"]) if "torchrun" in results else None
-    print(f"\nmedians over {args.reps} interleaved rounds ({args.steps} steps, batch {args.batch_size}, 2 ranks):")
-    for name, runs in results.items():
-        rate = statistics.median(r for r, _ in runs)
-        wall = statistics.median(w for _, w in runs)
-        ratio = ""
-        if base:   # per-round ratios cancel the load swings between rounds of a shared machine
-            paired = statistics.median(r / t for (r, _), (t, _) in zip(runs, results["torchrun"]))
-            ratio = f"  x{rate / base:.2f} vs torchrun (median of per-round ratios x{paired:.2f})"
-        print(f"  {name:18s} {rate:7.2f} steps/s  wall {wall:5.1f} s{ratio}")
-    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run only configurations whose name contains this (repeatable); "
+                             "'torchrun+per-rank' adds that launcher")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+    parser.add_argument("--list", action="store_true",
+                        help="print the configurations and their command lines, run nothing "
+                             "(XLAUNCH_FSROOT=<recorded machine> shows another machine's)")
+    parser.add_argument("--label", default=None, help="the machine's name in the output")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+    parser.add_argument("--plot", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    reps = args.reps if args.reps is not None else (2 if args.quick else 3)
+    steps = args.steps if args.steps is not None else (15 if args.quick else 30)
+
+    if not args.list:
+        os.environ.pop("XLAUNCH_FSROOT", None)
+    from xlaunch.machine import load_machine
+
+    machine = load_machine()
+    draw = common.plot_available(args.plot)
+    per_node = common.node_cores(machine)
+    description = common.describe_machine(machine, per_node, args.label)
+    print(common.machine_line(description))
+    launchers = LAUNCHERS + tuple(e for e in EXTRA if any(e in word for word in args.only))
+    configs = configurations(per_node, launchers)
+    if args.only:
+        configs = [c for c in configs if any(word in c.name for word in args.only)]
+    if not configs:
+        print("no configuration: DDP needs at least 2 cores")
+        return 1
+    if args.list:
+        for config in configs:
+            omp = f"OMP_NUM_THREADS={config.omp} " if config.omp else ""
+            print(f"  {config.name:28s} {omp}{' '.join(config.command(['examples/train.py', '--ddp']))}")
+        return 0
+    print(f"{len(configs)} configurations x {reps} interleaved rounds, {steps} steps: "
+          + ", ".join(c.name for c in configs), flush=True)
+    train = [TRAIN, "--ddp", "--steps", str(steps), "--batch-size", str(args.batch_size)]
+    progress = common.Progress(len(configs) * reps)
+    for round_number in range(reps):
+        for config in configs:
+            progress.starting(f"round {round_number + 1}/{reps} {config.name}")
+            run = run_once(config, train, args.timeout)
+            run["round"] = round_number
+            config.runs.append(run)
+            progress.finished(f"failed: {run['error']}" if run["steps_per_s"] is None
+                              else f"{run['steps_per_s']:.2f} steps/s, wall {run['wall_s']:.1f} s")
+    description["load_average_end"] = list(os.getloadavg())
+    results = []
+    for config in configs:
+        rate = common.median(r["steps_per_s"] for r in config.runs if r["steps_per_s"] is not None)
+        results.append({
+            "launcher": config.launcher.split()[0], "omp_num_threads": config.omp, "ranks": config.ranks,
+            "cores_per_rank": config.cores_per_rank, "name": config.name,
+            "series": config.launcher.replace(" OMP", " OMP_NUM_THREADS=cores"),
+            "steps_per_s": rate,
+            "samples_per_s": None if rate is None else rate * args.batch_size * config.ranks,
+            "runs": config.runs,
+        })
+    base = {r["ranks"]: r for r in results if r["series"] == "torchrun"}
+    print(f"\nmedian steps/s of the slowest rank ({steps} steps, batch {args.batch_size}), ratio to torchrun "
+          "of the same ranks (of the medians; median of per-round ratios):")
+    for r in results:
+        peer = base.get(r["ranks"])
+        ratio = r["steps_per_s"] / peer["steps_per_s"] if peer and r["steps_per_s"] and peer["steps_per_s"] else None
+        paired = common.paired_ratio([x["steps_per_s"] for x in r["runs"]], [x["steps_per_s"] for x in peer["runs"]]) if peer else None
+        r["ratio_to_torchrun"], r["paired_ratio_to_torchrun"] = ratio, paired
+        shown = "-" if r["steps_per_s"] is None else f"{r['steps_per_s']:7.2f}"
+        print(f"  {r['name']:28s} {shown} steps/s  x{ratio or 0:.2f}  (per round x{paired or 0:.2f})")
+    print(f"load average {description['load_average'][0]:.2f} at start, {description['load_average_end'][0]:.2f} at the end")
+    if args.json_path:
+        with open(args.json_path, "w") as handle:
+            json.dump({"machine": description, "steps": steps, "reps": reps, "batch_size": args.batch_size,
+                       "results": results}, handle, indent=1)
+        print(f"wrote {args.json_path}")
+    if draw:
+        title = (f"examples/train.py --ddp b{args.batch_size}, slowest rank, median of {reps}\n"
+                 f"{common.short_line(description)}")
+        common.plot(args.plot, results, value="samples_per_s", ylabel="samples/s (all ranks)",
+                    xlabel="ranks", title=title, x_of=lambda r: r["ranks"])
+        print(f"wrote {args.plot}")
+    return 0 if all(r["steps_per_s"] is not None for r in results) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

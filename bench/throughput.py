@@ -1,134 +1,286 @@
-"""Throughput of ``examples/infer.py`` under xlaunch, torch's ``run_cpu`` and plain python.
+"""Aggregate throughput of ``examples/infer.py`` under xlaunch, torch's ``run_cpu`` and plain python,
+in every shape this machine allows.
 
-    .venv/bin/python bench/throughput.py [--reps 3] [--iterations 20] [--only xlaunch]
+    .venv/bin/python bench/throughput.py [--quick] [--reps 3] [--seconds 6] [--json out.json] [--plot out.png]
 
-Configurations: plain ``python examples/infer.py``; ``run_cpu`` 1x2 and 2x1; ``xlaunch`` 1x2 and
-2x1 (automatic allocator / OpenMP); and each xlaunch 2x1 instance alone on its core ("solo": the
-instance's own argv and environment from ``xlaunch --dry-run --json``, under ``taskset``).
-The throughput of a run is the sum of every ``throughput: X img/s`` line it prints (one per
-instance). Repetitions are interleaved; medians and ratios are printed. Targets: xlaunch 2x1
->= every peer configuration and >= 0.95x the sum of the solo runs.
+Configurations come from the machine (xlaunch's own model, ``XLAUNCH_FSROOT`` ignored: the runs
+are real): with N usable physical cores, plain ``python examples/infer.py``; xlaunch and
+``python -m torch.backends.xeon.run_cpu`` at 1xN, at kx(N/k) for every instance width that
+divides the cores of a NUMA node (so 1, 2, 4, 8 and 16 instances on a 16-core node), and at Nx1;
+and both tools' ``--throughput-mode``.
+
+Honest aggregates: every instance of a run measures over the same fixed window (``infer.py
+--seconds S --barrier K``: the K instances start together once all are warmed up) and writes the
+end time of each batch (``--timeline-dir``). The aggregate counts only the work
+done while every instance ran: the window from the last instance's start to the first
+instance's last batch, each batch counted in proportion to its part inside (``shared_window``).
+
+Repetitions are interleaved (every configuration once per round); the medians, the ratios of
+xlaunch to run_cpu of the same shape (of the medians, and the median of the per-round ratios)
+and to plain python are printed. ``--json PATH`` writes every run; ``--plot PATH`` a PNG of the
+aggregate by instance width, one line per launcher.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
-import statistics
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
-REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
-XLAUNCH = str(VENV_BIN / "xlaunch")
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import _machine_bench as common  # noqa: E402
+
+REPO = BENCH.parent
 INFER = str(REPO / "examples" / "infer.py")
-THROUGHPUT = re.compile(rb"throughput: ([0-9.]+) img/s")
+XLAUNCH = [sys.executable, "-m", "xlaunch"]
 RUN_CPU = [sys.executable, "-m", "torch.backends.xeon.run_cpu"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Config:
-    name: str
-    argv: list[str]
-    instances: int                      # how many throughput lines a good run prints
-    env: dict[str, str] | None = None   # None: inherit
+    launcher: str                 # xlaunch | run_cpu | plain
+    instances: int
+    cores_per_instance: int       # for plain python: every core (torch's own thread count)
+    throughput_mode: bool = False
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        if self.launcher == "plain":
+            return "plain python"
+        shape = "--throughput-mode" if self.throughput_mode else f"{self.instances}x{self.cores_per_instance}"
+        return f"{self.launcher} {shape}"
+
+    @property
+    def shape(self) -> tuple[int, int, bool]:
+        return self.instances, self.cores_per_instance, self.throughput_mode
+
+    def argv(self, program: list[str]) -> list[str]:
+        if self.launcher == "plain":
+            return [sys.executable, *program]
+        tool = XLAUNCH if self.launcher == "xlaunch" else RUN_CPU
+        if self.throughput_mode:
+            return [*tool, "--throughput-mode", *program]
+        per = "--ncore_per_instance" if self.launcher == "xlaunch" else "--ncores-per-instance"
+        return [*tool, "--ninstances", str(self.instances), per, str(self.cores_per_instance), *program]
 
 
-def solo_configs(infer_args: list[str]) -> list[Config]:
-    """Each instance of ``xlaunch 2x1``, alone, with exactly its planned argv and environment."""
-    dry = subprocess.run([XLAUNCH, "--ninstances", "2", "--ncore_per_instance", "1", "--dry-run", "--json",
-                          INFER, *infer_args], capture_output=True, cwd=REPO)
-    if dry.returncode != 0:
-        print(f"(no solo runs: xlaunch --dry-run --json failed: {dry.stderr.decode().strip()})")
-        return []
-    plan = json.loads(dry.stdout)
-    configs = []
-    for instance in plan["instances"]:
-        cpus = ",".join(map(str, instance["cpus"]))
-        argv = list(instance["argv"])
-        if instance.get("bind", "native") == "native":
-            argv = ["taskset", "-c", cpus, *argv]
-        configs.append(Config(f"solo instance {instance['index']} (cpu {cpus})", argv, 1, instance["env"]))
+def configurations(per_node: list[int]) -> list[Config]:
+    """plain python; xlaunch and run_cpu in every shape of :func:`common.shapes`; both tools'
+    ``--throughput-mode`` (one instance per node with all its cores)."""
+    total = sum(per_node)
+    configs = [Config("plain", 1, total)]
+    for instances, width in common.shapes(per_node):
+        configs += [Config("xlaunch", instances, width), Config("run_cpu", instances, width)]
+    node_width = per_node[0] if len(set(per_node)) == 1 else 0   # 0: nodes differ in size
+    configs += [Config(tool, len(per_node), node_width, throughput_mode=True) for tool in ("xlaunch", "run_cpu")]
     return configs
 
 
-def all_configs(infer_args: list[str]) -> list[Config]:
-    script = [INFER, *infer_args]
-    return [
-        Config("plain python", [sys.executable, INFER, *infer_args], 1),
-        Config("run_cpu 1x2", [*RUN_CPU, "--ninstances", "1", "--ncores-per-instance", "2", *script], 1),
-        Config("run_cpu 2x1", [*RUN_CPU, "--ninstances", "2", "--ncores-per-instance", "1", *script], 2),
-        Config("xlaunch 1x2", [XLAUNCH, "--ninstances", "1", "--ncore_per_instance", "2", *script], 1),
-        Config("xlaunch 2x1", [XLAUNCH, "--ninstances", "2", "--ncore_per_instance", "1", *script], 2),
-        *solo_configs(infer_args),
-    ]
+def shared_window(timelines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The aggregate over the time every instance ran.
+
+    Each timeline (``infer.py --timeline-dir``) holds ``begin`` (its first batch's start),
+    ``ends`` (each batch's end; a batch starts where the previous one ended) and ``batch_size``.
+    A run where any instance has no batch has no aggregate.
+    The shared window runs from the latest ``begin`` to the earliest last batch end; a batch
+    counts ``batch_size`` x the part of it inside the window. Returns ``aggregate`` (img/s, None
+    when the instances never ran together), ``window`` ((start, end)), ``per_instance`` (img/s of
+    each inside the window) and ``late`` (seconds the last instance began after the first).
+    """
+    usable = [t for t in timelines if t.get("ends")]
+    if not usable or len(usable) < len(timelines):
+        return {"aggregate": None, "window": None, "per_instance": [], "late": None}
+    start = max(t["begin"] for t in usable)
+    end = min(t["ends"][-1] for t in usable)
+    late = start - min(t["begin"] for t in usable)
+    if end <= start:
+        return {"aggregate": None, "window": (start, end), "per_instance": [], "late": late}
+    per_instance = []
+    for t in usable:
+        images = 0.0
+        previous = t["begin"]
+        for batch_end in t["ends"]:
+            inside = min(batch_end, end) - max(previous, start)
+            if inside > 0:
+                images += t["batch_size"] * inside / (batch_end - previous)
+            previous = batch_end
+        per_instance.append(images / (end - start))
+    return {"aggregate": sum(per_instance), "window": (start, end), "per_instance": per_instance, "late": late}
 
 
-def run_once(config: Config, timeout: float) -> float | None:
-    """Total img/s of one run, or None when it failed or printed the wrong number of results."""
+def own_rate(timeline: dict[str, Any]) -> float:
+    """img/s of one instance over its own batches (what summing each instance's line counts)."""
+    ends = timeline["ends"]
+    if not ends:
+        return 0.0
+    return timeline["batch_size"] * len(ends) / max(ends[-1] - timeline["begin"], 1e-9)
+
+
+def run_once(config: Config, infer_args: list[str], seconds: float, timeout: float, env: dict[str, str]) -> dict[str, Any]:
+    """One run: launch, share a start time, read each instance's timeline. A dict for the JSON."""
+    scratch = tempfile.mkdtemp(prefix="xlaunch-bench-")
     try:
-        done = subprocess.run(config.argv, cwd=REPO, env=config.env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"  {config.name}: timed out after {timeout:g}s")
-        return None
-    values = [float(v) for v in THROUGHPUT.findall(done.stdout)]
-    if done.returncode != 0 or len(values) != config.instances:
-        tail = done.stdout.decode(errors="replace").strip().splitlines()[-3:]
-        print(f"  {config.name}: exit {done.returncode}, {len(values)} result(s): {' | '.join(tail)}")
-        return None
-    return sum(values)
+        launched = time.time()
+        program = [INFER, *infer_args, "--seconds", f"{seconds:g}", "--barrier", str(config.instances),
+                   "--timeline-dir", scratch]
+        try:
+            done = subprocess.run(config.argv(program), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+            status, output = done.returncode, done.stdout.decode(errors="replace")
+        except subprocess.TimeoutExpired as exc:
+            status, output = "timeout", (exc.stdout or b"").decode(errors="replace")
+        timelines = []
+        for name in sorted(os.listdir(scratch)):
+            if name.endswith(".json"):
+                with open(os.path.join(scratch, name)) as handle:
+                    timelines.append(json.load(handle))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    wall = time.time() - launched
+    record: dict[str, Any] = {"status": status, "wall_s": round(wall, 2), "instances_seen": len(timelines)}
+    if timelines:
+        record["ready_s"] = round(max(t["ready"] for t in timelines) - launched, 2)
+    if status != 0 or len(timelines) != config.instances:
+        tail = " | ".join(output.strip().splitlines()[-3:])
+        record.update(aggregate=None, error=f"exit {status}, {len(timelines)} of {config.instances} instance(s): {tail}")
+        return record
+    window = shared_window(timelines)
+    record.update(
+        aggregate=None if window["aggregate"] is None else round(window["aggregate"], 2),
+        window_s=None if window["window"] is None else round(window["window"][1] - window["window"][0], 3),
+        # the last instance's start after the shared start (the window lost to start-up)
+        late_s=round(max(0.0, max(t["begin"] for t in timelines) - timelines[0]["start_at"]), 3),
+        per_instance=[round(v, 2) for v in window["per_instance"]],
+        # what the instances' own lines add up to: each over its own window (not the aggregate)
+        sum_of_own=round(sum(own_rate(t) for t in timelines), 2),
+    )
+    if window["aggregate"] is None:
+        record["error"] = "the instances never ran at the same time"
+    return record
 
 
-def main() -> int:
+def summarize(configs: list[Config]) -> list[dict[str, Any]]:
+    results = []
+    for config in configs:
+        values = [run["aggregate"] for run in config.runs]
+        results.append({
+            "launcher": config.launcher, "instances": config.instances,
+            "cores_per_instance": config.cores_per_instance, "throughput_mode": config.throughput_mode,
+            "name": config.name, "series": config.launcher + (" --throughput-mode" if config.throughput_mode else ""),
+            "aggregate": common.median(v for v in values if v is not None),
+            "runs": config.runs,
+        })
+    return results
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    by_shape = {(r["launcher"], r["instances"], r["cores_per_instance"], r["throughput_mode"]): r for r in results}
+    plain = next((r for r in results if r["launcher"] == "plain"), None)
+    print("\nmedian aggregate img/s (shared window), ratio xlaunch/run_cpu of the same shape "
+          "(of the medians; median of per-round ratios):")
+    print(f"  {'shape':18s} {'xlaunch':>9s} {'run_cpu':>9s} {'ratio':>7s} {'per-round':>9s} {'xlaunch/plain':>13s}")
+    if plain:
+        print(f"  {'plain python':18s} {fmt(plain['aggregate']):>9s}")
+    for r in results:
+        if r["launcher"] != "xlaunch":
+            continue
+        peer = by_shape.get(("run_cpu", r["instances"], r["cores_per_instance"], r["throughput_mode"]))
+        ours, theirs = r["aggregate"], peer["aggregate"] if peer else None
+        ratio = ours / theirs if ours and theirs else None
+        paired = common.paired_ratio([x["aggregate"] for x in r["runs"]], [x["aggregate"] for x in peer["runs"]]) if peer else None
+        vs_plain = ours / plain["aggregate"] if ours and plain and plain["aggregate"] else None
+        shape = "--throughput-mode" if r["throughput_mode"] else f"{r['instances']}x{r['cores_per_instance']}"
+        print(f"  {shape:18s} {fmt(ours):>9s} {fmt(theirs):>9s} {fmt(ratio, 'x'):>7s} {fmt(paired, 'x'):>9s} "
+              f"{fmt(vs_plain, 'x'):>13s}")
+        r["ratio_to_run_cpu"] = ratio
+        r["paired_ratio_to_run_cpu"] = paired
+
+
+def fmt(value: Optional[float], suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}{suffix}" if suffix else f"{value:.1f}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--iterations", type=int, default=20, help="infer.py --iterations (default 20)")
+    parser.add_argument("--quick", action="store_true", help="a short run: 2 rounds of 2-second windows")
+    parser.add_argument("--reps", type=int, default=None, help="interleaved rounds (default 3; --quick 2)")
+    parser.add_argument("--seconds", type=float, default=None, help="measurement window (default 6; --quick 2)")
     parser.add_argument("--batch-size", type=int, default=16, help="infer.py --batch-size (default 16)")
     parser.add_argument("--only", action="append", default=[],
                         help="run only configurations whose name contains this (repeatable)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
-    args = parser.parse_args()
+    parser.add_argument("--list", action="store_true",
+                        help="print the configurations and their command lines, run nothing "
+                             "(XLAUNCH_FSROOT=<recorded machine> shows another machine's)")
+    parser.add_argument("--label", default=None, help="the machine's name in the output (e.g. '16-core Xeon VM')")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="draw the aggregates as a PNG (matplotlib)")
+    args = parser.parse_args(argv)
+    reps = args.reps if args.reps is not None else (2 if args.quick else 3)
+    seconds = args.seconds if args.seconds is not None else (2.0 if args.quick else 6.0)
 
-    infer_args = ["--iterations", str(args.iterations), "--batch-size", str(args.batch_size)]
-    configs = all_configs(infer_args)
+    if not args.list:
+        os.environ.pop("XLAUNCH_FSROOT", None)      # the runs are real: plan for this machine
+    from xlaunch.machine import load_machine
+
+    machine = load_machine()
+    draw = common.plot_available(args.plot)
+    per_node = common.node_cores(machine)
+    description = common.describe_machine(machine, per_node, args.label)
+    print(common.machine_line(description))
+    configs = configurations(per_node)
     if args.only:
         configs = [c for c in configs if any(word in c.name for word in args.only)]
-    samples: dict[str, list[float]] = {c.name: [] for c in configs}
-    started = time.monotonic()
-    for round_number in range(args.reps):
+    if args.list:
         for config in configs:
-            value = run_once(config, args.timeout)
-            if value is not None:
-                samples[config.name].append(value)
-        print(f"round {round_number + 1}/{args.reps} done after {time.monotonic() - started:.0f}s", flush=True)
-
-    medians = {name: statistics.median(v) for name, v in samples.items() if v}
-    print(f"\nexamples/infer.py throughput, {args.reps} interleaved rounds, medians (img/s):")
-    for name, values in samples.items():
-        if values:
-            spread = f"[{min(values):.1f} .. {max(values):.1f}]"
-            print(f"  {name:28s} {medians[name]:9.1f}  {spread}  n={len(values)}")
-        else:
-            print(f"  {name:28s}    failed")
-
-    ours = medians.get("xlaunch 2x1")
-    if ours is None:
-        print("xlaunch 2x1 has no result: no ratios")
-        return 1
-    print("\nratios of xlaunch 2x1 to:")
-    for name, value in medians.items():
-        if name != "xlaunch 2x1" and not name.startswith("solo"):
-            print(f"  {name:28s} {ours / value:6.2f}x  {'ok' if ours >= value else 'BELOW'}")
-    solos = [value for name, value in medians.items() if name.startswith("solo")]
-    if solos:
-        total = sum(solos)
-        print(f"  {'sum of solo runs':28s} {ours / total:6.2f}x  "
-              f"{'ok' if ours >= 0.95 * total else 'BELOW'} (target >= 0.95x; sum {total:.1f} img/s)")
-    return 0
+            print(f"  {config.name:28s} {' '.join(config.argv(['examples/infer.py']))}")
+        return 0
+    print(f"{len(configs)} configurations x {reps} interleaved rounds, {seconds:g} s windows: "
+          + ", ".join(c.name for c in configs), flush=True)
+    env = common.clean_environment(str(REPO))
+    infer_args = ["--batch-size", str(args.batch_size), "--warmup", "3"]
+    progress = common.Progress(len(configs) * reps)
+    for round_number in range(reps):
+        for config in configs:
+            progress.starting(f"round {round_number + 1}/{reps} {config.name}")
+            run = run_once(config, infer_args, seconds, args.timeout, env)
+            run["round"] = round_number
+            config.runs.append(run)
+            if run["aggregate"] is None:
+                progress.finished(f"failed: {run.get('error')}")
+            else:
+                progress.finished(f"{run['aggregate']:.1f} img/s over {run['window_s']:.2f} s "
+                                  f"(late {run['late_s']:.2f} s; sum of own {run['sum_of_own']:.1f})")
+    description["load_average_end"] = list(os.getloadavg())
+    results = summarize(configs)
+    print_table(results)
+    print(f"load average {description['load_average'][0]:.2f} at start, "
+          f"{description['load_average_end'][0]:.2f} at the end")
+    if args.json_path:
+        with open(args.json_path, "w") as handle:
+            json.dump({"machine": description, "seconds": seconds, "reps": reps, "batch_size": args.batch_size,
+                       "results": results}, handle, indent=1)
+        print(f"wrote {args.json_path}")
+    if draw:
+        title = (f"examples/infer.py b{args.batch_size}, aggregate over the shared window, median of {reps}\n"
+                 f"{common.short_line(description)}")
+        common.plot(args.plot, [r for r in results if r["launcher"] != "plain"], value="aggregate",
+                    ylabel="aggregate img/s", xlabel="cores per instance", title=title,
+                    x_of=lambda r: r["cores_per_instance"] or 1,
+                    baseline=next((("plain python", r["aggregate"]) for r in results if r["launcher"] == "plain"), None))
+        print(f"wrote {args.plot}")
+    return 0 if all(r["aggregate"] is not None for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -1,13 +1,25 @@
 """The embedded default workload: a small CNN, batch inference, throughput printed at the end.
 
     python examples/infer.py [--batch-size 16] [--iterations 30] [--warmup 5]
+    python examples/infer.py --seconds 5 [--start-at EPOCH] [--timeline-dir DIR]
 
 Under ``xlaunch`` each instance prints its index and CPUs, so a multi-instance run can be read
 line by line. The last line is machine-readable: ``throughput: <float> img/s``.
+
+A fixed window instead of a fixed count (what ``bench/throughput.py`` uses to count an aggregate
+honestly): ``--seconds S`` runs batches from a start time until S seconds later; the batch running
+at the end finishes and is counted in proportion. The start is ``--start-at EPOCH`` (a
+``time.time()`` value given to every instance), or with ``--barrier K`` the moment the K-th
+instance is ready (each writes ``DIR/ready-<pid>`` with its ready time and waits for K of them;
+all start 0.2 s after the last), or else as soon as warm-up ends. ``--timeline-dir DIR`` writes
+``DIR/<pid>.json``: when the instance was ready, its window, and the end time of every batch, so
+the aggregate can count only the work done while every instance ran (``bench/throughput.py``,
+``shared_window``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -48,7 +60,19 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="measure for this many seconds (a fixed window) instead of --iterations")
+    parser.add_argument("--start-at", type=float, default=None, metavar="EPOCH",
+                        help="with --seconds: start the window at this time.time() (after warm-up)")
+    parser.add_argument("--timeline-dir", default=None, metavar="DIR",
+                        help="with --seconds: write DIR/<pid>.json (ready time, window, each batch's end)")
+    parser.add_argument("--barrier", type=int, default=None, metavar="K",
+                        help="with --timeline-dir: start when K instances are ready (instead of --start-at)")
     args = parser.parse_args()
+    if (args.start_at is not None or args.timeline_dir is not None) and args.seconds is None:
+        parser.error("--start-at and --timeline-dir need --seconds")
+    if args.barrier is not None and (args.timeline_dir is None or args.start_at is not None):
+        parser.error("--barrier needs --timeline-dir, and replaces --start-at")
 
     torch.manual_seed(0)
     model = small_cnn().eval()
@@ -60,11 +84,68 @@ def main() -> None:
     with torch.no_grad():
         for _ in range(args.warmup):
             model(x)
+        if args.seconds is not None:
+            start_at = args.start_at
+            if args.barrier is not None:
+                start_at = barrier(args.timeline_dir, args.barrier)
+            images = fixed_window(model, x, args.seconds, start_at, args.timeline_dir, index, cpus)
+            print(f"throughput: {images:.1f} img/s", flush=True)
+            return
         start = time.perf_counter()
         for _ in range(args.iterations):
             model(x)
         elapsed = time.perf_counter() - start
     print(f"throughput: {args.batch_size * args.iterations / elapsed:.1f} img/s", flush=True)
+
+
+def barrier(directory: str, count: int, timeout: float = 600.0) -> float:
+    """Announce this instance ready, wait for ``count`` ready instances; the shared start time
+    (0.2 s after the last one was ready; the same in every instance: it is read from the files)."""
+    path = os.path.join(directory, f"ready-{os.getpid()}")
+    with open(path + ".tmp", "w") as handle:
+        handle.write(repr(time.time()))
+    os.replace(path + ".tmp", path)
+    deadline = time.monotonic() + timeout
+    while True:
+        names = [n for n in os.listdir(directory) if n.startswith("ready-") and not n.endswith(".tmp")]
+        if len(names) >= count or time.monotonic() > deadline:
+            times = []
+            for name in names:
+                with open(os.path.join(directory, name)) as handle:
+                    times.append(float(handle.read()))
+            return max(times) + 0.2
+        time.sleep(0.01)
+
+
+def fixed_window(model: nn.Module, x: torch.Tensor, seconds: float, start_at: float | None,
+                 timeline_dir: str | None, index: str, cpus: str) -> float:
+    """Run batches from ``start_at`` (or now, if later) until ``seconds`` after it; img/s of the
+    window, the last batch counted in proportion to its part inside the window."""
+    ready = time.time()
+    if start_at is not None and start_at > ready:
+        time.sleep(start_at - ready)
+    begin = time.time()
+    # the window's end is fixed from the shared start: a late instance gets a shorter window
+    end = (start_at if start_at is not None else begin) + seconds
+    ends: list[float] = []
+    last = begin
+    while last < end:
+        model(x)
+        last = time.time()
+        ends.append(last)
+    if ends:   # batches inside [begin, end]: the last one in proportion
+        previous = ends[-2] if len(ends) > 1 else begin
+        whole = len(ends) - 1 + (end - previous) / max(last - previous, 1e-9)
+    else:      # warm-up ended after the window: nothing measured
+        whole = 0.0
+    if timeline_dir is not None:
+        record = {"pid": os.getpid(), "instance": index, "cpus": cpus, "batch_size": x.shape[0],
+                  "ready": ready, "start_at": start_at, "begin": begin, "end": end, "ends": ends}
+        path = os.path.join(timeline_dir, f"{os.getpid()}.json")
+        with open(path + ".tmp", "w") as handle:
+            json.dump(record, handle)
+        os.replace(path + ".tmp", path)
+    return x.shape[0] * whole / max(end - begin, 1e-9)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,21 @@ def test_rerecording_a_tree_keeps_the_model_and_the_host_files(tmp_path, name):
     assert governors == sorted(p.relative_to(out) for p in out.glob("sys/devices/system/cpu/cpu*/cpufreq/*"))
 
 
+def test_an_empty_cpufreq_directory_is_recorded(tmp_path):
+    """A VM's kernel shows ``cpu/cpufreq/`` with no policy: "no frequency driver" (``none``),
+    which a recording without the directory would turn into ``unknown``."""
+    import shutil
+
+    source = tmp_path / "vm"
+    shutil.copytree(machine_tree("vm-adjacent-smt"), source)
+    (source / "sys/devices/system/cpu/cpufreq").mkdir()
+    assert load_machine(str(source)).host.governors == (("none", 8),)
+    out = tmp_path / "recorded"
+    assert record_main([str(out), "--source", str(source)]) == 0
+    assert (out / "sys/devices/system/cpu/cpufreq").is_dir()
+    assert load_machine(str(out)).host.governors == (("none", 8),)
+
+
 def test_archive_round_trip_and_fsroot_takes_the_archive(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     source = machine_tree("vm-adjacent-smt")

@@ -56,7 +56,7 @@ def assert_consistent(machine) -> None:
 
 def test_all_expected_trees_are_recorded():
     assert {"xeon-2s-amx", "epyc-4node-nps4", "hybrid-laptop", "vm-adjacent-smt", "container-cpuset",
-            "offline-cpus", "memory-only-node", "vm-no-node", "xeon-max-snc4-hbm"} <= set(TREES)
+            "offline-cpus", "memory-only-node", "vm-no-node", "xeon-max-snc4-hbm", "spr16"} <= set(TREES)
 
 
 @pytest.mark.parametrize("name", TREES)
@@ -207,6 +207,7 @@ HOST = {
     "memory-only-node": ("always", "1", "on", "1", "performance"),    # the CXL node is a second node
     "vm-no-node": ("always", None, "notsupported", "0", None),
     "xeon-max-snc4-hbm": ("always", "0", "on", "1", "performance"),   # HPC: balancing off
+    "spr16": ("madvise", "0", "notsupported", "0", None),             # recorded: a 16-core VM (test_spr16.py)
 }
 
 

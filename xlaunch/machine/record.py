@@ -6,7 +6,7 @@
 
 Copies only what xlaunch reads, and the few siblings that make a tree faithful: the CPU and node
 lists, each CPU's ``online``, ``topology/``, ``cache/index*/`` small files and
-``cpufreq/scaling_governor``, SMT ``control``/``active``, node ``cpulist/cpumap/distance/meminfo``,
+``cpufreq/scaling_governor``, the ``cpu/cpufreq/policyN`` directory names, SMT ``control``/``active``, node ``cpulist/cpumap/distance/meminfo``,
 the hybrid ``cpu_core|cpu_atom/cpus`` lists, transparent huge page ``enabled``/``defrag``,
 ``proc/sys/kernel/numa_balancing``, ``proc/cpuinfo``, ``proc/meminfo``, the recording process's
 ``proc/self/status`` and ``proc/self/cgroup``, and the cgroup CPU quota files on that process's
@@ -62,6 +62,7 @@ def record(source: str, out: str) -> int:
     written = 0
     for name in CPU_LISTS:
         written += copy(source, out, f"{CPU}/{name}")
+    written += copy_cpufreq_dirs(source, out)
     for cpu in numbered(os.path.join(source, CPU), "cpu"):
         base = f"{CPU}/{cpu}"
         os.makedirs(os.path.join(out, base), exist_ok=True)
@@ -85,6 +86,19 @@ def record(source: str, out: str) -> int:
         written += copy(source, out, relative)
     written += record_cgroup_quotas(source, out)
     return written
+
+
+def copy_cpufreq_dirs(source: str, out: str) -> int:
+    """``cpu/cpufreq/`` and its ``policyN`` names, as empty directories: an empty ``cpufreq``
+    is how a kernel says "no frequency driver" (most VMs), which the reader reports as ``none``;
+    without it a recording would read ``unknown``. Returns 1 when the directory exists."""
+    cpufreq = os.path.join(source, CPU, "cpufreq")
+    if not os.path.isdir(cpufreq):
+        return 0
+    os.makedirs(os.path.join(out, CPU, "cpufreq"), exist_ok=True)
+    for policy in numbered(cpufreq, "policy"):
+        os.makedirs(os.path.join(out, CPU, "cpufreq", policy), exist_ok=True)
+    return 1
 
 
 def record_cgroup_quotas(source: str, out: str) -> int:
