@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -106,7 +107,7 @@ def test_auto_keeps_the_fastest_route_and_rejects_wrong_results(monkeypatch: pyt
     assert progress[7].startswith("xlaunch.optimize: building openvino: wrong results")
     report = fast.report
     assert report.backend == "onnxruntime", str(report)
-    assert report.reason.startswith("onnxruntime measured ") and report.reason.endswith("x faster than eager")
+    assert re.fullmatch(r"onnxruntime measured [\d.]+x faster than eager(, noise [\d.]+%)?", report.reason), report.reason
     # one build time per route: the progress line gives the report's
     built = report.routes["onnxruntime"].build_s
     assert f"xlaunch.optimize: building onnxruntime: built in {built:.1f} s, checked in " in progress[5]
