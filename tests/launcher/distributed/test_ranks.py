@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from host_cpus import allowed_cores
 from machine_trees import machine_tree
 
 from xlaunch._records import replace
@@ -401,8 +402,10 @@ def test_too_many_ranks_names_the_rank_option(capsys: pytest.CaptureFixture) -> 
 def test_no_torch_on_the_planning_paths() -> None:
     """--per-rank never imports torch; the front only when it really launches."""
     train = str(REPO / "examples" / "train.py")
-    for argv, env in ((["--nproc-per-node", "2", "--dry-run", train], {}),
-                      (["--per-rank", "--reserve-cores", "0", "--no-python", "/bin/true"], engine_env("torchrun", 0, 2))):
+    ranks = min(2, allowed_cores())            # planned for this machine: as many as it has cores
+    for argv, env in ((["--nproc-per-node", str(ranks), "--dry-run", train], {}),
+                      (["--per-rank", "--reserve-cores", "0", "--no-python", "/bin/true"],
+                       engine_env("torchrun", 0, ranks))):
         full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), **env}
         done = subprocess.run([sys.executable, "-X", "importtime", "-m", "xlaunch", *argv], env=full, cwd=REPO,
                               capture_output=True, text=True, timeout=60)
