@@ -346,3 +346,22 @@ def test_script_setting_its_own_master_address_works_under_the_front(tmp_path: P
                           cwd=REPO, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr
     assert sorted(prefixed(done.stdout)) == [(0, "rank 0 sum 3"), (1, "rank 1 sum 3")], done.stdout
+
+
+def test_a_rendezvous_nobody_joins_fails_within_its_bound(tmp_path: Path) -> None:
+    """Node 0 of 2, and node 1 never comes: --rdzv-timeout bounds the wait (torch's default is
+    10 minutes) and the one error line says what was waited for."""
+    program, token = _rank_program(tmp_path)
+    port = free_port()
+    started = time.monotonic()
+    done = subprocess.run(xlaunch("-q", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-addr",
+                                  "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "1", program, "exit"),
+                          env=job_env(), cwd=REPO, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].split("xlaunch: error: ", 1)[1].startswith(
+        f"rendezvous: waited 1 s for the other nodes of --nnodes 2 at the master address 127.0.0.1:{port} "
+        "(node 0 hosts the rendezvous store there); the ranks were not started"), done.stderr
+    assert elapsed < 30, elapsed            # the agent's start (torch's import) and 1 s, not 10 minutes
+    assert ready_fields(done.stdout) == {} and leftovers(token) == []
