@@ -3,6 +3,7 @@ paths still working. (The layers and the absence of cycles: import-linter, run b
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 import warnings
@@ -50,12 +51,35 @@ PUBLIC = {
 }
 
 
+NO_TORCH = importlib.util.find_spec("torch") is None     # `pip install xlaunch` without the torch extra
+
+
+def _torch_missing(error: ImportError) -> bool:
+    """The one ImportError a torch-only name gives without torch (xlaunch._torch.needs_torch)."""
+    return NO_TORCH and error.name == "torch"
+
+
 @pytest.mark.parametrize("module", sorted(PUBLIC))
 def test_public_names_import(module: str) -> None:
-    loaded = importlib.import_module(module)
-    missing = [name for name in PUBLIC[module] if not hasattr(loaded, name)]
-    assert not missing
+    """Every public name is listed and resolves; without torch, a torch-only name is the one
+    ImportError naming torch (and the names that need no torch still resolve)."""
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as error:
+        if _torch_missing(error):
+            pytest.skip(f"{module} needs torch")
+        raise
     assert set(PUBLIC[module]) <= set(dir(loaded))
+    missing = []
+    for name in PUBLIC[module]:
+        try:
+            getattr(loaded, name)
+        except AttributeError:
+            missing.append(name)
+        except ImportError as error:
+            if not _torch_missing(error):
+                raise
+    assert not missing
 
 
 def test_kernels_optimize_is_callable_as_the_function() -> None:
@@ -98,12 +122,14 @@ def test_old_module_paths_give_the_new_module_with_a_warning() -> None:
         "                [str(w.message) for w in seen if w.category is DeprecationWarning]]\n"
         "print(json.dumps(out))\n"
     )
+    moved = {old: new for old, new in OLD_PATHS.items() if not (NO_TORCH and new.startswith("xlaunch.kernels"))}
+    script = script.replace(f"moved = {OLD_PATHS!r}", f"moved = {moved!r}")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
     import json
 
     seen = json.loads(result.stdout)
-    for old, new in OLD_PATHS.items():
+    for old, new in moved.items():
         same, messages = seen[old]
         assert same, old
         assert any(f"{old} moved to {new}" in m for m in messages), (old, messages)

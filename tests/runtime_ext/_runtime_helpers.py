@@ -5,18 +5,24 @@ import os
 import runpy
 import threading
 from pathlib import Path
+from typing import Optional
 
 from xlaunch.cpulist import parse_cpulist
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def thread_cpus(tid: int) -> tuple[int, ...]:
-    """Cpus_allowed_list of one thread of this process, from /proc/self/task/<tid>/status."""
-    with open(f"/proc/self/task/{tid}/status") as status:
-        for line in status:
-            if line.startswith("Cpus_allowed_list:"):
-                return parse_cpulist(line.split(":", 1)[1])
+def thread_cpus(tid: int) -> Optional[tuple[int, ...]]:
+    """Cpus_allowed_list of one thread of this process, from /proc/self/task/<tid>/status;
+    None when the thread has ended (listed a moment ago, gone now: OpenMP runtimes end surplus
+    team threads when a smaller team starts)."""
+    try:
+        with open(f"/proc/self/task/{tid}/status") as status:
+            for line in status:
+                if line.startswith("Cpus_allowed_list:"):
+                    return parse_cpulist(line.split(":", 1)[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
     raise AssertionError(f"no Cpus_allowed_list for thread {tid}")
 
 
@@ -25,9 +31,13 @@ def thread_ids() -> set[int]:
 
 
 def thread_cpu_ticks(tid: int) -> int:
-    """utime + stime of one thread, in clock ticks (/proc/self/task/<tid>/stat)."""
-    with open(f"/proc/self/task/{tid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
+    """utime + stime of one thread, in clock ticks (/proc/self/task/<tid>/stat); -1 when the
+    thread has ended."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return -1
     return int(fields[11]) + int(fields[12])
 
 

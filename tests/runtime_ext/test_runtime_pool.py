@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from host_cpus import need_cores, planned
 
 from xlaunch.runtime_ext import CPUPool, topology
 from xlaunch.runtime_ext.topology import AllowedCore
@@ -142,10 +143,10 @@ def test_pools_on_recorded_machines(monkeypatch, tree, default, node_pools):
 
 
 def test_default_pool_inside_xlaunch_instances_is_each_instances_cpus(tmp_path):
-    """Under ``xlaunch --ninstances 2`` each process is already pinned: CPUPool() is its CPU."""
+    """Under ``xlaunch --ninstances 2`` each process is already pinned: CPUPool() is its CPUs,
+    one team thread on each (however many CPUs an instance has)."""
     pytest.importorskip("torch")
-    if len(ALLOWED) < 2:
-        pytest.skip("needs 2 allowed CPUs")
+    need_cores(2)
     script = tmp_path / "pool.py"
     script.write_text(
         "import os, torch\n"
@@ -154,8 +155,9 @@ def test_default_pool_inside_xlaunch_instances_is_each_instances_cpus(tmp_path):
         "with pool:\n"
         "    team = [m.cpus for m in threadpool_info().team]\n"
         "print('pool', os.environ['XLAUNCH_INSTANCE_INDEX'], list(pool.cpus), [list(c) for c in team])\n")
+    instances = planned(["-q", "--ninstances", "2", str(script)])
     result = subprocess.run([sys.executable, "-m", "xlaunch", "-q", "--ninstances", "2", str(script)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if " pool " in line)
-    assert lines == [f"[{i}] pool {i} [{ALLOWED[i]}] [[{ALLOWED[i]}]]" for i in range(2)]
+    assert lines == [f"[{i}] pool {i} {inst['cpus']} {[[c] for c in inst['cpus']]}" for i, inst in enumerate(instances)]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from host_cpus import main_thread_cpus, planned
 
 from xlaunch.runtime_ext.topology import process_cpus
 
@@ -101,14 +102,15 @@ def test_inside_a_two_cpu_instance_after_torch_ran(omp, tmp_path, iomp_path):
     script = tmp_path / "instance.py"
     script.write_text(INSTANCE_PROGRAM)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLAUNCH_", "OMP_", "KMP_", "GOMP_", "LD_PRELOAD"))}
-    result = subprocess.run(
-        [sys.executable, "-m", "xlaunch", "-q", "--ninstances", "1", "--ncores-per-instance", "2",
-         "--omp-runtime", omp, str(script)],
-        capture_output=True, text=True, timeout=120, env=env)
+    argv = ["-q", "--ninstances", "1", "--ncores-per-instance", "2", "--omp-runtime", omp, str(script)]
+    [instance] = planned(argv, env)
+    result = subprocess.run([sys.executable, "-m", "xlaunch", *argv], capture_output=True, text=True, timeout=120,
+                            env=env)
     assert result.returncode == 0 and not result.stderr, result.stderr
-    mine = list(ALLOWED[:2])
+    mine = instance["cpus"]
     # Intel OpenMP binds only the team's workers: the main thread, and threads it starts, keep
     # the instance. GNU OpenMP binds the master too (measured faster, docs/runtime.md): the main
     # thread and later threads are on the first CPU, but CPUPool() is still the instance.
-    main = format_cpulist(mine) if omp == "intel" else str(mine[0])
+    main = format_cpulist(main_thread_cpus(instance))
+    assert main == (format_cpulist(mine) if omp == "intel" else str(mine[0]))
     assert result.stdout.strip() == f"[0] pool {mine} thread {main} main {main} streams True", result.stdout

@@ -20,7 +20,7 @@ print("score:", 10 + ("KMP_BLOCKTIME" in os.environ))
 """
 
 
-def test_trials_carry_what_their_kernels_ran(tmp_path: Path) -> None:
+def test_trials_carry_what_their_kernels_ran(tmp_path: Path, iomp_path: str) -> None:   # omp-runtime intel
     (tmp_path / "program.py").write_text(PROGRAM)
     (tmp_path / "space.toml").write_text('[space]\nomp-runtime = ["default", "intel"]\n')
     done = subprocess.run([sys.executable, "-m", "xlaunch.tune", "--space", "space.toml", "--metric", r"score: (\d+)",

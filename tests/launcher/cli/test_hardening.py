@@ -145,8 +145,10 @@ def test_empty_or_nonsense_fsroot_is_refused(tmp_path, marker_script) -> None:
 def test_dry_run_json_prints_no_inherited_secrets(marker_script) -> None:
     script, _marker = marker_script
     secret = "hunter2-do-not-print"
+    # a recorded machine: the plan's shape must not depend on how many CPUs this process may use
     result = xlaunch("--dry-run", "--json", "--ninstances", "2", "--ncores-per-instance", "1", str(script),
-                     env={"AWS_SECRET_ACCESS_KEY": secret, "OMP_NUM_THREADS": "", "LD_PRELOAD": ""})
+                     env={"AWS_SECRET_ACCESS_KEY": secret, "OMP_NUM_THREADS": "", "LD_PRELOAD": "",
+                          "XLAUNCH_FSROOT": str(machine_tree("xeon-2s-amx"))})
     assert result.returncode == 0, result.stderr
     assert secret not in result.stdout
     plan = json.loads(result.stdout)

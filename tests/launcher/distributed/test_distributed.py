@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from host_cpus import main_thread_cpus
 
 from xlaunch.cpulist import format_cpulist, parse_cpulist
 
@@ -81,11 +82,16 @@ def xlaunch(*argv: str) -> list[str]:
     return [sys.executable, "-m", "xlaunch", *argv]
 
 
-def slices(*argv: str) -> list[str]:
-    """The CPUs of each planned rank, from the front's own --dry-run --json."""
+def planned_ranks(*argv: str) -> list[dict]:
+    """Each planned rank (``cpus``, ``env``), from the front's own --dry-run --json."""
     out = subprocess.run(xlaunch(*argv[:-1], "--dry-run", "--json", argv[-1]), env=job_env(), cwd=REPO,
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    return [format_cpulist(i["cpus"]) for i in json.loads(out)["instances"]]
+    return json.loads(out)["instances"]
+
+
+def slices(*argv: str) -> list[str]:
+    """The CPUs of each planned rank, as a cpulist."""
+    return [format_cpulist(i["cpus"]) for i in planned_ranks(*argv)]
 
 
 DDP_LINE = re.compile(r"ddp rank (\d+) world (\d+) local_rank (\d+) cpus (\S+) threads (\d+) "
@@ -111,22 +117,24 @@ def leftovers(token: str) -> list[int]:
     return found
 
 
-def check_ddp(output: str, expected_cpus: list[str], world: int = 2) -> None:
+def check_ddp(output: str, ranks: list[dict], world: int = 2) -> None:
     lines = ddp_lines(output)
     assert sorted(lines) == list(range(world)), output
     assert {v["world"] for v in lines.values()} == {str(world)}
     assert len({v["checksum"] for v in lines.values()}) == 1, output      # gradients were averaged
     for rank, fields in lines.items():
-        local = int(fields["local_rank"])
-        assert fields["cpus"] == expected_cpus[local], (rank, fields)
-        assert fields["threads"] == str(len(parse_cpulist(expected_cpus[local])))
+        planned = ranks[int(fields["local_rank"])]
+        # examples/train.py reports /proc/self/status after torch ran: the main thread's mask, which
+        # GNU OpenMP (OMP_PROC_BIND) narrowed to the rank's first CPU; Intel OpenMP leaves the slice
+        assert fields["cpus"] == format_cpulist(main_thread_cpus(planned)), (rank, fields, planned["cpus"])
+        assert fields["threads"] == str(len(planned["cpus"]))
 
 
 def test_front_trains_ddp_with_each_rank_on_its_slice() -> None:
     port = str(free_port())
     argv = ("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, TRAIN)
-    expected = slices(*argv)
-    assert len(expected) == 2 and not set(expected[0].split(",")) & set(expected[1].split(","))
+    expected = planned_ranks(*argv)
+    assert len(expected) == 2 and not set(expected[0]["cpus"]) & set(expected[1]["cpus"])
     done = subprocess.run(xlaunch(*argv, "--ddp", "--steps", "2"), env=job_env(), cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -140,7 +148,7 @@ def test_plain_torchrun_with_per_rank_ranks(tmp_path: Path) -> None:
     script.chmod(0o755)
     env = job_env()
     env["PATH"] = f"{tmp_path}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
-    expected = slices("--nproc-per-node", "2", TRAIN)
+    expected = planned_ranks("--nproc-per-node", "2", TRAIN)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--no-python", "xlaunch", "--per-rank",
                TRAIN, "--ddp", "--steps", "2"]
@@ -238,7 +246,8 @@ def test_failing_rank_stops_the_others_within_the_grace_period(tmp_path: Path) -
     assert done.returncode == 3, done.stderr
     ready = ready_fields(done.stdout)
     assert [(r[1], r[3]) for r in (ready[0], ready[1])] == [("0", expected[0]), ("1", expected[1])], done.stdout
-    assert all(r[7] == "1" for r in ready.values())          # OMP_NUM_THREADS: the slice's size, not torchrun's 1
+    # OMP_NUM_THREADS: the slice's size, not torchrun's 1
+    assert [ready[rank][7] for rank in (0, 1)] == [str(len(parse_cpulist(cpus))) for cpus in expected]
     assert ready[0][5] == ready[1][5]                        # both ranks are children of the same agent (exec'd)
     for rank in (0, 1):                                      # whole lines, each under its own rank's prefix
         lines = [text for index, text in prefixed(done.stdout) if index == rank and not text.startswith("ready ")]
@@ -337,3 +346,22 @@ def test_script_setting_its_own_master_address_works_under_the_front(tmp_path: P
                           cwd=REPO, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr
     assert sorted(prefixed(done.stdout)) == [(0, "rank 0 sum 3"), (1, "rank 1 sum 3")], done.stdout
+
+
+def test_a_rendezvous_nobody_joins_fails_within_its_bound(tmp_path: Path) -> None:
+    """Node 0 of 2, and node 1 never comes: --rdzv-timeout bounds the wait (torch's default is
+    10 minutes) and the one error line says what was waited for."""
+    program, token = _rank_program(tmp_path)
+    port = free_port()
+    started = time.monotonic()
+    done = subprocess.run(xlaunch("-q", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-addr",
+                                  "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "1", program, "exit"),
+                          env=job_env(), cwd=REPO, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].split("xlaunch: error: ", 1)[1].startswith(
+        f"rendezvous: waited 1 s for the other nodes of --nnodes 2 at the master address 127.0.0.1:{port} "
+        "(node 0 hosts the rendezvous store there); the ranks were not started"), done.stderr
+    assert elapsed < 30, elapsed            # the agent's start (torch's import) and 1 s, not 10 minutes
+    assert ready_fields(done.stdout) == {} and leftovers(token) == []

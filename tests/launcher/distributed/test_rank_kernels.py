@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from machine_trees import machine_tree
 
 from xlaunch.launcher.observe.kernel_report import RELAYOUT_ADVICE
 
@@ -86,9 +87,11 @@ def test_a_stopped_rank_still_gets_its_output_and_report(tmp_path: Path) -> None
 
 
 def test_front_forwards_the_option_to_every_rank() -> None:
+    # planned for a recorded machine: two ranks fit whatever this process may use
+    env = {**os.environ, "XLAUNCH_FSROOT": str(machine_tree("xeon-2s-amx"))}
     out = subprocess.run([sys.executable, "-m", "xlaunch", "--nproc-per-node", "2", "--kernel-report", "--dry-run",
                           "--json", "--master-addr", "127.0.0.1", "--master-port", "29999", str(LOG)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+                         cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     command = data["distributed"]["rank_command"]

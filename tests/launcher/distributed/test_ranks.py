@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from host_cpus import allowed_cores
 from machine_trees import machine_tree
 
 from xlaunch._records import replace
@@ -288,7 +289,8 @@ def test_torchrun_spellings_and_front_options(dash: bool) -> None:
     assert torchrun_options(options) == [
         "--nproc-per-node", "2", "--nnodes", "1:3", "--node-rank", "1", "--master-addr", "127.0.0.1",
         "--master-port", "29999", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29999",
-        "--rdzv-id", "j1", "--max-restarts", "2", "--shutdown-timeout", "5", "--no-python"]
+        "--rdzv-id", "j1", "--max-restarts", "2", "--rdzv-conf", "join_timeout=600,timeout=600,read_timeout=60",
+        "--shutdown-timeout", "5", "--no-python"]
     worker = rank_command(options)
     assert worker[:3] == [options.python, "-m", "xlaunch"] and worker[-3:] == ["--", "examples/train.py", "--ddp"]
     # the ranks' options parse back to the same placement
@@ -299,6 +301,48 @@ def test_torchrun_spellings_and_front_options(dash: bool) -> None:
     assert logged[-3:] == ["--shutdown-timeout", "1", "--no-python"]     # xlaunch keeps the per-rank logs
     one_node = torchrun_options(replace(options, nnodes=None, rdzv_backend=None, rdzv_endpoint=None))
     assert "--master-port" not in one_node and "--master-addr" not in one_node   # the ranks' MASTER_* instead
+    # one node: the agents' private c10d rendezvous on a free port, named whatever torchrun's default
+    # (before torch's own single-node default, the static rendezvous on 29500 made the ranks clients of
+    # the agent's store while their MASTER_PORT pointed elsewhere: they waited 30 minutes)
+    assert one_node[one_node.index("--rdzv-backend"):][:4] == ["--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                                               "localhost:0"]
+    bounded = torchrun_options(replace(options, rdzv_timeout=2.5))
+    assert bounded[bounded.index("--rdzv-conf") + 1] == "join_timeout=3,timeout=3,read_timeout=3"
+
+
+def test_agent_rendezvous_errors_say_what_was_waited_for() -> None:
+    """The agent's one error line for a rendezvous that ran out (torch-free: torchrun's parsed
+    arguments and its exceptions' names)."""
+    from argparse import Namespace
+
+    from xlaunch.launcher.distributed.agent import is_rendezvous_failure, rendezvous_wait
+
+    conf = "join_timeout=7,timeout=7,read_timeout=7"
+    static = Namespace(rdzv_backend="static", rdzv_endpoint="", master_addr="10.0.0.1", master_port=29511, nnodes="2",
+                       node_rank=1, rdzv_conf=conf)
+    assert rendezvous_wait(static) == ("node 0's rendezvous store at the master address 10.0.0.1:29511 "
+                                       "(this is node 1 of 2)", "7 s")
+    assert rendezvous_wait(Namespace(**{**vars(static), "node_rank": 0}))[0] == (
+        "the other nodes of --nnodes 2 at the master address 10.0.0.1:29511 (node 0 hosts the rendezvous store there)")
+    c10d = Namespace(rdzv_backend="c10d", rdzv_endpoint="head:29400", nnodes="1:4", node_rank=None, rdzv_conf="")
+    assert rendezvous_wait(c10d) == ("the rendezvous of --nnodes 1:4 (c10d at head:29400)", "torch's default")
+
+    class RendezvousError(Exception):        # torch's exception classes, by name (their modules need torch)
+        pass
+
+    class RendezvousTimeoutError(RendezvousError):
+        pass
+
+    class DistError(RuntimeError):
+        pass
+
+    class DistStoreError(DistError):
+        pass
+
+    assert is_rendezvous_failure(RendezvousTimeoutError("join"))
+    assert is_rendezvous_failure(DistStoreError("Timed out after 4 seconds waiting for clients. 1/2 clients joined."))
+    assert is_rendezvous_failure(TimeoutError())
+    assert not is_rendezvous_failure(ValueError("unknown rendezvous backend 'etc'"))
 
 
 @pytest.mark.parametrize("tree, extra, ranks", [
@@ -401,8 +445,10 @@ def test_too_many_ranks_names_the_rank_option(capsys: pytest.CaptureFixture) -> 
 def test_no_torch_on_the_planning_paths() -> None:
     """--per-rank never imports torch; the front only when it really launches."""
     train = str(REPO / "examples" / "train.py")
-    for argv, env in ((["--nproc-per-node", "2", "--dry-run", train], {}),
-                      (["--per-rank", "--reserve-cores", "0", "--no-python", "/bin/true"], engine_env("torchrun", 0, 2))):
+    ranks = min(2, allowed_cores())            # planned for this machine: as many as it has cores
+    for argv, env in ((["--nproc-per-node", str(ranks), "--dry-run", train], {}),
+                      (["--per-rank", "--reserve-cores", "0", "--no-python", "/bin/true"],
+                       engine_env("torchrun", 0, ranks))):
         full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), **env}
         done = subprocess.run([sys.executable, "-X", "importtime", "-m", "xlaunch", *argv], env=full, cwd=REPO,
                               capture_output=True, text=True, timeout=60)

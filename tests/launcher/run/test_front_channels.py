@@ -124,3 +124,29 @@ def test_ranks_the_agent_stopped_after_a_failure_it_reaped_first_are_told_so() -
     assert ranks[0].stopped_by == "stopped after rank 1 failed"
     assert ranks[2].stopped_by == ""          # it ended on its own, with 0
     assert front.exit_status() == 3
+
+
+# the front with an agent that never starts its ranks (a rendezvous that never completes)
+STUCK_AGENT = """\
+import os, sys
+from xlaunch.launcher.plan.planner import Instance, Plan
+from xlaunch.launcher.run.front import FrontSupervisor
+cpu = min(os.sched_getaffinity(0))
+plan = Plan(tuple(Instance(i, (cpu,), (), dict(os.environ), ("true",)) for i in range(2)))
+agent = [sys.executable, "-c", "import time; time.sleep(60)"]
+sys.exit(FrontSupervisor(plan, agent, dict(os.environ), log_dir=None, log_file_prefix="xlaunch", grace_period=1.0,
+                         quiet=True, summary_json=None, torchrun=[], channels_var="XLAUNCH_FRONT_CHANNELS",
+                         start_timeout=1.0, waiting_for="a stuck rendezvous").run())
+"""
+
+
+def test_ranks_that_never_start_stop_the_job_within_the_bound() -> None:
+    """--rdzv-timeout bounds the front's wait for its ranks: one error line naming what it waited
+    for, exit status 1, the agent stopped (SIGTERM; SIGKILL after the grace period)."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", STUCK_AGENT], cwd=REPO, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == ["xlaunch: error: --nproc-per-node: 0 of 2 ranks started within 1 s of "
+                                        "torch's agent; waited for a stuck rendezvous: stopping the job"], done.stderr
+    assert elapsed < 1.0 + 1.0 + 3.0      # the bound, the grace period (the agent dies at SIGTERM), start-up

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from host_cpus import need_cores
+
 from xlaunch.launcher.run.logfiles import open_log_files
 
 REPO = Path(__file__).resolve().parents[3]
@@ -43,6 +45,7 @@ def test_rank_logs_are_named_and_set_aside_the_same_way(tmp_path: Path) -> None:
 
 
 def test_cli_two_instances_then_one(tmp_path: Path) -> None:
+    need_cores(2)
     logs = tmp_path / "logs"
     for count in ("2", "1"):
         done = subprocess.run([sys.executable, "-m", "xlaunch", "--ninstances", count, "--log-dir", str(logs),

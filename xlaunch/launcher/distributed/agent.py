@@ -11,7 +11,10 @@ entry adds three things:
 * the outcome goes to the front's result file (:data:`xlaunch.launcher.run.front.RESULT`): the job's status and
   the exit code of every rank the agent saw fail, for the front's per-rank summary;
 * the exit status is the job's: 0, the first failed rank's exit code (128+N when it was killed
-  by signal N), 128+N when the agent got signal N, 1 when the agent itself failed.
+  by signal N), 128+N when the agent got signal N, 1 when the agent itself failed;
+* a rendezvous that does not complete within its bound (``--rdzv-conf``, from ``--rdzv-timeout``)
+  is one error line that says what was waited for: the other nodes, node 0's store at the
+  master address and port, or the rendezvous endpoint (:func:`rendezvous_wait`).
 """
 from __future__ import annotations
 
@@ -39,6 +42,37 @@ def cap_shutdown_waits(grace: float) -> bool:
 
     api.PContext.close = close  # type: ignore[method-assign]
     return True
+
+
+def _conf(text: Optional[str]) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in (text or "").split(",") if "=" in part)
+
+
+def rendezvous_wait(args: Any) -> tuple[str, str]:
+    """``(what the agent waits for before its ranks can start, for how long)`` from torchrun's
+    parsed arguments, in words for an error line."""
+    conf = _conf(getattr(args, "rdzv_conf", None))
+    bound = conf.get("join_timeout") or conf.get("timeout") or "torch's default"
+    backend = (getattr(args, "rdzv_backend", None) or "static").lower()
+    nnodes = str(getattr(args, "nnodes", "1"))
+    if backend == "static":
+        endpoint = getattr(args, "rdzv_endpoint", None) or f"{args.master_addr}:{args.master_port}"
+        rank = int(getattr(args, "node_rank", 0) or 0)
+        if rank == 0:
+            what = (f"the other nodes of --nnodes {nnodes} at the master address {endpoint} "
+                    "(node 0 hosts the rendezvous store there)")
+        else:
+            what = f"node 0's rendezvous store at the master address {endpoint} (this is node {rank} of {nnodes})"
+    else:
+        what = f"the rendezvous of --nnodes {nnodes} ({backend} at {getattr(args, 'rdzv_endpoint', None)})"
+    return what, (f"{bound} s" if bound[:1].isdigit() else bound)
+
+
+def is_rendezvous_failure(error: BaseException) -> bool:
+    """A rendezvous or store wait that ran out (or could not reach its endpoint)."""
+    names = {klass.__name__ for klass in type(error).__mro__}
+    return bool(names & {"RendezvousError", "DistError", "TimeoutError", "ConnectionError", "socket.timeout"}) \
+        or "timed out" in str(error).lower() or "timeout" in str(error).lower()
 
 
 def _write_result(path: Optional[str], result: dict[str, Any]) -> None:
@@ -89,8 +123,14 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
     except SignalException as stopped:
         result["status"] = 128 + int(stopped.sigval)
     except Exception as error:   # rendezvous timeouts, unreachable endpoints, bad backend names
-        sys.stderr.write(f"xlaunch: error: torch's elastic agent failed: {type(error).__name__}: {error}\n")
-        result = {"status": 1, "error": f"{type(error).__name__}: {error}"}
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        if is_rendezvous_failure(error):
+            what, bound = rendezvous_wait(args)
+            message = f"rendezvous: waited {bound} for {what}; the ranks were not started ({type(error).__name__}: {first})"
+        else:
+            message = f"torch's elastic agent failed: {type(error).__name__}: {first}"
+        sys.stderr.write(f"xlaunch: error: {message}\n")
+        result = {"status": 1, "error": message}
     _write_result(result_path, result)
     return int(result["status"])
 

@@ -53,6 +53,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from xlaunch.launcher.plan.options import Options
     from xlaunch.launcher.plan.planner import Instance, Plan
 
+# One node: the agents' private c10d rendezvous, on a free port of this host (torchrun --standalone)
+PRIVATE_ENDPOINT = "localhost:0"
+# The front's wait for its ranks: the rendezvous' bound plus this, for the agent's start-up
+START_SLACK = 60.0
 # Options forwarded from the front to every rank (placement and runtime tuning).
 RANK_OPTIONS = (
     "ncores_per_instance", "nodes_list", "cores_list", "use_logical_cores", "core_type", "bind_numa_node",
@@ -290,9 +294,18 @@ def torchrun_options(options: "Options") -> list[str]:
     """torchrun's command-line options for ``options`` (before the worker command).
 
     On a single node ``--master-addr``/``--master-port`` are not torchrun's: they become the
-    ranks' ``MASTER_ADDR``/``MASTER_PORT`` (:func:`agent_environment`). ``--log-dir`` is xlaunch's
-    own (per-rank logs), not torchrun's.
+    ranks' ``MASTER_ADDR``/``MASTER_PORT`` (:func:`agent_environment`), and the agents meet in a
+    private c10d rendezvous on a free port (``--rdzv-backend c10d --rdzv-endpoint localhost:0``,
+    torchrun's ``--standalone``), named explicitly: torchrun releases from before its own
+    single-node default (pytorch#175699) use the static rendezvous on port 29500 instead, whose
+    store the agent hosts and tells the ranks to join as clients (``TORCHELASTIC_USE_AGENT_STORE``):
+    ranks sent to another ``MASTER_PORT`` (ours, or a script's own) then waited 30 minutes for a
+    store nobody hosted. Every rendezvous wait is bounded by
+    ``--rdzv-timeout`` (``--rdzv-conf``: c10d's join and read timeouts, the static rendezvous'
+    timeout). ``--log-dir`` is xlaunch's own (per-rank logs), not torchrun's.
     """
+    from xlaunch.launcher.plan.options import rendezvous_timeout
+
     argv = ["--nproc-per-node", str(options.nproc_per_node)]
     skipped = ("master_addr", "master_port") if single_node(options) else ()
     for name in ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
@@ -300,6 +313,10 @@ def torchrun_options(options: "Options") -> list[str]:
         value = getattr(options, name)
         if value is not None and name not in skipped:
             argv += ["--" + name.replace("_", "-"), str(value)]
+    if single_node(options):
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", PRIVATE_ENDPOINT]
+    timeout = int(math.ceil(rendezvous_timeout(options)))      # torch reads them as integers
+    argv += ["--rdzv-conf", f"join_timeout={timeout},timeout={timeout},read_timeout={min(timeout, 60)}"]
     argv += ["--shutdown-timeout", str(int(math.ceil(options.grace_period)))]
     return argv + ["--no-python"]
 
@@ -380,7 +397,29 @@ def run_job(options: "Options", node_plan: "Plan", agent: list[str], worker: lis
     return FrontSupervisor(node_plan, agent_argv, agent_environment(options, environ, os.getpid()),
                            log_dir=options.log_dir, log_file_prefix=options.log_file_prefix,
                            grace_period=options.grace_period, quiet=quiet, summary_json=options.summary_json,
-                           torchrun=agent, channels_var=CHANNELS_VAR).run()
+                           torchrun=agent, channels_var=CHANNELS_VAR, start_timeout=rank_start_timeout(options),
+                           waiting_for=start_wait(options)).run()
+
+
+def rank_start_timeout(options: "Options") -> float:
+    """How long the front waits for every rank to start once: the rendezvous' bound
+    (``--rdzv-timeout``) plus a minute for the agent's own start-up (a Python interpreter
+    importing torch: 2-10 s on a busy machine) and the ranks' (``xlaunch --per-rank``). The
+    agent's rendezvous error comes first; this catches an agent stuck anywhere else."""
+    from xlaunch.launcher.plan.options import rendezvous_timeout
+
+    return rendezvous_timeout(options) + START_SLACK
+
+
+def start_wait(options: "Options") -> str:
+    """What the ranks' start waits for, in words for the front's error line."""
+    if single_node(options):
+        return f"torch's agent to start, meet in its private rendezvous and start {options.nproc_per_node} ranks"
+    if options.rdzv_endpoint is not None:
+        where = f"{options.rdzv_backend or 'static'} at {options.rdzv_endpoint}"
+    else:
+        where = f"static at the master address {options.master_addr or '127.0.0.1'}:{options.master_port or 29500}"
+    return f"the rendezvous of --nnodes {options.nnodes} ({where}), then the ranks' start"
 
 
 def resolve_auto_ranks(options: "Options", machine: Any, environ: Mapping[str, str]) -> "Options":

@@ -87,6 +87,7 @@ class Options:
     rdzv_endpoint: Optional[str] = None
     rdzv_id: Optional[str] = None
     max_restarts: Optional[int] = None
+    rdzv_timeout: Optional[float] = None     # seconds; None: DEFAULT_RDZV_TIMEOUT (see rendezvous_timeout)
     per_rank: bool = False                   # inside an engine's rank: pin to this rank's slice, exec
     reserve_cores: int = 0                   # cores of each slice kept out of its OpenMP threads
 
@@ -118,7 +119,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 _KINDS.update({
     "nproc_per_node": "ranks", "nnodes": "text", "node_rank": "int", "master_addr": "text",
     "master_port": "int", "rdzv_backend": "text", "rdzv_endpoint": "text", "rdzv_id": "text",
-    "max_restarts": "int", "per_rank": "flag", "reserve_cores": "int",
+    "max_restarts": "int", "per_rank": "flag", "reserve_cores": "int", "rdzv_timeout": "seconds",
 })
 SETTABLE = frozenset(_KINDS)
 # ipexrun's --instance-idx -1 and run_cpu's --node-id -1 mean "all of them"
@@ -327,7 +328,15 @@ def validate(o: Options) -> None:
 
 # torchrun options that only mean something with --nproc-per-node
 _TORCHRUN_ONLY = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
-                  "rdzv_id", "max_restarts")
+                  "rdzv_id", "max_restarts", "rdzv_timeout")
+# How long the front's waits last when --rdzv-timeout is not given: torch's own default for a
+# rendezvous (c10d's join timeout, the static rendezvous' timeout).
+DEFAULT_RDZV_TIMEOUT = 600.0
+
+
+def rendezvous_timeout(o: "Options") -> float:
+    """Seconds the nodes' rendezvous may take (``--rdzv-timeout``, else :data:`DEFAULT_RDZV_TIMEOUT`)."""
+    return DEFAULT_RDZV_TIMEOUT if o.rdzv_timeout is None else o.rdzv_timeout
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -384,6 +393,8 @@ def validate_distributed(o: Options) -> None:
         raise OptionError("--master-port", f"must be a TCP port 1-65535, got {o.master_port}")
     if o.max_restarts is not None and o.max_restarts < 0:
         raise OptionError("--max-restarts", f"must be an integer >= 0, got {o.max_restarts}")
+    if o.rdzv_timeout is not None and not o.rdzv_timeout >= 1:
+        raise OptionError("--rdzv-timeout", f"must be at least 1 second, got {o.rdzv_timeout:g}")
     for name in ("master_addr", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
         value = getattr(o, name)
         if value is not None and not value.strip():

@@ -124,8 +124,15 @@ class FrontSupervisor(Supervisor):
 
     def __init__(self, plan: Plan, agent_argv: list[str], agent_env: dict[str, str], *,
                  log_dir: Optional[str], log_file_prefix: str, grace_period: float, quiet: bool,
-                 summary_json: Optional[str], torchrun: list[str], channels_var: str) -> None:
+                 summary_json: Optional[str], torchrun: list[str], channels_var: str,
+                 start_timeout: Optional[float] = None, waiting_for: str = "torch's agent") -> None:
         super().__init__(grace_period=grace_period, quiet=quiet, summary_json=summary_json)
+        # every rank must have started once within start_timeout of the agent's start (its
+        # rendezvous, bounded by the same --rdzv-timeout, plus the agent's own start-up)
+        self.start_timeout = start_timeout
+        self.waiting_for = waiting_for
+        self.start_deadline: Optional[float] = None
+        self.start_timed_out = False
         self.plan = plan
         self.agent_instance = Instance(index=-1, cpus=(), mem_nodes=(), env=dict(agent_env),
                                        argv=tuple(agent_argv), bind="none", membind="none")
@@ -182,6 +189,8 @@ class FrontSupervisor(Supervisor):
         agent = Child(instance, InstanceStream(-1, self.messages, None))
         agent.stream.prefix = b"[agent] "
         agent.started = time.monotonic()
+        if self.start_timeout is not None:
+            self.start_deadline = agent.started + self.start_timeout
         try:
             agent.proc = spawning.spawn(instance, stdin=spawning.stdin_for(len(self.children)),
                                         die_with_parent=single_threaded, memory=spawning.MemoryPolicy())
@@ -327,7 +336,27 @@ class FrontSupervisor(Supervisor):
         return all(c.done for c in self.groups())
 
     def next_due(self) -> Optional[float]:
-        return reporting.observe(self.children, time.monotonic())
+        due = reporting.observe(self.children, time.monotonic())
+        if self.start_deadline is not None:
+            due = self.start_deadline if due is None else min(due, self.start_deadline)
+        return due
+
+    def enforce_deadlines(self) -> None:
+        super().enforce_deadlines()
+        deadline = self.start_deadline
+        if deadline is None or time.monotonic() < deadline:
+            return
+        self.start_deadline = None
+        started = len(self.attempts)
+        agent = self.agent
+        if started >= len(self.children) or agent is None or agent.ended is not None or self.interrupted is not None:
+            return
+        self.start_timed_out = True
+        message = (f"--nproc-per-node: {started} of {len(self.children)} ranks started within "
+                   f"{self.start_timeout:g} s of torch's agent; waited for {self.waiting_for}: stopping the job")
+        self.log("error: " + message)
+        self._write_stderr(f"xlaunch: error: {message}\n")     # even with -q
+        self.signal_groups(signal.SIGTERM, "the ranks did not start in time")
 
     # ---------------------------------------------------------------- the end
 
@@ -360,6 +389,8 @@ class FrontSupervisor(Supervisor):
 
     def exit_status(self) -> int:
         agent = self.agent
+        if self.start_timed_out and self.interrupted is None and self.first_failure is None:
+            return 1
         if self.interrupted is not None and self.first_failure is None:
             return 128 + self.interrupted
         if agent is not None and agent.status is not None and getattr(self, "agent_exited", False):
