@@ -14,7 +14,23 @@ import os
 import sys
 import time
 
-import torch
+
+def _allowed_cpus() -> str:
+    """This process's CPUs as the kernel reports them (/proc/self/status), e.g. ``0-3``. Read before
+    torch is imported: GNU OpenMP with ``OMP_PROC_BIND`` then binds the main thread to its first place."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Cpus_allowed_list:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
+PROCESS_CPUS = _allowed_cpus()
+
+import torch  # noqa: E402  (after PROCESS_CPUS)
 from torch import nn
 
 
@@ -67,7 +83,7 @@ def main() -> None:
 
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
         say(f"ddp rank {rank} world {dist.get_world_size()} local_rank {os.environ.get('LOCAL_RANK')} "
-            f"cpus {_allowed_cpus()} threads {torch.get_num_threads()} "
+            f"cpus {PROCESS_CPUS} threads {torch.get_num_threads()} "
             f"steps/s {args.steps / elapsed:.2f} checksum {checksum:.6f}")
         dist.destroy_process_group()
 
@@ -77,18 +93,6 @@ def say(line: str) -> None:
     PYTHONUNBUFFERED writes the text and its newline separately (lines of two ranks could merge)."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
-
-
-def _allowed_cpus() -> str:
-    """This process's CPUs as the kernel reports them (/proc/self/status), e.g. ``0-3``."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Cpus_allowed_list:"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
 if __name__ == "__main__":
