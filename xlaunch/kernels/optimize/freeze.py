@@ -85,6 +85,8 @@ def _packed(module: nn.Module, seen: Optional[tuple[tuple, torch.dtype]]) -> Opt
     if seen is None:
         return None
     size, dtype = seen
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None   # oneDNN has no bf16 kernels on this CPU (no AVX-512): aten's path
     if (type(module) is nn.Conv2d and module.padding_mode == "zeros" and not isinstance(module.padding, str)
             and len(size) == 4 and dtype in (torch.float32, torch.bfloat16)):
         return layout.PackedConv2d(module, size, dtype)
@@ -94,14 +96,21 @@ def _packed(module: nn.Module, seen: Optional[tuple[tuple, torch.dtype]]) -> Opt
     return None
 
 
+def _plain(module: nn.Module) -> bool:
+    """A module that runs nothing but its class's forward: no instance forward, no hooks."""
+    return "forward" not in module.__dict__ and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        or getattr(module, "_backward_pre_hooks", None))
+
+
 def prepacked_copy(model: nn.Module, args: tuple) -> tuple[nn.Module, int]:
     """A copy of ``model`` (sharing its tensors) whose convs and bf16 linears hold their weights
     prepacked for the call ``model(*args)`` makes (:class:`layout.PackedConv2d`), and how many
     were swapped. Modules called more than once or from elsewhere keep their first call's
-    packing; modules ``forward`` never calls (read directly, as ``nn.MultiheadAttention`` does)
-    are left as they are."""
+    packing; modules ``forward`` never calls (read directly, as ``nn.MultiheadAttention`` does),
+    and modules with hooks or an instance ``forward``, are left as they are."""
     seen = _Seen()
-    candidates = [m for m in model.modules() if type(m) in (nn.Conv2d, nn.Linear)]
+    candidates = [m for m in model.modules() if type(m) in (nn.Conv2d, nn.Linear) and _plain(m)]
     if not candidates:
         return model, 0
     hooks = [m.register_forward_pre_hook(seen.hook) for m in candidates]
