@@ -140,6 +140,25 @@ def prepacked_copy(model: nn.Module, args: tuple) -> tuple[nn.Module, int]:
     return clone, swapped
 
 
+_CONV_THEN = """
+graph(%x, %w, %b, %p, %s, %d, %g, %attr, %sc, %alg):
+  %y = mkldnn::_convolution_pointwise(%x, %w, %b, %p, %s, %d, %g, %attr, %sc, %alg)
+  %z = aten::{op}(%y)
+  return (%z)"""
+_CONV_FUSED = """
+graph(%x, %w, %b, %p, %s, %d, %g, %attr, %sc, %alg):
+  %fused : str = prim::Constant[value="{attr}"]()
+  %z = mkldnn::_convolution_pointwise(%x, %w, %b, %p, %s, %d, %g, %fused, %sc, %alg)
+  return (%z)"""
+
+
+def fuse_pointwise(graph: Any) -> None:
+    """A prepacked conv whose only use is a ReLU computes it as oneDNN's post-op (in place)."""
+    for op, attr in (("relu_", "relu"), ("relu", "relu")):
+        torch._C._jit_pass_custom_pattern_based_rewrite_graph(_CONV_THEN.format(op=op),
+                                                               _CONV_FUSED.format(attr=attr), graph)
+
+
 def prepack_enabled() -> bool:
     return os.environ.get(PREPACK_ENV, "1") not in ("0", "") and layout.can_prepack()
 
@@ -156,13 +175,16 @@ def freeze_jit(model: nn.Module, sample_input: Any) -> nn.Module:
     with torch.no_grad(), _jit_records_autocast(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", torch.jit.TracerWarning)
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.\w+` is deprecated")
+        packed = 0
         if prepack_enabled():
-            model, _ = prepacked_copy(model, as_args(sample_input))
+            model, packed = prepacked_copy(model, as_args(sample_input))
         traced = torch.jit.trace(model, as_args(sample_input), check_trace=False)
         unsafe = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
         if unsafe:   # the trace baked in a Python value taken from a tensor: not valid for other inputs
             raise UnsafeTrace(str(unsafe[0].message).splitlines()[0][:200])
         frozen = torch.jit.freeze(traced.eval())
+        if packed:
+            fuse_pointwise(frozen.graph)
         for _ in range(2):  # the profiling executor specialises and fuses on the first runs
             frozen(*as_args(sample_input))
     return frozen
