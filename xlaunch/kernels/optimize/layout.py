@@ -100,6 +100,7 @@ class PackedConv2d(nn.Module):
         self.dilation = [int(d) for d in conv.dilation]
         self.groups = int(conv.groups)
         self.dtype = dtype
+        self.register_buffer("weight", conv.weight.detach())   # for code that reads it (not a copy)
         weight = conv.weight.detach().to(dtype)
         self.register_buffer("packed", torch.ops.mkldnn._reorder_convolution_weight(
             weight, self.padding, self.stride, self.dilation, self.groups, [int(n) for n in input_size]))
@@ -117,6 +118,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, rows: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
+        self.register_buffer("weight", linear.weight.detach())   # for code that reads it (not a copy)
         weight = linear.weight.detach().to(dtype)
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, int(rows)))
         bias = linear.bias
