@@ -29,7 +29,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
-from xlaunch.kernels.optimize import freeze, measure
+from xlaunch.kernels.optimize import freeze, measure, precision
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
 from xlaunch.kernels.optimize.text import excerpt
 
@@ -43,7 +43,8 @@ def signature(args: tuple, kwargs: Optional[dict] = None) -> Optional[tuple]:
     value of every plain argument. None when a call cannot be traced safely (keywords, others)."""
     if kwargs:
         return None
-    parts = []
+    # a graph records the casts of the autocast it was traced under (the caller's, if any)
+    parts: list = [("A", torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)]
     for arg in args:
         if isinstance(arg, torch.Tensor):
             parts.append(("T", tuple(arg.shape), arg.dtype, arg.device.type, arg.is_contiguous(),
@@ -57,18 +58,6 @@ def signature(args: tuple, kwargs: Optional[dict] = None) -> Optional[tuple]:
 
 def shapes(sig: tuple) -> list:
     return [part[1] for part in sig if part[0] == "T"]
-
-
-def _outputs_to(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.dtype in (torch.bfloat16, torch.float16) else value
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_outputs_to(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_outputs_to(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _outputs_to(v, dtype) for k, v in value.items()}
-    return value
 
 
 def _default_notify(message: str, is_warning: bool) -> None:
@@ -110,7 +99,10 @@ class OptimizedForward:
             return forward(*args, **kwargs)
         with torch.autocast("cpu", dtype=self.autocast_dtype):
             out = forward(*args, **kwargs)
-        return out if self.output_dtype is None else _outputs_to(out, self.output_dtype)
+        if self.output_dtype is None:
+            return out
+        dtype = precision.output_dtype(args, kwargs)   # what eager gives in this context
+        return out if dtype is None else precision.outputs_as(out, dtype)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         graph = self.graph_for(args, kwargs)

@@ -14,8 +14,12 @@ Which one wins was measured by ``bench/optimize.py`` (see docs/kernels.md).
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
+import math
+import os
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from xlaunch._torch import needs_torch
 from xlaunch.kernels.optimize.text import excerpt
@@ -24,7 +28,11 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.optimize import layout
+
 BACKENDS = ("inductor", "jit")
+# XLAUNCH_PREPACK=0 traces the plain modules (aten convs, which re-lay their weights every call).
+PREPACK_ENV = "XLAUNCH_PREPACK"
 
 
 class UnsafeTrace(RuntimeError):
@@ -50,8 +58,115 @@ def _jit_records_autocast() -> Iterator[None]:
         torch._C._jit_set_autocast_mode(previous)
 
 
+class _Seen:
+    """What a conv/linear got on its first call: input size and the dtype it computed in."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, Optional[tuple[tuple, torch.dtype]]] = {}
+
+    def hook(self, module: nn.Module, args: tuple) -> None:
+        if id(module) in self.calls:
+            return
+        self.calls[id(module)] = None
+        x = args[0] if len(args) == 1 else None
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or not x.is_floating_point():
+            return
+        weight = module.weight
+        if torch.is_autocast_enabled("cpu") and weight.dtype in (torch.float32, torch.bfloat16):
+            dtype = torch.get_autocast_dtype("cpu")   # conv and linear run in it under CPU autocast
+        elif x.dtype == weight.dtype:
+            dtype = weight.dtype
+        else:
+            return
+        self.calls[id(module)] = (tuple(x.shape), dtype)
+
+
+def _packed(module: nn.Module, seen: Optional[tuple[tuple, torch.dtype]]) -> Optional[nn.Module]:
+    """The module's prepacked stand-in for the call it got, or None when it keeps aten's op."""
+    if seen is None:
+        return None
+    size, dtype = seen
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None   # oneDNN has no bf16 kernels on this CPU (no AVX-512): aten's path
+    if (type(module) is nn.Conv2d and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+            and len(size) == 4 and dtype in (torch.float32, torch.bfloat16)):
+        return layout.PackedConv2d(module, size, dtype)
+    # fp32 linear runs MKL's sgemm (no oneDNN weight reorder); bf16 runs oneDNN's matmul
+    if type(module) is nn.Linear and len(size) >= 2 and dtype == torch.bfloat16:
+        return layout.PackedLinear(module, math.prod(size[:-1]), dtype)
+    return None
+
+
+def _plain(module: nn.Module) -> bool:
+    """A module that runs nothing but its class's forward: no instance forward, no hooks."""
+    return "forward" not in module.__dict__ and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        or getattr(module, "_backward_pre_hooks", None))
+
+
+def prepacked_copy(model: nn.Module, args: tuple) -> tuple[nn.Module, int]:
+    """A copy of ``model`` (sharing its tensors) whose convs and bf16 linears hold their weights
+    prepacked for the call ``model(*args)`` makes (:class:`layout.PackedConv2d`), and how many
+    were swapped. Modules called more than once or from elsewhere keep their first call's
+    packing; modules ``forward`` never calls (read directly, as ``nn.MultiheadAttention`` does),
+    and modules with hooks or an instance ``forward``, are left as they are."""
+    seen = _Seen()
+    candidates = [m for m in model.modules() if type(m) in (nn.Conv2d, nn.Linear) and _plain(m)]
+    if not candidates:
+        return model, 0
+    hooks = [m.register_forward_pre_hook(seen.hook) for m in candidates]
+    try:
+        with torch.no_grad():
+            model(*args)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    clone = copy.deepcopy(model, {id(t): t for t in tensors})
+    originals = dict(model.named_modules(remove_duplicate=False))
+    swapped = 0
+    scripted: dict[int, nn.Module] = {}
+    for name, module in list(clone.named_modules(remove_duplicate=False)):
+        parent_name, _, child = name.rpartition(".")
+        original = originals.get(name)
+        if not child or original is None or id(original) not in seen.calls:
+            continue
+        if id(original) not in scripted:
+            packed = _packed(original, seen.calls[id(original)])
+            if packed is None:
+                continue
+            scripted[id(original)] = torch.jit.script(packed)
+            swapped += 1
+        setattr(clone.get_submodule(parent_name) if parent_name else clone, child, scripted[id(original)])
+    return clone, swapped
+
+
+_CONV_THEN = """
+graph(%x, %w, %b, %p, %s, %d, %g, %attr, %sc, %alg):
+  %y = mkldnn::_convolution_pointwise(%x, %w, %b, %p, %s, %d, %g, %attr, %sc, %alg)
+  %z = aten::{op}(%y)
+  return (%z)"""
+_CONV_FUSED = """
+graph(%x, %w, %b, %p, %s, %d, %g, %attr, %sc, %alg):
+  %fused : str = prim::Constant[value="{attr}"]()
+  %z = mkldnn::_convolution_pointwise(%x, %w, %b, %p, %s, %d, %g, %fused, %sc, %alg)
+  return (%z)"""
+
+
+def fuse_pointwise(graph: Any) -> None:
+    """A prepacked conv whose only use is a ReLU computes it as oneDNN's post-op (in place)."""
+    for op, attr in (("relu_", "relu"), ("relu", "relu")):
+        torch._C._jit_pass_custom_pattern_based_rewrite_graph(_CONV_THEN.format(op=op),
+                                                               _CONV_FUSED.format(attr=attr), graph)
+
+
+def prepack_enabled() -> bool:
+    return os.environ.get(PREPACK_ENV, "1") not in ("0", "") and layout.can_prepack()
+
+
 def freeze_jit(model: nn.Module, sample_input: Any) -> nn.Module:
-    """Trace with ``sample_input`` and freeze (weights become constants, convs prepacked).
+    """Trace with ``sample_input`` and freeze (weights become constants, conv and bf16 linear
+    weights prepacked once: :func:`prepacked_copy`).
 
     oneDNN graph fusion (``torch.jit.enable_onednn_fusion``) is left as the user set it: here it
     gained under 10% on the examples CNN and failed ("partition compile failed") on small models
@@ -61,11 +176,16 @@ def freeze_jit(model: nn.Module, sample_input: Any) -> nn.Module:
     with torch.no_grad(), _jit_records_autocast(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", torch.jit.TracerWarning)
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.\w+` is deprecated")
+        packed = 0
+        if prepack_enabled():
+            model, packed = prepacked_copy(model, as_args(sample_input))
         traced = torch.jit.trace(model, as_args(sample_input), check_trace=False)
         unsafe = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
         if unsafe:   # the trace baked in a Python value taken from a tensor: not valid for other inputs
             raise UnsafeTrace(excerpt(unsafe[0].message))
         frozen = torch.jit.freeze(traced.eval())
+        if packed:
+            fuse_pointwise(frozen.graph)
         for _ in range(2):  # the profiling executor specialises and fuses on the first runs
             frozen(*as_args(sample_input))
     return frozen

@@ -6,6 +6,8 @@ plain NCHW input, so callers need not convert their inputs. Values are unchanged
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -65,3 +67,62 @@ def match_optimizer_state(optimizer: "torch.optim.Optimizer") -> int:
                 state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
                 changed += 1
     return changed
+
+
+# -- prepacked weights ---------------------------------------------------------------------------
+# A conv through aten (``aten::conv2d`` -> ideep) holds its weight in the plain layout and reorders
+# it into the layout the oneDNN kernel wants on every call (``--kernel-report``: one weight
+# reorder per conv call, eager and ``torch.jit.freeze`` alike; ``torch.jit.optimize_for_inference``
+# prepacks fp32 only, and runs the blocked-activation kernels). A bf16 linear runs oneDNN's matmul
+# on the plain weight. The modules below hold the weight as an opaque oneDNN tensor laid out once
+# for the input size seen when packing (``torch.ops.mkldnn._reorder_*_weight``, as inductor's
+# freezing does) and call the oneDNN op that takes it as is. They only ever serve a frozen graph
+# (:func:`xlaunch.kernels.optimize.freeze.freeze_jit` swaps them into a copy it traces); the
+# user's module keeps its ``nn.Conv2d``/``nn.Linear``.
+
+
+def can_prepack() -> bool:
+    """Whether this torch has oneDNN's prepacking ops (CPU builds with mkldnn)."""
+    ops = torch.ops.mkldnn
+    return bool(torch.backends.mkldnn.is_available()) and all(
+        hasattr(ops, name) for name in ("_reorder_convolution_weight", "_convolution_pointwise",
+                                        "_reorder_linear_weight", "_linear_pointwise"))
+
+
+class PackedConv2d(nn.Module):
+    """``nn.Conv2d`` (zeros padding, numeric padding) in ``dtype`` with its weight prepacked for
+    inputs of ``input_size``; an input of another size still runs (oneDNN reorders then)."""
+
+    def __init__(self, conv: nn.Conv2d, input_size: Sequence[int], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.padding = [int(p) for p in conv.padding]
+        self.stride = [int(s) for s in conv.stride]
+        self.dilation = [int(d) for d in conv.dilation]
+        self.groups = int(conv.groups)
+        self.dtype = dtype
+        self.register_buffer("weight", conv.weight.detach())   # for code that reads it (not a copy)
+        weight = conv.weight.detach().to(dtype)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_convolution_weight(
+            weight, self.padding, self.stride, self.dilation, self.groups, [int(n) for n in input_size]))
+        bias = conv.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._convolution_pointwise(x.to(self.dtype), self.packed, self.bias, self.padding,
+                                                       self.stride, self.dilation, self.groups, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` in bf16/fp16 with its weight prepacked for ``rows`` input rows."""
+
+    def __init__(self, linear: nn.Linear, rows: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("weight", linear.weight.detach())   # for code that reads it (not a copy)
+        weight = linear.weight.detach().to(dtype)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, int(rows)))
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")

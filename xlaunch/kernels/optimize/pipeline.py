@@ -8,7 +8,8 @@
 The result is the given module rewritten (``inplace=True``) or a rewritten deep copy (default):
 same class, attributes, ``training`` flag; ``state_dict``/``load_state_dict`` keep working (a
 checkpoint of the un-optimized model loads into a folded one, see :mod:`fold`). Levels set
-defaults, explicit flags beat the level: ``O0`` does nothing, ``O1`` does every rewrite that
+defaults, explicit flags beat the level: ``O0`` does nothing (but cast the weights to a
+bf16/fp16 ``dtype`` and run under autocast, when given one, as ipex's O0 casts), ``O1`` does every rewrite that
 keeps results (within float tolerance). The steps, in order:
 
   1. eval only: ``conv_bn_folding``, ``linear_bn_folding`` (where a ``sample_input`` or the graph
@@ -17,7 +18,8 @@ keeps results (within float tolerance). The steps, in order:
   3. ``dtype=torch.bfloat16``/``torch.float16`` (only where the CPU has native support, else fp32
      and a warning; ``force_bf16=True`` overrides): ``bf16_weights`` and ``autocast`` forward (eval);
      for training the optimizer conversion owns the parameters' dtype
-  4. eval only: ``weights_prepack`` = graph freezing with ``freeze_backend`` ("jit", the default, or
+  4. eval only: ``weights_prepack`` = graph freezing (conv weights, fp32 and bf16, and bf16 linear
+     weights laid out once for oneDNN: :func:`freeze.prepacked_copy`) with ``freeze_backend`` ("jit", the default, or
      "inductor"), held *behind* the module (:mod:`dispatch`): no-grad calls go to a graph frozen
      for their exact input signature. On by default in O1 when ``sample_input`` is given (frozen
      now for that input; other inputs on their first call); ``weights_prepack=True`` without a
@@ -97,8 +99,11 @@ IPEX_ALIASES = {
 IPEX_NO_EFFECT = ("optimize_lstm", "auto_kernel_selection", "graph_mode", "concat_linear", "deployment_mode")
 
 
-def resolve_options(level: str, flags: dict[str, Any], has_sample_input: bool) -> Options:
-    """Level defaults, then every flag the caller gave explicitly (a None flag means "level")."""
+def resolve_options(level: str, flags: dict[str, Any], has_sample_input: bool,
+                    low_dtype: bool = False) -> Options:
+    """Level defaults, then every flag the caller gave explicitly (a None flag means "level").
+    ``O0`` with a low dtype (``low_dtype``) still casts the weights and runs under autocast, as
+    ipex's O0 casts the parameters when given a dtype."""
     if level not in LEVELS:
         raise ValueError(f"optimize: level must be one of {', '.join(LEVELS)}, not {level!r}")
     flags = {IPEX_ALIASES.get(name, name): value for name, value in flags.items()
@@ -107,7 +112,7 @@ def resolve_options(level: str, flags: dict[str, Any], has_sample_input: bool) -
     if unknown:
         raise TypeError(f"optimize: unknown flag(s) {', '.join(unknown)}; known: {', '.join(FLAG_NAMES)}")
     if level == "O0":
-        base = Options(measure=False)
+        base = Options(measure=False, bf16_weights=low_dtype, autocast=low_dtype)
     else:
         base = Options(
             conv_bn_folding=True, linear_bn_folding=True, remove_dropout=True, channels_last=True,
@@ -237,12 +242,13 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
     if optimizer is not None and not model.training:
         raise ValueError("optimize: an optimizer was given but the model is in eval mode; call "
                          "model.train() to optimize for training, or pass no optimizer for inference")
-    opts = resolve_options(level, flags, sample_input is not None)
+    force = flags.get("force_bf16")
+    use_dtype, dtype_warning = precision.resolve_dtype(dtype, bool(force))
+    opts = resolve_options(level, flags, sample_input is not None, use_dtype in precision.LOW_DTYPES)
     report = Report(options=opts)
     for name in sorted(set(flags) & set(IPEX_NO_EFFECT)):
         if flags[name]:
             _warn(report, f"{name} is an ipex.optimize knob with no stock-torch counterpart; it has no effect")
-    use_dtype, dtype_warning = precision.resolve_dtype(dtype, opts.force_bf16)
     report.dtype = use_dtype
     if dtype_warning:
         _warn(report, dtype_warning)

@@ -7,9 +7,20 @@ with a warning unless ``force_bf16=True`` (which forces either low-precision dty
 
 Decision for inference (see docs/kernels.md): convolution/linear weights are stored in the low
 dtype once, and the model's ``forward`` runs under ``torch.autocast("cpu", dtype)`` (installed by
-:mod:`xlaunch.kernels.optimize.dispatch`), so callers change nothing; floating outputs come back as float32
-like the original model's, and ``state_dict()`` gives the cast weights back in their original dtype
-(as ipex does), so a checkpoint taken from the optimized model loads anywhere.
+:mod:`xlaunch.kernels.optimize.dispatch`), so callers change nothing, and ``state_dict()`` gives the
+cast weights back in their original dtype (as ipex does), so a checkpoint taken from the optimized
+model loads anywhere.
+
+Output dtype (:func:`output_dtype`): what eager gives under the same context.
+  * Called under the caller's own CPU autocast: the outputs autocast gives, untouched (bf16 after a
+    conv or linear), as the original model under that autocast, and as ipex (whose bf16 models are
+    meant to be called under ``torch.autocast``).
+  * Otherwise floating outputs come back in the dtype of the floating inputs: fp32 in, fp32 out, as
+    the original model (ipex's bf16 model needs the caller's autocast there; here it runs its own);
+    bf16 in, bf16 out, as the model cast to bf16 (``model.bfloat16()``) would; no floating input:
+    fp32, the original model's.
+``level="O0"`` with a low dtype casts the weights and runs under autocast too (ipex's O0 casts the
+parameters when given a dtype); it does nothing else.
 """
 from __future__ import annotations
 
@@ -97,3 +108,29 @@ class StateDictInOriginalDtype:
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor) and value.dtype != dtype:
                 state_dict[key] = value.detach().to(dtype)
+
+
+def output_dtype(args: tuple, kwargs: Optional[dict] = None) -> Optional[torch.dtype]:
+    """The dtype a low-precision model's floating outputs come back in, for this call (see the
+    module docstring): None (untouched) under the caller's CPU autocast, else the first floating
+    input's dtype when it is fp32/bf16/fp16, else float32."""
+    if torch.is_autocast_enabled("cpu"):
+        return None
+    values = list(args) + list((kwargs or {}).values())
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.dtype if value.dtype in CASTABLE else torch.float32
+    return torch.float32
+
+
+def outputs_as(value: Any, dtype: torch.dtype) -> Any:
+    """Floating fp32/bf16/fp16 tensors in ``value`` (tuples, lists, dicts) converted to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype in CASTABLE and value.dtype != dtype else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(outputs_as(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [outputs_as(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: outputs_as(v, dtype) for k, v in value.items()}
+    return value
