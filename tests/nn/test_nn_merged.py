@@ -205,8 +205,6 @@ def test_refusals_say_what_is_wrong(kernels):
         merged(bad, offsets)
     with pytest.raises(ValueError, match="same number of bags"):
         merged(indices, [offsets[0][:-1], offsets[1], offsets[2]])
-    with pytest.raises(ValueError, match="sum or mean"):
-        MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables)      # table 2 is max-pooled
     with pytest.raises(ValueError, match="padding_idx"):
         MergedEmbeddingBag.from_embeddingbag_list([nn.EmbeddingBag(5, 2, padding_idx=0)])
     with pytest.raises(ValueError, match="sparse=True"):
@@ -286,3 +284,34 @@ def test_autocast_outputs_follow_ipex(kernels):
     assert {o.dtype for o in training} == {torch.float32}            # and runs in their dtype when training
     for got, want in zip(inference, reference(tables, indices, offsets)):
         torch.testing.assert_close(got.float(), want.detach(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fused,optimizer", [(MergedEmbeddingBagWithSGD, torch.optim.SGD),
+                                             (MergedEmbeddingBagWithAdaGrad, torch.optim.Adagrad)])
+def test_fused_classes_train_max_pooled_tables(kernels, fused, optimizer):
+    tables = make_tables()                                           # table 2 is max-pooled
+    indices, offsets = make_inputs(tables)
+    merged = fused.from_embeddingbag_list(tables, lr=0.5)
+    upstream = [torch.randn(BATCH, t.embedding_dim, generator=torch.Generator().manual_seed(23)) for t in tables]
+    torch.autograd.backward(merged(indices, offsets), upstream)
+    ref = _step_reference(tables, indices, offsets, upstream, optimizer, lr=0.5)
+    for number, rows in enumerate(touched(indices)):
+        torch.testing.assert_close(merged.weights[number][rows], ref[number].weight.detach()[rows])
+
+
+def test_jit_trace_and_compile_fullgraph_record_the_ops(kernels):
+    tables = make_tables(modes=("mean", "sum", "sum"))
+    indices, offsets = make_inputs(tables)
+    merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
+    traced = torch.jit.trace(merged, (indices, offsets), check_trace=False)
+    assert "xlaunch::merged_bag" in str(traced.graph)
+    for got, want in zip(traced(indices, offsets), reference(tables, indices, offsets)):
+        torch.testing.assert_close(got, want)
+    eager = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.5)
+    compiled_module = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.5)
+    compiled = torch.compile(compiled_module, fullgraph=True)
+    upstream = [torch.randn(BATCH, t.embedding_dim, generator=torch.Generator().manual_seed(29)) for t in tables]
+    torch.autograd.backward(compiled(indices, offsets), upstream)    # the update runs in the compiled backward
+    torch.autograd.backward(eager(indices, offsets), upstream)
+    torch.testing.assert_close(compiled_module.weight, eager.weight)
+    assert not torch.equal(eager.weight, merged.weight)

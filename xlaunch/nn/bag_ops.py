@@ -200,6 +200,21 @@ def _upstream(grads: list, places: tuple, t: int, batch: int, dim: int) -> Tenso
     return grads[t].reshape(-1)[places[0][t]:].as_strided((batch, dim), (places[1][t], 1))
 
 
+def _max_winners(weight: Tensor, layout: TableLayout, inputs: BagInputs, grads: list, places: tuple, first: int,
+                 stop: int, compute: torch.dtype) -> tuple[Tensor, Tensor]:
+    """For a run of max-pooled tables: the row (counted from the run's first) that won each
+    element of each non-empty bag, and that element's upstream gradient, both ``(bags, dim)``."""
+    dim = layout.dims[first]
+    start = layout.weight_offsets[first]
+    count = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
+    indices, offsets, _ = _run_inputs(layout, inputs, first, stop, weight.dtype)
+    block = weight.detach()[start:start + count * dim].view(count, dim)
+    _, _, sizes, winners = torch.embedding_bag(block, indices, offsets, False, 2, False, None, True)
+    upstream = torch.cat([_upstream(grads, places, t, inputs.batch, dim) for t in range(first, stop)]).to(compute)
+    filled = sizes > 0
+    return winners[filled], upstream[filled]
+
+
 def _torch_grad(weight: Tensor, grads: list, layout: TableLayout, inputs: BagInputs, places: tuple,
                 psw_grads: bool) -> list[Tensor]:
     """The dense weight gradient (and per-sample-weight gradients) with torch ops, summed in the
@@ -213,13 +228,8 @@ def _torch_grad(weight: Tensor, grads: list, layout: TableLayout, inputs: BagInp
         count = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
         block = grad[start:start + count * dim].view(count, dim)
         if layout.modes[first] == "max":
-            indices, offsets, _ = _run_inputs(layout, inputs, first, stop, weight.dtype)
-            wblock = weight.detach()[start:start + count * dim].view(count, dim)
-            _, _, sizes, winners = torch.embedding_bag(wblock, indices, offsets, False, 2, False, None, True)
-            upstream = torch.cat([_upstream(grads, places, t, batch, dim) for t in range(first, stop)]).to(compute)
-            filled = sizes > 0
-            flat = (winners[filled] * dim + torch.arange(dim)).reshape(-1)
-            block.view(-1).index_add_(0, flat, upstream[filled].reshape(-1))
+            winners, upstream = _max_winners(weight, layout, inputs, grads, places, first, stop, compute)
+            block.view(-1).index_add_(0, (winners * dim + torch.arange(dim)).reshape(-1), upstream.reshape(-1))
         else:
             lookups, values = _row_gradients(layout, inputs, grads, places, first, stop, compute)
             block.index_add_(0, lookups, values)
@@ -367,8 +377,8 @@ def update_rows(kind: int, layout: TableLayout, inputs: BagInputs, grads: list[T
     gradients ``grads`` (the kernel's, or torch ops when it is not built or lacks the dtype)."""
     places = _places(layout, inputs.batch, dense_dim)
     ops = _ops_for(weight)
-    if ops is not None and state is not None and state.dtype != torch.float32:
-        ops = None
+    if ops is not None and ((state is not None and state.dtype != torch.float32) or "max" in layout.modes):
+        ops = None   # the kernel updates sum and mean tables with fp32 sums
     with torch.no_grad():
         if ops is not None:
             ops.bag_backward(grads, inputs.indices, inputs.offsets, inputs.per_sample_weights,
@@ -376,9 +386,32 @@ def update_rows(kind: int, layout: TableLayout, inputs: BagInputs, grads: list[T
                              _NONE.to(torch.int16) if trail is None else trail, _NONE if state is None else state,
                              float(lr), float(weight_decay), float(eps))
             return
+        compute = compute_dtype(weight.dtype)
         for first, stop in layout.runs():
-            rows, values = _row_gradients(layout, inputs, grads, places, first, stop, compute_dtype(weight.dtype))
+            if layout.modes[first] == "max":
+                rows, values = _max_row_gradients(weight, layout, inputs, grads, places, first, stop, compute)
+            else:
+                rows, values = _row_gradients(layout, inputs, grads, places, first, stop, compute)
             _apply(kind, layout, first, stop, rows, values, weight, trail, state, lr, weight_decay, eps)
+
+
+def _max_row_gradients(weight: Tensor, layout: TableLayout, inputs: BagInputs, grads: list, places: tuple,
+                       first: int, stop: int, compute: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Max-pooled tables: every looked-up row once, with its gradient (each element's upstream
+    value on the row that won it; zero where a looked-up row won nothing)."""
+    dim = layout.dims[first]
+    count = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
+    looked_up = torch.cat([inputs.indices[t][:inputs.lookups(t)].long() + (layout.row_bases[t] - layout.row_bases[first])
+                           for t in range(first, stop)])
+    present = torch.zeros(count, dtype=torch.bool)
+    present[looked_up] = True
+    rows = present.nonzero().squeeze(1)
+    position = torch.empty(count, dtype=torch.long)
+    position[rows] = torch.arange(len(rows))
+    winners, upstream = _max_winners(weight, layout, inputs, grads, places, first, stop, compute)
+    values = torch.zeros(len(rows) * dim, dtype=compute)
+    values.index_add_(0, (position[winners] * dim + torch.arange(dim)).reshape(-1), upstream.reshape(-1))
+    return rows, values.view(len(rows), dim)
 
 
 def _row_gradients(layout: TableLayout, inputs: BagInputs, grads: list[Tensor], places: tuple[list, list],

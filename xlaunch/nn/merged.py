@@ -163,9 +163,6 @@ class _FusedUpdate(MergedEmbeddingBag):
 
     def __init__(self, embedding_specs: Sequence[EmbeddingSpec]) -> None:
         super().__init__(embedding_specs)
-        if "max" in self.layout.modes:
-            raise ValueError(f"{type(self).__name__} updates tables with sum or mean pooling; train max-pooled "
-                             "tables with MergedEmbeddingBag and a torch optimizer")
         trail = torch.zeros_like(self.weight, dtype=TRAIL_DTYPE) if self.weight.dtype == torch.bfloat16 else None
         self.register_buffer("trail", trail)
 
