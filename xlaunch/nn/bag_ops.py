@@ -416,36 +416,47 @@ def _max_row_gradients(weight: Tensor, layout: TableLayout, inputs: BagInputs, g
 
 def _row_gradients(layout: TableLayout, inputs: BagInputs, grads: list[Tensor], places: tuple[list, list],
                    first: int, stop: int, compute: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Every lookup of tables ``[first, stop)``: its row (counted from the run's first row) and its
-    gradient (the bag's upstream gradient, scaled for mean pooling and per-sample weights)."""
+    """The touched rows of tables ``[first, stop)`` (each once, counted from the run's first row)
+    and their summed gradients, in ``compute``.
+
+    A transposed embedding bag: the lookups sorted by row are bags of upstream-gradient rows, so
+    one ``F.embedding_bag`` (sum, per-sample weights for the lookups' scales) sums them, without
+    materializing a gradient row per lookup."""
     dim, batch = layout.dims[first], inputs.batch
-    all_rows, all_values = [], []
+    all_rows, all_bags, all_scales, upstreams = [], [], [], []
+    scaled = any(inputs.per_sample_weights[t] is not None for t in range(first, stop))
     for t in range(first, stop):
         used = inputs.lookups(t)
-        if used == 0:
-            continue
         offsets = inputs.offsets[t][:batch].long()
         lengths = torch.diff(offsets, append=torch.tensor([used]))
-        bags = torch.repeat_interleave(torch.arange(batch), lengths, output_size=used)
-        offset, stride = places[0][t], places[1][t]
-        upstream = grads[t].reshape(-1)[offset:].as_strided((batch, dim), (stride, 1)).to(compute)
+        upstream = _upstream(grads, places, t, batch, dim).to(compute)
         if layout.modes[t] == "mean":
             upstream = upstream / lengths.clamp(min=1).to(compute)[:, None]
-        values = upstream.index_select(0, bags)
-        psw = inputs.per_sample_weights[t]
-        if psw is not None:
-            values = values * psw[:used].to(compute)[:, None]
-        all_values.append(values)
+        upstreams.append(upstream)
+        if used == 0:
+            continue
+        all_bags.append(torch.repeat_interleave(torch.arange((t - first) * batch, (t - first + 1) * batch), lengths,
+                                                output_size=used))
         all_rows.append(inputs.indices[t][:used].long() + (layout.row_bases[t] - layout.row_bases[first]))
+        if scaled:
+            psw = inputs.per_sample_weights[t]
+            all_scales.append(torch.ones(used, dtype=compute) if psw is None else psw[:used].to(compute))
     if not all_rows:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, dim, dtype=compute)
-    return torch.cat(all_rows), torch.cat(all_values)
+    lookups = torch.cat(all_rows)
+    lookups, order = torch.sort(lookups)
+    rows, counts = torch.unique_consecutive(lookups, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    summed = F.embedding_bag(torch.cat(all_bags).index_select(0, order), torch.cat(upstreams), starts, mode="sum",
+                             per_sample_weights=torch.cat(all_scales).index_select(0, order) if scaled else None)
+    return rows, summed
 
 
-def _apply(kind: int, layout: TableLayout, first: int, stop: int, lookups: Tensor, values: Tensor, weight: Tensor,
+def _apply(kind: int, layout: TableLayout, first: int, stop: int, rows: Tensor, grad: Tensor, weight: Tensor,
            trail: Optional[Tensor], state: Optional[Tensor], lr: float, weight_decay: float, eps: float) -> None:
-    """The update of the looked-up rows: ``lookups`` (with repeats) and their gradients."""
-    if lookups.numel() == 0:
+    """The update of the touched ``rows`` (each once) of tables ``[first, stop)`` from their
+    summed gradients ``grad``."""
+    if rows.numel() == 0:
         return
     dim = layout.dims[first]
     start = layout.weight_offsets[first]
@@ -455,17 +466,10 @@ def _apply(kind: int, layout: TableLayout, first: int, stop: int, lookups: Tenso
         return flat[start:start + count * dim].view(count, dim)
 
     w = block(weight)
-    compute = values.dtype
+    compute = grad.dtype
     if kind == SGD and not weight_decay and trail is None and w.dtype == compute:
-        w.index_add_(0, lookups, values, alpha=-lr)   # what torch's sparse SGD does: no dedup needed
+        w.index_add_(0, rows, grad, alpha=-lr)
         return
-    # Each touched row once, without sorting: mark the rows, number the marked ones.
-    present = torch.zeros(count, dtype=torch.bool)
-    present[lookups] = True
-    rows = present.nonzero().squeeze(1)
-    position = torch.empty(count, dtype=torch.long)
-    position[rows] = torch.arange(len(rows))
-    grad = torch.zeros(len(rows), dim, dtype=compute).index_add_(0, position[lookups], values)
     if trail is not None:
         master = torch.empty(len(rows), dim)
         join_into(w.index_select(0, rows), block(trail).index_select(0, rows), master)
