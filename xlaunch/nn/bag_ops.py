@@ -1,7 +1,8 @@
 """Pooling and row updates of merged embedding bags: the compiled kernels, or pure torch.
 
-Both run behind two operators registered with ``torch.library.custom_op`` (``xlaunch::merged_bag``,
-``xlaunch::merged_bag_fused``; the update ``xlaunch::merged_bag_update``), each with a fake kernel,
+Both run behind operators registered with ``torch.library`` (``xlaunch::merged_bag``,
+``xlaunch::merged_bag_fused``; ``xlaunch::merged_bag_grad``, ``xlaunch::merged_bag_update`` for
+the backward), each with a fake kernel and ``register_autograd``,
 so ``torch.jit.trace`` records them and ``torch.compile(fullgraph=True)`` keeps them in its graph.
 Inside, the compiled kernels run when they are built and take the weights' dtype (fp32, bf16);
 otherwise (fp64, fp16, ``XLAUNCH_NN_NATIVE=0``, no build) the pure-torch path runs in the
@@ -151,8 +152,7 @@ def _fake_outputs(weight: Tensor, dense: Optional[Tensor], dims: list, batch: in
     return [weight.new_empty(batch, dense.shape[1] + sum(dims))]
 
 
-@torch.library.custom_op("xlaunch::merged_bag", mutates_args=())
-def merged_bag(weight: Tensor, dense: Optional[Tensor], indices: list[Tensor], offsets: list[Tensor],
+def _merged_bag_impl(weight: Tensor, dense: Optional[Tensor], indices: list[Tensor], offsets: list[Tensor],
                per_sample_weights: list[Tensor], rows: list[int], dims: list[int], modes: list[int],
                batch: int) -> list[Tensor]:
     """Every table's ``(batch, dim)`` pooled output (with ``dense``: one cat matrix). An empty
@@ -160,7 +160,6 @@ def merged_bag(weight: Tensor, dense: Optional[Tensor], indices: list[Tensor], o
     return _forward(weight, dense, indices, offsets, per_sample_weights, rows, dims, modes, batch)
 
 
-@merged_bag.register_fake
 def _merged_bag_fake(weight, dense, indices, offsets, per_sample_weights, rows, dims, modes, batch):
     return _fake_outputs(weight, dense, dims, batch)
 
@@ -174,8 +173,7 @@ def _table_grads(grads: list, layout: TableLayout, batch: int, dtype: torch.dtyp
             for g, dim in zip(grads, layout.dims)]
 
 
-@torch.library.custom_op("xlaunch::merged_bag_grad", mutates_args=())
-def merged_bag_grad(weight: Tensor, dense_dim: int, grads: list[Tensor], indices: list[Tensor], offsets: list[Tensor],
+def _merged_bag_grad_impl(weight: Tensor, dense_dim: int, grads: list[Tensor], indices: list[Tensor], offsets: list[Tensor],
                     per_sample_weights: list[Tensor], rows: list[int], dims: list[int], modes: list[int], batch: int,
                     psw_grads: bool) -> list[Tensor]:
     """``[weight gradient, per-sample-weight gradients...]`` (the latter when ``psw_grads``)."""
@@ -249,7 +247,6 @@ def _torch_grad(weight: Tensor, grads: list, layout: TableLayout, inputs: BagInp
     return found
 
 
-@merged_bag_grad.register_fake
 def _merged_bag_grad_fake(weight, dense_dim, grads, indices, offsets, per_sample_weights, rows, dims, modes, batch,
                           psw_grads):
     extra = [p.new_empty(p.shape) for p in per_sample_weights] if psw_grads else []
@@ -282,11 +279,10 @@ def _backward(ctx, grads):
     return weight_grad, dense_grad, [None] * count, [None] * count, psw_grad, None, None, None, None
 
 
-merged_bag.register_autograd(_backward, setup_context=_setup)
 
 
-@torch.library.custom_op("xlaunch::merged_bag_fused", mutates_args=())
-def merged_bag_fused(weight: Tensor, trail: Tensor, state: Tensor, dense: Optional[Tensor], indices: list[Tensor],
+
+def _merged_bag_fused_impl(weight: Tensor, trail: Tensor, state: Tensor, dense: Optional[Tensor], indices: list[Tensor],
                      offsets: list[Tensor], per_sample_weights: list[Tensor], rows: list[int], dims: list[int],
                      modes: list[int], batch: int, kind: int, lr: float, weight_decay: float,
                      eps: float) -> list[Tensor]:
@@ -295,14 +291,12 @@ def merged_bag_fused(weight: Tensor, trail: Tensor, state: Tensor, dense: Option
     return _forward(weight, dense, indices, offsets, per_sample_weights, rows, dims, modes, batch)
 
 
-@merged_bag_fused.register_fake
 def _merged_bag_fused_fake(weight, trail, state, dense, indices, offsets, per_sample_weights, rows, dims, modes, batch,
                            kind, lr, weight_decay, eps):
     return _fake_outputs(weight, dense, dims, batch)
 
 
-@torch.library.custom_op("xlaunch::merged_bag_update", mutates_args=("weight", "trail", "state"))
-def merged_bag_update(weight: Tensor, trail: Tensor, state: Tensor, dense_dim: int, grads: list[Tensor],
+def _merged_bag_update_impl(weight: Tensor, trail: Tensor, state: Tensor, dense_dim: int, grads: list[Tensor],
                       indices: list[Tensor], offsets: list[Tensor], per_sample_weights: list[Tensor], rows: list[int],
                       dims: list[int], modes: list[int], batch: int, kind: int, lr: float, weight_decay: float,
                       eps: float) -> None:
@@ -315,7 +309,6 @@ def merged_bag_update(weight: Tensor, trail: Tensor, state: Tensor, dense_dim: i
                 state if state.numel() else None, lr, weight_decay, eps, dense_dim if cat else None)
 
 
-@merged_bag_update.register_fake
 def _merged_bag_update_fake(*args) -> None:
     return None
 
@@ -345,7 +338,36 @@ def _backward_fused(ctx, grads):
             None, None, None, None)
 
 
-merged_bag_fused.register_autograd(_backward_fused, setup_context=_setup_fused)
+
+
+
+# The operators, defined with torch.library.Library (not torch.library.custom_op, whose kernel
+# wrapper imports torch._dynamo on the first call: seconds in every process that pools once).
+_SCHEMAS = {
+    "merged_bag": "merged_bag(Tensor weight, Tensor? dense, Tensor[] indices, Tensor[] offsets, "
+                  "Tensor[] per_sample_weights, int[] rows, int[] dims, int[] modes, int batch) -> Tensor[]",
+    "merged_bag_grad": "merged_bag_grad(Tensor weight, int dense_dim, Tensor[] grads, Tensor[] indices, "
+                       "Tensor[] offsets, Tensor[] per_sample_weights, int[] rows, int[] dims, int[] modes, int batch, "
+                       "bool psw_grads) -> Tensor[]",
+    "merged_bag_fused": "merged_bag_fused(Tensor weight, Tensor trail, Tensor state, Tensor? dense, Tensor[] indices, "
+                        "Tensor[] offsets, Tensor[] per_sample_weights, int[] rows, int[] dims, int[] modes, int batch, "
+                        "int kind, float lr, float weight_decay, float eps) -> Tensor[]",
+    "merged_bag_update": "merged_bag_update(Tensor(a!) weight, Tensor(b!) trail, Tensor(c!) state, int dense_dim, "
+                         "Tensor[] grads, Tensor[] indices, Tensor[] offsets, Tensor[] per_sample_weights, int[] rows, "
+                         "int[] dims, int[] modes, int batch, int kind, float lr, float weight_decay, float eps) -> ()",
+}
+_LIBRARY = torch.library.Library("xlaunch", "DEF")
+for _name, _schema in _SCHEMAS.items():
+    _LIBRARY.define(_schema)
+    _LIBRARY.impl(_name, globals()[f"_{_name}_impl"], "CPU")
+    torch.library.register_fake(f"xlaunch::{_name}", globals()[f"_{_name}_fake"], lib=_LIBRARY)
+torch.library.register_autograd("xlaunch::merged_bag", _backward, setup_context=_setup, lib=_LIBRARY)
+torch.library.register_autograd("xlaunch::merged_bag_fused", _backward_fused, setup_context=_setup_fused,
+                                lib=_LIBRARY)
+merged_bag = torch.ops.xlaunch.merged_bag
+merged_bag_grad = torch.ops.xlaunch.merged_bag_grad
+merged_bag_fused = torch.ops.xlaunch.merged_bag_fused
+merged_bag_update = torch.ops.xlaunch.merged_bag_update
 
 
 def op_args(layout: TableLayout, inputs: BagInputs) -> tuple:
