@@ -10,7 +10,7 @@ from torch import nn  # noqa: E402
 
 from xlaunch.kernels.optim.splitbf16 import join  # noqa: E402
 from xlaunch.nn import (EmbeddingSpec, MergedEmbeddingBag, MergedEmbeddingBagWithAdaGrad,  # noqa: E402
-                        MergedEmbeddingBagWithCat, MergedEmbeddingBagWithSGD)
+                        MergedEmbeddingBagWithCat, MergedEmbeddingBagWithSGD, native)
 
 pytestmark = pytest.mark.torch
 BATCH = 6
@@ -315,3 +315,15 @@ def test_jit_trace_and_compile_fullgraph_record_the_ops(kernels):
     torch.autograd.backward(eager(indices, offsets), upstream)
     torch.testing.assert_close(compiled_module.weight, eager.weight)
     assert not torch.equal(eager.weight, merged.weight)
+
+
+def test_the_per_table_torch_forward_equals_the_tables(monkeypatch):
+    import xlaunch.nn.bag_ops as bag_ops
+    monkeypatch.setattr(bag_ops, "PER_TABLE_LOOKUPS", 0)              # big bags: one call per table
+    tables = make_tables(modes=("sum", "mean", "max"))
+    indices, offsets = make_inputs(tables, torch.int32)
+    weights = [torch.rand(len(indices[0]), generator=torch.Generator().manual_seed(31)), None, None]
+    with native.prefer_native(False), torch.no_grad():
+        got = MergedEmbeddingBag.from_embeddingbag_list(tables)(indices, offsets, per_sample_weights=weights)
+    for g, w in zip(got, reference(tables, indices, offsets, weights)):
+        torch.testing.assert_close(g, w)

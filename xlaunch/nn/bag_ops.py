@@ -34,7 +34,10 @@ from xlaunch.nn.tables import MODES, BagInputs, EmbeddingSpec, TableLayout
 WRITE_GRAD, SGD, ADAGRAD = 0, 1, 2   # update kinds (xlaunch/nn/csrc/bag_common.h, enum Kind)
 NATIVE_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 _MODE_NAMES = {code: name for name, code in MODES.items()}
-_NONE = torch.empty(0)   # the ops' spelling of "no tensor" in a list (jit.trace cannot record Tensor?[])
+_NONE = torch.empty(0)
+# The pure-torch forward pools a run of tables in one F.embedding_bag (fewer calls for small
+# tables) unless they average this many lookups: then one call per table (no cat of the indices).
+PER_TABLE_LOOKUPS = 4096   # the ops' spelling of "no tensor" in a list (jit.trace cannot record Tensor?[])
 
 
 @functools.lru_cache(maxsize=64)
@@ -121,6 +124,14 @@ def torch_pool(weight: Tensor, layout: TableLayout, inputs: BagInputs, dense: Op
     batch = inputs.batch
     for first, stop in layout.runs():
         dim = layout.dims[first]
+        if sum(inputs.lookups(t) for t in range(first, stop)) >= PER_TABLE_LOOKUPS * (stop - first):
+            for t in range(first, stop):   # big bags: one call per table, as the loop it replaces
+                used = inputs.lookups(t)
+                psw = inputs.per_sample_weights[t]
+                outputs.append(F.embedding_bag(inputs.indices[t][:used], layout.view(weight, t),
+                                               inputs.offsets[t][:batch], mode=layout.modes[t],
+                                               per_sample_weights=None if psw is None else psw[:used]))
+            continue
         start = layout.weight_offsets[first]
         rows = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
         block = weight[start:start + rows * dim].view(rows, dim)
