@@ -172,10 +172,12 @@ class _FusedUpdate(MergedEmbeddingBag):
     def to_bfloat16_train(self) -> "_FusedUpdate":
         """bf16 weights with a split fp32 master (``ipex.nn``'s name): the forward reads the bf16
         high half, the update runs on the exact fp32 master (``weight`` joined with ``trail``)."""
-        if self.weight.dtype == torch.float32:
-            top, trail = split(self.weight.detach())
+        if self.weight.dtype in (torch.float32, torch.float64):   # IPEX splits fp64 tables' fp32 values too
+            top, trail = split(self.weight.detach().float())
             self.weight = nn.Parameter(top)
             self.trail = trail
+            if getattr(self, "state_sum", None) is not None:
+                self.state_sum = self.state_sum.float()
         return self
 
     def master_weight(self) -> Tensor:
