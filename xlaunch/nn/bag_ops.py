@@ -146,8 +146,11 @@ def torch_pool(weight: Tensor, layout: TableLayout, inputs: BagInputs, dense: Op
 
 def _forward(weight: Tensor, dense: Optional[Tensor], indices: list, offsets: list, psw: list, rows: list,
              dims: list, modes: list, batch: int) -> list[Tensor]:
-    layout = layout_of(tuple(rows), tuple(dims), tuple(modes))
-    inputs = _inputs(indices, offsets, psw, batch)
+    return _forward_with(weight, dense, layout_of(tuple(rows), tuple(dims), tuple(modes)),
+                         _inputs(indices, offsets, psw, batch))
+
+
+def _forward_with(weight: Tensor, dense: Optional[Tensor], layout: TableLayout, inputs: BagInputs) -> list[Tensor]:
     check_bounds(layout, inputs)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         ops = _ops_for(weight)
@@ -388,18 +391,55 @@ def op_args(layout: TableLayout, inputs: BagInputs) -> tuple:
             inputs.batch)
 
 
+def _recorded() -> bool:
+    """Whether torch.jit.trace or torch.compile is recording (they need the registered ops)."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
 def pool(weight: Tensor, layout: TableLayout, inputs: BagInputs, dense: Optional[Tensor] = None):
     """Pool every table's bags: the per-table list, or the cat matrix with ``dense``."""
-    out = merged_bag(weight, dense, *op_args(layout, inputs))
+    if not torch.is_grad_enabled() and not _recorded():     # eager inference: the kernel, no dispatch
+        out = _forward_with(weight, dense, layout, inputs)
+    else:
+        out = merged_bag(weight, dense, *op_args(layout, inputs))
     return out if dense is None else out[0]
+
+
+class _EagerFused(torch.autograd.Function):
+    """Eager training of the fused classes: what ``xlaunch::merged_bag_fused`` and its registered
+    backward do, without the dispatcher's per-call argument handling (a third of a small step)."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, dense: Optional[Tensor], layout: TableLayout, inputs: BagInputs,
+                targets: tuple, hyper: tuple) -> tuple:
+        ctx.layout, ctx.inputs, ctx.targets, ctx.hyper = layout, inputs, targets, hyper
+        ctx.dense_dim = -1 if dense is None else dense.shape[1]
+        ctx.dense_dtype = None if dense is None else dense.dtype
+        return tuple(_forward_with(weight, dense, layout, inputs))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple:
+        layout, inputs, cat = ctx.layout, ctx.inputs, ctx.dense_dim >= 0
+        weight, trail, state = ctx.targets
+        table_grads = _table_grads(list(grads), layout, inputs.batch, weight.dtype, cat)
+        update_rows(ctx.hyper[0], layout, inputs, table_grads, weight.detach(), trail, state, *ctx.hyper[1:],
+                    dense_dim=ctx.dense_dim if cat else None)
+        dense_grad = None
+        if cat and ctx.needs_input_grad[1]:
+            dense_grad = grads[0][:, :ctx.dense_dim].to(ctx.dense_dtype)
+        return None, dense_grad, None, None, None, None
 
 
 def pool_fused(weight: Tensor, trail: Optional[Tensor], state: Optional[Tensor], layout: TableLayout,
                inputs: BagInputs, kind: int, lr: float, weight_decay: float = 0.0, eps: float = 0.0,
                dense: Optional[Tensor] = None):
     """:func:`pool` whose backward updates the looked-up rows (no weight gradient)."""
-    out = merged_bag_fused(weight, _NONE if trail is None else trail, _NONE if state is None else state, dense,
-                           *op_args(layout, inputs), kind, float(lr), float(weight_decay), float(eps))
+    hyper = (kind, float(lr), float(weight_decay), float(eps))
+    if not _recorded():
+        out = list(_EagerFused.apply(weight, dense, layout, inputs, (weight, trail, state), hyper))
+    else:
+        out = merged_bag_fused(weight, _NONE if trail is None else trail, _NONE if state is None else state, dense,
+                               *op_args(layout, inputs), *hyper)
     return out if dense is None else out[0]
 
 
