@@ -373,7 +373,8 @@ def main() -> int:
         first = next(iter(medians.values()))
         say(f"{title}, {phase}, {label}\n\n| | ms (median) | vs first row |\n|---|---:|---:|")
         for name, value in medians.items():
-            say(f"| {name} | {value:.1f} | {first / value:.2f}x |")
+            say(f"| {name} | {value:.1f} | {first / value:.2f}x |" if value >= 10 else
+                f"| {name} | {value:.3f} | {first / value:.2f}x |")
         say("")
     return 0
 
