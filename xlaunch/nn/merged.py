@@ -7,7 +7,9 @@
 The names and signatures are ``ipex.nn``'s (``EmbeddingSpec``, ``from_embeddingbag_list``,
 ``to_bfloat16_train``), so a port is a rename. Beyond IPEX: tables may differ in dim, pooling mode
 (sum, mean, max) and ``include_last_offset``; indices may be int32 or int64, 1-D with offsets or
-2-D ``(batch, bag size)``; ``per_sample_weights`` work with sum pooling.
+2-D ``(batch, bag size)``; ``per_sample_weights`` work with sum pooling. Weights are fp64, fp32,
+fp16 or bf16, one dtype for all tables (IPEX's rule); every index is checked against its own table
+before anything is read or written (``IndexError`` naming the table, the position and the range).
 
 * :class:`MergedEmbeddingBag`: dense weight gradient, for any torch optimizer.
 * :class:`MergedEmbeddingBagWithSGD` / :class:`MergedEmbeddingBagWithAdaGrad`: the update runs
