@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xlaunch.nn import MergedEmbeddingBag, MergedEmbeddingBagWithSGD, interaction, native, roi_align
+from xlaunch.nn import (MergedEmbeddingBag, MergedEmbeddingBagWithAdaGrad, MergedEmbeddingBagWithSGD, interaction, native,
+                        roi_align)
 
 Row = tuple[str, Callable[[], object]]
 
@@ -76,46 +77,74 @@ def table_rows(tables: int, smallest: int, largest: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- bags
 
+def bag_inputs(args: argparse.Namespace) -> tuple[list[int], list, list, list, list]:
+    """(rows per table, indices, offsets, lengths, upstream) of the embedding-bag section: bags of
+    ``--bag`` lookups, or of uniform random sizes in ``--pooling LOW-HIGH``."""
+    if args.small:   # the tests' tables (tests/nn/test_nn_merged.py)
+        rows = [40, 25, 18]
+    else:
+        rows = table_rows(args.tables, 1000, args.largest)
+    gen = torch.Generator().manual_seed(0)
+    indices, offsets, lengths = [], [], []
+    for r in rows:
+        if args.pooling:
+            low, high = (int(x) for x in args.pooling.split("-"))
+            sizes = torch.randint(low, high + 1, (args.batch,), generator=gen)
+        else:
+            sizes = torch.full((args.batch,), args.bag)
+        lengths.append(sizes)
+        offsets.append(torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)[:-1]]))
+        indices.append(torch.randint(0, r, (int(sizes.sum()),), generator=gen))
+    upstream = [torch.randn(args.batch, args.dim, generator=gen) for _ in rows]
+    return rows, indices, offsets, lengths, upstream
+
+
 def bag_rows(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
     """(forward rows, training rows) of the embedding-bag section."""
-    rows = table_rows(args.tables, 1000, args.largest)
-    dim, bag, batch, lr = args.dim, args.bag, args.batch, 0.01
-    gen = torch.Generator().manual_seed(0)
-    indices = [torch.randint(0, r, (batch * bag,), generator=gen) for r in rows]
-    offsets = [torch.arange(0, batch * bag, bag) for _ in rows]
-    upstream = [torch.randn(batch, dim, generator=gen) for _ in rows]
-    say(f"  {len(rows)} tables, {sum(rows):,} rows, dim {dim}, mean of {bag}, batch {batch}")
+    rows, indices, offsets, lengths, upstream = bag_inputs(args)
+    dim, batch, lr = args.dim, args.batch, 0.01
+    adagrad = args.optimizer == "adagrad"
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    optim = (lambda params: torch.optim.Adagrad(params, lr=lr)) if adagrad else (lambda p: torch.optim.SGD(p, lr=lr))
+    pooling = f"pooling {args.pooling}" if args.pooling else f"mean of {args.bag}"
+    say(f"  {len(rows)} tables, {sum(rows):,} rows, dim {dim}, {pooling} ({sum(map(len, indices)):,} lookups), "
+        f"batch {batch}, {args.optimizer}, {dtype}")
 
-    loop = nn.ModuleList(nn.EmbeddingBag(r, dim, mode="mean", sparse=True) for r in rows)
-    loop_sgd = torch.optim.SGD(loop.parameters(), lr=lr)
+    loop = nn.ModuleList(nn.EmbeddingBag(r, dim, mode="mean", sparse=True).to(dtype) for r in rows)
+    loop_opt = optim(loop.parameters())
+    up = [u.to(dtype) for u in upstream]
 
     base = torch.tensor([0] + rows[:-1]).cumsum(0).tolist()
-    concat = nn.EmbeddingBag(sum(rows), dim, mode="mean", sparse=True)
-    concat_sgd = torch.optim.SGD(concat.parameters(), lr=lr)
+    concat = nn.EmbeddingBag(sum(rows), dim, mode="mean", sparse=True).to(dtype)
+    concat_opt = optim(concat.parameters())
     flat_indices = torch.cat([i + b for i, b in zip(indices, base)])
-    flat_offsets = torch.arange(0, len(rows) * batch * bag, bag)
-    flat_upstream = torch.cat(upstream)
+    flat_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(lengths).cumsum(0)[:-1]])
+    flat_upstream = torch.cat(up)
 
-    merged = MergedEmbeddingBagWithSGD.from_embeddingbag_list(list(loop), lr=lr)
-    plain = MergedEmbeddingBag.from_embeddingbag_list(list(nn.EmbeddingBag(r, dim, mode="mean") for r in rows))
+    fused = MergedEmbeddingBagWithAdaGrad if adagrad else MergedEmbeddingBagWithSGD
+    merged = fused.from_embeddingbag_list([nn.EmbeddingBag(r, dim, mode="mean") for r in rows], lr=lr)
+    if args.bf16:
+        merged.to_bfloat16_train()
+    plain = MergedEmbeddingBag.from_embeddingbag_list(list(nn.EmbeddingBag(r, dim, mode="mean").to(dtype)
+                                                           for r in rows))
 
     def loop_forward() -> None:
         with torch.no_grad():
             [t(i, o) for t, i, o in zip(loop, indices, offsets)]
 
     def loop_train() -> None:
-        loop_sgd.zero_grad(set_to_none=True)
-        torch.autograd.backward([t(i, o) for t, i, o in zip(loop, indices, offsets)], upstream)
-        loop_sgd.step()
+        loop_opt.zero_grad(set_to_none=True)
+        torch.autograd.backward([t(i, o) for t, i, o in zip(loop, indices, offsets)], up)
+        loop_opt.step()
 
     def concat_forward() -> None:
         with torch.no_grad():
             concat(flat_indices, flat_offsets)
 
     def concat_train() -> None:
-        concat_sgd.zero_grad(set_to_none=True)
+        concat_opt.zero_grad(set_to_none=True)
         concat(flat_indices, flat_offsets).backward(flat_upstream)
-        concat_sgd.step()
+        concat_opt.step()
 
     def merged_forward(kernels: bool) -> Callable[[], None]:
         def run() -> None:
@@ -126,38 +155,43 @@ def bag_rows(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
     def merged_train(kernels: bool) -> Callable[[], None]:
         def run() -> None:
             with native.prefer_native(kernels):
-                torch.autograd.backward(merged(indices, offsets), upstream)
+                torch.autograd.backward(merged(indices, offsets), up)
         return run
 
+    name = "Adagrad" if adagrad else "SGD"
     forward: list[Row] = [("loop of nn.EmbeddingBag", loop_forward), ("one concatenated F.embedding_bag", concat_forward),
                           ("xlaunch merged (kernels)", merged_forward(True)),
                           ("xlaunch merged (pure torch)", merged_forward(False))]
-    train: list[Row] = [("loop of nn.EmbeddingBag + sparse SGD", loop_train),
-                        ("one concatenated table + sparse SGD", concat_train),
-                        ("xlaunch MergedEmbeddingBagWithSGD (kernels)", merged_train(True)),
-                        ("xlaunch MergedEmbeddingBagWithSGD (pure torch)", merged_train(False))]
+    train: list[Row] = [(f"loop of nn.EmbeddingBag + sparse {name}", loop_train),
+                        (f"one concatenated table + sparse {name}", concat_train),
+                        (f"xlaunch MergedEmbeddingBagWith{name} (kernels)", merged_train(True)),
+                        (f"xlaunch MergedEmbeddingBagWith{name} (pure torch)", merged_train(False))]
     for extra in (_fbgemm_rows, _torchrec_rows):
-        got = extra(rows, dim, bag, batch, lr, indices, upstream)
+        got = extra(rows, dim, lengths, lr, indices, up, adagrad, dtype)
         if got:
             forward.append(got[0])
             train.append(got[1])
     return forward, train
 
 
-def _fbgemm_rows(rows, dim, bag, batch, lr, indices, upstream) -> list[Row]:
+def _fbgemm_rows(rows, dim, lengths, lr, indices, upstream, adagrad, dtype) -> list[Row]:
     try:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
                                                                             SplitTableBatchedEmbeddingBagsCodegen)
-    except Exception as exc:  # not installed, or a build that does not load with this torch
+        precision = SparseType.BF16 if dtype == torch.bfloat16 else SparseType.FP32
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(r, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in rows],
+            optimizer=EmbOptimType.EXACT_ADAGRAD if adagrad else EmbOptimType.EXACT_SGD, learning_rate=lr,
+            pooling_mode=PoolingMode.MEAN, weights_precision=precision, output_dtype=precision)
+        all_indices = torch.cat(indices)
+        all_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(lengths).cumsum(0)])
+        with torch.no_grad():
+            tbe(all_indices, all_offsets)     # a probe: the CPU kernels lack some precisions (bf16)
+    except Exception as exc:  # not installed, a build that does not load with this torch, or no such mode on CPU
         say(f"  fbgemm-gpu-cpu skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
         return []
-    tbe = SplitTableBatchedEmbeddingBagsCodegen([(r, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in rows],
-                                                optimizer=EmbOptimType.EXACT_SGD, learning_rate=lr,
-                                                pooling_mode=PoolingMode.MEAN)
-    all_indices = torch.cat(indices)
-    all_offsets = torch.arange(0, len(rows) * batch * bag + 1, bag)
     grad = torch.cat(upstream, dim=1)          # TBE output: (batch, tables * dim)
 
     def forward() -> None:
@@ -166,23 +200,29 @@ def _fbgemm_rows(rows, dim, bag, batch, lr, indices, upstream) -> list[Row]:
 
     def train() -> None:
         tbe(all_indices, all_offsets).backward(grad)
-    return [("fbgemm-gpu-cpu TBE", forward), ("fbgemm-gpu-cpu TBE, fused EXACT_SGD", train)]
+    mode = "EXACT_ADAGRAD" if adagrad else "EXACT_SGD"
+    return [("fbgemm-gpu-cpu TBE", forward), (f"fbgemm-gpu-cpu TBE, fused {mode}", train)]
 
 
-def _torchrec_rows(rows, dim, bag, batch, lr, indices, upstream) -> list[Row]:
+def _torchrec_rows(rows, dim, lengths, lr, indices, upstream, adagrad, dtype) -> list[Row]:
     try:
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+        from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
         from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+        configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=r, feature_names=[f"f{t}"],
+                                      pooling=PoolingType.MEAN,
+                                      data_type=DataType.BF16 if dtype == torch.bfloat16 else DataType.FP32)
+                   for t, r in enumerate(rows)]
+        collection = FusedEmbeddingBagCollection(configs, optimizer_type=torch.optim.Adagrad if adagrad else
+                                                 torch.optim.SGD, optimizer_kwargs={"lr": lr},
+                                                 device=torch.device("cpu"))
+        features = KeyedJaggedTensor(keys=[f"f{t}" for t in range(len(rows))], values=torch.cat(indices),
+                                     lengths=torch.cat(lengths))
+        with torch.no_grad():
+            collection(features).values()     # a probe, as for fbgemm
     except Exception as exc:
         say(f"  torchrec skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
         return []
-    configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=r, feature_names=[f"f{t}"],
-                                  pooling=PoolingType.MEAN) for t, r in enumerate(rows)]
-    collection = FusedEmbeddingBagCollection(configs, optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": lr},
-                                             device=torch.device("cpu"))
-    features = KeyedJaggedTensor(keys=[f"f{t}" for t in range(len(rows))], values=torch.cat(indices),
-                                 lengths=torch.full((len(rows) * batch,), bag, dtype=torch.long))
     grad = torch.cat(upstream, dim=1)
 
     def forward() -> None:
@@ -191,7 +231,8 @@ def _torchrec_rows(rows, dim, bag, batch, lr, indices, upstream) -> list[Row]:
 
     def train() -> None:
         collection(features).values().backward(grad)
-    return [("torchrec FusedEmbeddingBagCollection", forward), ("torchrec FusedEmbeddingBagCollection (SGD)", train)]
+    name = "Adagrad" if adagrad else "SGD"
+    return [("torchrec FusedEmbeddingBagCollection", forward), (f"torchrec FusedEmbeddingBagCollection ({name})", train)]
 
 
 # --------------------------------------------------------------------------------------- interaction
@@ -268,7 +309,7 @@ def thread_rows(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
     _, inter_train = interaction_rows(args)
     roi_forward, roi_train = roi_rows(args)
     picked = [("merged bag forward", dict(bags_forward)["xlaunch merged (kernels)"]),
-              ("MergedEmbeddingBagWithSGD step", dict(bags_train)["xlaunch MergedEmbeddingBagWithSGD (kernels)"]),
+              ("fused update step", bags_train[2][1]),
               ("interaction fwd+bwd", dict(inter_train)["xlaunch.nn.interaction"]),
               ("roi_align forward", dict(roi_forward)["kernel, channels-last"]),
               ("roi_align fwd+bwd", dict(roi_train)["kernel, channels-last"])]
@@ -292,6 +333,10 @@ def main() -> int:
     parser.add_argument("--bag", type=int, default=20)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--boxes", type=int, default=1000)
+    parser.add_argument("--pooling", default="", help="bag sizes uniform in LOW-HIGH (e.g. 1-100) instead of --bag")
+    parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="sgd")
+    parser.add_argument("--bf16", action="store_true", help="bf16 tables (xlaunch: split-bf16 master)")
+    parser.add_argument("--small", action="store_true", help="the tests' 3 small tables (40, 25, 18 rows)")
     parser.add_argument("--cpu-time", action="store_true", help="time with process CPU time, not the wall clock")
     args = parser.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
@@ -328,7 +373,8 @@ def main() -> int:
         first = next(iter(medians.values()))
         say(f"{title}, {phase}, {label}\n\n| | ms (median) | vs first row |\n|---|---:|---:|")
         for name, value in medians.items():
-            say(f"| {name} | {value:.1f} | {first / value:.2f}x |")
+            say(f"| {name} | {value:.1f} | {first / value:.2f}x |" if value >= 10 else
+                f"| {name} | {value:.3f} | {first / value:.2f}x |")
         say("")
     return 0
 

@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 from conftest import require
 
@@ -17,6 +19,8 @@ from xlaunch.nn import native  # noqa: E402
 def kernels(request) -> str:
     """``"native"`` (the compiled kernels, required built) or ``"torch"`` (the fallback paths)."""
     if request.param == "native":
+        if os.environ.get(native.DISABLE_ENV) == "0":
+            pytest.skip(f"the compiled kernels are disabled ({native.DISABLE_ENV}=0): the torch paths only")
         require("xlaunch.nn's compiled kernels (python -m xlaunch.nn.native)",
                 str(native.library_path()) if native.available() else None)
         assert native.ops() is not None

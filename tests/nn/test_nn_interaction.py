@@ -47,3 +47,17 @@ def test_bf16_features_and_refusals():
         interaction(features[0], torch.randn(4, 9))
     with pytest.raises(ValueError, match="feature 2 is torch.bfloat16"):
         interaction(features[0], features[1], features[2].bfloat16())
+
+
+def test_non_float_features_are_refused_and_fp64_bf16_sum_in_their_precision():
+    with pytest.raises(TypeError, match="float dtype"):
+        interaction(torch.ones(2, 3, dtype=torch.int64), torch.ones(2, 3, dtype=torch.int64))
+    gen = torch.Generator().manual_seed(2)
+    features = [torch.randn(4, 64, dtype=torch.float64, generator=gen) for _ in range(3)]
+    torch.testing.assert_close(interaction(*features), eager(*features), rtol=1e-15, atol=1e-13)
+    narrow = [f.bfloat16() for f in features]
+    got = interaction(*narrow)
+    assert got.dtype == torch.bfloat16
+    # fp32 sums rounded once: within one bf16 rounding of the exact dots of the bf16 inputs
+    exact = eager(*[f.double() for f in narrow])
+    torch.testing.assert_close(got.double(), exact, rtol=2 ** -8, atol=1e-6)

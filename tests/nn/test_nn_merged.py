@@ -10,7 +10,7 @@ from torch import nn  # noqa: E402
 
 from xlaunch.kernels.optim.splitbf16 import join  # noqa: E402
 from xlaunch.nn import (EmbeddingSpec, MergedEmbeddingBag, MergedEmbeddingBagWithAdaGrad,  # noqa: E402
-                        MergedEmbeddingBagWithCat, MergedEmbeddingBagWithSGD)
+                        MergedEmbeddingBagWithCat, MergedEmbeddingBagWithSGD, native)
 
 pytestmark = pytest.mark.torch
 BATCH = 6
@@ -205,8 +205,6 @@ def test_refusals_say_what_is_wrong(kernels):
         merged(bad, offsets)
     with pytest.raises(ValueError, match="same number of bags"):
         merged(indices, [offsets[0][:-1], offsets[1], offsets[2]])
-    with pytest.raises(ValueError, match="sum or mean"):
-        MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables)      # table 2 is max-pooled
     with pytest.raises(ValueError, match="padding_idx"):
         MergedEmbeddingBag.from_embeddingbag_list([nn.EmbeddingBag(5, 2, padding_idx=0)])
     with pytest.raises(ValueError, match="sparse=True"):
@@ -215,3 +213,117 @@ def test_refusals_say_what_is_wrong(kernels):
         MergedEmbeddingBag([EmbeddingSpec(3, 2, dtype=torch.float32), EmbeddingSpec(3, 2, dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match="learning rate"):
         MergedEmbeddingBagWithSGD([EmbeddingSpec(3, 2)], lr=-1.0)
+
+
+@pytest.mark.parametrize("fused", [MergedEmbeddingBag, MergedEmbeddingBagWithSGD, MergedEmbeddingBagWithAdaGrad])
+def test_out_of_range_and_negative_indices_name_the_table_and_change_nothing(kernels, fused):
+    tables = make_tables(modes=("mean", "sum", "sum"))
+    indices, offsets = make_inputs(tables)
+    merged = fused.from_embeddingbag_list(tables)
+    before = merged.weight.detach().clone()
+    for value, table in ((25, 1), (-1, 2)):                  # table 1 has 25 rows; table 2 18
+        bad = [i.clone() for i in indices]
+        bad[table][2] = value
+        with pytest.raises(IndexError, match=rf"index {value} at position 2 of table {table} is out of range "
+                                             rf"\[0, {tables[table].num_embeddings}\)"):
+            torch.autograd.backward(merged(bad, offsets), [torch.ones(BATCH, t.embedding_dim) for t in tables])
+        assert torch.equal(merged.weight.detach(), before) and merged.weight.grad is None
+
+
+def _step_reference(tables, indices, offsets, upstream, optimizer, **hyper):
+    ref = copies(tables)
+    torch.autograd.backward(reference(ref, indices, offsets), upstream)
+    optimizer([t.weight for t in ref], **hyper).step()
+    return ref
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_fp64_fp16_bf16_forward_and_one_sgd_and_adagrad_step_equal_the_reference(kernels, dtype, tol):
+    tables = [t.to(dtype) for t in make_tables(modes=("mean", "sum", "sum"))]
+    indices, offsets = make_inputs(tables, torch.int32)
+    gen = torch.Generator().manual_seed(19)
+    upstream = [torch.randn(BATCH, t.embedding_dim, generator=gen).to(dtype) for t in tables]
+    with torch.no_grad():
+        for g, w in zip(MergedEmbeddingBag.from_embeddingbag_list(tables)(indices, offsets),
+                        reference(tables, indices, offsets)):
+            assert g.dtype == dtype
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    for fused, optimizer, hyper in ((MergedEmbeddingBagWithSGD, torch.optim.SGD, {"lr": 0.5}),
+                                    (MergedEmbeddingBagWithAdaGrad, torch.optim.Adagrad, {"lr": 0.3, "eps": 1e-4})):
+        merged = fused.from_embeddingbag_list(tables, **hyper)
+        assert merged.weight.dtype == dtype                              # no cast of the user's weights
+        torch.autograd.backward(merged(indices, offsets), upstream)
+        ref = _step_reference(tables, indices, offsets, upstream, optimizer, **hyper)
+        for number, table in enumerate(ref):
+            torch.testing.assert_close(merged.weights[number].double(), table.weight.detach().double(),
+                                       rtol=tol, atol=tol)
+
+
+def test_mixed_dtypes_name_the_table_and_per_table_grads_are_populated(kernels):
+    with pytest.raises(ValueError, match="table 1 has weight dtype torch.float64, table 0 torch.float32"):
+        MergedEmbeddingBag([EmbeddingSpec(3, 2), EmbeddingSpec(3, 2, dtype=torch.float64)])
+    tables = make_tables()
+    indices, offsets = make_inputs(tables)
+    merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
+    upstream = [torch.randn(BATCH, t.embedding_dim) for t in tables]
+    torch.autograd.backward(merged(indices, offsets), upstream)
+    torch.autograd.backward(reference(tables, indices, offsets), upstream)
+    for view, table in zip(merged.weights, tables):
+        torch.testing.assert_close(view.grad, table.weight.grad)
+
+
+def test_autocast_outputs_follow_ipex(kernels):
+    tables = make_tables(modes=("mean", "sum", "sum"))
+    indices, offsets = make_inputs(tables)
+    merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            inference = merged(indices, offsets)
+        training = merged(indices, offsets)
+    assert {o.dtype for o in inference} == {torch.bfloat16}          # IPEX casts the weights for inference
+    assert {o.dtype for o in training} == {torch.float32}            # and runs in their dtype when training
+    for got, want in zip(inference, reference(tables, indices, offsets)):
+        torch.testing.assert_close(got.float(), want.detach(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fused,optimizer", [(MergedEmbeddingBagWithSGD, torch.optim.SGD),
+                                             (MergedEmbeddingBagWithAdaGrad, torch.optim.Adagrad)])
+def test_fused_classes_train_max_pooled_tables(kernels, fused, optimizer):
+    tables = make_tables()                                           # table 2 is max-pooled
+    indices, offsets = make_inputs(tables)
+    merged = fused.from_embeddingbag_list(tables, lr=0.5)
+    upstream = [torch.randn(BATCH, t.embedding_dim, generator=torch.Generator().manual_seed(23)) for t in tables]
+    torch.autograd.backward(merged(indices, offsets), upstream)
+    ref = _step_reference(tables, indices, offsets, upstream, optimizer, lr=0.5)
+    for number, rows in enumerate(touched(indices)):
+        torch.testing.assert_close(merged.weights[number][rows], ref[number].weight.detach()[rows])
+
+
+def test_jit_trace_and_compile_fullgraph_record_the_ops(kernels):
+    tables = make_tables(modes=("mean", "sum", "sum"))
+    indices, offsets = make_inputs(tables)
+    merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
+    traced = torch.jit.trace(merged, (indices, offsets), check_trace=False)
+    assert "xlaunch::merged_bag" in str(traced.graph)
+    for got, want in zip(traced(indices, offsets), reference(tables, indices, offsets)):
+        torch.testing.assert_close(got, want)
+    eager = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.5)
+    compiled_module = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.5)
+    compiled = torch.compile(compiled_module, fullgraph=True)
+    upstream = [torch.randn(BATCH, t.embedding_dim, generator=torch.Generator().manual_seed(29)) for t in tables]
+    torch.autograd.backward(compiled(indices, offsets), upstream)    # the update runs in the compiled backward
+    torch.autograd.backward(eager(indices, offsets), upstream)
+    torch.testing.assert_close(compiled_module.weight, eager.weight)
+    assert not torch.equal(eager.weight, merged.weight)
+
+
+def test_the_per_table_torch_forward_equals_the_tables(monkeypatch):
+    import xlaunch.nn.bag_ops as bag_ops
+    monkeypatch.setattr(bag_ops, "PER_TABLE_LOOKUPS", 0)              # big bags: one call per table
+    tables = make_tables(modes=("sum", "mean", "max"))
+    indices, offsets = make_inputs(tables, torch.int32)
+    weights = [torch.rand(len(indices[0]), generator=torch.Generator().manual_seed(31)), None, None]
+    with native.prefer_native(False), torch.no_grad():
+        got = MergedEmbeddingBag.from_embeddingbag_list(tables)(indices, offsets, per_sample_weights=weights)
+    for g, w in zip(got, reference(tables, indices, offsets, weights)):
+        torch.testing.assert_close(g, w)

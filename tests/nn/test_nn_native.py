@@ -53,6 +53,7 @@ def test_build_keeps_an_existing_build_and_refuses_a_symlinked_dir(monkeypatch, 
 
 
 def test_missing_or_disabled_kernels_mean_the_torch_paths(monkeypatch, tmp_path):
+    monkeypatch.delenv(native.DISABLE_ENV, raising=False)                # the suite may run with it set
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_load_failed", False)
     monkeypatch.setattr(native, "_warned", False)

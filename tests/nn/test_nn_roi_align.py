@@ -152,3 +152,15 @@ def test_a_box_on_a_missing_image_is_refused(kernels):
         roi_align(image, torch.tensor([[2.0, 0, 0, 4, 4]]), 2)
     with pytest.raises(ValueError, match="must be \\(K, 5\\)"):
         roi_align(image, torch.zeros(3, 4), 2)
+
+
+def test_fp64_input_computes_in_fp64(kernels):
+    image, rois = case(3)
+    image = image.double().requires_grad_()
+    upstream = torch.randn(len(rois), 5, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    want, want_grad = reference(image.detach(), rois, 3, 2, 0.5, 0, True, upstream)
+    got = roi_align(image, torch.tensor(rois, dtype=torch.float64), (3, 2), 0.5, 0, True)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    (grad,) = torch.autograd.grad(got, image, upstream)
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12)

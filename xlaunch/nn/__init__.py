@@ -2,6 +2,7 @@
 
 * :mod:`.merged`: ``MergedEmbeddingBag`` and its fused-optimizer forms ``...WithSGD``,
   ``...WithAdaGrad``, and ``...WithCat``; ``EmbeddingSpec``
+* :mod:`.dist_merged`: ``DistMergeEmbeddingBagWithAdaGrad`` (rows sharded over torch.distributed ranks)
 * :mod:`.feature_interaction`: DLRM's ``interaction(dense, *sparse)``
 * :mod:`.frozen_bn`: ``FrozenBatchNorm2d`` (folded into the conv before it by ``optimize()``)
 * :mod:`.roi`: ``roi_align`` / ``RoIAlign`` (torchvision's semantics)
@@ -22,6 +23,7 @@ _LAZY = {
     "MergedEmbeddingBagWithSGD": "xlaunch.nn.merged",
     "MergedEmbeddingBagWithAdaGrad": "xlaunch.nn.merged",
     "MergedEmbeddingBagWithCat": "xlaunch.nn.merged",
+    "DistMergeEmbeddingBagWithAdaGrad": "xlaunch.nn.dist_merged",
     "interaction": "xlaunch.nn.feature_interaction",
     "FrozenBatchNorm2d": "xlaunch.nn.frozen_bn",
     "roi_align": "xlaunch.nn.roi",

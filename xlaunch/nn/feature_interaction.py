@@ -21,6 +21,7 @@ with needs_torch(__name__):
 __all__ = ["interaction", "InteractionFunc"]
 
 _pairs: dict[int, tuple[Tensor, Tensor]] = {}
+_NARROW = (torch.bfloat16, torch.float16)
 
 
 def _triangle(features: int) -> tuple[Tensor, Tensor]:
@@ -41,7 +42,8 @@ class InteractionFunc(torch.autograd.Function):
         batch, dim, count = features[0].shape[0], features[0].shape[1], len(features)
         stacked = torch.cat(features, dim=1).view(batch, count, dim)
         lower, _ = _triangle(count)
-        dots = torch.bmm(stacked, stacked.transpose(1, 2)).view(batch, count * count)
+        wide = stacked.float() if stacked.dtype in _NARROW else stacked    # fp32 sums for 16-bit floats
+        dots = torch.bmm(wide, wide.transpose(1, 2)).view(batch, count * count)
         out = torch.empty(batch, dim + lower.numel(), dtype=stacked.dtype)
         out[:, :dim] = features[0]
         out[:, dim:] = torch.gather(dots, 1, lower.expand(batch, -1))
@@ -53,18 +55,20 @@ class InteractionFunc(torch.autograd.Function):
         (stacked,) = ctx.saved_tensors
         batch, count, dim = stacked.shape
         lower, upper = _triangle(count)
-        pair_grad = grad[:, dim:].to(stacked.dtype)
-        symmetric = torch.zeros(batch, count * count, dtype=stacked.dtype)
+        compute = torch.float32 if stacked.dtype in _NARROW else stacked.dtype
+        pair_grad = grad[:, dim:].to(compute)
+        symmetric = torch.zeros(batch, count * count, dtype=compute)
         both = torch.cat([lower, upper]).expand(batch, -1)
         symmetric.scatter_(1, both, torch.cat([pair_grad, pair_grad], dim=1))
-        feature_grad = torch.bmm(symmetric.view(batch, count, count), stacked)   # (B, F, D)
-        feature_grad[:, 0] += grad[:, :dim]
-        return tuple(feature_grad.unbind(1))
+        feature_grad = torch.bmm(symmetric.view(batch, count, count), stacked.to(compute))   # (B, F, D)
+        feature_grad[:, 0] += grad[:, :dim].to(compute)
+        return tuple(feature_grad.to(stacked.dtype).unbind(1))
 
 
 def interaction(*features: Tensor) -> Tensor:
     """``(batch, dim + F(F-1)/2)``: the first (dense) feature, then the pairwise dot products of
-    all ``F`` features (each ``(batch, dim)``, one dtype)."""
+    all ``F`` features (each ``(batch, dim)``, one float dtype; fp64 computes in fp64, bf16 and
+    fp16 sum in fp32 and round once)."""
     if not features:
         raise ValueError("interaction needs at least the dense feature")
     first = features[0]
@@ -72,6 +76,8 @@ def interaction(*features: Tensor) -> Tensor:
         if not isinstance(feature, Tensor) or feature.dim() != 2 or feature.shape != first.shape:
             raise ValueError(f"interaction: feature {number} must be a (batch, dim) tensor shaped like the dense "
                              f"feature {tuple(first.shape)}")
+        if not feature.dtype.is_floating_point:
+            raise TypeError(f"interaction: feature {number} is {feature.dtype}; the features must be a float dtype")
         if feature.dtype != first.dtype:
             raise ValueError(f"interaction: feature {number} is {feature.dtype}, the dense feature {first.dtype}")
     return InteractionFunc.apply(*features)

@@ -7,7 +7,9 @@
 The names and signatures are ``ipex.nn``'s (``EmbeddingSpec``, ``from_embeddingbag_list``,
 ``to_bfloat16_train``), so a port is a rename. Beyond IPEX: tables may differ in dim, pooling mode
 (sum, mean, max) and ``include_last_offset``; indices may be int32 or int64, 1-D with offsets or
-2-D ``(batch, bag size)``; ``per_sample_weights`` work with sum pooling.
+2-D ``(batch, bag size)``; ``per_sample_weights`` work with sum pooling. Weights are fp64, fp32,
+fp16 or bf16, one dtype for all tables (IPEX's rule); every index is checked against its own table
+before anything is read or written (``IndexError`` naming the table, the position and the range).
 
 * :class:`MergedEmbeddingBag`: dense weight gradient, for any torch optimizer.
 * :class:`MergedEmbeddingBagWithSGD` / :class:`MergedEmbeddingBagWithAdaGrad`: the update runs
@@ -29,13 +31,13 @@ with needs_torch(__name__):
     from torch import Tensor, nn
 
 from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
-from xlaunch.nn.bag_ops import ADAGRAD, SGD, pool, update_rows
+from xlaunch.nn.bag_ops import ADAGRAD, SGD, compute_dtype, pool, pool_fused
 from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, normalize
 
 __all__ = ["EmbeddingSpec", "MergedEmbeddingBag", "MergedEmbeddingBagWithCat", "MergedEmbeddingBagWithSGD",
            "MergedEmbeddingBagWithAdaGrad"]
 
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+WEIGHT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def _spec_of(table: nn.EmbeddingBag, number: int) -> EmbeddingSpec:
@@ -66,10 +68,13 @@ class MergedEmbeddingBag(nn.Module):
         super().__init__()
         specs = [EmbeddingSpec(*spec) for spec in embedding_specs]
         self.layout = TableLayout(specs)
-        dtypes = {spec.dtype for spec in specs}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in WEIGHT_DTYPES:
-            raise ValueError("all tables need one weight dtype, float32 or bfloat16; got "
-                             f"{', '.join(sorted(str(d) for d in dtypes))}")
+        for number, spec in enumerate(specs):   # IPEX: "expect all tables have same dtype"
+            if spec.dtype not in WEIGHT_DTYPES:
+                raise ValueError(f"table {number}: weight dtype {spec.dtype} is not one of "
+                                 f"{', '.join(str(d) for d in WEIGHT_DTYPES)}")
+            if spec.dtype != specs[0].dtype:
+                raise ValueError(f"table {number} has weight dtype {spec.dtype}, table 0 {specs[0].dtype}: all tables "
+                                 "need one weight dtype (as in IPEX); convert the tables to one dtype first")
         self._check_specs(specs)
         weight = torch.empty(self.layout.numel, dtype=specs[0].dtype)
         with torch.no_grad():
@@ -98,9 +103,23 @@ class MergedEmbeddingBag(nn.Module):
 
     @property
     def weights(self) -> tuple[Tensor, ...]:
-        """Each table's ``(rows, dim)`` view of the storage (``ipex.nn``'s ``weights[i]``)."""
-        flat = self.weight.detach()
-        return tuple(self.layout.view(flat, number) for number in range(self.n_tables))
+        """Each table's ``(rows, dim)`` view of the storage (``ipex.nn``'s ``weights[i]``); after a
+        backward, ``weights[i].grad`` is table ``i``'s block of ``weight.grad``."""
+        flat, grad = self.weight.detach(), self.weight.grad
+        views = tuple(self.layout.view(flat, number) for number in range(self.n_tables))
+        if grad is not None and grad.layout == torch.strided and grad.shape == flat.shape:
+            for number, view in enumerate(views):
+                view.grad = self.layout.view(grad, number)
+        return views
+
+    def _pool_weight(self) -> Tensor:
+        """The weight the forward reads: IPEX's autocast rule (bf16 autocast without grad mode
+        pools a bf16 copy of fp32 weights; with grad mode, the weights' own dtype)."""
+        weight = self.weight
+        if (weight.dtype == torch.float32 and not torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+            return weight.to(torch.bfloat16)
+        return weight
 
     def _inputs(self, indices: Any, offsets: Any, per_sample_weights: Any) -> BagInputs:
         return normalize(self.layout, indices, offsets, per_sample_weights, self.weight.dtype)
@@ -108,7 +127,7 @@ class MergedEmbeddingBag(nn.Module):
     def forward(self, indices: Sequence[Tensor], offsets: Optional[Sequence[Tensor]] = None,
                 per_sample_weights: Optional[Sequence[Optional[Tensor]]] = None) -> list[Tensor]:
         """One ``(batch, dim)`` output per table."""
-        return pool(self.weight, self.layout, self._inputs(indices, offsets, per_sample_weights))
+        return pool(self._pool_weight(), self.layout, self._inputs(indices, offsets, per_sample_weights))
 
     def extra_repr(self) -> str:
         layout = self.layout
@@ -135,7 +154,8 @@ class MergedEmbeddingBagWithCat(MergedEmbeddingBag):
         inputs = self._inputs(indices, offsets, per_sample_weights)
         if not isinstance(dense_feature, Tensor) or dense_feature.dim() != 2 or dense_feature.shape[0] != inputs.batch:
             raise ValueError(f"dense_feature must be a (batch={inputs.batch}, dim) tensor")
-        return pool(self.weight, self.layout, inputs, dense_feature)
+        weight = self._pool_weight()
+        return pool(weight, self.layout, inputs, dense_feature.to(weight.dtype))
 
 
 class _FusedUpdate(MergedEmbeddingBag):
@@ -145,9 +165,6 @@ class _FusedUpdate(MergedEmbeddingBag):
 
     def __init__(self, embedding_specs: Sequence[EmbeddingSpec]) -> None:
         super().__init__(embedding_specs)
-        if "max" in self.layout.modes:
-            raise ValueError(f"{type(self).__name__} updates tables with sum or mean pooling; train max-pooled "
-                             "tables with MergedEmbeddingBag and a torch optimizer")
         trail = torch.zeros_like(self.weight, dtype=TRAIL_DTYPE) if self.weight.dtype == torch.bfloat16 else None
         self.register_buffer("trail", trail)
 
@@ -157,10 +174,12 @@ class _FusedUpdate(MergedEmbeddingBag):
     def to_bfloat16_train(self) -> "_FusedUpdate":
         """bf16 weights with a split fp32 master (``ipex.nn``'s name): the forward reads the bf16
         high half, the update runs on the exact fp32 master (``weight`` joined with ``trail``)."""
-        if self.weight.dtype == torch.float32:
-            top, trail = split(self.weight.detach())
+        if self.weight.dtype in (torch.float32, torch.float64):   # IPEX splits fp64 tables' fp32 values too
+            top, trail = split(self.weight.detach().float())
             self.weight = nn.Parameter(top)
             self.trail = trail
+            if getattr(self, "state_sum", None) is not None:
+                self.state_sum = self.state_sum.float()
         return self
 
     def master_weight(self) -> Tensor:
@@ -174,10 +193,19 @@ class _FusedUpdate(MergedEmbeddingBag):
                 per_sample_weights: Optional[Sequence[Optional[Tensor]]] = None) -> list[Tensor]:
         """One ``(batch, dim)`` output per table; their backward updates the touched rows."""
         inputs = self._inputs(indices, offsets, per_sample_weights)
-        return pool(self.weight, self.layout, inputs, None, self._update)
+        if not torch.is_grad_enabled():
+            return pool(self._pool_weight(), self.layout, inputs)
+        return pool_fused(self.weight, self.trail, self._state(), self.layout, inputs, self.kind, self.lr,
+                          self._weight_decay(), self._eps())
 
-    def _update(self, grads: list[Tensor], inputs: BagInputs) -> None:  # pragma: no cover - per class
-        raise NotImplementedError
+    def _state(self) -> Optional[Tensor]:
+        return None
+
+    def _weight_decay(self) -> float:
+        return 0.0
+
+    def _eps(self) -> float:
+        return 0.0
 
 
 def _non_negative(name: str, value: float) -> float:
@@ -194,14 +222,16 @@ class MergedEmbeddingBagWithSGD(_FusedUpdate):
         self.lr = _non_negative("learning rate", lr)
         self.weight_decay = _non_negative("weight_decay", weight_decay)
 
-    def _update(self, grads: list[Tensor], inputs: BagInputs) -> None:
-        update_rows(SGD, self.layout, inputs, grads, self.weight.data, self.trail, None, self.lr, self.weight_decay)
+    def _weight_decay(self) -> float:
+        return self.weight_decay
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lr={self.lr}, weight_decay={self.weight_decay}"
 
 
 class MergedEmbeddingBagWithAdaGrad(_FusedUpdate):
+    kind = ADAGRAD
+
     """Merged tables trained by Adagrad fused into backward (``lr``, ``eps``); the squared-gradient
     sums are the fp32 buffer ``state_sum`` (``torch.optim.Adagrad``'s ``state_sum``)."""
 
@@ -209,11 +239,14 @@ class MergedEmbeddingBagWithAdaGrad(_FusedUpdate):
         super().__init__(embedding_specs)
         self.lr = _non_negative("learning rate", lr)
         self.eps = _non_negative("eps", eps)
-        self.register_buffer("state_sum", torch.zeros(self.layout.numel, dtype=torch.float32))
+        # fp64 tables keep fp64 sums (torch.optim.Adagrad's state is the parameter's dtype); others fp32
+        self.register_buffer("state_sum", torch.zeros(self.layout.numel, dtype=compute_dtype(self.weight.dtype)))
 
-    def _update(self, grads: list[Tensor], inputs: BagInputs) -> None:
-        update_rows(ADAGRAD, self.layout, inputs, grads, self.weight.data, self.trail, self.state_sum, self.lr,
-                    eps=self.eps)
+    def _state(self) -> Optional[Tensor]:
+        return self.state_sum
+
+    def _eps(self) -> float:
+        return self.eps
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lr={self.lr}, eps={self.eps}"

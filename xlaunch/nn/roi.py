@@ -7,9 +7,9 @@ a list of ``Tensor[L, 4]``, one per image. Each box is scaled by ``spatial_scale
 ``output_size`` bins, and each bin averages ``sampling_ratio``^2 bilinear samples (``-1`` or
 ``0``: ``ceil(box size / bins)`` per axis, per box). ``aligned=True`` shifts boxes by half a pixel
 (Detectron2's alignment). The result is ``(K, C, out_h, out_w)`` in the input's dtype and
-memory format: channels-last in, channels-last out. bf16 input is read as bf16 and summed in
-fp32 (what the input of RoIAlign under ``torch.autocast`` usually is); other dtypes compute in
-fp32 and are cast back, as torchvision's autocast rule does.
+memory format: channels-last in, channels-last out. fp64 input computes in fp64 (boxes and
+coordinates included, as torchvision does); bf16 input is read as bf16 and summed in fp32 (what
+the input of RoIAlign under ``torch.autocast`` usually is); fp16 computes in fp32 and is cast back.
 
 The compiled kernel splits the boxes across threads in the forward and the channels in the
 backward (no two threads add into one gradient element). Without it, a vectorized torch
@@ -34,21 +34,22 @@ Boxes = Union[Tensor, Sequence[Tensor]]
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def boxes_to_rois(boxes: Boxes) -> Tensor:
-    """``(K, 5)`` float32 rows ``(batch index, x1, y1, x2, y2)`` from either form of boxes."""
+def boxes_to_rois(boxes: Boxes, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``(K, 5)`` rows ``(batch index, x1, y1, x2, y2)`` from either form of boxes (float32, or
+    ``dtype``: float64 for fp64 input)."""
     if isinstance(boxes, Tensor):
         if boxes.dim() != 2 or boxes.shape[1] != 5:
             raise ValueError(f"boxes as one tensor must be (K, 5), got {tuple(boxes.shape)}")
-        return boxes.detach().float().contiguous()
+        return boxes.detach().to(dtype).contiguous()
     if not isinstance(boxes, (list, tuple)):
         raise TypeError("boxes must be a (K, 5) tensor or a list of (L, 4) tensors, one per image")
     rows = []
     for image, per_image in enumerate(boxes):
         if not isinstance(per_image, Tensor) or per_image.dim() != 2 or per_image.shape[1] != 4:
             raise ValueError(f"boxes[{image}] must be an (L, 4) tensor")
-        index = torch.full((per_image.shape[0], 1), float(image))
-        rows.append(torch.cat([index, per_image.detach().float()], dim=1))
-    return torch.cat(rows).contiguous() if rows else torch.zeros(0, 5)
+        index = torch.full((per_image.shape[0], 1), float(image), dtype=dtype)
+        rows.append(torch.cat([index, per_image.detach().to(dtype)], dim=1))
+    return torch.cat(rows).contiguous() if rows else torch.zeros(0, 5, dtype=dtype)
 
 
 def _pair(output_size: Union[int, Sequence[int]]) -> tuple[int, int]:
@@ -94,7 +95,9 @@ def roi_align(input: Tensor, boxes: Boxes, output_size: Union[int, Sequence[int]
     """Pool each box of ``boxes`` from ``input`` into ``output_size`` bins (see the module doc)."""
     if not isinstance(input, Tensor) or input.dim() != 4:
         raise ValueError("roi_align: input must be an (N, C, H, W) tensor")
-    rois = boxes_to_rois(boxes)
+    if not input.dtype.is_floating_point:
+        raise TypeError(f"roi_align: input must be a float tensor, not {input.dtype}")
+    rois = boxes_to_rois(boxes, torch.float64 if input.dtype == torch.float64 else torch.float32)
     height, width = _pair(output_size)
     if height <= 0 or width <= 0:
         raise ValueError(f"roi_align: output_size must be positive, got {(height, width)}")

@@ -1,7 +1,7 @@
 """RoIAlign in vectorized torch ops: the path used when the compiled kernel is not built.
 
-Same sampling as the kernel (torchvision's: the same fp32 coordinate arithmetic, out-of-image
-samples skipped), differentiable through autograd. Every sample's four corners become rows of a
+Same sampling as the kernel (torchvision's: the same coordinate arithmetic, in fp32, or in fp64
+for fp64 input as torchvision computes it; out-of-image samples skipped), differentiable through autograd. Every sample's four corners become rows of a
 gather from the image as a ``(N * H * W, C)`` matrix, weighted and summed into their output bin
 with ``index_add``; boxes are processed in chunks so that the gathered rows stay below
 ``CHUNK_ELEMENTS`` values. Single-threaded in practice, and several times slower than the kernel.
@@ -41,7 +41,8 @@ def _samples(start: Tensor, bin_size: Tensor, grid: Tensor, bins: int, size: int
     g = grid[boxes]
     which_bin, step = local // g.clamp(min=1), local % g.clamp(min=1)
     size_b = bin_size[boxes]
-    coords = start[boxes] + which_bin.float() * size_b + (step.float() + 0.5) * size_b / g.float()
+    real = start.dtype
+    coords = start[boxes] + which_bin.to(real) * size_b + (step.to(real) + 0.5) * size_b / g.to(real)
     return boxes, which_bin, _interpolate(coords, size), firsts, counts
 
 
@@ -51,7 +52,7 @@ def roi_align_torch(input: Tensor, rois: Tensor, spatial_scale: float, out_h: in
     batches, channels, height, width = input.shape
     count = rois.shape[0]
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
-    rois = rois.float()
+    rois = rois.to(compute)   # fp64 boxes and coordinates for fp64 input (torchvision's rule)
     if count and not bool(((rois[:, 0] >= 0) & (rois[:, 0] < batches) & (rois[:, 0] == rois[:, 0].floor())).all()):
         raise RuntimeError(f"roi_align: a box batch index is not an image index in [0, {batches})")
     offset = 0.5 if aligned else 0.0

@@ -1,0 +1,98 @@
+"""DistMergeEmbeddingBagWithAdaGrad on 2 gloo ranks (two short processes on 127.0.0.1) against the
+single-process MergedEmbeddingBagWithAdaGrad: each rank's share of the outputs, and its shard of
+the rows after two fused Adagrad steps."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.torch
+
+RANK = r"""
+import torch, torch.distributed as dist
+from datetime import timedelta
+from torch import nn
+from xlaunch.nn import DistMergeEmbeddingBagWithAdaGrad, MergedEmbeddingBagWithAdaGrad
+
+
+def run(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        check(rank)
+    finally:
+        dist.destroy_process_group()
+    return f"rank {rank} ok"
+
+
+def check(rank):
+    torch.manual_seed(0)
+    tables = [nn.EmbeddingBag(rows, 4, mode="sum", dtype=torch.float64) for rows in (9, 14, 5)]
+    gen = torch.Generator().manual_seed(1)
+    batch = 6
+    sizes = [torch.randint(0, 4, (batch,), generator=gen) for _ in tables]
+    indices = [torch.randint(0, t.num_embeddings, (int(s.sum()),), generator=gen) for t, s in zip(tables, sizes)]
+    offsets = [torch.cat([torch.zeros(1, dtype=torch.long), s.cumsum(0)[:-1]]) for s in sizes]
+    dist_bag = DistMergeEmbeddingBagWithAdaGrad.from_embeddingbag_list(tables, lr=0.3, eps=1e-8)
+    ref = MergedEmbeddingBagWithAdaGrad.from_embeddingbag_list(tables, lr=0.3, eps=1e-8)
+    mine = slice(rank * batch // 2, (rank + 1) * batch // 2)
+    for step in range(2):
+        upstream = torch.randn(batch, len(tables), 4, generator=gen, dtype=torch.float64)
+        out = dist_bag(indices, offsets)
+        want = torch.stack(ref(indices, offsets), dim=1)
+        torch.testing.assert_close(out, want[mine].detach(), rtol=0, atol=1e-12)
+        out.backward(upstream[mine])
+        torch.autograd.backward(list(want.unbind(1)), list(upstream.unbind(1)))
+    full = torch.cat([w.detach() for w in ref.weights])
+    torch.testing.assert_close(dist_bag.weight.detach(), full[rank::2], rtol=0, atol=1e-12)
+    before = dist_bag.weight.detach().clone()
+    bad = [i.clone() for i in indices]
+    bad[1][0] = 14
+    try:
+        dist_bag(bad, offsets)
+    except IndexError as exc:
+        assert "of table 1 is out of range [0, 14)" in str(exc), exc
+    else:
+        raise AssertionError("no error")
+    assert torch.equal(dist_bag.weight.detach(), before)
+
+
+if __name__ == "__main__":
+    import sys
+    print(run(int(sys.argv[1]), sys.argv[2]))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_equal_the_single_process_adagrad(tmp_path):
+    """Rank 1 in a child process, rank 0 here (one interpreter start, not two)."""
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    log = tmp_path / "rank1.log"
+    with open(log, "w") as out:
+        child = subprocess.Popen([sys.executable, "-c", RANK, "1", port], stdout=out, stderr=subprocess.STDOUT,
+                                 env=env)
+    namespace: dict = {"__name__": "rank0"}
+    exec(RANK, namespace)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert namespace["run"](0, port) == "rank 0 ok"
+        child.wait(timeout=60)
+    finally:
+        torch.set_num_threads(threads)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert (child.returncode, log.read_text().strip().splitlines()[-1:]) == (0, ["rank 1 ok"]), log.read_text()
