@@ -9,8 +9,10 @@ measured, kept, and built once per machine.
 Routes: ``eager`` (the model as given), ``torch`` (the default rewrite of :mod:`..pipeline`),
 ``onnxruntime``, ``openvino``, ``inductor``. ``auto`` builds every route that applies, checks each
 against eager, times them round robin within ``time_budget`` seconds and keeps the fastest; an
-engine must beat eager/torch by 3 %. Inference only: training mode, an optimizer, a sample that
-requires grad or a low-precision dtype mean the torch route, with a one-line warning saying why.
+engine must beat eager/torch by 3 %. ``dtype=torch.bfloat16`` (or float16) where the CPU computes
+it natively runs every route in that precision, checked against fp32 eager with that precision's
+tolerance (:mod:`.lowp`). Inference only: training mode, an optimizer, a sample that requires grad
+or a dtype this CPU does not compute natively mean the torch route, with a one-line warning.
 
 The chosen route is cached on disk (:mod:`.cache`), so the next process (or the other instances
 ``xlaunch --ninstances N --auto-optimize`` starts) loads it instead of building and timing again.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
@@ -29,7 +32,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
-from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, policy
+from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, lowp, policy
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.inductor_route import InductorRoute
 from xlaunch.kernels.optimize.engines.onnxruntime_route import OnnxRuntimeRoute
@@ -73,7 +76,9 @@ def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report
     if built.module is not None:
         result = built.module
     else:
-        forward.install(working, built.runner, sample, route, _notify)
+        follow = lowp.FollowEagerDtypes(built.runner, functools.partial(type(working).forward, working),
+                                        lowp.dtypes_of(sample.outputs))
+        follow.eager = forward.install(working, follow, sample, route, _notify).eager
         result = working
     attach(result, report)
     return result
@@ -117,7 +122,7 @@ def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working:
                 built = routes[name].load(working, sample, context, files, entry.get("state") or {})
                 with torch.no_grad():
                     error = max_relative_error(sample.outputs, built.runner(*sample.args))
-            if not error <= policy.MAX_REL_ERROR:
+            if not error <= policy.max_rel_error(lowp.name(context.dtype)):
                 raise disk.CorruptEntry(f"the cached {name} gives wrong results (max relative error {error:.2e})")
             step.done("loaded")
         report = EngineReport.from_dict(entry["report"])
@@ -132,6 +137,17 @@ def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working:
         except OSError:
             pass
         return None
+
+
+def _engine_dtype(dtype: Any, flags: dict[str, Any]) -> Any:
+    """The low precision the engine routes compute in (None: fp32), or None when the CPU does not
+    compute ``dtype`` natively (the torch route then falls back to fp32 and says so)."""
+    if dtype in (None, torch.float32):
+        return None
+    from xlaunch.kernels.optimize.precision import resolve_dtype
+
+    use, _ = resolve_dtype(dtype, bool(flags.get("force_bf16")))
+    return use if use in lowp.LOW else None
 
 
 def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, optimizer: Any = None,
@@ -149,7 +165,10 @@ def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, 
         raise ValueError(f"optimize: time_budget must be > 0 seconds, not {time_budget!r}")
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     grad_inputs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-    low = None if dtype in (None, torch.float32) else str(dtype).removeprefix("torch.")
+    if isinstance(optimizer, torch.dtype) and dtype is None:   # ipex's order: optimize(model, dtype)
+        optimizer, dtype = None, optimizer
+    engine_dtype = _engine_dtype(dtype, flags)
+    low = None if engine_dtype is not None or dtype in (None, torch.float32) else lowp.name(dtype)
     reason = policy.inference_only_reason(model.training, optimizer is not None, sample_input is not None,
                                           grad_inputs, low)
     if reason:
@@ -160,8 +179,9 @@ def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, 
     except Unsupported as exc:
         return _torch_route(torch_optimize, model, optimizer, dtype, level, inplace, sample_input, flags, label, str(exc))
     routes = dict(ROUTES_BY_NAME)
-    context = Context(torch.get_num_threads(), torch_optimize, level, flags)
-    report = EngineReport(backend="", requested=label, sample=sample.describe(), threads=context.threads)
+    context = Context(torch.get_num_threads(), torch_optimize, level, flags, dtype=engine_dtype)
+    report = EngineReport(backend="", requested=label, sample=sample.describe(), threads=context.threads,
+                          dtype=lowp.name(engine_dtype), max_rel_error=policy.max_rel_error(lowp.name(engine_dtype)))
     show = Progress(total=len(names) + 1, enabled=progress)
     try:
         if not cache:
@@ -178,7 +198,8 @@ def _cached(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module
     """The route from the cache, or built, timed, kept and written to the cache (under its lock)."""
     with contextlib.ExitStack() as stack:
         try:
-            key = disk.model_key(working, sample.spec, names, context.threads, _isa(), context.level, flags)
+            key_flags = flags if context.dtype is None else {**flags, "dtype": lowp.name(context.dtype)}
+            key = disk.model_key(working, sample.spec, names, context.threads, _isa(), context.level, key_flags)
             store = disk.Cache(disk.cache_dir())
             stack.enter_context(store.lock(key, on_wait=lambda: show.line(
                 "another process is building this model; waiting for it")))

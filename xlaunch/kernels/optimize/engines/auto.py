@@ -22,7 +22,7 @@ with needs_torch(__name__):
     from torch import nn
 
 from xlaunch.kernels.optimize import measure
-from xlaunch.kernels.optimize.engines import policy
+from xlaunch.kernels.optimize.engines import lowp, policy
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.report import BASELINES, EngineReport, RouteResult
 from xlaunch.kernels.optimize.engines.sample import Sample, max_relative_error
@@ -47,8 +47,9 @@ def build_route(route: Route, model: nn.Module, sample: Sample, context: Context
 class Checker:
     """Compares a route's outputs with eager on the sample and on the sample at another batch size."""
 
-    def __init__(self, model: nn.Module, sample: Sample) -> None:
+    def __init__(self, model: nn.Module, sample: Sample, tolerance: float = policy.MAX_REL_ERROR) -> None:
         self.sample = sample
+        self.tolerance = tolerance
         self.other = sample.other_batch()
         self.other_reference: Any = None
         if self.other is not None:
@@ -66,8 +67,8 @@ class Checker:
                     return error, (f"does not serve batch size {int(self.other[self.sample.batched.index(True)].shape[0])} "
                                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})")
                 error = max(error, max_relative_error(self.other_reference, other))
-        if not error <= policy.MAX_REL_ERROR:
-            return error, f"wrong results: max relative error {error:.2e} > {policy.MAX_REL_ERROR:g}"
+        if not error <= self.tolerance:
+            return error, f"wrong results: max relative error {error:.2e} > {self.tolerance:g}"
         return error, None
 
 
@@ -75,7 +76,7 @@ def build_all(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Mod
               context: Context, report: EngineReport, budget_s: float, progress: Progress,
               started: float) -> dict[str, Built]:
     """Every route that builds here and gives eager's results; the report says why the others not."""
-    checker = Checker(model, sample)
+    checker = Checker(model, sample, policy.max_rel_error(lowp.name(context.dtype)))
     built: dict[str, Built] = {}
     for name in names:
         route = routes[name]
@@ -84,7 +85,7 @@ def build_all(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Mod
         if name not in BASELINES and spent > budget_s:
             result.skipped = f"time budget spent ({spent:.0f} s of {budget_s:.0f} s) before it started"
             continue
-        missing = route.missing()
+        missing = route.missing() or route.unfit(context)
         if missing:
             result.skipped = missing
             progress.line(f"{name}: skipped: {missing}")
