@@ -10,9 +10,8 @@ specialisation) and one graph serves batch 1 too. INT8 programs (``quantize``,
 fp32 graphs with convolutions do not (inductor's fp32 conv lowering asserts strides that an
 unbacked batch breaks), so this route compiles dynamic and its build check at batch 1 compiles
 that graph at build time. Where an unbacked compile fails, the module is compiled again dynamic.
-With ``optimize(dtype=torch.bfloat16)`` the model runs under autocast inside the compiled graph
-(:class:`.lowp.Autocast`): freezing folds the weights' casts, so the graph holds bf16 weights,
-prepacked once. Nothing is cached by xlaunch for this route: a cache hit compiles again, with inductor's own
+With ``optimize(dtype=torch.bfloat16)`` a copy of the model with bf16 weights runs under autocast
+inside the compiled graph (:class:`.lowp.Autocast`): freezing prepacks the bf16 weights once. Nothing is cached by xlaunch for this route: a cache hit compiles again, with inductor's own
 on-disk caches warm.
 """
 from __future__ import annotations
@@ -98,8 +97,8 @@ class InductorRoute(Route):
         # recompile_limit, reached by a process building many models) runs that module's own
         # forward eagerly; on ``model`` itself that would call the runner again, without end.
         module: nn.Module = copy.copy(model)
-        if context.dtype in lowp.LOW:   # autocast inside the graph; freezing folds the weight casts
-            module = lowp.Autocast(module, context.dtype, lowp.dtypes_of(sample.outputs))
+        if context.dtype in lowp.LOW:   # a bf16 copy (weights cast), under autocast
+            module = lowp.Autocast(copy.deepcopy(model), context.dtype, lowp.dtypes_of(sample.outputs))
         runner = FrozenDynamicBatch(module)
         runner(*sample.args)   # compiles now (tens of seconds for a large model)
         return Built(runner)

@@ -6,8 +6,10 @@ that precision and is checked against fp32 eager with that precision's tolerance
 (:data:`xlaunch.kernels.optimize.engines.policy.MAX_REL_ERROR_BY_DTYPE`):
 
   * ``torch``: today's rewrite with ``dtype`` (low-precision weights, autocast forward);
-  * ``inductor``: :class:`Autocast` around the model, compiled with freezing (the weight casts are
-    constant-folded: bf16 weights, prepacked once);
+  * ``inductor``: :class:`Autocast`: a copy of the model with its floating weights in bf16, inputs
+    cast, under autocast, compiled with freezing (bf16 weights, prepacked once). Autocast alone is
+    not enough: ``nn.TransformerEncoder``'s fused fast path has no autocast rule, and dynamo takes
+    it under autocast where eager does not, so the compiled encoder ran fp32 (error 0.0 vs fp32);
   * ``openvino``: ``INFERENCE_PRECISION_HINT`` ``bf16``/``f16`` (fp32 pins ``f32``: OpenVINO's
     default on a CPU with native bf16 is bf16);
   * ``onnxruntime``: skipped. Its CPU provider has no bf16 MatMul or Conv kernel on x86 (measured
@@ -67,16 +69,18 @@ def dtypes_of(value: Any) -> list[Optional[torch.dtype]]:
 
 
 class Autocast(nn.Module):
-    """The model's forward under ``torch.autocast("cpu", dtype)``, floating outputs in the dtypes
-    fp32 eager returns (what inductor compiles for the low-precision route)."""
+    """``model`` (a copy: its floating parameters and buffers are cast to ``dtype``) called with
+    floating inputs cast to ``dtype`` under ``torch.autocast("cpu", dtype)``; floating outputs in
+    the dtypes fp32 eager returns (what inductor compiles for the low-precision route)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, output_dtypes: list[Optional[torch.dtype]]) -> None:
         super().__init__()
-        self.model = model
+        self.model = model.to(dtype)
         self.dtype = dtype
         self.output_dtypes = output_dtypes
 
     def forward(self, *args: Any) -> Any:
+        args = tuple(a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
         with torch.autocast("cpu", dtype=self.dtype):
             out = self.model(*args)
         return _float_leaves_to(out, self.output_dtypes)
