@@ -30,6 +30,7 @@ from xlaunch.kernels.optimize.progress import Progress
 
 MIN_TIMING_S, MAX_TIMING_S = 2.0, 30.0
 SETTLE_S = 0.01   # untimed calls before each sample: the previous route's threads go idle
+PAUSE_S = 0.05    # and a sleep before them (see measure.interleaved: OpenMP/TBB/ORT threads spin)
 
 
 def build_route(route: Route, model: nn.Module, sample: Sample, context: Context,
@@ -119,7 +120,7 @@ def time_routes(built: Mapping[str, Built], sample: Sample, report: EngineReport
     variants = {name: (lambda runner=b.runner: runner(*args)) for name, b in built.items()}
     budget = min(MAX_TIMING_S, max(MIN_TIMING_S, budget_s))
     with progress.step(f"timing {', '.join(variants)}") as step, torch.no_grad():
-        timings = measure.interleaved(variants, budget_s=budget, settle_s=SETTLE_S)
+        timings = measure.interleaved(variants, budget_s=budget, settle_s=SETTLE_S, pause_s=PAUSE_S)
         step.done(f"{len(next(iter(timings.samples.values())))} rounds")
     for name, seconds in timings.medians().items():
         report.routes[name].ms = seconds * 1e3
