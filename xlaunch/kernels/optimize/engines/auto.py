@@ -86,7 +86,7 @@ def build_all(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Mod
         if name not in BASELINES and spent > budget_s:
             result.skipped = f"time budget spent ({spent:.0f} s of {budget_s:.0f} s) before it started"
             continue
-        missing = route.missing() or route.unfit(context)
+        missing = route.missing() or lowp.unsupported(name, context.dtype)   # no kernels in that precision
         if missing:
             result.skipped = missing
             progress.line(f"{name}: skipped: {missing}")

@@ -58,12 +58,6 @@ class Route:
                 return f"{module} is not installed: {PIP_LINES.get(self.name, 'pip install ' + module)}"
         return None
 
-    def unfit(self, context: Context) -> Optional[str]:
-        """Why the route cannot run this context's precision here, or None."""
-        from xlaunch.kernels.optimize.engines.lowp import unsupported
-
-        return unsupported(self.name, context.dtype)
-
     def build(self, model: nn.Module, sample: Sample, context: Context) -> Built:
         raise NotImplementedError
 
