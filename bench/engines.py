@@ -1,9 +1,16 @@
-"""Engines side by side, in one run: eager, today's ``optimize`` (the torch route), inductor,
-OpenVINO, ONNX Runtime and ``backend="auto"``; then the first and the cached start of a program
-under ``xlaunch --ninstances 2 --auto-optimize``.
+"""Engines side by side, in one run per model and precision: eager, today's ``optimize`` (the
+torch route), inductor, OpenVINO, ONNX Runtime and ``backend="auto"``, in fp32, bf16 and INT8; then
+the first and the cached start of a program under ``xlaunch --ninstances 2 --auto-optimize``.
 
     .venv/bin/python bench/engines.py [--models resnet50-b1,resnet50-b4,bert,mlp,export-fails]
-                                      [--rounds 7] [--threads N] [--no-startup] [--startup-model resnet50-b1]
+                                      [--precisions fp32,bf16,int8] [--rounds 7] [--threads N]
+                                      [--no-startup] [--startup-model resnet50-b1]
+
+bf16 rows: eager under autocast, ``optimize(dtype=torch.bfloat16)`` per route and ``auto``, and
+OpenVINO at its default precision (no hint: bf16 on a CPU with native bf16, f32 elsewhere),
+labelled as such. INT8 rows: fp32 eager and ``quantize(mode="auto")`` (4 calibration batches),
+with auto's own interleaved timing of every INT8 route and float variant it built (each route is
+built once: building them again as rows would double a 3-minute run).
 
 Models are written in plain torch (no torchvision), with random weights: ResNet-50 (batch 1 and
 4, 3x224x224), a BERT-like encoder (4 layers, d 768, 12 heads, FFN 3072, batch 4, seq 128), an MLP
@@ -110,7 +117,8 @@ def workload(name: str) -> tuple[nn.Module, torch.Tensor]:
 
 # -- timing ------------------------------------------------------------------------------------
 def time_interleaved(rows: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of every row, per round (round robin; one untimed call before each sample)."""
+    """Seconds per call of every row, per round (round robin; a 50 ms settle and one untimed call
+    before each sample)."""
     per_call = {}
     with torch.no_grad():
         for name, run in rows.items():
@@ -123,6 +131,7 @@ def time_interleaved(rows: dict[str, Callable[[], Any]], rounds: int) -> dict[st
         for index in range(rounds):
             order = list(rows) if index % 2 == 0 else list(reversed(rows))
             for name in order:
+                time.sleep(0.05)   # the previous row's threads (ORT, OpenMP, TBB) go idle
                 rows[name]()
                 start = time.perf_counter()
                 for _ in range(reps[name]):
@@ -225,6 +234,90 @@ def startup(model: str, budget: str) -> None:
         print(f"  second start {runs[0] / runs[1]:.1f}x faster to first result (slower instance)")
 
 
+def rel_error(reference: torch.Tensor, out: torch.Tensor) -> float:
+    return ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+
+
+def openvino_default(model: nn.Module, x: torch.Tensor) -> Any:
+    """OpenVINO with no precision hint: its default (bf16 on a CPU with native bf16)."""
+    from xlaunch.kernels.optimize.engines.openvino_route import CompiledRunner, convert
+    from xlaunch.kernels.optimize.engines.sample import Sample
+
+    sample = Sample(model, x)
+    threads = torch.get_num_threads()
+    return CompiledRunner(convert(model, sample), sample, threads,
+                          config={"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"})
+
+
+def bench_bf16(name: str, rounds: int) -> dict[str, Any]:
+    model, x = workload(name)
+    bf16 = torch.bfloat16
+    print(f"\n== {name} bf16: input {tuple(x.shape)}, torch threads {torch.get_num_threads()}", flush=True)
+    quiet = {"cache": False, "progress": False}
+
+    def autocast_eager(inputs: torch.Tensor) -> Any:
+        with torch.autocast("cpu", dtype=bf16):
+            return model(inputs)
+
+    makers: dict[str, Callable[[], Any]] = {
+        "eager fp32": lambda: model,
+        "eager autocast": lambda: autocast_eager,
+        "optimize (torch)": lambda: optimize(model, dtype=bf16, sample_input=x),
+        "inductor": lambda: optimize(model, dtype=bf16, sample_input=x, backend="inductor", **quiet),
+        "openvino bf16": lambda: optimize(model, dtype=bf16, sample_input=x, backend="openvino", **quiet),
+        "openvino default": lambda: openvino_default(model, x),
+        "auto": lambda: optimize(model, dtype=bf16, sample_input=x, backend="auto", cache=False),
+    }
+    rows, errors = {}, {}
+    with torch.no_grad():
+        reference = model(x)
+    for label, make in makers.items():
+        module, seconds, notes = build(label, make)
+        report = getattr(module, "_xlaunch_engine_report", None)
+        what = f" -> {report.backend}" if report is not None and label in ("auto", "inductor", "openvino bf16") else ""
+        with torch.no_grad():
+            errors[label] = rel_error(reference, module(x))
+        print(f"  built {label:18s} in {seconds:6.1f} s{what}; max rel error vs fp32 eager {errors[label]:.1e}", flush=True)
+        if label == "auto":
+            print("  auto's report:\n    " + str(report).replace("\n", "\n    "))
+        rows[label] = lambda module=module: module(x)
+    samples = time_interleaved(rows, rounds)
+    ms = {label: statistics.median(values) * 1e3 for label, values in samples.items()}
+    peers = {k: v for k, v in ms.items() if k not in ("auto", "eager fp32")}
+    best = min(peers, key=peers.__getitem__)
+    print(f"  {'row':18s} {'median ms':>10s} {'vs best peer':>12s}")
+    for label, value in ms.items():
+        print(f"  {label:18s} {value:10.2f} {ms[best] / value:11.2f}x")
+    print(f"  bf16 auto vs best bf16 route ({best}): {ms[best] / ms['auto']:.2f}x")
+    return {"ms": ms, "best": best, "errors": errors}
+
+
+def bench_int8(name: str, rounds: int) -> dict[str, Any]:
+    from xlaunch.kernels.quantize.api import quantize
+
+    model, x = workload(name)
+    print(f"\n== {name} INT8: input {tuple(x.shape)}, torch threads {torch.get_num_threads()}", flush=True)
+    gen = torch.Generator().manual_seed(1)
+    calibration = [(torch.randn(x.shape, generator=gen),) for _ in range(4)]
+    quantized, seconds, notes = build("quantize auto", lambda: quantize(model, (x,), calibration=calibration, rounds=rounds))
+    report = quantized.report
+    print(f"  quantize(mode='auto') built in {seconds:.1f} s, kept {quantized.mode}")
+    print("  its report:\n    " + str(report).replace("\n", "\n    "))
+    timed = {k: r.ms for k, r in report.routes.items() if r.ms is not None}
+    int8 = {k: v for k, v in timed.items() if k in ("static", "dynamic", "weight_only", "openvino_static",
+                                                    "onnxruntime_static")
+            and (report.routes[k].rel_error or 0) <= 0.1}
+    samples = time_interleaved({"eager fp32": lambda: model(x), "quantize auto": lambda: quantized(x)}, rounds)
+    ms = {label: statistics.median(values) * 1e3 for label, values in samples.items()}
+    for label, value in ms.items():
+        print(f"  {label:18s} {value:10.2f} ms (bench timing)")
+    if int8:
+        best = min(int8, key=int8.__getitem__)
+        print(f"  quantize auto ({quantized.mode}, {timed.get(quantized.mode, float('nan')):.2f} ms in auto's timing) "
+              f"vs best INT8 route ({best}, {int8[best]:.2f} ms): {int8[best] / timed.get(quantized.mode, float('nan')):.2f}x")
+    return {"ms": ms, "auto_timing": timed, "kept": quantized.mode}
+
+
 def machine() -> str:
     model = ""
     try:
@@ -248,6 +341,7 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50-b1,resnet50-b4,bert,mlp,export-fails")
+    parser.add_argument("--precisions", default="fp32", help="comma list of fp32, bf16, int8")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--no-startup", action="store_true")
@@ -259,11 +353,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {machine()}")
     print(f"load average at start: {Path('/proc/loadavg').read_text().split()[:3]}")
     summary = {}
+    benches = {"fp32": bench_model, "bf16": bench_bf16, "int8": bench_int8}
     for name in args.models.split(","):
-        summary[name] = bench_model(name.strip(), args.rounds)
-        print(f"  load average: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+        for precision in args.precisions.split(","):
+            summary[f"{name}/{precision}"] = benches[precision.strip()](name.strip(), args.rounds)
+            print(f"  load average: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
     if not args.no_startup:
         startup(args.startup_model, args.startup_budget)
+    # Hook: cached-start times for the encoder (the cache work adds them here).
     print(f"\nload average at end: {Path('/proc/loadavg').read_text().split()[:3]}")
     print(json.dumps(summary))
 

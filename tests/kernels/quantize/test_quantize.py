@@ -41,7 +41,7 @@ def auto_results() -> dict:
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("route", policy.INT8_ROUTES)
+@pytest.mark.parametrize("route", policy.TORCH_INT8_ROUTES)
 def test_each_route_keeps_accuracy(auto_results: dict, name: str, route: str) -> None:
     check_route(auto_results[name][3].report.routes[route], route)
 

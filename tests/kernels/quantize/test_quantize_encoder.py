@@ -29,7 +29,7 @@ def auto_encoder() -> tuple:
     return auto_quantized(["encoder"])["encoder"]
 
 
-@pytest.mark.parametrize("route", policy.INT8_ROUTES)
+@pytest.mark.parametrize("route", policy.TORCH_INT8_ROUTES)
 def test_each_route_keeps_accuracy_on_the_encoder(auto_encoder: tuple, route: str) -> None:
     check_route(auto_encoder[3].report.routes[route], route)
 

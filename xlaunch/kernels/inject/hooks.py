@@ -12,7 +12,8 @@ finder on ``sys.meta_path`` that lets torch import normally and then patches it.
   arguments (``optimize(..., sample_input=args, backend="auto")`` within
   ``XLAUNCH_AUTO_OPTIMIZE_BUDGET`` seconds, default 120; ``XLAUNCH_AUTO_OPTIMIZE_BACKEND`` picks
   another backend, ``torch`` for the rewrite alone), cached on disk, so the next run and the other
-  instances load it. In bf16 (or with keyword arguments) it is the torch rewrite, whose forward
+  instances load it; ``--dtype bfloat16`` does the same in bf16 (every engine in bf16, checked
+  against fp32 with bf16's tolerance). With keyword arguments it is the torch rewrite, whose forward
   freezes a graph per exact input signature on its first call with it
   (:mod:`xlaunch.kernels.optimize.dispatch`, without the timing). The program's own model object is
   never modified. When its parameters or buffers change in place (more training, a loaded state
@@ -266,9 +267,10 @@ def _quietly(build: Callable[[], Any]) -> tuple[Any, list[str]]:
 
 
 def _engine_sample(settings: Settings, args: Optional[tuple], torch: Any) -> Optional[tuple]:
-    """The first call's arguments as the sample for ``backend`` auto/engines, or None (torch route:
-    bf16, keywords, or arguments other than tensors and plain values)."""
-    if settings.backend == "torch" or settings.dtype != "float32" or not args:
+    """The first call's arguments as the sample for ``backend`` auto/engines (fp32 or bf16: each
+    precision goes to its fastest engine), or None (torch route: keywords, or arguments other than
+    tensors and plain values)."""
+    if settings.backend == "torch" or not args:
         return None
     if not any(isinstance(a, torch.Tensor) for a in args):
         return None
@@ -278,9 +280,9 @@ def _engine_sample(settings: Settings, args: Optional[tuple], torch: Any) -> Opt
 
 
 def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] = None) -> None:
-    """The optimized copy. With the engine backend (default ``auto``, fp32): the fastest route
-    measured on the first call's arguments (``optimize(..., backend=...)``, cached on disk).
-    Else (bf16, or ``XLAUNCH_AUTO_OPTIMIZE_BACKEND=torch``): the torch rewrite, whose forward
+    """The optimized copy. With the engine backend (default ``auto``, fp32 or bf16): the fastest
+    route measured on the first call's arguments (``optimize(..., dtype=..., backend=...)``, cached
+    on disk). Else (``XLAUNCH_AUTO_OPTIMIZE_BACKEND=torch``, or no usable sample): the torch rewrite, whose forward
     freezes a graph per input signature on first use (unless the freeze backend is "none")."""
     from xlaunch.kernels.optimize import dispatch
     from xlaunch.kernels.optimize.pipeline import optimize
@@ -296,8 +298,8 @@ def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] =
         flags = {"freeze_backend": settings.freeze} if freezing else {"weights_prepack": False}
 
         def build() -> Any:
-            return optimize(module, sample_input=sample, backend=settings.backend, time_budget=settings.budget,
-                            **flags)
+            return optimize(module, dtype=dtype, sample_input=sample, backend=settings.backend,
+                            time_budget=settings.budget, **flags)
     else:
         def build() -> Any:
             return optimize(module, dtype=dtype, **flags)

@@ -53,12 +53,16 @@ def interleaved_medians(variants: dict[str, Callable[[], Any]], budget_s: float 
 
 
 def interleaved(variants: dict[str, Callable[[], Any]], budget_s: float = BUDGET_S,
-                max_rounds: int = MAX_ROUNDS, settle_s: float = 0.0) -> Timings:
+                max_rounds: int = MAX_ROUNDS, settle_s: float = 0.0, pause_s: float = 0.0) -> Timings:
     """Per-round seconds per call of each zero-argument callable, timed round robin.
 
     ``settle_s``: before each sample, untimed calls of that variant for about this long (none
     when one call takes longer): variants with thread pools of their own (engines) leave threads
-    spinning for a moment after they return, which would otherwise slow the next variant's sample."""
+    spinning for a moment after they return, which would otherwise slow the next variant's sample.
+    ``pause_s``: a sleep before those calls, and at least one of them: a long call has no settle
+    calls otherwise, and OpenMP's threads spin for up to 200 ms (``KMP_BLOCKTIME``) after torch
+    returns, TBB's after OpenVINO: measured, ``auto`` timed OpenVINO bf16 at 96 ms on the encoder
+    where a 50 ms pause and one untimed call timed it at 77 (the torch route at 89 and 85)."""
     single: dict[str, float] = {}
     for name, run in variants.items():   # warm calls (first calls build kernels), which size the samples
         times = []
@@ -68,14 +72,16 @@ def interleaved(variants: dict[str, Callable[[], Any]], budget_s: float = BUDGET
             times.append(time.perf_counter() - start)
         single[name] = max(min(times), 1e-7)
     reps = {name: max(1, int(MIN_SAMPLE_S / t)) for name, t in single.items()}
-    settle = {name: int(settle_s / t) for name, t in single.items()}
-    round_s = sum(single[name] * (reps[name] + settle[name]) for name in variants)
+    settle = {name: max(int(settle_s / t), 1 if pause_s > 0 else 0) for name, t in single.items()}
+    round_s = sum(single[name] * (reps[name] + settle[name]) + pause_s for name in variants)
     rounds = max(MIN_ROUNDS, min(max_rounds, int(budget_s / max(round_s, 1e-7))))
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for index in range(rounds):
         order = list(variants) if index % 2 == 0 else list(reversed(variants))
         for name in order:
             run, count = variants[name], reps[name]
+            if pause_s > 0:
+                time.sleep(pause_s)
             for _ in range(settle[name]):
                 run()
             start = time.perf_counter()

@@ -10,10 +10,14 @@ Modes:
     observers calibrated on ``calibration``, then ``torch.compile`` with freezing (oneDNN int8).
   * ``dynamic``: the same flow with activation scales computed per call (Linear layers only).
   * ``weight_only``: int8 Linear weights, fp32 activations (torchao ``Int8WeightOnlyConfig``).
-  * ``auto``: builds the routes that apply (by model and calibration), measures them interleaved
-    with fp32 eager and fp32 ``optimize()`` on ``example_inputs``, and returns the fastest one
-    whose relative error stays within ``max_error``; fp32 (``mode == "fp32"``) when no INT8 route
-    is faster here. Without VNNI/AMX the int8 routes use 7-bit activations (``reduce_range``).
+  * ``openvino_static``, ``onnxruntime_static``: the other engines' static INT8 (OpenVINO with
+    NNCF, ONNX Runtime QDQ per channel), calibrated on the same batches (:mod:`.engine_routes`).
+  * ``auto``: builds the routes that apply (by model, calibration and what is installed), measures
+    them interleaved with fp32 eager, fp32 ``optimize()`` and, where the CPU computes bf16 natively,
+    bf16 ``optimize()`` on ``example_inputs``, and returns the fastest INT8 route whose relative
+    error stays within ``max_error``, when it beats the best float variant; else that float variant
+    (``mode == "fp32"`` or ``"bf16"``). Without VNNI/AMX the int8 routes use 7-bit activations
+    (``reduce_range``).
 
 The accuracy reported is ``max |int8 - fp32| / max |fp32|`` over the calibration inputs (the
 example inputs when there is no calibration), with the argmax agreement along the last dimension.
@@ -40,7 +44,7 @@ from xlaunch.kernels.build_mark import marked
 from xlaunch.kernels.quantize import policy
 from xlaunch.kernels.optimize.compare import flat_tensors
 from xlaunch.kernels.optimize.text import excerpt
-from xlaunch.kernels.quantize import routes, saved
+from xlaunch.kernels.quantize import engine_routes, routes, saved
 from xlaunch.kernels.quantize.routes import QuantizeWarning
 
 __all__ = ["QuantizeReport", "QuantizeWarning", "QuantizedModule", "load_quantized", "quantize"]
@@ -127,6 +131,9 @@ class QuantizedModule(nn.Module):
 
     def save(self, path: str) -> None:
         """Write the program in torch.export's format, with the mode and report alongside."""
+        if self.mode in policy.ENGINE_INT8_ROUTES or self.mode == "bf16":
+            raise ValueError(f"save: a {self.mode} model runs on another engine and is not saved in torch.export's "
+                             "format; quantize with mode='static', 'dynamic' or 'weight_only' to save one")
         meta = {"format": FORMAT_VERSION, "mode": self.mode, "report": self.report.to_dict()}
         torch.export.save(self.program, path, extra_files={META_FILE: json.dumps(meta)})
 
@@ -177,9 +184,15 @@ def accuracy(reference: list[Any], candidate: list[Any]) -> tuple[float, Optiona
     return worst, (agree / total if total else None)
 
 
+SETTLE_S = 0.02
+
+
 def measure(variants: dict[str, Callable[..., Any]], example_inputs: tuple, rounds: int = 7,
             target_s: float = 0.01) -> dict[str, float]:
-    """Median ms per call for each variant, timed in interleaved rounds (fair under shared load)."""
+    """Median ms per call for each variant, timed in interleaved rounds (fair under shared load).
+    Before each sample, a short sleep and one untimed call: the previous variant's threads (ONNX
+    Runtime's, OpenMP's, OpenVINO's TBB workers spin-wait after a call) go idle first, or the
+    sample pays for them (one ordering timed an INT8 model at 0.74x itself)."""
     calls: dict[str, int] = {}
     with torch.no_grad():
         for name, fn in variants.items():
@@ -191,6 +204,8 @@ def measure(variants: dict[str, Callable[..., Any]], example_inputs: tuple, roun
         samples: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(rounds):
             for name, fn in variants.items():
+                time.sleep(SETTLE_S)
+                fn(*example_inputs)
                 start = time.perf_counter()
                 for _ in range(calls[name]):
                     fn(*example_inputs)
@@ -240,6 +255,9 @@ def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[l
         return routes.build_pt2e(model, example, calibration, dynamic=False, reduce_range=reduce_range)
     if route == "dynamic":
         return routes.build_pt2e(model, example, [example], dynamic=True, reduce_range=reduce_range)
+    if route in policy.ENGINE_INT8_ROUTES:
+        assert calibration is not None
+        return engine_routes.build(route, model, example, calibration, reduce_range)
     return routes.build_weight_only(model)
 
 
@@ -254,12 +272,14 @@ def _warn(report: QuantizeReport, message: str) -> None:
 @marked("quantize")
 def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Iterable[Any]] = None,
              mode: str = "auto", max_error: float = policy.DEFAULT_MAX_ERROR,
-             rounds: int = 7) -> QuantizedModule:
+             rounds: int = 7, consider: Optional[Iterable[str]] = None) -> QuantizedModule:
     """Quantize a copy of ``model`` (put in eval mode) to INT8; see the module docstring.
 
     ``example_inputs``: a tensor or tuple of inputs (timing, export); ``calibration``: an iterable
     of input tuples (static needs it; it is also where accuracy is measured). ``max_error`` is the
-    largest relative error ``auto`` accepts; ``rounds`` the interleaved timing rounds of ``auto``.
+    largest relative error ``auto`` accepts; ``rounds`` the interleaved timing rounds of ``auto``;
+    ``consider`` what ``auto`` may build: INT8 routes and ``"bf16"`` (the bf16 float variant), by
+    default all of them (:data:`.policy.AUTO_ROUTES`).
     """
     mode = policy.check_mode(mode)
     if not isinstance(model, nn.Module):
@@ -280,8 +300,10 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     with torch.no_grad():
         reference = [fp32(*batch) for batch in checks]
 
+    allowed = policy.check_routes(consider)
     if mode == "auto":
-        wanted = policy.candidate_routes(has_linear, has_conv, batches is not None)
+        wanted = {route: why if route in allowed else "not among consider=" for route, why in
+                  policy.candidate_routes(has_linear, has_conv, batches is not None).items()}
     else:
         reason = policy.candidate_routes(has_linear, has_conv, True)[mode]
         if reason is not None:
@@ -290,6 +312,10 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
 
     built: dict[str, routes.Built] = {}
     for route, skip in wanted.items():
+        if skip is None and route in policy.ENGINE_INT8_ROUTES:
+            skip = engine_routes.missing(route)
+            if skip is not None and mode != "auto":
+                raise ValueError(f"quantize: mode={mode!r}: {skip}")
         if skip is not None:
             report.routes[route] = RouteResult(skipped=skip)
             continue
@@ -329,6 +355,10 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     optimized = _optimized(fp32, example, report) if built else None
     if optimized is not None:
         variants[policy.FP32_OPTIMIZE] = optimized
+    bf16 = (_optimized(fp32, example, report, torch.bfloat16)
+            if built and policy.BF16 in allowed and _native_bf16() else None)
+    if bf16 is not None:
+        variants[policy.BF16_OPTIMIZE] = bf16
     variants.update({route: b.runner for route, b in built.items()})
     times = measure(variants, example, rounds=rounds)
     for name, ms in times.items():
@@ -337,7 +367,8 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     choice, why = policy.choose(times, errors, max_error)
     if choice in built:
         return _finish(report, choice, built[choice], fp32, example, unsupported, why)
-    report.mode, report.reason = "fp32", why
+    float_mode = "bf16" if choice == policy.BF16_OPTIMIZE else "fp32"
+    report.mode, report.reason = float_mode, why
     if built:
         report.kept_fp32 = {"(whole model)": why}
     else:   # nothing could even be tried: say so once, loudly
@@ -346,7 +377,7 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
         report.kept_fp32 = {"(whole model)": report.reason, **unsupported}
         _warn(report, f"auto returns fp32 for {type(model).__name__}: {report.reason}")
     runner = variants[choice]
-    return QuantizedModule(_no_grad(runner), lambda: routes.export(fp32, example), "fp32", report,
+    return QuantizedModule(_no_grad(runner), lambda: routes.export(fp32, example), float_mode, report,
                            keep=runner if isinstance(runner, nn.Module) else None)
 
 
@@ -360,26 +391,40 @@ def _no_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
 # The fp32 candidate is the fastest fp32 route, engines included; fp32 inductor is left out (the
 # INT8 routes are inductor graphs already, and it compiles for tens of seconds).
 FP32_BACKENDS = ["onnxruntime", "openvino"]
+BF16_BACKENDS = ["openvino"]
 FP32_TIME_BUDGET_S = 120.0
 
 
-def _optimized(fp32: nn.Module, example: tuple, report: QuantizeReport) -> Optional[Callable[..., Any]]:
-    """The fastest fp32 route (``optimize(..., backend=[engines])``), or None when it fails."""
+def _native_bf16() -> bool:
+    from xlaunch.kernels.native_dtypes import bf16_unsupported_reason, isa_flags
+
+    return bf16_unsupported_reason(isa_flags()) is None
+
+
+def _optimized(fp32: nn.Module, example: tuple, report: QuantizeReport,
+               dtype: Any = None) -> Optional[Callable[..., Any]]:
+    """The fastest fp32 (or ``dtype``) route (``optimize(..., backend=[engines])``), or None when it
+    fails. bf16: OpenVINO only (ONNX Runtime has no bf16 kernels here; the torch route is built as
+    optimize's baseline)."""
     from xlaunch.kernels.optimize.pipeline import optimize
+
+    name = policy.BF16_OPTIMIZE if dtype is not None else policy.FP32_OPTIMIZE
 
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            optimized = optimize(copy.deepcopy(fp32), sample_input=example, backend=FP32_BACKENDS,
+            optimized = optimize(copy.deepcopy(fp32), dtype=dtype, sample_input=example,
+                                 backend=FP32_BACKENDS if dtype is None else BF16_BACKENDS,
                                  time_budget=FP32_TIME_BUDGET_S)
         report.warnings.extend(f"optimize(): {w.message}" for w in caught
                                if type(w.message).__name__ == "OptimizeWarning")
         engines = getattr(optimized, "_xlaunch_engine_report", None)
         if engines is not None:
-            report.warnings.append(f"optimize(): the fp32 route is {engines.backend} ({engines.reason})")
+            report.warnings.append(f"optimize(): the {'bf16' if dtype is not None else 'fp32'} route is "
+                                   f"{engines.backend} ({engines.reason})")
         return optimized
     except Exception as exc:
-        report.routes[policy.FP32_OPTIMIZE] = RouteResult(skipped=f"failed: {type(exc).__name__}: {exc}")
+        report.routes[name] = RouteResult(skipped=f"failed: {type(exc).__name__}: {exc}")
         return None
 
 

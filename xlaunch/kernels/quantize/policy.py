@@ -14,10 +14,20 @@ from typing import Iterable, Mapping, Optional
 
 from xlaunch.kernels.optimize.engines.report import versus
 
-MODES = ("auto", "static", "dynamic", "weight_only")
-INT8_ROUTES = ("static", "dynamic", "weight_only")
+# The torch INT8 routes (PT2E, torchao), then the other engines' static INT8 (.engine_routes:
+# OpenVINO with NNCF, ONNX Runtime QDQ), calibrated on the same batches.
+TORCH_INT8_ROUTES = ("static", "dynamic", "weight_only")
+ENGINE_INT8_ROUTES = ("openvino_static", "onnxruntime_static")
+INT8_ROUTES = TORCH_INT8_ROUTES + ENGINE_INT8_ROUTES
+MODES = ("auto", *INT8_ROUTES)
 FP32_EAGER = "fp32_eager"
 FP32_OPTIMIZE = "fp32_optimize"
+# The fastest bf16 route (optimize(dtype=bf16, backend=...)) where the CPU computes bf16 natively:
+# INT8 must beat the best float variant, and auto returns it (mode "bf16") when nothing beats it.
+BF16_OPTIMIZE = "bf16_optimize"
+FLOAT_VARIANTS = (FP32_EAGER, FP32_OPTIMIZE, BF16_OPTIMIZE)
+BF16 = "bf16"
+AUTO_ROUTES = (*INT8_ROUTES, BF16)   # what quantize(mode="auto", consider=...) may build
 
 # An INT8 route must beat the best fp32 variant by this factor to be picked (timing noise on a
 # shared machine is a few percent; a tie is not worth the accuracy cost).
@@ -58,6 +68,17 @@ def check_mode(mode: object) -> str:
     return mode
 
 
+def check_routes(routes: Optional[Iterable[str]]) -> tuple[str, ...]:
+    """``quantize(consider=...)`` checked: the routes auto may build (None: all)."""
+    if routes is None:
+        return AUTO_ROUTES
+    chosen = (routes,) if isinstance(routes, str) else tuple(routes)
+    unknown = [r for r in chosen if r not in AUTO_ROUTES]
+    if unknown or not chosen:
+        raise ValueError(f"quantize: consider must be among {', '.join(AUTO_ROUTES)}, not {list(chosen)!r}")
+    return chosen
+
+
 def candidate_routes(has_linear: bool, has_conv: bool, has_calibration: bool) -> dict[str, Optional[str]]:
     """For ``auto``: each INT8 route -> None when it is worth measuring, else why it is skipped."""
     routes: dict[str, Optional[str]] = {}
@@ -65,20 +86,24 @@ def candidate_routes(has_linear: bool, has_conv: bool, has_calibration: bool) ->
         "no calibration data given" if has_linear or has_conv else "no Linear or Conv2d layer")
     routes["dynamic"] = None if has_linear or has_conv else "no Linear or Conv2d layer"
     routes["weight_only"] = None if has_linear else "no nn.Linear layer (weight-only INT8 covers Linear only)"
+    for route in ENGINE_INT8_ROUTES:   # static quantization: needs calibration, like "static"
+        routes[route] = routes["static"]
     return routes
 
 
 def choose(times_ms: Mapping[str, float], errors: Mapping[str, float], max_error: float,
            margin: float = DEFAULT_SPEEDUP_MARGIN) -> tuple[str, str]:
-    """The variant to return and why. ``times_ms`` holds FP32_EAGER, maybe FP32_OPTIMIZE, and the
-    INT8 routes that built; ``errors`` the INT8 routes' relative errors."""
-    fp32 = min((name for name in (FP32_EAGER, FP32_OPTIMIZE) if name in times_ms), key=times_ms.__getitem__)
+    """The variant to return and why. ``times_ms`` holds FP32_EAGER, maybe FP32_OPTIMIZE and
+    BF16_OPTIMIZE (float variants: the best one is what INT8 must beat, and what is returned when
+    no INT8 route does), and the INT8 routes that built; ``errors`` the INT8 routes' relative errors."""
+    fp32 = min((name for name in FLOAT_VARIANTS if name in times_ms), key=times_ms.__getitem__)
     best_fp32 = times_ms[fp32]
     accurate = [r for r in INT8_ROUTES if r in times_ms and errors.get(r, float("inf")) <= max_error]
     if not accurate:
         return fp32, "no INT8 route kept the relative error within max_error"
     fastest = min(accurate, key=times_ms.__getitem__)
     if times_ms[fastest] * margin <= best_fp32:
-        return fastest, f"{fastest} INT8 measured {versus(best_fp32 / times_ms[fastest], fp32)}, the best fp32 variant"
-    return fp32, (f"no INT8 route was {margin:.2f}x faster than fp32 here (the fastest, {fastest}, measured "
+        return fastest, (f"{fastest} INT8 measured {versus(best_fp32 / times_ms[fastest], fp32)}, "
+                         "the best float variant")
+    return fp32, (f"no INT8 route was {margin:.2f}x faster than {fp32} here (the fastest, {fastest}, measured "
                   f"{versus(best_fp32 / times_ms[fastest], fp32)})")

@@ -10,8 +10,10 @@ Routes: ``eager`` (the model as given), ``torch`` (the default rewrite of :mod:`
 ``onnxruntime``, ``openvino``, ``inductor``. ``auto`` builds every route that applies, checks each
 against eager, times them round robin within ``time_budget`` seconds and keeps the fastest; an
 engine must beat eager/torch by 3 % plus the noise of the rounds (:func:`.policy.choose`).
-Inference only: training mode, an optimizer, a sample that
-requires grad or a low-precision dtype mean the torch route, with a one-line warning saying why.
+``dtype=torch.bfloat16`` (or float16) where the CPU computes it natively runs every route in that
+precision, checked against fp32 eager with that precision's tolerance (:mod:`.lowp`). Inference
+only: training mode, an optimizer, a sample that requires grad or a dtype this CPU does not compute
+natively mean the torch route, with a one-line warning.
 
 The chosen route is cached on disk (:mod:`.cache`), so the next process (or the other instances
 ``xlaunch --ninstances N --auto-optimize`` starts) loads it instead of building and timing again.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
@@ -31,7 +34,7 @@ with needs_torch(__name__):
     from torch import nn
 
 from xlaunch.kernels.build_mark import marked
-from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, policy
+from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, lowp, policy
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.inductor_route import InductorRoute
 from xlaunch.kernels.optimize.engines.onnxruntime_route import OnnxRuntimeRoute
@@ -75,7 +78,9 @@ def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report
     if built.module is not None:
         result = built.module
     else:
-        forward.install(working, built.runner, sample, route, _notify)
+        follow = lowp.FollowEagerDtypes(built.runner, functools.partial(type(working).forward, working),
+                                        lowp.dtypes_of(sample.outputs))
+        follow.eager = forward.install(working, follow, sample, route, _notify).eager
         result = working
     attach(result, report)
     return result
@@ -120,7 +125,7 @@ def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working:
                 built = routes[name].load(working, sample, context, files, entry.get("state") or {})
                 with torch.no_grad():
                     error = max_relative_error(sample.outputs, built.runner(*sample.args))
-            if not error <= policy.MAX_REL_ERROR:
+            if not error <= policy.max_rel_error(lowp.name(context.dtype)):
                 raise disk.CorruptEntry(f"the cached {name} gives wrong results (max relative error {error:.2e})")
             loaded_s = time.perf_counter() - begin
             step.done(f"loaded in {loaded_s:.1f} s", timed=True)
@@ -136,6 +141,17 @@ def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working:
         except OSError:
             pass
         return None
+
+
+def _engine_dtype(dtype: Any, flags: dict[str, Any]) -> Any:
+    """The low precision the engine routes compute in (None: fp32), or None when the CPU does not
+    compute ``dtype`` natively (the torch route then falls back to fp32 and says so)."""
+    if dtype in (None, torch.float32):
+        return None
+    from xlaunch.kernels.optimize.precision import resolve_dtype
+
+    use, _ = resolve_dtype(dtype, bool(flags.get("force_bf16")))
+    return use if use in lowp.LOW else None
 
 
 @marked("optimize")
@@ -154,7 +170,10 @@ def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, 
         raise ValueError(f"optimize: time_budget must be > 0 seconds, not {time_budget!r}")
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     grad_inputs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-    low = None if dtype in (None, torch.float32) else str(dtype).removeprefix("torch.")
+    if isinstance(optimizer, torch.dtype) and dtype is None:   # ipex's order: optimize(model, dtype)
+        optimizer, dtype = None, optimizer
+    engine_dtype = _engine_dtype(dtype, flags)
+    low = None if engine_dtype is not None or dtype in (None, torch.float32) else lowp.name(dtype)
     reason = policy.inference_only_reason(model.training, optimizer is not None, sample_input is not None,
                                           grad_inputs, low)
     if reason:
@@ -165,8 +184,9 @@ def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, 
     except Unsupported as exc:
         return _torch_route(torch_optimize, model, optimizer, dtype, level, inplace, sample_input, flags, label, str(exc))
     routes = dict(ROUTES_BY_NAME)
-    context = Context(torch.get_num_threads(), torch_optimize, level, flags)
-    report = EngineReport(backend="", requested=label, sample=sample.describe(), threads=context.threads)
+    context = Context(torch.get_num_threads(), torch_optimize, level, flags, dtype=engine_dtype)
+    report = EngineReport(backend="", requested=label, sample=sample.describe(), threads=context.threads,
+                          dtype=lowp.name(engine_dtype), max_rel_error=policy.max_rel_error(lowp.name(engine_dtype)))
     show = Progress(total=len(names) + 1, enabled=progress)
     try:
         if not cache:
@@ -183,7 +203,9 @@ def _cached(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module
     """The route from the cache, or built, timed, kept and written to the cache (under its lock)."""
     with contextlib.ExitStack() as stack:
         try:
-            key, choice_key = disk.model_keys(working, sample.spec, names, context.threads, _isa(), context.level, flags)
+            key_flags = flags if context.dtype is None else {**flags, "dtype": lowp.name(context.dtype)}
+            key, choice_key = disk.model_keys(working, sample.spec, names, context.threads, _isa(), context.level,
+                                              key_flags)
             store = disk.Cache(disk.cache_dir())
             stack.enter_context(store.lock(key, on_wait=lambda: show.line(
                 "another process is building this model; waiting for it")))

@@ -22,7 +22,7 @@ with needs_torch(__name__):
     from torch import nn
 
 from xlaunch.kernels.optimize import measure
-from xlaunch.kernels.optimize.engines import policy
+from xlaunch.kernels.optimize.engines import lowp, policy
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.report import BASELINES, EngineReport, RouteResult
 from xlaunch.kernels.optimize.engines.sample import Sample, max_relative_error
@@ -31,6 +31,7 @@ from xlaunch.kernels.optimize.text import excerpt
 
 MIN_TIMING_S, MAX_TIMING_S = 2.0, 30.0
 SETTLE_S = 0.01   # untimed calls before each sample: the previous route's threads go idle
+PAUSE_S = 0.05    # and a sleep before them (see measure.interleaved: OpenMP/TBB/ORT threads spin)
 
 
 def build_route(route: Route, model: nn.Module, sample: Sample, context: Context,
@@ -48,8 +49,9 @@ def build_route(route: Route, model: nn.Module, sample: Sample, context: Context
 class Checker:
     """Compares a route's outputs with eager on the sample and on the sample at another batch size."""
 
-    def __init__(self, model: nn.Module, sample: Sample) -> None:
+    def __init__(self, model: nn.Module, sample: Sample, tolerance: float = policy.MAX_REL_ERROR) -> None:
         self.sample = sample
+        self.tolerance = tolerance
         self.other = sample.other_batch()
         self.other_reference: Any = None
         if self.other is not None:
@@ -67,8 +69,8 @@ class Checker:
                     return error, (f"does not serve batch size {int(self.other[self.sample.batched.index(True)].shape[0])} "
                                    f"({type(exc).__name__}: {excerpt(exc)})")
                 error = max(error, max_relative_error(self.other_reference, other))
-        if not error <= policy.MAX_REL_ERROR:
-            return error, f"wrong results: max relative error {error:.2e} > {policy.MAX_REL_ERROR:g}"
+        if not error <= self.tolerance:
+            return error, f"wrong results: max relative error {error:.2e} > {self.tolerance:g}"
         return error, None
 
 
@@ -76,7 +78,7 @@ def build_all(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Mod
               context: Context, report: EngineReport, budget_s: float, progress: Progress,
               started: float) -> dict[str, Built]:
     """Every route that builds here and gives eager's results; the report says why the others not."""
-    checker = Checker(model, sample)
+    checker = Checker(model, sample, policy.max_rel_error(lowp.name(context.dtype)))
     built: dict[str, Built] = {}
     for name in names:
         route = routes[name]
@@ -85,7 +87,7 @@ def build_all(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Mod
         if name not in BASELINES and spent > budget_s:
             result.skipped = f"time budget spent ({spent:.0f} s of {budget_s:.0f} s) before it started"
             continue
-        missing = route.missing()
+        missing = route.missing() or lowp.unsupported(name, context.dtype)   # no kernels in that precision
         if missing:
             result.skipped = missing
             progress.line(f"{name}: skipped: {missing}")
@@ -121,7 +123,7 @@ def time_routes(built: Mapping[str, Built], sample: Sample, report: EngineReport
     variants = {name: (lambda runner=b.runner: runner(*args)) for name, b in built.items()}
     budget = min(MAX_TIMING_S, max(MIN_TIMING_S, budget_s))
     with progress.step(f"timing {', '.join(variants)}") as step, torch.no_grad():
-        timings = measure.interleaved(variants, budget_s=budget, settle_s=SETTLE_S)
+        timings = measure.interleaved(variants, budget_s=budget, settle_s=SETTLE_S, pause_s=PAUSE_S)
         step.done(f"{len(next(iter(timings.samples.values())))} rounds")
     for name, seconds in timings.medians().items():
         report.routes[name].ms = seconds * 1e3

@@ -29,14 +29,15 @@ class Built:
 
 class Context:
     """What routes share: the thread count engines get, the torch route's ``optimize``, its level
-    and flags."""
+    and flags, and the precision the routes compute in (``dtype``: None is fp32; see :mod:`.lowp`)."""
 
     def __init__(self, threads: int, torch_optimize: Callable[..., nn.Module], level: str = "O1",
-                 flags: Optional[dict[str, Any]] = None) -> None:
+                 flags: Optional[dict[str, Any]] = None, dtype: Any = None) -> None:
         self.threads = threads
         self.torch_optimize = torch_optimize
         self.level = level
         self.flags = flags or {}
+        self.dtype = dtype
 
 
 class Route:

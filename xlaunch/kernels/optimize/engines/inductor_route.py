@@ -10,7 +10,8 @@ specialisation) and one graph serves batch 1 too. INT8 programs (``quantize``,
 fp32 graphs with convolutions do not (inductor's fp32 conv lowering asserts strides that an
 unbacked batch breaks), so this route compiles dynamic and its build check at batch 1 compiles
 that graph at build time. Where an unbacked compile fails, the module is compiled again dynamic.
-Nothing is cached by xlaunch for this route: a cache hit compiles again, with inductor's own
+With ``optimize(dtype=torch.bfloat16)`` a copy of the model with bf16 weights runs under autocast
+inside the compiled graph (:class:`.lowp.Autocast`): freezing prepacks the bf16 weights once. Nothing is cached by xlaunch for this route: a cache hit compiles again, with inductor's own
 on-disk caches warm.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.optimize.engines import lowp
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.sample import Sample
 
@@ -94,6 +96,9 @@ class InductorRoute(Route):
         # calls this runner, and a module whose compiled frame dynamo gives up on (its
         # recompile_limit, reached by a process building many models) runs that module's own
         # forward eagerly; on ``model`` itself that would call the runner again, without end.
-        runner = FrozenDynamicBatch(copy.copy(model))
+        module: nn.Module = copy.copy(model)
+        if context.dtype in lowp.LOW:   # a bf16 copy (weights cast), under autocast
+            module = lowp.Autocast(copy.deepcopy(model), context.dtype, lowp.dtypes_of(sample.outputs))
+        runner = FrozenDynamicBatch(module)
         runner(*sample.args)   # compiles now (tens of seconds for a large model)
         return Built(runner)

@@ -4,8 +4,9 @@ latency hint.
 
 OpenVINO's ``torch.compile`` backend fails on torch 2.13 at the first compilation ("sources must
 not be empty for symbol ..."), so the model is converted whole. The CPU plugin would run fp32
-models in bf16 on CPUs with native bf16 (its default precision hint there); the route pins f32 so
-its numbers are the model's. The artifacts cached are the IR (``model.xml`` + ``model.bin``), read
+models in bf16 on CPUs with native bf16 (its default precision hint there); the route pins the
+precision asked for (:func:`compile_config`): f32 for fp32, so its numbers are the model's, and
+bf16/f16 for ``optimize(dtype=torch.bfloat16/float16)`` (:mod:`.lowp`). The artifacts cached are the IR (``model.xml`` + ``model.bin``), read
 back from bytes the cache has checked.
 
 With an allocator preloaded (``LD_PRELOAD`` of jemalloc or tcmalloc, as ``xlaunch`` does by
@@ -28,6 +29,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.optimize.engines import lowp
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.sample import FlatOutputs, Sample, tracing_for_export
 
@@ -81,16 +83,22 @@ def serialize(ov_model: Any) -> dict[str, bytes]:
     return files
 
 
+def compile_config(threads: int, dtype: Any = None) -> dict[str, Any]:
+    """The CPU plugin's configuration: threads, latency hint and the precision pinned."""
+    return {"INFERENCE_NUM_THREADS": max(1, threads), "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": lowp.openvino_hint(dtype)}
+
+
 class CompiledRunner:
     """One compiled model; one infer request per calling thread (a request is not thread-safe).
     Outputs are copied out of the request's buffers, which the next inference overwrites."""
 
-    def __init__(self, ov_model: Any, sample: Sample, threads: int) -> None:
+    def __init__(self, ov_model: Any, sample: Sample, threads: int, dtype: Any = None,
+                 config: Any = None) -> None:
         avoid_deepbind_crash()
         import openvino as ov
 
-        config = {"INFERENCE_NUM_THREADS": max(1, threads), "PERFORMANCE_HINT": "LATENCY",
-                  "INFERENCE_PRECISION_HINT": "f32"}
+        config = compile_config(threads, dtype) if config is None else config
         self.compiled = ov.Core().compile_model(ov_model, "CPU", config)
         self.outputs = list(self.compiled.outputs)
         self.sample = sample
@@ -113,7 +121,7 @@ class OpenVinoRoute(Route):
     def build(self, model: nn.Module, sample: Sample, context: Context) -> Built:
         ov_model = convert(model, sample)
         files = serialize(ov_model)
-        return Built(CompiledRunner(ov_model, sample, context.threads), files=files)
+        return Built(CompiledRunner(ov_model, sample, context.threads, context.dtype), files=files)
 
     def load(self, model: nn.Module, sample: Sample, context: Context, files: dict[str, bytes],
              state: dict[str, Any]) -> Built:
@@ -121,4 +129,4 @@ class OpenVinoRoute(Route):
         import openvino as ov
 
         ov_model = ov.Core().read_model(model=files[XML], weights=files[WEIGHTS])
-        return Built(CompiledRunner(ov_model, sample, context.threads), files=files)
+        return Built(CompiledRunner(ov_model, sample, context.threads, context.dtype), files=files)

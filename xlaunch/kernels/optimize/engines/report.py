@@ -68,6 +68,8 @@ class EngineReport:
     reason: str = ""
     sample: str = ""                      # the input signature ("float32[N,3,224,224]")
     threads: Optional[int] = None
+    dtype: str = "float32"                # the precision the routes compute in (optimize's dtype)
+    max_rel_error: Optional[float] = None  # that precision's accuracy gate against fp32 eager
     cache: str = "off"                    # "off" | "miss" | "hit" | "rebuilt (...)"
     cache_path: Optional[str] = None
     routes: dict[str, RouteResult] = field(default_factory=dict)
@@ -94,7 +96,9 @@ class EngineReport:
         """The report as text (what ``str(report)`` and ``print(report)`` give)."""
         lines = [f"backend: {self.backend} (asked: {self.requested}){': ' + self.reason if self.reason else ''}"]
         if self.sample:
-            lines.append(f"sample: {self.sample}; threads: {self.threads}")
+            lines.append(f"sample: {self.sample}; threads: {self.threads}; precision: {self.dtype}"
+                         + (f" (gate: max relative error {self.max_rel_error:g} vs fp32 eager)"
+                            if self.max_rel_error is not None else ""))
         lines.append(f"cache: {self.cache}{' (' + self.cache_path + ')' if self.cache_path else ''}")
         for name, result in self.routes.items():
             ratio = self.speedup(name)

@@ -28,8 +28,8 @@ class TorchRoute(Route):
     name = "torch"
 
     def build(self, model: nn.Module, sample: Sample, context: Context) -> Built:
-        optimized = context.torch_optimize(copy.deepcopy(model), level=context.level, sample_input=sample.args,
-                                           **context.flags)
+        optimized = context.torch_optimize(copy.deepcopy(model), dtype=context.dtype, level=context.level,
+                                           sample_input=sample.args, **context.flags)
         report = getattr(optimized, "_xlaunch_optimize_report", None)
         kept = getattr(report, "kept", None)
         return Built(optimized, module=optimized, state={"kept": kept})
@@ -42,5 +42,6 @@ class TorchRoute(Route):
             flags.setdefault("measure", False)
             flags.setdefault("weights_prepack", kept == "frozen")
         level = "O0" if kept == "given" else context.level
-        optimized = context.torch_optimize(copy.deepcopy(model), level=level, sample_input=sample.args, **flags)
+        optimized = context.torch_optimize(copy.deepcopy(model), dtype=context.dtype, level=level,
+                                           sample_input=sample.args, **flags)
         return Built(optimized, module=optimized, state={"kept": kept})

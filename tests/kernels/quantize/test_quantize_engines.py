@@ -1,0 +1,68 @@
+"""quantize(mode="auto") across engines: OpenVINO INT8 (NNCF) and ONNX Runtime static QDQ built
+from the same calibration batches as PT2E static, gated on accuracy, timed with the float variants;
+the choice among fp32, bf16 and INT8 (pure policy). One small build on the MLP (the fp32/bf16
+optimize() variants are left out here: test_quantize.py measures those)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from quantize_models import MAX_ERROR, make  # noqa: E402
+
+from xlaunch.kernels.quantize import api, engine_routes, policy  # noqa: E402
+from xlaunch.kernels.quantize.api import quantize  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_auto_builds_the_other_engines_int8_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "_optimized", lambda *args, **kwargs: None)   # fp32 eager is the float variant
+    model, example, calibration = make("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = quantize(model, (example,), calibration=calibration, consider=policy.ENGINE_INT8_ROUTES, rounds=3)
+    report = quantized.report
+    for route in policy.ENGINE_INT8_ROUTES:
+        result = report.routes[route]
+        missing = engine_routes.missing(route)
+        if missing is not None:   # that engine's extra is not installed: skipped, saying which
+            assert result.skipped == missing and "pip install" in missing
+            continue
+        assert result.skipped is None, result.skipped
+        assert result.rel_error <= MAX_ERROR[route] and result.argmax_agreement >= 0.9, result
+        assert result.ms > 0
+    for route in policy.TORCH_INT8_ROUTES:
+        assert report.routes[route].skipped == "not among consider="
+    assert quantized.mode in (*policy.ENGINE_INT8_ROUTES, "fp32"), str(report)
+    with torch.no_grad():
+        ref, out = model(example), quantized(example)
+        assert (ref - out).abs().max() <= policy.DEFAULT_MAX_ERROR * ref.abs().max()
+        assert quantized(example[:3]).shape == (3, 10)   # one build serves another batch size
+    if quantized.mode in policy.ENGINE_INT8_ROUTES:
+        with pytest.raises(ValueError, match="not saved in torch.export's format"):
+            quantized.save("unused.pt2")
+
+
+def test_the_choice_counts_bf16_among_the_float_variants() -> None:
+    times = {policy.FP32_EAGER: 10.0, policy.FP32_OPTIMIZE: 6.0, policy.BF16_OPTIMIZE: 4.0,
+             "static": 5.0, "openvino_static": 3.0, "onnxruntime_static": 3.9}
+    errors = {"static": 0.01, "openvino_static": 0.5, "onnxruntime_static": 0.02}
+    assert policy.choose(times, errors, 0.1)[0] == policy.BF16_OPTIMIZE   # INT8 must beat bf16 too
+    errors["openvino_static"] = 0.02
+    choice, why = policy.choose(times, errors, 0.1)
+    assert choice == "openvino_static" and "bf16_optimize" in why
+    assert policy.candidate_routes(True, False, False)["openvino_static"] == "no calibration data given"
+    assert policy.check_routes(None) == policy.AUTO_ROUTES
+    with pytest.raises(ValueError, match="consider must be among"):
+        policy.check_routes(["tensorrt"])
