@@ -240,7 +240,7 @@ def rel_error(reference: torch.Tensor, out: torch.Tensor) -> float:
 
 def openvino_default(model: nn.Module, x: torch.Tensor) -> Any:
     """OpenVINO with no precision hint: its default (bf16 on a CPU with native bf16)."""
-    from xlaunch.kernels.optimize.engines.openvino_route import CompiledRunner, convert
+    from xlaunch.kernels.optimize.engines.routes.openvino_route import CompiledRunner, convert
     from xlaunch.kernels.optimize.engines.sample import Sample
 
     sample = Sample(model, x)

@@ -17,7 +17,7 @@ from torch import nn  # noqa: E402
 
 from xlaunch.kernels.optimize.engines import api, lowp, policy  # noqa: E402
 from xlaunch.kernels.optimize.engines.base import Built, Route  # noqa: E402
-from xlaunch.kernels.optimize.engines.openvino_route import compile_config  # noqa: E402
+from xlaunch.kernels.optimize.engines.routes.openvino_route import compile_config  # noqa: E402
 from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -123,7 +123,7 @@ def test_bf16_auto_builds_the_openvino_route_in_bf16_and_fp32_pins_f32() -> None
     with torch.no_grad():
         assert fast(x).dtype == torch.float32
         assert torch.allclose(fast(x), model(x), atol=0.05 * model(x).abs().max().item())
-    from xlaunch.kernels.optimize.engines.openvino_route import CompiledRunner, convert
+    from xlaunch.kernels.optimize.engines.routes.openvino_route import CompiledRunner, convert
     from xlaunch.kernels.optimize.engines.sample import Sample
 
     sample = Sample(model, x)

@@ -1,11 +1,11 @@
 """The INT8 routes on the other engines, built from the same calibration batches as PT2E ``static``:
 
-  * ``openvino_static``: the model converted to OpenVINO (:func:`..optimize.engines.openvino_route.convert`,
+  * ``openvino_static``: the model converted to OpenVINO (:func:`..optimize.engines.routes.openvino_route.convert`,
     batch dynamic), quantized post-training by NNCF (``nncf.quantize``: every calibration batch, its default
     preset; ``ModelType.TRANSFORMER`` was measured at 0.31 relative error on a 1-layer encoder the
     default keeps at 0.017), and compiled for the CPU with this process's threads. Operators NNCF leaves in float run
     at OpenVINO's default precision: bf16 on a CPU with native bf16 (AVX512_BF16, AMX), else f32.
-  * ``onnxruntime_static``: the ONNX export of :mod:`..optimize.engines.onnxruntime_route`,
+  * ``onnxruntime_static``: the ONNX export of :mod:`..optimize.engines.routes.onnxruntime_route`,
     ``onnxruntime.quantization.quantize_static`` in QDQ format, weights per channel (s8),
     activations u8 (7-bit ``reduce_range`` where the CPU has no VNNI/AMX), MinMax calibration on
     every calibration batch; run by ONNX Runtime's CPU provider (which fuses the QDQ pairs into its
@@ -76,7 +76,7 @@ def _layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
 
 
 def build_openvino(model: nn.Module, example: tuple, calibration: list[tuple], threads: int) -> Built:
-    from xlaunch.kernels.optimize.engines import openvino_route
+    from xlaunch.kernels.optimize.engines.routes import openvino_route
     from xlaunch.kernels.optimize.engines.sample import Sample
 
     sample = Sample(model, example)
@@ -95,7 +95,7 @@ def build_onnxruntime(model: nn.Module, example: tuple, calibration: list[tuple]
                       reduce_range: bool) -> Built:
     from onnxruntime import quantization as q
 
-    from xlaunch.kernels.optimize.engines import onnxruntime_route
+    from xlaunch.kernels.optimize.engines.routes import onnxruntime_route
     from xlaunch.kernels.optimize.engines.sample import Sample
 
     sample = Sample(model, example)

@@ -88,11 +88,11 @@ def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProg
 class FrozenCompiled:
     """torch.compile'd module whose compiles run with inductor freezing (int8 weight prepacking),
     compiled once for every batch size: the batch dimension is marked unbacked on the first call
-    (:class:`xlaunch.kernels.optimize.engines.inductor_route.FrozenDynamicBatch`), so batches 3,
+    (:class:`xlaunch.kernels.optimize.engines.routes.inductor_route.FrozenDynamicBatch`), so batches 3,
     16 and 1 after 8 reuse the first compile instead of compiling again (seconds each)."""
 
     def __init__(self, module: nn.Module) -> None:
-        from xlaunch.kernels.optimize.engines.inductor_route import FrozenDynamicBatch
+        from xlaunch.kernels.optimize.engines.routes.inductor_route import FrozenDynamicBatch
 
         self.module = module
         self._compiled = FrozenDynamicBatch(module, how="unbacked", quiet=NOISE)

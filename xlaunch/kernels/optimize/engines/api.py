@@ -36,12 +36,12 @@ with needs_torch(__name__):
 from xlaunch.kernels.build_mark import marked
 from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, lowp, policy
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
-from xlaunch.kernels.optimize.engines.inductor_route import InductorRoute
-from xlaunch.kernels.optimize.engines.onnxruntime_route import OnnxRuntimeRoute
-from xlaunch.kernels.optimize.engines.openvino_route import OpenVinoRoute
+from xlaunch.kernels.optimize.engines.routes.inductor_route import InductorRoute
+from xlaunch.kernels.optimize.engines.routes.onnxruntime_route import OnnxRuntimeRoute
+from xlaunch.kernels.optimize.engines.routes.openvino_route import OpenVinoRoute
 from xlaunch.kernels.optimize.engines.report import EngineReport, RouteResult
 from xlaunch.kernels.optimize.engines.sample import Sample, Unsupported, max_relative_error
-from xlaunch.kernels.optimize.engines.torch_route import EagerRoute, TorchRoute
+from xlaunch.kernels.optimize.engines.routes.torch_route import EagerRoute, TorchRoute
 from xlaunch.kernels.optimize.notes import warn
 from xlaunch.kernels.optimize.progress import Progress
 
