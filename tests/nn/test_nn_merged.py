@@ -318,8 +318,8 @@ def test_jit_trace_and_compile_fullgraph_record_the_ops(kernels):
 
 
 def test_the_per_table_torch_forward_equals_the_tables(monkeypatch):
-    import xlaunch.nn.bag_ops as bag_ops
-    monkeypatch.setattr(bag_ops, "PER_TABLE_LOOKUPS", 0)              # big bags: one call per table
+    import xlaunch.nn.bag_torch as bag_torch
+    monkeypatch.setattr(bag_torch, "PER_TABLE_LOOKUPS", 0)              # big bags: one call per table
     tables = make_tables(modes=("sum", "mean", "max"))
     indices, offsets = make_inputs(tables, torch.int32)
     weights = [torch.rand(len(indices[0]), generator=torch.Generator().manual_seed(31)), None, None]

@@ -7,7 +7,7 @@
 * :mod:`.frozen_bn`: ``FrozenBatchNorm2d`` (folded into the conv before it by ``optimize()``)
 * :mod:`.roi`: ``roi_align`` / ``RoIAlign`` (torchvision's semantics)
 * :mod:`.native`: the compiled kernels (``python -m xlaunch.nn.native`` builds them) and their
-  pure-torch fallbacks (:mod:`.bag_ops`, :mod:`.roi_torch`)
+  pure-torch fallbacks (:mod:`.bag_torch`, :mod:`.roi_torch`)
 
 Importing this package loads nothing; each name imports torch on first use.
 """

@@ -25,7 +25,8 @@ with needs_torch(__name__):
     import torch.nn.functional as F
     from torch import Tensor, nn
 
-from xlaunch.nn.bag_ops import ADAGRAD, _apply, check_bounds, compute_dtype
+from xlaunch.nn.bag_ops import check_bounds
+from xlaunch.nn.bag_torch import ADAGRAD, _apply, compute_dtype
 from xlaunch.nn.merged import _non_negative, _spec_of
 from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, normalize
 

@@ -31,7 +31,8 @@ with needs_torch(__name__):
     from torch import Tensor, nn
 
 from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
-from xlaunch.nn.bag_ops import ADAGRAD, SGD, compute_dtype, pool, pool_fused
+from xlaunch.nn.bag_ops import pool, pool_fused
+from xlaunch.nn.bag_torch import ADAGRAD, SGD, compute_dtype
 from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, normalize
 
 __all__ = ["EmbeddingSpec", "MergedEmbeddingBag", "MergedEmbeddingBagWithCat", "MergedEmbeddingBagWithSGD",

@@ -1,0 +1,270 @@
+"""The pure-torch path of the merged bags: pooling, gradients and the fused updates.
+
+:func:`torch_pool` pools each run of tables sharing a dim and mode with ``F.embedding_bag`` in the
+weights' own dtype; :func:`_torch_grad` is the dense weight gradient (max pooling and
+per-sample-weight gradients included); :func:`update_rows` applies SGD or Adagrad to the touched
+rows (the compiled kernel when it is built and takes the dtype, else torch ops summing each row's
+gradient in :func:`compute_dtype`). The registered operators live in :mod:`xlaunch.nn.bag_ops`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    import torch.nn.functional as F
+    from torch import Tensor
+
+from xlaunch.kernels.optim.splitbf16 import join_into, split_into
+from xlaunch.nn import native
+from xlaunch.nn.tables import BagInputs, TableLayout
+
+WRITE_GRAD, SGD, ADAGRAD = 0, 1, 2   # update kinds (xlaunch/nn/csrc/bag_common.h, enum Kind)
+NATIVE_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+_NONE = torch.empty(0)   # the ops' spelling of "no tensor" in a list (jit.trace cannot record Tensor?[])
+# The pure-torch forward pools a run of tables in one F.embedding_bag (fewer calls for small
+# tables) unless they average this many lookups: then one call per table (no cat of the indices).
+PER_TABLE_LOOKUPS = 4096
+
+
+def _ops_for(weight: Tensor) -> Optional[object]:
+    """The compiled kernels when they are wanted, built, and take ``weight``'s dtype."""
+    return native.ops() if weight.dtype in NATIVE_WEIGHT_DTYPES else None
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and updates run in: fp64 for fp64 weights, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _places(layout: TableLayout, batch: int, dense_dim: Optional[int]) -> tuple[list[int], list[int]]:
+    if dense_dim is None:
+        return [0] * len(layout), list(layout.dims)
+    offsets, strides, _ = layout.cat_places(batch, dense_dim)
+    return offsets, strides
+
+
+def _run_inputs(layout: TableLayout, inputs: BagInputs, first: int, stop: int,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Tables ``[first, stop)`` as one bag input of their run's block: (indices, offsets with the
+    last, per-sample weights or None)."""
+    batch = inputs.batch
+    indices, offsets, weights, at = [], [], [], 0
+    any_weights = any(inputs.per_sample_weights[t] is not None for t in range(first, stop))
+    for t in range(first, stop):
+        used = inputs.lookups(t)
+        indices.append(inputs.indices[t][:used].long() + (layout.row_bases[t] - layout.row_bases[first]))
+        offsets.append(inputs.offsets[t][:batch].long() + at)
+        if any_weights:
+            psw = inputs.per_sample_weights[t]
+            weights.append(psw[:used] if psw is not None else torch.ones(used, dtype=dtype))
+        at += used
+    offsets.append(torch.tensor([at], dtype=torch.long))
+    return torch.cat(indices), torch.cat(offsets), torch.cat(weights) if any_weights else None
+
+
+def torch_pool(weight: Tensor, layout: TableLayout, inputs: BagInputs, dense: Optional[Tensor] = None) -> list[Tensor]:
+    """The pure-torch forward: one ``F.embedding_bag`` per run of tables with one dim and mode
+    (differentiable in ``weight`` and the per-sample weights, as ``nn.EmbeddingBag``); the list of
+    per-table outputs, or ``[cat matrix]`` with ``dense``."""
+    outputs: list[Tensor] = []
+    batch = inputs.batch
+    for first, stop in layout.runs():
+        dim = layout.dims[first]
+        if sum(inputs.lookups(t) for t in range(first, stop)) >= PER_TABLE_LOOKUPS * (stop - first):
+            for t in range(first, stop):   # big bags: one call per table, as the loop it replaces
+                used = inputs.lookups(t)
+                psw = inputs.per_sample_weights[t]
+                outputs.append(F.embedding_bag(inputs.indices[t][:used], layout.view(weight, t),
+                                               inputs.offsets[t][:batch], mode=layout.modes[t],
+                                               per_sample_weights=None if psw is None else psw[:used]))
+            continue
+        start = layout.weight_offsets[first]
+        rows = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
+        block = weight[start:start + rows * dim].view(rows, dim)
+        indices, offsets, weights = _run_inputs(layout, inputs, first, stop, weight.dtype)
+        pooled = F.embedding_bag(indices, block, offsets, mode=layout.modes[first], per_sample_weights=weights,
+                                 include_last_offset=True)
+        outputs.extend(pooled.view(stop - first, batch, dim).unbind(0))
+    if dense is None:
+        return outputs
+    return [torch.cat([dense.to(weight.dtype), *outputs], dim=1)]
+
+
+def _upstream(grads: list, places: tuple, t: int, batch: int, dim: int) -> Tensor:
+    """Table ``t``'s ``(batch, dim)`` upstream gradient (a strided view into its tensor)."""
+    return grads[t].reshape(-1)[places[0][t]:].as_strided((batch, dim), (places[1][t], 1))
+
+
+def _max_winners(weight: Tensor, layout: TableLayout, inputs: BagInputs, grads: list, places: tuple, first: int,
+                 stop: int, compute: torch.dtype) -> tuple[Tensor, Tensor]:
+    """For a run of max-pooled tables: the row (counted from the run's first) that won each
+    element of each non-empty bag, and that element's upstream gradient, both ``(bags, dim)``."""
+    dim = layout.dims[first]
+    start = layout.weight_offsets[first]
+    count = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
+    indices, offsets, _ = _run_inputs(layout, inputs, first, stop, weight.dtype)
+    block = weight.detach()[start:start + count * dim].view(count, dim)
+    _, _, sizes, winners = torch.embedding_bag(block, indices, offsets, False, 2, False, None, True)
+    upstream = torch.cat([_upstream(grads, places, t, inputs.batch, dim) for t in range(first, stop)]).to(compute)
+    filled = sizes > 0
+    return winners[filled], upstream[filled]
+
+
+def _torch_grad(weight: Tensor, grads: list, layout: TableLayout, inputs: BagInputs, places: tuple,
+                psw_grads: bool) -> list[Tensor]:
+    """The dense weight gradient (and per-sample-weight gradients) with torch ops, summed in the
+    compute dtype: every lookup's scaled upstream row added into its row; for max pooling, each
+    element's upstream value added into the row that won it."""
+    compute, batch = compute_dtype(weight.dtype), inputs.batch
+    grad = torch.zeros(weight.numel(), dtype=compute)
+    for first, stop in layout.runs():
+        dim = layout.dims[first]
+        start = layout.weight_offsets[first]
+        count = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
+        block = grad[start:start + count * dim].view(count, dim)
+        if layout.modes[first] == "max":
+            winners, upstream = _max_winners(weight, layout, inputs, grads, places, first, stop, compute)
+            block.view(-1).index_add_(0, (winners * dim + torch.arange(dim)).reshape(-1), upstream.reshape(-1))
+        else:
+            lookups, values = _row_gradients(layout, inputs, grads, places, first, stop, compute)
+            block.index_add_(0, lookups, values)
+    found = [grad.to(weight.dtype)]
+    if psw_grads:
+        for t, psw in enumerate(inputs.per_sample_weights):
+            if psw is None:
+                found.append(_NONE)
+                continue
+            used, dim = inputs.lookups(t), layout.dims[t]
+            offsets = inputs.offsets[t][:batch].long()
+            bags = torch.repeat_interleave(torch.arange(batch), torch.diff(offsets, append=torch.tensor([used])),
+                                           output_size=used)
+            rows = layout.view(weight.detach(), t).index_select(0, inputs.indices[t][:used].long()).to(compute)
+            dots = (_upstream(grads, places, t, batch, dim).to(compute).index_select(0, bags) * rows).sum(1)
+            found.append(torch.cat([dots, torch.zeros(psw.numel() - used, dtype=compute)]).to(psw.dtype))
+    return found
+
+
+def update_rows(kind: int, layout: TableLayout, inputs: BagInputs, grads: list[Tensor], weight: Tensor,
+                trail: Optional[Tensor], state: Optional[Tensor], lr: float, weight_decay: float = 0.0,
+                eps: float = 0.0, dense_dim: Optional[int] = None) -> None:
+    """Apply one SGD or Adagrad step to the rows the inputs touched, from the per-table upstream
+    gradients ``grads`` (the kernel's, or torch ops when it is not built or lacks the dtype)."""
+    places = _places(layout, inputs.batch, dense_dim)
+    ops = _ops_for(weight)
+    if ops is not None and ((state is not None and state.dtype != torch.float32) or "max" in layout.modes):
+        ops = None   # the kernel updates sum and mean tables with fp32 sums
+    with torch.no_grad():
+        if ops is not None:
+            ops.bag_backward(grads, inputs.indices, inputs.offsets, inputs.per_sample_weights,
+                             layout.meta(*places), inputs.batch, kind, weight,
+                             _NONE.to(torch.int16) if trail is None else trail, _NONE if state is None else state,
+                             float(lr), float(weight_decay), float(eps))
+            return
+        compute = compute_dtype(weight.dtype)
+        for first, stop in layout.runs():
+            if layout.modes[first] == "max":
+                rows, values = _max_row_gradients(weight, layout, inputs, grads, places, first, stop, compute)
+            else:
+                rows, values = _row_gradients(layout, inputs, grads, places, first, stop, compute)
+            _apply(kind, layout, first, stop, rows, values, weight, trail, state, lr, weight_decay, eps)
+
+
+def _max_row_gradients(weight: Tensor, layout: TableLayout, inputs: BagInputs, grads: list, places: tuple,
+                       first: int, stop: int, compute: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Max-pooled tables: every looked-up row once, with its gradient (each element's upstream
+    value on the row that won it; zero where a looked-up row won nothing)."""
+    dim = layout.dims[first]
+    count = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
+    looked_up = torch.cat([inputs.indices[t][:inputs.lookups(t)].long() + (layout.row_bases[t] - layout.row_bases[first])
+                           for t in range(first, stop)])
+    present = torch.zeros(count, dtype=torch.bool)
+    present[looked_up] = True
+    rows = present.nonzero().squeeze(1)
+    position = torch.empty(count, dtype=torch.long)
+    position[rows] = torch.arange(len(rows))
+    winners, upstream = _max_winners(weight, layout, inputs, grads, places, first, stop, compute)
+    values = torch.zeros(len(rows) * dim, dtype=compute)
+    values.index_add_(0, (position[winners] * dim + torch.arange(dim)).reshape(-1), upstream.reshape(-1))
+    return rows, values.view(len(rows), dim)
+
+
+def _row_gradients(layout: TableLayout, inputs: BagInputs, grads: list[Tensor], places: tuple[list, list],
+                   first: int, stop: int, compute: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The touched rows of tables ``[first, stop)`` (each once, counted from the run's first row)
+    and their summed gradients, in ``compute``.
+
+    A transposed embedding bag: the lookups sorted by row are bags of upstream-gradient rows, so
+    one ``F.embedding_bag`` (sum, per-sample weights for the lookups' scales) sums them, without
+    materializing a gradient row per lookup."""
+    dim, batch = layout.dims[first], inputs.batch
+    all_rows, all_bags, all_scales, upstreams = [], [], [], []
+    scaled = any(inputs.per_sample_weights[t] is not None for t in range(first, stop))
+    for t in range(first, stop):
+        used = inputs.lookups(t)
+        offsets = inputs.offsets[t][:batch].long()
+        lengths = torch.diff(offsets, append=torch.tensor([used]))
+        upstream = _upstream(grads, places, t, batch, dim).to(compute)
+        if layout.modes[t] == "mean":
+            upstream = upstream / lengths.clamp(min=1).to(compute)[:, None]
+        upstreams.append(upstream)
+        if used == 0:
+            continue
+        all_bags.append(torch.repeat_interleave(torch.arange((t - first) * batch, (t - first + 1) * batch), lengths,
+                                                output_size=used))
+        all_rows.append(inputs.indices[t][:used].long() + (layout.row_bases[t] - layout.row_bases[first]))
+        if scaled:
+            psw = inputs.per_sample_weights[t]
+            all_scales.append(torch.ones(used, dtype=compute) if psw is None else psw[:used].to(compute))
+    if not all_rows:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dim, dtype=compute)
+    lookups = torch.cat(all_rows)
+    lookups, order = torch.sort(lookups)
+    rows, counts = torch.unique_consecutive(lookups, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    summed = F.embedding_bag(torch.cat(all_bags).index_select(0, order), torch.cat(upstreams), starts, mode="sum",
+                             per_sample_weights=torch.cat(all_scales).index_select(0, order) if scaled else None)
+    return rows, summed
+
+
+def _apply(kind: int, layout: TableLayout, first: int, stop: int, rows: Tensor, grad: Tensor, weight: Tensor,
+           trail: Optional[Tensor], state: Optional[Tensor], lr: float, weight_decay: float, eps: float) -> None:
+    """The update of the touched ``rows`` (each once) of tables ``[first, stop)`` from their
+    summed gradients ``grad``."""
+    if rows.numel() == 0:
+        return
+    dim = layout.dims[first]
+    start = layout.weight_offsets[first]
+    count = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
+
+    def block(flat: Tensor) -> Tensor:
+        return flat[start:start + count * dim].view(count, dim)
+
+    w = block(weight)
+    compute = grad.dtype
+    if kind == SGD and not weight_decay and trail is None and w.dtype == compute:
+        w.index_add_(0, rows, grad, alpha=-lr)
+        return
+    if trail is not None:
+        master = torch.empty(len(rows), dim)
+        join_into(w.index_select(0, rows), block(trail).index_select(0, rows), master)
+    else:
+        master = w.index_select(0, rows).to(compute)
+    if kind == SGD:
+        step = grad + weight_decay * master if weight_decay else grad
+        master = master - lr * step
+    else:
+        sums = block(state)
+        total = sums.index_select(0, rows).to(compute) + grad * grad
+        sums.index_copy_(0, rows, total.to(sums.dtype))
+        master = master - lr * (grad / (total.sqrt() + eps))
+    if trail is not None:
+        top = torch.empty(len(rows), dim, dtype=torch.bfloat16)
+        low = torch.empty(len(rows), dim, dtype=trail.dtype)
+        split_into(master, top, low)
+        w.index_copy_(0, rows, top)
+        block(trail).index_copy_(0, rows, low)
+    else:
+        w.index_copy_(0, rows, master.to(w.dtype))
