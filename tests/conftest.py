@@ -81,6 +81,19 @@ def engine_cache_dir(tmp_path_factory: pytest.TempPathFactory):
         os.environ["XLAUNCH_CACHE_DIR"] = previous
 
 
+@pytest.fixture()
+def one_torch_thread():
+    """Timing on a shared 2-vCPU machine: one thread per op keeps the medians meaningful (two
+    threads wait on each other whenever another process takes one of the CPUs). Use with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def jemalloc_path() -> str:
     return require("libjemalloc.so.2", _first(["/usr/lib/*/libjemalloc.so.2", "/usr/lib/libjemalloc.so.2"]))

@@ -27,7 +27,7 @@ from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
 from xlaunch.kernels.optimize.engines.report import EngineReport, RouteResult  # noqa: E402
 from xlaunch.kernels.optimize.text import excerpt  # noqa: E402
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -71,16 +71,6 @@ class WrongFake(Route):
             out = net_once(model, x)
             return {"logits": out["logits"] * 1.01, "pair": out["pair"]}
         return Built(run)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Timing on a shared 2-vCPU machine: one thread per op keeps the medians meaningful (two
-    threads wait on each other whenever another process takes one of the CPUs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def fake_routes(monkeypatch: pytest.MonkeyPatch, **fakes: Route) -> None:

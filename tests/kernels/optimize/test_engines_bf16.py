@@ -20,7 +20,7 @@ from xlaunch.kernels.optimize.engines.base import Built, Route  # noqa: E402
 from xlaunch.kernels.optimize.engines.routes.openvino_route import compile_config  # noqa: E402
 from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 
 class Small(nn.Module):
@@ -44,14 +44,6 @@ class Off(Route):
                 out = model(x)
             return out + self.scale * out.abs().max()
         return Built(run)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_bf16_gate_keeps_bf16_rounding_and_rejects_a_wrong_route(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,15 +15,7 @@ from quantize_models import MAX_ERROR, make  # noqa: E402
 from xlaunch.kernels.quantize import api, engine_routes, policy  # noqa: E402
 from xlaunch.kernels.quantize.api import quantize  # noqa: E402
 
-pytestmark = pytest.mark.torch
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def test_auto_builds_the_other_engines_int8_routes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,6 @@ Neither is saved in torch.export's format (:meth:`.api.QuantizedModule.save` say
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import logging
 import os
@@ -30,6 +29,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.optimize.engines.base import missing_module
 from xlaunch.kernels.quantize.routes import Built
 
 OPENVINO, ONNXRUNTIME = "openvino_static", "onnxruntime_static"
@@ -40,14 +40,7 @@ PIP = {OPENVINO: "pip install 'xlaunch[openvino]'", ONNXRUNTIME: "pip install 'x
 
 def missing(route: str) -> Optional[str]:
     """Why ``route`` cannot be built here (a library not installed), or None."""
-    for module in NEEDS[route]:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            return f"{module} is not installed: {PIP[route]}"
-    return None
+    return missing_module(NEEDS[route], PIP[route])
 
 
 @contextlib.contextmanager

@@ -14,6 +14,19 @@ from xlaunch.kernels.optimize.engines.report import PIP_LINES
 from xlaunch.kernels.optimize.engines.sample import Sample
 
 
+def missing_module(modules: tuple[str, ...], pip_line: Optional[str] = None) -> Optional[str]:
+    """``"<module> is not installed: <pip line>"`` for the first of ``modules`` that cannot be
+    imported here (found without importing it), or None."""
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"{module} is not installed: {pip_line or 'pip install ' + module}"
+    return None
+
+
 class Built:
     """One built route: ``runner(*args)`` answers a call as the model would (same structure)."""
 
@@ -49,14 +62,7 @@ class Route:
 
     def missing(self) -> Optional[str]:
         """Why the route cannot be built here (a library not installed, naming the pip line)."""
-        for module in self.needs:
-            try:
-                found = importlib.util.find_spec(module) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                return f"{module} is not installed: {PIP_LINES.get(self.name, 'pip install ' + module)}"
-        return None
+        return missing_module(self.needs, PIP_LINES.get(self.name))
 
     def build(self, model: nn.Module, sample: Sample, context: Context) -> Built:
         raise NotImplementedError
