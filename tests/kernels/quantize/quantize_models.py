@@ -2,10 +2,12 @@
 ``auto`` quantization per model that the route tests read."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,6 +22,7 @@ MAX_ERROR = {"static": 0.08, "dynamic": 0.08, "weight_only": 0.03}
 # CPU with native bf16). Measured on a Zen 4 (VNNI): 0.007-0.02 on the CNN.
 MAX_ERROR.update({"openvino_static": 0.08, "onnxruntime_static": 0.08})
 MIN_AGREEMENT = 0.9
+BENCH = Path(__file__).resolve().parents[3] / "bench"
 
 
 class CNN(nn.Module):
@@ -67,6 +70,22 @@ def make(name: str) -> tuple[nn.Module, torch.Tensor, list[tuple]]:
     return model, example, calibration
 
 
+
+def residual_blocks() -> tuple[nn.Module, torch.Tensor, list[tuple]]:
+    """A stem conv and two of bench/engines.py's ResNet-50 bottlenecks (one ``self.relu`` called
+    three times per block, as torchvision's), tiny: the pattern that broke the PT2E routes."""
+    spec = importlib.util.spec_from_file_location("bench_engines", BENCH / "engines.py")
+    engines = sys.modules.get(spec.name)
+    if engines is None:
+        engines = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = engines
+        spec.loader.exec_module(engines)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), engines.Bottleneck(16, 4, 1),
+                          engines.Bottleneck(16, 8, 2)).eval()
+    gen = torch.Generator().manual_seed(1)
+    example = torch.randn(2, 3, 8, 8, generator=gen)
+    return model, example, [(torch.randn(2, 3, 8, 8, generator=gen),) for _ in range(2)]
 
 
 # What the shared auto fixtures build: the torch INT8 routes (the other engines' INT8 and the bf16

@@ -144,6 +144,41 @@ def unsupported_modules(model: nn.Module) -> dict[str, str]:
             for name, module in model.named_modules() if isinstance(module, UNSUPPORTED_MODULES)}
 
 
+def split_reused_modules(graph_module: nn.Module) -> dict[Any, dict]:
+    """Give each call of a module instance called more than once its own module path, for the
+    quantizer's pattern matching; returns the nodes' original ``nn_module_stack`` to restore.
+
+    torch.export (non-strict, the default) leaves ``source_fn_stack`` unset, and torch's
+    ``get_source_partitions`` then groups nodes by their innermost module path. ResNet's bottleneck
+    calls one ``self.relu`` three times: its three calls became one partition with three outputs,
+    and X86InductorQuantizer raised "Input partition has more than one output node". The stack's
+    keys already tell the calls apart (``relu``, ``relu@1``, ``relu@2``); the paths here follow."""
+    calls: dict[str, list[str]] = {}
+    for node in graph_module.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        if node.op == "call_function" and stack:
+            key, (path, _) = list(stack.items())[-1]
+            keys = calls.setdefault(path, [])
+            if key not in keys:
+                keys.append(key)
+    originals: dict[Any, dict] = {}
+    for node in graph_module.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        if node.op != "call_function" or not stack:
+            continue
+        key, (path, kind) = list(stack.items())[-1]
+        index = calls[path].index(key)
+        if index:   # the first call keeps its path (and the layer its name)
+            originals[node] = stack
+            node.meta["nn_module_stack"] = {**stack, key: (f"{path}@{index}", kind)}
+    return originals
+
+
+def restore_module_stacks(originals: dict[Any, dict]) -> None:
+    for node, stack in originals.items():
+        node.meta["nn_module_stack"] = stack
+
+
 def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tuple], dynamic: bool,
                reduce_range: bool) -> Built:
     import_torchao()
@@ -155,7 +190,9 @@ def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tu
         is_dynamic=dynamic, reduce_range=reduce_range))
     with torch.no_grad():
         graph = export(model, example_inputs).module()
+        originals = split_reused_modules(graph)
         prepared = prepare_pt2e(graph, quantizer)
+        restore_module_stacks(originals)
         for batch in calibration:
             prepared(*batch)
         converted = convert_pt2e(prepared)
