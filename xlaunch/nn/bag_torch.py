@@ -95,19 +95,21 @@ def _used(inputs: BagInputs, t: int) -> tuple[int, Tensor, Optional[Tensor]]:
     return used, idx, psw
 
 
-def _run_shape(layout: TableLayout, first: int, stop: int, batch: int, used: tuple) -> tuple:
-    """Cached for a run of tables and a call shape: each lookup's row base in the run's block, each
-    lookup's last valid index, each bag's offset shift, the lookups' count, the run's block place."""
-    key = (first, stop, batch, used)
+def _run_shape(layout: TableLayout, first: int, stop: int, batch: int, used: tuple, dtype: torch.dtype) -> tuple:
+    """Cached for a run of tables and a call shape, in the indices' dtype: each lookup's row base in
+    the run's block, its valid range (zeros, last rows), each bag's offset shift, the lookups'
+    count, the run's block place."""
+    key = (first, stop, batch, used, dtype)
     found = layout.cache.get(key)
     if found is None:
         counts = torch.tensor(used)
-        bases = torch.tensor([layout.row_bases[t] - layout.row_bases[first] for t in range(first, stop)])
-        last = torch.tensor([layout.rows[t] - 1 for t in range(first, stop)])
-        starts = torch.tensor([0, *used[:-1]]).cumsum(0)
+        bases = torch.tensor([layout.row_bases[t] - layout.row_bases[first] for t in range(first, stop)], dtype=dtype)
+        last = torch.tensor([layout.rows[t] - 1 for t in range(first, stop)], dtype=dtype)
+        starts = torch.tensor([0, *used[:-1]], dtype=dtype).cumsum(0, dtype=dtype)
         rows = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
-        found = (bases.repeat_interleave(counts), last.repeat_interleave(counts),
-                 starts.repeat_interleave(batch), torch.tensor([sum(used)]), (layout.weight_offsets[first], rows))
+        found = (bases.repeat_interleave(counts), torch.zeros(sum(used), dtype=dtype), last.repeat_interleave(counts),
+                 starts.repeat_interleave(batch), torch.tensor([sum(used)], dtype=dtype),
+                 (layout.weight_offsets[first], rows))
         if len(layout.cache) > 64:
             layout.cache.clear()
         layout.cache[key] = found
@@ -134,20 +136,21 @@ def _pool_run(weight: Tensor, layout: TableLayout, inputs: BagInputs, first: int
     dim)``), its indices checked against their own tables first; None when an index is out of range."""
     batch, dim = inputs.batch, layout.dims[first]
     picked = [_used(inputs, t) for t in range(first, stop)]
-    bases, last, shifts, total, (start, rows) = _run_shape(layout, first, stop, batch, tuple(p[0] for p in picked))
     flat = torch.cat([p[1] for p in picked])
-    if flat.numel() and int(torch.minimum(flat, last - flat).min()) < 0:
+    bases, zeros, last, shifts, total, (start, rows) = _run_shape(layout, first, stop, batch,
+                                                                  tuple(p[0] for p in picked), flat.dtype)
+    if not torch.equal(torch.clamp(flat, zeros, last), flat):      # an index outside its own table
         return None
-    shifted = flat + bases
-    offsets = torch.cat([o if o.numel() == batch else o[:batch] for o in inputs.offsets[first:stop]]) + shifts
+    shifted = flat.add(bases)
+    offsets = torch.cat([o if o.numel() == batch else o[:batch] for o in inputs.offsets[first:stop]]).add_(shifts)
     # Sum pooling, then a division for mean: torch's mean pooling costs 4x its sum at this size.
-    out = torch.embedding_bag(weight[start:start + rows * dim].view(rows, dim), shifted, offsets, False, 0, False,
+    out = torch.embedding_bag(weight.narrow(0, start, rows * dim).view(rows, dim), shifted, offsets, False, 0, False,
                               None, False)[0]
     sizes = None
     if layout.modes[first] == "mean" or aux is not None:
         sizes = torch.diff(offsets, append=total)
         if layout.modes[first] == "mean":
-            out.div_(sizes.clamp(min=1)[:, None])
+            out.div_(sizes.clamp(min=1).unsqueeze(1))
     if aux is not None:
         aux[(first, stop)] = (shifted, None, sizes, offsets)
     return out.view(stop - first, batch, dim)
@@ -318,7 +321,7 @@ def _small_step(kind: int, layout: TableLayout, inputs: BagInputs, grads: list, 
                 upstream = upstream.to(compute)
             bags = torch.repeat_interleave(_arange(layout, len(offsets)), sizes, output_size=lookups.numel())
             if layout.modes[first] == "mean":
-                upstream = upstream / sizes.clamp(min=1)[:, None]
+                upstream = upstream / sizes.clamp(min=1).unsqueeze(1)
             if direct:     # index_add_ with alpha costs 3x without it
                 upstream = upstream.mul_(-lr)                # (a new tensor: cat's or the division's)
             values = upstream.index_select(0, bags)
@@ -336,9 +339,9 @@ def _small_step(kind: int, layout: TableLayout, inputs: BagInputs, grads: list, 
                 values = values.mul_(-lr)
             start = layout.weight_offsets[first]
             count = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
-            weight[start:start + count * dim].view(count, dim).index_add_(0, lookups, values)
+            weight.narrow(0, start, count * dim).view(count, dim).index_add_(0, lookups, values)
             continue
-        touched, inverse = torch.unique(lookups, return_inverse=True)
+        touched, inverse = torch.unique(lookups.long(), return_inverse=True)
         summed = torch.zeros(len(touched), dim, dtype=compute)
         summed.index_add_(0, inverse, values)
         _apply(kind, layout, first, stop, touched, summed, weight, trail, state, lr, weight_decay, eps)
