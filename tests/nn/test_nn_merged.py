@@ -106,17 +106,34 @@ def test_dense_gradient_equals_the_tables_gradients(kernels):
         torch.testing.assert_close(merged.layout.view(merged.weight.grad, number), table.weight.grad)
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
-def test_one_fused_sgd_step_equals_torch_sgd_on_the_touched_rows(kernels, index_dtype):
-    tables = make_tables(modes=("mean", "sum", "mean"))
+# Table sets for the update tests: the default mixes dims and modes (a run per table); "run" puts
+# all tables in one run of one dim and mode (the pure-torch path pools and updates them in one
+# block); "sorted" also sends the pure-torch step through its large-step path (sorted row sums).
+RUNS = ["mixed", "run", "sorted"]
+
+
+def run_tables(case, monkeypatch, modes) -> list[nn.EmbeddingBag]:
+    if case == "sorted":
+        import xlaunch.nn.bag_torch as bag_torch
+        monkeypatch.setattr(bag_torch, "SMALL_STEP_LOOKUPS", 0)
+    if case == "mixed":
+        return make_tables(modes=modes)
+    return make_tables(modes=(modes[0],) * 3, dims=(8, 8, 8))
+
+
+@pytest.mark.parametrize("index_dtype,case", [(torch.int64, "mixed"), (torch.int32, "mixed"), (torch.int32, "run"),
+                                              (torch.int64, "sorted")])
+def test_one_fused_sgd_step_equals_torch_sgd_on_the_touched_rows(kernels, index_dtype, case, monkeypatch):
+    tables = run_tables(case, monkeypatch, ("mean", "sum", "mean"))
     indices, offsets = make_inputs(tables, index_dtype)
-    merged = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.5, weight_decay=0.1)
+    decay = 0.0 if case == "run" else 0.1                   # without decay: each lookup's row added in place
+    merged = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.5, weight_decay=decay)
     before = [w.clone() for w in merged.weights]
     gen = torch.Generator().manual_seed(11)
     upstream = [torch.randn(BATCH, t.embedding_dim, generator=gen) for t in tables]
     ref = copies(tables)
     torch.autograd.backward(reference(ref, indices, offsets), upstream)
-    torch.optim.SGD([t.weight for t in ref], lr=0.5, weight_decay=0.1).step()
+    torch.optim.SGD([t.weight for t in ref], lr=0.5, weight_decay=decay).step()
 
     torch.autograd.backward(merged(indices, offsets), upstream)
     assert merged.weight.grad is None                       # the update replaced the gradient
@@ -127,8 +144,9 @@ def test_one_fused_sgd_step_equals_torch_sgd_on_the_touched_rows(kernels, index_
         assert torch.equal(merged.weights[number][untouched], before[number][untouched])
 
 
-def test_two_fused_adagrad_steps_equal_torch_adagrad(kernels):
-    tables = make_tables(modes=("sum", "mean", "mean"))
+@pytest.mark.parametrize("case", RUNS)
+def test_two_fused_adagrad_steps_equal_torch_adagrad(kernels, case, monkeypatch):
+    tables = run_tables(case, monkeypatch, ("sum", "mean", "mean"))
     indices, offsets = make_inputs(tables)
     merged = MergedEmbeddingBagWithAdaGrad.from_embeddingbag_list(tables, lr=0.3, eps=1e-8)
     ref = copies(tables)
@@ -215,9 +233,10 @@ def test_refusals_say_what_is_wrong(kernels):
         MergedEmbeddingBagWithSGD([EmbeddingSpec(3, 2)], lr=-1.0)
 
 
+@pytest.mark.parametrize("case", ["mixed", "run"])
 @pytest.mark.parametrize("fused", [MergedEmbeddingBag, MergedEmbeddingBagWithSGD, MergedEmbeddingBagWithAdaGrad])
-def test_out_of_range_and_negative_indices_name_the_table_and_change_nothing(kernels, fused):
-    tables = make_tables(modes=("mean", "sum", "sum"))
+def test_out_of_range_and_negative_indices_name_the_table_and_change_nothing(kernels, fused, case, monkeypatch):
+    tables = run_tables(case, monkeypatch, ("mean", "sum", "sum"))
     indices, offsets = make_inputs(tables)
     merged = fused.from_embeddingbag_list(tables)
     before = merged.weight.detach().clone()
@@ -317,9 +336,7 @@ def test_jit_trace_and_compile_fullgraph_record_the_ops(kernels):
     assert not torch.equal(eager.weight, merged.weight)
 
 
-def test_the_per_table_torch_forward_equals_the_tables(monkeypatch):
-    import xlaunch.nn.bag_torch as bag_torch
-    monkeypatch.setattr(bag_torch, "PER_TABLE_LOOKUPS", 0)              # big bags: one call per table
+def test_the_per_table_torch_forward_equals_the_tables():
     tables = make_tables(modes=("sum", "mean", "max"))
     indices, offsets = make_inputs(tables, torch.int32)
     weights = [torch.rand(len(indices[0]), generator=torch.Generator().manual_seed(31)), None, None]

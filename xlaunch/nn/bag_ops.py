@@ -25,7 +25,8 @@ with needs_torch(__name__):
     import torch
     from torch import Tensor
 
-from xlaunch.nn.bag_torch import WRITE_GRAD, _NONE, _ops_for, _places, _torch_grad, torch_pool, update_rows
+from xlaunch.nn.bag_torch import (WRITE_GRAD, _NONE, _ops_for, _places, _torch_grad, check_bounds, torch_pool,
+                                  update_rows)
 from xlaunch.nn.tables import MODES, BagInputs, EmbeddingSpec, TableLayout
 
 _MODE_NAMES = {code: name for name, code in MODES.items()}
@@ -35,22 +36,6 @@ _MODE_NAMES = {code: name for name, code in MODES.items()}
 def layout_of(rows: tuple, dims: tuple, modes: tuple) -> TableLayout:
     """The layout of tables ``(rows, dims, mode codes)`` (the ops carry it as three int lists)."""
     return TableLayout([EmbeddingSpec(r, d, _MODE_NAMES[m]) for r, d, m in zip(rows, dims, modes)])
-
-
-def check_bounds(layout: TableLayout, inputs: BagInputs) -> None:
-    """Raise ``IndexError`` naming the table, the position and the table's range when an index
-    that falls in a bag is negative or past the table's rows (before anything is read)."""
-    for t, idx in enumerate(inputs.indices):
-        used = inputs.lookups(t)
-        if used == 0:
-            continue
-        idx = idx[:used]
-        rows = layout.rows[t]
-        low, high = torch.aminmax(idx)
-        if int(low) < 0 or int(high) >= rows:
-            position = int(torch.nonzero((idx < 0) | (idx >= rows))[0, 0])
-            raise IndexError(f"index {int(idx[position])} at position {position} of table {t} is out of range "
-                             f"[0, {rows})")
 
 
 def _inputs(indices: list, offsets: list, psw: list, batch: int) -> BagInputs:
@@ -73,18 +58,27 @@ def _native_pool(ops: object, weight: Tensor, layout: TableLayout, inputs: BagIn
 
 def _forward(weight: Tensor, dense: Optional[Tensor], indices: list, offsets: list, psw: list, rows: list,
              dims: list, modes: list, batch: int) -> list[Tensor]:
-    return _forward_with(weight, dense, layout_of(tuple(rows), tuple(dims), tuple(modes)),
+    outs = _forward_with(weight, dense, layout_of(tuple(rows), tuple(dims), tuple(modes)),
                          _inputs(indices, offsets, psw, batch))
+    return [out.clone() if out._base is not None else out for out in outs]   # an op's outputs never alias
 
 
-def _forward_with(weight: Tensor, dense: Optional[Tensor], layout: TableLayout, inputs: BagInputs) -> list[Tensor]:
-    check_bounds(layout, inputs)
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        ops = _ops_for(weight)
-        if ops is not None:
+def _forward_with(weight: Tensor, dense: Optional[Tensor], layout: TableLayout, inputs: BagInputs,
+                  aux: Optional[dict] = None) -> list[Tensor]:
+    """The outputs (``aux``: the pure-torch path's bag maps, for its update; views of one buffer
+    when it pooled a run of tables in one call)."""
+    ops = _ops_for(weight)
+    if ops is not None:
+        check_bounds(layout, inputs)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
             return _native_pool(ops, weight.detach(), layout, inputs, dense)
-        return [out.clone() if out._base is not None else out
-                for out in torch_pool(weight.detach(), layout, inputs, dense)]
+    if torch.is_autocast_enabled("cpu"):
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            return torch_pool(weight.detach(), layout, inputs, dense, aux)
+    if not torch.is_grad_enabled():
+        return torch_pool(weight, layout, inputs, dense, aux)
+    with torch.no_grad():
+        return torch_pool(weight.detach(), layout, inputs, dense, aux)   # checks the bounds as it reads
 
 
 def _fake_outputs(weight: Tensor, dense: Optional[Tensor], dims: list, batch: int) -> list[Tensor]:
@@ -110,7 +104,8 @@ def _table_grads(grads: list, layout: TableLayout, batch: int, dtype: torch.dtyp
     outputs that got none."""
     if cat:
         return [grads[0].to(dtype).contiguous()] * len(layout)
-    return [torch.zeros(batch, dim, dtype=dtype) if g is None else g.to(dtype).contiguous()
+    return [torch.zeros(batch, dim, dtype=dtype) if g is None else
+            g if g.dtype == dtype and g.is_contiguous() else g.to(dtype).contiguous()
             for g, dim in zip(grads, layout.dims)]
 
 
@@ -282,7 +277,9 @@ class _EagerFused(torch.autograd.Function):
         ctx.layout, ctx.inputs, ctx.targets, ctx.hyper = layout, inputs, targets, hyper
         ctx.dense_dim = -1 if dense is None else dense.shape[1]
         ctx.dense_dtype = None if dense is None else dense.dtype
-        return tuple(_forward_with(weight, dense, layout, inputs))
+        ctx.aux = {}
+        return tuple(out.clone() if out._base is not None else out
+                     for out in _forward_with(weight, dense, layout, inputs, ctx.aux))
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple:
@@ -290,7 +287,7 @@ class _EagerFused(torch.autograd.Function):
         weight, trail, state = ctx.targets
         table_grads = _table_grads(list(grads), layout, inputs.batch, weight.dtype, cat)
         update_rows(ctx.hyper[0], layout, inputs, table_grads, weight.detach(), trail, state, *ctx.hyper[1:],
-                    dense_dim=ctx.dense_dim if cat else None)
+                    dense_dim=ctx.dense_dim if cat else None, aux=ctx.aux or None)
         dense_grad = None
         if cat and ctx.needs_input_grad[1]:
             dense_grad = grads[0][:, :ctx.dense_dim].to(ctx.dense_dtype)

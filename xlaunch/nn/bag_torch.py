@@ -1,10 +1,14 @@
 """The pure-torch path of the merged bags: pooling, gradients and the fused updates.
 
-:func:`torch_pool` pools each run of tables sharing a dim and mode with ``F.embedding_bag`` in the
-weights' own dtype; :func:`_torch_grad` is the dense weight gradient (max pooling and
-per-sample-weight gradients included); :func:`update_rows` applies SGD or Adagrad to the touched
-rows (the compiled kernel when it is built and takes the dtype, else torch ops summing each row's
-gradient in :func:`compute_dtype`). The registered operators live in :mod:`xlaunch.nn.bag_ops`.
+:func:`torch_pool` pools in the weights' own dtype: a run of small tables sharing a dim and mode in
+one ``torch.embedding_bag`` on the run's block (indices checked against their own tables with one
+reduction), other tables one call each (torch checks their indices); :func:`_torch_grad` is the
+dense weight gradient (max pooling and per-sample-weight gradients included); :func:`update_rows`
+applies SGD or Adagrad to the touched rows (the compiled kernel when it is built and takes the
+dtype, else torch ops in :func:`compute_dtype`: for a small step one gradient row per lookup, for a
+large one each row's gradient summed by a sorted embedding bag). Small calls are dominated by the
+count of torch calls, so the call-shape tensors are cached on the layout and nothing syncs but the
+bounds check. The registered operators live in :mod:`xlaunch.nn.bag_ops`.
 """
 from __future__ import annotations
 
@@ -19,14 +23,14 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.optim.splitbf16 import join_into, split_into
 from xlaunch.nn import native
-from xlaunch.nn.tables import BagInputs, TableLayout
+from xlaunch.nn.tables import MODES, BagInputs, TableLayout
 
 WRITE_GRAD, SGD, ADAGRAD = 0, 1, 2   # update kinds (xlaunch/nn/csrc/bag_common.h, enum Kind)
 NATIVE_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 _NONE = torch.empty(0)   # the ops' spelling of "no tensor" in a list (jit.trace cannot record Tensor?[])
-# The pure-torch forward pools a run of tables in one F.embedding_bag (fewer calls for small
-# tables) unless they average this many lookups: then one call per table (no cat of the indices).
-PER_TABLE_LOOKUPS = 4096
+# A step of at most this many lookups (all tables) updates from per-lookup gradient rows (few torch
+# calls); larger ones sum each row's gradient with one sorted embedding bag (no row per lookup).
+SMALL_STEP_LOOKUPS = 32768
 
 
 def _ops_for(weight: Tensor) -> Optional[object]:
@@ -65,29 +69,127 @@ def _run_inputs(layout: TableLayout, inputs: BagInputs, first: int, stop: int,
     return torch.cat(indices), torch.cat(offsets), torch.cat(weights) if any_weights else None
 
 
-def torch_pool(weight: Tensor, layout: TableLayout, inputs: BagInputs, dense: Optional[Tensor] = None) -> list[Tensor]:
-    """The pure-torch forward: one ``F.embedding_bag`` per run of tables with one dim and mode
-    (differentiable in ``weight`` and the per-sample weights, as ``nn.EmbeddingBag``); the list of
-    per-table outputs, or ``[cat matrix]`` with ``dense``."""
+def check_bounds(layout: TableLayout, inputs: BagInputs) -> None:
+    """Raise ``IndexError`` naming the table, the position and the table's range when an index
+    that falls in a bag is negative or past the table's rows (before anything is read)."""
+    for t, idx in enumerate(inputs.indices):
+        used = inputs.lookups(t)
+        if used == 0:
+            continue
+        idx = idx[:used]
+        rows = layout.rows[t]
+        low, high = torch.aminmax(idx)
+        if int(low) < 0 or int(high) >= rows:
+            position = int(torch.nonzero((idx < 0) | (idx >= rows))[0, 0])
+            raise IndexError(f"index {int(idx[position])} at position {position} of table {t} is out of range "
+                             f"[0, {rows})")
+
+
+def _used(inputs: BagInputs, t: int) -> tuple[int, Tensor, Optional[Tensor]]:
+    """Table ``t``'s lookups in a bag: (count, indices, per-sample weights), sliced only when needed."""
+    idx, psw = inputs.indices[t], inputs.per_sample_weights[t]
+    used = inputs.lookups(t)
+    if used != idx.numel():
+        idx = idx[:used]
+        psw = None if psw is None else psw[:used]
+    return used, idx, psw
+
+
+def _run_shape(layout: TableLayout, first: int, stop: int, batch: int, used: tuple, dtype: torch.dtype) -> tuple:
+    """Cached for a run of tables and a call shape, in the indices' dtype: each lookup's row base in
+    the run's block, its valid range (zeros, last rows), each bag's offset shift, the lookups'
+    count, the run's block place."""
+    key = (first, stop, batch, used, dtype)
+    found = layout.cache.get(key)
+    if found is None:
+        counts = torch.tensor(used)
+        bases = torch.tensor([layout.row_bases[t] - layout.row_bases[first] for t in range(first, stop)], dtype=dtype)
+        last = torch.tensor([layout.rows[t] - 1 for t in range(first, stop)], dtype=dtype)
+        starts = torch.tensor([0, *used[:-1]], dtype=dtype).cumsum(0, dtype=dtype)
+        rows = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
+        found = (bases.repeat_interleave(counts), torch.zeros(sum(used), dtype=dtype), last.repeat_interleave(counts),
+                 starts.repeat_interleave(batch), torch.tensor([sum(used)], dtype=dtype),
+                 (layout.weight_offsets[first], rows))
+        if len(layout.cache) > 64:
+            layout.cache.clear()
+        layout.cache[key] = found
+    return found
+
+
+def _runs(layout: TableLayout) -> list:
+    found = layout.cache.get("runs")
+    if found is None:
+        found = layout.cache["runs"] = layout.runs()
+    return found
+
+
+def _arange(layout: TableLayout, count: int) -> Tensor:
+    found = layout.cache.get(("arange", count))
+    if found is None:
+        found = layout.cache[("arange", count)] = torch.arange(count)
+    return found
+
+
+def _pool_run(weight: Tensor, layout: TableLayout, inputs: BagInputs, first: int, stop: int,
+              aux: Optional[dict]) -> Optional[Tensor]:
+    """A run of small tables in one ``torch.embedding_bag`` on the run's block (``(tables * batch,
+    dim)``), its indices checked against their own tables first; None when an index is out of range."""
+    batch, dim = inputs.batch, layout.dims[first]
+    picked = [_used(inputs, t) for t in range(first, stop)]
+    flat = torch.cat([p[1] for p in picked])
+    bases, zeros, last, shifts, total, (start, rows) = _run_shape(layout, first, stop, batch,
+                                                                  tuple(p[0] for p in picked), flat.dtype)
+    if not torch.equal(torch.clamp(flat, zeros, last), flat):      # an index outside its own table
+        return None
+    shifted = flat.add(bases)
+    offsets = torch.cat([o if o.numel() == batch else o[:batch] for o in inputs.offsets[first:stop]]).add_(shifts)
+    # Sum pooling, then a division for mean: torch's mean pooling costs 4x its sum at this size.
+    out = torch.embedding_bag(weight.narrow(0, start, rows * dim).view(rows, dim), shifted, offsets, False, 0, False,
+                              None, False)[0]
+    sizes = None
+    if layout.modes[first] == "mean" or aux is not None:
+        sizes = torch.diff(offsets, append=total)
+        if layout.modes[first] == "mean":
+            out.div_(sizes.clamp(min=1).unsqueeze(1))
+    if aux is not None:
+        aux[(first, stop)] = (shifted, None, sizes, offsets)
+    return out.view(stop - first, batch, dim)
+
+
+def torch_pool(weight: Tensor, layout: TableLayout, inputs: BagInputs, dense: Optional[Tensor] = None,
+               aux: Optional[dict] = None) -> list[Tensor]:
+    """The pure-torch forward (differentiable in ``weight`` and the per-sample weights): a run of
+    tables with one dim and mode and few lookups in one ``torch.embedding_bag`` on the run's block
+    (:func:`_pool_run`), other tables one call each on their own block, as the loop it replaces. The
+    list of per-table outputs, or ``[cat matrix]`` with ``dense``. Torch checks each index against
+    its block's rows; when an index is refused, :func:`check_bounds` names the table and position.
+    ``aux`` gets the (lookup-to-bag map, bag sizes) of each table or run for :func:`update_rows`."""
     outputs: list[Tensor] = []
     batch = inputs.batch
-    for first, stop in layout.runs():
-        dim = layout.dims[first]
-        if sum(inputs.lookups(t) for t in range(first, stop)) >= PER_TABLE_LOOKUPS * (stop - first):
-            for t in range(first, stop):   # big bags: one call per table, as the loop it replaces
-                used = inputs.lookups(t)
-                psw = inputs.per_sample_weights[t]
-                outputs.append(F.embedding_bag(inputs.indices[t][:used], layout.view(weight, t),
-                                               inputs.offsets[t][:batch], mode=layout.modes[t],
-                                               per_sample_weights=None if psw is None else psw[:used]))
-            continue
-        start = layout.weight_offsets[first]
-        rows = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
-        block = weight[start:start + rows * dim].view(rows, dim)
-        indices, offsets, weights = _run_inputs(layout, inputs, first, stop, weight.dtype)
-        pooled = F.embedding_bag(indices, block, offsets, mode=layout.modes[first], per_sample_weights=weights,
-                                 include_last_offset=True)
-        outputs.extend(pooled.view(stop - first, batch, dim).unbind(0))
+    try:
+        psw_free = not any(p is not None for p in inputs.per_sample_weights)
+        for first, stop in _runs(layout):
+            if (stop - first > 1 and layout.modes[first] != "max"
+                    and (psw_free or all(inputs.per_sample_weights[t] is None for t in range(first, stop)))
+                    and sum(inputs.lookups(t) for t in range(first, stop)) <= SMALL_STEP_LOOKUPS):
+                pooled = _pool_run(weight, layout, inputs, first, stop, aux)
+                if pooled is None:
+                    check_bounds(layout, inputs)
+                outputs.extend(pooled.unbind(0))
+                continue
+            for t in range(first, stop):
+                _, idx, psw = _used(inputs, t)
+                offsets = inputs.offsets[t]
+                if offsets.numel() != batch:
+                    offsets = offsets[:batch]
+                out, bags, sizes, _ = torch.embedding_bag(layout.view(weight, t), idx, offsets, False,
+                                                          MODES[layout.modes[t]], False, psw, False)
+                outputs.append(out)
+                if aux is not None:
+                    aux[t] = (bags, sizes)
+    except RuntimeError:
+        check_bounds(layout, inputs)
+        raise
     if dense is None:
         return outputs
     return [torch.cat([dense.to(weight.dtype), *outputs], dim=1)]
@@ -149,9 +251,10 @@ def _torch_grad(weight: Tensor, grads: list, layout: TableLayout, inputs: BagInp
 
 def update_rows(kind: int, layout: TableLayout, inputs: BagInputs, grads: list[Tensor], weight: Tensor,
                 trail: Optional[Tensor], state: Optional[Tensor], lr: float, weight_decay: float = 0.0,
-                eps: float = 0.0, dense_dim: Optional[int] = None) -> None:
+                eps: float = 0.0, dense_dim: Optional[int] = None, aux: Optional[dict] = None) -> None:
     """Apply one SGD or Adagrad step to the rows the inputs touched, from the per-table upstream
-    gradients ``grads`` (the kernel's, or torch ops when it is not built or lacks the dtype)."""
+    gradients ``grads`` (the kernel's, or torch ops when it is not built or lacks the dtype;
+    ``aux``: :func:`torch_pool`'s per-table bag maps, when the forward ran it)."""
     places = _places(layout, inputs.batch, dense_dim)
     ops = _ops_for(weight)
     if ops is not None and ((state is not None and state.dtype != torch.float32) or "max" in layout.modes):
@@ -164,12 +267,84 @@ def update_rows(kind: int, layout: TableLayout, inputs: BagInputs, grads: list[T
                              float(lr), float(weight_decay), float(eps))
             return
         compute = compute_dtype(weight.dtype)
+        if "max" not in layout.modes and sum(inputs.lookups(t) for t in range(len(layout))) <= SMALL_STEP_LOOKUPS:
+            _small_step(kind, layout, inputs, grads, places, weight, trail, state, lr, weight_decay, eps, aux)
+            return
         for first, stop in layout.runs():
             if layout.modes[first] == "max":
                 rows, values = _max_row_gradients(weight, layout, inputs, grads, places, first, stop, compute)
             else:
                 rows, values = _row_gradients(layout, inputs, grads, places, first, stop, compute)
             _apply(kind, layout, first, stop, rows, values, weight, trail, state, lr, weight_decay, eps)
+
+
+def _lookup_gradients(layout: TableLayout, inputs: BagInputs, grads: list, places: tuple, t: int,
+                      aux: Optional[dict], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Table ``t``'s looked-up indices and each lookup's gradient row (``(lookups, dim)``, in ``dtype``)."""
+    batch, dim = inputs.batch, layout.dims[t]
+    used, idx, psw = _used(inputs, t)
+    if places[0][t] == 0 and places[1][t] == dim:
+        upstream = grads[t].view(batch, dim)
+    else:
+        upstream = _upstream(grads, places, t, batch, dim)
+    bags, sizes = aux.get(t, (None, None)) if aux is not None else (None, None)
+    if bags is None or bags.numel() != used:     # sum pooling's forward leaves the map empty
+        offsets = inputs.offsets[t][:batch]
+        lengths = torch.diff(offsets, append=offsets.new_full((1,), used))
+        bags = torch.repeat_interleave(torch.arange(batch), lengths, output_size=used)
+        sizes = lengths
+    upstream = upstream.to(dtype)
+    if layout.modes[t] == "mean":
+        upstream = upstream / sizes.clamp(min=1).to(dtype)[:, None]
+    rows = upstream.index_select(0, bags)
+    if psw is not None:
+        rows = rows * psw.to(dtype)[:, None]
+    return idx, rows
+
+
+def _small_step(kind: int, layout: TableLayout, inputs: BagInputs, grads: list, places: tuple, weight: Tensor,
+                trail: Optional[Tensor], state: Optional[Tensor], lr: float, weight_decay: float, eps: float,
+                aux: Optional[dict]) -> None:
+    """The update of a step with few lookups: plain SGD adds each lookup's row into its table (as
+    the sparse loop does); otherwise each run's rows are made unique and their gradients summed."""
+    compute = compute_dtype(weight.dtype)
+    direct = kind == SGD and not weight_decay and trail is None and weight.dtype == compute
+    for first, stop in layout.runs():
+        dim = layout.dims[first]
+        if aux is not None and (first, stop) in aux:     # pooled as one run: one row per lookup, one add
+            lookups, bags, sizes, offsets = aux[(first, stop)]
+            if all(places[0][t] == 0 and places[1][t] == dim for t in range(first, stop)):
+                upstream = torch.cat(grads[first:stop])
+            else:
+                upstream = torch.cat([_upstream(grads, places, t, inputs.batch, dim) for t in range(first, stop)])
+            if upstream.dtype != compute:
+                upstream = upstream.to(compute)
+            bags = torch.repeat_interleave(_arange(layout, len(offsets)), sizes, output_size=lookups.numel())
+            if layout.modes[first] == "mean":
+                upstream = upstream / sizes.clamp(min=1).unsqueeze(1)
+            if direct:     # index_add_ with alpha costs 3x without it
+                upstream = upstream.mul_(-lr)                # (a new tensor: cat's or the division's)
+            values = upstream.index_select(0, bags)
+        else:
+            found, parts = [], []
+            for t in range(first, stop):
+                idx, rows = _lookup_gradients(layout, inputs, grads, places, t, aux, compute)
+                base = layout.row_bases[t] - layout.row_bases[first]
+                found.append(idx.long() + base if base else idx.long())
+                parts.append(rows)
+            lookups = torch.cat(found) if len(found) > 1 else found[0]
+            values = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if direct:
+            if aux is None or (first, stop) not in aux:
+                values = values.mul_(-lr)
+            start = layout.weight_offsets[first]
+            count = layout.row_bases[stop - 1] + layout.rows[stop - 1] - layout.row_bases[first]
+            weight.narrow(0, start, count * dim).view(count, dim).index_add_(0, lookups, values)
+            continue
+        touched, inverse = torch.unique(lookups.long(), return_inverse=True)
+        summed = torch.zeros(len(touched), dim, dtype=compute)
+        summed.index_add_(0, inverse, values)
+        _apply(kind, layout, first, stop, touched, summed, weight, trail, state, lr, weight_decay, eps)
 
 
 def _max_row_gradients(weight: Tensor, layout: TableLayout, inputs: BagInputs, grads: list, places: tuple,
@@ -245,7 +420,7 @@ def _apply(kind: int, layout: TableLayout, first: int, stop: int, rows: Tensor, 
     w = block(weight)
     compute = grad.dtype
     if kind == SGD and not weight_decay and trail is None and w.dtype == compute:
-        w.index_add_(0, rows, grad, alpha=-lr)
+        w.index_add_(0, rows, grad.mul_(-lr))     # (index_add_ with alpha costs 3x without it)
         return
     if trail is not None:
         master = torch.empty(len(rows), dim)

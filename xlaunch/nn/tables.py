@@ -65,6 +65,7 @@ class TableLayout:
             total_rows += rows
         self.numel, self.total_rows = numel, total_rows
         self._meta: dict[tuple, Tensor] = {}
+        self.cache: dict = {}   # the pure-torch path's tensors per call shape (xlaunch.nn.bag_torch)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -141,6 +142,11 @@ def _as_list(value: object, name: str, count: int) -> list:
     return list(value)
 
 
+def _as(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor`` in ``dtype``, contiguous (itself when it already is: no call per table)."""
+    return tensor if tensor.dtype == dtype and tensor.is_contiguous() else tensor.to(dtype).contiguous()
+
+
 def normalize(layout: TableLayout, indices: object, offsets: object, per_sample_weights: object,
               weight_dtype: torch.dtype) -> BagInputs:
     """Check and normalize one call's inputs (the forms ``nn.EmbeddingBag`` accepts, per table)."""
@@ -181,7 +187,7 @@ def normalize(layout: TableLayout, indices: object, offsets: object, per_sample_
             if psw.numel() != idx.numel():
                 raise ValueError(f"table {t}: per_sample_weights must have one weight per index")
             psw = psw.to(weight_dtype).contiguous()
-        out_indices.append(idx.to(dtype).contiguous())
-        out_offsets.append(off.to(dtype).contiguous())
+        out_indices.append(_as(idx, dtype))
+        out_offsets.append(_as(off, dtype))
         out_weights.append(psw)
     return BagInputs(out_indices, out_offsets, out_weights, int(batch or 0))
