@@ -1,10 +1,22 @@
 """Engines side by side, in one run per model and precision: eager, today's ``optimize`` (the
 torch route), inductor, OpenVINO, ONNX Runtime and ``backend="auto"``, in fp32, bf16 and INT8; then
-the first and the cached start of a program under ``xlaunch --ninstances 2 --auto-optimize``.
+the first and the cached start of a program under ``xlaunch --ninstances 2 --auto-optimize``;
+then cached-start times of ``optimize(backend="auto")`` alone (``--cached-start``).
 
     .venv/bin/python bench/engines.py [--models resnet50-b1,resnet50-b4,bert,mlp,export-fails]
                                       [--precisions fp32,bf16,int8] [--rounds 7] [--threads N]
                                       [--no-startup] [--startup-model resnet50-b1]
+                                      [--cached-start] [--cached-start-models bert,resnet50-b4]
+                                      [--cached-start-warm 3]
+
+``--cached-start`` runs only that part (no engine tables, no ``xlaunch`` start-up): per model, one
+fresh process with an empty ``XLAUNCH_CACHE_DIR`` (cold: builds and times every route), then
+``--cached-start-warm`` fresh processes on the cache it wrote (warm: load the stored choice). Each
+reports seconds from just before ``xlaunch.optimize(model, sample_input=x, backend="auto")`` to its
+first result (the headline figure), and from process start (interpreter, imports, model build
+included) to that result; warm figures are medians. The ratio cold/warm and the engine kept are
+printed and go into the JSON summary under ``"cached-start/<model>"``. ``bert2`` is the encoder
+with 2 layers instead of 4.
 
 bf16 rows: eager under autocast, ``optimize(dtype=torch.bfloat16)`` per route and ``auto``, and
 OpenVINO at its default precision (no hint: bf16 on a CPU with native bf16, f32 elsewhere),
@@ -104,9 +116,10 @@ def workload(name: str) -> tuple[nn.Module, torch.Tensor]:
                 module.running_mean.uniform_(-0.1, 0.1)
                 module.running_var.uniform_(0.5, 1.5)
         return model.eval(), torch.randn(batch, 3, 224, 224)
-    if name == "bert":
+    if name in ("bert", "bert2"):
         layer = nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.1, activation="gelu", batch_first=True)
-        return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).eval(), torch.randn(4, 128, 768)
+        layers = 2 if name == "bert2" else 4
+        return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval(), torch.randn(4, 128, 768)
     if name == "mlp":
         model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1024))
         return model.eval(), torch.randn(64, 1024)
@@ -234,6 +247,66 @@ def startup(model: str, budget: str) -> None:
         print(f"  second start {runs[0] / runs[1]:.1f}x faster to first result (slower instance)")
 
 
+# -- cached start: optimize(backend="auto") in a fresh process, empty cache vs the cache it wrote ---
+CACHED_START_SCRIPT = r"""
+import json, sys, time
+import psutil
+created = psutil.Process().create_time()
+sys.path.insert(0, {repo!r})
+import torch
+if {threads}:
+    torch.set_num_threads({threads})
+import xlaunch
+from bench.engines import workload
+model, x = workload({model!r})
+start = time.time()
+fast = xlaunch.optimize(model, sample_input=x, backend="auto")
+with torch.no_grad():
+    fast(x)
+end = time.time()
+report = fast._xlaunch_engine_report
+print("CACHED_START " + json.dumps({{"optimize_to_result_s": end - start, "process_to_result_s": end - created,
+                                    "backend": report.backend, "cache": report.cache}}), flush=True)
+"""
+
+
+def cached_start(model: str, warm_runs: int, threads: int) -> dict[str, Any]:
+    """Seconds to the first result of ``optimize(backend="auto")`` in a fresh process: with an
+    empty cache (cold), then median of ``warm_runs`` fresh processes on the cache the first wrote."""
+    print(f"\n== cached start: {model}, optimize(model, sample_input=x, backend='auto') in fresh processes, "
+          f"1 cold + {warm_runs} warm", flush=True)
+    with tempfile.TemporaryDirectory(prefix="xlaunch-bench-") as folder:
+        script = Path(folder) / "cached_start.py"
+        script.write_text(CACHED_START_SCRIPT.format(repo=str(REPO), model=model, threads=threads))
+        env = {**os.environ, "XLAUNCH_CACHE_DIR": str(Path(folder) / "cache")}
+        env.pop("PYTHONPATH", None)
+        runs = []
+        for index in range(1 + warm_runs):
+            label = "cold (empty cache)" if index == 0 else f"warm {index} (cache)"
+            result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=folder)
+            lines = [line for line in result.stdout.splitlines() if line.startswith("CACHED_START ")]
+            if result.returncode != 0 or not lines:
+                print(f"  {label}: failed (exit {result.returncode})\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+                return {"failed": label}
+            run = json.loads(lines[-1].split(" ", 1)[1])
+            runs.append(run)
+            print(f"  {label:20s}: optimize -> first result {run['optimize_to_result_s']:6.2f} s, process start -> "
+                  f"first result {run['process_to_result_s']:6.2f} s; {run['backend']}, cache {run['cache']}",
+                  flush=True)
+    cold, warm = runs[0], runs[1:]
+    out = {"cold_optimize_s": cold["optimize_to_result_s"], "cold_process_s": cold["process_to_result_s"],
+           "warm_optimize_s": statistics.median(r["optimize_to_result_s"] for r in warm),
+           "warm_process_s": statistics.median(r["process_to_result_s"] for r in warm),
+           "kept": cold["backend"], "warm_kept": sorted({r["backend"] for r in warm}),
+           "warm_cache": sorted({r["cache"] for r in warm})}
+    out["ratio_optimize"] = out["cold_optimize_s"] / out["warm_optimize_s"]
+    out["ratio_process"] = out["cold_process_s"] / out["warm_process_s"]
+    print(f"  cold/warm: {out['ratio_optimize']:.1f}x from just before optimize(), {out['ratio_process']:.1f}x from "
+          f"process start (warm = median of {len(warm)}); kept {out['kept']}, warm runs loaded "
+          f"{', '.join(out['warm_kept'])} (cache {', '.join(out['warm_cache'])})", flush=True)
+    return out
+
+
 def rel_error(reference: torch.Tensor, out: torch.Tensor) -> float:
     return ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
 
@@ -347,6 +420,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-startup", action="store_true")
     parser.add_argument("--startup-model", default="resnet50-b1")
     parser.add_argument("--startup-budget", default="300")
+    parser.add_argument("--cached-start", action="store_true",
+                        help="run only the cached-start times (cold vs warm optimize(backend='auto'))")
+    parser.add_argument("--cached-start-models", default="bert,resnet50-b4")
+    parser.add_argument("--cached-start-warm", type=int, default=3, help="warm processes (median)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -354,13 +431,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average at start: {Path('/proc/loadavg').read_text().split()[:3]}")
     summary = {}
     benches = {"fp32": bench_model, "bf16": bench_bf16, "int8": bench_int8}
-    for name in args.models.split(","):
+    for name in ([] if args.cached_start else args.models.split(",")):
         for precision in args.precisions.split(","):
             summary[f"{name}/{precision}"] = benches[precision.strip()](name.strip(), args.rounds)
             print(f"  load average: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
-    if not args.no_startup:
+    if not (args.no_startup or args.cached_start):
         startup(args.startup_model, args.startup_budget)
-    # Hook: cached-start times for the encoder (the cache work adds them here).
+    if args.cached_start:
+        for name in args.cached_start_models.split(","):
+            summary[f"cached-start/{name.strip()}"] = cached_start(name.strip(), args.cached_start_warm, args.threads)
+            print(f"  load average: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
     print(f"\nload average at end: {Path('/proc/loadavg').read_text().split()[:3]}")
     print(json.dumps(summary))
 
