@@ -7,6 +7,7 @@ performance cores on a hybrid part), so its instance sizes are the cores of each
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -107,6 +108,16 @@ def paired_ratio(ours: Sequence[Optional[float]], theirs: Sequence[Optional[floa
     """Median of the per-round ratios (rounds where both ran): load swings between rounds cancel."""
     ratios = [a / b for a, b in zip(ours, theirs) if a is not None and b]
     return median(ratios)
+
+
+def write_results(description: dict[str, Any], json_path: Optional[str], payload: dict[str, Any]) -> None:
+    """The load-average line, and ``{"machine": description, **payload}`` as JSON at ``json_path``."""
+    print(f"load average {description['load_average'][0]:.2f} at start, "
+          f"{description['load_average_end'][0]:.2f} at the end")
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump({"machine": description, **payload}, handle, indent=1)
+        print(f"wrote {json_path}")
 
 
 def plot(path: str, results: list[dict[str, Any]], *, value: str, ylabel: str, xlabel: str,

@@ -25,7 +25,6 @@ Everything stays on 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
@@ -186,12 +185,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         r["ratio_to_torchrun"], r["paired_ratio_to_torchrun"] = ratio, paired
         shown = "-" if r["steps_per_s"] is None else f"{r['steps_per_s']:7.2f}"
         print(f"  {r['name']:28s} {shown} steps/s  x{ratio or 0:.2f}  (per round x{paired or 0:.2f})")
-    print(f"load average {description['load_average'][0]:.2f} at start, {description['load_average_end'][0]:.2f} at the end")
-    if args.json_path:
-        with open(args.json_path, "w") as handle:
-            json.dump({"machine": description, "steps": steps, "reps": reps, "batch_size": args.batch_size,
-                       "results": results}, handle, indent=1)
-        print(f"wrote {args.json_path}")
+    common.write_results(description, args.json_path,
+                         {"steps": steps, "reps": reps, "batch_size": args.batch_size, "results": results})
     if draw:
         title = (f"examples/train.py --ddp b{args.batch_size}, slowest rank, median of {reps}\n"
                  f"{common.short_line(description)}")

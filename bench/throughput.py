@@ -265,13 +265,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     description["load_average_end"] = list(os.getloadavg())
     results = summarize(configs)
     print_table(results)
-    print(f"load average {description['load_average'][0]:.2f} at start, "
-          f"{description['load_average_end'][0]:.2f} at the end")
-    if args.json_path:
-        with open(args.json_path, "w") as handle:
-            json.dump({"machine": description, "seconds": seconds, "reps": reps, "batch_size": args.batch_size,
-                       "results": results}, handle, indent=1)
-        print(f"wrote {args.json_path}")
+    common.write_results(description, args.json_path,
+                         {"seconds": seconds, "reps": reps, "batch_size": args.batch_size, "results": results})
     if draw:
         title = (f"examples/infer.py b{args.batch_size}, aggregate over the shared window, median of {reps}\n"
                  f"{common.short_line(description)}")

@@ -100,11 +100,7 @@ class FollowEagerDtypes:
         self._lock = threading.Lock()
 
     def _context(self) -> Any:
-        try:
-            enabled = torch.is_autocast_enabled("cpu")
-        except TypeError:   # older torch
-            enabled = torch.is_autocast_cpu_enabled()
-        return torch.get_autocast_dtype("cpu") if enabled else None
+        return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
 
     def __call__(self, *args: Any) -> Any:
         context = self._context()
