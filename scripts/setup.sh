@@ -25,7 +25,7 @@ fi
 stamp="$VENV/.xlaunch-setup"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log="$VENV/setup.log"
-  echo "setup: installing torch==2.13.0, intel-openmp==2026.2.0, torchao and xlaunch[dev,tune,onnxruntime,openvino] into $VENV (log: $log)"
+  echo "setup: installing torch==2.13.0, intel-openmp==2026.2.0, torchao and xlaunch[dev,tune,onnxruntime,openvino,llm] into $VENV (log: $log)"
   pip_install() { "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
   : >"$log"
   pip_install --upgrade pip
@@ -46,7 +46,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # torchao (INT8 PT2E flow) is pure Python for the CPU path; --no-deps keeps it off torch's pin.
   pip_install --no-deps "torchao==0.18.0"
   # The engines (pinned in pyproject.toml) install next to torch without moving it.
-  pip_install -e ".[dev,tune,onnxruntime,openvino]" "intel-openmp==2026.2.0"
+  pip_install -e ".[dev,tune,onnxruntime,openvino,llm]" "intel-openmp==2026.2.0"
   wait "$bytecode" || true   # a file compileall cannot compile is compiled (or not) at import
   touch "$stamp"
 fi

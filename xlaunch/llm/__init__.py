@@ -1,0 +1,25 @@
+"""LLM decoding on CPUs: :func:`optimize` for Hugging Face decoder models (Llama, Mistral, Qwen2).
+
+``xlaunch.llm.optimize(model, dtype=torch.bfloat16, weights=None | "int8" | "int4")`` returns the
+same model object with its linear layers packed for the chosen precision (bf16, weight-only INT8
+per output channel, weight-only INT4 group-wise), fused RMSNorm and RoPE, a preallocated KV cache
+and a forward that runs prefill and decode with few, fused calls per layer. ``model.generate``
+works unchanged. ``import xlaunch.llm`` stays light: torch and transformers load on first use.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "PackedLinear"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("optimize", "SUPPORTED_ARCHITECTURES"):
+        from xlaunch.llm import optimize as _optimize
+
+        return getattr(_optimize, name)
+    if name == "PackedLinear":
+        from xlaunch.llm.linear import PackedLinear
+
+        return PackedLinear
+    raise AttributeError(f"module 'xlaunch.llm' has no attribute {name!r}")
