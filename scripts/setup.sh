@@ -38,7 +38,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   bytecode=$!
   # With torch in place, xlaunch.nn's kernels compile (about half a minute of g++) while pip
   # installs the rest; `python -m` from here imports xlaunch from this source tree.
-  "$VENV/bin/python" -m xlaunch.nn.native >"$VENV/nn-build.log" 2>&1 &
+  { "$VENV/bin/python" -m xlaunch.nn.native && "$VENV/bin/python" -m xlaunch.llm.native; } >"$VENV/nn-build.log" 2>&1 &
   nn_build=$!
   # a failed pip step leaves no compiler behind
   trap 'kill "$nn_build" "$bytecode" 2>/dev/null || true' EXIT
@@ -59,6 +59,6 @@ if [ -n "${nn_build:-}" ]; then
   wait "$nn_build" || nn_status=$?
   cat "$VENV/nn-build.log"
 else
-  "$VENV/bin/python" -m xlaunch.nn.native || nn_status=$?
+  { "$VENV/bin/python" -m xlaunch.nn.native && "$VENV/bin/python" -m xlaunch.llm.native; } || nn_status=$?
 fi
-[ "$nn_status" = 0 ] || echo "setup: warning: xlaunch.nn kernels not built (pure-torch paths)" >&2
+[ "$nn_status" = 0 ] || echo "setup: warning: xlaunch.nn / xlaunch.llm kernels not built (pure-torch paths)" >&2

@@ -14,17 +14,15 @@ built (one warning per process says how to build it), when ``XLAUNCH_NN_NATIVE=0
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from xlaunch import _native_build as _build
+from xlaunch._native_build import FLAGS, cache_root, compiler
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -34,7 +32,6 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bag_forward.cpp", "bag_backward.cpp", "roi_align.cpp")
 HEADERS = ("common.h", "bag_common.h")
 LIBRARY_STEM = "xlaunch_nn_ops"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
 DISABLE_ENV = "XLAUNCH_NN_NATIVE"
 BUILD_DIR_ENV = "XLAUNCH_NN_BUILD_DIR"
 
@@ -48,76 +45,17 @@ _preference: Optional[bool] = None
 def cache_dir() -> Path:
     """Where built libraries are kept."""
     explicit = os.environ.get(BUILD_DIR_ENV)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "xlaunch" / "nn"
-
-
-def compiler() -> Optional[str]:
-    """The C++ compiler to use (``$CXX``, else ``g++``/``c++`` on PATH), or None."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def _compiler_version(cxx: str) -> str:
-    try:
-        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout.splitlines()[0] if done.stdout else ""
+    return Path(explicit) if explicit else cache_root() / "nn"
 
 
 def build_key(cxx: Optional[str] = None) -> str:
     """Hash of everything the library depends on: sources, torch, compiler, flags, CPU."""
-    digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        digest.update(name.encode())
-        digest.update((CSRC / name).read_bytes())
-    cxx = cxx or compiler() or ""
-    for part in (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), cxx, _compiler_version(cxx) if cxx else "",
-                 " ".join(FLAGS), _cpu_flags(), sys.platform):
-        digest.update(b"\0" + part.encode())
-    return digest.hexdigest()[:16]
+    return _build.build_key(CSRC, (*SOURCES, *HEADERS), cxx, FLAGS)
 
 
 def library_path(cxx: Optional[str] = None) -> Path:
     """The path the library for this source, torch, compiler and CPU is (or would be) built at."""
     return cache_dir() / f"{LIBRARY_STEM}-{build_key(cxx)}.so"
-
-
-def _torch_flags() -> tuple[list[str], list[str]]:
-    """(compile flags, link flags) for an extension of the installed torch."""
-    from torch.utils import cpp_extension
-
-    lib = Path(torch.__file__).resolve().parent / "lib"
-    compile_flags = [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                     *(f"-I{path}" for path in cpp_extension.include_paths()), f"-I{CSRC}"]
-    return compile_flags, [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
-
-
-def _run(command: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(process: subprocess.Popen, what: str, cxx: str) -> None:
-    output, _ = process.communicate()
-    if process.returncode != 0:
-        raise RuntimeError(f"compiling the xlaunch.nn kernels failed ({Path(cxx).name} exit {process.returncode} "
-                           f"on {what}):\n{output[-4000:]}")
 
 
 def build(force: bool = False, echo: Callable[[str], None] = print) -> Path:
@@ -133,33 +71,7 @@ def build(force: bool = False, echo: Callable[[str], None] = print) -> Path:
     if target.is_file() and not target.is_symlink() and not force:
         echo(f"xlaunch.nn: native kernels already built: {target}")
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.parent.is_symlink():
-        raise RuntimeError(f"refusing to build into {target.parent}: it is a symlink")
-    compile_flags, link_flags = _torch_flags()
-    parallel = max(1, min(len(SOURCES), os.cpu_count() or 1))
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
-        objects, running = [], []
-        echo(f"xlaunch.nn: compiling {len(SOURCES)} sources with {Path(cxx).name}, {parallel} at a time "
-             "(about a minute) ...")
-        try:
-            for number, name in enumerate(SOURCES, 1):
-                objects.append(Path(scratch) / f"{Path(name).stem}.o")
-                running.append((name, _run([cxx, *compile_flags, "-c", str(CSRC / name), "-o", str(objects[-1])])))
-                while len(running) >= parallel or (number == len(SOURCES) and running):
-                    done, process = running[0]
-                    _finish(process, done, cxx)
-                    running.pop(0)
-                    echo(f"xlaunch.nn: compiled {done}")
-        finally:   # a failure or an interrupt leaves no compiler running
-            for _, process in running:
-                process.kill()
-                process.wait()
-        partial = Path(scratch) / target.name
-        _finish(_run([cxx, "-shared", *FLAGS, *map(str, objects), *link_flags, "-o", str(partial)]), "linking", cxx)
-        if target.is_symlink():
-            target.unlink()
-        os.replace(partial, target)
+    _build.compile_library(CSRC, SOURCES, target, "xlaunch.nn", echo=echo, cxx=cxx, flags=FLAGS)
     echo(f"xlaunch.nn: native kernels built: {target}")
     return target
 
