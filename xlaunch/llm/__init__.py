@@ -15,9 +15,9 @@ __all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "PackedLinear"]
 
 def __getattr__(name: str) -> Any:
     if name in ("optimize", "SUPPORTED_ARCHITECTURES"):
-        from xlaunch.llm import optimize as _optimize
+        from xlaunch.llm import api as _api
 
-        return getattr(_optimize, name)
+        return getattr(_api, name)
     if name == "PackedLinear":
         from xlaunch.llm.linear import PackedLinear
 

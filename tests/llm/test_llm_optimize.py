@@ -1,0 +1,161 @@
+"""xlaunch.llm.optimize on tiny random Llama, Mistral and Qwen2 models: accuracy teacher-forced
+against the reference route of each precision, generate with and without it, batches, prompts of
+1 and 100 tokens, the preallocated cache, unknown architectures and the pure-torch fallback."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from llm_models import VOCAB, clone, prompts, relative_error, tiny  # noqa: E402
+
+import xlaunch.llm as llm  # noqa: E402
+from xlaunch.llm import native  # noqa: E402
+from xlaunch.llm.cache import KVCache  # noqa: E402
+
+pytestmark = pytest.mark.torch
+TEACHER_TOKENS = 80
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def teacher(llama):
+    ids = torch.randint(1, VOCAB, (1, TEACHER_TOKENS), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return ids, llama(ids).logits
+
+
+def test_bf16_logits_within_1_5x_of_hugging_face_bf16(llama, teacher):
+    ids, fp32 = teacher
+    reference = clone(llama).to(torch.bfloat16)
+    with torch.no_grad():
+        reference_error = relative_error(reference(ids).logits, fp32)
+    ours = llm.optimize(clone(llama), dtype=torch.bfloat16)
+    error = relative_error(ours(ids).logits, fp32)
+    assert 0 < error <= 1.5 * reference_error, (error, reference_error)
+
+
+def test_int8_logits_within_1_5x_of_torchao_int8_weight_only(llama, teacher):
+    quant_api = pytest.importorskip("torchao.quantization")
+    ids, fp32 = teacher
+    reference = clone(llama).to(torch.bfloat16)
+    quant_api.quantize_(reference, quant_api.Int8WeightOnlyConfig())
+    with torch.no_grad():
+        reference_error = relative_error(reference(ids).logits, fp32)
+    ours = llm.optimize(clone(llama), dtype=torch.bfloat16, weights="int8")
+    error = relative_error(ours(ids).logits, fp32)
+    assert 0 < error <= 1.5 * reference_error, (error, reference_error)
+
+
+def test_int4_logits_stay_near_fp32(llama, teacher):
+    ids, fp32 = teacher
+    for group in (32, 128):
+        ours = llm.optimize(clone(llama), dtype=torch.bfloat16, weights="int4", group_size=group)
+        assert relative_error(ours(ids).logits, fp32) < 0.35
+
+
+@pytest.mark.parametrize("architecture,batch,length", [
+    ("llama", 1, 1), ("llama", 1, 100), ("llama", 4, 1), ("llama", 4, 100),
+    ("mistral", 4, 100),     # a sliding window of 48 slots: prefill and decode beyond it
+    ("qwen2", 4, 100),       # q/k/v biases
+])
+def test_generate_matches_hugging_face_in_fp32(architecture, batch, length):
+    overrides = {"sliding_window": 48} if architecture == "mistral" else {}
+    model = tiny(architecture, **overrides)
+    ids, mask = prompts(batch, length)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    optimized = llm.optimize(clone(model), dtype=torch.float32)
+    got = optimized.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert got.shape == (batch, length + 12)
+    assert torch.equal(got, expected)
+
+
+def test_bf16_generate_returns_the_same_model_and_fills_a_preallocated_cache(llama):
+    model = clone(llama)
+    assert llm.optimize(model) is model
+    ids, mask = prompts(4, 9)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                         pad_token_id=0, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert isinstance(cache, KVCache)
+    assert out.sequences.shape == (4, 15)
+    assert cache.capacity == cache.length == 14      # generate's maximum: the last token is never fed back
+    assert cache.keys[0].dtype == torch.bfloat16 and cache.keys[0].shape == (4, 2, 15, 32)
+
+
+def test_decoding_never_reallocates_the_cache(llama):
+    model = llm.optimize(clone(llama), dtype=torch.float32)
+    ids = torch.randint(1, VOCAB, (1, 5))
+    out = model(ids)
+    cache = out.past_key_values
+    cache.reserve(1, 40)
+    addresses = [tensor.data_ptr() for tensor in cache.keys + cache.values]
+    token = out.logits[:, -1:].argmax(-1)
+    for _ in range(30):
+        out = model(token, past_key_values=cache)
+        token = out.logits[:, -1:].argmax(-1)
+    assert cache.length == 35
+    assert [tensor.data_ptr() for tensor in cache.keys + cache.values] == addresses
+
+
+def test_incremental_calls_equal_one_call(llama):
+    model = llm.optimize(clone(llama), dtype=torch.float32)
+    ids = torch.randint(1, VOCAB, (2, 30))
+    whole = model(ids).logits
+    first = model(ids[:, :17])
+    rest = model(ids[:, 17:], past_key_values=first.past_key_values)
+    assert torch.allclose(torch.cat([first.logits, rest.logits], dim=1), whole, atol=1e-5)
+    assert model(ids, use_cache=False).past_key_values is None
+
+
+def test_an_unknown_architecture_warns_and_comes_back_unchanged():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=128)).eval()
+    forward = model.forward
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert llm.optimize(model) is model
+    assert [str(w.message) for w in caught] == [
+        "xlaunch.llm.optimize: GPT2LMHeadModel is not a supported architecture "
+        "(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM); the model is returned unchanged"]
+    assert model.forward == forward and isinstance(model.transformer.h[0].attn.c_attn, torch.nn.Module)
+
+
+def test_bad_arguments_name_the_option(llama):
+    with pytest.raises(ValueError, match="dtype must be"):
+        llm.optimize(clone(llama), dtype=torch.float16)
+    with pytest.raises(ValueError, match="weights must be"):
+        llm.optimize(clone(llama), weights="int2")
+    with pytest.raises(ValueError, match="group_size must be"):
+        llm.optimize(clone(llama), weights="int4", group_size=48)
+
+
+def test_a_foreign_cache_with_tokens_is_refused(llama):
+    from transformers import DynamicCache
+
+    plain = clone(llama)
+    ids = torch.randint(1, VOCAB, (1, 6))
+    with torch.no_grad():
+        foreign = plain(ids, use_cache=True).past_key_values
+    assert isinstance(foreign, DynamicCache) and foreign.get_seq_length() == 6
+    model = llm.optimize(clone(llama), dtype=torch.float32)
+    with pytest.raises(ValueError, match="holding tokens"):
+        model(ids[:, -1:], past_key_values=foreign)
+    assert model(ids, past_key_values=DynamicCache()).past_key_values.length == 6   # an empty one is fine
+
+
+@pytest.mark.parametrize("weights", [None, "int8", "int4"])
+def test_the_pure_torch_fallback_gives_the_kernels_results(llama, teacher, weights):
+    ids, _ = teacher
+    model = llm.optimize(clone(llama), dtype=torch.bfloat16, weights=weights, group_size=32)
+    with native.prefer_native(False):
+        fallback = model(ids).logits.float()
+    kernels = model(ids).logits.float()
+    assert relative_error(kernels, fallback) < 2e-2

@@ -1,0 +1,131 @@
+"""``xlaunch.llm.optimize``: pack a Hugging Face decoder's weights and give it the fused forward.
+
+The model object itself is changed and returned, so ``model.generate(...)`` and ``model(...)``
+keep working: its q/k/v and gate/up linears become one :class:`~xlaunch.llm.linear.PackedLinear`
+each, o/down/lm_head are packed alone, embeddings and norms take the dtype, and ``model.forward``
+runs :class:`~xlaunch.llm.decoder.DecoderRuntime` over a preallocated
+:class:`~xlaunch.llm.cache.KVCache` that ``generate`` sizes to its maximum length.
+"""
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+from typing import Any, Optional
+
+from xlaunch._torch import needs_torch
+from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES, DecoderSpec, describe
+from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, make_forward
+from xlaunch.llm.linear import GROUP_SIZES, PackedLinear
+
+with needs_torch(__name__):
+    import torch
+
+__all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "is_optimized"]
+
+DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+WEIGHTS = (None, "int8", "int4")
+MARK = "_xlaunch_llm"
+
+
+class _Retired(torch.nn.Module):
+    """Stands where a linear was packed into a fused one; calling it says so."""
+
+    def __init__(self, into: str) -> None:
+        super().__init__()
+        self.into = into
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"xlaunch.llm.optimize packed this linear into {self.into}; call the model itself")
+
+    def extra_repr(self) -> str:
+        return f"packed into {self.into}"
+
+
+def is_optimized(model: Any) -> bool:
+    """Whether :func:`optimize` has already been applied to ``model``."""
+    return getattr(model, MARK, None) is not None
+
+
+def _check(dtype: Any, weights: Optional[str], group_size: int) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"xlaunch.llm.optimize: dtype must be torch.bfloat16 or torch.float32, not {dtype}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"xlaunch.llm.optimize: weights must be None, 'int8' or 'int4', not {weights!r}")
+    if weights == "int4" and group_size not in GROUP_SIZES:
+        raise ValueError(f"xlaunch.llm.optimize: group_size must be one of {GROUP_SIZES}, not {group_size}")
+    return weights or DTYPES[dtype]
+
+
+def _pack_layer(layer: Any, kind: str, dtype: Any, group_size: int, window: Optional[int]) -> LayerWeights:
+    attention, mlp = layer.self_attn, layer.mlp
+    pack = dict(kind=kind, dtype=dtype, group_size=group_size)
+    attention.qkv_proj = PackedLinear.from_linears([attention.q_proj, attention.k_proj, attention.v_proj], **pack)
+    attention.o_proj = PackedLinear.from_linears([attention.o_proj], **pack)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attention, name, _Retired("self_attn.qkv_proj"))
+    mlp.gate_up_proj = PackedLinear.from_linears([mlp.gate_proj, mlp.up_proj], **pack)
+    mlp.down_proj = PackedLinear.from_linears([mlp.down_proj], **pack)
+    for name in ("gate_proj", "up_proj"):
+        setattr(mlp, name, _Retired("mlp.gate_up_proj"))
+    layer.input_layernorm.to(dtype)
+    layer.post_attention_layernorm.to(dtype)
+    return LayerWeights(input_norm=layer.input_layernorm.weight.detach(),
+                        post_attention_norm=layer.post_attention_layernorm.weight.detach(),
+                        qkv=attention.qkv_proj, out=attention.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+                        window=window)
+
+
+def _install_generate_hook(model: Any, runtime: DecoderRuntime) -> None:
+    """Let ``generate`` size the KV cache to its maximum length (its own cache is replaced by ours)."""
+    prepare = getattr(model, "_prepare_cache_for_generation", None)
+    if prepare is None:
+        return
+
+    def prepare_cache(self: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        result = prepare(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        maximum = kwargs.get("max_cache_length", args[-1] if args else None)
+        if cache is not None and not getattr(cache, "_is_user_defined", False) and isinstance(maximum, int):
+            model_kwargs["past_key_values"] = runtime.new_cache(capacity=maximum)
+        return result
+
+    model._prepare_cache_for_generation = types.MethodType(prepare_cache, model)
+
+
+def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128) -> Any:
+    """Optimize a Hugging Face Llama, Mistral or Qwen2 causal LM for CPU decoding, in place; returns it.
+
+    ``dtype``: the activations' and unquantized weights' dtype, ``torch.bfloat16`` (default) or
+    ``torch.float32``. ``weights``: ``None`` keeps weights in ``dtype``; ``"int8"`` quantizes every
+    linear (lm_head included) per output channel; ``"int4"`` quantizes the decoder layers' linears
+    per group of ``group_size`` inputs (32, 64 or 128) and lm_head to INT8. Inference only.
+    An architecture it does not know gets one warning and comes back unchanged.
+    """
+    dtype = torch.bfloat16 if dtype is None else dtype
+    kind = _check(dtype, weights, group_size)
+    spec = describe(model)
+    if not isinstance(spec, DecoderSpec):
+        if is_optimized(model):
+            return model
+        warnings.warn(f"xlaunch.llm.optimize: {spec}; the model is returned unchanged", UserWarning, stacklevel=2)
+        return model
+    model.eval()
+    inner = model.model
+    rotary = copy.deepcopy(inner.rotary_emb).float()
+    rotary.inv_freq = rotary.original_inv_freq.float().clone() if hasattr(rotary, "original_inv_freq") else rotary.inv_freq
+    with torch.no_grad():
+        layers = [_pack_layer(layer, kind, dtype, group_size, window)
+                  for layer, window in zip(inner.layers, spec.windows)]
+        head_kind = "int8" if kind == "int4" else kind
+        model.lm_head = PackedLinear.from_linears([model.lm_head], kind=head_kind, dtype=dtype, group_size=group_size)
+        inner.embed_tokens.to(dtype)
+        inner.norm.to(dtype)
+    runtime = DecoderRuntime(spec, dtype, inner.embed_tokens.weight.detach(), layers, inner.norm.weight.detach(),
+                             model.lm_head, RopeTable(rotary, spec.head_dim, dtype), kind)
+    object.__setattr__(model, MARK, runtime)      # plain attribute: not a submodule, not in the state dict
+    model.forward = make_forward(runtime, model)
+    _install_generate_hook(model, runtime)
+    if hasattr(model.config, "dtype"):
+        model.config.dtype = dtype
+    return model

@@ -1,0 +1,138 @@
+"""A preallocated KV cache that ``model.generate`` carries like its own caches.
+
+One buffer per layer and per K/V, ``[batch, kv_heads, capacity, head_dim]`` in the model's dtype,
+filled slot by slot: decoding writes one slot per token and never reallocates. The capacity is
+``generate``'s maximum length when :func:`xlaunch.llm.optimize` could read it; a direct call that
+outgrows it doubles the buffers (one copy, logged once per cache).
+
+It subclasses Hugging Face's ``Cache`` so ``generate`` treats it as a cache (sequence length,
+beam reordering, cropping) while the optimized forward reads the buffers directly.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+    from transformers.cache_utils import Cache
+
+MIN_CAPACITY = 64
+
+
+class KVCache(Cache):
+    """Static K/V buffers for every layer, filled to :attr:`length` slots.
+
+    ``padding`` ([batch, length] bool, or None when no slot is padding) records which slots hold
+    left padding, from the attention mask ``generate`` passes.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: "torch.dtype",
+                 capacity: int = 0) -> None:
+        super().__init__(layers=[])
+        self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
+        self.capacity_hint = max(int(capacity), 0)
+        self.keys: list["torch.Tensor"] = []
+        self.values: list["torch.Tensor"] = []
+        self.length = 0
+        self.padding: Optional["torch.Tensor"] = None
+
+    # --- what the optimized forward uses -------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    def reserve(self, batch: int, needed: int) -> None:
+        """Make room for ``needed`` slots of ``batch`` rows (allocating on first use, doubling after)."""
+        if self.keys and batch != self.batch:
+            raise ValueError(f"this KV cache holds a batch of {self.batch}, not {batch}: start a new one "
+                             "(past_key_values=None) for another batch")
+        if self.keys and needed <= self.capacity:
+            return
+        if self.capacity_hint and not self.keys:      # generate's maximum length: exactly that
+            capacity = max(needed, self.capacity_hint)
+        else:
+            capacity = max(needed, MIN_CAPACITY, 2 * self.capacity)
+        shape = (batch, self.kv_heads, capacity, self.head_dim)
+        new_keys = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        new_values = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        for old, new in zip(self.keys + self.values, new_keys + new_values):
+            new[:, :, : self.length].copy_(old[:, :, : self.length])
+        self.keys, self.values = new_keys, new_values
+
+    def note_padding(self, attention_mask: Optional["torch.Tensor"], total: int) -> Optional["torch.Tensor"]:
+        """Record which of the first ``total`` slots are padding (mask zeros); returns [batch, total] or None."""
+        if attention_mask is None or attention_mask.dim() != 2:
+            return self.padding[:, :total] if self.padding is not None and self.padding.shape[1] >= total else None
+        if attention_mask.shape[1] < total:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens, the cache and input {total}")
+        mask = attention_mask[:, -total:] == 0
+        self.padding = mask if bool(mask.any()) else None
+        return self.padding
+
+    # --- Hugging Face's Cache interface ---------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return self.capacity
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:     # generate must not compile or build 4-D masks for it
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.keys)
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch if self.keys else -1
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        raise RuntimeError("xlaunch.llm's KV cache is filled by the optimized forward only; "
+                           "call the optimized model itself, not its layers")
+
+    def reset(self) -> None:
+        self.length, self.padding = 0, None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``tokens_to_remove`` slots (a negative number keeps that many instead)."""
+        keep = self.length - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
+        self.length = max(0, min(self.length, keep))
+        if self.padding is not None:
+            self.padding = self.padding[:, : self.length]
+
+    def _select_rows(self, index: "torch.Tensor") -> None:
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
+        if self.padding is not None:
+            self.padding = self.padding.index_select(0, index)
+
+    def reorder_cache(self, beam_idx: "torch.LongTensor") -> None:
+        if self.keys:
+            self._select_rows(beam_idx.to(torch.long))
+
+    def batch_select_indices(self, indices: "torch.Tensor") -> None:
+        if self.keys:
+            self._select_rows(indices.to(torch.long))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.keys:
+            self._select_rows(torch.arange(self.batch).repeat_interleave(repeats))
+
+    def __repr__(self) -> str:
+        return (f"KVCache(layers={self.num_layers}, batch={self.batch}, length={self.length}, "
+                f"capacity={self.capacity}, dtype={self.dtype})")

@@ -1,0 +1,179 @@
+"""The optimized forward of a supported decoder: prefill and decode over :class:`~xlaunch.llm.cache.KVCache`.
+
+Per layer: one packed q/k/v linear, RoPE on q and k in place, the new keys and values written into
+their cache slots, attention over the cache, the output linear, the residual add fused with the
+next RMSNorm, one packed gate/up linear, SiLU-and-multiply, the down linear, and again the fused
+residual add and norm. About a dozen calls per layer and no allocation that grows with the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from xlaunch._torch import needs_torch
+from xlaunch.llm import fused
+from xlaunch.llm.arch import DecoderSpec
+from xlaunch.llm.cache import KVCache
+from xlaunch.llm.linear import PackedLinear
+
+with needs_torch(__name__):
+    import torch
+    from transformers.cache_utils import Cache
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
+
+
+@dataclass
+class LayerWeights:
+    """What one decoder layer computes with."""
+
+    input_norm: "torch.Tensor"
+    post_attention_norm: "torch.Tensor"
+    qkv: PackedLinear
+    out: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    window: Optional[int]
+
+
+class RopeTable:
+    """cos/sin of every position up to a length (grown by doubling), from the model's fp32 rotary module."""
+
+    def __init__(self, rotary: Any, head_dim: int, dtype: "torch.dtype") -> None:
+        self.rotary, self.head_dim, self.dtype = rotary, head_dim, dtype
+        self.cos = self.sin = torch.empty(0, head_dim)
+
+    def lookup(self, positions: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """(cos, sin) [B, S, D] for ``positions`` [B, S], in the model's dtype (as Hugging Face casts them)."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if needed > self.cos.shape[0]:
+            length = max(needed, 2 * self.cos.shape[0], 256)
+            probe = torch.zeros(1, 1, self.head_dim, dtype=torch.float32)
+            cos, sin = self.rotary(probe, torch.arange(length)[None, :])
+            self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        return self.cos[positions], self.sin[positions]
+
+
+class DecoderRuntime:
+    """The packed weights, RoPE table and the forward of one optimized model."""
+
+    def __init__(self, spec: DecoderSpec, dtype: "torch.dtype", embed: "torch.Tensor", layers: list[LayerWeights],
+                 final_norm: "torch.Tensor", lm_head: PackedLinear, rope: RopeTable, kind: str) -> None:
+        self.spec, self.dtype, self.embed, self.layers = spec, dtype, embed, layers
+        self.final_norm, self.lm_head, self.rope, self.kind = final_norm, lm_head, rope, kind
+        self.scale = spec.head_dim ** -0.5
+        self.capacity_hint = 0          # set by generate's cache preparation for the next new cache
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        spec = self.spec
+        return KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, capacity=capacity)
+
+    def _cache_for(self, past: Any) -> KVCache:
+        if isinstance(past, KVCache):
+            return past
+        if past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
+            capacity, self.capacity_hint = self.capacity_hint, 0
+            return self.new_cache(capacity)
+        raise ValueError(f"xlaunch.llm: past_key_values is a {type(past).__name__} holding tokens; an optimized "
+                         "model continues only its own KVCache (pass the past_key_values it returned, or None)")
+
+    def _attention(self, q: "torch.Tensor", index: int, cache: KVCache, start: int,
+                   padding: Optional["torch.Tensor"], window: Optional[int]) -> "torch.Tensor":
+        keys, values = cache.keys[index], cache.values[index]
+        total = start + q.shape[1]
+        if window is None or total <= window:
+            return fused.cache_attention(q, keys, values, start, padding, self.scale)
+        if q.shape[1] == 1:            # decode: the window is the last `window` slots
+            first = total - window
+            return fused.cache_attention(q, keys[:, :, first:], values[:, :, first:], start - first,
+                                         None if padding is None else padding[:, first:], self.scale)
+        return windowed_attention(q, keys, values, start, padding, self.scale, window)
+
+    @torch.no_grad()
+    def forward(self, input_ids: Optional["torch.Tensor"], attention_mask: Optional["torch.Tensor"],
+                position_ids: Optional["torch.Tensor"], past_key_values: Any, inputs_embeds: Optional["torch.Tensor"],
+                use_cache: bool, logits_to_keep: Any) -> tuple["torch.Tensor", Optional[KVCache]]:
+        """(logits, cache) for the new tokens; the cache advanced by them (None when ``use_cache`` is False)."""
+        spec = self.spec
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden = (torch.nn.functional.embedding(input_ids, self.embed) if inputs_embeds is None
+                  else inputs_embeds.to(self.dtype).contiguous())
+        batch, length = hidden.shape[:2]
+        cache = self._cache_for(past_key_values if use_cache else None)
+        start = cache.length
+        total = start + length
+        cache.reserve(batch, total)
+        padding = cache.note_padding(attention_mask, total)
+        if position_ids is None:
+            position_ids = torch.arange(start, total)[None, :].expand(batch, length)
+        cos, sin = self.rope.lookup(position_ids.reshape(-1, length).expand(batch, length))
+        heads, groups, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_end, k_end = heads * dim, (heads + groups) * dim
+        residual = hidden
+        x = fused.rms_norm(residual, self.layers[0].input_norm, spec.eps)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(x)
+            q = qkv[..., :q_end].unflatten(-1, (heads, dim))
+            k = qkv[..., q_end:k_end].unflatten(-1, (groups, dim))
+            v = qkv[..., k_end:].unflatten(-1, (groups, dim))
+            fused.rope_(q, cos, sin)
+            fused.rope_(k, cos, sin)
+            cache.keys[index][:, :, start:total].copy_(k.transpose(1, 2))
+            cache.values[index][:, :, start:total].copy_(v.transpose(1, 2))
+            attended = self._attention(q, index, cache, start, padding, layer.window)
+            x = fused.add_rms_norm(layer.out(attended), residual, layer.post_attention_norm, spec.eps)
+            down = layer.down(fused.silu_mul(layer.gate_up(x)))
+            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
+            x = fused.add_rms_norm(down, residual, following, spec.eps)
+        cache.length = total
+        if isinstance(logits_to_keep, int):
+            x = x[:, -logits_to_keep:] if logits_to_keep > 0 else x
+        else:
+            x = x[:, logits_to_keep]
+        logits = self.lm_head(x)
+        return logits, (cache if use_cache else None)
+
+
+def windowed_attention(q: "torch.Tensor", keys: "torch.Tensor", values: "torch.Tensor", start: int,
+                       padding: Optional["torch.Tensor"], scale: float, window: int) -> "torch.Tensor":
+    """Causal sliding-window attention of several new tokens (slot j visible to slot i when i - window < j <= i)."""
+    batch, length, heads, dim = q.shape
+    total = start + length
+    groups = keys.shape[1]
+    k = keys[:, :, :total].float().repeat_interleave(heads // groups, dim=1)
+    v = values[:, :, :total].float().repeat_interleave(heads // groups, dim=1)
+    query_slots = start + torch.arange(length)[:, None]
+    key_slots = torch.arange(total)[None, :]
+    hidden = (key_slots > query_slots) | (key_slots <= query_slots - window)
+    mask = hidden[None, None] if padding is None else hidden[None, None] | padding[:, None, None, :total]
+    scores = torch.einsum("bshd,bhtd->bhst", q.float(), k) * scale
+    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhst,bhtd->bshd", probs, v).reshape(batch, length, heads * dim).to(q.dtype)
+
+
+def make_forward(runtime: DecoderRuntime, model: Any):
+    """The ``forward`` installed on the model: Hugging Face's signature, the runtime's work."""
+
+    def forward(input_ids: Optional["torch.Tensor"] = None, attention_mask: Optional["torch.Tensor"] = None,
+                position_ids: Optional["torch.Tensor"] = None, past_key_values: Any = None,
+                inputs_embeds: Optional["torch.Tensor"] = None, labels: Optional["torch.Tensor"] = None,
+                use_cache: Optional[bool] = None, logits_to_keep: Any = 0, **kwargs: Any) -> Any:
+        for name in UNSUPPORTED_OUTPUTS:
+            if kwargs.get(name):
+                raise ValueError(f"xlaunch.llm: {name}=True is not supported by the optimized model")
+        return_dict = kwargs.get("return_dict")
+        if use_cache is None:
+            use_cache = bool(getattr(model.config, "use_cache", True))
+        logits, cache = runtime.forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                                        use_cache, logits_to_keep)
+        loss = None
+        if labels is not None:
+            loss = model.loss_function(logits=logits, labels=labels, vocab_size=runtime.spec.vocab_size)
+        if return_dict is False:
+            return tuple(item for item in (loss, logits, cache) if item is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+
+    forward.__doc__ = "Hugging Face's causal-LM forward, run by xlaunch.llm's optimized decoder."
+    return forward
