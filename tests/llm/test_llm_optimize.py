@@ -87,7 +87,7 @@ def test_bf16_generate_returns_the_same_model_and_fills_a_preallocated_cache(lla
     assert isinstance(cache, KVCache)
     assert out.sequences.shape == (4, 15)
     assert cache.capacity == cache.length == 14      # generate's maximum: the last token is never fed back
-    assert cache.keys[0].dtype == torch.bfloat16 and cache.keys[0].shape == (4, 2, 15, 32)
+    assert cache.keys[0].dtype == torch.bfloat16 and cache.keys[0].shape == (4, 2, 14, 32)
 
 
 def test_decoding_never_reallocates_the_cache(llama):
