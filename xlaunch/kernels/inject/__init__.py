@@ -23,6 +23,7 @@ FREEZE_ENV = "XLAUNCH_AUTO_OPTIMIZE_FREEZE"         # jit | inductor | none (use
 BACKEND_ENV = "XLAUNCH_AUTO_OPTIMIZE_BACKEND"       # auto (default) | torch | a route | routes, comma-separated
 BUDGET_ENV = "XLAUNCH_AUTO_OPTIMIZE_BUDGET"         # seconds auto may spend per model (default 120)
 CACHE_ENV = "XLAUNCH_CACHE_DIR"                     # the engine cache every instance shares
+LLM_WEIGHTS_ENV = "XLAUNCH_AUTO_OPTIMIZE_LLM_WEIGHTS"  # Hugging Face decoders: int8 | int4 (default: the dtype's)
 RECORD_ENV = "XLAUNCH_AUTO_OPTIMIZE_RECORD"         # set by the runner: the file an instance appends its engines to
 MAX_RECORD_BYTES = 1 << 20
 MAX_RECORDS = 64

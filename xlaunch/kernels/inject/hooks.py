@@ -16,7 +16,9 @@ finder on ``sys.meta_path`` that lets torch import normally and then patches it.
   against fp32 with bf16's tolerance). With keyword arguments it is the torch rewrite, whose forward
   freezes a graph per exact input signature on its first call with it
   (:mod:`xlaunch.kernels.optimize.dispatch`, without the timing). The program's own model object is
-  never modified. When its parameters or buffers change in place (more training, a loaded state
+  never modified, except a Hugging Face decoder :mod:`xlaunch.llm` supports (Llama, Mistral,
+  Qwen2): :func:`xlaunch.llm.optimize` packs it in place on its first call (``generate``'s included),
+  in the dtype asked for, with ``XLAUNCH_AUTO_OPTIMIZE_LLM_WEIGHTS=int8|int4`` for weight-only INT8/INT4. When its parameters or buffers change in place (more training, a loaded state
   dict) the copy is rebuilt. A module the library cannot handle runs unchanged, with one warning.
 """
 from __future__ import annotations
@@ -30,7 +32,8 @@ import warnings
 import weakref
 from typing import Any, Callable, Optional
 
-from xlaunch.kernels.inject import BACKEND_ENV, BUDGET_ENV, DTYPE_ENV, FREEZE_ENV, RECORD_ENV, VERBOSE_ENV
+from xlaunch.kernels.inject import (BACKEND_ENV, BUDGET_ENV, DTYPE_ENV, FREEZE_ENV, LLM_WEIGHTS_ENV, RECORD_ENV,
+                                    VERBOSE_ENV)
 
 PREFIX = "xlaunch --auto-optimize"
 OPTIMIZERS = ("SGD", "Adagrad", "Adam", "AdamW")
@@ -58,6 +61,9 @@ class Settings:
             self.budget = float(budget)
         except ValueError:
             raise ValueError(f"{BUDGET_ENV} must be a number of seconds, not {budget!r}") from None
+        self.llm_weights = environ.get(LLM_WEIGHTS_ENV, "") or None
+        if self.llm_weights not in (None, "int8", "int4"):
+            raise ValueError(f"{LLM_WEIGHTS_ENV} must be int8 or int4, not {self.llm_weights!r}")
 
 
 _settings: Optional[Settings] = None
@@ -202,6 +208,8 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
             return None
         with _lock:
             entry = _entries.setdefault(module, _Entry())
+            if _is_llm_decoder(module):
+                _optimize_llm(module, entry, torch)
     if entry.given_up:
         return None
     if torch.is_grad_enabled():
@@ -222,6 +230,35 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
                 _verbose(f"{_name(module)}: weights changed since it was optimized; optimizing again")
             _build_eager(module, entry, torch, args if not kwargs else None)
         return entry.eager
+
+
+def _is_llm_decoder(module: Any) -> bool:
+    """A Hugging Face causal LM of an architecture :mod:`xlaunch.llm` optimizes."""
+    from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES
+
+    kind = type(module)
+    return kind.__name__ in SUPPORTED_ARCHITECTURES and kind.__module__.startswith("transformers.")
+
+
+def _optimize_llm(module: Any, entry: _Entry, torch: Any) -> None:
+    """Pack the decoder in place (its own forward then runs the fused decoder); never again for it."""
+    from xlaunch.llm import optimize as optimize_llm
+
+    settings = _settings or Settings({})
+    dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
+    entry.given_up = True          # the hook leaves it alone from now on: the module itself is optimized
+    previous_depth = getattr(_local, "depth", 0)
+    _local.depth = 1
+    try:
+        optimize_llm(module, dtype=dtype, weights=settings.llm_weights)
+    except Exception as exc:
+        _say(f"{_name(module)} runs unoptimized: xlaunch.llm.optimize failed ({type(exc).__name__}: {str(exc)[:200]})")
+        return
+    finally:
+        _local.depth = previous_depth
+    route = f"xlaunch.llm {settings.llm_weights or str(dtype).replace('torch.', '')}"
+    _record({"module": _name(module), "backend": route, "cache": "off", "reason": "Hugging Face decoder, packed in place"})
+    _verbose(f"{_name(module)} optimized in place by {route}")
 
 
 def _give_up(module: Any, why: str) -> None:
