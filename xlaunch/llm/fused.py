@@ -1,24 +1,36 @@
 """The small fused operators of a decoder layer: RMSNorm (with the residual add), RoPE, SiLU-and-multiply,
-attention over a preallocated KV cache. Reference semantics in plain torch; the kernels match them.
+the KV-cache writes, attention over a preallocated KV cache.
+
+Each operator calls the compiled kernel of ``xlaunch/llm/csrc/fused_*.cpp`` (``torch.ops.xlaunch_llm``,
+see :mod:`xlaunch.llm.native`) when it is built and wanted, else its pure-torch path here; both have
+the semantics documented on the function. The kernels compute in fp32 and round once per stored
+value, so in bf16 they differ from the torch paths by about one bf16 rounding.
 
 Shapes: ``B`` batch, ``S`` new tokens, ``H`` query heads, ``G`` KV heads (``H % G == 0``), ``D`` head
-size, ``L`` cache capacity.
+size, ``L`` cache capacity. Head tensors (``q``, ``k``, ``v``) are [B, S, heads, D] with a contiguous
+last dim (views of a fused QKV projection's output are fine).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from xlaunch._torch import needs_torch
+from xlaunch.llm.native import ops
 
 with needs_torch(__name__):
     import torch
+    import torch.nn.functional as F
 
 
 def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Tensor":
-    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim, computed in fp32, returned in x's dtype.
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim, computed in fp32.
 
-    As Hugging Face's Llama: the normalized value is cast to x's dtype before the weight multiply.
+    As Hugging Face's Llama: the normalized value is cast to x's dtype before the weight multiply;
+    the result has the promoted dtype of x and weight.
     """
+    native = ops()
+    if native is not None:
+        return native.rms_norm(x, weight, eps)
     variance = x.float().pow(2).mean(-1, keepdim=True)
     normed = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
     return weight * normed
@@ -26,46 +38,107 @@ def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Te
 
 def add_rms_norm(x: "torch.Tensor", residual: "torch.Tensor", weight: "torch.Tensor",
                  eps: float) -> "torch.Tensor":
-    """``residual += x`` (in place), then :func:`rms_norm` of the new residual."""
+    """``residual += x`` (in place, rounded to residual's dtype), then :func:`rms_norm` of the new residual."""
+    native = ops()
+    if native is not None:
+        return native.add_rms_norm(x, residual, weight, eps)
     residual.add_(x)
     return rms_norm(residual, weight, eps)
 
 
 def silu_mul(gate_up: "torch.Tensor") -> "torch.Tensor":
-    """``silu(gate) * up`` where ``gate_up = [gate | up]`` on the last dim."""
+    """``silu(gate) * up`` where ``gate_up = [gate | up]`` on the last dim (silu rounded to the dtype first, as HF)."""
+    native = ops()
+    if native is not None:
+        return native.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return F.silu(gate) * up
+
+
+def _rotated(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
+    """``x`` rotated by ``cos``/``sin`` [B, S, D] (half-split): a new tensor in the promoted dtype."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
 
 
 def rope_(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
-    """Rotate ``x`` [B, S, heads, D] in place by the position tables ``cos``/``sin`` [B, S, D] (half-split rotation)."""
-    half = x.shape[-1] // 2
-    first, second = x[..., :half].clone(), x[..., half:].clone()
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    x[..., :half] = (first * c[..., :half] - second * s[..., :half]).to(x.dtype)
-    x[..., half:] = (second * c[..., half:] + first * s[..., half:]).to(x.dtype)
+    """Rotate ``x`` [B, S, heads, D] in place by the position tables ``cos``/``sin`` [B, S, D]; returns ``x``.
+
+    Half-split rotation: ``x[:h] * cos[:h] - x[h:] * sin[:h]`` and ``x[h:] * cos[h:] + x[:h] * sin[h:]``
+    (``h = D / 2``); the tables may be fp32 or x's dtype, and a batch of 1 is broadcast.
+    """
+    native = ops()
+    if native is not None:
+        native.rope_(x, cos, sin)
+        return x
+    x.copy_(_rotated(x, cos, sin))
     return x
+
+
+def write_cache_(k_cache: "torch.Tensor", v_cache: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
+                 start: int) -> None:
+    """``k_cache[:, :, start:start+S] = k`` and the same for v (k, v [B, S, G, D]; caches [B, G, L, D])."""
+    native = ops()
+    if native is not None:
+        native.write_cache_(k_cache, v_cache, k, v, start)
+        return
+    s = k.shape[1]
+    k_cache[:, :, start:start + s].copy_(k.transpose(1, 2))
+    v_cache[:, :, start:start + s].copy_(v.transpose(1, 2))
+
+
+def rope_write_cache_(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cos: "torch.Tensor",
+                      sin: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int) -> None:
+    """One call for a layer's positions: :func:`rope_` of ``q`` in place, the rotated ``k`` and ``v`` written
+    to the caches at ``start`` (as :func:`write_cache_`). ``k`` itself is left as it was."""
+    native = ops()
+    if native is not None:
+        native.rope_write_cache_(q, k, v, cos, sin, k_cache, v_cache, start)
+        return
+    q.copy_(_rotated(q, cos, sin))
+    s = k.shape[1]
+    k_cache[:, :, start:start + s].copy_(_rotated(k, cos, sin).transpose(1, 2))
+    v_cache[:, :, start:start + s].copy_(v.transpose(1, 2))
 
 
 def cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int,
                     key_padding: Optional["torch.Tensor"], scale: float) -> "torch.Tensor":
     """Causal attention of ``q`` [B, S, H, D] (positions ``start .. start+S-1``) over the cache.
 
-    ``k_cache``/``v_cache`` are [B, G, L, D] with the first ``start + S`` slots filled.
-    ``key_padding`` [B, start + S] is True where a slot holds padding (never attended), or None.
-    Returns [B, S, H * D] in q's dtype (softmax in fp32).
+    ``k_cache``/``v_cache`` are [B, G, L, D] with the first ``start + S`` slots filled (query head
+    ``h`` reads KV head ``h // (H / G)``). ``key_padding`` [B, >= start + S] is True where a slot holds
+    padding (never attended), or None. Returns [B, S, H * D] in q's dtype (softmax in fp32); a query
+    row whose every key is masked gives zeros.
     """
+    native = ops()
+    if native is not None:
+        return native.cache_attention(q, k_cache, v_cache, start, key_padding, scale)
+    return _torch_cache_attention(q, k_cache, v_cache, start, key_padding, scale)
+
+
+def _torch_cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int,
+                           key_padding: Optional["torch.Tensor"], scale: float) -> "torch.Tensor":
+    """:func:`cache_attention` by ``scaled_dot_product_attention``: the H/G query heads of a KV head are
+    folded into its query rows, so the cache is read as it is (no repeat of K/V)."""
     b, s, h, d = q.shape
     g = k_cache.shape[1]
-    total = start + s
-    keys = k_cache[:, :, :total].float().repeat_interleave(h // g, dim=1)       # [B, H, T, D]
-    values = v_cache[:, :, :total].float().repeat_interleave(h // g, dim=1)
-    scores = torch.einsum("bshd,bhtd->bhst", q.float(), keys) * scale
-    causal = torch.arange(total)[None, :] > (start + torch.arange(s))[:, None]      # [S, T]
-    mask = causal[None, None]
+    n, total = h // g, start + s
+    keys, values = k_cache[:, :, :total], v_cache[:, :, :total]
+    if s == 1:
+        rows = q.reshape(b, g, n, d)                                               # rows: the group's heads
+    else:
+        rows = q.reshape(b, s, g, n, d).permute(0, 2, 3, 1, 4).reshape(b, g, n * s, d)  # rows: (head, token)
+    mask = None
+    if s > 1:
+        causal = torch.arange(total, device=q.device) <= (start + torch.arange(s, device=q.device))[:, None]
+        mask = causal.repeat(n, 1)[None, None]                                      # [1, 1, n*S, T]
     if key_padding is not None:
-        mask = mask | key_padding[:, None, None, :total]
-    scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.einsum("bhst,bhtd->bshd", probs, values)
-    return out.reshape(b, s, h * d).to(q.dtype)
+        keep = ~key_padding[:, None, None, :total].bool()
+        mask = keep if mask is None else mask & keep
+    out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
+    if key_padding is not None:
+        out = out.nan_to_num(0.0)
+    if s == 1:
+        return out.reshape(b, 1, h * d)
+    return out.reshape(b, g, n, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)

@@ -8,12 +8,21 @@ Quantization (round to nearest):
 * ``int8``: symmetric per output channel, ``scale[n] = max|W[n, :]| / 127``, ``q = round(W / scale)``.
 * ``int4``: symmetric per group of ``group_size`` inputs, ``scale[n, g] = max|W[n, g]| / 7``,
   ``q = clamp(round(W / scale), -8, 7)``.
+
+Layouts (``PackedLinear.layout``), chosen once when the layer is built:
+* ``"native"``: blocks of 64 output channels for ``torch.ops.xlaunch_llm`` (xlaunch/llm/csrc/linear.h);
+  used when the compiled kernels are loaded (:func:`xlaunch.llm.native.ops`).
+* ``"aten"``: the layouts of ATen's own CPU kernels: ``F.linear`` (bf16), ``torch._weight_int8pack_mm``
+  (int8) and ``aten._weight_int4pack_mm_for_cpu`` (int4, unsigned nibbles ``q + 8`` with zero points 0).
+Both compute the same products (the quantized integers times fp32 scales) up to fp rounding. A native
+layer asked to run without the kernels (``prefer_native(False)``) dequantizes and multiplies (slow).
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 from xlaunch._torch import needs_torch
+from xlaunch.llm import native
 
 with needs_torch(__name__):
     import torch
@@ -21,6 +30,8 @@ with needs_torch(__name__):
 
 KINDS = ("fp32", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
+BLOCK = 64           # output channels per native block (csrc/linear.h: kBlock)
+INT4_ZERO = 8        # int4 values are stored unsigned, q + 8
 
 
 def quantize_int8(weight: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -49,6 +60,68 @@ def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
     return (q.float().reshape(n, groups, k // groups) * scale.reshape(n, groups, 1)).reshape(n, k)
 
 
+def _pad_rows(t: "torch.Tensor", multiple: int, value: float = 0) -> "torch.Tensor":
+    extra = -t.shape[0] % multiple
+    if not extra:
+        return t
+    return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+
+
+# Native layouts (csrc/linear.h) and back.
+def pack_bf16(weight: "torch.Tensor") -> "torch.Tensor":
+    """bf16 [N, K] -> [N/64, K/2, 128]: per block, the (k, k+1) pairs of its 64 channels together."""
+    w = _pad_rows(weight.to(torch.bfloat16), BLOCK)
+    if w.shape[1] % 2:
+        w = torch.nn.functional.pad(w, (0, 1))
+    blocks, k2 = w.shape[0] // BLOCK, w.shape[1] // 2
+    return w.reshape(blocks, BLOCK, k2, 2).permute(0, 2, 1, 3).reshape(blocks, k2, 2 * BLOCK).contiguous()
+
+
+def unpack_bf16(packed: "torch.Tensor", n: int, k: int) -> "torch.Tensor":
+    blocks, k2, _ = packed.shape
+    return packed.reshape(blocks, k2, BLOCK, 2).permute(0, 2, 1, 3).reshape(blocks * BLOCK, 2 * k2)[:n, :k]
+
+
+def pack_int8(q: "torch.Tensor") -> "torch.Tensor":
+    """int8 [N, K] -> [N/64, K, 64]: per block, the 64 channels of each k together."""
+    w = _pad_rows(q, BLOCK)
+    return w.reshape(-1, BLOCK, w.shape[1]).permute(0, 2, 1).contiguous()
+
+
+def unpack_int8(packed: "torch.Tensor", n: int) -> "torch.Tensor":
+    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+
+
+def pack_int4(q: "torch.Tensor") -> "torch.Tensor":
+    """int4 values [N, K] -> uint8 [N/64, K/4, 128]: byte 2c + t of step k holds q[c, k+t] + 8 (low nibble)
+    and q[c, k+2+t] + 8 (high nibble) of the block's channel c."""
+    u = _pad_rows(q.to(torch.int16) + INT4_ZERO, BLOCK, INT4_ZERO)
+    blocks, k = u.shape[0] // BLOCK, u.shape[1]
+    u = u.reshape(blocks, BLOCK, k // 4, 2, 2)
+    packed = (u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)).to(torch.uint8)
+    return packed.permute(0, 2, 1, 3).reshape(blocks, k // 4, 2 * BLOCK).contiguous()
+
+
+def unpack_int4(packed: "torch.Tensor", n: int) -> "torch.Tensor":
+    blocks, quads, _ = packed.shape
+    b = packed.reshape(blocks, quads, BLOCK, 2).permute(0, 2, 1, 3).to(torch.int16)
+    u = torch.stack([b & 15, b >> 4], dim=3)   # [blocks, 64, quads, 2 (nibble), 2 (t)]
+    return (u.reshape(blocks * BLOCK, quads * 4)[:n] - INT4_ZERO).to(torch.int8)
+
+
+def pack_channels(scale: "torch.Tensor") -> "torch.Tensor":
+    """fp32 scales [N] or [N, G] -> [N/64, 64] or [N/64, G, 64] (zeros past N)."""
+    s = _pad_rows(scale.float().reshape(scale.shape[0], -1), BLOCK)
+    packed = s.reshape(-1, BLOCK, s.shape[1]).permute(0, 2, 1).contiguous()
+    return packed.reshape(-1, BLOCK) if scale.dim() == 1 else packed
+
+
+def unpack_channels(packed: "torch.Tensor", n: int) -> "torch.Tensor":
+    if packed.dim() == 2:
+        return packed.reshape(-1)[:n]
+    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with W packed as ``kind``; inference only (no autograd)."""
 
@@ -59,20 +132,38 @@ class PackedLinear(nn.Module):
             raise ValueError(f"weights must be one of {', '.join(KINDS)}, not {kind!r}")
         if kind == "int4" and group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {GROUP_SIZES}, not {group_size}")
+        if weight.dim() != 2:
+            raise ValueError(f"the weight must be 2-D [out_features, in_features], not {tuple(weight.shape)}")
         self.kind, self.dtype, self.group_size = kind, dtype, group_size
         self.out_features, self.in_features = weight.shape
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).clone())
-        if kind in ("fp32", "bf16"):
-            self.register_buffer("weight", weight.detach().to(torch.float32 if kind == "fp32" else torch.bfloat16).contiguous())
-            self.register_buffer("scales", None)
-        elif kind == "int8":
+        self.layout = "native" if kind != "fp32" and native.ops() is not None else "aten"
+        with torch.no_grad():
+            self._pack(weight.detach())
+
+    def _pack(self, weight: "torch.Tensor") -> None:
+        weight_buf, scales = None, None
+        if self.kind == "fp32":
+            weight_buf = weight.float().contiguous()
+        elif self.kind == "bf16":
+            weight_buf = pack_bf16(weight) if self.layout == "native" else weight.to(torch.bfloat16).contiguous()
+        elif self.kind == "int8":
             q, scale = quantize_int8(weight)
-            self.register_buffer("weight", q)
-            self.register_buffer("scales", scale)
+            if self.layout == "native":
+                weight_buf, scales = pack_int8(q), pack_channels(scale)
+            else:
+                weight_buf, scales = q.contiguous(), scale
         else:
-            q, scale = quantize_int4(weight, group_size)
-            self.register_buffer("weight", q)
-            self.register_buffer("scales", scale)
+            q, scale = quantize_int4(weight, self.group_size)
+            if self.layout == "native":
+                weight_buf, scales = pack_int4(q), pack_channels(scale)
+            else:   # ATen wants N in multiples of 16; padded channels have scale 0
+                u = _pad_rows(q.to(torch.int32) + INT4_ZERO, 16, INT4_ZERO)
+                weight_buf = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
+                s = _pad_rows(scale, 16).t()
+                scales = torch.stack([s, torch.zeros_like(s)], dim=-1).contiguous()
+        self.register_buffer("weight", weight_buf)
+        self.register_buffer("scales", scales)
 
     @classmethod
     def from_linears(cls, linears: Sequence["nn.Linear"], kind: str, dtype: "torch.dtype" = torch.bfloat16,
@@ -89,18 +180,77 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         extra = f", group_size={self.group_size}" if self.kind == "int4" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, weights={self.kind}, "
-                f"dtype={self.dtype}{extra}, bias={self.bias is not None}")
+                f"dtype={self.dtype}{extra}, bias={self.bias is not None}, layout={self.layout}")
+
+    def quantized(self) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """(int8 values [N, K], fp32 scales [N] or [N, K // group_size]) of an int8 or int4 layer."""
+        n, k = self.out_features, self.in_features
+        if self.kind == "int8":
+            if self.layout == "native":
+                return unpack_int8(self.weight, n), unpack_channels(self.scales, n)
+            return self.weight, self.scales
+        if self.kind != "int4":
+            raise ValueError(f"a {self.kind} layer is not quantized")
+        if self.layout == "native":
+            return unpack_int4(self.weight, n), unpack_channels(self.scales, n)
+        # ATen's int4 packing is opaque: multiply the identity, group by group (exact in fp32).
+        scales = self.scales.float()[:, :n, 0].t().contiguous()
+        unit = torch.zeros_like(self.scales, dtype=torch.float32)
+        unit[..., 0] = 1.0
+        values = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k), self.weight, self.group_size, unit)
+        return values[:, :n].t().round().to(torch.int8), scales
 
     def dense_weight(self) -> "torch.Tensor":
         """The weight as an fp32 [N, K] tensor (dequantized)."""
-        if self.scales is None:
+        if self.kind == "fp32":
+            return self.weight
+        if self.kind == "bf16":
+            if self.layout == "native":
+                return unpack_bf16(self.weight, self.out_features, self.in_features).float()
             return self.weight.float()
-        return dequantize(self.weight, self.scales)
+        return dequantize(*self.quantized())
 
     def forward(self, x: "torch.Tensor") -> "torch.Tensor":
-        """Reference path: dequantize and multiply (the kernels give the same results faster)."""
-        weight = self.weight if self.scales is None else self.dense_weight()
-        y = torch.nn.functional.linear(x.to(weight.dtype), weight)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        """``x @ W.T + b`` by the compiled kernels (native layout) or ATen's (aten layout)."""
+        if self.kind == "fp32":
+            return self._add_bias(torch.nn.functional.linear(x.float(), self.weight)).to(x.dtype)
+        if self.layout == "native":
+            ops = native.ops()
+            if ops is not None:
+                return self._native(ops, x)
+            return self._reference(x)
+        return self._aten(x)
+
+    def _native(self, ops: object, x: "torch.Tensor") -> "torch.Tensor":
+        n = self.out_features
+        if self.kind == "bf16":
+            return ops.bf16_linear(x.to(torch.bfloat16), self.weight, self.bias, n).to(x.dtype)
+        act = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(self.dtype)
+        if self.kind == "int8":
+            y = ops.int8_linear(act, self.weight, self.scales, self.bias, n)
+        else:
+            y = ops.int4_linear(act, self.weight, self.scales, self.bias, n, self.group_size)
         return y.to(x.dtype)
+
+    def _aten(self, x: "torch.Tensor") -> "torch.Tensor":
+        if self.kind == "bf16":
+            return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+        act = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(self.dtype)
+        flat = act.reshape(-1, self.in_features)
+        if self.kind == "int8":
+            if flat.dtype != torch.float32 and self.in_features % 16:
+                flat = flat.float()   # torch 2.13's bf16 kernel reads out of bounds when K % 16 != 0
+            y = torch._weight_int8pack_mm(flat, self.weight, self.scales.to(flat.dtype))
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group_size,
+                                                           self.scales.to(act.dtype))[:, :self.out_features]
+        return self._add_bias(y).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _reference(self, x: "torch.Tensor") -> "torch.Tensor":
+        """Dequantize and multiply (a native layer without its kernels)."""
+        act = x.to(torch.bfloat16) if self.kind == "bf16" else x
+        weight = self.dense_weight().to(act.dtype if act.dtype in (torch.bfloat16, torch.float32) else self.dtype)
+        return self._add_bias(torch.nn.functional.linear(act.to(weight.dtype), weight)).to(x.dtype)
+
+    def _add_bias(self, y: "torch.Tensor") -> "torch.Tensor":
+        return y if self.bias is None else y + self.bias.to(y.dtype)

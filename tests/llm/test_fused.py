@@ -1,0 +1,199 @@
+"""xlaunch.llm.fused: each operator's compiled kernel and pure-torch path against an independent
+straightforward formula (float64), in fp32 and bf16, odd shapes (GQA, prefill and decode, a start
+inside the cache, padding), and the in-place semantics."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from xlaunch.llm import fused, native  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+NATIVE = native.available()
+PATHS = [pytest.param(True, id="native", marks=pytest.mark.skipif(not NATIVE, reason="kernels not built")),
+         pytest.param(False, id="torch")]
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    with native.prefer_native(request.param):
+        if request.param:
+            assert native.ops() is not None
+        yield request.param
+
+
+def close(actual, expected, dtype):
+    """|actual - expected| <= atol + rtol * |expected| everywhere (torch.testing's first call costs seconds)."""
+    actual, expected = actual.double(), expected.double()
+    assert actual.shape == expected.shape
+    excess = (actual - expected).abs() - (TOL[dtype]["atol"] + TOL[dtype]["rtol"] * expected.abs())
+    assert not excess.isnan().any() and excess.max() <= 0, f"off by up to {excess.max().item()} beyond tolerance"
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def tables(b, s, d, start):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    pos = torch.arange(start, start + s, dtype=torch.float64)[None, :].expand(b, s)
+    angles = torch.cat((pos[..., None] * inv, pos[..., None] * inv), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def attention_formula(q, k_cache, v_cache, start, pad, scale):
+    """Per query row: softmax over the allowed keys (explicit loop-free float64 math with a mask)."""
+    b, s, h, d = q.shape
+    g, total = k_cache.shape[1], start + q.shape[1]
+    k = k_cache[:, :, :total].double().repeat_interleave(h // g, dim=1)
+    v = v_cache[:, :, :total].double().repeat_interleave(h // g, dim=1)
+    scores = torch.einsum("bshd,bhtd->bhst", q.double(), k) * scale
+    allowed = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]
+    allowed = allowed[None, None] & (~pad[:, None, None, :total] if pad is not None else True)
+    weights = torch.where(allowed, scores.exp(), torch.zeros(()))
+    denom = weights.sum(-1, keepdim=True)
+    probs = torch.where(denom > 0, weights / denom.clamp_min(1e-300), torch.zeros(()))
+    return torch.einsum("bhst,bhtd->bshd", probs, v).reshape(b, s, h * d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_the_residual_add(path, dtype):
+    torch.manual_seed(0)
+    x, res = torch.randn(3, 5, 200, dtype=dtype), torch.randn(3, 5, 200, dtype=dtype)
+    w = (torch.rand(200) + 0.5).to(dtype)
+
+    def formula(t):
+        t = t.double()
+        return w.double() * (t / (t.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt())
+
+    out = fused.rms_norm(x, w, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    close(out, formula(x), dtype)
+    assert fused.rms_norm(x, w.float(), 1e-6).dtype == torch.float32   # promoted as weight * normed
+    new_res = (res.double() + x.double()).to(dtype)
+    kept = res
+    out = fused.add_rms_norm(x, res, w, 1e-6)
+    assert res is kept
+    assert torch.equal(res, new_res)                                     # rounded once, in place
+    close(out, formula(new_res), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(path, dtype):
+    torch.manual_seed(1)
+    gate_up = torch.randn(4, 2 * 88, dtype=dtype) * 4
+    g, u = gate_up.double().chunk(2, dim=-1)
+    out = fused.silu_mul(gate_up)
+    assert out.shape == (4, 88) and out.dtype == dtype
+    close(out, g * torch.sigmoid(g) * u, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rope_in_place_on_a_view_of_fused_qkv(path, dtype, d):
+    torch.manual_seed(2)
+    b, s, h, g = 2, 7, 4, 2
+    qkv = torch.randn(b, s, (h + 2 * g) * d, dtype=dtype)
+    q = qkv[..., :h * d].view(b, s, h, d)                                  # strided: a view, not a copy
+    expected = q.double() * tables(b, s, d, 3)[0].double()[:, :, None] + \
+        rotate_half(q.double()) * tables(b, s, d, 3)[1].double()[:, :, None]
+    untouched = qkv[..., h * d:].clone()
+    cos, sin = tables(b, s, d, 3)
+    assert fused.rope_(q, cos, sin) is q
+    close(qkv[..., :h * d].view(b, s, h, d), expected, dtype)
+    assert torch.equal(qkv[..., h * d:], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_the_cache_writes(path, dtype):
+    torch.manual_seed(3)
+    b, s, h, g, d, length, start = 2, 3, 4, 2, 64, 16, 5
+    q, k, v = (torch.randn(b, s, n, d, dtype=dtype) for n in (h, g, g))
+    cos, sin = tables(b, s, d, start)
+    q2, k_before = q.clone(), k.clone()
+    kc, vc = torch.zeros(b, g, length, d, dtype=dtype), torch.zeros(b, g, length, d, dtype=dtype)
+    fused.rope_write_cache_(q, k, v, cos, sin, kc, vc, start)
+    fused.rope_(q2, cos, sin)
+    k_rot = fused.rope_(k.clone(), cos, sin)
+    assert torch.equal(q, q2) and torch.equal(k, k_before)
+    assert torch.equal(kc[:, :, start:start + s], k_rot.transpose(1, 2))
+    assert torch.equal(vc[:, :, start:start + s], v.transpose(1, 2))
+    assert not kc[:, :, :start].any() and not vc[:, :, start + s:].any()
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    fused.write_cache_(kc2, vc2, k, v, start)
+    assert torch.equal(kc2[:, :, start:start + s], k.transpose(1, 2)) and torch.equal(vc2, vc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("s,start", [(1, 0), (1, 9), (7, 0), (7, 5)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_cache_attention(path, dtype, d, s, start, padded):
+    torch.manual_seed(4)
+    b, h, g, length = 2, 4, 2, 24
+    q = torch.randn(b, s, h, d, dtype=dtype)
+    kc, vc = torch.randn(b, g, length, d, dtype=dtype), torch.randn(b, g, length, d, dtype=dtype)
+    pad = None
+    if padded:   # row 0 unpadded; row 1 left-padded: its first keys are padding
+        pad = torch.zeros(b, start + s, dtype=torch.bool)
+        pad[1, :max(1, start + s - 2)] = True
+    scale = 1 / math.sqrt(d)
+    out = fused.cache_attention(q, kc, vc, start, pad, scale)
+    assert out.shape == (b, s, h * d) and out.dtype == dtype
+    assert not out.isnan().any()
+    close(out, attention_formula(q, kc, vc, start, pad, scale), dtype)
+
+
+def test_attention_of_a_row_whose_keys_are_all_padding_but_itself(path):
+    torch.manual_seed(5)
+    b, s, h, g, d, start = 1, 4, 4, 2, 64, 6
+    q = torch.randn(b, s, h, d)
+    kc, vc = torch.randn(b, g, 16, d), torch.randn(b, g, 16, d)
+    pad = torch.ones(b, start + s, dtype=torch.bool)
+    pad[0, start:] = False               # each new token sees only the new tokens: the first one only itself
+    out = fused.cache_attention(q, kc, vc, start, pad, 0.125)
+    assert not out.isnan().any()
+    # the first new token attends only its own slot: its output is that slot's value, per head
+    close(out[0, 0].view(h, d), vc[0, :, start].repeat_interleave(h // g, dim=0), torch.float32)
+    pad[0, start] = True                 # now the first token sees nothing at all: zeros, as documented
+    out = fused.cache_attention(q, kc, vc, start, pad, 0.125)
+    assert not out.isnan().any() and not out[0, 0].any()
+    close(out[:, 1:], attention_formula(q, kc, vc, start, pad, 0.125)[:, 1:], torch.float32)
+
+
+@pytest.mark.skipif(not NATIVE, reason="kernels not built")
+def test_decode_over_a_long_cache_splits_the_keys_and_agrees():
+    torch.manual_seed(6)
+    b, h, g, d, start = 1, 2, 1, 64, 1100          # B x G = 1: split over the cache on any thread count
+    q = torch.randn(b, 1, h, d, dtype=torch.bfloat16)
+    kc, vc = torch.randn(b, g, 1200, d, dtype=torch.bfloat16), torch.randn(b, g, 1200, d, dtype=torch.bfloat16)
+    expected = attention_formula(q, kc, vc, start, None, 0.125)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            with native.prefer_native(True):
+                close(fused.cache_attention(q, kc, vc, start, None, 0.125), expected, torch.bfloat16)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.skipif(not NATIVE, reason="kernels not built")
+def test_the_kernels_have_meta_kernels_for_tracing():
+    """Fake tensors (torch.compile) run the Meta kernels: shapes and dtypes without data."""
+    meta = dict(device="meta")
+    with native.prefer_native(True):
+        x, w = torch.empty(2, 3, 64, dtype=torch.bfloat16, **meta), torch.empty(64, **meta)
+        assert fused.rms_norm(x, w.bfloat16(), 1e-6).shape == (2, 3, 64)
+        assert fused.add_rms_norm(x, x.clone(), w, 1e-6).dtype == torch.float32
+        assert fused.silu_mul(x).shape == (2, 3, 32)
+        q, kc = torch.empty(2, 3, 4, 64, **meta), torch.empty(2, 2, 8, 64, **meta)
+        assert fused.cache_attention(q, kc, kc, 2, None, 0.1).shape == (2, 3, 256)
+        fused.rope_write_cache_(q, kc.transpose(1, 2)[:, :3], kc.transpose(1, 2)[:, :3], x[..., :64].float(),
+                                x[..., :64].float(), kc, kc.clone(), 2)

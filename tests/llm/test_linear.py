@@ -1,0 +1,123 @@
+"""PackedLinear: every kind against a float reference on odd shapes, the compiled kernels against
+ATen's paths, and the INT8/INT4 error bound against "dequantize, then multiply in bf16"."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from xlaunch.llm import native  # noqa: E402
+from xlaunch.llm.linear import PackedLinear, dequantize, quantize_int4, quantize_int8  # noqa: E402
+
+pytestmark = pytest.mark.torch
+F = torch.nn.functional
+LAYOUTS = ("native", "aten")
+
+
+def build(layout: str, weight, bias, kind: str, **kw) -> PackedLinear:
+    if layout == "native" and native.ops() is None:
+        pytest.skip("the xlaunch.llm kernels are not built (python -m xlaunch.llm.native)")
+    with native.prefer_native(layout == "native"):
+        layer = PackedLinear(weight, bias, kind, **kw)
+    assert layer.layout == layout
+    return layer
+
+
+def max_error(y, ref) -> float:
+    return (y.float() - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind, n, k", [("bf16", 70, 33), ("bf16", 130, 256), ("int8", 70, 33),
+                                        ("int8", 130, 96), ("int4", 70, 96), ("int4", 130, 256)])
+def test_each_kind_computes_x_times_its_dense_weight(layout, kind, n, k):
+    torch.manual_seed(n + k)
+    weight, bias = torch.randn(n, k), torch.randn(n)
+    layer = build(layout, weight, bias, kind, group_size=32)
+    dense = layer.dense_weight()
+    assert dense.shape == (n, k) and dense.dtype == torch.float32
+    assert max_error(dense, weight) <= (0.01 if kind == "bf16" else 0.02 if kind == "int8" else 0.2) * weight.abs().max()
+    for m in (1, 3, 17):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, k).to(dtype)
+            y = layer(x)
+            assert y.shape == (m, n) and y.dtype == dtype
+            ref = F.linear(x.float(), dense, layer.bias.float())
+            exact = dtype == torch.float32 and (kind == "int8" or (kind == "int4" and layout == "aten"))
+            rounding = 1e-5 if exact else 2 ** -7   # bf16 outputs, or activations rounded to bf16
+            assert max_error(y, ref) <= rounding * ref.abs().max() + 1e-4, (m, dtype)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_the_kernels_agree_with_the_aten_paths_on_3d_input(kind):
+    torch.manual_seed(1)
+    weight, bias = torch.randn(200, 128), torch.randn(200)
+    fast, slow = (build(layout, weight, bias, kind, group_size=64) for layout in LAYOUTS)
+    assert torch.equal(fast.dense_weight(), slow.dense_weight())
+    x = torch.randn(2, 5, 128, dtype=torch.bfloat16)
+    y_fast, y_slow = fast(x), slow(x)
+    assert y_fast.shape == y_slow.shape == (2, 5, 200)
+    assert max_error(y_fast, y_slow.float()) <= 2 ** -6 * y_slow.float().abs().max()
+    with native.prefer_native(False):   # a native layer without its kernels dequantizes and multiplies
+        assert max_error(fast(x), y_slow.float()) <= 2 ** -6 * y_slow.float().abs().max()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_groups_quantize_each_group_on_its_own(group_size):
+    torch.manual_seed(group_size)
+    weight = torch.randn(64, 256)
+    weight[:, :group_size] *= 100.0    # one loud group must not flatten the others
+    q, scale = quantize_int4(weight, group_size)
+    assert scale.shape == (64, 256 // group_size) and int(q.min()) >= -8 and int(q.max()) <= 7
+    for layout in LAYOUTS:
+        layer = build(layout, weight, None, "int4", group_size=group_size)
+        assert torch.allclose(layer.dense_weight(), dequantize(q, scale))
+        quiet = (layer.dense_weight() - weight)[:, group_size:].abs().max()
+        assert quiet <= weight[:, group_size:].abs().max() / 7
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_error_stays_within_1_5x_of_dequantize_then_bf16(layout, kind):
+    """Error against the fp32 layer of the original weights, over a layer with outlier activations."""
+    torch.manual_seed(7)
+    weight = torch.randn(256, 512) * 0.05
+    x = torch.randn(4, 512)
+    x[:, 3] *= 50.0
+    x = x.to(torch.bfloat16)
+    exact = F.linear(x.float(), weight)
+    q, scale = quantize_int8(weight) if kind == "int8" else quantize_int4(weight, 32)
+    reference = F.linear(x, dequantize(q, scale).to(torch.bfloat16)).float()
+    layer = build(layout, weight, None, kind, group_size=32)
+    assert max_error(layer(x), exact) <= 1.5 * max_error(reference, exact)
+
+
+def test_bad_group_sizes_and_kinds_are_refused_clearly():
+    weight = torch.randn(16, 100)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        PackedLinear(weight, None, "int4", group_size=16)
+    with pytest.raises(ValueError, match="not a multiple of the INT4 group size 32"):
+        PackedLinear(weight, None, "int4", group_size=32)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        PackedLinear(weight, None, "int2")
+
+
+def test_from_linears_concatenates_outputs_and_fills_missing_biases():
+    torch.manual_seed(3)
+    a, b = torch.nn.Linear(96, 40, bias=True), torch.nn.Linear(96, 24, bias=False)
+    layer = PackedLinear.from_linears([a, b], "bf16")
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = torch.cat([a(x.float()), b(x.float())], dim=-1)
+    assert layer.out_features == 64 and max_error(layer(x), ref) <= 2 ** -6 * ref.abs().max()
+
+
+def test_the_operators_have_shapes_for_fake_tensors():
+    ops = native.ops()
+    if ops is None:
+        pytest.skip("the xlaunch.llm kernels are not built")
+    layer = PackedLinear(torch.randn(100, 64), None, "int4", group_size=32)
+    meta = lambda t: torch.empty_like(t, device="meta")   # noqa: E731
+    x = torch.empty(2, 3, 64, dtype=torch.bfloat16, device="meta")
+    y = ops.int4_linear(x, meta(layer.weight), meta(layer.scales), None, 100, 32)
+    assert y.shape == (2, 3, 100) and y.device.type == "meta" and y.dtype == torch.bfloat16

@@ -1,0 +1,160 @@
+// Vector helpers of xlaunch.llm's fused operators: 16 floats at a time, loaded from and stored to
+// fp32, bf16 and fp16 storage, with a masked tail. AVX-512 (F, BW, DQ; AVX512_BF16 for rounding when
+// present) under __AVX512F__, else a plain 16-float struct the compiler vectorizes (AVX2, scalar).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define XLAUNCH_LLM_AVX512 1
+#endif
+
+// A switch over the dtypes the kernels take (fp32, bf16, fp16): scalar_t inside the body.
+#define XLAUNCH_LLM_DISPATCH(dtype, name, ...)                                            \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)               \
+                                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)        \
+                                          AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace xlaunch_llm {
+
+constexpr int kLanes = 16;
+
+#ifdef XLAUNCH_LLM_AVX512
+
+struct V16 {
+  __m512 v;
+};
+
+inline V16 vzero() { return {_mm512_setzero_ps()}; }
+inline V16 vset(float x) { return {_mm512_set1_ps(x)}; }
+inline V16 operator+(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 operator-(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 operator*(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 operator/(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline float hmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
+inline __mmask16 tail_mask(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+
+inline V16 load(const float* p, int n = 16) {
+  return {n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(tail_mask(n), p)};
+}
+inline V16 load(const c10::BFloat16* p, int n = 16) {
+  __m256i h = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                      : _mm256_maskz_loadu_epi16(tail_mask(n), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline V16 load(const c10::Half* p, int n = 16) {
+  __m256i h = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                      : _mm256_maskz_loadu_epi16(tail_mask(n), p);
+  return {_mm512_cvtph_ps(h)};
+}
+
+inline void store(float* p, V16 a, int n = 16) {
+  if (n >= 16) _mm512_storeu_ps(p, a.v); else _mm512_mask_storeu_ps(p, tail_mask(n), a.v);
+}
+// float -> bf16 bits, round to nearest even (NaN stays NaN), as torch's conversion.
+inline __m256i to_bf16_bits(__m512 a) {
+#ifdef __AVX512BF16__
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(a));
+#else
+  __m512i bits = _mm512_castps_si512(a);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+  rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+inline void store(c10::BFloat16* p, V16 a, int n = 16) {
+  __m256i h = to_bf16_bits(a.v);
+  if (n >= 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  else _mm256_mask_storeu_epi16(p, tail_mask(n), h);
+}
+inline void store(c10::Half* p, V16 a, int n = 16) {
+  __m256i h = _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  if (n >= 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  else _mm256_mask_storeu_epi16(p, tail_mask(n), h);
+}
+
+// exp(x) as 2^k * p(r), |r| <= ln2/2, degree-6 polynomial (relative error ~2e-7); 0 below e^-87.3
+// (-inf -> 0), x above 88.7 -> exp(88.7).
+inline V16 vexp(V16 x) {
+  __m512 a = _mm512_max_ps(_mm512_min_ps(x.v, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-88.0f));
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(1.44269504089f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), a);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  // Below the smallest normal result: exactly 0 (so exp(-inf) adds nothing to a softmax).
+  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), _mm512_scalef_ps(p, k))};
+}
+
+#else  // portable: a 16-float struct; -march=native lets the compiler use AVX2 on these loops
+
+struct V16 {
+  float v[16];
+};
+
+#define XLAUNCH_LLM_EACH(expr) \
+  V16 r;                      \
+  for (int i = 0; i < 16; ++i) r.v[i] = (expr); \
+  return r
+
+inline V16 vzero() { XLAUNCH_LLM_EACH(0.0f); }
+inline V16 vset(float x) { XLAUNCH_LLM_EACH(x); }
+inline V16 operator+(V16 a, V16 b) { XLAUNCH_LLM_EACH(a.v[i] + b.v[i]); }
+inline V16 operator-(V16 a, V16 b) { XLAUNCH_LLM_EACH(a.v[i] - b.v[i]); }
+inline V16 operator*(V16 a, V16 b) { XLAUNCH_LLM_EACH(a.v[i] * b.v[i]); }
+inline V16 operator/(V16 a, V16 b) { XLAUNCH_LLM_EACH(a.v[i] / b.v[i]); }
+inline V16 fma(V16 a, V16 b, V16 c) { XLAUNCH_LLM_EACH(a.v[i] * b.v[i] + c.v[i]); }
+inline V16 vmax(V16 a, V16 b) { XLAUNCH_LLM_EACH(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
+inline V16 vexp(V16 a) { XLAUNCH_LLM_EACH(std::exp(a.v[i])); }
+inline float hsum(V16 a) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += a.v[i];
+  return s;
+}
+inline float hmax(V16 a) {
+  float m = a.v[0];
+  for (int i = 1; i < 16; ++i) m = a.v[i] > m ? a.v[i] : m;
+  return m;
+}
+template <typename T>
+inline V16 load(const T* p, int n = 16) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = i < n ? static_cast<float>(p[i]) : 0.0f;
+  return r;
+}
+template <typename T>
+inline void store(T* p, V16 a, int n = 16) {
+  for (int i = 0; i < 16 && i < n; ++i) p[i] = static_cast<T>(a.v[i]);
+}
+#undef XLAUNCH_LLM_EACH
+
+#endif
+
+// The value a float takes once stored as T and read back (the rounding of an intermediate to T).
+template <typename T>
+inline V16 round_to(V16 a) {
+  alignas(64) T tmp[16];
+  store(tmp, a);
+  return load(tmp);
+}
+template <>
+inline V16 round_to<float>(V16 a) { return a; }
+
+}  // namespace xlaunch_llm

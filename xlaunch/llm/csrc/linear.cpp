@@ -1,0 +1,184 @@
+// torch.ops.xlaunch_llm.{bf16,int8,int4}_linear: y = x @ W.T (* scales) + bias over weights packed by
+// xlaunch/llm/linear.py (layouts in linear.h). Parallel over blocks of 64 output channels
+// (at::parallel_for, so torch.get_num_threads() threads); each block is streamed once per kRowTile rows.
+#include "linear.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+namespace xlaunch_llm {
+namespace {
+
+std::vector<int64_t> output_sizes(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n;
+  return sizes;
+}
+
+void check_input(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.dim() >= 1, "xlaunch_llm linear: the input needs at least one dimension");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "xlaunch_llm linear: activations must be bfloat16 or float32, not ", x.scalar_type());
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (n + kBlock - 1) / kBlock,
+              "xlaunch_llm linear: the packed weight does not match (repack it with PackedLinear)");
+}
+
+// The rows of x as a contiguous [M, width] tensor of dtype, zero-padded past K.
+at::Tensor rows_of(const at::Tensor& x, at::ScalarType dtype, int64_t width) {
+  const int64_t k = x.size(-1);
+  at::Tensor flat = x.reshape({-1, k}).to(dtype).contiguous();
+  if (width == k) return flat;
+  return at::constant_pad_nd(flat, {0, width - k}, 0);
+}
+
+// out[m, n] = acc(m, n) * scale[n] + bias[n], written in out's dtype; block-wise from a kernel.
+struct Epilogue {
+  const float* scale;   // per output channel (padded to the blocks), or null
+  const float* bias;    // [N] or null
+  void* out;
+  bool out_bf16;
+  int64_t n;
+
+  void store(const float* acc, int64_t m0, int64_t rows, int64_t block) const {
+    const int64_t c0 = block * kBlock, width = std::min(kBlock, n - c0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < width; ++c) {
+        float v = acc[r * kBlock + c];
+        if (scale) v *= scale[c0 + c];
+        if (bias) v += bias[c0 + c];
+        const int64_t at = (m0 + r) * n + c0 + c;
+        if (out_bf16) static_cast<uint16_t*>(out)[at] = float_to_bf16_bits(v);
+        else static_cast<float*>(out)[at] = v;
+      }
+  }
+};
+
+template <typename Kernel>
+void run_blocks(int64_t m, int64_t blocks, const Epilogue& epilogue, const Kernel& kernel) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    float acc[kRowTile * kBlock];
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t m0 = 0; m0 < m; m0 += kRowTile) {
+        const int64_t rows = std::min(kRowTile, m - m0);
+        kernel(b, m0, rows, acc);
+        epilogue.store(acc, m0, rows, b);
+      }
+  });
+}
+
+at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, "xlaunch_llm linear: the bias has ", bias->numel(), " values, not ", n);
+  return bias->to(at::kFloat).contiguous();
+}
+
+Epilogue epilogue_for(const at::Tensor& out, const at::Tensor& bias, const float* scale, int64_t n) {
+  return Epilogue{scale, bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr(),
+                  out.scalar_type() == at::kBFloat16, n};
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       int64_t n) {
+  const int64_t k = x.size(-1), k_pairs = packed.size(1);
+  check_input(x, packed, n);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.size(1) == (k + 1) / 2 && packed.size(2) == 2 * kBlock,
+              "xlaunch_llm bf16_linear: the packed weight must be bfloat16 [N/64, K/2, 128]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "xlaunch_llm bf16_linear: activations must be bfloat16");
+  at::Tensor rows = rows_of(x, at::kBFloat16, 2 * k_pairs);
+  const int64_t m = rows.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor b = float_bias(bias, n);
+  const auto* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  run_blocks(m, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
+    bf16_block(xp + m0 * 2 * k_pairs, 2 * k_pairs, r, wp + blk * k_pairs * 2 * kBlock, k_pairs, acc);
+  });
+  return out.view(output_sizes(x, n));
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  const int64_t k = x.size(-1);
+  check_input(x, packed, n);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.size(1) == k && packed.size(2) == kBlock,
+              "xlaunch_llm int8_linear: the packed weight must be int8 [N/64, K, 64]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == packed.size(0) * kBlock,
+              "xlaunch_llm int8_linear: scales must be float32, one per packed channel");
+  at::Tensor rows = rows_of(x, at::kFloat, k);
+  const int64_t m = rows.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor b = float_bias(bias, n);
+  const float* xp = rows.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  run_blocks(m, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
+             [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
+               int8_block(xp + m0 * k, k, r, wp + blk * k * kBlock, k, acc);
+             });
+  return out.view(output_sizes(x, n));
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  const int64_t k = x.size(-1);
+  check_input(x, packed, n);
+  TORCH_CHECK(group_size % 4 == 0 && group_size > 0 && k % group_size == 0,
+              "xlaunch_llm int4_linear: in_features ", k, " is not a multiple of the group size ", group_size);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(1) * 4 == k && packed.size(2) == 2 * kBlock,
+              "xlaunch_llm int4_linear: the packed weight must be uint8 [N/64, K/4, 128]");
+  const int64_t groups = k / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+              scales.numel() == packed.size(0) * groups * kBlock,
+              "xlaunch_llm int4_linear: scales must be float32 [N/64, K/group, 64]");
+  at::Tensor rows = rows_of(x, at::kBFloat16, k);
+  const int64_t m = rows.size(0);
+  at::Tensor sums = rows.to(at::kFloat).view({m, groups, group_size}).sum(-1).contiguous();
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor b = float_bias(bias, n);
+  const auto* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* gp = sums.data_ptr<float>();
+  run_blocks(m, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
+    int4_block(xp + m0 * k, k, r, wp + blk * (k / 2) * kBlock, sp + blk * groups * kBlock, gp + m0 * groups,
+               groups, group_size, acc);
+  });
+  return out.view(output_sizes(x, n));
+}
+
+// Shapes only, for torch.compile's fake tensors.
+at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&, int64_t n) {
+  return at::empty(output_sizes(x, n), x.options());
+}
+at::Tensor int8_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, int64_t n) {
+  return at::empty(output_sizes(x, n), x.options());
+}
+at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, int64_t n, int64_t) {
+  return at::empty(output_sizes(x, n), x.options());
+}
+
+}  // namespace
+}  // namespace xlaunch_llm
+
+TORCH_LIBRARY_FRAGMENT(xlaunch_llm, m) {
+  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(xlaunch_llm, CPU, m) {
+  m.impl("bf16_linear", &xlaunch_llm::bf16_linear);
+  m.impl("int8_linear", &xlaunch_llm::int8_linear);
+  m.impl("int4_linear", &xlaunch_llm::int4_linear);
+}
+
+TORCH_LIBRARY_IMPL(xlaunch_llm, Meta, m) {
+  m.impl("bf16_linear", &xlaunch_llm::bf16_linear_meta);
+  m.impl("int8_linear", &xlaunch_llm::int8_linear_meta);
+  m.impl("int4_linear", &xlaunch_llm::int4_linear_meta);
+}
