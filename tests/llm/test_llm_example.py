@@ -2,6 +2,7 @@
 applying xlaunch.llm.optimize to the unmodified script's model."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -24,8 +25,9 @@ def rates(text: str) -> dict[str, float]:
 
 
 def test_the_example_optimizes_generates_and_reports_both_rates():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, EXAMPLE, *SHORT, "--weights", "int8", "--batch", "2"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == ""
     assert "optimized (bfloat16, weights int8)" in proc.stdout

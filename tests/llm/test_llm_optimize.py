@@ -16,7 +16,7 @@ import xlaunch.llm as llm  # noqa: E402
 from xlaunch.llm import native  # noqa: E402
 from xlaunch.llm.cache import KVCache  # noqa: E402
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]   # see conftest: 2 threads crawl under load
 TEACHER_TOKENS = 80
 
 
