@@ -14,7 +14,8 @@ Layouts (``PackedLinear.layout``), chosen once when the layer is built:
   used when the compiled kernels are loaded (:func:`xlaunch.llm.native.ops`).
 * ``"aten"``: the layouts of ATen's own CPU kernels: ``F.linear`` (bf16), ``torch._weight_int8pack_mm``
   (int8) and ``aten._weight_int4pack_mm_for_cpu`` (int4, unsigned nibbles ``q + 8`` with zero points 0).
-Both compute the same products (the quantized integers times fp32 scales) up to fp rounding. A native
+Both compute the same products (the quantized integers times fp32 scales) up to fp rounding; the native
+INT4 kernel rounds fp32 activations to bf16 (INT8 keeps them fp32). A native
 layer asked to run without the kernels (``prefer_native(False)``) dequantizes and multiplies (slow).
 """
 from __future__ import annotations

@@ -57,9 +57,14 @@ struct Epilogue {
   }
 };
 
+// A thread takes at least kMinWork multiply-adds: a parallel region costs microseconds, and a small layer
+// is quicker on one thread than shared.
+constexpr int64_t kMinWork = int64_t(1) << 17;
+
 template <typename Kernel>
-void run_blocks(int64_t m, int64_t blocks, const Epilogue& epilogue, const Kernel& kernel) {
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+void run_blocks(int64_t m, int64_t k, int64_t blocks, const Epilogue& epilogue, const Kernel& kernel) {
+  const int64_t grain = std::max<int64_t>(1, kMinWork / std::max<int64_t>(1, m * k * kBlock));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     float acc[kRowTile * kBlock];
     for (int64_t b = begin; b < end; ++b)
       for (int64_t m0 = 0; m0 < m; m0 += kRowTile) {
@@ -94,7 +99,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   at::Tensor b = float_bias(bias, n);
   const auto* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  run_blocks(m, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
+  run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
     bf16_block(xp + m0 * 2 * k_pairs, 2 * k_pairs, r, wp + blk * k_pairs * 2 * kBlock, k_pairs, acc);
   });
   return out.view(output_sizes(x, n));
@@ -114,7 +119,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor b = float_bias(bias, n);
   const float* xp = rows.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  run_blocks(m, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
+  run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
              [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
                int8_block(xp + m0 * k, k, r, wp + blk * k * kBlock, k, acc);
              });
@@ -142,7 +147,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* gp = sums.data_ptr<float>();
-  run_blocks(m, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
+  run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
     int4_block(xp + m0 * k, k, r, wp + blk * (k / 2) * kBlock, sp + blk * groups * kBlock, gp + m0 * groups,
                groups, group_size, acc);
   });
