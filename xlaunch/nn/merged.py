@@ -31,7 +31,7 @@ with needs_torch(__name__):
     from torch import Tensor, nn
 
 from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
-from xlaunch.nn.bag_ops import pool, pool_fused
+from xlaunch.nn.bag_ops import fast_pool, pool, pool_fused
 from xlaunch.nn.bag_torch import ADAGRAD, SGD, compute_dtype
 from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, normalize
 
@@ -145,6 +145,10 @@ class MergedEmbeddingBag(nn.Module):
     def forward(self, indices: Sequence[Tensor], offsets: Optional[Sequence[Tensor]] = None,
                 per_sample_weights: Optional[Sequence[Optional[Tensor]]] = None) -> list[Tensor]:
         """One ``(batch, dim)`` output per table."""
+        if per_sample_weights is None and not torch.is_grad_enabled():
+            pooled = fast_pool(self.weight, self.layout, indices, offsets)
+            if pooled is not None:
+                return pooled
         return pool(self._pool_weight(), self.layout, self._inputs(indices, offsets, per_sample_weights))
 
     def extra_repr(self) -> str:
@@ -210,9 +214,9 @@ class _FusedUpdate(MergedEmbeddingBag):
     def forward(self, indices: Sequence[Tensor], offsets: Optional[Sequence[Tensor]] = None,
                 per_sample_weights: Optional[Sequence[Optional[Tensor]]] = None) -> list[Tensor]:
         """One ``(batch, dim)`` output per table; their backward updates the touched rows."""
-        inputs = self._inputs(indices, offsets, per_sample_weights)
         if not torch.is_grad_enabled():
-            return pool(self._pool_weight(), self.layout, inputs)
+            return MergedEmbeddingBag.forward(self, indices, offsets, per_sample_weights)
+        inputs = self._inputs(indices, offsets, per_sample_weights)
         return pool_fused(self.weight, self.trail, self._state(), self.layout, inputs, self.kind, self.lr,
                           self._weight_decay(), self._eps())
 
