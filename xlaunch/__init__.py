@@ -47,6 +47,10 @@ class _MovedModules:
 
 
 def __getattr__(name):
+    if name == "nn":   # `import xlaunch as ipex; ipex.nn.modules.MergedEmbeddingBag` (loads torch on use)
+        from importlib import import_module
+
+        return import_module("xlaunch.nn")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'xlaunch' has no attribute {name!r}")

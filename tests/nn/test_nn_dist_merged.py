@@ -51,6 +51,10 @@ def check(rank):
         torch.autograd.backward(list(want.unbind(1)), list(upstream.unbind(1)))
     full = torch.cat([w.detach() for w in ref.weights])
     torch.testing.assert_close(dist_bag.weight.detach(), full[rank::2], rtol=0, atol=1e-12)
+    # IPEX's accessors (its tests/cpu/test_distributed_merged_emb.py): weights[0], adagrad_args.hessian
+    assert dist_bag.weights[0] is dist_bag.weight
+    torch.testing.assert_close(dist_bag.adagrad_args.hessian[0], torch.cat(ref.adagrad_args.hessian)[rank::2],
+                               rtol=0, atol=1e-12)
     before = dist_bag.weight.detach().clone()
     bad = [i.clone() for i in indices]
     bad[1][0] = 14

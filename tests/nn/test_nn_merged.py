@@ -344,3 +344,27 @@ def test_the_per_table_torch_forward_equals_the_tables():
         got = MergedEmbeddingBag.from_embeddingbag_list(tables)(indices, offsets, per_sample_weights=weights)
     for g, w in zip(got, reference(tables, indices, offsets, weights)):
         torch.testing.assert_close(g, w)
+
+
+def test_cached_call_plan_still_checks_every_call(kernels):
+    """The pure-torch forward caches each call signature's checked layout: a later call of the same
+    signature (include_last_offset, empty bags, 2-D indices) pools right, and an index outside its
+    own table still raises naming it, with the outputs of a good call unchanged afterwards."""
+    torch.manual_seed(0)
+    tables = [nn.EmbeddingBag(7, 4, mode="mean", include_last_offset=True), nn.EmbeddingBag(5, 4, mode="mean"),
+              nn.EmbeddingBag(6, 4, mode="mean")]
+    merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
+    indices = [torch.tensor([1, 6, 0, 3, 2]), torch.tensor([4, 0, 1]), torch.tensor([[5, 0], [1, 2], [3, 3]])]
+    offsets = [torch.tensor([0, 2, 2, 5]), torch.tensor([0, 0, 3]), None]
+    with torch.no_grad():
+        for _ in range(2):
+            got = merged(indices, offsets)
+            for out, table, idx, off in zip(got, tables, indices, offsets):
+                torch.testing.assert_close(out, table(idx, off))
+        for table, bad, message in ((1, 5, r"index 5 at position 2 of table 1 is out of range \[0, 5\)"),
+                                    (0, -1, r"index -1 at position 0 of table 0 is out of range \[0, 7\)")):
+            wrong = [i.clone() for i in indices]
+            wrong[table].view(-1)[2 if table else 0] = bad
+            with pytest.raises(IndexError, match=message):
+                merged(wrong, offsets)
+        torch.testing.assert_close(merged(indices, offsets)[2], tables[2](indices[2]))

@@ -6,6 +6,8 @@
 * :mod:`.feature_interaction`: DLRM's ``interaction(dense, *sparse)``
 * :mod:`.frozen_bn`: ``FrozenBatchNorm2d`` (folded into the conv before it by ``optimize()``)
 * :mod:`.roi`: ``roi_align`` / ``RoIAlign`` (torchvision's semantics)
+* :mod:`.modules` / :mod:`.functional`: the same classes / functions where ``ipex.nn.modules`` /
+  ``ipex.nn.functional`` hold them (``import xlaunch as ipex`` then runs ``ipex.nn.modules.X``)
 * :mod:`.native`: the compiled kernels (``python -m xlaunch.nn.native`` builds them) and their
   pure-torch fallbacks (:mod:`.bag_torch`, :mod:`.roi_torch`)
 
@@ -30,12 +32,13 @@ _LAZY = {
     "RoIAlign": "xlaunch.nn.roi",
 }
 
-__all__ = [*_LAZY, "functional"]
+__all__ = [*_LAZY, "functional", "modules"]
+_SUBMODULES = ("functional", "modules")   # ipex.nn.functional's and ipex.nn.modules' places
 
 _exported, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 def __getattr__(name: str) -> object:
-    if name == "functional":   # ipex.nn.functional's place: xlaunch.nn.functional.interaction
-        return importlib.import_module(f"{__name__}.functional")
+    if name in _SUBMODULES:   # xlaunch.nn.functional.interaction, xlaunch.nn.modules.MergedEmbeddingBag
+        return importlib.import_module(f"{__name__}.{name}")
     return _exported(name)

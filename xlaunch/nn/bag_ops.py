@@ -25,9 +25,9 @@ with needs_torch(__name__):
     import torch
     from torch import Tensor
 
-from xlaunch.nn.bag_torch import (WRITE_GRAD, _NONE, _ops_for, _places, _torch_grad, check_bounds, torch_pool,
-                                  update_rows)
-from xlaunch.nn.tables import MODES, BagInputs, EmbeddingSpec, TableLayout
+from xlaunch.nn.bag_torch import (SMALL_STEP_LOOKUPS, WRITE_GRAD, _NONE, _ops_for, _places, _run_shape, _runs,
+                                  _torch_grad, check_bounds, torch_pool, update_rows)
+from xlaunch.nn.tables import MODES, BagInputs, EmbeddingSpec, TableLayout, call_plan, normalize
 
 _MODE_NAMES = {code: name for name, code in MODES.items()}
 
@@ -265,6 +265,85 @@ def pool(weight: Tensor, layout: TableLayout, inputs: BagInputs, dense: Optional
     else:
         out = merged_bag(weight, dense, *op_args(layout, inputs))
     return out if dense is None else out[0]
+
+
+def _block(weight: Tensor, layout: TableLayout, first: int, place: tuple[int, int]) -> Tensor:
+    """The detached ``(rows, dim)`` block of the run starting at table ``first`` (cached while
+    ``weight`` is the same tensor on the same storage)."""
+    key = ("block", first)
+    found = layout.cache.get(key)
+    pointer = weight.data_ptr()
+    if found is None or found[0] is not weight or found[1] != pointer:
+        start, rows = place
+        dim = layout.dims[first]
+        found = layout.cache[key] = (weight, pointer, weight.detach().narrow(0, start, rows * dim).view(rows, dim))
+    return found[2]
+
+
+def fast_pool(weight: Tensor, layout: TableLayout, indices: object, offsets: object) -> Optional[list[Tensor]]:
+    """Eager inference on the pure-torch path, without per-sample weights, from the raw inputs:
+    what :func:`pool` gives, or None where it does not apply (the kernels, autocast, tracing, a form
+    or dtype mix the cached :func:`~xlaunch.nn.tables.call_plan` leaves to the general path).
+
+    A call whose signature was seen before skips the input checks (they depend on nothing else)
+    and runs, per run of tables sharing a dim and mode: one ``cat`` of the indices, the bounds check
+    (``clamp`` + ``equal`` against each lookup's table range, cached per call shape), one ``add`` of
+    the tables' row bases, one ``cat`` + ``add_`` of the offsets, one ``embedding_bag``. An index
+    outside its table raises from :func:`check_bounds` before anything is read."""
+    if _ops_for(weight) is not None or torch.is_autocast_enabled("cpu") or _recorded():
+        return None
+    plan = call_plan(layout, indices, offsets)
+    if plan is None:
+        return None
+    batch, forms = plan.batch, plan.forms
+    flat_idx, flat_off, used = [], [], []
+    for t, form in enumerate(forms):
+        idx = indices[t]
+        if form == 2:
+            idx, off = idx.reshape(-1), plan.arange[t]
+        elif form == 1:
+            off = offsets[t]
+            count = int(off[batch])
+            if count != idx.numel():
+                if not 0 <= count <= idx.numel():
+                    return None     # the general path says what is wrong
+                idx = idx[:count]
+            off = off[:batch]
+        else:
+            off = offsets[t]
+        flat_idx.append(idx)
+        flat_off.append(off)
+        used.append(idx.numel())
+    outputs: list[Tensor] = []
+    try:
+        for first, stop in _runs(layout):
+            mode = MODES[layout.modes[first]]
+            if stop - first == 1 or mode == MODES["max"] or sum(used[first:stop]) > SMALL_STEP_LOOKUPS:
+                for t in range(first, stop):
+                    outputs.append(torch.embedding_bag(layout.view(weight.detach(), t), flat_idx[t], flat_off[t], False,
+                                                       mode, False, None, False)[0])
+                continue
+            run_idx = torch.cat(flat_idx[first:stop])
+            bases, zeros, last, shifts, total, place = _run_shape(layout, first, stop, batch, tuple(used[first:stop]),
+                                                                  run_idx.dtype)
+            if not torch.equal(torch.clamp(run_idx, zeros, last), run_idx):
+                check_bounds(layout, normalize(layout, indices, offsets, None, weight.dtype))
+            key = ("ends", shifts.data_ptr())          # the shifts with a 0 for the appended end
+            ends = layout.cache.get(key)
+            if ends is None or ends[0] is not shifts:
+                ends = layout.cache[key] = (shifts, torch.cat([shifts, shifts.new_zeros(1)]))
+            run_off = torch.cat([*flat_off[first:stop], total]).add_(ends[1])
+            # Sum pooling (then a division for mean: torch's mean costs ~4x its sum here) on a
+            # detached block (a weight that requires grad makes torch build the backward's maps).
+            out = torch.embedding_bag(_block(weight, layout, first, place), run_idx.add(bases), run_off, False, 0,
+                                      False, None, True)[0]
+            if mode == MODES["mean"]:
+                out.div_(torch.sub(run_off[1:], run_off[:-1]).clamp_(min=1).unsqueeze_(1))
+            outputs.extend(out.view(stop - first, batch, layout.dims[first]).unbind(0))
+    except RuntimeError:      # torch refused an index of a table pooled on its own: name it
+        check_bounds(layout, normalize(layout, indices, offsets, None, weight.dtype))
+        raise
+    return outputs
 
 
 class _EagerFused(torch.autograd.Function):

@@ -27,7 +27,7 @@ with needs_torch(__name__):
 
 from xlaunch.nn.bag_ops import check_bounds
 from xlaunch.nn.bag_torch import ADAGRAD, _apply, compute_dtype
-from xlaunch.nn.merged import _non_negative, _spec_of
+from xlaunch.nn.merged import AdaGradArgs, _non_negative, _spec_of
 from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, normalize
 
 __all__ = ["DistMergeEmbeddingBagWithAdaGrad"]
@@ -136,6 +136,16 @@ class DistMergeEmbeddingBagWithAdaGrad(nn.Module):
         with torch.no_grad():
             _apply(ADAGRAD, self._shard, 0, 1, unique, summed, self.weight.data.view(-1), None,
                    self.state_sum.view(-1), self.lr, 0.0, self.eps)
+
+    @property
+    def weights(self) -> tuple[Tensor]:
+        """IPEX's spelling of this rank's shard: ``weights[0]`` is ``weight``."""
+        return (self.weight,)
+
+    @property
+    def adagrad_args(self) -> AdaGradArgs:
+        """IPEX's accessor: ``hessian[0]`` is ``state_sum`` (no split-bf16 tables here)."""
+        return AdaGradArgs([self.state_sum], [torch.empty(0, dtype=torch.bfloat16)], self.eps, self.lr)
 
     def extra_repr(self) -> str:
         return (f"{self.n_tables} tables, dim {self.dim}, rank {self.rank} of {self.world_size}, "

@@ -22,7 +22,7 @@ before anything is read or written (``IndexError`` naming the table, the positio
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from xlaunch._torch import needs_torch
 
@@ -31,14 +31,31 @@ with needs_torch(__name__):
     from torch import Tensor, nn
 
 from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
-from xlaunch.nn.bag_ops import pool, pool_fused
+from xlaunch.nn.bag_ops import fast_pool, pool, pool_fused
 from xlaunch.nn.bag_torch import ADAGRAD, SGD, compute_dtype
 from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, normalize
 
 __all__ = ["EmbeddingSpec", "MergedEmbeddingBag", "MergedEmbeddingBagWithCat", "MergedEmbeddingBagWithSGD",
-           "MergedEmbeddingBagWithAdaGrad"]
+           "MergedEmbeddingBagWithAdaGrad", "SGDArgs", "AdaGradArgs"]
 
 WEIGHT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+class SGDArgs(NamedTuple):
+    """``ipex.nn``'s ``sgd_args``: per-table split-bf16 low halves (views; empty for other dtypes)."""
+
+    bf16_trail: list
+    weight_decay: float
+    lr: float
+
+
+class AdaGradArgs(NamedTuple):
+    """``ipex.nn``'s ``adagrad_args``: per-table squared-gradient sums and split-bf16 low halves (views)."""
+
+    hessian: list
+    bf16_trail: list
+    eps: float
+    lr: float
 
 
 def _spec_of(table: nn.EmbeddingBag, number: int) -> EmbeddingSpec:
@@ -128,6 +145,10 @@ class MergedEmbeddingBag(nn.Module):
     def forward(self, indices: Sequence[Tensor], offsets: Optional[Sequence[Tensor]] = None,
                 per_sample_weights: Optional[Sequence[Optional[Tensor]]] = None) -> list[Tensor]:
         """One ``(batch, dim)`` output per table."""
+        if per_sample_weights is None and not torch.is_grad_enabled():
+            pooled = fast_pool(self.weight, self.layout, indices, offsets)
+            if pooled is not None:
+                return pooled
         return pool(self._pool_weight(), self.layout, self._inputs(indices, offsets, per_sample_weights))
 
     def extra_repr(self) -> str:
@@ -193,11 +214,17 @@ class _FusedUpdate(MergedEmbeddingBag):
     def forward(self, indices: Sequence[Tensor], offsets: Optional[Sequence[Tensor]] = None,
                 per_sample_weights: Optional[Sequence[Optional[Tensor]]] = None) -> list[Tensor]:
         """One ``(batch, dim)`` output per table; their backward updates the touched rows."""
-        inputs = self._inputs(indices, offsets, per_sample_weights)
         if not torch.is_grad_enabled():
-            return pool(self._pool_weight(), self.layout, inputs)
+            return MergedEmbeddingBag.forward(self, indices, offsets, per_sample_weights)
+        inputs = self._inputs(indices, offsets, per_sample_weights)
         return pool_fused(self.weight, self.trail, self._state(), self.layout, inputs, self.kind, self.lr,
                           self._weight_decay(), self._eps())
+
+    def _trails(self) -> list[Tensor]:
+        """Each table's split-bf16 low half as IPEX holds it (a bf16 view of ``trail``'s bits)."""
+        if self.trail is None:
+            return [torch.empty(0, dtype=torch.bfloat16) for _ in range(self.n_tables)]
+        return [self.layout.view(self.trail, number).view(torch.bfloat16) for number in range(self.n_tables)]
 
     def _state(self) -> Optional[Tensor]:
         return None
@@ -226,15 +253,20 @@ class MergedEmbeddingBagWithSGD(_FusedUpdate):
     def _weight_decay(self) -> float:
         return self.weight_decay
 
+    @property
+    def sgd_args(self) -> SGDArgs:
+        """IPEX's accessor: ``(bf16_trail, weight_decay, lr)``."""
+        return SGDArgs(self._trails(), self.weight_decay, self.lr)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lr={self.lr}, weight_decay={self.weight_decay}"
 
 
 class MergedEmbeddingBagWithAdaGrad(_FusedUpdate):
-    kind = ADAGRAD
-
     """Merged tables trained by Adagrad fused into backward (``lr``, ``eps``); the squared-gradient
     sums are the fp32 buffer ``state_sum`` (``torch.optim.Adagrad``'s ``state_sum``)."""
+
+    kind = ADAGRAD
 
     def __init__(self, embedding_specs: Sequence[EmbeddingSpec], lr: float = 0.01, eps: float = 1e-10) -> None:
         super().__init__(embedding_specs)
@@ -248,6 +280,12 @@ class MergedEmbeddingBagWithAdaGrad(_FusedUpdate):
 
     def _eps(self) -> float:
         return self.eps
+
+    @property
+    def adagrad_args(self) -> AdaGradArgs:
+        """IPEX's accessor: ``(hessian, bf16_trail, eps, lr)``, ``hessian[t]`` table ``t``'s view of ``state_sum``."""
+        hessian = [self.layout.view(self.state_sum, number) for number in range(self.n_tables)]
+        return AdaGradArgs(hessian, self._trails(), self.eps, self.lr)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lr={self.lr}, eps={self.eps}"

@@ -191,3 +191,53 @@ def normalize(layout: TableLayout, indices: object, offsets: object, per_sample_
         out_offsets.append(_as(off, dtype))
         out_weights.append(psw)
     return BagInputs(out_indices, out_offsets, out_weights, int(batch or 0))
+
+
+class CallPlan(NamedTuple):
+    """What :func:`normalize` found for one call signature (each table's indices and offsets dtype
+    and shape), so that a later call of the same signature skips it: the inputs' dtypes, dims and
+    shapes are all it checks, apart from an ``include_last_offset`` table's last offset (read per
+    call). ``forms[t]``: 0 for 1-D indices and ``batch`` offsets, 1 for 1-D with ``batch + 1``
+    offsets (include_last_offset), 2 for 2-D indices (``arange[t]`` their offsets)."""
+
+    batch: int
+    forms: tuple
+    arange: tuple
+
+
+def signature(indices: object, offsets: object) -> Optional[tuple]:
+    """The key of a call's :class:`CallPlan` (None: a form only :func:`normalize` takes)."""
+    if not isinstance(indices, (list, tuple)):
+        return None
+    try:
+        if offsets is None:
+            return tuple([(i.dtype, i.shape) for i in indices])
+        if not isinstance(offsets, (list, tuple)) or len(offsets) != len(indices):
+            return None
+        return tuple([(i.dtype, i.shape, None if o is None else (o.dtype, o.shape)) for i, o in zip(indices, offsets)])
+    except AttributeError:
+        return None
+
+
+def call_plan(layout: TableLayout, indices: object, offsets: object) -> Optional[CallPlan]:
+    """The cached :class:`CallPlan` of this call's signature, checking the inputs with
+    :func:`normalize` (which raises what it raises) the first time; None for a form it leaves to
+    the general path (per-sample weights aside, which the caller excludes)."""
+    key = signature(indices, offsets)
+    if key is None:
+        return None
+    plans = layout.cache.setdefault("plans", {})
+    found = plans.get(key, False)
+    if found is False:
+        inputs = normalize(layout, indices, offsets, None, torch.float32)
+        forms, arange = [], []
+        for t, idx in enumerate(indices):
+            two_d = idx.dim() == 2
+            forms.append(2 if two_d else (1 if layout.include_last[t] else 0))
+            arange.append(inputs.offsets[t] if two_d else None)
+        dtypes = {idx.dtype for idx in indices} | {o.dtype for o in (offsets or []) if o is not None}
+        found = CallPlan(inputs.batch, tuple(forms), tuple(arange)) if len(dtypes) == 1 and inputs.batch else None
+        if len(plans) > 16:
+            plans.clear()
+        plans[key] = found
+    return found
