@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from xlaunch._torch import needs_torch
-from xlaunch.llm import fused
+from xlaunch.llm import fused, native
 from xlaunch.llm.arch import DecoderSpec
 from xlaunch.llm.cache import KVCache
 from xlaunch.llm.linear import PackedLinear
@@ -55,6 +55,20 @@ class RopeTable:
         return self.cos[positions], self.sin[positions]
 
 
+class Kernels:
+    """The calls of one forward: the compiled operators with the weights bound (when built), else the
+    pure-torch paths. Bound once per availability, so a decode step makes no dispatch decisions."""
+
+    def __init__(self, ops: Optional[object], layers: list[LayerWeights], lm_head: PackedLinear) -> None:
+        self.ops = ops
+        self.linears = [tuple(linear.bound(ops) for linear in (l.qkv, l.out, l.gate_up, l.down)) for l in layers]
+        self.lm_head = lm_head.bound(ops)
+        source = ops if ops is not None else fused
+        self.rms_norm, self.add_rms_norm = source.rms_norm, source.add_rms_norm
+        self.silu_mul, self.rope_write_cache_ = source.silu_mul, source.rope_write_cache_
+        self.cache_attention = source.cache_attention
+
+
 class DecoderRuntime:
     """The packed weights, RoPE table and the forward of one optimized model."""
 
@@ -64,6 +78,13 @@ class DecoderRuntime:
         self.final_norm, self.lm_head, self.rope, self.kind = final_norm, lm_head, rope, kind
         self.scale = spec.head_dim ** -0.5
         self.capacity_hint = 0          # set by generate's cache preparation for the next new cache
+        self._kernels: Optional[Kernels] = None
+
+    def kernels(self) -> Kernels:
+        ops = native.ops()
+        if self._kernels is None or self._kernels.ops is not ops:
+            self._kernels = Kernels(ops, self.layers, self.lm_head)
+        return self._kernels
 
     def new_cache(self, capacity: int = 0) -> KVCache:
         spec = self.spec
@@ -78,15 +99,15 @@ class DecoderRuntime:
         raise ValueError(f"xlaunch.llm: past_key_values is a {type(past).__name__} holding tokens; an optimized "
                          "model continues only its own KVCache (pass the past_key_values it returned, or None)")
 
-    def _attention(self, q: "torch.Tensor", index: int, cache: KVCache, start: int,
+    def _attention(self, kernels: Kernels, q: "torch.Tensor", index: int, cache: KVCache, start: int,
                    padding: Optional["torch.Tensor"], window: Optional[int]) -> "torch.Tensor":
         keys, values = cache.keys[index], cache.values[index]
         total = start + q.shape[1]
         if window is None or total <= window:
-            return fused.cache_attention(q, keys, values, start, padding, self.scale)
+            return kernels.cache_attention(q, keys, values, start, padding, self.scale)
         if q.shape[1] == 1:            # decode: the window is the last `window` slots
             first = total - window
-            return fused.cache_attention(q, keys[:, :, first:], values[:, :, first:], start - first,
+            return kernels.cache_attention(q, keys[:, :, first:], values[:, :, first:], start - first,
                                          None if padding is None else padding[:, first:], self.scale)
         return windowed_attention(q, keys, values, start, padding, self.scale, window)
 
@@ -111,25 +132,29 @@ class DecoderRuntime:
         cos, sin = self.rope.lookup(position_ids.reshape(-1, length).expand(batch, length))
         heads, groups, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_end, k_end = heads * dim, (heads + groups) * dim
+        kernels = self.kernels()
+        rms_norm, add_rms_norm, silu_mul = kernels.rms_norm, kernels.add_rms_norm, kernels.silu_mul
+        rope_write_cache_, eps = kernels.rope_write_cache_, spec.eps
         residual = hidden
-        x = fused.rms_norm(residual, self.layers[0].input_norm, spec.eps)
+        x = rms_norm(residual, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(x)
+            qkv_proj, out_proj, gate_up_proj, down_proj = kernels.linears[index]
+            qkv = qkv_proj(x)
             q = qkv[..., :q_end].unflatten(-1, (heads, dim))
             k = qkv[..., q_end:k_end].unflatten(-1, (groups, dim))
             v = qkv[..., k_end:].unflatten(-1, (groups, dim))
-            fused.rope_write_cache_(q, k, v, cos, sin, cache.keys[index], cache.values[index], start)
-            attended = self._attention(q, index, cache, start, padding, layer.window)
-            x = fused.add_rms_norm(layer.out(attended), residual, layer.post_attention_norm, spec.eps)
-            down = layer.down(fused.silu_mul(layer.gate_up(x)))
+            rope_write_cache_(q, k, v, cos, sin, cache.keys[index], cache.values[index], start)
+            attended = self._attention(kernels, q, index, cache, start, padding, layer.window)
+            x = add_rms_norm(out_proj(attended), residual, layer.post_attention_norm, eps)
+            down = down_proj(silu_mul(gate_up_proj(x)))
             following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            x = fused.add_rms_norm(down, residual, following, spec.eps)
+            x = add_rms_norm(down, residual, following, eps)
         cache.length = total
         if isinstance(logits_to_keep, int):
             x = x[:, -logits_to_keep:] if logits_to_keep > 0 else x
         else:
             x = x[:, logits_to_keep]
-        logits = self.lm_head(x)
+        logits = kernels.lm_head(x)
         return logits, (cache if use_cache else None)
 
 

@@ -20,7 +20,7 @@ layer asked to run without the kernels (``prefer_native(False)``) dequantizes an
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from xlaunch._torch import needs_torch
 from xlaunch.llm import native
@@ -221,6 +221,24 @@ class PackedLinear(nn.Module):
                 return self._native(ops, x)
             return self._reference(x)
         return self._aten(x)
+
+    def bound(self, ops: Optional[object]) -> Callable[["torch.Tensor"], "torch.Tensor"]:
+        """A function computing :meth:`forward` for inputs in ``self.dtype``, with the checks done now.
+
+        With the kernels (``ops``, from :func:`xlaunch.llm.native.ops`) and the native layout it is
+        the operator itself with the weights bound; else :meth:`forward`.
+        """
+        if ops is None or self.layout != "native" or self.kind == "fp32":
+            return self.forward
+        weight, scales, bias, n = self.weight, self.scales, self.bias, self.out_features
+        if self.kind == "bf16":
+            bf16_linear = ops.bf16_linear
+            return lambda x: bf16_linear(x, weight, bias, n)
+        if self.kind == "int8":
+            int8_linear = ops.int8_linear
+            return lambda x: int8_linear(x, weight, scales, bias, n)
+        int4_linear, group = ops.int4_linear, self.group_size
+        return lambda x: int4_linear(x, weight, scales, bias, n, group)
 
     def _native(self, ops: object, x: "torch.Tensor") -> "torch.Tensor":
         n = self.out_features
