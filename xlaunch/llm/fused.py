@@ -21,6 +21,19 @@ with needs_torch(__name__):
     import torch
     import torch.nn.functional as F
 
+_kernels: dict[str, object] = {}
+
+
+def _kernel(name: str) -> Optional[object]:
+    """The compiled operator ``name`` (its OpOverload, looked up once), or None for the torch path."""
+    library = ops()
+    if library is None:
+        return None
+    kernel = _kernels.get(name)
+    if kernel is None:
+        kernel = _kernels[name] = getattr(library, name).default
+    return kernel
+
 
 def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Tensor":
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim, computed in fp32.
@@ -28,9 +41,9 @@ def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Te
     As Hugging Face's Llama: the normalized value is cast to x's dtype before the weight multiply;
     the result has the promoted dtype of x and weight.
     """
-    native = ops()
+    native = _kernel("rms_norm")
     if native is not None:
-        return native.rms_norm(x, weight, eps)
+        return native(x, weight, eps)
     variance = x.float().pow(2).mean(-1, keepdim=True)
     normed = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
     return weight * normed
@@ -39,18 +52,18 @@ def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Te
 def add_rms_norm(x: "torch.Tensor", residual: "torch.Tensor", weight: "torch.Tensor",
                  eps: float) -> "torch.Tensor":
     """``residual += x`` (in place, rounded to residual's dtype), then :func:`rms_norm` of the new residual."""
-    native = ops()
+    native = _kernel("add_rms_norm")
     if native is not None:
-        return native.add_rms_norm(x, residual, weight, eps)
+        return native(x, residual, weight, eps)
     residual.add_(x)
     return rms_norm(residual, weight, eps)
 
 
 def silu_mul(gate_up: "torch.Tensor") -> "torch.Tensor":
     """``silu(gate) * up`` where ``gate_up = [gate | up]`` on the last dim (silu rounded to the dtype first, as HF)."""
-    native = ops()
+    native = _kernel("silu_mul")
     if native is not None:
-        return native.silu_mul(gate_up)
+        return native(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -68,9 +81,9 @@ def rope_(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch
     Half-split rotation: ``x[:h] * cos[:h] - x[h:] * sin[:h]`` and ``x[h:] * cos[h:] + x[:h] * sin[h:]``
     (``h = D / 2``); the tables may be fp32 or x's dtype, and a batch of 1 is broadcast.
     """
-    native = ops()
+    native = _kernel("rope_")
     if native is not None:
-        native.rope_(x, cos, sin)
+        native(x, cos, sin)
         return x
     x.copy_(_rotated(x, cos, sin))
     return x
@@ -79,9 +92,9 @@ def rope_(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch
 def write_cache_(k_cache: "torch.Tensor", v_cache: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
                  start: int) -> None:
     """``k_cache[:, :, start:start+S] = k`` and the same for v (k, v [B, S, G, D]; caches [B, G, L, D])."""
-    native = ops()
+    native = _kernel("write_cache_")
     if native is not None:
-        native.write_cache_(k_cache, v_cache, k, v, start)
+        native(k_cache, v_cache, k, v, start)
         return
     s = k.shape[1]
     k_cache[:, :, start:start + s].copy_(k.transpose(1, 2))
@@ -92,9 +105,9 @@ def rope_write_cache_(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", c
                       sin: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int) -> None:
     """One call for a layer's positions: :func:`rope_` of ``q`` in place, the rotated ``k`` and ``v`` written
     to the caches at ``start`` (as :func:`write_cache_`). ``k`` itself is left as it was."""
-    native = ops()
+    native = _kernel("rope_write_cache_")
     if native is not None:
-        native.rope_write_cache_(q, k, v, cos, sin, k_cache, v_cache, start)
+        native(q, k, v, cos, sin, k_cache, v_cache, start)
         return
     q.copy_(_rotated(q, cos, sin))
     s = k.shape[1]
@@ -111,9 +124,9 @@ def cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.
     padding (never attended), or None. Returns [B, S, H * D] in q's dtype (softmax in fp32); a query
     row whose every key is masked gives zeros.
     """
-    native = ops()
+    native = _kernel("cache_attention")
     if native is not None:
-        return native.cache_attention(q, k_cache, v_cache, start, key_padding, scale)
+        return native(q, k_cache, v_cache, start, key_padding, scale)
     return _torch_cache_attention(q, k_cache, v_cache, start, key_padding, scale)
 
 

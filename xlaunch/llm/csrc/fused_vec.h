@@ -41,7 +41,7 @@ inline V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline float hmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
-inline __mmask16 tail_mask(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+inline __mmask16 tail_mask(int n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u); }
 
 inline V16 load(const float* p, int n = 16) {
   return {n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(tail_mask(n), p)};
