@@ -58,11 +58,11 @@ void attend_rows(const Problem<T>& p, int64_t b, int64_t g, int64_t row0, int64_
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r, token = row / hpg, head = g * hpg + row % hpg;
     const T* src = p.q + b * p.qb + token * p.qs + head * p.qh;
-    for (int64_t col = 0; col < D; col += kLanes) store(q[r] + col, load(src + col, lanes(D, col)) * vset(p.scale));
+    for (int64_t col = 0; col < D; col += kLanes) vstore(q[r] + col, vload(src + col, lanes(D, col)) * vset(p.scale));
     limit[r] = p.start + token;  // the last key this row sees
     st.m[r] = kNegInf;
     st.l[r] = 0.0f;
-    for (int64_t col = 0; col < D; col += kLanes) store(st.acc[r] + col, vzero());
+    for (int64_t col = 0; col < D; col += kLanes) vstore(st.acc[r] + col, vzero());
   }
   key1 = std::min(key1, limit[R - 1] + 1);
   const T* kbase = p.k + b * p.kb + g * p.kg;
@@ -77,8 +77,8 @@ void attend_rows(const Problem<T>& p, int64_t b, int64_t g, int64_t row0, int64_
       V16 dot[R];
       for (int r = 0; r < R; ++r) dot[r] = vzero();
       for (int64_t col = 0; col < D; col += kLanes) {
-        V16 kv = load(kr + col, lanes(D, col));
-        for (int r = 0; r < R; ++r) dot[r] = fma(load(q[r] + col), kv, dot[r]);
+        V16 kv = vload(kr + col, lanes(D, col));
+        for (int r = 0; r < R; ++r) dot[r] = fma(vload(q[r] + col), kv, dot[r]);
       }
       const bool masked = pad && pad[j0 + j];
       for (int r = 0; r < R; ++r) s[r][j] = masked || j0 + j > limit[r] ? kNegInf : hsum(dot[r]);
@@ -88,7 +88,7 @@ void attend_rows(const Problem<T>& p, int64_t b, int64_t g, int64_t row0, int64_
     for (int r = 0; r < R; ++r) {
       for (int j = nk; j < kKeys + kLanes; ++j) s[r][j] = kNegInf;
       V16 mx = vset(kNegInf);
-      for (int j = 0; j < nk; j += kLanes) mx = vmax(mx, load(s[r] + j));
+      for (int j = 0; j < nk; j += kLanes) mx = vmax(mx, vload(s[r] + j));
       const float block_max = hmax(mx);
       if (block_max == kNegInf) {
         for (int j = 0; j < nk; ++j) s[r][j] = 0.0f;
@@ -98,14 +98,14 @@ void attend_rows(const Problem<T>& p, int64_t b, int64_t g, int64_t row0, int64_
       const float alpha = std::exp(st.m[r] - m_new);
       V16 sum = vzero();
       for (int j = 0; j < nk; j += kLanes) {
-        V16 e = vexp(load(s[r] + j) - vset(m_new));
-        store(s[r] + j, e);
+        V16 e = vexp(vload(s[r] + j) - vset(m_new));
+        vstore(s[r] + j, e);
         sum = sum + e;
       }
       st.l[r] = st.l[r] * alpha + hsum(sum);
       st.m[r] = m_new;
       if (alpha != 1.0f)
-        for (int64_t col = 0; col < D; col += kLanes) store(st.acc[r] + col, load(st.acc[r] + col) * vset(alpha));
+        for (int64_t col = 0; col < D; col += kLanes) vstore(st.acc[r] + col, vload(st.acc[r] + col) * vset(alpha));
       any = true;
     }
     if (!any) continue;
@@ -113,16 +113,16 @@ void attend_rows(const Problem<T>& p, int64_t b, int64_t g, int64_t row0, int64_
     for (int64_t c0 = 0; c0 < D; c0 += 4 * kLanes) {
       V16 acc[R][4];
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) acc[r][c] = load(st.acc[r] + c0 + c * kLanes);
+        for (int c = 0; c < 4; ++c) acc[r][c] = vload(st.acc[r] + c0 + c * kLanes);
       for (int j = 0; j < nk; ++j) {
         const T* vr = vbase + (j0 + j) * p.vl + c0;
         for (int c = 0; c < 4; ++c) {
-          V16 vv = load(vr + c * kLanes, lanes(D, c0 + c * kLanes));
+          V16 vv = vload(vr + c * kLanes, lanes(D, c0 + c * kLanes));
           for (int r = 0; r < R; ++r) acc[r][c] = fma(vset(s[r][j]), vv, acc[r][c]);
         }
       }
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) store(st.acc[r] + c0 + c * kLanes, acc[r][c]);
+        for (int c = 0; c < 4; ++c) vstore(st.acc[r] + c0 + c * kLanes, acc[r][c]);
     }
   }
 }
@@ -144,7 +144,7 @@ inline void finish_row(const float* acc, float l, T* out, int64_t D) {
   V16 inv = vset(l > 0.0f ? 1.0f / l : 0.0f);
   for (int64_t c = 0; c < D; c += kLanes) {
     int n = int(std::min<int64_t>(kLanes, D - c));
-    store(out + c, load(acc + c) * inv, n);
+    vstore(out + c, vload(acc + c) * inv, n);
   }
 }
 
