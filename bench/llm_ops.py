@@ -15,7 +15,8 @@ cache lengths 128 and 1024 (filled up to the new token); 1 and 2 threads.
 Each sample times a loop of calls and divides; rounds interleave the three paths (medians). Run
 under ``flock /tmp/xlaunch-bench.lock`` on a shared machine:
 
-    flock /tmp/xlaunch-bench.lock .venv/bin/python bench/llm_ops.py [--rounds 9] [--calls 40]
+    flock /tmp/xlaunch-bench.lock .venv/bin/python bench/llm_ops.py [--rounds 9] [--calls 40] [--threads 1 2]
+                                                                    [--cpu-time]
 """
 from __future__ import annotations
 
@@ -98,14 +99,14 @@ def cases(batch: int, length: int) -> dict[str, dict[str, Call]]:
     return {op: {"native": call, "torch": call, "hf": hf[op]} for op, call in ours.items()}
 
 
-def timed(call: Call, path: str, calls: int) -> float:
+def timed(call: Call, path: str, calls: int, clock: Callable[[], float]) -> float:
     """µs per call over a loop of ``calls`` (after one warm call)."""
     with native.prefer_native(path == "native"):
         call()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             call()
-        return (time.perf_counter() - start) / calls * 1e6
+        return (clock() - start) / calls * 1e6
 
 
 def main() -> int:
@@ -113,11 +114,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="the process's CPU time instead of the wall clock (a shared machine's 1-thread rows; "
+                             "with 2 threads it sums both threads, spinning included)")
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     if not native.available():
         print("xlaunch.llm kernels not built: run `python -m xlaunch.llm.native` first")
         return 1
-    print(f"torch {torch.__version__}, {DTYPE}, load before: {loadavg()}")
+    print(f"torch {torch.__version__}, {DTYPE}, {'CPU' if args.cpu_time else 'wall'} time, load before: {loadavg()}")
     print("| op | batch | cache | threads | native µs | torch path µs | HF torch µs | HF / native |")
     print("|---|---|---|---|---|---|---|---|")
     for batch in (1, 4):
@@ -131,7 +136,7 @@ def main() -> int:
                     samples: dict[str, list[float]] = {path: [] for path in paths}
                     for _ in range(args.rounds):
                         for path, call in paths.items():
-                            samples[path].append(timed(call, path, args.calls))
+                            samples[path].append(timed(call, path, args.calls, clock))
                     med = {path: statistics.median(values) for path, values in samples.items()}
                     cache = str(length) if op == "attention" else "-"
                     print(f"| {op} | {batch} | {cache} | {threads} | {med['native']:.1f} | {med['torch']:.1f} | "
