@@ -68,11 +68,16 @@ def silu_mul(gate_up: "torch.Tensor") -> "torch.Tensor":
     return F.silu(gate) * up
 
 
-def _rotated(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
-    """``x`` rotated by ``cos``/``sin`` [B, S, D] (half-split): a new tensor in the promoted dtype."""
+def _signed_sin(sin: "torch.Tensor") -> "torch.Tensor":
+    """``[-sin[:h] | sin[h:]]`` [B, S, 1, D]: the rotation is then ``x * cos + [x[h:] | x[:h]] * signed``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None, :]
+
+
+def _rotated(x: "torch.Tensor", cos: "torch.Tensor", signed_sin: "torch.Tensor") -> "torch.Tensor":
+    """``x`` rotated by ``cos`` [B, S, D] and :func:`_signed_sin`: a new tensor in the promoted dtype."""
     half = x.shape[-1] // 2
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+    return x * cos[:, :, None, :] + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 def rope_(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
@@ -85,7 +90,7 @@ def rope_(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch
     if native is not None:
         native(x, cos, sin)
         return x
-    x.copy_(_rotated(x, cos, sin))
+    x.copy_(_rotated(x, cos, _signed_sin(sin)))
     return x
 
 
@@ -109,9 +114,10 @@ def rope_write_cache_(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", c
     if native is not None:
         native(q, k, v, cos, sin, k_cache, v_cache, start)
         return
-    q.copy_(_rotated(q, cos, sin))
+    signed_sin = _signed_sin(sin)
+    q.copy_(_rotated(q, cos, signed_sin))
     s = k.shape[1]
-    k_cache[:, :, start:start + s].copy_(_rotated(k, cos, sin).transpose(1, 2))
+    k_cache[:, :, start:start + s].copy_(_rotated(k, cos, signed_sin).transpose(1, 2))
     v_cache[:, :, start:start + s].copy_(v.transpose(1, 2))
 
 
@@ -132,26 +138,29 @@ def cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.
 
 def _torch_cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int,
                            key_padding: Optional["torch.Tensor"], scale: float) -> "torch.Tensor":
-    """:func:`cache_attention` by ``scaled_dot_product_attention``: the H/G query heads of a KV head are
-    folded into its query rows, so the cache is read as it is (no repeat of K/V)."""
+    """:func:`cache_attention` in torch ops. The H/G query heads of a KV head are folded into its query
+    rows, so the cache is read as it is (no repeat of K/V). One new token: two matmuls in the cache's
+    dtype around an fp32 softmax, as Hugging Face's eager attention (torch's CPU SDPA costs 2-8x more
+    there); more tokens: ``scaled_dot_product_attention`` with the causal and padding mask."""
     b, s, h, d = q.shape
     g = k_cache.shape[1]
     n, total = h // g, start + s
     keys, values = k_cache[:, :, :total], v_cache[:, :, :total]
+    keep = None if key_padding is None else ~key_padding[:, None, None, :total].bool()
     if s == 1:
-        rows = q.reshape(b, g, n, d)                                               # rows: the group's heads
-    else:
-        rows = q.reshape(b, s, g, n, d).permute(0, 2, 3, 1, 4).reshape(b, g, n * s, d)  # rows: (head, token)
-    mask = None
-    if s > 1:
-        causal = torch.arange(total, device=q.device) <= (start + torch.arange(s, device=q.device))[:, None]
-        mask = causal.repeat(n, 1)[None, None]                                      # [1, 1, n*S, T]
-    if key_padding is not None:
-        keep = ~key_padding[:, None, None, :total].bool()
-        mask = keep if mask is None else mask & keep
+        scores = torch.matmul(q.reshape(b, g, n, d), keys.transpose(-1, -2)).float() * scale
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if keep is not None:
+            probs = probs.nan_to_num(0.0)
+        return torch.matmul(probs.to(values.dtype), values).reshape(b, 1, h * d)
+    rows = q.reshape(b, s, g, n, d).permute(0, 2, 3, 1, 4).reshape(b, g, n * s, d)   # rows: (head, token)
+    causal = torch.arange(total, device=q.device) <= (start + torch.arange(s, device=q.device))[:, None]
+    mask = causal.repeat(n, 1)[None, None]                                             # [1, 1, n*S, T]
+    if keep is not None:
+        mask = mask & keep
     out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
-    if key_padding is not None:
+    if keep is not None:
         out = out.nan_to_num(0.0)
-    if s == 1:
-        return out.reshape(b, 1, h * d)
     return out.reshape(b, g, n, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)
