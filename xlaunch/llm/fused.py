@@ -21,6 +21,19 @@ with needs_torch(__name__):
     import torch
     import torch.nn.functional as F
 
+_kernels: dict[str, object] = {}
+
+
+def _kernel(name: str) -> Optional[object]:
+    """The compiled operator ``name`` (its OpOverload, looked up once), or None for the torch path."""
+    library = ops()
+    if library is None:
+        return None
+    kernel = _kernels.get(name)
+    if kernel is None:
+        kernel = _kernels[name] = getattr(library, name).default
+    return kernel
+
 
 def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Tensor":
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim, computed in fp32.
@@ -28,9 +41,9 @@ def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Te
     As Hugging Face's Llama: the normalized value is cast to x's dtype before the weight multiply;
     the result has the promoted dtype of x and weight.
     """
-    native = ops()
+    native = _kernel("rms_norm")
     if native is not None:
-        return native.rms_norm(x, weight, eps)
+        return native(x, weight, eps)
     variance = x.float().pow(2).mean(-1, keepdim=True)
     normed = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
     return weight * normed
@@ -39,27 +52,32 @@ def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Te
 def add_rms_norm(x: "torch.Tensor", residual: "torch.Tensor", weight: "torch.Tensor",
                  eps: float) -> "torch.Tensor":
     """``residual += x`` (in place, rounded to residual's dtype), then :func:`rms_norm` of the new residual."""
-    native = ops()
+    native = _kernel("add_rms_norm")
     if native is not None:
-        return native.add_rms_norm(x, residual, weight, eps)
+        return native(x, residual, weight, eps)
     residual.add_(x)
     return rms_norm(residual, weight, eps)
 
 
 def silu_mul(gate_up: "torch.Tensor") -> "torch.Tensor":
     """``silu(gate) * up`` where ``gate_up = [gate | up]`` on the last dim (silu rounded to the dtype first, as HF)."""
-    native = ops()
+    native = _kernel("silu_mul")
     if native is not None:
-        return native.silu_mul(gate_up)
+        return native(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def _rotated(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
-    """``x`` rotated by ``cos``/``sin`` [B, S, D] (half-split): a new tensor in the promoted dtype."""
+def _signed_sin(sin: "torch.Tensor") -> "torch.Tensor":
+    """``[-sin[:h] | sin[h:]]`` [B, S, 1, D]: the rotation is then ``x * cos + [x[h:] | x[:h]] * signed``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None, :]
+
+
+def _rotated(x: "torch.Tensor", cos: "torch.Tensor", signed_sin: "torch.Tensor") -> "torch.Tensor":
+    """``x`` rotated by ``cos`` [B, S, D] and :func:`_signed_sin`: a new tensor in the promoted dtype."""
     half = x.shape[-1] // 2
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+    return x * cos[:, :, None, :] + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 def rope_(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
@@ -68,20 +86,20 @@ def rope_(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch
     Half-split rotation: ``x[:h] * cos[:h] - x[h:] * sin[:h]`` and ``x[h:] * cos[h:] + x[:h] * sin[h:]``
     (``h = D / 2``); the tables may be fp32 or x's dtype, and a batch of 1 is broadcast.
     """
-    native = ops()
+    native = _kernel("rope_")
     if native is not None:
-        native.rope_(x, cos, sin)
+        native(x, cos, sin)
         return x
-    x.copy_(_rotated(x, cos, sin))
+    x.copy_(_rotated(x, cos, _signed_sin(sin)))
     return x
 
 
 def write_cache_(k_cache: "torch.Tensor", v_cache: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
                  start: int) -> None:
     """``k_cache[:, :, start:start+S] = k`` and the same for v (k, v [B, S, G, D]; caches [B, G, L, D])."""
-    native = ops()
+    native = _kernel("write_cache_")
     if native is not None:
-        native.write_cache_(k_cache, v_cache, k, v, start)
+        native(k_cache, v_cache, k, v, start)
         return
     s = k.shape[1]
     k_cache[:, :, start:start + s].copy_(k.transpose(1, 2))
@@ -92,13 +110,14 @@ def rope_write_cache_(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", c
                       sin: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int) -> None:
     """One call for a layer's positions: :func:`rope_` of ``q`` in place, the rotated ``k`` and ``v`` written
     to the caches at ``start`` (as :func:`write_cache_`). ``k`` itself is left as it was."""
-    native = ops()
+    native = _kernel("rope_write_cache_")
     if native is not None:
-        native.rope_write_cache_(q, k, v, cos, sin, k_cache, v_cache, start)
+        native(q, k, v, cos, sin, k_cache, v_cache, start)
         return
-    q.copy_(_rotated(q, cos, sin))
+    signed_sin = _signed_sin(sin)
+    q.copy_(_rotated(q, cos, signed_sin))
     s = k.shape[1]
-    k_cache[:, :, start:start + s].copy_(_rotated(k, cos, sin).transpose(1, 2))
+    k_cache[:, :, start:start + s].copy_(_rotated(k, cos, signed_sin).transpose(1, 2))
     v_cache[:, :, start:start + s].copy_(v.transpose(1, 2))
 
 
@@ -111,34 +130,37 @@ def cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.
     padding (never attended), or None. Returns [B, S, H * D] in q's dtype (softmax in fp32); a query
     row whose every key is masked gives zeros.
     """
-    native = ops()
+    native = _kernel("cache_attention")
     if native is not None:
-        return native.cache_attention(q, k_cache, v_cache, start, key_padding, scale)
+        return native(q, k_cache, v_cache, start, key_padding, scale)
     return _torch_cache_attention(q, k_cache, v_cache, start, key_padding, scale)
 
 
 def _torch_cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int,
                            key_padding: Optional["torch.Tensor"], scale: float) -> "torch.Tensor":
-    """:func:`cache_attention` by ``scaled_dot_product_attention``: the H/G query heads of a KV head are
-    folded into its query rows, so the cache is read as it is (no repeat of K/V)."""
+    """:func:`cache_attention` in torch ops. The H/G query heads of a KV head are folded into its query
+    rows, so the cache is read as it is (no repeat of K/V). One new token: two matmuls in the cache's
+    dtype around an fp32 softmax, as Hugging Face's eager attention (torch's CPU SDPA costs 2-8x more
+    there); more tokens: ``scaled_dot_product_attention`` with the causal and padding mask."""
     b, s, h, d = q.shape
     g = k_cache.shape[1]
     n, total = h // g, start + s
     keys, values = k_cache[:, :, :total], v_cache[:, :, :total]
+    keep = None if key_padding is None else ~key_padding[:, None, None, :total].bool()
     if s == 1:
-        rows = q.reshape(b, g, n, d)                                               # rows: the group's heads
-    else:
-        rows = q.reshape(b, s, g, n, d).permute(0, 2, 3, 1, 4).reshape(b, g, n * s, d)  # rows: (head, token)
-    mask = None
-    if s > 1:
-        causal = torch.arange(total, device=q.device) <= (start + torch.arange(s, device=q.device))[:, None]
-        mask = causal.repeat(n, 1)[None, None]                                      # [1, 1, n*S, T]
-    if key_padding is not None:
-        keep = ~key_padding[:, None, None, :total].bool()
-        mask = keep if mask is None else mask & keep
+        scores = torch.matmul(q.reshape(b, g, n, d), keys.transpose(-1, -2)).float() * scale
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if keep is not None:
+            probs = probs.nan_to_num(0.0)
+        return torch.matmul(probs.to(values.dtype), values).reshape(b, 1, h * d)
+    rows = q.reshape(b, s, g, n, d).permute(0, 2, 3, 1, 4).reshape(b, g, n * s, d)   # rows: (head, token)
+    causal = torch.arange(total, device=q.device) <= (start + torch.arange(s, device=q.device))[:, None]
+    mask = causal.repeat(n, 1)[None, None]                                             # [1, 1, n*S, T]
+    if keep is not None:
+        mask = mask & keep
     out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
-    if key_padding is not None:
+    if keep is not None:
         out = out.nan_to_num(0.0)
-    if s == 1:
-        return out.reshape(b, 1, h * d)
     return out.reshape(b, g, n, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)

@@ -44,52 +44,53 @@ struct State {
   alignas(64) float acc[kRows][kMaxHead];
 };
 
-template <typename T>
-void attend(const Problem<T>& p, int64_t b, int64_t g, int64_t row0, int rows, int64_t key0, int64_t key1,
-            State& st) {
+// Lanes of the 16-float chunk starting at column col of a D-wide row (0 past its end).
+inline int lanes(int64_t D, int64_t col) { return int(std::max<int64_t>(0, std::min<int64_t>(kLanes, D - col))); }
+
+// Head dims go in groups of 4 chunks (64 floats), so that the R rows' accumulators of a group stay
+// in registers; R (the rows of the block) is a compile-time count for the same reason.
+template <typename T, int R>
+void attend_rows(const Problem<T>& p, int64_t b, int64_t g, int64_t row0, int64_t key0, int64_t key1, State& st) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t hpg = p.H / p.G, D = p.D;
-  const int chunks = int((D + kLanes - 1) / kLanes);
-  alignas(64) float q[kRows][kMaxHead];
-  int64_t limit[kRows];
-  for (int r = 0; r < rows; ++r) {
+  alignas(64) float q[R][kMaxHead];
+  int64_t limit[R];
+  for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r, token = row / hpg, head = g * hpg + row % hpg;
     const T* src = p.q + b * p.qb + token * p.qs + head * p.qh;
-    for (int c = 0; c < chunks; ++c) {
-      int n = int(std::min<int64_t>(kLanes, D - c * kLanes));
-      store(q[r] + c * kLanes, load(src + c * kLanes, n) * vset(p.scale));
-    }
+    for (int64_t col = 0; col < D; col += kLanes) vstore(q[r] + col, vload(src + col, lanes(D, col)) * vset(p.scale));
     limit[r] = p.start + token;  // the last key this row sees
-    st.m[r] = -std::numeric_limits<float>::infinity();
+    st.m[r] = kNegInf;
     st.l[r] = 0.0f;
-    for (int c = 0; c < chunks; ++c) store(st.acc[r] + c * kLanes, vzero());
+    for (int64_t col = 0; col < D; col += kLanes) vstore(st.acc[r] + col, vzero());
   }
-  key1 = std::min(key1, limit[rows - 1] + 1);
+  key1 = std::min(key1, limit[R - 1] + 1);
   const T* kbase = p.k + b * p.kb + g * p.kg;
   const T* vbase = p.v + b * p.vb + g * p.vg;
   const bool* pad = p.pad ? p.pad + b * p.pb : nullptr;
-  alignas(64) float s[kRows][kKeys + kLanes];
+  alignas(64) float s[R][kKeys + kLanes];
   for (int64_t j0 = key0; j0 < key1; j0 += kKeys) {
     const int nk = int(std::min<int64_t>(kKeys, key1 - j0));
+    // scores of the block's keys
     for (int j = 0; j < nk; ++j) {
       const T* kr = kbase + (j0 + j) * p.kl;
-      V16 dot[kRows];
-      for (int r = 0; r < kRows; ++r) dot[r] = vzero();
-      for (int c = 0; c < chunks; ++c) {
-        int n = int(std::min<int64_t>(kLanes, D - c * kLanes));
-        V16 kv = load(kr + c * kLanes, n);
-        for (int r = 0; r < rows; ++r) dot[r] = fma(load(q[r] + c * kLanes), kv, dot[r]);
+      V16 dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = vzero();
+      for (int64_t col = 0; col < D; col += kLanes) {
+        V16 kv = vload(kr + col, lanes(D, col));
+        for (int r = 0; r < R; ++r) dot[r] = fma(vload(q[r] + col), kv, dot[r]);
       }
       const bool masked = pad && pad[j0 + j];
-      for (int r = 0; r < rows; ++r)
-        s[r][j] = masked || j0 + j > limit[r] ? -std::numeric_limits<float>::infinity() : hsum(dot[r]);
+      for (int r = 0; r < R; ++r) s[r][j] = masked || j0 + j > limit[r] ? kNegInf : hsum(dot[r]);
     }
-    float prob_any = 0.0f;
-    for (int r = 0; r < rows; ++r) {
-      for (int j = nk; j < kKeys + kLanes; ++j) s[r][j] = -std::numeric_limits<float>::infinity();
-      V16 mx = vset(-std::numeric_limits<float>::infinity());
-      for (int j = 0; j < nk; j += kLanes) mx = vmax(mx, load(s[r] + j));
+    // online softmax: scores -> probabilities against the running max, rescale what was summed so far
+    bool any = false;
+    for (int r = 0; r < R; ++r) {
+      for (int j = nk; j < kKeys + kLanes; ++j) s[r][j] = kNegInf;
+      V16 mx = vset(kNegInf);
+      for (int j = 0; j < nk; j += kLanes) mx = vmax(mx, vload(s[r] + j));
       const float block_max = hmax(mx);
-      if (block_max == -std::numeric_limits<float>::infinity()) {
+      if (block_max == kNegInf) {
         for (int j = 0; j < nk; ++j) s[r][j] = 0.0f;
         continue;
       }
@@ -97,28 +98,43 @@ void attend(const Problem<T>& p, int64_t b, int64_t g, int64_t row0, int rows, i
       const float alpha = std::exp(st.m[r] - m_new);
       V16 sum = vzero();
       for (int j = 0; j < nk; j += kLanes) {
-        V16 e = vexp(load(s[r] + j) - vset(m_new));
-        store(s[r] + j, e);
+        V16 e = vexp(vload(s[r] + j) - vset(m_new));
+        vstore(s[r] + j, e);
         sum = sum + e;
       }
       st.l[r] = st.l[r] * alpha + hsum(sum);
       st.m[r] = m_new;
       if (alpha != 1.0f)
-        for (int c = 0; c < chunks; ++c) store(st.acc[r] + c * kLanes, load(st.acc[r] + c * kLanes) * vset(alpha));
-      prob_any = 1.0f;
+        for (int64_t col = 0; col < D; col += kLanes) vstore(st.acc[r] + col, vload(st.acc[r] + col) * vset(alpha));
+      any = true;
     }
-    if (prob_any == 0.0f) continue;
-    for (int j = 0; j < nk; ++j) {
-      const T* vr = vbase + (j0 + j) * p.vl;
-      for (int c = 0; c < chunks; ++c) {
-        int n = int(std::min<int64_t>(kLanes, D - c * kLanes));
-        V16 vv = load(vr + c * kLanes, n);
-        for (int r = 0; r < rows; ++r) {
-          float* a = st.acc[r] + c * kLanes;
-          store(a, fma(vset(s[r][j]), vv, load(a)));
+    if (!any) continue;
+    // values, 64 dims at a time
+    for (int64_t c0 = 0; c0 < D; c0 += 4 * kLanes) {
+      V16 acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = vload(st.acc[r] + c0 + c * kLanes);
+      for (int j = 0; j < nk; ++j) {
+        const T* vr = vbase + (j0 + j) * p.vl + c0;
+        for (int c = 0; c < 4; ++c) {
+          V16 vv = vload(vr + c * kLanes, lanes(D, c0 + c * kLanes));
+          for (int r = 0; r < R; ++r) acc[r][c] = fma(vset(s[r][j]), vv, acc[r][c]);
         }
       }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) vstore(st.acc[r] + c0 + c * kLanes, acc[r][c]);
     }
+  }
+}
+
+template <typename T>
+void attend(const Problem<T>& p, int64_t b, int64_t g, int64_t row0, int rows, int64_t key0, int64_t key1,
+            State& st) {
+  switch (rows) {
+    case 1: return attend_rows<T, 1>(p, b, g, row0, key0, key1, st);
+    case 2: return attend_rows<T, 2>(p, b, g, row0, key0, key1, st);
+    case 3: return attend_rows<T, 3>(p, b, g, row0, key0, key1, st);
+    default: return attend_rows<T, 4>(p, b, g, row0, key0, key1, st);
   }
 }
 
@@ -128,7 +144,7 @@ inline void finish_row(const float* acc, float l, T* out, int64_t D) {
   V16 inv = vset(l > 0.0f ? 1.0f / l : 0.0f);
   for (int64_t c = 0; c < D; c += kLanes) {
     int n = int(std::min<int64_t>(kLanes, D - c));
-    store(out + c, load(acc + c) * inv, n);
+    vstore(out + c, vload(acc + c) * inv, n);
   }
 }
 

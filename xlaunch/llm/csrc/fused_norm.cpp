@@ -25,8 +25,8 @@ inline void norm_row(const T* x, const W* w, W* out, int64_t n, float eps, float
   V16 r = vset(1.0f / std::sqrt(sumsq / float(n) + eps));
   for (int64_t c = 0; c < n; c += kLanes) {
     int m = int(std::min<int64_t>(kLanes, n - c));
-    V16 normed = round_to<T>(load(x + c, m) * r);
-    store(out + c, load(w + c, m) * normed, m);
+    V16 normed = round_to<T>(vload(x + c, m) * r);
+    vstore(out + c, vload(w + c, m) * normed, m);
   }
 }
 
@@ -35,7 +35,7 @@ inline float sum_squares(const T* x, int64_t n) {
   V16 acc = vzero();
   for (int64_t c = 0; c < n; c += kLanes) {
     int m = int(std::min<int64_t>(kLanes, n - c));
-    V16 v = load(x + c, m);
+    V16 v = vload(x + c, m);
     acc = fma(v, v, acc);
   }
   return hsum(acc);
@@ -47,8 +47,8 @@ inline float add_in_place(T* residual, const T* x, int64_t n) {
   V16 acc = vzero();
   for (int64_t c = 0; c < n; c += kLanes) {
     int m = int(std::min<int64_t>(kLanes, n - c));
-    V16 v = round_to<T>(load(residual + c, m) + load(x + c, m));
-    store(residual + c, v, m);
+    V16 v = round_to<T>(vload(residual + c, m) + vload(x + c, m));
+    vstore(residual + c, v, m);
     acc = fma(v, v, acc);
   }
   return hsum(acc);
@@ -133,9 +133,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         const T* gate = ip + row * 2 * n;
         for (int64_t c = 0; c < n; c += kLanes) {
           int m = int(std::min<int64_t>(kLanes, n - c));
-          V16 g = load(gate + c, m);
+          V16 g = vload(gate + c, m);
           V16 silu = round_to<T>(g / (vset(1.0f) + vexp(vzero() - g)));
-          store(op + row * n + c, silu * load(gate + n + c, m), m);
+          vstore(op + row * n + c, silu * vload(gate + n + c, m), m);
         }
       }
     });
@@ -159,11 +159,11 @@ template <typename T, typename C>
 inline void rotate(const T* src, T* dst, const C* cos, const C* sin, int64_t half) {
   for (int64_t c = 0; c < half; c += kLanes) {
     int m = int(std::min<int64_t>(kLanes, half - c));
-    V16 x1 = load(src + c, m), x2 = load(src + half + c, m);
-    V16 o1 = x1 * load(cos + c, m) - x2 * load(sin + c, m);
-    V16 o2 = fma(x1, load(sin + half + c, m), x2 * load(cos + half + c, m));
-    store(dst + c, o1, m);
-    store(dst + half + c, o2, m);
+    V16 x1 = vload(src + c, m), x2 = vload(src + half + c, m);
+    V16 o1 = x1 * vload(cos + c, m) - x2 * vload(sin + c, m);
+    V16 o2 = fma(x1, vload(sin + half + c, m), x2 * vload(cos + half + c, m));
+    vstore(dst + c, o1, m);
+    vstore(dst + half + c, o2, m);
   }
 }
 

@@ -41,23 +41,23 @@ inline V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline float hmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
-inline __mmask16 tail_mask(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+inline __mmask16 tail_mask(int n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u); }
 
-inline V16 load(const float* p, int n = 16) {
+inline V16 vload(const float* p, int n = 16) {
   return {n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(tail_mask(n), p)};
 }
-inline V16 load(const c10::BFloat16* p, int n = 16) {
+inline V16 vload(const c10::BFloat16* p, int n = 16) {
   __m256i h = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                       : _mm256_maskz_loadu_epi16(tail_mask(n), p);
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
-inline V16 load(const c10::Half* p, int n = 16) {
+inline V16 vload(const c10::Half* p, int n = 16) {
   __m256i h = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                       : _mm256_maskz_loadu_epi16(tail_mask(n), p);
   return {_mm512_cvtph_ps(h)};
 }
 
-inline void store(float* p, V16 a, int n = 16) {
+inline void vstore(float* p, V16 a, int n = 16) {
   if (n >= 16) _mm512_storeu_ps(p, a.v); else _mm512_mask_storeu_ps(p, tail_mask(n), a.v);
 }
 // float -> bf16 bits, round to nearest even (NaN stays NaN), as torch's conversion.
@@ -73,12 +73,12 @@ inline __m256i to_bf16_bits(__m512 a) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 #endif
 }
-inline void store(c10::BFloat16* p, V16 a, int n = 16) {
+inline void vstore(c10::BFloat16* p, V16 a, int n = 16) {
   __m256i h = to_bf16_bits(a.v);
   if (n >= 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
   else _mm256_mask_storeu_epi16(p, tail_mask(n), h);
 }
-inline void store(c10::Half* p, V16 a, int n = 16) {
+inline void vstore(c10::Half* p, V16 a, int n = 16) {
   __m256i h = _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   if (n >= 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
   else _mm256_mask_storeu_epi16(p, tail_mask(n), h);
@@ -134,13 +134,13 @@ inline float hmax(V16 a) {
   return m;
 }
 template <typename T>
-inline V16 load(const T* p, int n = 16) {
+inline V16 vload(const T* p, int n = 16) {
   V16 r;
   for (int i = 0; i < 16; ++i) r.v[i] = i < n ? static_cast<float>(p[i]) : 0.0f;
   return r;
 }
 template <typename T>
-inline void store(T* p, V16 a, int n = 16) {
+inline void vstore(T* p, V16 a, int n = 16) {
   for (int i = 0; i < 16 && i < n; ++i) p[i] = static_cast<T>(a.v[i]);
 }
 #undef XLAUNCH_LLM_EACH
@@ -151,8 +151,8 @@ inline void store(T* p, V16 a, int n = 16) {
 template <typename T>
 inline V16 round_to(V16 a) {
   alignas(64) T tmp[16];
-  store(tmp, a);
-  return load(tmp);
+  vstore(tmp, a);
+  return vload(tmp);
 }
 template <>
 inline V16 round_to<float>(V16 a) { return a; }
