@@ -159,3 +159,18 @@ def test_the_pure_torch_fallback_gives_the_kernels_results(llama, teacher, weigh
         fallback = model(ids).logits.float()
     kernels = model(ids).logits.float()
     assert relative_error(kernels, fallback) < 2e-2
+
+
+def test_without_transformers_the_message_names_the_extra(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'transformers'\", name='transformers')\n")
+    code = ("import xlaunch.llm as llm\n"
+            "try:\n    llm.optimize\nexcept ImportError as exc:\n    print(exc.name, '|', exc)\n")
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == 'transformers | xlaunch.llm needs transformers: pip install "xlaunch[llm]"'

@@ -14,12 +14,13 @@ import warnings
 from typing import Any, Optional
 
 from xlaunch._torch import needs_torch
-from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES, DecoderSpec, describe
-from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, make_forward
-from xlaunch.llm.linear import GROUP_SIZES, PackedLinear
 
 with needs_torch(__name__):
     import torch
+
+from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
+from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, make_forward  # noqa: E402
+from xlaunch.llm.linear import GROUP_SIZES, PackedLinear  # noqa: E402
 
 __all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "is_optimized"]
 

@@ -10,12 +10,29 @@ beam reordering, cropping) while the optimized forward reads the buffers directl
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
     import torch
+
+LLM_EXTRA = 'pip install "xlaunch[llm]"'
+
+
+@contextlib.contextmanager
+def needs_transformers(what: str) -> Iterator[None]:
+    """Around a module's transformers imports: missing, it says which extra brings it."""
+    try:
+        yield
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "transformers":
+            raise
+        raise ImportError(f"{what} needs transformers: {LLM_EXTRA}", name="transformers") from exc
+
+
+with needs_transformers("xlaunch.llm"):
     from transformers.cache_utils import Cache
 
 MIN_CAPACITY = 64

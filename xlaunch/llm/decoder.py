@@ -11,13 +11,16 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from xlaunch._torch import needs_torch
-from xlaunch.llm import fused, native
-from xlaunch.llm.arch import DecoderSpec
-from xlaunch.llm.cache import KVCache
-from xlaunch.llm.linear import PackedLinear
 
 with needs_torch(__name__):
     import torch
+
+from xlaunch.llm import fused, native  # noqa: E402
+from xlaunch.llm.arch import DecoderSpec  # noqa: E402
+from xlaunch.llm.cache import KVCache, needs_transformers  # noqa: E402
+from xlaunch.llm.linear import PackedLinear  # noqa: E402
+
+with needs_transformers("xlaunch.llm"):
     from transformers.cache_utils import Cache
     from transformers.modeling_outputs import CausalLMOutputWithPast
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Optional
 
 from xlaunch._torch import needs_torch
-from xlaunch.llm.native import ops
 
 with needs_torch(__name__):
     import torch
     import torch.nn.functional as F
+
+from xlaunch.llm.native import ops  # noqa: E402
 
 _kernels: dict[str, object] = {}
 

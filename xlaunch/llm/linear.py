@@ -23,11 +23,12 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from xlaunch._torch import needs_torch
-from xlaunch.llm import native
 
 with needs_torch(__name__):
     import torch
     from torch import nn
+
+from xlaunch.llm import native  # noqa: E402
 
 KINDS = ("fp32", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
