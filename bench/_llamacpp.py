@@ -9,7 +9,8 @@ Cache layout (``$XLAUNCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/xlaunch``, else ``~
     llamacpp/model-<model key>/{config.json,model.safetensors,tokenizer.model}
     llamacpp/model-<model key>/gguf-<version>/{f32,bf16,q8_0,q4_0}.gguf
 
-The CPU key hashes the CPU's model name and flags: a native build is only valid where it was built.
+The CPU key hashes the CPU's flags: a native build only runs where they are. The build's binaries
+find their libraries next to them (``$ORIGIN``), so the finished build is renamed into place.
 """
 from __future__ import annotations
 
@@ -40,11 +41,10 @@ def cache_root() -> Path:
 
 
 def cpu_key(cpuinfo: Optional[str] = None) -> str:
-    """12 hex digits over the CPU's model name and sorted flags (a -march=native build's validity)."""
+    """12 hex digits over the CPU's sorted flags (what a -march=native build may use)."""
     text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text(errors="replace")
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return hashlib.sha256(f"{model}\n{' '.join(sorted(set(flags)))}".encode()).hexdigest()[:12]
+    return hashlib.sha256(" ".join(sorted(set(flags))).encode()).hexdigest()[:12]
 
 
 def _run_logged(argv: Sequence[str], log: Path, what: str, env: Optional[dict] = None,
@@ -111,7 +111,7 @@ def build(root: Optional[Path] = None) -> Path:
     log = staging / "build.log"
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     _run_logged([*nice, "cmake", "-S", str(source), "-B", str(staging), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                 "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                 "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
                 log, "configuring llama.cpp (cmake)")
     jobs = str(max(1, len(os.sched_getaffinity(0))))
     _run_logged([*nice, "cmake", "--build", str(staging), "--target", *TARGETS, "-j", jobs], log,

@@ -403,8 +403,8 @@ def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
     timed = [name for name in args.route_names if rows[name]["status"] == "ok"]
     for round_index in range(args.rounds):
         order = timed if round_index % 2 == 0 else timed[::-1]
-        began = time.monotonic()
         with bench_lock(args.lock):
+            began = time.monotonic()
             for name in order:
                 row = rows[name]
                 if row["status"] != "ok":
@@ -436,7 +436,8 @@ def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
         print(f"  round {round_index + 1}/{args.rounds} ({time.monotonic() - began:.0f} s), decode tok/s: {summary}",
               flush=True)
     for name, worker_ in workers.items():
-        rows[name]["peak_rss_mib"] = worker_.close().get("peak_rss_mib", 0.0)
+        last = worker_.close()
+        rows[name]["peak_rss_mib"], rows[name]["end_rss_mib"] = last.get("peak_rss_mib", 0.0), last.get("rss_mib")
     return rows
 
 
@@ -456,7 +457,7 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "decode_vs_llamacpp": paired_ratio(row["decode_tps"], peer["decode_tps"]) if peer_ok else None,
             "prefill_vs_llamacpp": paired_ratio(row["prefill_tps"], peer["prefill_tps"]) if peer_ok else None,
             "peak_rss_mib": row["peak_rss_mib"],
-            **{key: row[key] for key in ("setup_s", "first_call_s") if key in row},
+            **{key: row[key] for key in ("end_rss_mib", "setup_s", "first_call_s") if key in row},
             "decode_rounds": row["decode_tps"], "prefill_rounds": row["prefill_tps"],
         }
     return out
@@ -467,14 +468,15 @@ def table(threads: int, summary: dict[str, dict[str, Any]]) -> str:
         return "" if value is None else format(value, form)
 
     lines = [f"| route ({threads} thread{'s' if threads > 1 else ''}) | decode tok/s | vs llama.cpp | prefill tok/s "
-             "| vs llama.cpp | peak RSS MiB | first call s |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| vs llama.cpp | peak RSS MiB | RSS at end MiB | first call s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in summary.items():
         if row["status"] != "ok":
-            lines.append(f"| {name} | {row['status']} | | | | | |")
+            lines.append(f"| {name} | {row['status']} | | | | | | |")
             continue
         lines.append(f"| {name} | {number(row['decode_tps'], '.1f')} | {number(row['decode_vs_llamacpp'], '.2f')} "
                      f"| {number(row['prefill_tps'], '.0f')} | {number(row['prefill_vs_llamacpp'], '.2f')} "
-                     f"| {row['peak_rss_mib']:.0f} | {number(row.get('first_call_s'), '.1f')} |")
+                     f"| {row['peak_rss_mib']:.0f} | {number(row.get('end_rss_mib'), '.0f')} "
+                     f"| {number(row.get('first_call_s'), '.1f')} |")
     return "\n".join(lines)
 
 
