@@ -1,0 +1,203 @@
+"""llama.cpp as bench/llm.py's peer: its source (the tree vendored in the ``llama-cpp-python`` sdist),
+a native build of ``llama-bench`` and ``llama-quantize``, GGUF files converted from the bench's
+Hugging Face checkpoint, and ``llama-bench -o json`` runs parsed into tokens/s. No torch here.
+
+Cache layout (``$XLAUNCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/xlaunch``, else ``~/.cache/xlaunch``)::
+
+    llamacpp/src/llama_cpp_python-<version>/vendor/llama.cpp     the source
+    llamacpp/build-<version>-<cpu key>/bin/llama-bench            the build (-DGGML_NATIVE=ON)
+    llamacpp/model-<model key>/{config.json,model.safetensors,tokenizer.model}
+    llamacpp/model-<model key>/gguf-<version>/{f32,bf16,q8_0,q4_0}.gguf
+
+The CPU key hashes the CPU's flags: a native build only runs where they are. The build's binaries
+find their libraries next to them (``$ORIGIN``), so the finished build is renamed into place.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+VERSION = "0.3.36"                       # llama-cpp-python's sdist (it pins one llama.cpp commit)
+GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_0")
+CONVERT_OUTTYPES = ("f32", "bf16", "q8_0")   # convert_hf_to_gguf.py writes these; q4_0 is llama-quantize's
+TARGETS = ("llama-bench", "llama-quantize")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XLAUNCH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "xlaunch")
+    return Path(base) / "llamacpp"
+
+
+def cpu_key(cpuinfo: Optional[str] = None) -> str:
+    """12 hex digits over the CPU's sorted flags (what a -march=native build may use)."""
+    text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text(errors="replace")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return hashlib.sha256(" ".join(sorted(set(flags))).encode()).hexdigest()[:12]
+
+
+def _run_logged(argv: Sequence[str], log: Path, what: str, env: Optional[dict] = None,
+                progress: Optional[re.Pattern] = None) -> None:
+    """Run ``argv`` with its output into ``log``; a progress line every 10 s (or per ninja tenth)."""
+    print(f"  {what} (log: {log})", flush=True)
+    start, last, last_tenth = time.monotonic(), time.monotonic(), -1
+    with open(log, "a") as sink:
+        process = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        assert process.stdout is not None
+        for line in process.stdout:
+            sink.write(line)
+            now = time.monotonic()
+            match = progress.search(line) if progress else None
+            if match:
+                tenth = int(match.group(1)) * 10 // max(1, int(match.group(2)))
+                if tenth != last_tenth:
+                    last_tenth = tenth
+                    print(f"    [{match.group(1)}/{match.group(2)}] {now - start:.0f} s", flush=True)
+            elif now - last > 10:
+                last = now
+                print(f"    ... {now - start:.0f} s", flush=True)
+        code = process.wait()
+    if code != 0:
+        tail = log.read_text(errors="replace").splitlines()[-25:]
+        raise RuntimeError(f"{what} failed ({code}); the end of {log}:\n" + "\n".join(tail))
+    print(f"    done in {time.monotonic() - start:.0f} s", flush=True)
+
+
+def source_dir(root: Optional[Path] = None) -> Path:
+    """The llama.cpp tree; downloaded with ``pip download --no-binary`` and unpacked on first use."""
+    root = root or cache_root()
+    tree = root / "src" / f"llama_cpp_python-{VERSION}"
+    vendored = tree / "vendor" / "llama.cpp"
+    if (vendored / "CMakeLists.txt").exists():
+        return vendored
+    (root / "src").mkdir(parents=True, exist_ok=True)
+    archive = root / "src" / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not archive.exists():
+        with tempfile.TemporaryDirectory(dir=root / "src") as scratch:
+            _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
+                         f"llama-cpp-python=={VERSION}", "-d", scratch], root / "src" / "download.log",
+                        f"downloading the llama-cpp-python {VERSION} sdist (about 75 MB, 1-2 min)")
+            shutil.move(str(next(Path(scratch).glob("*.tar.gz"))), archive)
+    print(f"  unpacking {archive.name}", flush=True)
+    with tarfile.open(archive) as bundle:
+        bundle.extractall(root / "src", filter="data")
+    return vendored
+
+
+def build(root: Optional[Path] = None) -> Path:
+    """The folder holding ``llama-bench`` and ``llama-quantize``, built once per version and CPU
+    (cmake + ninja, ``-DGGML_NATIVE=ON``, under ``nice -n 10``: about 4 min on 2 cores)."""
+    root = root or cache_root()
+    final = root / f"build-{VERSION}-{cpu_key()}"
+    if all((final / "bin" / target).exists() for target in TARGETS):
+        return final / "bin"
+    source = source_dir(root)
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool} is not on PATH (pip install cmake ninja, or the OS packages)")
+    staging = root / f"build-{VERSION}-{cpu_key()}.tmp"
+    staging.mkdir(parents=True, exist_ok=True)
+    log = staging / "build.log"
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+    _run_logged([*nice, "cmake", "-S", str(source), "-B", str(staging), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                 "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                log, "configuring llama.cpp (cmake)")
+    jobs = str(max(1, len(os.sched_getaffinity(0))))
+    _run_logged([*nice, "cmake", "--build", str(staging), "--target", *TARGETS, "-j", jobs], log,
+                f"building {' and '.join(TARGETS)} with {jobs} jobs (about 4 min on 2 cores)",
+                progress=re.compile(r"^\[(\d+)/(\d+)\]"))
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    return final / "bin"
+
+
+def gguf_file(model_dir: Path, kind: str, bin_dir: Path, source: Path) -> Path:
+    """``model_dir``'s weights as a GGUF of ``kind`` (converted once; Q4_0 quantized from F32)."""
+    folder = model_dir / f"gguf-{VERSION}"
+    folder.mkdir(exist_ok=True)
+    target = folder / f"{kind}.gguf"
+    if target.exists():
+        return target
+    partial = folder / f"{kind}.gguf.partial"
+    log = folder / "convert.log"
+    if kind in CONVERT_OUTTYPES:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
+        _run_logged([sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", kind,
+                     "--outfile", str(partial)], log, f"converting to GGUF {kind.upper()}", env=env)
+    elif kind == "q4_0":
+        _run_logged([str(bin_dir / "llama-quantize"), str(gguf_file(model_dir, "f32", bin_dir, source)), str(partial),
+                     "Q4_0"], log, "quantizing GGUF F32 to Q4_0 (llama-quantize)")
+    else:
+        raise ValueError(f"unknown GGUF type {kind!r}")
+    partial.rename(target)
+    return target
+
+
+@dataclass
+class BenchResult:
+    """One llama-bench test: tokens/s per repetition, and the process's peak RSS."""
+
+    tokens_per_s: list[float]
+    peak_rss_mib: float
+    threads: int
+
+
+def parse_llama_bench(text: str) -> list[dict[str, Any]]:
+    """``llama-bench -o json``'s tests as ``{"kind": "prefill"|"decode", "tokens", "depth",
+    "threads", "type", "avg_ts", "samples_ts"}`` (a test has either prompt or generated tokens)."""
+    start = text.find("[")
+    if start < 0:
+        raise ValueError("no JSON array in llama-bench's output")
+    tests = json.loads(text[start:text.rfind("]") + 1])
+    parsed = []
+    for test in tests:
+        prompt, generated = int(test.get("n_prompt", 0)), int(test.get("n_gen", 0))
+        if (prompt > 0) == (generated > 0):
+            raise ValueError(f"a llama-bench test with n_prompt={prompt} and n_gen={generated}: "
+                             "run prefill and decode as separate tests")
+        parsed.append({
+            "kind": "prefill" if prompt else "decode",
+            "tokens": prompt or generated,
+            "depth": int(test.get("n_depth", 0)),
+            "threads": int(test["n_threads"]),
+            "type": str(test.get("model_type", "")),
+            "avg_ts": float(test["avg_ts"]),
+            "samples_ts": [float(value) for value in test.get("samples_ts", [test["avg_ts"]])],
+        })
+    return parsed
+
+
+def llama_bench_argv(bin_dir: Path, gguf: Path, threads: int, kind: str, tokens: int, depth: int,
+                     repetitions: int) -> list[str]:
+    """One test: prefill of ``tokens`` prompt tokens, or decode of ``tokens`` after ``depth`` in context."""
+    counts = ["-p", str(tokens), "-n", "0"] if kind == "prefill" else ["-p", "0", "-n", str(tokens)]
+    return [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), *counts, "-d", str(depth),
+            "-r", str(repetitions), "-o", "json"]
+
+
+def run_llama_bench(argv: Sequence[str]) -> tuple[dict[str, Any], float]:
+    """Run one llama-bench test; its parsed result and the process's peak RSS in MiB (wait4)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = subprocess.Popen(list(argv), stdout=out, stderr=err)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if process.returncode != 0:
+            raise RuntimeError(f"llama-bench failed ({process.returncode}): {err.read().decode(errors='replace')[-800:]}")
+        tests = parse_llama_bench(out.read().decode())
+    if len(tests) != 1:
+        raise ValueError(f"expected one llama-bench test, got {len(tests)}")
+    return tests[0], usage.ru_maxrss / 1024

@@ -1,0 +1,534 @@
+"""LLM decoding side by side: Hugging Face eager fp32 and bf16, HF compiled with a static cache
+(bf16, and torchao int8 weight-only), ``xlaunch.llm.optimize`` (bf16, int8, int4) and llama.cpp's
+``llama-bench`` (F32, BF16, Q8_0, Q4_0) on the same weights, at 1 and 2 threads.
+
+    .venv/bin/python bench/llm.py [--quick] [--threads 1,2] [--routes hf-fp32,llamacpp-bf16,...]
+                                  [--rounds 5] [--prompt 32] [--new-tokens 48] [--no-llamacpp]
+                                  [--json PATH] [--lock PATH] [--list]
+
+The model is a Llama decoder of 168.3M parameters made from a config (random weights, normal(0,
+0.02)), saved once as a Hugging Face checkpoint with a sentencepiece tokenizer (trained on generated
+words) and converted to GGUF with llama.cpp's own ``convert_hf_to_gguf.py``; llama.cpp is built
+from the tree vendored in the ``llama-cpp-python`` sdist. All of it is cached (bench/_llamacpp.py).
+
+Each torch route runs in its own process (its threads and its peak RSS are its own), set up and
+warmed once (a compiled route's first call takes about 30 s), then timed in interleaved rounds
+with the llama.cpp rows (order reversed every other round; each round holds the bench lock).
+Per round, a torch route times a forward over the prompt (prefill) and ``generate`` with
+``max_new_tokens`` equal to ``min_new_tokens``, 1 and N: decode tokens/s = (N - 1) / (t_N - t_1).
+llama-bench times prefill (``-p P``) and decode (``-n N-1 -d P+1``: the same context lengths) as
+two runs. Reported: medians over rounds, and the median of the per-round ratios to llama.cpp at
+the same precision.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path[:0] = [str(REPO), str(BENCH)]
+
+import _llamacpp  # noqa: E402
+from _machine_bench import median, paired_ratio  # noqa: E402
+
+CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+              num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)
+SEED = 0
+REPLY = "@@xlaunch-bench "                # a worker's replies on stdout start with this
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    engine: str          # "torch" or "llamacpp"
+    precision: str       # the llama.cpp type it is compared with: f32, bf16, q8_0, q4_0
+    what: str
+    quick: bool = True   # part of --quick's default set
+
+
+ROUTES = {route.name: route for route in (
+    Route("hf-fp32", "torch", "f32", "HF eager fp32, generate (dynamic cache)"),
+    Route("hf-bf16", "torch", "bf16", "HF eager bf16, generate (dynamic cache)"),
+    Route("hf-bf16-compiled", "torch", "bf16", "HF bf16, static cache + torch.compile", quick=False),
+    Route("torchao-int8", "torch", "q8_0", "HF bf16 + torchao int8 weight-only, static cache + torch.compile"),
+    Route("xlaunch-bf16", "torch", "bf16", "xlaunch.llm.optimize(model, dtype=bfloat16)"),
+    Route("xlaunch-int8", "torch", "q8_0", 'xlaunch.llm.optimize(model, dtype=bfloat16, weights="int8")'),
+    Route("xlaunch-int4", "torch", "q4_0", 'xlaunch.llm.optimize(model, dtype=bfloat16, weights="int4")'),
+    *(Route(f"llamacpp-{kind}", "llamacpp", kind, f"llama.cpp llama-bench, GGUF {kind.upper()}")
+      for kind in _llamacpp.GGUF_TYPES),
+)}
+COMPILED = ("hf-bf16-compiled", "torchao-int8")
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="print the routes and exit")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 24 new tokens, no hf-bf16-compiled")
+    parser.add_argument("--routes", help="comma-separated routes (--list); default: all (--quick: its set)")
+    parser.add_argument("--threads", type=int_list, default=[1, 2], help="thread counts (default 1,2)")
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 5, --quick 2)")
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
+    parser.add_argument("--new-tokens", type=int, help="generated tokens (default 48, --quick 24)")
+    parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp (no build, no GGUF)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--lock", default="/tmp/xlaunch-bench.lock" if os.path.exists("/tmp/xlaunch-bench.lock") else "",
+                        help="flock this file around each timed round ('' for none; default: "
+                             "/tmp/xlaunch-bench.lock when it exists)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)      # internal: one torch route's process
+    parser.add_argument("--make-model", help=argparse.SUPPRESS)  # internal: write the HF checkpoint
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.new_tokens = args.new_tokens or (24 if args.quick else 48)
+    if args.new_tokens < 2 or args.prompt < 1 or args.rounds < 1:
+        parser.error("--new-tokens must be at least 2, --prompt and --rounds at least 1")
+    if args.routes:
+        names = [name.strip() for name in args.routes.split(",") if name.strip()]
+        unknown = [name for name in names if name not in ROUTES]
+        if unknown:
+            parser.error(f"--routes: unknown {', '.join(unknown)} (known: {', '.join(ROUTES)})")
+    else:
+        names = [name for name, route in ROUTES.items() if route.quick or not args.quick]
+    if args.no_llamacpp:
+        names = [name for name in names if ROUTES[name].engine != "llamacpp"]
+    args.route_names = names
+    return args
+
+
+def list_routes() -> str:
+    return "\n".join(f"{r.name:18s} {r.engine:8s} vs llamacpp-{r.precision:5s} {r.what}"
+                     + ("" if r.quick else "   (not in --quick)") for r in ROUTES.values())
+
+
+def model_key() -> str:
+    import hashlib
+    from importlib.metadata import version
+
+    text = json.dumps({"config": CONFIG, "seed": SEED, "transformers": version("transformers"), "spm": 32000},
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# -- the model (in a subprocess: torch stays out of the orchestrating process) ---------------------
+def make_model(folder: Path) -> None:
+    """The seeded checkpoint (fp32 safetensors) and a sentencepiece BPE tokenizer of 32000 pieces."""
+    import random
+
+    try:
+        import sentencepiece
+    except ImportError:
+        raise SystemExit("bench/llm.py needs sentencepiece for the GGUF tokenizer: pip install -e '.[bench-llm]'") from None
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    print(f"  model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
+    model.save_pretrained(folder)
+    rng = random.Random(SEED)
+    syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiou"] + list("aeiou")
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(60000)]
+    lines = (" ".join(rng.choice(words) for _ in range(12)) for _ in range(40000))
+    print("  training the sentencepiece tokenizer (about 20 s)", flush=True)
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=lines, model_prefix=str(folder / "tokenizer"),
+                                             vocab_size=CONFIG["vocab_size"], model_type="bpe",
+                                             hard_vocab_limit=False, minloglevel=2)
+    (folder / "tokenizer.vocab").unlink(missing_ok=True)
+
+
+def model_dir() -> Path:
+    folder = _llamacpp.cache_root() / f"model-{model_key()}"
+    if not (folder / "tokenizer.model").exists():
+        print(f"writing the model checkpoint and tokenizer to {folder}", flush=True)
+        subprocess.run([sys.executable, __file__, "--make-model", str(folder)], check=True)
+    return folder
+
+
+# -- one torch route (the worker process) --------------------------------------------------------
+def reply(payload: dict[str, Any]) -> None:
+    print(REPLY + json.dumps(payload), flush=True)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = 10.0) -> Iterator[None]:
+    """A progress line every ``every`` seconds while the block runs (compiles, loads)."""
+    import threading
+
+    stop, start = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            print(f"      {what}: {time.monotonic() - start:.0f} s ...", flush=True)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def xlaunch_optimize() -> Any:
+    """``xlaunch.llm.optimize``, looked up lazily; ``LookupError(reason)`` while it is not there."""
+    import importlib
+    import importlib.util
+    import types
+
+    try:
+        package = importlib.import_module("xlaunch.llm")
+        if importlib.util.find_spec("xlaunch.llm.optimize") is not None:
+            importlib.import_module("xlaunch.llm.optimize")     # a submodule of that name: its function
+        found = package.optimize
+        found = found.optimize if isinstance(found, types.ModuleType) else found
+    except Exception as error:   # not merged yet, or its imports fail
+        raise LookupError(f"xlaunch.llm.optimize does not import ({type(error).__name__}: {str(error)[:160]})") from None
+    if not callable(found):
+        raise LookupError(f"xlaunch.llm.optimize is not callable: {found!r}")
+    return found
+
+
+def prepare(route: str, folder: Path) -> Any:
+    """The route's model; raises ``LookupError(reason)`` when the route cannot run here."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if route == "hf-fp32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    if route == "torchao-int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(model, Int8WeightOnlyConfig())
+    if route in COMPILED:
+        from transformers import CompileConfig
+
+        compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+        compile_config._compile_all_devices = True       # generate compiles on CUDA only otherwise
+        model.generation_config.cache_implementation = "static"
+        model.generation_config.compile_config = compile_config
+    if route.startswith("xlaunch-"):
+        weights = {"xlaunch-bf16": None, "xlaunch-int8": "int8", "xlaunch-int4": "int4"}[route]
+        optimize = xlaunch_optimize()
+        try:
+            model = optimize(model, dtype=torch.bfloat16, weights=weights)
+        except Exception as error:
+            raise LookupError(f"optimize raised {type(error).__name__}: {error}") from None
+    return model
+
+
+def worker(route: str, folder: Path, prompt_len: int, new_tokens: int) -> None:
+    """Set up ``route``, warm it, then answer ``round`` (timings) and ``quit`` (peak RSS) on stdin."""
+    import logging
+    import warnings
+
+    import torch
+
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    start = time.perf_counter()
+    try:
+        model = prepare(route, folder)
+    except LookupError as error:
+        reply({"unavailable": str(error)})
+        return
+    setup_s = time.perf_counter() - start
+    prompt = torch.randint(3, CONFIG["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompt)
+
+    def generate(count: int) -> float:
+        begin = time.perf_counter()
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=count, min_new_tokens=count,
+                             do_sample=False, pad_token_id=0)
+        seconds = time.perf_counter() - begin
+        if out.shape[1] != prompt_len + count:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, not {count}")
+        return seconds
+
+    def prefill() -> float:
+        begin = time.perf_counter()
+        model(input_ids=prompt, attention_mask=mask)
+        return time.perf_counter() - begin
+
+    try:
+        with torch.inference_mode():
+            slow = route in COMPILED
+            with heartbeat("compiling") if slow else contextlib.nullcontext():
+                first_s = generate(new_tokens)       # the longest first: a static cache is sized once
+            generate(1)
+            prefill()
+            reply({"ready": True, "setup_s": setup_s, "first_call_s": first_s})
+            for line in sys.stdin:
+                if line.strip() != "round":
+                    break
+                prefill_s = median(prefill() for _ in range(3))
+                reply({"prefill_s": prefill_s, "gen1_s": generate(1), "genN_s": generate(new_tokens)})
+    except Exception as error:       # a route that breaks mid-way is reported, not fatal to the bench
+        reply({"unavailable": f"failed: {type(error).__name__}: {str(error)[:300]}"})
+        return
+    status = Path("/proc/self/status").read_text()
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))}
+    reply({"peak_rss_mib": fields.get("VmHWM", 0) / 1024, "rss_mib": fields.get("VmRSS", 0) / 1024})
+
+
+# -- the orchestrator ------------------------------------------------------------------------------
+class Worker:
+    """One torch route in its own process, ``OMP_NUM_THREADS`` set before torch loads."""
+
+    def __init__(self, route: str, folder: Path, threads: int, args: argparse.Namespace) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"xlaunch-bench-llm-{route}-", suffix=".log")
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", route, "--model-dir", str(folder), "--prompt", str(args.prompt),
+             "--new-tokens", str(args.new_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            stderr=self.log)
+
+    def stderr_tail(self, lines: int = 12) -> str:
+        """The end of the worker's stderr (library warnings go there, shown when a route fails)."""
+        self.log.seek(0)
+        return "\n".join("      ! " + line for line in self.log.read().splitlines()[-lines:])
+
+    def answer(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+            print("      | " + line.rstrip(), flush=True)     # the worker's own progress lines
+        return {"unavailable": f"the worker exited ({self.process.wait()})"}
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(command + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            return {"unavailable": "the worker exited"}
+        return self.answer()
+
+    def close(self) -> dict[str, Any]:
+        answer = self.ask("quit") if self.process.poll() is None else {}
+        self.process.wait()
+        self.log.close()
+        return answer
+
+
+@contextlib.contextmanager
+def bench_lock(path: str) -> Iterator[None]:
+    """Hold ``flock(path)`` (shared with ``flock(1)`` users) for a timed round."""
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"    waiting for {path} (another timed run) ...", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def prepare_llamacpp(kinds: Sequence[str], folder: Path) -> tuple[Path, dict[str, Path]]:
+    print("llama.cpp: build and GGUF files (cached under " f"{_llamacpp.cache_root()})", flush=True)
+    bin_dir = _llamacpp.build()
+    source = _llamacpp.source_dir()
+    return bin_dir, {kind: _llamacpp.gguf_file(folder, kind, bin_dir, source) for kind in kinds}
+
+
+def measure_llamacpp(bin_dir: Path, gguf: Path, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+    prefill, rss_a = _llamacpp.run_llama_bench(
+        _llamacpp.llama_bench_argv(bin_dir, gguf, threads, "prefill", args.prompt, 0, repetitions=3))
+    decode, rss_b = _llamacpp.run_llama_bench(
+        _llamacpp.llama_bench_argv(bin_dir, gguf, threads, "decode", args.new_tokens - 1, args.prompt + 1, 2))
+    return {"prefill_tps": prefill["avg_ts"], "decode_tps": decode["avg_ts"], "peak_rss_mib": max(rss_a, rss_b)}
+
+
+def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
+                llama: Optional[tuple[Path, dict[str, Path]]]) -> dict[str, dict[str, Any]]:
+    """Every route at ``threads`` threads: set up the workers, then interleaved timed rounds."""
+    rows: dict[str, dict[str, Any]] = {}
+    workers: dict[str, Worker] = {}
+    torch_routes = [name for name in args.route_names if ROUTES[name].engine == "torch"]
+    print(f"\n== {threads} thread(s): setting up {len(torch_routes)} torch route(s)", flush=True)
+    for index, name in enumerate(torch_routes, 1):
+        note = " (torch.compile: about 30 s)" if name in COMPILED else ""
+        print(f"  [{index}/{len(torch_routes)}] {name}{note} ...", flush=True)
+        assert folder is not None
+        worker_ = Worker(name, folder, threads, args)
+        ready = worker_.answer()
+        if "unavailable" in ready:
+            print(f"      unavailable: {ready['unavailable']}", flush=True)
+            if ready["unavailable"].startswith("failed") or worker_.process.poll():
+                print(worker_.stderr_tail(), flush=True)
+            rows[name] = {"status": f"unavailable: {ready['unavailable']}"}
+            worker_.close()
+            continue
+        print(f"      ready: load+optimize {ready['setup_s']:.1f} s, first generate {ready['first_call_s']:.1f} s",
+              flush=True)
+        workers[name] = worker_
+        rows[name] = {"status": "ok", "setup_s": ready["setup_s"], "first_call_s": ready["first_call_s"],
+                      "prefill_tps": [], "decode_tps": [], "peak_rss_mib": 0.0}
+    for name in args.route_names:
+        if ROUTES[name].engine == "llamacpp":
+            rows[name] = ({"status": "ok", "prefill_tps": [], "decode_tps": [], "peak_rss_mib": 0.0} if llama
+                          else {"status": "unavailable: llama.cpp skipped"})
+    timed = [name for name in args.route_names if rows[name]["status"] == "ok"]
+    for round_index in range(args.rounds):
+        order = timed if round_index % 2 == 0 else timed[::-1]
+        with bench_lock(args.lock):
+            began = time.monotonic()
+            for name in order:
+                row = rows[name]
+                if row["status"] != "ok":
+                    row["prefill_tps"].append(None)
+                    row["decode_tps"].append(None)
+                    continue
+                time.sleep(0.1)          # the previous row's threads go idle
+                if ROUTES[name].engine == "llamacpp":
+                    assert llama is not None
+                    try:
+                        got = measure_llamacpp(llama[0], llama[1][ROUTES[name].precision], threads, args)
+                    except (RuntimeError, ValueError) as error:
+                        row["status"] = f"failed: {str(error)[:300]}"
+                        print(f"    {name}: {row['status']}", flush=True)
+                        continue
+                    row["peak_rss_mib"] = max(row["peak_rss_mib"], got["peak_rss_mib"])
+                else:
+                    answer = workers[name].ask("round")
+                    if "unavailable" in answer:
+                        row["status"] = answer["unavailable"]
+                        print(f"    {name}: {row['status']}\n{workers[name].stderr_tail()}", flush=True)
+                        continue
+                    got = {"prefill_tps": args.prompt / answer["prefill_s"],
+                           "decode_tps": (args.new_tokens - 1) / max(answer["genN_s"] - answer["gen1_s"], 1e-9)}
+                row["prefill_tps"].append(got["prefill_tps"])
+                row["decode_tps"].append(got["decode_tps"])
+        summary = "  ".join(f"{name} {rows[name]['decode_tps'][-1]:.1f}" for name in order
+                            if rows[name]["status"] == "ok" and rows[name]["decode_tps"][-1] is not None)
+        print(f"  round {round_index + 1}/{args.rounds} ({time.monotonic() - began:.0f} s), decode tok/s: {summary}",
+              flush=True)
+    for name, worker_ in workers.items():
+        last = worker_.close()
+        rows[name]["peak_rss_mib"], rows[name]["end_rss_mib"] = last.get("peak_rss_mib", 0.0), last.get("rss_mib")
+    return rows
+
+
+def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Medians, and paired ratios to the llama.cpp row of the same precision (where it ran)."""
+    out = {}
+    for name, row in rows.items():
+        if row["status"] != "ok":
+            out[name] = {"status": row["status"]}
+            continue
+        peer = rows.get(f"llamacpp-{ROUTES[name].precision}")
+        peer_ok = peer is not None and peer["status"] == "ok" and not name.startswith("llamacpp-")
+        out[name] = {
+            "status": "ok",
+            "decode_tps": median(v for v in row["decode_tps"] if v is not None),
+            "prefill_tps": median(v for v in row["prefill_tps"] if v is not None),
+            "decode_vs_llamacpp": paired_ratio(row["decode_tps"], peer["decode_tps"]) if peer_ok else None,
+            "prefill_vs_llamacpp": paired_ratio(row["prefill_tps"], peer["prefill_tps"]) if peer_ok else None,
+            "peak_rss_mib": row["peak_rss_mib"],
+            **{key: row[key] for key in ("end_rss_mib", "setup_s", "first_call_s") if key in row},
+            "decode_rounds": row["decode_tps"], "prefill_rounds": row["prefill_tps"],
+        }
+    return out
+
+
+def table(threads: int, summary: dict[str, dict[str, Any]]) -> str:
+    def number(value: Optional[float], form: str) -> str:
+        return "" if value is None else format(value, form)
+
+    lines = [f"| route ({threads} thread{'s' if threads > 1 else ''}) | decode tok/s | vs llama.cpp | prefill tok/s "
+             "| vs llama.cpp | peak RSS MiB | RSS at end MiB | first call s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, row in summary.items():
+        if row["status"] != "ok":
+            lines.append(f"| {name} | {row['status']} | | | | | | |")
+            continue
+        lines.append(f"| {name} | {number(row['decode_tps'], '.1f')} | {number(row['decode_vs_llamacpp'], '.2f')} "
+                     f"| {number(row['prefill_tps'], '.0f')} | {number(row['prefill_vs_llamacpp'], '.2f')} "
+                     f"| {row['peak_rss_mib']:.0f} | {number(row.get('end_rss_mib'), '.0f')} "
+                     f"| {number(row.get('first_call_s'), '.1f')} |")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    from _machine_bench import describe_machine, machine_line, node_cores
+
+    from xlaunch.machine import current_machine
+
+    here = current_machine()
+    description = describe_machine(here, node_cores(here))
+    print(machine_line(description), flush=True)
+    return description
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        print(list_routes())
+        return 0
+    if args.make_model:
+        make_model(Path(args.make_model))
+        return 0
+    if args.worker:
+        worker(args.worker, Path(args.model_dir), args.prompt, args.new_tokens)
+        return 0
+    description = machine()
+    print(f"routes: {', '.join(args.route_names)}; threads {args.threads}; {args.rounds} rounds; "
+          f"prompt {args.prompt}, new tokens {args.new_tokens}; lock {args.lock or 'none'}", flush=True)
+    folder = model_dir()
+    kinds = sorted({ROUTES[name].precision for name in args.route_names if ROUTES[name].engine == "llamacpp"},
+                   key=_llamacpp.GGUF_TYPES.index)
+    llama = None
+    if kinds:
+        try:
+            llama = prepare_llamacpp(kinds, folder)
+        except Exception as error:       # no compiler, no network: the torch rows still run
+            print(f"llama.cpp unavailable: {type(error).__name__}: {error}", flush=True)
+    results = {}
+    for threads in args.threads:
+        results[str(threads)] = summarize(run_threads(threads, args, folder, llama))
+    print()
+    for threads in args.threads:
+        print(table(threads, results[str(threads)]) + "\n")
+    description["load_average_end"] = list(os.getloadavg())
+    from _machine_bench import write_results
+
+    write_results(description, args.json, {
+        "bench": "llm", "config": CONFIG, "prompt": args.prompt, "new_tokens": args.new_tokens,
+        "rounds": args.rounds, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
+        "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

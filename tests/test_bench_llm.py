@@ -1,0 +1,132 @@
+"""bench/llm.py's own logic, without timing a model: its arguments, its route list (printed without
+loading torch), llama-bench's JSON as it parses it, the command lines it runs, and the summary's
+ratios to llama.cpp at the same precision."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def load(name: str):
+    if f"bench_{name}" in sys.modules:
+        return sys.modules[f"bench_{name}"]
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module       # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+# llama-bench -o json, one decode test (-p 0 -n 23 -d 33 -r 2), as this build prints it (trimmed of
+# the fields the bench does not read).
+DECODE_JSON = """[
+  {
+    "build_commit": "unknown",
+    "cpu_info": "AMD EPYC [4th gen]",
+    "model_filename": "/cache/q8_0.gguf",
+    "model_type": "llama ?B Q8_0",
+    "n_threads": 2,
+    "n_prompt": 0,
+    "n_gen": 23,
+    "n_depth": 33,
+    "avg_ns": 121000000,
+    "avg_ts": 190.25,
+    "stddev_ts": 1.5,
+    "samples_ns": [ 120000000, 122000000 ],
+    "samples_ts": [ 191.5, 189.0 ]
+  }
+]
+"""
+
+
+def test_list_prints_every_route_without_importing_torch() -> None:
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['llm.py', '--list']\n"
+            "try:\n"
+            f"    runpy.run_path({str(BENCH / 'llm.py')!r}, run_name='__main__')\n"
+            "except SystemExit as stop:\n"
+            "    assert stop.code == 0, stop.code\n"
+            "print('heavy:', sorted(m for m in ('torch', 'transformers', 'xlaunch.llm') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    routes = [line.split()[0] for line in out.splitlines() if line and not line.startswith("heavy:")]
+    assert routes == list(load("llm").ROUTES)
+    assert {"hf-fp32", "torchao-int8", "xlaunch-int4", "llamacpp-q4_0"} <= set(routes)
+    assert out.splitlines()[-1] == "heavy: []"
+
+
+def test_arguments() -> None:
+    llm = load("llm")
+    quick = llm.parse_args(["--quick"])
+    assert (quick.rounds, quick.new_tokens, quick.threads) == (2, 24, [1, 2])
+    assert "hf-bf16-compiled" not in quick.route_names and "llamacpp-q8_0" in quick.route_names
+    full = llm.parse_args(["--threads", "2", "--rounds", "3"])
+    assert full.route_names == list(llm.ROUTES) and (full.threads, full.rounds, full.new_tokens) == ([2], 3, 48)
+    chosen = llm.parse_args(["--routes", "hf-bf16,llamacpp-bf16", "--no-llamacpp", "--lock", ""])
+    assert chosen.route_names == ["hf-bf16"] and chosen.lock == ""
+
+
+@pytest.mark.parametrize("argv", [["--routes", "hf-bf16,nope"], ["--threads", "0"], ["--threads", "1,x"],
+                                  ["--new-tokens", "1"]])
+def test_bad_arguments_stop_with_a_message(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as stop:
+        load("llm").parse_args(argv)
+    assert stop.value.code == 2
+    assert argv[1].split(",")[-1] in capsys.readouterr().err
+
+
+def test_llama_bench_json() -> None:
+    llamacpp = load("_llamacpp")
+    (test,) = llamacpp.parse_llama_bench("build: 1 (unknown)\n" + DECODE_JSON)
+    assert test == {"kind": "decode", "tokens": 23, "depth": 33, "threads": 2, "type": "llama ?B Q8_0",
+                    "avg_ts": 190.25, "samples_ts": [191.5, 189.0]}
+    prefill = DECODE_JSON.replace('"n_prompt": 0', '"n_prompt": 32').replace('"n_gen": 23', '"n_gen": 0')
+    assert llamacpp.parse_llama_bench(prefill)[0]["kind"] == "prefill"
+    with pytest.raises(ValueError, match="separate tests"):        # -pg: prompt and generation in one
+        llamacpp.parse_llama_bench(DECODE_JSON.replace('"n_prompt": 0', '"n_prompt": 32'))
+    with pytest.raises(ValueError, match="no JSON"):
+        llamacpp.parse_llama_bench("error: failed to load model")
+
+
+def test_llama_bench_command_lines_match_the_torch_measurement() -> None:
+    llamacpp = load("_llamacpp")
+    decode = llamacpp.llama_bench_argv(Path("/b"), Path("/m.gguf"), 2, "decode", 23, 33, 2)
+    assert decode == ["/b/llama-bench", "-m", "/m.gguf", "-t", "2", "-p", "0", "-n", "23", "-d", "33",
+                      "-r", "2", "-o", "json"]
+    prefill = llamacpp.llama_bench_argv(Path("/b"), Path("/m.gguf"), 1, "prefill", 32, 0, 3)
+    assert prefill[5:11] == ["-p", "32", "-n", "0", "-d", "0"]
+
+
+def test_cpu_key_follows_the_flags_not_their_order() -> None:
+    key = load("_llamacpp").cpu_key
+    base = "model name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    assert key(base) == key(base.replace("fpu avx2", "avx2 fpu"))
+    assert key(base) != key(base.replace(" avx512_bf16", "")) != key(base.replace("fpu ", ""))
+
+
+def test_summary_ratios_pair_rounds_with_the_same_precision() -> None:
+    llm = load("llm")
+    rows = {
+        "hf-bf16": {"status": "ok", "decode_tps": [50.0, 40.0, 60.0], "prefill_tps": [400.0, 300.0, 500.0],
+                    "peak_rss_mib": 900.0, "end_rss_mib": 700.0, "first_call_s": 1.0},
+        "torchao-int8": {"status": "ok", "decode_tps": [70.0, 70.0, 70.0], "prefill_tps": [100.0] * 3,
+                         "peak_rss_mib": 1200.0},
+        "xlaunch-int8": {"status": "unavailable: not there"},
+        "llamacpp-bf16": {"status": "ok", "decode_tps": [100.0, 80.0, 120.0], "prefill_tps": [800.0, 600.0, 1000.0],
+                          "peak_rss_mib": 400.0},
+    }
+    summary = llm.summarize(rows)
+    assert summary["hf-bf16"]["decode_tps"] == 50.0 and summary["hf-bf16"]["decode_vs_llamacpp"] == 0.5
+    assert summary["hf-bf16"]["prefill_vs_llamacpp"] == 0.5
+    assert summary["torchao-int8"]["decode_vs_llamacpp"] is None      # no Q8_0 row ran
+    assert summary["llamacpp-bf16"]["decode_vs_llamacpp"] is None
+    assert summary["xlaunch-int8"] == {"status": "unavailable: not there"}
+    text = llm.table(2, summary)
+    assert "| hf-bf16 | 50.0 | 0.50 | 400 | 0.50 | 900 | 700 | 1.0 |" in text
+    assert "| llamacpp-bf16 | 100.0 |  | 800 |  | 400 |  |  |" in text
+    assert "| xlaunch-int8 | unavailable: not there |" in text
