@@ -164,6 +164,9 @@ class PackedLinear(nn.Module):
                 weight_buf = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
                 s = _pad_rows(scale, 16).t()
                 scales = torch.stack([s, torch.zeros_like(s)], dim=-1).contiguous()
+        ops = native.ops()
+        if ops is not None and hasattr(ops, "huge_page_copy"):   # streamed once per token: 2 MiB pages
+            weight_buf = ops.huge_page_copy(weight_buf)
         self.register_buffer("weight", weight_buf)
         self.register_buffer("scales", scales)
 
