@@ -65,6 +65,16 @@ def check(rank):
     else:
         raise AssertionError("no error")
     assert torch.equal(dist_bag.weight.detach(), before)
+    overrun = list(offsets)
+    overrun[0] = offsets[0].clone()
+    overrun[0][-1] = len(indices[0]) + 1
+    try:
+        dist_bag(indices, overrun)
+    except ValueError as exc:
+        assert f"position {batch - 1} of table 0 is out of range" in str(exc), exc
+    else:
+        raise AssertionError("no error")
+    assert torch.equal(dist_bag.weight.detach(), before)
 
 
 if __name__ == "__main__":

@@ -326,12 +326,19 @@ def test_jit_trace_and_compile_fullgraph_record_the_ops(kernels):
     assert "xlaunch::merged_bag" in str(traced.graph)
     for got, want in zip(traced(indices, offsets), reference(tables, indices, offsets)):
         torch.testing.assert_close(got, want)
+    overrun = [offsets[0].clone(), *offsets[1:]]
+    overrun[0][-1] = len(indices[0]) + 1                 # the recorded op checks the offsets it is given
+    with pytest.raises(RuntimeError, match=rf"ValueError: offset .* position {BATCH - 1} of table 0 is out of range"):
+        traced(indices, overrun)                         # (the TorchScript interpreter wraps the error)
     eager = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.5)
     compiled_module = MergedEmbeddingBagWithSGD.from_embeddingbag_list(tables, lr=0.5)
     compiled = torch.compile(compiled_module, fullgraph=True)
     upstream = [torch.randn(BATCH, t.embedding_dim, generator=torch.Generator().manual_seed(29)) for t in tables]
     torch.autograd.backward(compiled(indices, offsets), upstream)    # the update runs in the compiled backward
     torch.autograd.backward(eager(indices, offsets), upstream)
+    torch.testing.assert_close(compiled_module.weight, eager.weight)
+    with pytest.raises(ValueError, match=rf"position {BATCH - 1} of table 0 is out of range"):
+        compiled(indices, overrun)
     torch.testing.assert_close(compiled_module.weight, eager.weight)
     assert not torch.equal(eager.weight, merged.weight)
 

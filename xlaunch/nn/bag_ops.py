@@ -25,9 +25,10 @@ with needs_torch(__name__):
     import torch
     from torch import Tensor
 
-from xlaunch.nn.bag_torch import (SMALL_STEP_LOOKUPS, WRITE_GRAD, _NONE, _ops_for, _places, _run_shape, _runs,
+from xlaunch.nn.bag_torch import (SMALL_STEP_LOOKUPS, WRITE_GRAD, _NONE, _ops_for, _places, _run_shape,
                                   _torch_grad, check_bounds, torch_pool, update_rows)
-from xlaunch.nn.tables import MODES, BagInputs, EmbeddingSpec, TableLayout, call_plan, normalize
+from xlaunch.nn.tables import (MODES, BagInputs, EmbeddingSpec, TableLayout, call_plan, check_offsets, normalize,
+                               offset_ranges, offsets_valid)
 
 _MODE_NAMES = {code: name for name, code in MODES.items()}
 
@@ -58,8 +59,10 @@ def _native_pool(ops: object, weight: Tensor, layout: TableLayout, inputs: BagIn
 
 def _forward(weight: Tensor, dense: Optional[Tensor], indices: list, offsets: list, psw: list, rows: list,
              dims: list, modes: list, batch: int) -> list[Tensor]:
-    outs = _forward_with(weight, dense, layout_of(tuple(rows), tuple(dims), tuple(modes)),
-                         _inputs(indices, offsets, psw, batch))
+    layout = layout_of(tuple(rows), tuple(dims), tuple(modes))
+    # The operators' own check too: a traced or compiled graph calls them without the classes' checks.
+    check_offsets(offsets, [idx.numel() for idx in indices], batch, layout.cache)
+    outs = _forward_with(weight, dense, layout, _inputs(indices, offsets, psw, batch))
     return [out.clone() if out._base is not None else out for out in outs]   # an op's outputs never alias
 
 
@@ -280,63 +283,92 @@ def _block(weight: Tensor, layout: TableLayout, first: int, place: tuple[int, in
     return found[2]
 
 
+def _call_shape(layout: TableLayout, batch: int, used: tuple, dtype: torch.dtype) -> tuple:
+    """How :func:`fast_pool` pools a call shape (cached): (the tables pooled one call each, and per
+    run of tables ``(first, stop, checks)``, ``checks`` None for a run pooled table by table, else
+    for the run's indices and offsets concatenated (with the end appended, as a table of one offset
+    and no indices): (their shift into the run's rows and lookups, each value's valid range once
+    shifted, the lookups' count, the run's block place, a zero for the end))."""
+    key = ("call shape", batch, used, dtype)
+    found = layout.cache.get(key)
+    if found is None:
+        alone, runs = [], []
+        for first, stop in layout.runs():
+            if stop - first == 1 or layout.modes[first] == "max" or sum(used[first:stop]) > SMALL_STEP_LOOKUPS:
+                alone.extend(range(first, stop))
+                runs.append((first, stop, None))
+                continue
+            bases, _, last, _, _, place = _run_shape(layout, first, stop, batch, used[first:stop], dtype)
+            shift, low, high = offset_ranges((batch,) * (stop - first) + (1,), (*used[first:stop], 0), batch, dtype,
+                                             layout.cache)
+            runs.append((first, stop, (torch.cat([bases, shift]), torch.cat([bases, low]),
+                                       torch.cat([last + bases, high]), sum(used[first:stop]), place,
+                                       torch.zeros(1, dtype=dtype))))
+        found = (alone, runs)
+        if len(layout.cache) > 64:
+            layout.cache.clear()
+        layout.cache[key] = found
+    return found
+
+
 def fast_pool(weight: Tensor, layout: TableLayout, indices: object, offsets: object) -> Optional[list[Tensor]]:
     """Eager inference on the pure-torch path, without per-sample weights, from the raw inputs:
     what :func:`pool` gives, or None where it does not apply (the kernels, autocast, tracing, a form
     or dtype mix the cached :func:`~xlaunch.nn.tables.call_plan` leaves to the general path).
 
-    A call whose signature was seen before skips the input checks (they depend on nothing else)
-    and runs, per run of tables sharing a dim and mode: one ``cat`` of the indices, the bounds check
-    (``clamp`` + ``equal`` against each lookup's table range, cached per call shape), one ``add`` of
-    the tables' row bases, one ``cat`` + ``add_`` of the offsets, one ``embedding_bag``. An index
-    outside its table raises from :func:`check_bounds` before anything is read."""
+    A call whose signature was seen before skips the shape and dtype checks (they depend on nothing
+    else) but checks every table's offsets (:func:`~xlaunch.nn.tables.offsets_valid`, one pass over
+    all tables), then runs, per run of tables sharing a dim and mode: one ``cat`` of the indices, the
+    bounds check (``clamp`` + ``equal`` against each lookup's table range, cached per call shape),
+    one ``add`` of the tables' row bases, one ``cat`` + ``add_`` of the offsets, one
+    ``embedding_bag``. A bad offset raises from :func:`~xlaunch.nn.tables.normalize`, an index
+    outside its table from :func:`check_bounds`, before anything is read."""
     if _ops_for(weight) is not None or torch.is_autocast_enabled("cpu") or _recorded():
         return None
     plan = call_plan(layout, indices, offsets)
     if plan is None:
         return None
     batch, forms = plan.batch, plan.forms
-    flat_idx, flat_off, used = [], [], []
-    for t, form in enumerate(forms):
-        idx = indices[t]
-        if form == 2:
-            idx, off = idx.reshape(-1), plan.arange[t]
-        elif form == 1:
-            off = offsets[t]
-            count = int(off[batch])
-            if count != idx.numel():
-                if not 0 <= count <= idx.numel():
-                    return None     # the general path says what is wrong
-                idx = idx[:count]
-            off = off[:batch]
-        else:
-            off = offsets[t]
-        flat_idx.append(idx)
-        flat_off.append(off)
-        used.append(idx.numel())
+    used = [idx.numel() for idx in indices]
+    flat_idx = [idx.reshape(-1) if form == 2 else idx for idx, form in zip(indices, forms)]
+    flat_off = [plan.arange[t] if form == 2 else offsets[t][:batch] if form == 1 else offsets[t]
+                for t, form in enumerate(forms)]
+    alone, runs = _call_shape(layout, batch, tuple(used), flat_idx[0].dtype)
+    # Every table's offsets and every run's indices are checked before anything is read: the
+    # tables pooled one call each in one pass, a run's offsets as they are placed for its
+    # embedding_bag (ranges, then cummax: never decreasing), an include_last_offset table's last
+    # offset against its indices.
+    valid = not alone or offsets_valid([offsets[t] if forms[t] == 1 else flat_off[t] for t in alone],
+                                       [used[t] for t in alone], batch, layout.cache)
+    if valid and 1 in forms:
+        valid = all(int(offsets[t][batch]) == used[t] for t, form in enumerate(forms) if form == 1 and t not in alone)
+    placed_runs = []
+    for first, stop, checks in runs:
+        if checks is None:
+            continue
+        shift, low, high, lookups, place, zero = checks
+        placed = torch.cat([*flat_idx[first:stop], *flat_off[first:stop], zero]) + shift
+        run_off = placed[lookups:]
+        valid = (valid and torch.equal(torch.clamp(placed, low, high), placed)
+                 and torch.equal(torch.cummax(run_off, 0).values, run_off))
+        placed_runs.append((placed[:lookups], run_off))
+    if not valid:       # raises, naming the table and position
+        check_bounds(layout, normalize(layout, indices, offsets, None, weight.dtype))
     outputs: list[Tensor] = []
+    placed_runs.reverse()
     try:
-        for first, stop in _runs(layout):
+        for first, stop, checks in runs:
             mode = MODES[layout.modes[first]]
-            if stop - first == 1 or mode == MODES["max"] or sum(used[first:stop]) > SMALL_STEP_LOOKUPS:
+            if checks is None:
                 for t in range(first, stop):
                     outputs.append(torch.embedding_bag(layout.view(weight.detach(), t), flat_idx[t], flat_off[t], False,
                                                        mode, False, None, False)[0])
                 continue
-            run_idx = torch.cat(flat_idx[first:stop])
-            bases, zeros, last, shifts, total, place = _run_shape(layout, first, stop, batch, tuple(used[first:stop]),
-                                                                  run_idx.dtype)
-            if not torch.equal(torch.clamp(run_idx, zeros, last), run_idx):
-                check_bounds(layout, normalize(layout, indices, offsets, None, weight.dtype))
-            key = ("ends", shifts.data_ptr())          # the shifts with a 0 for the appended end
-            ends = layout.cache.get(key)
-            if ends is None or ends[0] is not shifts:
-                ends = layout.cache[key] = (shifts, torch.cat([shifts, shifts.new_zeros(1)]))
-            run_off = torch.cat([*flat_off[first:stop], total]).add_(ends[1])
+            run_idx, run_off = placed_runs.pop()
             # Sum pooling (then a division for mean: torch's mean costs ~4x its sum here) on a
             # detached block (a weight that requires grad makes torch build the backward's maps).
-            out = torch.embedding_bag(_block(weight, layout, first, place), run_idx.add(bases), run_off, False, 0,
-                                      False, None, True)[0]
+            out = torch.embedding_bag(_block(weight, layout, first, checks[4]), run_idx, run_off, False, 0, False, None,
+                                      True)[0]
             if mode == MODES["mean"]:
                 out.div_(torch.sub(run_off[1:], run_off[:-1]).clamp_(min=1).unsqueeze_(1))
             outputs.extend(out.view(stop - first, batch, layout.dims[first]).unbind(0))

@@ -190,7 +190,94 @@ def normalize(layout: TableLayout, indices: object, offsets: object, per_sample_
         out_indices.append(_as(idx, dtype))
         out_offsets.append(_as(off, dtype))
         out_weights.append(psw)
-    return BagInputs(out_indices, out_offsets, out_weights, int(batch or 0))
+    batch = int(batch or 0)
+    if not torch.compiler.is_compiling():     # a compiled graph's operators check them as they run
+        check_offsets(out_offsets, [idx.numel() for idx in out_indices], batch, layout.cache)
+    return BagInputs(out_indices, out_offsets, out_weights, batch)
+
+
+def offset_ranges(lengths: tuple, counts: tuple, batch: int, dtype: torch.dtype,
+                   cache: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """For the tables' offsets concatenated (cached per call shape): each offset's shift, its
+    table's first lookup among all tables' lookups, and its valid range once shifted, ``[lo, hi]``:
+    ``[base, base + count]``, narrowed to ``base`` for a table's first offset and to ``base + count``
+    for an ``include_last_offset`` table's last one."""
+    key = ("offset ranges", lengths, counts, batch, dtype)
+    found = cache.get(key)
+    if found is None:
+        wide = torch.int64 if sum(counts) >= 2 ** 31 else dtype
+        sizes = torch.tensor(lengths)
+        bases = torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0)
+        shift = bases.repeat_interleave(sizes)
+        lo, hi = shift.clone(), (bases + torch.tensor(counts)).repeat_interleave(sizes)
+        start = 0
+        for base, count, size in zip(bases.tolist(), counts, lengths):
+            if size:
+                hi[start] = base                    # offsets[0] == 0
+            if size == batch + 1 and batch:
+                lo[start + batch] = base + count    # include_last_offset: the last offset ends the indices
+            start += size
+        found = (shift.to(wide), lo.to(wide), hi.to(wide))
+        if len(cache) > 64:
+            cache.clear()
+        cache[key] = found
+    return found
+
+
+def offsets_valid(offsets: Sequence[Tensor], counts: Sequence[int], batch: int, cache: dict) -> bool:
+    """Whether every table's offsets (``batch`` of them, or ``batch + 1`` with the last) start at
+    0, never decrease, stay within ``[0, count]`` (``count``: the table's indices) and, with the
+    last, end at ``count``: one pass over all tables (one ``cat``, a shift into one index space where
+    the tables follow each other, then ``clamp`` to the ranges, ``cummax``, one ``equal``)."""
+    if not offsets:
+        return True
+    flat = torch.cat(list(offsets)) if len(offsets) > 1 else offsets[0]
+    if flat.numel() == 0:
+        return True
+    shift, lo, hi = offset_ranges(tuple([o.numel() for o in offsets]), tuple(counts), batch, flat.dtype, cache)
+    return placed_offsets_valid(flat + shift, lo, hi)
+
+
+def placed_offsets_valid(placed: Tensor, lo: Tensor, hi: Tensor) -> bool:
+    """Whether offsets shifted into one index space (:func:`offset_ranges`) are valid: exactly when
+    the ranges clamp nothing and the clamped offsets never decrease (a value above its range is
+    clamped below it, and ``hi`` never decreases along the tables, so no earlier value lifts the
+    running maximum back to it; one below its range is lifted above it)."""
+    return torch.equal(torch.cummax(torch.clamp(placed, lo, hi), 0)[0], placed)
+
+
+def offsets_problem(offsets: Sequence[Tensor], counts: Sequence[int], batch: int) -> Optional[str]:
+    """What is wrong with the first bad offset (table by table), or None."""
+    for t, (off, count) in enumerate(zip(offsets, counts)):
+        if off.numel() == 0:
+            continue
+        off = off.long()
+        before = torch.cat([off.new_zeros(1), off[:-1]])
+        bad = (off < 0) | (off > count) | (off < before)
+        bad[0] |= bool(off[0] != 0)
+        if off.numel() == batch + 1 and batch:
+            bad[batch] |= bool(off[batch] != count)
+        if not bool(bad.any()):
+            continue
+        position = int(torch.nonzero(bad)[0, 0])
+        value = int(off[position])
+        where = f"offset {value} at position {position} of table {t}"
+        if not 0 <= value <= count:
+            return f"{where} is out of range [0, {count}] (the table has {count} indices)"
+        if position == 0:
+            return f"{where} is not 0: the first bag starts at the table's first index"
+        if value < int(before[position]):
+            return f"{where} is less than the offset before it ({int(before[position])}): offsets must not decrease"
+        return (f"{where} is not the table's number of indices ({count}): with include_last_offset, the last "
+                f"offset ends the last bag at the end of the indices")
+    return None
+
+
+def check_offsets(offsets: Sequence[Tensor], counts: Sequence[int], batch: int, cache: dict) -> None:
+    """Raise ``ValueError`` naming the table, the position and the problem when an offset is wrong
+    (see :func:`offsets_valid`), before anything is read."""
+    if not offsets_valid(offsets, counts, batch, cache):
+        raise ValueError(offsets_problem(offsets, counts, batch) or "invalid offsets")
 
 
 class CallPlan(NamedTuple):
