@@ -23,8 +23,6 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < k_pairs; ++kp) {
     const uint16_t* wp = w + kp * 2 * kBlock;
-    _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * 2 * kBlock), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * 2 * kBlock + 64), _MM_HINT_T0);
     __m512bh wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
     for (int r = 0; r < R; ++r) {
@@ -43,7 +41,6 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t k, float* o
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
     const int8_t* wp = w + kk * kBlock;
-    _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * kBlock), _MM_HINT_T0);
     __m512 wv[4];
     for (int j = 0; j < 4; ++j)
       wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * j))));
@@ -72,8 +69,6 @@ void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* sc
     for (int64_t q = 0; q < quads; ++q) {
       const int64_t k = (g * quads + q) * 4;
       const uint8_t* wp = w + (g * quads + q) * 2 * kBlock;
-      _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * 2 * kBlock), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * 2 * kBlock + 64), _MM_HINT_T0);
       __m512bh lo[4], hi[4];
       for (int j = 0; j < 4; ++j) {
         const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * j)));
