@@ -15,7 +15,8 @@ Each torch route runs in its own process (its threads and its peak RSS are its o
 warmed once (a compiled route's first call takes about 30 s), then timed in interleaved rounds
 with the llama.cpp rows (order reversed every other round; each round holds the bench lock).
 Per round, a torch route times a forward over the prompt (prefill) and ``generate`` with
-``max_new_tokens`` equal to ``min_new_tokens``, 1 and N: decode tokens/s = (N - 1) / (t_N - t_1).
+``max_new_tokens`` equal to ``min_new_tokens``, 1 and N: decode tokens/s = (N - 1) / (t_N - t_1), each t the
+fastest of 3 (t_1) or 2 (t_N) runs in the round.
 llama-bench times prefill (``-p P``) and decode (``-n N-1 -d P+1``: the same context lengths) as
 two runs. Reported: medians over rounds, and the median of the per-round ratios to llama.cpp at
 the same precision.
@@ -286,7 +287,9 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int) -> None:
                 if line.strip() != "round":
                     break
                 prefill_s = median(prefill() for _ in range(3))
-                reply({"prefill_s": prefill_s, "gen1_s": generate(1), "genN_s": generate(new_tokens)})
+                # the fastest of a few runs each: one stall in a single t_1 or t_N would skew (N-1)/(t_N-t_1)
+                gen1_s = min(generate(1) for _ in range(3))
+                reply({"prefill_s": prefill_s, "gen1_s": gen1_s, "genN_s": min(generate(new_tokens) for _ in range(2))})
     except Exception as error:       # a route that breaks mid-way is reported, not fatal to the bench
         reply({"unavailable": f"failed: {type(error).__name__}: {str(error)[:300]}"})
         return

@@ -153,12 +153,21 @@ def test_a_foreign_cache_with_tokens_is_refused(llama):
 
 @pytest.mark.parametrize("weights", [None, "int8", "int4"])
 def test_the_pure_torch_fallback_gives_the_kernels_results(llama, teacher, weights):
+    """Both fallbacks: a model packed without the kernels (ATen's layouts and operators, what a
+    machine without a compiler gets), and a kernel-packed model run with the kernels switched off."""
     ids, _ = teacher
+    with native.prefer_native(False):
+        aten = llm.optimize(clone(llama), dtype=torch.bfloat16, weights=weights, group_size=32)
+        assert aten.lm_head.layout == "aten"
+        aten_logits = aten(ids).logits.float()
     model = llm.optimize(clone(llama), dtype=torch.bfloat16, weights=weights, group_size=32)
     with native.prefer_native(False):
-        fallback = model(ids).logits.float()
+        switched_off = model(ids).logits.float()
     kernels = model(ids).logits.float()
-    assert relative_error(kernels, fallback) < 2e-2
+    if native.ops() is not None:
+        assert model.lm_head.layout == "native"
+    assert relative_error(kernels, aten_logits) < 2e-2
+    assert relative_error(kernels, switched_off) < 2e-2
 
 
 def test_without_transformers_the_message_names_the_extra(tmp_path):
