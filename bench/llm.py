@@ -14,9 +14,11 @@ from the tree vendored in the ``llama-cpp-python`` sdist. All of it is cached (b
 Each torch route runs in its own process (its threads and its peak RSS are its own), set up and
 warmed once (a compiled route's first call takes about 30 s), then timed in interleaved rounds
 with the llama.cpp rows (order reversed every other round; each round holds the bench lock).
-Per round, a torch route times a forward over the prompt (prefill) and ``generate`` with
-``max_new_tokens`` equal to ``min_new_tokens``, 1 and N: decode tokens/s = (N - 1) / (t_N - t_1), each t the
-fastest of 3 (t_1) or 2 (t_N) runs in the round.
+Per round, a torch route times a forward over the prompt (prefill) and greedy ``generate`` of
+1 and N new tokens: decode tokens/s = (N - 1) / (t_N - t_1), each t the fastest of 3 (t_1) or 2
+(t_N) runs in the round. The generation config has no EOS token, so every route makes exactly N
+tokens without an EOS check or a minimum-length logits processor (llama-bench runs neither; with
+``min_new_tokens`` each step paid a ``torch.isin`` over the vocabulary).
 llama-bench times prefill (``-p P``) and decode (``-n N-1 -d P+1``: the same context lengths) as
 two runs. Reported: medians over rounds, and the median of the per-round ratios to llama.cpp at
 the same precision.
@@ -258,12 +260,13 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int) -> None:
         reply({"unavailable": str(error)})
         return
     setup_s = time.perf_counter() - start
+    model.generation_config.eos_token_id = None      # exactly N tokens, no per-step EOS work (see the top)
     prompt = torch.randint(3, CONFIG["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompt)
 
     def generate(count: int) -> float:
         begin = time.perf_counter()
-        out = model.generate(prompt, attention_mask=mask, max_new_tokens=count, min_new_tokens=count,
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=count,
                              do_sample=False, pad_token_id=0)
         seconds = time.perf_counter() - begin
         if out.shape[1] != prompt_len + count:

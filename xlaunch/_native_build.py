@@ -1,19 +1,22 @@
 """Compiling the C++ operator libraries of :mod:`xlaunch.nn` and :mod:`xlaunch.llm` against the installed torch.
 
-Stateless helpers: which compiler, the key a build is stored under (sources, torch, compiler,
-flags, this CPU), and :func:`compile_library`, which compiles sources in parallel and renames the
-library into place (never through a symlink). Each package keeps its own loading state.
+Which compiler, the key a build is stored under (sources, torch, compiler, flags, this CPU),
+:func:`compile_library` (sources compiled in parallel, the library renamed into place, never
+through a symlink), and :class:`Library`: one package's library, built and loaded once.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import warnings
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
 
@@ -131,3 +134,115 @@ def compile_library(csrc: Path, sources: Sequence[str], target: Path, label: str
             target.unlink()
         os.replace(partial, target)
     return target
+
+
+class Library:
+    """One operator library: where it is built, building it, and loading it once per process.
+
+    ``sources``/``headers`` are called each time (``xlaunch.llm`` compiles every ``csrc/*.cpp``);
+    the build key covers them, torch, the compiler, the flags and this CPU, so a changed source,
+    torch or machine never loads a stale build. Loading is lazy and thread-safe; a missing build
+    warns once per process and the callers take their pure-torch paths.
+    """
+
+    def __init__(self, label: str, stem: str, csrc: Path, namespace: str, disable_env: str, build_dir_env: str,
+                 cache_subdir: str, sources: Callable[[], Sequence[str]], headers: Callable[[], Sequence[str]]) -> None:
+        self.label, self.stem, self.csrc, self.namespace = label, stem, csrc, namespace
+        self.disable_env, self.build_dir_env, self.cache_subdir = disable_env, build_dir_env, cache_subdir
+        self.sources, self.headers = sources, headers
+        self.lock = threading.Lock()
+        self.loaded: Optional[object] = None
+        self.load_failed = False
+        self.warned = False
+        self.preference: Optional[bool] = None
+
+    def cache_dir(self) -> Path:
+        explicit = os.environ.get(self.build_dir_env)
+        return Path(explicit) if explicit else cache_root() / self.cache_subdir
+
+    def build_key(self, cxx: Optional[str] = None) -> str:
+        return build_key(self.csrc, (*self.sources(), *self.headers()), cxx, FLAGS)
+
+    def library_path(self, cxx: Optional[str] = None) -> Path:
+        return self.cache_dir() / f"{self.stem}-{self.build_key(cxx)}.so"
+
+    def available(self) -> bool:
+        if not self.sources():
+            return False
+        path = self.library_path()
+        return path.is_file() and not path.is_symlink()
+
+    def build(self, force: bool = False, echo: Callable[[str], None] = print) -> Optional[Path]:
+        """Compile unless a build for this key exists; returns its path (None: no sources)."""
+        if not self.sources():
+            echo(f"{self.label}: no native sources; the pure-torch paths are used")
+            return None
+        cxx = compiler()
+        if cxx is None:
+            raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+        target = self.library_path(cxx)
+        if target.is_file() and not target.is_symlink() and not force:
+            echo(f"{self.label}: native kernels already built: {target}")
+            return target
+        compile_library(self.csrc, self.sources(), target, self.label, echo=echo, cxx=cxx, flags=FLAGS)
+        echo(f"{self.label}: native kernels built: {target}")
+        return target
+
+    @contextlib.contextmanager
+    def prefer_native(self, enabled: bool) -> Iterator[None]:
+        saved, self.preference = self.preference, enabled
+        try:
+            yield
+        finally:
+            self.preference = saved
+
+    def ops(self) -> Optional[object]:
+        """``torch.ops.<namespace>`` when the kernels are wanted and load, else None."""
+        if self.preference is False or (self.preference is None and os.environ.get(self.disable_env, "1") == "0"):
+            return None
+        if self.loaded is not None or self.load_failed:
+            return self.loaded
+        with self.lock:
+            if self.loaded is None and not self.load_failed:
+                self._load()
+        return self.loaded
+
+    def _load(self) -> None:
+        import torch
+
+        path = self.library_path() if self.sources() else None
+        if path is not None and path.is_file() and not path.is_symlink():
+            try:
+                torch.ops.load_library(str(path))
+                self.loaded = getattr(torch.ops, self.namespace)
+                return
+            except (OSError, RuntimeError) as exc:
+                self.load_failed = True
+                warnings.warn(f"{self.label}: the native kernels at {path} do not load ({exc}); "
+                              "using the pure-torch paths", RuntimeWarning, stacklevel=4)
+                return
+        self.load_failed = True
+        if not self.warned and path is not None:
+            self.warned = True
+            warnings.warn(f"{self.label}: native kernels not built here; using the slower pure-torch paths "
+                          f"(build them with `python -m {self.label}.native`)", RuntimeWarning, stacklevel=4)
+
+    def main(self, argv: Optional[list[str]] = None) -> int:
+        """``python -m <package>.native [--force] [--path]``: build the kernels (or print where)."""
+        import argparse
+
+        parser = argparse.ArgumentParser(prog=f"python -m {self.label}.native",
+                                         description=f"Build {self.label}'s C++ kernels for this machine.")
+        parser.add_argument("--force", action="store_true", help="rebuild even when a build exists")
+        parser.add_argument("--path", action="store_true", help="print the library path and whether it is built")
+        args = parser.parse_args(argv)
+        if args.path:
+            print(f"{self.library_path()} ({'built' if self.available() else 'not built'})")
+            return 0
+        try:
+            self.build(force=args.force)
+        except RuntimeError as exc:
+            print(f"{self.label}: warning: {exc}", file=sys.stderr)
+            print(f"{self.label}: the pure-torch paths will be used", file=sys.stderr)
+            return 1
+        return 0

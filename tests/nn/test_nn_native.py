@@ -30,7 +30,7 @@ def test_the_library_is_keyed_by_its_sources_under_the_cache_dir(monkeypatch, tm
     changed.mkdir()
     for name in (*native.SOURCES, *native.HEADERS):
         (changed / name).write_bytes((native.CSRC / name).read_bytes())
-    monkeypatch.setattr(native, "CSRC", changed)
+    monkeypatch.setattr(native.LIBRARY, "csrc", changed)
     same = native.build_key()
     (changed / native.SOURCES[0]).write_bytes((changed / native.SOURCES[0]).read_bytes() + b"\n// changed\n")
     assert native.build_key() != same
@@ -54,16 +54,16 @@ def test_build_keeps_an_existing_build_and_refuses_a_symlinked_dir(monkeypatch, 
 
 def test_missing_or_disabled_kernels_mean_the_torch_paths(monkeypatch, tmp_path):
     monkeypatch.delenv(native.DISABLE_ENV, raising=False)                # the suite may run with it set
-    monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_load_failed", False)
-    monkeypatch.setattr(native, "_warned", False)
+    monkeypatch.setattr(native.LIBRARY, "loaded", None)
+    monkeypatch.setattr(native.LIBRARY, "load_failed", False)
+    monkeypatch.setattr(native.LIBRARY, "warned", False)
     monkeypatch.setenv(native.BUILD_DIR_ENV, str(tmp_path))              # nothing built there
     with pytest.warns(RuntimeWarning, match="native kernels not built here"):
         assert native.ops() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                     # said once per process
         assert native.ops() is None
-    monkeypatch.setattr(native, "_load_failed", False)
+    monkeypatch.setattr(native.LIBRARY, "load_failed", False)
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.ops() is None
     with native.prefer_native(False):
