@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 from xlaunch._native_build import Library
 from xlaunch._torch import needs_torch
@@ -39,39 +38,9 @@ LIBRARY = Library("xlaunch.llm", LIBRARY_STEM, CSRC, "xlaunch_llm", DISABLE_ENV,
                   sources=sources, headers=headers)
 
 
-def cache_dir() -> Path:
-    """Where built libraries are kept."""
-    return LIBRARY.cache_dir()
-
-
-def library_path(cxx: Optional[str] = None) -> Path:
-    """The path the library for these sources, torch, compiler and CPU is (or would be) built at."""
-    return LIBRARY.library_path(cxx)
-
-
-def build(force: bool = False, echo: Callable[[str], None] = print) -> Optional[Path]:
-    """Compile the library unless a build for this key exists; returns its path (None: no sources)."""
-    return LIBRARY.build(force=force, echo=echo)
-
-
-def prefer_native(enabled: bool) -> Iterator[None]:
-    """Within the block, use the compiled kernels (``True``, when built) or the pure-torch paths."""
-    return LIBRARY.prefer_native(enabled)
-
-
-def ops() -> Optional[object]:
-    """``torch.ops.xlaunch_llm`` when the compiled kernels are wanted and loaded, else None."""
-    return LIBRARY.ops()
-
-
-def available() -> bool:
-    """Whether the compiled kernels are built for this machine (without loading them)."""
-    return LIBRARY.available()
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m xlaunch.llm.native [--force] [--path]``: build the kernels (or print where)."""
-    return LIBRARY.main(argv)
+# The module's surface is the library's: where it is built, building it, using it or not.
+cache_dir, library_path, build = LIBRARY.cache_dir, LIBRARY.library_path, LIBRARY.build
+prefer_native, ops, available, main = LIBRARY.prefer_native, LIBRARY.ops, LIBRARY.available, LIBRARY.main
 
 
 if __name__ == "__main__":

@@ -7,16 +7,9 @@ import importlib
 
 from xlaunch._lazy import lazy_exports
 
-_LAZY = {
-    "EmbeddingSpec": "xlaunch.nn.tables",
-    "MergedEmbeddingBag": "xlaunch.nn.merged",
-    "MergedEmbeddingBagWithSGD": "xlaunch.nn.merged",
-    "MergedEmbeddingBagWithAdaGrad": "xlaunch.nn.merged",
-    "MergedEmbeddingBagWithCat": "xlaunch.nn.merged",
-    "DistMergeEmbeddingBagWithAdaGrad": "xlaunch.nn.dist_merged",
-    "FrozenBatchNorm2d": "xlaunch.nn.frozen_bn",
-    "RoIAlign": "xlaunch.nn.roi",
-}
+from xlaunch.nn import _LAZY as _PACKAGE
+
+_LAZY = {name: module for name, module in _PACKAGE.items() if name[0].isupper()}   # the classes
 
 __all__ = list(_LAZY)
 
