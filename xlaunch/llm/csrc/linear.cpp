@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <immintrin.h>
 #include <optional>
 #include <vector>
 
@@ -105,6 +106,38 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   return out.view(output_sizes(x, n));
 }
 
+// From this many activation rows an INT8 layer widens each block to bf16 once instead of
+// converting every weight once per tile of kRowTile rows (prefill).
+constexpr int64_t kPanelRows = 8;
+
+// One int8 block [K][64] as the bf16 kernel's layout [K/2][64][2] (K padded to even with zeros): a
+// channel's pair is one 32-bit word, bf16 of row 2kp in the low half, of row 2kp+1 in the high half
+// (an int8 value's fp32 has a zero low half, so its top 16 bits are its exact bf16).
+void widen_int8_block(const int8_t* w, int64_t k, int64_t k_pairs, std::vector<uint16_t>& panel) {
+  panel.resize(size_t(k_pairs) * 2 * kBlock);
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    const int8_t* even = w + 2 * kp * kBlock;
+    const int8_t* odd = 2 * kp + 1 < k ? even + kBlock : nullptr;
+    auto* dst = reinterpret_cast<uint32_t*>(panel.data() + kp * 2 * kBlock);
+#if defined(__AVX512F__)
+    for (int64_t c = 0; c < kBlock; c += 16) {
+      const __m512i lo = _mm512_castps_si512(_mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(even + c)))));
+      const __m512i hi = odd ? _mm512_castps_si512(_mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(odd + c))))) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + c, _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(int(0xFFFF0000u))),
+                                                   _mm512_srli_epi32(lo, 16)));
+    }
+#else
+    for (int64_t c = 0; c < kBlock; ++c) {
+      const uint32_t lo = uint32_t(float_to_bf16_bits(float(even[c])));
+      const uint32_t hi = odd ? uint32_t(float_to_bf16_bits(float(odd[c]))) : 0u;
+      dst[c] = (hi << 16) | lo;
+    }
+#endif
+  }
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t n) {
   const int64_t k = x.size(-1);
@@ -113,12 +146,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "xlaunch_llm int8_linear: the packed weight must be int8 [N/64, K, 64]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == packed.size(0) * kBlock,
               "xlaunch_llm int8_linear: scales must be float32, one per packed channel");
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int64_t m_all = x.numel() / std::max<int64_t>(1, k);
+  if (x.scalar_type() == at::kBFloat16 && m_all >= kPanelRows) {
+    // Prefill: each block widened once to bf16 (int8 values are exact in bf16, and so are the
+    // products of two bf16s in fp32), then every row tile runs the bf16 kernel from cache.
+    const int64_t k_pairs = (k + 1) / 2;
+    at::Tensor rows = rows_of(x, at::kBFloat16, 2 * k_pairs);
+    at::Tensor out = at::empty({m_all, n}, x.options());
+    at::Tensor b = float_bias(bias, n);
+    const auto* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+    run_blocks(m_all, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
+               [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
+                 thread_local std::vector<uint16_t> panel;
+                 if (m0 == 0) widen_int8_block(wp + blk * k * kBlock, k, k_pairs, panel);   // the first tile of a block
+                 bf16_block(xp + m0 * 2 * k_pairs, 2 * k_pairs, r, panel.data(), k_pairs, acc);
+               });
+    return out.view(output_sizes(x, n));
+  }
   at::Tensor rows = rows_of(x, at::kFloat, k);
   const int64_t m = rows.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor b = float_bias(bias, n);
   const float* xp = rows.data_ptr<float>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
   run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
              [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
                int8_block(xp + m0 * k, k, r, wp + blk * k * kBlock, k, acc);
