@@ -56,7 +56,14 @@ def start_launcher(tmp_path: Path, instances: list[Instance], **options) -> subp
     spec = tmp_path / f"plan_{time.monotonic_ns()}.json"
     spec.write_text(json.dumps({"plan": Plan(tuple(instances)).to_json(), "options": options}))
     return subprocess.Popen([PY, "-c", HARNESS, str(spec)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    """The launcher starts with SIGINT/SIGHUP/SIGTERM at their defaults, however the suite was started:
+    a background job inherits SIGINT ignored, and xlaunch keeps an inherited SIG_IGN (by design)."""
+    for number in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
 
 
 def launch(tmp_path: Path, instances: list[Instance], timeout: float = 60, **options):
