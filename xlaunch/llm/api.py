@@ -123,7 +123,7 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
         inner.embed_tokens.to(dtype)
         inner.norm.to(dtype)
     runtime = DecoderRuntime(spec, dtype, inner.embed_tokens.weight.detach(), layers, inner.norm.weight.detach(),
-                             model.lm_head, RopeTable(rotary, spec.head_dim, dtype), kind)
+                             model.lm_head, RopeTable(rotary, spec.head_dim, dtype))
     object.__setattr__(model, MARK, runtime)      # plain attribute: not a submodule, not in the state dict
     model.forward = make_forward(runtime, model)
     _install_generate_hook(model, runtime)

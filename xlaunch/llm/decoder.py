@@ -76,11 +76,10 @@ class DecoderRuntime:
     """The packed weights, RoPE table and the forward of one optimized model."""
 
     def __init__(self, spec: DecoderSpec, dtype: "torch.dtype", embed: "torch.Tensor", layers: list[LayerWeights],
-                 final_norm: "torch.Tensor", lm_head: PackedLinear, rope: RopeTable, kind: str) -> None:
+                 final_norm: "torch.Tensor", lm_head: PackedLinear, rope: RopeTable) -> None:
         self.spec, self.dtype, self.embed, self.layers = spec, dtype, embed, layers
-        self.final_norm, self.lm_head, self.rope, self.kind = final_norm, lm_head, rope, kind
+        self.final_norm, self.lm_head, self.rope = final_norm, lm_head, rope
         self.scale = spec.head_dim ** -0.5
-        self.capacity_hint = 0          # set by generate's cache preparation for the next new cache
         self._kernels: Optional[Kernels] = None
 
     def kernels(self) -> Kernels:
@@ -97,8 +96,7 @@ class DecoderRuntime:
         if isinstance(past, KVCache):
             return past
         if past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
-            capacity, self.capacity_hint = self.capacity_hint, 0
-            return self.new_cache(capacity)
+            return self.new_cache()     # generate's own calls bring a KVCache sized by the hook in api.py
         raise ValueError(f"xlaunch.llm: past_key_values is a {type(past).__name__} holding tokens; an optimized "
                          "model continues only its own KVCache (pass the past_key_values it returned, or None)")
 

@@ -245,15 +245,12 @@ class PackedLinear(nn.Module):
         return lambda x: int4_linear(x, weight, scales, bias, n, group)
 
     def _native(self, ops: object, x: "torch.Tensor") -> "torch.Tensor":
-        n = self.out_features
+        """The kernels on ``x`` of any float dtype: bf16 weights take bf16, the others bf16 or fp32."""
         if self.kind == "bf16":
-            return ops.bf16_linear(x.to(torch.bfloat16), self.weight, self.bias, n).to(x.dtype)
-        act = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(self.dtype)
-        if self.kind == "int8":
-            y = ops.int8_linear(act, self.weight, self.scales, self.bias, n)
+            act = x.to(torch.bfloat16)
         else:
-            y = ops.int4_linear(act, self.weight, self.scales, self.bias, n, self.group_size)
-        return y.to(x.dtype)
+            act = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(self.dtype)
+        return self.bound(ops)(act).to(x.dtype)
 
     def _aten(self, x: "torch.Tensor") -> "torch.Tensor":
         if self.kind == "bf16":
