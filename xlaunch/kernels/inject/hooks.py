@@ -23,6 +23,7 @@ finder on ``sys.meta_path`` that lets torch import normally and then patches it.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import os
@@ -30,7 +31,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from xlaunch.kernels.inject import (BACKEND_ENV, BUDGET_ENV, DTYPE_ENV, FREEZE_ENV, LLM_WEIGHTS_ENV, RECORD_ENV,
                                     VERBOSE_ENV)
@@ -207,9 +208,11 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
         if next(module.parameters(), None) is None:   # nothing to fold, cast or prepack
             return None
         with _lock:
-            entry = _entries.setdefault(module, _Entry())
-            if _is_llm_decoder(module):
-                _optimize_llm(module, entry, torch)
+            entry = _entries.get(module)
+            if entry is None:          # the first call (of any thread) decides
+                entry = _entries[module] = _Entry()
+                if _is_llm_decoder(module):
+                    _optimize_llm(module, entry, torch)
     if entry.given_up:
         return None
     if torch.is_grad_enabled():
@@ -247,15 +250,12 @@ def _optimize_llm(module: Any, entry: _Entry, torch: Any) -> None:
     settings = _settings or Settings({})
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
     entry.given_up = True          # the hook leaves it alone from now on: the module itself is optimized
-    previous_depth = getattr(_local, "depth", 0)
-    _local.depth = 1
     try:
-        optimize_llm(module, dtype=dtype, weights=settings.llm_weights)
+        with _library_calls():
+            optimize_llm(module, dtype=dtype, weights=settings.llm_weights)
     except Exception as exc:
         _say(f"{_name(module)} runs unoptimized: xlaunch.llm.optimize failed ({type(exc).__name__}: {str(exc)[:200]})")
         return
-    finally:
-        _local.depth = previous_depth
     route = f"xlaunch.llm {settings.llm_weights or str(dtype).replace('torch.', '')}"
     _record({"module": _name(module), "backend": route, "cache": "off", "reason": "Hugging Face decoder, packed in place"})
     _verbose(f"{_name(module)} optimized in place by {route}")
@@ -287,19 +287,25 @@ def _record(item: dict) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _library_calls() -> Iterator[None]:
+    """Within the block, the library's own calls of a model are kept out of the hook."""
+    previous_depth = getattr(_local, "depth", 0)
+    _local.depth = 1
+    try:
+        yield
+    finally:
+        _local.depth = previous_depth
+
+
 def _quietly(build: Callable[[], Any]) -> tuple[Any, list[str]]:
     """Run ``build`` with the library's own calls of the model kept out of the hook; return its
     result and the OptimizeWarnings it raised (as text)."""
     from xlaunch.kernels.optimize.pipeline import OptimizeWarning
 
-    previous_depth = getattr(_local, "depth", 0)
-    _local.depth = 1
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = build()
-    finally:
-        _local.depth = previous_depth
+    with _library_calls(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = build()
     return result, [str(w.message) for w in caught if issubclass(w.category, OptimizeWarning)]
 
 
