@@ -103,14 +103,9 @@ class DecoderRuntime:
     def _attention(self, kernels: Kernels, q: "torch.Tensor", index: int, cache: KVCache, start: int,
                    padding: Optional["torch.Tensor"], window: Optional[int]) -> "torch.Tensor":
         keys, values = cache.keys[index], cache.values[index]
-        total = start + q.shape[1]
-        if window is None or total <= window:
+        if window is None:
             return kernels.cache_attention(q, keys, values, start, padding, self.scale)
-        if q.shape[1] == 1:            # decode: the window is the last `window` slots
-            first = total - window
-            return kernels.cache_attention(q, keys[:, :, first:], values[:, :, first:], start - first,
-                                         None if padding is None else padding[:, first:], self.scale)
-        return windowed_attention(q, keys, values, start, padding, self.scale, window)
+        return fused.cache_attention(q, keys, values, start, padding, self.scale, window=window)
 
     @torch.no_grad()
     def forward(self, input_ids: Optional["torch.Tensor"], attention_mask: Optional["torch.Tensor"],
@@ -157,23 +152,6 @@ class DecoderRuntime:
             x = x[:, logits_to_keep]
         logits = kernels.lm_head(x)
         return logits, (cache if use_cache else None)
-
-
-def windowed_attention(q: "torch.Tensor", keys: "torch.Tensor", values: "torch.Tensor", start: int,
-                       padding: Optional["torch.Tensor"], scale: float, window: int) -> "torch.Tensor":
-    """Causal sliding-window attention of several new tokens (slot j visible to slot i when i - window < j <= i)."""
-    batch, length, heads, dim = q.shape
-    total = start + length
-    groups = keys.shape[1]
-    k = keys[:, :, :total].float().repeat_interleave(heads // groups, dim=1)
-    v = values[:, :, :total].float().repeat_interleave(heads // groups, dim=1)
-    query_slots = start + torch.arange(length)[:, None]
-    key_slots = torch.arange(total)[None, :]
-    hidden = (key_slots > query_slots) | (key_slots <= query_slots - window)
-    mask = hidden[None, None] if padding is None else hidden[None, None] | padding[:, None, None, :total]
-    scores = torch.einsum("bshd,bhtd->bhst", q.float(), k) * scale
-    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhst,bhtd->bshd", probs, v).reshape(batch, length, heads * dim).to(q.dtype)
 
 
 def make_forward(runtime: DecoderRuntime, model: Any):

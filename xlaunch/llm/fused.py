@@ -123,14 +123,22 @@ def rope_write_cache_(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", c
 
 
 def cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int,
-                    key_padding: Optional["torch.Tensor"], scale: float) -> "torch.Tensor":
+                    key_padding: Optional["torch.Tensor"], scale: float,
+                    window: Optional[int] = None) -> "torch.Tensor":
     """Causal attention of ``q`` [B, S, H, D] (positions ``start .. start+S-1``) over the cache.
 
     ``k_cache``/``v_cache`` are [B, G, L, D] with the first ``start + S`` slots filled (query head
     ``h`` reads KV head ``h // (H / G)``). ``key_padding`` [B, >= start + S] is True where a slot holds
-    padding (never attended), or None. Returns [B, S, H * D] in q's dtype (softmax in fp32); a query
+    padding (never attended), or None. ``window``: a sliding window (slot j visible to slot i when
+    i - window < j <= i), or None. Returns [B, S, H * D] in q's dtype (softmax in fp32); a query
     row whose every key is masked gives zeros.
     """
+    if window is not None and start + q.shape[1] > window:
+        if q.shape[1] == 1:        # one token: its window is the last `window` slots, read in place
+            first = start + 1 - window
+            return cache_attention(q, k_cache[:, :, first:], v_cache[:, :, first:], start - first,
+                                   None if key_padding is None else key_padding[:, first:], scale)
+        return _torch_cache_attention(q, k_cache, v_cache, start, key_padding, scale, window)
     native = _kernel("cache_attention")
     if native is not None:
         return native(q, k_cache, v_cache, start, key_padding, scale)
@@ -138,11 +146,12 @@ def cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.
 
 
 def _torch_cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int,
-                           key_padding: Optional["torch.Tensor"], scale: float) -> "torch.Tensor":
+                           key_padding: Optional["torch.Tensor"], scale: float,
+                           window: Optional[int] = None) -> "torch.Tensor":
     """:func:`cache_attention` in torch ops. The H/G query heads of a KV head are folded into its query
     rows, so the cache is read as it is (no repeat of K/V). One new token: two matmuls in the cache's
     dtype around an fp32 softmax, as Hugging Face's eager attention (torch's CPU SDPA costs 2-8x more
-    there); more tokens: ``scaled_dot_product_attention`` with the causal and padding mask."""
+    there); more tokens: ``scaled_dot_product_attention`` with the causal (and window) and padding mask."""
     b, s, h, d = q.shape
     g = k_cache.shape[1]
     n, total = h // g, start + s
@@ -157,7 +166,10 @@ def _torch_cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: 
             probs = probs.nan_to_num(0.0)
         return torch.matmul(probs.to(values.dtype), values).reshape(b, 1, h * d)
     rows = q.reshape(b, s, g, n, d).permute(0, 2, 3, 1, 4).reshape(b, g, n * s, d)   # rows: (head, token)
-    causal = torch.arange(total, device=q.device) <= (start + torch.arange(s, device=q.device))[:, None]
+    key_slots, query_slots = torch.arange(total, device=q.device), (start + torch.arange(s, device=q.device))[:, None]
+    causal = key_slots <= query_slots
+    if window is not None:
+        causal &= key_slots > query_slots - window
     mask = causal.repeat(n, 1)[None, None]                                             # [1, 1, n*S, T]
     if keep is not None:
         mask = mask & keep
