@@ -6,8 +6,12 @@ PY := .venv/bin/python
 setup:
 	bash scripts/setup.sh
 
+# The example CNN as 2 pinned instances x 1 core, then the same workload beside plain python and torch's
+# run_cpu at the same shape: aggregate img/s over one shared window, ratios printed (about a minute).
 demo: setup
-	.venv/bin/xlaunch --ninstances 2 --ncore_per_instance 1 examples/infer.py
+	.venv/bin/xlaunch --ninstances 2 --ncores-per-instance 1 examples/infer.py
+	@echo "demo: compare: plain python, xlaunch 2x1 and run_cpu 2x1, 2 interleaved rounds of 2-second windows"
+	$(PY) bench/throughput.py --quick --only 'plain python' --only 'xlaunch 2x1' --only 'run_cpu 2x1'
 
 # lint-imports: the layers (pyproject.toml). compileall: the bytecode every test subprocess would
 # otherwise compile again (PYTHONDONTWRITEBYTECODE is common on CI). Two workers, one file each.

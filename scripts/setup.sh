@@ -26,12 +26,16 @@ stamp="$VENV/.xlaunch-setup"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log="$VENV/setup.log"
   echo "setup: installing torch==2.13.0, intel-openmp==2026.2.0, torchao and xlaunch[dev,tune,onnxruntime,openvino,llm] into $VENV (log: $log)"
+  started=$SECONDS
+  step() { echo "setup: [$1/4] $2 ($((SECONDS - started)) s so far)"; }
   pip_install() { "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
   : >"$log"
+  step 1 "upgrading pip"
   pip_install --upgrade pip
   # The CPU build of torch 2.13.0 is pinned here, never a range (a range pulls a CUDA build).
   # --no-compile, then compileall on both cores in the background: pip byte-compiles torch's
   # thousands of modules on one core (about 13 s of the 23 s this step took).
+  step 2 "torch 2.13.0 (CPU build) and numpy: the largest download, a minute or more"
   pip_install --no-compile "torch==2.13.0" "numpy==2.4.6"   # numpy now: torch warns without it
   site_packages=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$VENV/bin/python" -m compileall -q -j 0 "$site_packages/torch" "$site_packages/numpy" >/dev/null 2>&1 &
@@ -44,9 +48,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   trap 'kill "$nn_build" "$bytecode" 2>/dev/null || true' EXIT
   echo "setup: compiling xlaunch.nn's kernels alongside (log: $VENV/nn-build.log)"
   # torchao (INT8 PT2E flow) is pure Python for the CPU path; --no-deps keeps it off torch's pin.
+  step 3 "torchao"
   pip_install --no-deps "torchao==0.18.0"
   # The engines (pinned in pyproject.toml) install next to torch without moving it.
+  step 4 "xlaunch and its extras: onnxruntime, openvino and nncf, transformers, optuna, intel-openmp (a minute or more)"
   pip_install -e ".[dev,tune,onnxruntime,openvino,llm]" "intel-openmp==2026.2.0"
+  echo "setup: packages installed ($((SECONDS - started)) s)"
   wait "$bytecode" || true   # a file compileall cannot compile is compiled (or not) at import
   touch "$stamp"
 fi

@@ -202,7 +202,9 @@ def _interact_features(x, ly):
 @pytest.mark.parametrize("feature_size", [127, 128])
 def test_interaction_matches_cat_bmm_index(dtype, feature_size):
     """test_interaction.py: ``ipex.nn.functional.interaction(*[x] + ly)`` against cat + bmm + index,
-    forward at 1e-4 and gradients at rtol 0.005 / atol 0.1 (batch 64 here, 26 sparse features)."""
+    forward at 1e-4 in fp32 and at IPEX's rtol 0.005 / atol 0.1 in bf16 (two bf16 reductions may
+    round a value one bf16 step apart, 2^-7 relative: which values do depends on the CPU's
+    kernels), gradients at rtol 0.005 / atol 0.1 (batch 64 here, 26 sparse features)."""
     torch.manual_seed(0)
     x1 = torch.randn([64, feature_size]).to(dtype).clone().detach().requires_grad_()
     x2 = x1.clone().detach().requires_grad_()
@@ -210,7 +212,8 @@ def test_interaction_matches_cat_bmm_index(dtype, feature_size):
     ly2 = [v.clone().detach().requires_grad_() for v in ly1]
     a = ipex.nn.functional.interaction(*([x1] + ly1))
     b = _interact_features(x2, ly2)
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.005, atol=0.1)
+    torch.testing.assert_close(a, b, **tolerance)
     a.sum().backward()
     b.sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad, rtol=0.005, atol=0.1)

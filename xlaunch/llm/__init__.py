@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "PackedLinear"]
+__all__ = ["optimize", "is_optimized", "SUPPORTED_ARCHITECTURES", "PackedLinear"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("optimize", "SUPPORTED_ARCHITECTURES"):
+    if name in ("optimize", "is_optimized", "SUPPORTED_ARCHITECTURES"):
         from xlaunch.llm import api as _api
 
         return getattr(_api, name)

@@ -13,10 +13,13 @@ import types
 import warnings
 from typing import Any, Optional
 
-from xlaunch._torch import needs_torch
+from xlaunch._torch import import_quietly, needs_torch
 
 with needs_torch(__name__):
     import torch
+
+# transformers' torchao quantizer imports torchao, whose import logs CUDA-only misses: import it quietly first
+import_quietly("torchao.quantization", "transformers.quantizers.auto")
 
 from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
 from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, make_forward  # noqa: E402

@@ -68,9 +68,9 @@ def test_avx2_eager_cnn_recorded_here() -> None:
     assert kernel_line(data) == ("oneDNN v3.12.0, AVX2; convolution: jit:avx2 21 (f32); reorders 60, of weights 21 "
                                  "(1.00 per call); re-created 0")
     assert kernel_warnings(data) == [
-        "weights re-laid-out on every call (convolution: 21 weight reorders in 21 calls): a route that lays weights "
-        "out once removes this (--auto-optimize --kernel-report shows whether the route xlaunch.optimize keeps does, "
-        "here)"]
+        "weights re-laid-out on every call (convolution: 21 weight reorders in 21 calls): a route that lays the "
+        "weights out once removes this; `--auto-optimize --kernel-report` shows whether the route xlaunch.optimize "
+        "keeps on this machine does so"]
     assert kernel_cell(data) == "AVX2, conv avx2 f32, w 1.0/call"
 
 

@@ -22,8 +22,8 @@ _SHORT_KIND = {"convolution": "conv", "deconvolution": "deconv", "inner_product"
                "rnn": "rnn"}
 _LOW_PRECISION = {"bf16", "f16", "s8", "u8", "s4", "u4", "f8_e5m2", "f8_e4m3"}
 MAX_IMPLS_SHOWN = 3
-RELAYOUT_ADVICE = ("a route that lays weights out once removes this (--auto-optimize --kernel-report shows "
-                   "whether the route xlaunch.optimize keeps does, here)")
+RELAYOUT_ADVICE = ("a route that lays the weights out once removes this; `--auto-optimize --kernel-report` "
+                   "shows whether the route xlaunch.optimize keeps on this machine does so")
 RELAYOUT_UNDER_AUTO = "under --auto-optimize: the route it kept does not lay them out once here"
 RELAYOUT_AFTER_BUILD = "after xlaunch.optimize/quantize built: what they kept does not lay them out once here"
 EVERY_CALL = 0.95          # weight reorders per call from which "on every call" is said
