@@ -146,32 +146,12 @@ def load_quantized(path: str) -> QuantizedModule:
     naming the extra when it is not installed). A missing file is a ``FileNotFoundError``; a file
     that is not a regular file, not written by :meth:`QuantizedModule.save`, damaged or hostile is
     one ``ValueError`` saying which (:mod:`.saved`)."""
-    def prepare() -> None:   # the ops a PT2E program holds, registered only for a file that passed the checks
-        routes.import_torchao()
-        routes.register_decomposed_ops()
-
-    opened = saved.read(path, prepare)   # one clear error: missing, foreign, damaged or hostile file
-    meta = opened.meta
+    opened = saved.read(path)   # one clear error: missing, foreign, damaged or hostile file
     try:
-        report = QuantizeReport.from_dict(meta["report"])
+        report = QuantizeReport.from_dict(opened.meta["report"])
     except (TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"load_quantized: {path} is corrupt: its report does not read back ({exc})") from None
-    mode = meta["mode"]
-    if opened.runner is not None:   # another engine's model: no torch program
-        def no_program() -> torch.export.ExportedProgram:
-            raise ValueError(f"a {mode} model loaded from a file runs on its engine and has no torch.export program")
-        return QuantizedModule(opened.runner, no_program, mode, report)
-    program = opened.program
-    assert program is not None
-    module = program.module()
-    runner: Callable[..., Any]
-    if mode in ("static", "dynamic"):
-        runner = routes.FrozenCompiled(module)
-    else:
-        def runner(*args: Any) -> Any:
-            with torch.no_grad():
-                return module(*args)
-    return QuantizedModule(runner, program, mode, report, keep=module)
+    return QuantizedModule(opened.runner, opened.program, opened.meta["mode"], report, keep=opened.module)
 
 
 # --- measuring -------------------------------------------------------------------------------

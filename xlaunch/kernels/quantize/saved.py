@@ -39,7 +39,7 @@ from xlaunch._torch import needs_torch
 with needs_torch(__name__):
     import torch
 
-from xlaunch.kernels.quantize import engine_saved
+from xlaunch.kernels.quantize import engine_saved, routes
 
 META_FILE = "xlaunch-quantize.json"
 FORMAT_VERSION = 1          # a torch.export archive with our manifest
@@ -163,25 +163,42 @@ def _engine_files(name: str, archive: zipfile.ZipFile, meta: dict, archive_size:
 
 @dataclass
 class Opened:
-    """A saved model read back: its manifest, and the torch program or the engine's runner."""
+    """A saved model read back: its manifest, what runs it, and its torch program (or a function
+    saying there is none) and module."""
 
     meta: dict
-    program: Optional[torch.export.ExportedProgram] = None
-    runner: Optional[Callable[..., Any]] = None
+    runner: Callable[..., Any]
+    program: Any
+    module: Optional[torch.nn.Module] = None
 
 
-def read(path: Any, before_load: Callable[[], Any] = lambda: None) -> Opened:
-    """The model file at ``path``, checked and loaded. ``before_load`` runs once the file checks
-    passed, before torch reads a program."""
+def _torch_model(program: torch.export.ExportedProgram, mode: str) -> tuple[Callable[..., Any], torch.nn.Module]:
+    module = program.module()
+    if mode in ("static", "dynamic"):
+        return routes.FrozenCompiled(module), module
+
+    def runner(*args: Any) -> Any:
+        with torch.no_grad():
+            return module(*args)
+    return runner, module
+
+
+def read(path: Any) -> Opened:
+    """The model file at ``path``, checked, then loaded (torch) or handed to its engine."""
     name = os.fspath(path)
     with _open_regular(name) as handle:
         archive, meta = _read_meta(name, handle)
-        engine = meta.get("engine", "torch")
-        if engine != "torch":
-            engine_saved.check_installed(name, meta["mode"])
+        mode = meta["mode"]
+        if meta.get("engine", "torch") != "torch":
+            engine_saved.check_installed(name, mode)
             files = _engine_files(name, archive, meta, os.fstat(handle.fileno()).st_size)
-            return Opened(meta, runner=engine_saved.load(name, meta["mode"], meta, files, torch.get_num_threads()))
-        before_load()
+
+            def no_program() -> Any:
+                raise ValueError(f"a {mode} model loaded from a file runs on its engine and has no "
+                                 "torch.export program")
+            return Opened(meta, engine_saved.load(name, mode, meta, files, torch.get_num_threads()), no_program)
+        routes.import_torchao()   # the ops a PT2E program holds, registered only for a file that passed the checks
+        routes.register_decomposed_ops()
         handle.seek(0)
         held = _HeldBack()
         loggers = [logging.getLogger(logger) for logger in TORCH_LOGGERS]
@@ -196,7 +213,8 @@ def read(path: Any, before_load: Callable[[], Any] = lambda: None) -> Opened:
         finally:
             for logger in loggers:
                 logger.removeFilter(held)
-    return Opened(meta, program=program)
+    runner, module = _torch_model(program, mode)
+    return Opened(meta, runner, program, module)
 
 
 # --- writing ---------------------------------------------------------------------------------
