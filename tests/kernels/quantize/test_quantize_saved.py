@@ -187,7 +187,10 @@ def test_damaged_or_hostile_files_are_one_clear_error(tmp_path: Path, quantized:
     good, route, x = _engine_file(tmp_path, quantized)
     data = good.read_bytes()
     model_file = engine_saved.FILES[engine_saved.ENGINES[route]][0]
-    torch.testing.assert_close(load_quantized(str(good))(x), quantized[route][0](x), rtol=1e-5, atol=0)   # the control
+    loaded = load_quantized(str(good))   # the control; a call it does not serve is one error
+    torch.testing.assert_close(loaded(x), quantized[route][0](x), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match=rf"good.xq: takes \(float32\[N,{x.shape[1]}\]\); argument 0 is float64"):
+        loaded(x.double())
 
     def symlink(info, content):
         if info.filename == model_file:   # the model entry replaced by a link to a file of this machine
@@ -273,3 +276,30 @@ def test_save_never_writes_through_a_symlink(tmp_path: Path, quantized: dict) ->
     assert stat.S_IMODE(target.stat().st_mode) & 0o600 == 0o600
     with torch.no_grad():
         torch.testing.assert_close(load_quantized(str(target))(x), q(x), rtol=1e-5, atol=0)
+
+
+def test_the_signature_round_trips_without_the_model_classes() -> None:
+    """What a loaded engine model takes and returns, from the manifest's JSON alone: a named
+    tuple comes back as a tuple, a dict as a dict, a plain argument must keep its exported value."""
+    from collections import namedtuple
+
+    from xlaunch.kernels.optimize.engines.sample import Sample
+
+    Pair = namedtuple("Pair", "logits extra")
+
+    class Model(torch.nn.Module):
+        def forward(self, x: torch.Tensor, scale: float, mask: torch.Tensor) -> dict:
+            return {"pair": Pair(x * scale, mask.float()), "sum": x.sum(1)}
+
+    x, mask = torch.randn(4, 3), torch.ones(5, dtype=torch.bool)
+    written = engine_saved.signature_of(Sample(Model(), (x, 2.0, mask)))
+    signature = engine_saved.Signature(json.loads(json.dumps(written)))
+    assert signature.describe() == "(float32[N,3], 2.0, bool[5])"
+    assert signature.tensor_positions == [0, 2] and signature.mismatch((x[:2], 2.0, mask)) is None
+    assert "argument 1 was exported as 2.0" in signature.mismatch((x, 3.0, mask))
+    assert "argument 2 is bool[4]" in signature.mismatch((x, 2.0, mask[:4]))
+    flat = [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)]
+    out = signature.structure(flat)
+    assert type(out["pair"]) is tuple and out["pair"][1] is flat[1] and out["sum"] is flat[2]
+    with pytest.raises(ValueError, match="input 0 is not a tensor spec"):
+        engine_saved.Signature({**written, "inputs": [{"dtype": "os.system", "shape": [None]}]})

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import statistics
 import sys
 import time
