@@ -82,7 +82,7 @@ def _open_regular(name: str) -> Any:
     if not stat.S_ISREG(mode):
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise ValueError(f"load_quantized: {name} is {kind} (a saved model is one .pt2 file)")
+        raise ValueError(f"load_quantized: {name} is {kind} (a saved model is one file)")
     return os.fdopen(fd, "rb")
 
 
