@@ -246,7 +246,10 @@ def write_new(path: Any, fill: Callable[[BinaryIO], None]) -> None:
     folder = os.path.dirname(os.path.abspath(name))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"save: {folder}: no such directory")
-    fd, temporary = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(name) + ".", suffix=".partial")
+    try:
+        fd, temporary = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(name) + ".", suffix=".partial")
+    except OSError as exc:
+        raise type(exc)(f"save: cannot create a file in {folder}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as handle:
             fill(handle)
