@@ -13,12 +13,12 @@ torch = pytest.importorskip("torch")
 from quantize_models import MAX_ERROR, make  # noqa: E402
 
 from xlaunch.kernels.quantize import api, engine_routes, policy  # noqa: E402
-from xlaunch.kernels.quantize.api import quantize  # noqa: E402
+from xlaunch.kernels.quantize.api import load_quantized, quantize  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 
-def test_auto_builds_the_other_engines_int8_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_builds_the_other_engines_int8_routes(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setattr(api, "_optimized", lambda *args, **kwargs: None)   # fp32 eager is the float variant
     model, example, calibration = make("mlp")
     with warnings.catch_warnings():
@@ -41,9 +41,11 @@ def test_auto_builds_the_other_engines_int8_routes(monkeypatch: pytest.MonkeyPat
         ref, out = model(example), quantized(example)
         assert (ref - out).abs().max() <= policy.DEFAULT_MAX_ERROR * ref.abs().max()
         assert quantized(example[:3]).shape == (3, 10)   # one build serves another batch size
-    if quantized.mode in policy.ENGINE_INT8_ROUTES:
-        with pytest.raises(ValueError, match="not saved in torch.export's format"):
-            quantized.save("unused.pt2")
+    if quantized.mode in policy.ENGINE_INT8_ROUTES:   # what auto keeps saves and loads (test_quantize_saved.py)
+        quantized.save(str(tmp_path / "auto.xq"))
+        with torch.no_grad():
+            torch.testing.assert_close(load_quantized(str(tmp_path / "auto.xq"))(example), quantized(example),
+                                       rtol=1e-5, atol=0)
 
 
 def test_the_choice_counts_bf16_among_the_float_variants() -> None:

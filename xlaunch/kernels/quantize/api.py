@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -130,38 +129,28 @@ class QuantizedModule(nn.Module):
         return self._runner(*args)
 
     def save(self, path: str) -> None:
-        """Write the program in torch.export's format, with the mode and report alongside."""
-        if self.mode in policy.ENGINE_INT8_ROUTES or self.mode == "bf16":
-            raise ValueError(f"save: a {self.mode} model runs on another engine and is not saved in torch.export's "
-                             "format; quantize with mode='static', 'dynamic' or 'weight_only' to save one")
-        meta = {"format": FORMAT_VERSION, "mode": self.mode, "report": self.report.to_dict()}
-        torch.export.save(self.program, path, extra_files={META_FILE: json.dumps(meta)})
+        """Write the model with its mode, report, input signature and library versions: the torch
+        routes in torch.export's format, ``onnxruntime_static``/``openvino_static`` as their
+        engine's files in one archive (:mod:`.saved`). ``path`` is replaced, never written through."""
+        if self.mode == "bf16":
+            raise ValueError("save: a bf16 model runs on optimize()'s engine and is not saved by quantize; "
+                             "quantize with consider= leaving out 'bf16' to get one that saves")
+        saved.save(path, self.mode, self.report.to_dict(), self._runner, lambda: self.program)
 
 
 def load_quantized(path: str) -> QuantizedModule:
     """Load what :meth:`QuantizedModule.save` wrote; needs neither the model's class nor the
-    calibration data. INT8 PT2E programs are compiled again (freezing) on the first call. A missing
-    file is a ``FileNotFoundError``; a file that is not a regular file, not written by
-    :meth:`QuantizedModule.save`, or damaged is one ``ValueError`` saying which (:mod:`.saved`)."""
-    def prepare() -> None:   # the ops a PT2E program holds, registered only for a file that passed the checks
-        routes.import_torchao()
-        routes.register_decomposed_ops()
-
-    program, meta = saved.read(path, prepare)   # one clear ValueError/OSError: missing, foreign or damaged file
+    calibration data. INT8 PT2E programs are compiled again (freezing) on the first call;
+    ``onnxruntime_static``/``openvino_static`` run on their engine again (one ``ImportError``
+    naming the extra when it is not installed). A missing file is a ``FileNotFoundError``; a file
+    that is not a regular file, not written by :meth:`QuantizedModule.save`, damaged or hostile is
+    one ``ValueError`` saying which (:mod:`.saved`)."""
+    opened = saved.read(path)   # one clear error: missing, foreign, damaged or hostile file
     try:
-        report = QuantizeReport.from_dict(meta["report"])
+        report = QuantizeReport.from_dict(opened.meta["report"])
     except (TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"load_quantized: {path} is corrupt: its report does not read back ({exc})") from None
-    mode = meta["mode"]
-    module = program.module()
-    runner: Callable[..., Any]
-    if mode in ("static", "dynamic"):
-        runner = routes.FrozenCompiled(module)
-    else:
-        def runner(*args: Any) -> Any:
-            with torch.no_grad():
-                return module(*args)
-    return QuantizedModule(runner, program, mode, report, keep=module)
+    return QuantizedModule(opened.runner, opened.program, opened.meta["mode"], report, keep=opened.module)
 
 
 # --- measuring -------------------------------------------------------------------------------

@@ -11,7 +11,8 @@
     every calibration batch; run by ONNX Runtime's CPU provider (which fuses the QDQ pairs into its
     int8 kernels) with spinning off.
 
-Neither is saved in torch.export's format (:meth:`.api.QuantizedModule.save` says so).
+Each runner keeps its quantized model (``ov_model``, ``model_bytes``): :meth:`.api.QuantizedModule.save`
+writes it (:mod:`.engine_saved`).
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def build_openvino(model: nn.Module, example: tuple, calibration: list[tuple], t
         quantized = nncf.quantize(ov_model, dataset, subset_size=len(calibration))
     config = {"INFERENCE_NUM_THREADS": max(1, threads), "PERFORMANCE_HINT": "LATENCY"}   # default precision
     runner = openvino_route.CompiledRunner(quantized, sample, threads, config=config)
+    runner.ov_model = quantized   # what QuantizedModule.save writes (.engine_saved)
     names, kept = _layers(model)
     return Built(runner=runner, program_source=model, compiled=False, quantized=names, kept_fp32=kept)
 
@@ -116,6 +118,7 @@ def build_onnxruntime(model: nn.Module, example: tuple, calibration: list[tuple]
         with open(target, "rb") as handle:
             quantized = handle.read()
     runner = onnxruntime_route.SessionRunner(quantized, sample, threads)
+    runner.model_bytes = quantized   # what QuantizedModule.save writes (.engine_saved)
     layers, kept = _layers(model)
     return Built(runner=runner, program_source=model, compiled=False, quantized=layers, kept_fp32=kept)
 

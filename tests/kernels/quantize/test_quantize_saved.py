@@ -1,0 +1,305 @@
+"""Every INT8 variant saves and loads: save -> load_quantized in a fresh process (no model class
+there) -> the same outputs, for each route this host can build; a missing engine, damaged and
+hostile files, and a save that would write through a symlink, each one clear error.
+
+One tiny MLP, quantized once per route for the whole module (the fixture); the engine routes go
+through ``quantize(mode=...)`` (what a user runs), the PT2E routes are built without their
+compile (test_quantize.py loads a compiled static model in a subprocess already; here the
+program is compared eagerly, which is what the file carries)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import struct
+import subprocess
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from quantize_models import make  # noqa: E402
+
+from xlaunch.kernels.quantize import engine_routes, engine_saved, routes, saved  # noqa: E402
+from xlaunch.kernels.quantize.api import (  # noqa: E402
+    QuantizedModule, QuantizeReport, QuantizeWarning, load_quantized, quantize)
+
+pytestmark = pytest.mark.torch
+ENGINE_ROUTES = tuple(engine_saved.ENGINES)
+PT2E_ROUTES = ("static", "dynamic")
+ROUTES = (*PT2E_ROUTES, "weight_only", *ENGINE_ROUTES)
+
+
+def _pt2e(route: str, model: torch.nn.Module, example: torch.Tensor, calibration: list) -> QuantizedModule:
+    build = routes.build_pt2e(model, (example,), calibration if route == "static" else [(example,)],
+                              dynamic=route == "dynamic", reduce_range=True)
+    program = routes.export(build.program_source, (example,))
+    eager = program.module()
+    return QuantizedModule(lambda *args: eager(*args), program, route, QuantizeReport(mode=route, requested=route))
+
+
+@pytest.fixture(scope="module")
+def quantized() -> dict:
+    """route -> (quantized model, input) or the reason it cannot be built here."""
+    model, example, calibration = make("mlp")
+    calibration = calibration[:2]
+    built: dict = {}
+    try:
+        routes.import_torchao()
+        torchao = None
+    except ImportError as exc:
+        torchao = str(exc)
+    for route in ROUTES:
+        missing = engine_routes.missing(route) if route in ENGINE_ROUTES else torchao
+        if missing is not None:
+            built[route] = missing
+        elif route in PT2E_ROUTES:
+            built[route] = (_pt2e(route, model, example, calibration), example)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", QuantizeWarning)
+                built[route] = (quantize(model, (example,), calibration=calibration, mode=route), example)
+    return built
+
+
+def _get(quantized: dict, route: str) -> tuple:
+    if isinstance(quantized[route], str):
+        pytest.skip(f"{route} cannot be built here: {quantized[route]}")
+    return quantized[route]
+
+
+CHILD = r"""
+import json, sys, torch
+from xlaunch.kernels.quantize import engine_saved, load_quantized
+cases, engines = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for path, mode in engines:   # the engine made unimportable first: one ImportError naming the extra
+    needs = engine_saved.NEEDS[engine_saved.ENGINES[mode]]
+    kept = {name: sys.modules.get(name) for name in needs}
+    sys.modules.update({name: None for name in needs})
+    try:
+        load_quantized(path)
+        raise SystemExit(f"{path}: loaded without its engine")
+    except ImportError as exc:
+        print("missing:", str(exc))
+    for name, module in kept.items():
+        if module is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = module
+for path, io_path in cases:
+    x, expected, mode = torch.load(io_path)
+    model = load_quantized(path)
+    assert model.mode == mode, (model.mode, mode)
+    with torch.no_grad():
+        out = model(x) if mode not in ("static", "dynamic") else model.program.module()(x)
+        error = (out - expected).abs().max().item() / expected.abs().max().item()
+        assert error <= 1e-5, (mode, error)
+        if mode not in ("static", "dynamic"):
+            assert model(x[:3]).shape == (3, *expected.shape[1:]), mode   # another batch size
+    print("ok", mode, error)
+"""
+
+
+def test_each_route_saves_and_loads_in_a_fresh_process(tmp_path: Path, quantized: dict) -> None:
+    available = {route: value for route, value in quantized.items() if not isinstance(value, str)}
+    if not available:
+        pytest.skip("no INT8 route can be built here: " + "; ".join(quantized.values()))
+    cases, engines = [], []
+    for route, (q, x) in available.items():
+        path, io_path = tmp_path / f"{route}.xq", tmp_path / f"{route}.io"
+        q.save(str(path))
+        with torch.no_grad():
+            expected = q(x)
+        torch.save((x, expected, route), io_path)
+        cases.append((str(path), str(io_path)))
+        if route in ENGINE_ROUTES:
+            engines.append((str(path), route))
+    before = sorted(os.listdir(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases), json.dumps(engines)],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("ok ")] == list(available)
+    missing = [line for line in lines if line.startswith("missing:")]
+    assert len(missing) == len(engines)
+    for line, (_, route) in zip(missing, engines):
+        assert f'pip install "xlaunch[{engine_saved.ENGINES[route]}]"' in line and route in line, line
+    assert sorted(os.listdir(tmp_path)) == before   # loading wrote nothing
+
+
+def _manifest(path: Path) -> dict:
+    with zipfile.ZipFile(path) as archive:
+        entry = next(n for n in archive.namelist() if n.endswith(saved.META_FILE))
+        return json.loads(archive.read(entry))
+
+
+def test_the_manifest_holds_signature_report_and_versions(tmp_path: Path, quantized: dict) -> None:
+    found = [route for route in ("weight_only", *ENGINE_ROUTES) if not isinstance(quantized[route], str)]
+    if not found:
+        pytest.skip("neither weight_only nor an engine route can be built here")
+    for route in found:
+        q, x = quantized[route]
+        q.save(str(tmp_path / route))
+        meta = _manifest(tmp_path / route)
+        engine = engine_saved.ENGINES.get(route, "torch")
+        assert (meta["mode"], meta["engine"], meta["report"]["mode"]) == (route, engine, route)
+        assert meta["inputs"] == [{"dtype": "float32", "shape": [None, *x.shape[1:]]}]
+        assert meta["versions"]["torch"] == torch.__version__
+        if engine != "torch":
+            assert meta["format"] == saved.ENGINE_FORMAT_VERSION and meta["output_count"] == 1
+            assert sorted(meta["files"]) == sorted(engine_saved.FILES[engine])
+            assert meta["versions"][engine] not in ("-", None)
+
+
+def _rewrite(source: Path, target: Path, change) -> Path:
+    """``source``'s entries, passed through ``change(info, data) -> [(info, data), ...]``, with the
+    manifest's sizes and hashes brought up to date (so only the change itself is wrong)."""
+    with zipfile.ZipFile(source) as archive:
+        entries = [(info, archive.read(info)) for info in archive.infolist()]
+    out = []
+    for info, data in entries:
+        out.extend(change(info, data))
+    meta = json.loads(next(d for i, d in out if i.filename == saved.META_FILE))
+    for info, data in out:
+        if info.filename in meta.get("files", {}):
+            meta["files"][info.filename] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with zipfile.ZipFile(target, "w") as archive:
+        for info, data in out:
+            archive.writestr(info, json.dumps(meta) if info.filename == saved.META_FILE else data)
+    return target
+
+
+def _engine_file(tmp_path: Path, quantized: dict) -> tuple[Path, str, torch.Tensor]:
+    for route in ENGINE_ROUTES:
+        if not isinstance(quantized[route], str):
+            q, x = quantized[route]
+            q.save(str(tmp_path / "good.xq"))
+            return tmp_path / "good.xq", route, x
+    pytest.skip("no engine INT8 route can be built here: " + "; ".join(quantized[r] for r in ENGINE_ROUTES))
+
+
+def test_damaged_or_hostile_files_are_one_clear_error(tmp_path: Path, quantized: dict) -> None:
+    good, route, x = _engine_file(tmp_path, quantized)
+    data = good.read_bytes()
+    model_file = engine_saved.FILES[engine_saved.ENGINES[route]][0]
+    loaded = load_quantized(str(good))   # the control; a call it does not serve is one error
+    torch.testing.assert_close(loaded(x), quantized[route][0](x), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match=rf"good.xq: takes \(float32\[N,{x.shape[1]}\]\); argument 0 is float64"):
+        loaded(x.double())
+
+    def symlink(info, content):
+        if info.filename == model_file:   # the model entry replaced by a link to a file of this machine
+            link = zipfile.ZipInfo(model_file)
+            link.external_attr = (stat.S_IFLNK | 0o777) << 16
+            return [(link, b"/etc/passwd")]
+        return [(info, content)]
+
+    def engine(name):
+        def change(info, content):
+            if info.filename == saved.META_FILE:
+                return [(info, json.dumps({**json.loads(content), "engine": name}).encode())]
+            return [(info, content)]
+        return change
+
+    def compressed(info, content):
+        if info.filename == model_file:
+            info.compress_type = zipfile.ZIP_DEFLATED
+        return [(info, content)]
+
+    (tmp_path / "truncated.xq").write_bytes(data[: len(data) // 2])
+    (tmp_path / "tail_cut.xq").write_bytes(data[:-10])
+    flipped, info = bytearray(data), zipfile.ZipFile(good).getinfo(model_file)
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    flipped[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0xFF   # in the model's bytes
+    (tmp_path / "flipped.xq").write_bytes(bytes(flipped))
+    cases = {
+        "truncated.xq": "truncated.xq is corrupt or not a saved model",
+        "tail_cut.xq": "tail_cut.xq is corrupt or not a saved model",
+        "flipped.xq": "flipped.xq is corrupt: .*(does not match|Bad CRC)",
+        _rewrite(good, tmp_path / "link.xq", symlink).name:
+            f"link.xq is refused: entry '{model_file}' is a symbolic link",
+        _rewrite(good, tmp_path / "tensorrt.xq", engine("tensorrt")).name:
+            "tensorrt.xq names engine 'tensorrt', which this xlaunch does not run",
+        _rewrite(good, tmp_path / "other.xq", engine("torch")).name: "other.xq is corrupt.*no valid mode",
+        _rewrite(good, tmp_path / "extra.xq", lambda i, d: [(i, d), (zipfile.ZipInfo("../escape"), b"x")]
+                 if i.filename == model_file else [(i, d)]).name: "extra.xq is refused: unexpected entry '../escape'",
+        _rewrite(good, tmp_path / "deflated.xq", compressed).name: "deflated.xq is corrupt: .* is compressed",
+    }
+    if route == "onnxruntime_static":
+        import onnx
+
+        def external(info, content):
+            if info.filename != model_file:
+                return [(info, content)]
+            model = onnx.ModelProto.FromString(content)
+            tensor = model.graph.initializer[0]
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            entry = tensor.external_data.add()
+            entry.key, entry.value = "location", "../../../../etc/hostname"
+            return [(info, model.SerializeToString())]
+        cases[_rewrite(good, tmp_path / "external.xq", external).name] = \
+            "external.xq is refused: its ONNX model reads tensor .* from an external file"
+    before = sorted(os.listdir(tmp_path))
+    for name, match in cases.items():
+        with pytest.raises(ValueError, match=match) as raised:
+            load_quantized(str(tmp_path / name))
+        assert "\n" not in str(raised.value) and raised.value.__cause__ is None, name
+    assert sorted(os.listdir(tmp_path)) == before   # nothing extracted or written
+
+
+def test_save_never_writes_through_a_symlink(tmp_path: Path, quantized: dict) -> None:
+    route = next((r for r in ("weight_only", *ENGINE_ROUTES) if not isinstance(quantized[r], str)), None)
+    if route is None:
+        pytest.skip("neither weight_only nor an engine route can be built here")
+    q, x = quantized[route]
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "link.xq").symlink_to(victim)
+    with pytest.raises(ValueError, match="link.xq is a symbolic link; save does not write through one"):
+        q.save(str(tmp_path / "link.xq"))
+    assert victim.read_text() == "keep me"
+    os.mkfifo(tmp_path / "fifo.xq")
+    with pytest.raises(ValueError, match="fifo.xq exists and is not a regular file"):
+        q.save(str(tmp_path / "fifo.xq"))
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        q.save(str(tmp_path / "absent" / "model.xq"))
+    target = tmp_path / "model.xq"
+    target.write_bytes(b"an older file")
+    q.save(str(target))   # replaced whole; no temporary file left beside it
+    assert sorted(os.listdir(tmp_path)) == ["fifo.xq", "link.xq", "model.xq", "victim.txt"]
+    assert stat.S_IMODE(target.stat().st_mode) & 0o600 == 0o600
+    with torch.no_grad():
+        torch.testing.assert_close(load_quantized(str(target))(x), q(x), rtol=1e-5, atol=0)
+
+
+def test_the_signature_round_trips_without_the_model_classes() -> None:
+    """What a loaded engine model takes and returns, from the manifest's JSON alone: a named
+    tuple comes back as a tuple, a dict as a dict, a plain argument must keep its exported value."""
+    from collections import namedtuple
+
+    from xlaunch.kernels.optimize.engines.sample import Sample
+
+    Pair = namedtuple("Pair", "logits extra")
+
+    class Model(torch.nn.Module):
+        def forward(self, x: torch.Tensor, scale: float, mask: torch.Tensor) -> dict:
+            return {"pair": Pair(x * scale, mask.float()), "sum": x.sum(1)}
+
+    x, mask = torch.randn(4, 3), torch.ones(5, dtype=torch.bool)
+    written = engine_saved.signature_of(Sample(Model(), (x, 2.0, mask)))
+    signature = engine_saved.Signature(json.loads(json.dumps(written)))
+    assert signature.describe() == "(float32[N,3], 2.0, bool[5])"
+    assert signature.tensor_positions == [0, 2] and signature.mismatch((x[:2], 2.0, mask)) is None
+    assert "argument 1 was exported as 2.0" in signature.mismatch((x, 3.0, mask))
+    assert "argument 2 is bool[4]" in signature.mismatch((x, 2.0, mask[:4]))
+    flat = [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)]
+    out = signature.structure(flat)
+    assert type(out["pair"]) is tuple and out["pair"][1] is flat[1] and out["sum"] is flat[2]
+    with pytest.raises(ValueError, match="input 0 is not a tensor spec"):
+        engine_saved.Signature({**written, "inputs": [{"dtype": "os.system", "shape": [None]}]})
