@@ -8,6 +8,7 @@ weights_only=True)``) and in a second process.
 """
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -18,12 +19,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from resume_helpers import (  # noqa: E402
-    OPTIMIZERS, batches, build, checkpoint, differences, resume, snapshot, train,
+    OPTIMIZERS, Net, batches, build, checkpoint, differences, resume, snapshot, train,
 )
 
 import xlaunch  # noqa: E402
 from xlaunch.kernels import master_params  # noqa: E402
 from xlaunch.kernels.optim.fused import TRAIL_KEY, is_split  # noqa: E402
+from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]   # fast on a busy 2-vCPU box
 
@@ -94,33 +96,37 @@ def test_resume_in_a_second_process_is_bitwise(tmp_path: Path) -> None:
         assert not differences(got[key], expected[key]), key
 
 
-def test_an_fp32_checkpoint_loads_into_split_training_as_its_masters() -> None:
-    """An fp32 run's checkpoint (plain torch model and optimizer) resumed in split-bf16: the fp32
-    weights become the masters bit for bit, the optimizer state stays fp32, whichever is loaded first."""
+@pytest.mark.parametrize("split", [True, False], ids=["split-bf16", "fp32"])
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_a_plain_fp32_checkpoint_resumes_as_optimizing_that_run(name: str, split: bool) -> None:
+    """A checkpoint of a plain torch run (contiguous conv weights and state, a torch optimizer)
+    loaded into a fresh optimized model (channels-last conv, fused optimizer, split-bf16 or not)
+    trains on exactly as ``optimize`` applied to that run itself: its weights become the masters bit
+    for bit, the optimizer state stays fp32 in the parameters' layout, whichever is loaded first."""
     torch.manual_seed(0)
-    from resume_helpers import Net
-
     plain = Net().train()
-    plain_optimizer = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    plain_optimizer = OPTIMIZERS[name](plain.parameters())
     train(plain, plain_optimizer, DATA[:2])
-    model_state, optimizer_state = plain.state_dict(), plain_optimizer.state_dict()
+    saved = checkpoint(plain, plain_optimizer)   # as from a file: torch's loads share same-dtype state tensors
+    reference, reference_optimizer = optimize(plain, plain_optimizer, dtype=torch.bfloat16 if split else None,
+                                              force_bf16=True)   # a copy: plain is left as it is
+    assert reference.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    train(reference, reference_optimizer, DATA[2:])
+    expected = snapshot(reference, reference_optimizer)
     for optimizer_first in (True, False):
-        model, optimizer = build("adam", split=True, inplace=True, seed=1)
+        model, optimizer = build(name, split, inplace=True, seed=1)
+        state = torch.load(io.BytesIO(saved), weights_only=True)
+        model_state, optimizer_state = state["model"], state["optimizer"]
         if optimizer_first:
             optimizer.load_state_dict(optimizer_state)
         model.load_state_dict(model_state)
         if not optimizer_first:
             optimizer.load_state_dict(optimizer_state)
-        params = list(model.parameters())
-        assert all(is_split(optimizer, p) for p in (model.conv.weight, model.head.weight))
+        assert is_split(optimizer, model.conv.weight) == split
         for master, fp32 in zip(master_params(optimizer), plain.parameters()):
             assert torch.equal(master.view(torch.int32), fp32.detach().view(torch.int32))
-        for p, q in zip(params, plain.parameters()):
-            for key in ("exp_avg", "exp_avg_sq"):
-                got, want = optimizer.state[p][key], plain_optimizer.state[q][key]
-                assert got.dtype == torch.float32 and torch.equal(got, want)
-        train(model, optimizer, DATA[2:])   # trains on from there
-        assert model.head.weight.dtype == torch.bfloat16
+        train(model, optimizer, DATA[2:])
+        assert not differences(snapshot(model, optimizer), expected)
 
 
 def test_a_split_checkpoint_loads_into_fp32_training() -> None:
@@ -142,8 +148,10 @@ def test_a_checkpoint_whose_low_halves_were_cast_is_refused() -> None:
     train(model, optimizer, DATA[:1])
     state = optimizer.state_dict()
     state["state"][0] = dict(state["state"][0], **{TRAIL_KEY: state["state"][0][TRAIL_KEY].to(torch.bfloat16)})
+    before = snapshot(model, optimizer)
     with pytest.raises(ValueError, match="parameter 0's bf16_trail is torch.bfloat16 .* not int16 .* lost"):
         optimizer.load_state_dict(state)
+    assert not differences(snapshot(model, optimizer), before)   # refused before anything was loaded
 
 
 def test_a_bf16_model_checkpoint_sets_the_master_to_that_value() -> None:

@@ -131,11 +131,12 @@ class _FusedBase:
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, keeping split-bf16 storage exact: a split parameter's
         state stays fp32 and its int16 low half is restored bit for bit (torch alone would cast
-        both to the parameter's bf16); see :func:`splitstate.restore_split_state`."""
+        both to the parameter's bf16); see :func:`splitstate.restore_state`."""
         live = [p for g in self.param_groups for p in g["params"]]
         trails = {p: self.state[p][TRAIL_KEY] for p in live if p in self.state and TRAIL_KEY in self.state[p]}
+        splitstate.check_trails(state_dict, live, trails)
         super().load_state_dict(state_dict)  # type: ignore[misc]
-        splitstate.restore_split_state(self, state_dict, live, trails)
+        splitstate.restore_state(self, state_dict, live, trails)
 
 
 def _step_tensor(param: Tensor) -> Tensor:

@@ -125,23 +125,26 @@ def prepare_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         model.forward = Bf16Forward(model)   # type: ignore[method-assign]
 
 
-def restore_split_state(optimizer: torch.optim.Optimizer, state_dict: dict, live: list,
-                        trails: dict) -> None:
-    """After torch's ``Optimizer.load_state_dict``: put split-bf16 storage back exactly.
+def restore_state(optimizer: torch.optim.Optimizer, state_dict: dict, live: list, trails: dict) -> None:
+    """After torch's ``Optimizer.load_state_dict`` of a fused optimizer: put split-bf16 storage
+    back exactly, and give state tensors their parameter's memory layout.
 
     ``live`` lists the optimizer's parameters in group order, ``trails`` maps each parameter that
     was split before the load to its low half then. The optimizer's own storage decides, not the
     checkpoint's: a split parameter gets the checkpoint's fp32 state (torch cast it to bf16) and
     the checkpoint's low half (torch cast that int16 to bf16 too), or, from a checkpoint of an fp32
     run (no low half), keeps its current low half, which ``model.load_state_dict`` of the fp32
-    masters sets. A parameter that is not split drops a checkpoint's low half."""
+    masters sets. A parameter that is not split drops a checkpoint's low half. The fused kernels
+    walk a parameter and its state in memory order, so a momentum saved from a contiguous model
+    and loaded for a channels-last one is re-laid (it would be applied to the wrong elements)."""
     saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-    for number, (param, pid) in enumerate(zip(live, saved_ids)):
+    for param, pid in zip(live, saved_ids):
         state = optimizer.state.get(param)
         current = trails.get(param)
         if current is None:
             if state is not None:
                 state.pop(TRAIL_KEY, None)
+                _match_layout(param, state)
             continue
         saved = state_dict["state"].get(pid, {})
         state = optimizer.state[param]
@@ -149,11 +152,26 @@ def restore_split_state(optimizer: torch.optim.Optimizer, state_dict: dict, live
             if key not in ("step", TRAIL_KEY) and isinstance(value, torch.Tensor) and value.is_floating_point():
                 state[key] = value.to(dtype=torch.float32, device=param.device, copy=True)
         trail = saved.get(TRAIL_KEY)
-        if trail is None:
-            state[TRAIL_KEY] = current
+        # a copy of the checkpoint's, in the parameter's layout (check_trails refused a bad one)
+        state[TRAIL_KEY] = current if trail is None else torch.empty_like(current).copy_(trail)
+        _match_layout(param, state)
+
+
+def check_trails(state_dict: dict, live: list, trails: dict) -> None:
+    """Before loading: refuse a checkpoint whose low half of a split parameter is not its int16
+    tensor (e.g. one cast to bf16 on its way into the checkpoint: those low bits are gone)."""
+    saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    for number, (param, pid) in enumerate(zip(live, saved_ids)):
+        trail = state_dict["state"].get(pid, {}).get(TRAIL_KEY)
+        if param not in trails or trail is None:
             continue
         if not isinstance(trail, torch.Tensor) or trail.dtype != TRAIL_DTYPE or trail.shape != param.shape:
             what = f"{trail.dtype} {tuple(trail.shape)}" if isinstance(trail, torch.Tensor) else type(trail).__name__
             raise ValueError(f"load_state_dict: parameter {number}'s {TRAIL_KEY} is {what}, not int16 "
                              f"{tuple(param.shape)}: the low half of its fp32 master is lost in this checkpoint")
-        state[TRAIL_KEY] = torch.empty_like(current).copy_(trail)   # the parameter's memory layout
+
+
+def _match_layout(param: torch.Tensor, state: dict) -> None:
+    for key, value in list(state.items()):
+        if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+            state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
