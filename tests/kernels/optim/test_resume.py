@@ -85,7 +85,8 @@ def test_resume_in_a_second_process_is_bitwise(tmp_path: Path) -> None:
             expected[f"{name}-{split}"] = snapshot(model, optimizer)
     script = tmp_path / "second.py"
     script.write_text(SECOND_PROCESS)
-    paths = [str(Path(__file__).parent), str(Path(xlaunch.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    root = Path(xlaunch.__file__).resolve().parents[1]
+    paths = [str(Path(__file__).parent), str(root), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, str(script), str(tmp_path), str(len(DATA))], env=env, capture_output=True,
                           text=True, timeout=300)
