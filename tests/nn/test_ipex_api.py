@@ -84,7 +84,7 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("mode", ["mean", "sum"])
 def test_merged_inference_trace_autocast_and_cat(dtype, mode):
     """test_merged_embeddingbag.py::test_inference: forward equal to the loop, a traced and frozen
-    module equal too, bf16 outputs under autocast (fp32 tables), and the cat form (sum)."""
+    module equal too, bf16 and fp16 outputs under autocast (fp32 tables), and the cat form (sum)."""
     torch.manual_seed(0)
     for index_type, include_last_offset, dim in [CASES[(DTYPES.index(dtype) + (mode == "sum")) % 2]]:
         indices, offsets = bag_inputs(index_type, include_last_offset)
@@ -97,10 +97,10 @@ def test_merged_inference_trace_autocast_and_cat(dtype, mode):
                 jit_m = torch.jit.freeze(torch.jit.trace(m, (indices, offsets)))
                 jit_m(indices, offsets)
                 assert_equal(jit_m(indices, offsets), ref_out)
-        if dtype == torch.float32:
-            with torch.no_grad(), torch.autocast("cpu"):
+        for low in (torch.bfloat16, torch.float16) if dtype == torch.float32 else ():
+            with torch.no_grad(), torch.autocast("cpu", dtype=low):
                 out = m(indices, offsets)
-            assert all(o.dtype is torch.bfloat16 for o in out)
+            assert all(o.dtype is low for o in out)
             assert_equal([o.float() for o in out], [o.float() for o in ref_out], atol=0.1, rtol=0.1)
         if mode == "sum":
             dense = torch.randn(BATCH, dim, dtype=dtype)

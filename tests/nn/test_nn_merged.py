@@ -291,18 +291,39 @@ def test_mixed_dtypes_name_the_table_and_per_table_grads_are_populated(kernels):
         torch.testing.assert_close(view.grad, table.weight.grad)
 
 
-def test_autocast_outputs_follow_ipex(kernels):
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_outputs_follow_ipex(kernels, low):
+    """IPEX's autocast rule for fp32 tables, bf16 and fp16 alike: without grad mode the forward
+    pools a copy of the weights in the autocast dtype; with grad mode it runs in fp32, forward and
+    backward exactly as without autocast."""
     tables = make_tables(modes=("mean", "sum", "sum"))
     indices, offsets = make_inputs(tables)
     merged = MergedEmbeddingBag.from_embeddingbag_list(tables)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    cat = MergedEmbeddingBagWithCat.from_embeddingbag_list(tables[1:])
+    dense = torch.randn(BATCH, 3)
+    upstream = [torch.randn(BATCH, t.embedding_dim, generator=torch.Generator().manual_seed(5)) for t in tables]
+    with torch.autocast("cpu", dtype=low):
         with torch.no_grad():
             inference = merged(indices, offsets)
+            joined = cat(indices[1:], offsets[1:], dense)
         training = merged(indices, offsets)
-    assert {o.dtype for o in inference} == {torch.bfloat16}          # IPEX casts the weights for inference
-    assert {o.dtype for o in training} == {torch.float32}            # and runs in their dtype when training
-    for got, want in zip(inference, reference(tables, indices, offsets)):
+        torch.autograd.backward(training, upstream)
+    expected = reference(tables, indices, offsets)
+    assert {o.dtype for o in inference} == {low} and joined.dtype == low   # IPEX casts the weights for inference
+    for got, want in zip(inference, expected):
         torch.testing.assert_close(got.float(), want.detach(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(joined.float(), torch.cat([dense] + [w.detach() for w in expected[1:]], dim=1),
+                               rtol=2e-2, atol=2e-2)
+    assert {o.dtype for o in training} == {torch.float32}            # and runs in their dtype when training
+    grad = merged.weight.grad.clone()
+    merged.weight.grad = None
+    plain = merged(indices, offsets)                                  # the same, without autocast
+    torch.autograd.backward(plain, upstream)
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(training, plain))
+    assert torch.equal(grad, merged.weight.grad)
+    torch.autograd.backward(expected, upstream)                       # and nn.EmbeddingBag's gradients
+    for view, table in zip(merged.weights, tables):
+        torch.testing.assert_close(view.grad, table.weight.grad)
 
 
 @pytest.mark.parametrize("fused,optimizer", [(MergedEmbeddingBagWithSGD, torch.optim.SGD),

@@ -131,12 +131,13 @@ class MergedEmbeddingBag(nn.Module):
         return views
 
     def _pool_weight(self) -> Tensor:
-        """The weight the forward reads: IPEX's autocast rule (bf16 autocast without grad mode
-        pools a bf16 copy of fp32 weights; with grad mode, the weights' own dtype)."""
+        """The weight the forward reads: IPEX's autocast rule (bf16 or fp16 autocast without grad
+        mode pools a copy of fp32 weights in that dtype; with grad mode, the weights' own dtype)."""
         weight = self.weight
-        if (weight.dtype == torch.float32 and not torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
-                and torch.get_autocast_dtype("cpu") == torch.bfloat16):
-            return weight.to(torch.bfloat16)
+        if weight.dtype == torch.float32 and not torch.is_grad_enabled() and torch.is_autocast_enabled("cpu"):
+            low = torch.get_autocast_dtype("cpu")
+            if low in (torch.bfloat16, torch.float16):
+                return weight.to(low)
         return weight
 
     def _inputs(self, indices: Any, offsets: Any, per_sample_weights: Any) -> BagInputs:

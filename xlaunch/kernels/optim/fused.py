@@ -129,18 +129,14 @@ class _FusedBase:
                 p.data, p.grad = bf16_data, bf16_grad
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's ``load_state_dict``, keeping split parameters' state in fp32."""
-        super().load_state_dict(state_dict)  # type: ignore[misc]
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        """torch's ``load_state_dict``, keeping split-bf16 storage exact: a split parameter's
+        state stays fp32 and its int16 low half is restored bit for bit (torch alone would cast
+        both to the parameter's bf16); see :func:`splitstate.restore_state`."""
         live = [p for g in self.param_groups for p in g["params"]]
-        by_id = dict(zip(saved_ids, live))
-        for pid, saved in state_dict["state"].items():
-            if TRAIL_KEY not in saved or pid not in by_id:
-                continue
-            state = self.state[by_id[pid]]
-            for key, value in saved.items():
-                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
-                    state[key] = value.to(dtype=torch.float32, copy=True)
+        trails = {p: self.state[p][TRAIL_KEY] for p in live if p in self.state and TRAIL_KEY in self.state[p]}
+        splitstate.check_trails(state_dict, live, trails)
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        splitstate.restore_state(self, state_dict, live, trails)
 
 
 def _step_tensor(param: Tensor) -> Tensor:

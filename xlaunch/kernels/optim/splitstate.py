@@ -23,7 +23,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
-from xlaunch.kernels.optim.splitbf16 import join, split
+from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
 
 TRAIL_KEY = "bf16_trail"   # the optimizer-state entry holding a split parameter's low half
 
@@ -59,10 +59,14 @@ class SplitMasters:
              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         for key, param, state in self._split_params(module, prefix):
             value = state_dict.get(key)
-            if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.shape == param.shape:
-                top, trail = split(value.detach().contiguous())
-                state[TRAIL_KEY].copy_(trail)
-                state_dict[key] = top
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != param.shape:
+                continue   # torch's own load says what is wrong with it
+            if value.dtype == torch.bfloat16:   # a bf16 checkpoint: the master is that value exactly
+                state[TRAIL_KEY].zero_()
+                continue
+            top, trail = split(value.detach().float().contiguous())
+            state[TRAIL_KEY].copy_(trail)
+            state_dict[key] = top
 
     def __getstate__(self) -> dict:
         return {"names": self.names, "_optimizer": None}
@@ -119,3 +123,55 @@ def prepare_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     register(model, optimizer)
     if not runs_under_autocast(model):
         model.forward = Bf16Forward(model)   # type: ignore[method-assign]
+
+
+def restore_state(optimizer: torch.optim.Optimizer, state_dict: dict, live: list, trails: dict) -> None:
+    """After torch's ``Optimizer.load_state_dict`` of a fused optimizer: put split-bf16 storage
+    back exactly, and give state tensors their parameter's memory layout.
+
+    ``live`` lists the optimizer's parameters in group order, ``trails`` maps each parameter that
+    was split before the load to its low half then. The optimizer's own storage decides, not the
+    checkpoint's: a split parameter gets the checkpoint's fp32 state (torch cast it to bf16) and
+    the checkpoint's low half (torch cast that int16 to bf16 too), or, from a checkpoint of an fp32
+    run (no low half), keeps its current low half, which ``model.load_state_dict`` of the fp32
+    masters sets. A parameter that is not split drops a checkpoint's low half. The fused kernels
+    walk a parameter and its state in memory order, so a momentum saved from a contiguous model
+    and loaded for a channels-last one is re-laid (it would be applied to the wrong elements)."""
+    saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    for param, pid in zip(live, saved_ids):
+        state = optimizer.state.get(param)
+        current = trails.get(param)
+        if current is None:
+            if state is not None:
+                state.pop(TRAIL_KEY, None)
+                _match_layout(param, state)
+            continue
+        saved = state_dict["state"].get(pid, {})
+        state = optimizer.state[param]
+        for key, value in saved.items():
+            if key not in ("step", TRAIL_KEY) and isinstance(value, torch.Tensor) and value.is_floating_point():
+                state[key] = value.to(dtype=torch.float32, device=param.device, copy=True)
+        trail = saved.get(TRAIL_KEY)
+        # a copy of the checkpoint's, in the parameter's layout (check_trails refused a bad one)
+        state[TRAIL_KEY] = current if trail is None else torch.empty_like(current).copy_(trail)
+        _match_layout(param, state)
+
+
+def check_trails(state_dict: dict, live: list, trails: dict) -> None:
+    """Before loading: refuse a checkpoint whose low half of a split parameter is not its int16
+    tensor (e.g. one cast to bf16 on its way into the checkpoint: those low bits are gone)."""
+    saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    for number, (param, pid) in enumerate(zip(live, saved_ids)):
+        trail = state_dict["state"].get(pid, {}).get(TRAIL_KEY)
+        if param not in trails or trail is None:
+            continue
+        if not isinstance(trail, torch.Tensor) or trail.dtype != TRAIL_DTYPE or trail.shape != param.shape:
+            what = f"{trail.dtype} {tuple(trail.shape)}" if isinstance(trail, torch.Tensor) else type(trail).__name__
+            raise ValueError(f"load_state_dict: parameter {number}'s {TRAIL_KEY} is {what}, not int16 "
+                             f"{tuple(param.shape)}: the low half of its fp32 master is lost in this checkpoint")
+
+
+def _match_layout(param: torch.Tensor, state: dict) -> None:
+    for key, value in list(state.items()):
+        if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+            state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)

@@ -9,7 +9,9 @@ The result is the given module rewritten (``inplace=True``) or a rewritten deep 
 same class, attributes, ``training`` flag; ``state_dict``/``load_state_dict`` keep working (a
 checkpoint of the un-optimized model loads into a folded one, see :mod:`fold`). Levels set
 defaults, explicit flags beat the level: ``O0`` does nothing (but cast the weights to a
-bf16/fp16 ``dtype`` and run under autocast, when given one, as ipex's O0 casts), ``O1`` does every rewrite that
+bf16/fp16 ``dtype`` and run under autocast, when given one, as ipex's O0 casts; training in bf16
+with an optimizer: split-bf16 parameters, which takes the fused optimizer, as ipex's O0 makes the
+parameters bf16 with fp32 masters), ``O1`` does every rewrite that
 keeps results (within float tolerance). The steps, in order:
 
   1. eval only: ``conv_bn_folding``, ``linear_bn_folding`` (where a ``sample_input`` or the graph
@@ -100,10 +102,12 @@ IPEX_NO_EFFECT = ("optimize_lstm", "auto_kernel_selection", "graph_mode", "conca
 
 
 def resolve_options(level: str, flags: dict[str, Any], has_sample_input: bool,
-                    low_dtype: bool = False) -> Options:
+                    low_dtype: bool = False, bf16_training: bool = False) -> Options:
     """Level defaults, then every flag the caller gave explicitly (a None flag means "level").
     ``O0`` with a low dtype (``low_dtype``) still casts the weights and runs under autocast, as
-    ipex's O0 casts the parameters when given a dtype."""
+    ipex's O0 casts the parameters when given a dtype; training in bf16 with an optimizer
+    (``bf16_training``) makes the trained parameters bf16 with fp32 masters, as ipex's O0 does
+    (split-bf16, which takes the fused optimizer)."""
     if level not in LEVELS:
         raise ValueError(f"optimize: level must be one of {', '.join(LEVELS)}, not {level!r}")
     flags = {IPEX_ALIASES.get(name, name): value for name, value in flags.items()
@@ -112,7 +116,7 @@ def resolve_options(level: str, flags: dict[str, Any], has_sample_input: bool,
     if unknown:
         raise TypeError(f"optimize: unknown flag(s) {', '.join(unknown)}; known: {', '.join(FLAG_NAMES)}")
     if level == "O0":
-        base = Options(measure=False, bf16_weights=low_dtype, autocast=low_dtype)
+        base = Options(measure=False, bf16_weights=low_dtype, autocast=low_dtype, fused_optimizer=bf16_training)
     else:
         base = Options(
             conv_bn_folding=True, linear_bn_folding=True, remove_dropout=True, channels_last=True,
@@ -244,7 +248,8 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
                          "model.train() to optimize for training, or pass no optimizer for inference")
     force = flags.get("force_bf16")
     use_dtype, dtype_warning = precision.resolve_dtype(dtype, bool(force))
-    opts = resolve_options(level, flags, sample_input is not None, use_dtype in precision.LOW_DTYPES)
+    opts = resolve_options(level, flags, sample_input is not None, use_dtype in precision.LOW_DTYPES,
+                           use_dtype == torch.bfloat16 and optimizer is not None and model.training)
     report = Report(options=opts)
     for name in sorted(set(flags) & set(IPEX_NO_EFFECT)):
         if flags[name]:

@@ -20,7 +20,8 @@ Output dtype (:func:`output_dtype`): what eager gives under the same context.
     bf16 in, bf16 out, as the model cast to bf16 (``model.bfloat16()``) would; no floating input:
     fp32, the original model's.
 ``level="O0"`` with a low dtype casts the weights and runs under autocast too (ipex's O0 casts the
-parameters when given a dtype); it does nothing else.
+parameters when given a dtype); it does nothing else (in bf16 training: split-bf16 parameters,
+:mod:`xlaunch.kernels.optimize.pipeline`).
 """
 from __future__ import annotations
 
