@@ -1,7 +1,7 @@
 """The torchrun front at run time (``xlaunch --nproc-per-node N``; planned and started by
 :mod:`xlaunch.launcher.distributed.launch`): torch's elastic agent runs as a child of xlaunch, in
 its own session (:mod:`xlaunch.launcher.distributed.agent`), and xlaunch supervises it and its
-ranks as the runner supervises instances (:class:`~.supervisor.Supervisor`): a pipe per rank
+ranks as the runner supervises instances (:class:`xlaunch.launcher.run.supervisor.Supervisor`): a pipe per rank
 (``[i]`` lines, per-rank logs), each rank registered as it starts (restarts too), seen ending
 through a pidfd (its status read from its zombie, else from the agent's report), observed and
 summarised; a rank failing on its own stops the others (SIGTERM, SIGKILL after the grace period,
