@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from typing import Optional
 
     from xlaunch.launcher.plan.options import Options
-    from xlaunch.launcher.plan.planner import Instance, Plan
+    from xlaunch.launcher.plan.records import Instance, Plan
 
 # One node: the agents' private c10d rendezvous, on a free port of this host (torchrun --standalone)
 PRIVATE_ENDPOINT = "localhost:0"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 from xlaunch.launcher.run import reporting, spawning
 from xlaunch.launcher.run.child import Child, status_code, status_text
-from xlaunch.launcher.plan.planner import Plan
+from xlaunch.launcher.plan.records import Plan
 from xlaunch.launcher.run.console import InstanceStream
 from xlaunch.launcher.run.signals import signal_name
 from xlaunch.launcher.run.supervisor import Supervisor
