@@ -11,7 +11,12 @@ entry adds three things:
 * the outcome goes to the front's result file (:data:`xlaunch.launcher.distributed.front.RESULT`): the job's status and
   the exit code of every rank the agent saw fail, for the front's per-rank summary;
 * the exit status is the job's: 0, the first failed rank's exit code (128+N when it was killed
-  by signal N), 128+N when the agent got signal N, 1 when the agent itself failed;
+  by signal N), 128+N when the agent got signal N, 1 when the agent itself failed. The first
+  failed rank is the one the front saw fail first (its note, :func:`root_cause`): the front
+  stops the other ranks at once, and torch's agent, polling, may find them all ended together
+  and take the lowest rank (stopped by SIGTERM) for the root cause;
+* SIGINT before torch's own handlers (which come with the ranks) ends the agent as SIGTERM
+  does, without a ``KeyboardInterrupt`` traceback out of an import or the rendezvous;
 * a rendezvous that does not complete within its bound (``--rdzv-conf``, from ``--rdzv-timeout``)
   is one error line that says what was waited for: the other nodes, node 0's store at the
   master address and port, or the rendezvous endpoint (:func:`rendezvous_wait`).
@@ -24,7 +29,7 @@ import sys
 from typing import Any, Optional
 
 from xlaunch.launcher.distributed.ranks import CHANNELS_VAR, GRACE_VAR
-from xlaunch.launcher.distributed.front import RESULT
+from xlaunch.launcher.distributed.front import FIRST_FAILURE, RESULT
 
 
 def cap_shutdown_waits(grace: float) -> bool:
@@ -75,6 +80,26 @@ def is_rendezvous_failure(error: BaseException) -> bool:
         or "timed out" in str(error).lower() or "timeout" in str(error).lower()
 
 
+def root_cause(failed: Any, note_path: Optional[str]) -> Any:
+    """``failed`` (torch's ``ChildFailedError``) with the rank the front noted as failing first as
+    its root cause (its first failure), when that rank's process is among the failures; else
+    ``failed`` unchanged (no front, no note, or a note from an attempt before a restart)."""
+    try:
+        with open(note_path or "", encoding="utf-8") as note:
+            pid = int(json.load(note)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return failed
+    found = [rank for rank, failure in failed.failures.items() if failure.pid == pid]
+    if not found:
+        return failed
+    rank = found[0]
+    root = failed.failures[rank]
+    # torch takes the failure with the smallest timestamp (whole seconds; the first one on a tie)
+    root.timestamp = min(f.timestamp for f in failed.failures.values())
+    failures = {rank: root, **{r: f for r, f in failed.failures.items() if r != rank}}
+    return type(failed)(failed.name, failures)
+
+
 def _write_result(path: Optional[str], result: dict[str, Any]) -> None:
     if not path:
         return
@@ -91,6 +116,7 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
     options, worker = argv[:at], argv[at + 1:]
     channels = environ.get(CHANNELS_VAR)
     result_path = os.path.join(channels, RESULT) if channels else None
+    note_path = os.path.join(channels, FIRST_FAILURE) if channels else None
     try:
         from torch.distributed import run as torchrun
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -113,7 +139,8 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
     result: dict[str, Any] = {"status": 0, "failures": {}}
     try:
         torchrun.run(args)
-    except ChildFailedError as failed:
+    except ChildFailedError as reported:
+        failed = root_cause(reported, note_path)
         sys.stderr.write(failed.format_msg() + "\n")
         _rank, first = failed.get_first_failure()
         code = first.exitcode
@@ -136,4 +163,7 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # until torch's handlers: SIGINT ends it as SIGTERM does
     sys.exit(run(sys.argv[1:], dict(os.environ)))

@@ -24,9 +24,9 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 if TYPE_CHECKING:
     from typing import Any, Optional
 
-    from xlaunch.launcher.plan.planner import Plan
+    from xlaunch.launcher.plan.records import Plan
 
-from xlaunch.launcher.plan.planner import Instance
+from xlaunch.launcher.plan.records import Instance
 from xlaunch.launcher.run import reporting, spawning
 from xlaunch.launcher.run.child import Child, RankProcess, exists, is_zombie, status_code, status_text, zombie_status
 from xlaunch.launcher.run.console import InstanceStream
@@ -35,6 +35,7 @@ from xlaunch.launcher.run.supervisor import Supervisor
 
 REGISTRY = "ranks"
 RESULT = "result.json"      # the agent's report: exit status, and each failed rank's exit code
+FIRST_FAILURE = "first_failure.json"   # the front's note to the agent: the rank it saw fail first
 
 
 def output_name(local_rank: int) -> str:
@@ -47,7 +48,9 @@ class Channels:
     ``out_<i>`` is local rank *i*'s stdout and stderr (``xlaunch --per-rank`` puts it on fds 1 and 2
     before the exec; a restart opens it again); ``ranks`` gets ``+<pgid> <local rank> <pid>`` as
     each rank starts (the watchdog drains it if xlaunch is killed); ``result.json`` is the agent's
-    report. xlaunch holds a write end of each FIFO, so reads never see end-of-file between ranks;
+    report; ``first_failure.json`` names the rank xlaunch saw fail first, written before it stops
+    the others (torch's agent may see those stopped ranks in the same poll, and would take the
+    lowest rank as the root cause). xlaunch holds a write end of each FIFO, so reads never see end-of-file between ranks;
     a rank finding no reader (xlaunch gone) does not start. :meth:`close` removes it all."""
 
     def __init__(self, ranks: int) -> None:
@@ -73,6 +76,18 @@ class Channels:
     @property
     def result_path(self) -> str:
         return os.path.join(self.path, RESULT)
+
+    def note_first_failure(self, local_rank: int, pid: int, status: int) -> None:
+        """Tell the agent which rank failed first (:func:`xlaunch.launcher.distributed.agent.root_cause`)."""
+        import json
+
+        path = os.path.join(self.path, FIRST_FAILURE)
+        try:
+            with open(path + ".tmp", "w", encoding="utf-8") as out:
+                json.dump({"local_rank": local_rank, "pid": pid, "status": status}, out)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass    # the front's own exit status still names that rank
 
     def read_registrations(self) -> list[tuple[int, int, int]]:
         """``(pgid, local rank, pid)`` for every complete line waiting in the registry."""
@@ -208,6 +223,15 @@ class FrontSupervisor(Supervisor):
         self.selector.register(agent.fd, selectors.EVENT_READ, agent)
         self.log(f"agent started: pid {agent.pid}: {' '.join(instance.argv)}")
 
+    def _killpg(self, child: Child, number: int) -> None:
+        """SIGINT reaches the agent as SIGTERM until a rank started: before torch's handlers (they
+        come with the ranks) Python would raise ``KeyboardInterrupt`` wherever the agent is, in an
+        import or the rendezvous, and print its traceback; SIGTERM ends it quietly."""
+        if number == signal.SIGINT and child is self.agent and not self.attempts:
+            self.log("SIGINT to the agent before its ranks started: SIGTERM")
+            number = signal.SIGTERM
+        super()._killpg(child, number)
+
     def release_pipe(self, child: Child) -> None:
         if child is self.agent:
             if child.proc is not None and child.proc.stdout is not None:
@@ -280,6 +304,8 @@ class FrontSupervisor(Supervisor):
             return
         if self.first_failure is None:
             self.first_failure = child
+            if self.channels is not None:
+                self.channels.note_first_failure(child.instance.index, child.pid, child.status)
         others = [c for c in self.children if c is not child and c.running and not c.stopped_by]
         if others:
             self.say(f"rank {child.instance.index} failed ({child.text}): stopping the others "
@@ -393,7 +419,7 @@ class FrontSupervisor(Supervisor):
             return 1
         if self.interrupted is not None and self.first_failure is None:
             return 128 + self.interrupted
-        if agent is not None and agent.status is not None and getattr(self, "agent_exited", False):
+        if agent is not None and agent.status is not None and self.agent_exited:
             return agent.status
         if self.first_failure is not None and self.first_failure.status:
             return self.first_failure.status
