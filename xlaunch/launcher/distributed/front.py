@@ -440,7 +440,7 @@ class FrontSupervisor(Supervisor):
             single_threaded = spawning.single_threaded()
             self.become_subreaper()
             try:
-                self.start_watchdog(single_threaded)
+                self.start_watchdog()
                 self.start_agent(single_threaded)
                 self.loop()
             except BaseException:

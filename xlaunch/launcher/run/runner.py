@@ -183,7 +183,7 @@ class _PlanRunner(Supervisor):
             single_threaded = spawning.single_threaded()
             self.become_subreaper()
             try:
-                self.start_watchdog(single_threaded)
+                self.start_watchdog()
                 self.spawn_all(single_threaded)
                 self.loop()
             except BaseException:
