@@ -178,3 +178,32 @@ def test_sigint_while_the_agent_starts_is_one_clean_line(tmp_path: Path) -> None
         if delay == 0.0:                 # the agent had to start Python and import torch first
             assert re.findall(r"^xlaunch: [01] +\S+ +not started", err, re.M) != [], err
         assert running([agent]) == [] and leftovers(program.name) == [], delay
+
+
+def test_the_root_cause_is_the_rank_that_failed_on_its_own(tmp_path: Path) -> None:
+    """torch's own choice on a tie (same second) is the lowest rank, here one stopped by SIGTERM;
+    the agent's is the rank the front noted, unless that one was itself killed by SIGTERM."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from xlaunch.launcher.distributed.agent import root_cause
+
+    def failure(rank: int, exitcode: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="<N/A>")
+
+    def first(failed: ChildFailedError, noted: int | None) -> int:
+        note = tmp_path / "note.json"
+        note.write_text("{}" if noted is None else f'{{"pid": {1000 + noted}}}')
+        chosen = root_cause(failed, str(note))
+        assert chosen.failures.keys() == failed.failures.keys()
+        rank = chosen.get_first_failure()[0]
+        assert "Root Cause" in chosen.format_msg() and f"local_rank: {rank})" in \
+            chosen.format_msg().partition("Root Cause")[2]
+        return rank
+
+    stopped = ChildFailedError("job", {0: failure(0, -signal.SIGTERM), 1: failure(1, 1), 2: failure(2, -signal.SIGTERM)})
+    stopped.failures[1].timestamp = stopped.failures[0].timestamp = stopped.failures[2].timestamp
+    assert stopped.get_first_failure()[0] == 0                 # torch's own pick
+    assert [first(stopped, noted) for noted in (None, 0, 1, 2)] == [1, 1, 1, 1]
+    both = ChildFailedError("job", {0: failure(0, 2), 1: failure(1, -signal.SIGSEGV)})
+    both.failures[1].timestamp = both.failures[0].timestamp
+    assert [first(both, noted) for noted in (None, 0, 1)] == [0, 0, 1]

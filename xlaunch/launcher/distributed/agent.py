@@ -12,9 +12,10 @@ entry adds three things:
   the exit code of every rank the agent saw fail, for the front's per-rank summary;
 * the exit status is the job's: 0, the first failed rank's exit code (128+N when it was killed
   by signal N), 128+N when the agent got signal N, 1 when the agent itself failed. The first
-  failed rank is the one the front saw fail first (its note, :func:`root_cause`): the front
-  stops the other ranks at once, and torch's agent, polling, may find them all ended together
-  and take the lowest rank (stopped by SIGTERM) for the root cause;
+  failed rank is the one the front saw fail first (its note), else the first not killed by
+  SIGTERM (:func:`root_cause`): the front stops the other ranks at once, and torch's agent
+  stops them too, then takes the lowest rank among failures of the same second (often one
+  stopped by SIGTERM) for the root cause;
 * SIGINT before torch's own handlers (which come with the ranks) ends the agent as SIGTERM
   does, without a ``KeyboardInterrupt`` traceback out of an import or the rendezvous;
 * a rendezvous that does not complete within its bound (``--rdzv-conf``, from ``--rdzv-timeout``)
@@ -81,23 +82,28 @@ def is_rendezvous_failure(error: BaseException) -> bool:
 
 
 def root_cause(failed: Any, note_path: Optional[str]) -> Any:
-    """``failed`` (torch's ``ChildFailedError``) with the rank the front noted as failing first as
-    its root cause (its first failure), when that rank's process is among the failures; else
-    ``failed`` unchanged (no front, no note, or a note from an attempt before a restart)."""
+    """``failed`` (torch's ``ChildFailedError``) with its root cause (its first failure) set to the
+    rank that failed on its own: the one the front noted as failing first, else the first (by
+    torch's order) not killed by SIGTERM. torch takes the smallest timestamp, in whole seconds, and
+    the lowest rank on a tie: often a rank that it, or the front, had just stopped with SIGTERM."""
+    import signal
+
+    failures = failed.failures
+    stopped = -int(signal.SIGTERM)
     try:
         with open(note_path or "", encoding="utf-8") as note:
             pid = int(json.load(note)["pid"])
     except (OSError, ValueError, KeyError, TypeError):
+        pid = None
+    noted = [r for r, f in failures.items() if f.pid == pid and f.exitcode != stopped]
+    ordered = sorted(failures, key=lambda r: failures[r].timestamp)    # stable: torch's order on ties
+    own = [r for r in ordered if failures[r].exitcode != stopped]
+    rank = (noted or own or ordered)[0]
+    if rank == failed.get_first_failure()[0]:
         return failed
-    found = [rank for rank, failure in failed.failures.items() if failure.pid == pid]
-    if not found:
-        return failed
-    rank = found[0]
-    root = failed.failures[rank]
-    # torch takes the failure with the smallest timestamp (whole seconds; the first one on a tie)
-    root.timestamp = min(f.timestamp for f in failed.failures.values())
-    failures = {rank: root, **{r: f for r, f in failed.failures.items() if r != rank}}
-    return type(failed)(failed.name, failures)
+    root = failures[rank]
+    root.timestamp = min(f.timestamp for f in failures.values())
+    return type(failed)(failed.name, {rank: root, **{r: f for r, f in failures.items() if r != rank}})
 
 
 def _write_result(path: Optional[str], result: dict[str, Any]) -> None:
