@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from xlaunch.launcher.run.child import zombie_status
-from xlaunch.launcher.distributed.front import Channels, parse_registrations
+from xlaunch.launcher.distributed.channels import Channels, parse_registrations
 from xlaunch.launcher.run.watchdog import Watchdog
 
 REPO = Path(__file__).resolve().parents[3]

@@ -8,7 +8,7 @@ entry adds three things:
   (``XLAUNCH_FRONT_GRACE``): torch's agent sends SIGTERM to the other workers when one fails, and
   between restarts, then waits a fixed 30 s before SIGKILL whatever ``--shutdown-timeout`` says
   (``PContext.close``'s default). The front enforces the grace period on the rank groups as well;
-* the outcome goes to the front's result file (:data:`xlaunch.launcher.distributed.front.RESULT`): the job's status and
+* the outcome goes to the front's result file (:data:`xlaunch.launcher.distributed.channels.RESULT`): the job's status and
   the exit code of every rank the agent saw fail, for the front's per-rank summary;
 * the exit status is the job's: 0, the first failed rank's exit code (128+N when it was killed
   by signal N), 128+N when the agent got signal N, 1 when the agent itself failed. The first
@@ -30,7 +30,7 @@ import sys
 from typing import Any, Optional
 
 from xlaunch.launcher.distributed.ranks import CHANNELS_VAR, GRACE_VAR
-from xlaunch.launcher.distributed.front import FIRST_FAILURE, RESULT
+from xlaunch.launcher.distributed.channels import FIRST_FAILURE, RESULT
 
 
 def cap_shutdown_waits(grace: float) -> bool:

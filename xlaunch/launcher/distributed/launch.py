@@ -159,11 +159,11 @@ def rank_label(environ: Mapping[str, str], local: LocalRank) -> str:
 
 def attach_rank(environ: Mapping[str, str], local_rank: int) -> Optional[str]:
     """In ``xlaunch --per-rank`` under the front, before the exec: send stdout and stderr to this
-    rank's pipe and register (:class:`xlaunch.launcher.distributed.front.Channels`). Returns why it could
+    rank's pipe and register (:class:`xlaunch.launcher.distributed.channels.Channels`). Returns why it could
     not (the front is gone), or None."""
     import fcntl
 
-    from xlaunch.launcher.distributed.front import REGISTRY, output_name
+    from xlaunch.launcher.distributed.channels import REGISTRY, output_name
 
     path = environ.get(CHANNELS_VAR)
     if not path:
