@@ -142,6 +142,7 @@ def test_the_job_ends_with_the_first_failed_ranks_status(tmp_path: Path, log_dir
         assert f"xlaunch: exit status {expected}\n" in err, (how, err)
         shown = "killed by SIGSEGV" if how == "segv" else f"exit {expected}"
         assert re.search(rf"^xlaunch: 1 +\S+ +{shown} ", err, re.M), (how, err)      # rank 1's summary row
+        assert re.search(r"^xlaunch: 0 +\S+ +killed by SIGTERM \(stopped after rank 1 failed\)", err, re.M), (how, err)
         assert root_cause_rank(err) in (None, "1"), (how, err)      # torch's "Root Cause" section
         found = [int(p) for p in re.findall(r"(?:ready \d|grandchild) (\d+)", out)]
         assert len(found) == (3 if how == "grandchild" else 2), (how, out)

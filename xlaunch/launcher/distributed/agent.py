@@ -8,8 +8,8 @@ entry adds three things:
   (``XLAUNCH_FRONT_GRACE``): torch's agent sends SIGTERM to the other workers when one fails, and
   between restarts, then waits a fixed 30 s before SIGKILL whatever ``--shutdown-timeout`` says
   (``PContext.close``'s default). The front enforces the grace period on the rank groups as well;
-* the outcome goes to the front's result file (:data:`xlaunch.launcher.distributed.channels.RESULT`): the job's status and
-  the exit code of every rank the agent saw fail, for the front's per-rank summary;
+* the outcome goes to the front's result file (:data:`xlaunch.launcher.distributed.channels.RESULT`): the job's status,
+  the exit code of every rank the agent saw fail and the first of them, for the front's summary;
 * the exit status is the job's: 0, the first failed rank's exit code (128+N when it was killed
   by signal N), 128+N when the agent got signal N, 1 when the agent itself failed. The first
   failed rank is the one the front saw fail first (its note), else the first not killed by
@@ -151,6 +151,7 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
         _rank, first = failed.get_first_failure()
         code = first.exitcode
         result["status"] = 128 - code if code < 0 else code or 1
+        result["first"] = first.local_rank
         result["failures"] = {str(f.local_rank): (128 - f.exitcode if f.exitcode < 0 else f.exitcode)
                               for f in failed.failures.values()}
     except SignalException as stopped:
