@@ -1,6 +1,7 @@
 """Ranks of an existing engine, each on its own cores: torchrun's agent behind ``--nproc-per-node``
-and ``--per-rank`` inside any engine's ranks (:mod:`.launch`); where a rank sits on its node,
-from the engine's variables (:mod:`.ranks`). The engine stays theirs."""
+and ``--per-rank`` inside any engine's ranks (:mod:`.launch`); the front that supervises that
+agent and its ranks (:mod:`.front`); where a rank sits on its node, from the engine's variables
+(:mod:`.ranks`). The engine stays theirs."""
 from __future__ import annotations
 
 from xlaunch._lazy import lazy_exports

@@ -8,10 +8,16 @@ entry adds three things:
   (``XLAUNCH_FRONT_GRACE``): torch's agent sends SIGTERM to the other workers when one fails, and
   between restarts, then waits a fixed 30 s before SIGKILL whatever ``--shutdown-timeout`` says
   (``PContext.close``'s default). The front enforces the grace period on the rank groups as well;
-* the outcome goes to the front's result file (:data:`xlaunch.launcher.run.front.RESULT`): the job's status and
-  the exit code of every rank the agent saw fail, for the front's per-rank summary;
+* the outcome goes to the front's result file (:data:`xlaunch.launcher.distributed.channels.RESULT`): the job's status,
+  the exit code of every rank the agent saw fail and the first of them, for the front's summary;
 * the exit status is the job's: 0, the first failed rank's exit code (128+N when it was killed
-  by signal N), 128+N when the agent got signal N, 1 when the agent itself failed;
+  by signal N), 128+N when the agent got signal N, 1 when the agent itself failed. The first
+  failed rank is the one the front saw fail first (its note), else the first not killed by
+  SIGTERM (:func:`root_cause`): the front stops the other ranks at once, and torch's agent
+  stops them too, then takes the lowest rank among failures of the same second (often one
+  stopped by SIGTERM) for the root cause;
+* SIGINT before torch's own handlers (which come with the ranks) ends the agent as SIGTERM
+  does, without a ``KeyboardInterrupt`` traceback out of an import or the rendezvous;
 * a rendezvous that does not complete within its bound (``--rdzv-conf``, from ``--rdzv-timeout``)
   is one error line that says what was waited for: the other nodes, node 0's store at the
   master address and port, or the rendezvous endpoint (:func:`rendezvous_wait`).
@@ -24,7 +30,7 @@ import sys
 from typing import Any, Optional
 
 from xlaunch.launcher.distributed.ranks import CHANNELS_VAR, GRACE_VAR
-from xlaunch.launcher.run.front import RESULT
+from xlaunch.launcher.distributed.channels import FIRST_FAILURE, RESULT
 
 
 def cap_shutdown_waits(grace: float) -> bool:
@@ -75,6 +81,31 @@ def is_rendezvous_failure(error: BaseException) -> bool:
         or "timed out" in str(error).lower() or "timeout" in str(error).lower()
 
 
+def root_cause(failed: Any, note_path: Optional[str]) -> Any:
+    """``failed`` (torch's ``ChildFailedError``) with its root cause (its first failure) set to the
+    rank that failed on its own: the one the front noted as failing first, else the first (by
+    torch's order) not killed by SIGTERM. torch takes the smallest timestamp, in whole seconds, and
+    the lowest rank on a tie: often a rank that it, or the front, had just stopped with SIGTERM."""
+    import signal
+
+    failures = failed.failures
+    stopped = -int(signal.SIGTERM)
+    try:
+        with open(note_path or "", encoding="utf-8") as note:
+            pid = int(json.load(note)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pid = None
+    noted = [r for r, f in failures.items() if f.pid == pid and f.exitcode != stopped]
+    ordered = sorted(failures, key=lambda r: failures[r].timestamp)    # stable: torch's order on ties
+    own = [r for r in ordered if failures[r].exitcode != stopped]
+    rank = (noted or own or ordered)[0]
+    if rank == failed.get_first_failure()[0]:
+        return failed
+    root = failures[rank]
+    root.timestamp = min(f.timestamp for f in failures.values())
+    return type(failed)(failed.name, {rank: root, **{r: f for r, f in failures.items() if r != rank}})
+
+
 def _write_result(path: Optional[str], result: dict[str, Any]) -> None:
     if not path:
         return
@@ -91,6 +122,7 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
     options, worker = argv[:at], argv[at + 1:]
     channels = environ.get(CHANNELS_VAR)
     result_path = os.path.join(channels, RESULT) if channels else None
+    note_path = os.path.join(channels, FIRST_FAILURE) if channels else None
     try:
         from torch.distributed import run as torchrun
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -113,11 +145,13 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
     result: dict[str, Any] = {"status": 0, "failures": {}}
     try:
         torchrun.run(args)
-    except ChildFailedError as failed:
+    except ChildFailedError as reported:
+        failed = root_cause(reported, note_path)
         sys.stderr.write(failed.format_msg() + "\n")
         _rank, first = failed.get_first_failure()
         code = first.exitcode
         result["status"] = 128 - code if code < 0 else code or 1
+        result["first"] = first.local_rank
         result["failures"] = {str(f.local_rank): (128 - f.exitcode if f.exitcode < 0 else f.exitcode)
                               for f in failed.failures.values()}
     except SignalException as stopped:
@@ -136,4 +170,7 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # until torch's handlers: SIGINT ends it as SIGTERM does
     sys.exit(run(sys.argv[1:], dict(os.environ)))

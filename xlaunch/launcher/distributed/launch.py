@@ -13,7 +13,7 @@ restarts and failure handling. How each local rank gets its own CPUs:
   options> PROGRAM ...``. So every rank is pinned by the same code as under mpirun, with the
   environment the agent built for it (RANK, MASTER_ADDR...) as its base, and the agent supervises
   the program itself (after the exec). xlaunch supervises the agent and the ranks as it does
-  instances (:mod:`xlaunch.launcher.run.front`): each rank's output on a pipe of its own, per-rank logs and summary,
+  instances (:mod:`xlaunch.launcher.distributed.front`): each rank's output on a pipe of its own, per-rank logs and summary,
   the grace period and the watchdog. It uses torchrun's public command line only; torch is
   imported only in the agent's process.
 * One node without a rendezvous backend of the user's: torchrun's private c10d rendezvous, with
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from typing import Optional
 
     from xlaunch.launcher.plan.options import Options
-    from xlaunch.launcher.plan.planner import Instance, Plan
+    from xlaunch.launcher.plan.records import Instance, Plan
 
 # One node: the agents' private c10d rendezvous, on a free port of this host (torchrun --standalone)
 PRIVATE_ENDPOINT = "localhost:0"
@@ -159,11 +159,11 @@ def rank_label(environ: Mapping[str, str], local: LocalRank) -> str:
 
 def attach_rank(environ: Mapping[str, str], local_rank: int) -> Optional[str]:
     """In ``xlaunch --per-rank`` under the front, before the exec: send stdout and stderr to this
-    rank's pipe and register (:class:`xlaunch.launcher.run.front.Channels`). Returns why it could
+    rank's pipe and register (:class:`xlaunch.launcher.distributed.channels.Channels`). Returns why it could
     not (the front is gone), or None."""
     import fcntl
 
-    from xlaunch.launcher.run.front import REGISTRY, output_name
+    from xlaunch.launcher.distributed.channels import REGISTRY, output_name
 
     path = environ.get(CHANNELS_VAR)
     if not path:
@@ -385,7 +385,7 @@ def run_job(options: "Options", node_plan: "Plan", agent: list[str], worker: lis
             environ: Mapping[str, str]) -> int:
     """Run torch's agent as xlaunch's child and supervise it and its ranks (:mod:`.front`)."""
     from xlaunch._torch import missing_torch_message, torch_installed
-    from xlaunch.launcher.run.front import FrontSupervisor
+    from xlaunch.launcher.distributed.front import FrontSupervisor
 
     if options.python == sys.executable and not torch_installed():   # one line, nothing started
         raise OptionError("--nproc-per-node", missing_torch_message("torch's elastic agent"))

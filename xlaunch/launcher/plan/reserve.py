@@ -12,7 +12,7 @@ from xlaunch.launcher.plan.environment import choose_runtime, runtime_variables
 
 if TYPE_CHECKING:  # pragma: no cover
     from xlaunch.launcher.plan.options import Options
-    from xlaunch.launcher.plan.planner import Plan
+    from xlaunch.launcher.plan.records import Plan
     from xlaunch.machine.model import Machine
 
 

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from xlaunch.launcher.observe.kernel_filter import VerboseFilter
 
 from xlaunch._records import factory, record
-from xlaunch.launcher.plan.planner import Instance
+from xlaunch.launcher.plan.records import Instance
 from xlaunch.launcher.run.console import InstanceStream
 from xlaunch.launcher.run.signals import signal_name
 

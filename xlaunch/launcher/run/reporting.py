@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from typing import Any, Optional, Sequence
 
     from xlaunch.launcher.observe.kernel_filter import VerboseFilter
-    from xlaunch.launcher.plan.planner import Plan
+    from xlaunch.launcher.plan.records import Plan
     from xlaunch.launcher.run.child import Child
     from xlaunch.launcher.run.logfiles import LogFiles
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 from xlaunch.launcher.run import reporting, spawning
 from xlaunch.launcher.run.child import Child, status_code, status_text
-from xlaunch.launcher.plan.planner import Plan
+from xlaunch.launcher.plan.records import Plan
 from xlaunch.launcher.run.console import InstanceStream
 from xlaunch.launcher.run.signals import signal_name
 from xlaunch.launcher.run.supervisor import Supervisor
@@ -183,7 +183,7 @@ class _PlanRunner(Supervisor):
             single_threaded = spawning.single_threaded()
             self.become_subreaper()
             try:
-                self.start_watchdog(single_threaded)
+                self.start_watchdog()
                 self.spawn_all(single_threaded)
                 self.loop()
             except BaseException:

@@ -16,7 +16,7 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 if TYPE_CHECKING:
     from typing import Callable, Optional
 
-from xlaunch.launcher.plan.planner import Instance
+from xlaunch.launcher.plan.records import Instance
 
 
 class MemoryPolicy:

@@ -146,10 +146,7 @@ class Supervisor:
     def finished(self) -> bool:
         return all(c.done for c in self.groups())
 
-    def start_watchdog(self, single_threaded: bool) -> None:
-        if not single_threaded:
-            self.log("the launcher has other threads: no watchdog (forking is unsafe)")
-            return
+    def start_watchdog(self) -> None:
         from xlaunch.launcher.run.watchdog import Watchdog
 
         try:

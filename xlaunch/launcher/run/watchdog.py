@@ -3,14 +3,17 @@ job keeps running.
 
 ``PR_SET_PDEATHSIG`` alone is not enough: it reaches only each instance's first process, as a
 signal that a checkpointing trainer may handle or ignore, and never the instance's children. So
-xlaunch forks a small watchdog before the first instance starts. It sits in its own process
-group (a signal to xlaunch's group or the terminal's Ctrl-C does not reach it), ignores
-SIGINT/SIGTERM/SIGHUP, and reads a pipe whose only write end xlaunch holds: ``+PGID`` / ``-PGID``
+xlaunch starts a small watchdog before the first instance starts: this file run as a program of
+its own (``python -I -S watchdog.py``, through fork+exec in C: no Python code of xlaunch's runs
+in a forked copy, so a lock another thread held at the fork cannot deadlock it, and xlaunch may
+have threads). It sits in its own session (a signal to xlaunch's group or the terminal's Ctrl-C
+does not reach it), needs only the standard library, ignores SIGINT/SIGTERM/SIGHUP, and reads a
+pipe whose only write end xlaunch holds: ``+PGID`` / ``-PGID``
 lines as instance process groups start and end, ``done`` on a normal exit. End of file without
 ``done`` means xlaunch is gone: the watchdog sends SIGTERM to every live group, SIGKILL after the
 grace period, and exits.
 
-The torchrun front (:mod:`.front`) also hands the watchdog the read
+The torchrun front (:mod:`xlaunch.launcher.distributed.front`) also hands the watchdog the read
 end of its rank registry (a FIFO where each rank writes ``+PGID ...`` as it starts): the watchdog
 reads it only after xlaunch is gone, so a rank that registered while xlaunch was being killed
 is stopped too.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
@@ -41,21 +45,24 @@ class Watchdog:
 
     @classmethod
     def start(cls, grace_period: float, registry_fd: Optional[int] = None) -> "Watchdog":
-        """Fork the watchdog (raises OSError when it cannot). ``registry_fd``: a non-blocking
+        """Start the watchdog (raises OSError when it cannot). ``registry_fd``: a non-blocking
         descriptor with ``+PGID`` lines, read once xlaunch is gone."""
+        import subprocess
+
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
-        if pid == 0:  # the watchdog
-            code = 0
-            try:
-                _become_watchdog(read_fd, registry_fd)
-                _watch(read_fd, max(0.0, grace_period), registry_fd)
-            except BaseException:
-                code = 1
-            finally:
-                os._exit(code)
+        kept = (read_fd,) if registry_fd is None else (read_fd, registry_fd)
+        argv = [sys.executable or "python3", "-I", "-S", os.path.abspath(__file__),
+                f"{max(0.0, grace_period):g}", str(read_fd), "-" if registry_fd is None else str(registry_fd)]
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, pass_fds=kept, start_new_session=True)
+        except (OSError, ValueError, subprocess.SubprocessError) as error:
+            os.close(read_fd)
+            os.close(write_fd)
+            raise OSError(f"cannot start the watchdog: {error}") from None
         os.close(read_fd)
-        return cls(pid, write_fd)
+        proc.returncode = 0      # reaped by :meth:`stop` (or the supervisor's own reaping), not by Popen
+        return cls(proc.pid, write_fd)
 
     def watch(self, pgid: int) -> None:
         self._send(f"+{pgid}\n")
@@ -85,25 +92,14 @@ class Watchdog:
             self._fd = None
 
 
-def _become_watchdog(read_fd: int, registry_fd: Optional[int] = None) -> None:
-    """Detach from xlaunch's signals, terminal and pipes; keep only ``read_fd`` (and the registry)."""
-    os.setpgid(0, 0)
-    try:
-        signal.set_wakeup_fd(-1)
-    except ValueError:
-        pass
+def main(argv: list[str]) -> int:
+    """The watchdog's process: ``GRACE READ_FD REGISTRY_FD|-`` (started by :meth:`Watchdog.start`,
+    in a session of its own, with only these descriptors and /dev/null as stdio)."""
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(number, signal.SIG_IGN)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    keep = sorted({read_fd, registry_fd} - {None})
-    start = 3
-    for fd in keep:
-        os.closerange(start, fd)
-        start = fd + 1
-    os.closerange(start, _max_fd())
+    grace, read_fd, registry = float(argv[0]), int(argv[1]), argv[2]
+    _watch(read_fd, grace, None if registry == "-" else int(registry))
+    return 0
 
 
 def _watch(read_fd: int, grace: float, registry_fd: Optional[int] = None) -> None:
@@ -166,8 +162,6 @@ def _signal_group(pgid: int, number: int) -> bool:
     return True
 
 
-def _max_fd() -> int:
-    try:
-        return os.sysconf("SC_OPEN_MAX")
-    except (OSError, ValueError):
-        return 1024
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from xlaunch.launcher.run.child import zombie_status
-from xlaunch.launcher.run.front import Channels, parse_registrations
+from xlaunch.launcher.distributed.channels import Channels, parse_registrations
 from xlaunch.launcher.run.watchdog import Watchdog
 
 REPO = Path(__file__).resolve().parents[3]
@@ -107,7 +107,7 @@ def test_ranks_the_agent_stopped_after_a_failure_it_reaped_first_are_told_so() -
     then stops the others itself. The summary still says they were stopped after that rank failed."""
     from xlaunch.launcher.plan.planner import Instance, Plan
     from xlaunch.launcher.run.child import Child
-    from xlaunch.launcher.run.front import FrontSupervisor
+    from xlaunch.launcher.distributed.front import FrontSupervisor
 
     plan = Plan(tuple(Instance(i, (i,), (0,), {}, ("true",)) for i in range(3)))
     front = FrontSupervisor(plan, ["true"], {}, log_dir=None, log_file_prefix="x", grace_period=1, quiet=True,
@@ -130,7 +130,7 @@ def test_ranks_the_agent_stopped_after_a_failure_it_reaped_first_are_told_so() -
 STUCK_AGENT = """\
 import os, sys
 from xlaunch.launcher.plan.planner import Instance, Plan
-from xlaunch.launcher.run.front import FrontSupervisor
+from xlaunch.launcher.distributed.front import FrontSupervisor
 cpu = min(os.sched_getaffinity(0))
 plan = Plan(tuple(Instance(i, (cpu,), (), dict(os.environ), ("true",)) for i in range(2)))
 agent = [sys.executable, "-c", "import time; time.sleep(60)"]

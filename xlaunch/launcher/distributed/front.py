@@ -1,7 +1,7 @@
 """The torchrun front at run time (``xlaunch --nproc-per-node N``; planned and started by
 :mod:`xlaunch.launcher.distributed.launch`): torch's elastic agent runs as a child of xlaunch, in
 its own session (:mod:`xlaunch.launcher.distributed.agent`), and xlaunch supervises it and its
-ranks as the runner supervises instances (:class:`~.supervisor.Supervisor`): a pipe per rank
+ranks as the runner supervises instances (:class:`xlaunch.launcher.run.supervisor.Supervisor`): a pipe per rank
 (``[i]`` lines, per-rank logs), each rank registered as it starts (restarts too), seen ending
 through a pidfd (its status read from its zombie, else from the agent's report), observed and
 summarised; a rank failing on its own stops the others (SIGTERM, SIGKILL after the grace period,
@@ -15,106 +15,21 @@ from __future__ import annotations
 
 import os
 import selectors
-import shutil
 import signal
-import tempfile
 import time
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Any, Optional
 
-    from xlaunch.launcher.plan.planner import Plan
+    from xlaunch.launcher.plan.records import Plan
 
-from xlaunch.launcher.plan.planner import Instance
+from xlaunch.launcher.distributed.channels import Channels
+from xlaunch.launcher.plan.records import Instance
 from xlaunch.launcher.run import reporting, spawning
 from xlaunch.launcher.run.child import Child, RankProcess, exists, is_zombie, status_code, status_text, zombie_status
 from xlaunch.launcher.run.console import InstanceStream
 from xlaunch.launcher.run.supervisor import Supervisor
-
-
-REGISTRY = "ranks"
-RESULT = "result.json"      # the agent's report: exit status, and each failed rank's exit code
-
-
-def output_name(local_rank: int) -> str:
-    return f"out_{local_rank}"
-
-
-class Channels:
-    """A private directory of FIFOs to the ranks (torch's agent starts them with ``close_fds``, so
-    no descriptor of xlaunch's reaches them; the directory is named in their environment):
-    ``out_<i>`` is local rank *i*'s stdout and stderr (``xlaunch --per-rank`` puts it on fds 1 and 2
-    before the exec; a restart opens it again); ``ranks`` gets ``+<pgid> <local rank> <pid>`` as
-    each rank starts (the watchdog drains it if xlaunch is killed); ``result.json`` is the agent's
-    report. xlaunch holds a write end of each FIFO, so reads never see end-of-file between ranks;
-    a rank finding no reader (xlaunch gone) does not start. :meth:`close` removes it all."""
-
-    def __init__(self, ranks: int) -> None:
-        self.path = tempfile.mkdtemp(prefix="xlaunch-front-")
-        self.outputs: dict[int, int] = {}       # local rank -> read end
-        self._writers: list[int] = []
-        self.registry: int = -1
-        try:
-            for rank in range(ranks):
-                self.outputs[rank] = self._open(output_name(rank))
-            self.registry = self._open(REGISTRY)
-        except BaseException:
-            self.close()
-            raise
-
-    def _open(self, name: str) -> int:
-        path = os.path.join(self.path, name)
-        os.mkfifo(path, 0o600)
-        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        self._writers.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
-        return reader
-
-    @property
-    def result_path(self) -> str:
-        return os.path.join(self.path, RESULT)
-
-    def read_registrations(self) -> list[tuple[int, int, int]]:
-        """``(pgid, local rank, pid)`` for every complete line waiting in the registry."""
-        data = b""
-        while True:
-            try:
-                chunk = os.read(self.registry, 4096)
-            except (BlockingIOError, InterruptedError):
-                break
-            if not chunk:
-                break
-            data += chunk
-        return parse_registrations(data)
-
-    def close_writers(self) -> None:
-        """Let reads reach end-of-file once the ranks' own write ends are closed."""
-        for fd in self._writers:
-            os.close(fd)
-        self._writers = []
-
-    def close(self) -> None:
-        self.close_writers()
-        if self.registry >= 0:
-            os.close(self.registry)
-            self.registry = -1
-        for fd in self.outputs.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.outputs = {}
-        shutil.rmtree(self.path, ignore_errors=True)
-
-
-def parse_registrations(data: bytes) -> list[tuple[int, int, int]]:
-    found = []
-    for line in data.split(b"\n"):
-        parts = line[1:].split() if line[:1] == b"+" else []
-        if len(parts) == 3 and all(p.isdigit() for p in parts):
-            found.append((int(parts[0]), int(parts[1]), int(parts[2])))
-    return found
-
 
 
 class FrontSupervisor(Supervisor):
@@ -208,6 +123,15 @@ class FrontSupervisor(Supervisor):
         self.selector.register(agent.fd, selectors.EVENT_READ, agent)
         self.log(f"agent started: pid {agent.pid}: {' '.join(instance.argv)}")
 
+    def _killpg(self, child: Child, number: int) -> None:
+        """SIGINT reaches the agent as SIGTERM until a rank started: before torch's handlers (they
+        come with the ranks) Python would raise ``KeyboardInterrupt`` wherever the agent is, in an
+        import or the rendezvous, and print its traceback; SIGTERM ends it quietly."""
+        if number == signal.SIGINT and child is self.agent and not self.attempts:
+            self.log("SIGINT to the agent before its ranks started: SIGTERM")
+            number = signal.SIGTERM
+        super()._killpg(child, number)
+
     def release_pipe(self, child: Child) -> None:
         if child is self.agent:
             if child.proc is not None and child.proc.stdout is not None:
@@ -280,6 +204,8 @@ class FrontSupervisor(Supervisor):
             return
         if self.first_failure is None:
             self.first_failure = child
+            if self.channels is not None:
+                self.channels.note_first_failure(child.instance.index, child.pid, child.status)
         others = [c for c in self.children if c is not child and c.running and not c.stopped_by]
         if others:
             self.say(f"rank {child.instance.index} failed ({child.text}): stopping the others "
@@ -375,16 +301,21 @@ class FrontSupervisor(Supervisor):
 
     def _attribute_stops(self) -> None:
         """When the agent reaped a failed rank before xlaunch read its status, the agent (not
-        xlaunch) stopped the others: they still were stopped after that rank failed."""
+        xlaunch) stopped the others: they still were stopped after that rank failed. The agent's
+        root cause (``first`` in its report) comes before a rank xlaunch saw killed by SIGTERM."""
+        named = self.agent_result.get("first")
+        root = next((c for c in self.children if named is not None and str(c.instance.index) == str(named)
+                     and c.status and not c.stopped_by and c.ended is not None), None)
         own = [c for c in self.children if c.status and c.status < 128 and not c.stopped_by and c.ended is not None]
-        if not own:
+        if root is None and not own:
             return
-        first = self.first_failure or min(own, key=lambda c: c.ended)
-        if self.first_failure is None and self.interrupted is None:
+        first = root or self.first_failure or min(own, key=lambda c: c.ended)
+        if (self.first_failure is None or root is not None) and self.interrupted is None:
             self.first_failure = first
         for child in self.children:
             if child is not first and child.status and child.status >= 128 and not child.stopped_by \
-                    and child.ended is not None and child.ended >= first.ended and self.interrupted is None:
+                    and child.ended is not None and (child.ended >= first.ended or root is not None) \
+                    and self.interrupted is None:
                 child.stopped_by = f"stopped after rank {first.instance.index} failed"
 
     def exit_status(self) -> int:
@@ -393,7 +324,7 @@ class FrontSupervisor(Supervisor):
             return 1
         if self.interrupted is not None and self.first_failure is None:
             return 128 + self.interrupted
-        if agent is not None and agent.status is not None and getattr(self, "agent_exited", False):
+        if agent is not None and agent.status is not None and self.agent_exited:
             return agent.status
         if self.first_failure is not None and self.first_failure.status:
             return self.first_failure.status
@@ -414,7 +345,7 @@ class FrontSupervisor(Supervisor):
             single_threaded = spawning.single_threaded()
             self.become_subreaper()
             try:
-                self.start_watchdog(single_threaded)
+                self.start_watchdog()
                 self.start_agent(single_threaded)
                 self.loop()
             except BaseException:

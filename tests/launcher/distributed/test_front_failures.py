@@ -1,0 +1,210 @@
+"""The exit status of a ``--nproc-per-node`` job whose rank fails, and Ctrl-C while torch's agent starts.
+
+The front stops the other ranks (SIGTERM) the moment it sees one fail; torch's agent may then find
+them all ended in one poll. The job's status must still be the first failed rank's own (1, 3,
+139 for SIGSEGV), as the single-node runner reports it, with and without ``--log-dir``, and
+torch's "Root Cause" must name that rank. A SIGINT before the ranks run ends the job with one
+clean line per event: no ``KeyboardInterrupt`` traceback from the agent, status 130, nothing left.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.live
+if importlib.util.find_spec("torch") is None:     # found without importing it here
+    pytest.skip("needs torch (torch's elastic agent)", allow_module_level=True)
+if len(os.sched_getaffinity(0)) < 2:
+    pytest.skip("needs 2 allowed CPUs (2 ranks)", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[3]
+
+# a torch-free rank: rank 1 fails as told after a moment (the front has read both ranks' starts),
+# rank 0 (every rank with "wait") waits to be stopped; "grandchild" leaves a child of rank 1 holding its output pipe
+RANK = """\
+import os, signal, subprocess, sys, time
+rank = int(os.environ["LOCAL_RANK"])
+print(f"ready {rank} {os.getpid()}", flush=True)
+if rank != 1 or sys.argv[1] == "wait":
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        sys.exit(130)
+time.sleep(0.3)
+how = sys.argv[1]
+if how == "grandchild":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print(f"grandchild {child.pid}", flush=True)
+    sys.exit(1)
+if how == "segv":
+    os.kill(os.getpid(), signal.SIGSEGV)
+sys.exit(int(how))
+"""
+
+
+def job_env() -> dict[str, str]:
+    keep = ("PATH", "HOME", "TMPDIR", "LANG")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def default_signals() -> None:
+    """SIGINT at its default in xlaunch, whatever the test runner inherited (a background job's
+    ignored SIGINT would stay ignored)."""
+    for number in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
+
+
+def start(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "xlaunch", "--nproc-per-node", "2", "--grace-period", "2", *argv],
+                            env=job_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_signals)
+
+
+def leftovers(token: str) -> list[int]:
+    """Live (non-zombie) processes whose command line mentions ``token``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and token in " ".join(proc.info["cmdline"] or ()):
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def running(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def wait_for_agent(job: subprocess.Popen, timeout: float = 60) -> int:
+    """The pid of torch's agent once xlaunch has started it (its own command line is running)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.poll() is None:
+        try:
+            for child in psutil.Process(job.pid).children():
+                if "xlaunch.launcher.distributed.agent" in " ".join(child.cmdline()):
+                    return child.pid
+        except psutil.Error:
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"no agent started (xlaunch: {job.poll()})")
+
+
+def root_cause_rank(stderr: str) -> str | None:
+    """The rank torch's "Root Cause" section names (None if this torch prints none)."""
+    section = stderr.partition("Root Cause")[2]
+    found = re.search(r"local_rank: (\d+)\)", section)
+    return found.group(1) if found else None
+
+
+CASES = {"1": 1, "3": 3, "segv": 128 + signal.SIGSEGV, "grandchild": 1}
+
+
+@pytest.mark.parametrize("log_dir", [False, True], ids=["plain", "log-dir"])
+def test_the_job_ends_with_the_first_failed_ranks_status(tmp_path: Path, log_dir: bool) -> None:
+    """Rank 1 fails on its own (exit 1, exit 3, SIGSEGV, exit 1 leaving a grandchild); rank 0 is
+    stopped by xlaunch (SIGTERM: 143), which must not be the job's status. The four jobs run at once."""
+    program = tmp_path / f"xlaunch_rank_{uuid.uuid4().hex}.py"
+    program.write_text(RANK)
+    jobs = {how: start(*(["--log-dir", str(tmp_path / how)] if log_dir else []), str(program), how) for how in CASES}
+    try:
+        done = {how: job.communicate(timeout=180) for how, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    pids = []
+    for how, (out, err) in done.items():
+        expected = CASES[how]
+        assert jobs[how].returncode == expected, (how, err)
+        assert f"xlaunch: exit status {expected}\n" in err, (how, err)
+        shown = "killed by SIGSEGV" if how == "segv" else f"exit {expected}"
+        assert re.search(rf"^xlaunch: 1 +\S+ +{shown} ", err, re.M), (how, err)      # rank 1's summary row
+        assert re.search(r"^xlaunch: 0 +\S+ +killed by SIGTERM \(stopped after rank 1 failed\)", err, re.M), (how, err)
+        assert root_cause_rank(err) in (None, "1"), (how, err)      # torch's "Root Cause" section
+        found = [int(p) for p in re.findall(r"(?:ready \d|grandchild) (\d+)", out)]
+        assert len(found) == (3 if how == "grandchild" else 2), (how, out)
+        pids += found
+        if log_dir:
+            assert (tmp_path / how / "xlaunch_rank_1.log").read_text().startswith("ready 1 ")
+    deadline = time.monotonic() + 5
+    while running(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running(pids) == []
+    assert leftovers(program.name) == []
+
+
+def test_sigint_while_the_agent_starts_is_one_clean_line(tmp_path: Path) -> None:
+    """SIGINT at several moments after xlaunch started torch's agent (at once: the agent's Python is
+    starting; later: it imports torch or meets in its rendezvous; on a fast machine its ranks may
+    run by then): no traceback from the agent, status 130, and nothing of the job left."""
+    program = tmp_path / f"xlaunch_rank_{uuid.uuid4().hex}.py"
+    program.write_text(RANK)
+    for delay in (0.0, 1.0, 2.5):
+        job = start(str(program), "wait")
+        try:
+            agent = wait_for_agent(job)
+            time.sleep(delay)
+            job.send_signal(signal.SIGINT)
+            out, err = job.communicate(timeout=60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+        assert job.returncode == 128 + signal.SIGINT, (delay, err)
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, (delay, err)
+        assert "xlaunch: received SIGINT" in err, (delay, err)
+        if delay == 0.0:                 # the agent had to start Python and import torch first
+            assert re.findall(r"^xlaunch: [01] +\S+ +not started", err, re.M) != [], err
+        assert running([agent]) == [] and leftovers(program.name) == [], delay
+
+
+def test_the_root_cause_is_the_rank_that_failed_on_its_own(tmp_path: Path) -> None:
+    """torch's own choice on a tie (same second) is the lowest rank, here one stopped by SIGTERM;
+    the agent's is the rank the front noted, unless that one was itself killed by SIGTERM."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from xlaunch.launcher.distributed.agent import root_cause
+
+    def failure(rank: int, exitcode: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="<N/A>")
+
+    def first(failed: ChildFailedError, noted: int | None) -> int:
+        note = tmp_path / "note.json"
+        note.write_text("{}" if noted is None else f'{{"pid": {1000 + noted}}}')
+        chosen = root_cause(failed, str(note))
+        assert chosen.failures.keys() == failed.failures.keys()
+        rank = chosen.get_first_failure()[0]
+        assert "Root Cause" in chosen.format_msg() and f"local_rank: {rank})" in \
+            chosen.format_msg().partition("Root Cause")[2]
+        return rank
+
+    stopped = ChildFailedError("job", {0: failure(0, -signal.SIGTERM), 1: failure(1, 1), 2: failure(2, -signal.SIGTERM)})
+    stopped.failures[1].timestamp = stopped.failures[0].timestamp = stopped.failures[2].timestamp
+    assert stopped.get_first_failure()[0] == 0                 # torch's own pick
+    assert [first(stopped, noted) for noted in (None, 0, 1, 2)] == [1, 1, 1, 1]
+    both = ChildFailedError("job", {0: failure(0, 2), 1: failure(1, -signal.SIGSEGV)})
+    both.failures[1].timestamp = both.failures[0].timestamp
+    assert [first(both, noted) for noted in (None, 0, 1)] == [0, 0, 1]
