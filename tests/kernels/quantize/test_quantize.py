@@ -55,6 +55,8 @@ def test_auto_report_names_every_variant(auto_results: dict) -> None:
     report = auto_results["mlp"][3].report
     assert {policy.FP32_EAGER, policy.FP32_OPTIMIZE, *policy.INT8_ROUTES} <= set(report.routes)
     assert report.reduce_range == (report.isa_int8_dot is None)
+    for route in ("static", "dynamic"):   # PT2E: 7-bit activations exactly where sums saturate
+        assert report.routes[route].int8_range.startswith("7-bit activations" if report.reduce_range else "8-bit")
     text = str(report)
     assert "fp32_eager" in text and "static" in text
     json.dumps(report.to_dict())

@@ -16,8 +16,9 @@ Modes:
     them interleaved with fp32 eager, fp32 ``optimize()`` and, where the CPU computes bf16 natively,
     bf16 ``optimize()`` on ``example_inputs``, and returns the fastest INT8 route whose relative
     error stays within ``max_error``, when it beats the best float variant; else that float variant
-    (``mode == "fp32"`` or ``"bf16"``). Without VNNI/AMX the int8 routes use 7-bit activations
-    (``reduce_range``).
+    (``mode == "fp32"`` or ``"bf16"``). Without VNNI/AMX the int8 routes use 7-bit operands, each
+    its own way: PT2E 7-bit activations (``reduce_range``), ONNX Runtime 7-bit weights
+    (``reduce_range``), OpenVINO 7-bit weights (NNCF's overflow fix); the report says which.
 
 The accuracy reported is ``max |int8 - fp32| / max |fp32|`` over the calibration inputs (the
 example inputs when there is no calibration), with the argmax agreement along the last dimension.
@@ -60,6 +61,7 @@ class RouteResult:
     rel_error: Optional[float] = None     # vs fp32 eager on the calibration inputs
     argmax_agreement: Optional[float] = None
     skipped: Optional[str] = None         # why it was not built or not measured
+    int8_range: Optional[str] = None      # the route's own setting against u8 x s8 saturation
 
 
 @dataclass
@@ -70,6 +72,8 @@ class QuantizeReport:
     requested: str
     reason: str = ""
     isa_int8_dot: Optional[str] = None
+    # The CPU sums u8 x s8 products in saturating 16-bit lanes, so the INT8 routes use 7-bit
+    # operands, each through its own setting (``routes[name].int8_range`` says which).
     reduce_range: bool = False
     quantized: list[str] = field(default_factory=list)
     kept_fp32: dict[str, str] = field(default_factory=dict)
@@ -90,7 +94,10 @@ class QuantizeReport:
     def __str__(self) -> str:
         lines = [f"mode: {self.mode} (asked: {self.requested}){': ' + self.reason if self.reason else ''}",
                  f"int8 dot products: {self.isa_int8_dot or 'none (AVX2 multiply-add)'}; "
-                 f"reduce_range: {self.reduce_range}"]
+                 + ("7-bit operands (u8 x s8 sums saturate in 16 bits)" if self.reduce_range else "full 8-bit operands")]
+        chosen = self.routes.get(self.mode)
+        if chosen is not None and chosen.int8_range:
+            lines.append(f"int8 range: {chosen.int8_range}")
         if self.rel_error is not None:
             lines.append(f"relative error vs fp32: {self.rel_error:.4f}; argmax agreement: "
                          f"{'-' if self.argmax_agreement is None else f'{self.argmax_agreement:.3f}'}")
@@ -101,6 +108,8 @@ class QuantizeReport:
             what = r.skipped or (f"{r.ms:.3f} ms" if r.ms is not None else "not timed")
             if r.rel_error is not None:
                 what += f", rel error {r.rel_error:.4f}"
+            if r.int8_range and not r.skipped:
+                what += f", {r.int8_range}"
             lines.append(f"route {name}: {what}")
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
@@ -257,7 +266,7 @@ def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[l
         return routes.build_pt2e(model, example, [example], dynamic=True, reduce_range=reduce_range)
     if route in policy.ENGINE_INT8_ROUTES:
         assert calibration is not None
-        return engine_routes.build(route, model, example, calibration, reduce_range)
+        return engine_routes.build(route, model, example, calibration, seven_bit=reduce_range)
     return routes.build_weight_only(model)
 
 
@@ -335,7 +344,8 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
             report.routes[route] = RouteResult(skipped="quantized no layer")
             continue
         error, agreement = accuracy(reference, outputs)
-        report.routes[route] = RouteResult(rel_error=error, argmax_agreement=agreement)
+        report.routes[route] = RouteResult(rel_error=error, argmax_agreement=agreement,
+                                           int8_range=build.int8_range or None)
         built[route] = build
 
     unsupported = routes.unsupported_modules(fp32)
