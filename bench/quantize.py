@@ -6,8 +6,10 @@ Models (random weights, random inputs; calibration: 8 batches of the same shape)
   cnn      the examples CNN (conv/BN/ReLU stages + Linear head), batch 8, 3x32x32
   encoder  nn.TransformerEncoder, d_model 256, 4 heads, FFN 1024, 2 layers, batch 8, seq 64
   mlp      784-1024-1024-10 with ReLU, batch 64
-Rows: fp32 eager, ``optimize()`` fp32, each INT8 route (``quantize(mode=...)``), and what
-``mode="auto"`` picked. All rows of a model are timed round robin, so contention from other
+Rows: fp32 eager, ``optimize()`` fp32, each INT8 route (``quantize(mode=...)``: torch's PT2E
+and weight-only routes, then OpenVINO (NNCF) and ONNX Runtime static INT8 where installed), and
+what ``mode="auto"`` picked. Under each table: torch's static INT8 against the best engine INT8
+(the ratio of their times, > 1: torch is faster), with the CPU named. All rows of a model are timed round robin, so contention from other
 processes hits every row alike; the table prints the median ms and the ratio to fp32 eager
 (> 1 is faster), with the relative error (max |q - fp32| / max |fp32| on the calibration inputs)
 and the argmax agreement.
@@ -32,7 +34,8 @@ sys.path.insert(0, str(REPO / "examples"))
 from infer import small_cnn  # noqa: E402
 
 from xlaunch.kernels import optimize  # noqa: E402
-from xlaunch.kernels.quantize.api import QuantizeWarning, accuracy, quantize  # noqa: E402
+from xlaunch.kernels.quantize import engine_routes, policy  # noqa: E402
+from xlaunch.kernels.quantize.api import QuantizeWarning, _machine_traits, accuracy, quantize  # noqa: E402
 
 SHAPES = {"cnn": (8, 3, 32, 32), "encoder": (8, 64, 256), "mlp": (64, 784)}
 
@@ -90,8 +93,9 @@ def bench(name: str, rounds: int, auto: bool) -> None:
             candidate = [rows["optimize() fp32"](*b) for b in calibration]
         error, agree = accuracy(reference, candidate)
         quality["optimize() fp32"] = f"{error:.4f}  {agree:.3f}"
-        for mode in ("static", "dynamic", "weight_only"):
-            q = quantize(model, x, calibration=calibration, mode=mode)
+        engines = [r for r in policy.ENGINE_INT8_ROUTES if engine_routes.missing(r) is None]
+        for mode in (*policy.TORCH_INT8_ROUTES, *engines):
+            q = quantize(model, x, calibration=calibration, mode=mode, progress=False)
             rows[f"int8 {mode}"] = q
             quality[f"int8 {mode}"] = f"{q.report.rel_error:.4f}  {q.report.argmax_agreement:.3f}"
         if auto:
@@ -106,6 +110,24 @@ def bench(name: str, rounds: int, auto: bool) -> None:
     print(f"  {'variant':<22} {'median ms':>10} {'vs eager':>9}  rel.err  argmax")
     for row, ms in times.items():
         print(f"  {row:<22} {ms:>10.2f} {base / ms:>8.2f}x  {quality.get(row, '0       1.000')}")
+    engine_rows = [f"int8 {r}" for r in policy.ENGINE_INT8_ROUTES if f"int8 {r}" in times]
+    if engine_rows:
+        best = min(engine_rows, key=times.__getitem__)
+        print(f"  torch static INT8 vs the best engine INT8 ({best.removeprefix('int8 ')}): "
+              f"{times[best] / times['int8 static']:.2f}x on {machine()}")
+
+
+def machine() -> str:
+    """The CPU, named: its model name and what it has for INT8 dot products."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as handle:
+            name = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    dot = _machine_traits().int8_dot
+    threads = torch.get_num_threads()
+    return f"{name} ({dot or 'no VNNI/AMX: AVX2 multiply-add'}, {threads} thread{'s' if threads != 1 else ''})"
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from xlaunch.kernels.quantize.api import (  # noqa: E402
     QuantizeWarning, load_quantized, quantize)
 from xlaunch.kernels.quantize import policy as policy  # noqa: E402
 from quantize_models import (  # noqa: E402
-    MAX_ERROR, MLP, auto_quantized, check_auto, check_route, make, save_then_load)
+    MAX_ERROR, MLP, auto_quantized, check_auto, check_progress, check_route, make, save_then_load)
 
 pytestmark = pytest.mark.torch
 
@@ -51,10 +51,32 @@ def test_auto_is_never_slower_than_fp32_eager(auto_results: dict, name: str) -> 
     check_auto(*auto_results[name])
 
 
+def test_auto_progress_starts_within_a_second(auto_results: dict) -> None:
+    for name in NAMES:
+        check_progress(auto_results[name][3], auto_results[name][4])
+
+
+def test_an_explicit_mode_over_max_error_warns(static_mlp: tuple) -> None:
+    model, example, calibration, within = static_mlp
+    with pytest.warns(QuantizeWarning) as caught:
+        quantized = quantize(model, example, calibration=calibration, mode="weight_only", max_error=1e-6)
+    error = quantized.report.rel_error
+    over = [str(w.message) for w in caught if "max_error" in str(w.message)]
+    assert quantized.mode == "weight_only" and error > 1e-6
+    assert over == [f"xlaunch.quantize: weight_only INT8 has relative error {error:.4f} against fp32, over "
+                    "max_error=1e-06; mode='auto' keeps only routes within it"], over
+    assert over[0].removeprefix("xlaunch.quantize: ") in quantized.report.warnings
+    # within the limit (static at the default max_error): no such warning
+    assert within.report.rel_error <= policy.DEFAULT_MAX_ERROR
+    assert not [w for w in within.report.warnings if "max_error" in w], within.report.warnings
+
+
 def test_auto_report_names_every_variant(auto_results: dict) -> None:
     report = auto_results["mlp"][3].report
     assert {policy.FP32_EAGER, policy.FP32_OPTIMIZE, *policy.INT8_ROUTES} <= set(report.routes)
     assert report.reduce_range == (report.isa_int8_dot is None)
+    for route in ("static", "dynamic"):   # PT2E: 7-bit activations exactly where sums saturate
+        assert report.routes[route].int8_range.startswith("7-bit activations" if report.reduce_range else "8-bit")
     text = str(report)
     assert "fp32_eager" in text and "static" in text
     json.dumps(report.to_dict())

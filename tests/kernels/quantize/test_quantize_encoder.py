@@ -16,7 +16,8 @@ try:
 except ImportError:
     pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
-from quantize_models import MAX_ERROR, auto_quantized, check_auto, check_route, make, save_then_load  # noqa: E402
+from quantize_models import (  # noqa: E402
+    MAX_ERROR, auto_quantized, check_auto, check_progress, check_route, make, save_then_load)
 
 from xlaunch.kernels.quantize import policy  # noqa: E402
 from xlaunch.kernels.quantize.api import QuantizeWarning, quantize  # noqa: E402
@@ -36,6 +37,10 @@ def test_each_route_keeps_accuracy_on_the_encoder(auto_encoder: tuple, route: st
 
 def test_auto_on_the_encoder_is_never_slower_than_fp32_eager(auto_encoder: tuple) -> None:
     check_auto(*auto_encoder)
+
+
+def test_auto_progress_on_the_encoder_starts_within_a_second(auto_encoder: tuple) -> None:
+    check_progress(auto_encoder[3], auto_encoder[4])
 
 
 @pytest.fixture(scope="module")

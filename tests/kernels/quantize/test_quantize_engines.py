@@ -34,6 +34,9 @@ def test_auto_builds_the_other_engines_int8_routes(monkeypatch: pytest.MonkeyPat
         assert result.skipped is None, result.skipped
         assert result.rel_error <= MAX_ERROR[route] and result.argmax_agreement >= 0.9, result
         assert result.ms > 0
+        # 7-bit weights exactly where this CPU's u8 x s8 sums saturate (no VNNI/AMX), and the report says so
+        assert result.int8_range.startswith("7-bit weights" if report.reduce_range else "8-bit weights"), result
+        assert result.int8_range in str(report)
     for route in policy.TORCH_INT8_ROUTES:
         assert report.routes[route].skipped == "not among consider="
     assert quantized.mode in (*policy.ENGINE_INT8_ROUTES, "fp32"), str(report)
@@ -46,6 +49,39 @@ def test_auto_builds_the_other_engines_int8_routes(monkeypatch: pytest.MonkeyPat
         with torch.no_grad():
             torch.testing.assert_close(load_quantized(str(tmp_path / "auto.xq"))(example), quantized(example),
                                        rtol=1e-5, atol=0)
+
+
+def _int8_weight_extreme(ov_model) -> int:
+    """The largest |value| among the quantized model's int8 weight constants."""
+    import openvino as ov
+
+    return max(int(abs(op.get_data().astype("int32")).max()) for op in ov_model.get_ordered_ops()
+               if op.get_type_name() == "Constant" and op.get_output_element_type(0) == ov.Type.i8)
+
+
+def test_openvino_route_follows_a_forced_isa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ISA this CPU does not have, forced: NNCF's overflow fix (weights on [-64, 64]) exactly
+    when there is no VNNI/AMX, full 8-bit weights (±127) otherwise, and the report says which."""
+    if engine_routes.missing(engine_routes.OPENVINO) is not None:
+        pytest.skip(engine_routes.missing(engine_routes.OPENVINO))
+    host = api._machine_traits()
+    forced = policy.IsaTraits(int8_dot="avx512_vnni" if host.int8_dot is None else None, avx2=True)
+    monkeypatch.setattr(api, "_machine_traits", lambda: forced)
+    built, real = [], engine_routes.build_openvino
+    monkeypatch.setattr(engine_routes, "build_openvino", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    model, example, calibration = make("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = quantize(model, (example,), calibration=calibration, mode=engine_routes.OPENVINO)
+    report = quantized.report
+    assert report.isa_int8_dot == forced.int8_dot and report.reduce_range == forced.reduce_range
+    extreme = _int8_weight_extreme(built[0].engine_model)
+    if forced.reduce_range:
+        assert extreme <= 64 and report.routes[quantized.mode].int8_range.startswith("7-bit weights"), extreme
+        assert "7-bit operands" in str(report)
+    else:
+        assert extreme == 127 and report.routes[quantized.mode].int8_range.startswith("8-bit weights"), extreme
+    assert f"int8 range: {report.routes[quantized.mode].int8_range}" in str(report)
 
 
 def test_the_choice_counts_bf16_among_the_float_variants() -> None:

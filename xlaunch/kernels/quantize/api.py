@@ -16,8 +16,9 @@ Modes:
     them interleaved with fp32 eager, fp32 ``optimize()`` and, where the CPU computes bf16 natively,
     bf16 ``optimize()`` on ``example_inputs``, and returns the fastest INT8 route whose relative
     error stays within ``max_error``, when it beats the best float variant; else that float variant
-    (``mode == "fp32"`` or ``"bf16"``). Without VNNI/AMX the int8 routes use 7-bit activations
-    (``reduce_range``).
+    (``mode == "fp32"`` or ``"bf16"``). Without VNNI/AMX the int8 routes use 7-bit operands, each
+    its own way: PT2E 7-bit activations (``reduce_range``), ONNX Runtime 7-bit weights
+    (``reduce_range``), OpenVINO 7-bit weights (NNCF's overflow fix); the report says which.
 
 The accuracy reported is ``max |int8 - fp32| / max |fp32|`` over the calibration inputs (the
 example inputs when there is no calibration), with the argmax agreement along the last dimension.
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import statistics
 import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -41,9 +40,10 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.build_mark import marked
 from xlaunch.kernels.quantize import policy
-from xlaunch.kernels.optimize.compare import flat_tensors
+from xlaunch.kernels.optimize.progress import Progress
 from xlaunch.kernels.optimize.text import excerpt
 from xlaunch.kernels.quantize import engine_routes, routes, saved
+from xlaunch.kernels.quantize.measure import SETTLE_S, accuracy, measure  # noqa: F401 (bench/ imports them here)
 from xlaunch.kernels.quantize.routes import QuantizeWarning
 
 __all__ = ["QuantizeReport", "QuantizeWarning", "QuantizedModule", "load_quantized", "quantize"]
@@ -59,6 +59,7 @@ class RouteResult:
     rel_error: Optional[float] = None     # vs fp32 eager on the calibration inputs
     argmax_agreement: Optional[float] = None
     skipped: Optional[str] = None         # why it was not built or not measured
+    int8_range: Optional[str] = None      # the route's own setting against u8 x s8 saturation
 
 
 @dataclass
@@ -69,6 +70,8 @@ class QuantizeReport:
     requested: str
     reason: str = ""
     isa_int8_dot: Optional[str] = None
+    # The CPU sums u8 x s8 products in saturating 16-bit lanes, so the INT8 routes use 7-bit
+    # operands, each through its own setting (``routes[name].int8_range`` says which).
     reduce_range: bool = False
     quantized: list[str] = field(default_factory=list)
     kept_fp32: dict[str, str] = field(default_factory=dict)
@@ -89,7 +92,10 @@ class QuantizeReport:
     def __str__(self) -> str:
         lines = [f"mode: {self.mode} (asked: {self.requested}){': ' + self.reason if self.reason else ''}",
                  f"int8 dot products: {self.isa_int8_dot or 'none (AVX2 multiply-add)'}; "
-                 f"reduce_range: {self.reduce_range}"]
+                 + ("7-bit operands (u8 x s8 sums saturate in 16 bits)" if self.reduce_range else "full 8-bit operands")]
+        chosen = self.routes.get(self.mode)
+        if chosen is not None and chosen.int8_range:
+            lines.append(f"int8 range: {chosen.int8_range}")
         if self.rel_error is not None:
             lines.append(f"relative error vs fp32: {self.rel_error:.4f}; argmax agreement: "
                          f"{'-' if self.argmax_agreement is None else f'{self.argmax_agreement:.3f}'}")
@@ -100,6 +106,8 @@ class QuantizeReport:
             what = r.skipped or (f"{r.ms:.3f} ms" if r.ms is not None else "not timed")
             if r.rel_error is not None:
                 what += f", rel error {r.rel_error:.4f}"
+            if r.int8_range and not r.skipped:
+                what += f", {r.int8_range}"
             lines.append(f"route {name}: {what}")
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
@@ -153,55 +161,6 @@ def load_quantized(path: str) -> QuantizedModule:
     return QuantizedModule(opened.runner, opened.program, opened.meta["mode"], report, keep=opened.module)
 
 
-# --- measuring -------------------------------------------------------------------------------
-
-def accuracy(reference: list[Any], candidate: list[Any]) -> tuple[float, Optional[float]]:
-    """(max relative error, argmax agreement over the last dim of the first output)."""
-    worst, agree, total = 0.0, 0, 0
-    for ref, cand in zip(reference, candidate):
-        for r, c in zip(flat_tensors(ref), flat_tensors(cand)):
-            if not r.is_floating_point():
-                continue
-            r32, c32 = r.detach().float(), c.detach().float()
-            scale = max(r32.abs().max().item(), 1e-12)
-            error = (r32 - c32).abs().max().item() / scale
-            worst = max(worst, error if error == error else float("inf"))
-        first_r, first_c = flat_tensors(ref)[:1], flat_tensors(cand)[:1]
-        if first_r and first_r[0].dim() >= 1 and first_r[0].shape[-1] > 1:
-            agree += (first_r[0].argmax(-1) == first_c[0].argmax(-1)).sum().item()
-            total += first_r[0].argmax(-1).numel()
-    return worst, (agree / total if total else None)
-
-
-SETTLE_S = 0.02
-
-
-def measure(variants: dict[str, Callable[..., Any]], example_inputs: tuple, rounds: int = 7,
-            target_s: float = 0.01) -> dict[str, float]:
-    """Median ms per call for each variant, timed in interleaved rounds (fair under shared load).
-    Before each sample, a short sleep and one untimed call: the previous variant's threads (ONNX
-    Runtime's, OpenMP's, OpenVINO's TBB workers spin-wait after a call) go idle first, or the
-    sample pays for them (one ordering timed an INT8 model at 0.74x itself)."""
-    calls: dict[str, int] = {}
-    with torch.no_grad():
-        for name, fn in variants.items():
-            fn(*example_inputs)   # warm-up (compiles)
-            start = time.perf_counter()
-            fn(*example_inputs)
-            once = time.perf_counter() - start
-            calls[name] = max(1, min(50, int(target_s / max(once, 1e-6))))
-        samples: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(rounds):
-            for name, fn in variants.items():
-                time.sleep(SETTLE_S)
-                fn(*example_inputs)
-                start = time.perf_counter()
-                for _ in range(calls[name]):
-                    fn(*example_inputs)
-                samples[name].append((time.perf_counter() - start) / calls[name] * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
 # --- the API ---------------------------------------------------------------------------------
 
 def _as_args(inputs: Any, what: str) -> tuple:
@@ -246,8 +205,31 @@ def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[l
         return routes.build_pt2e(model, example, [example], dynamic=True, reduce_range=reduce_range)
     if route in policy.ENGINE_INT8_ROUTES:
         assert calibration is not None
-        return engine_routes.build(route, model, example, calibration, reduce_range)
+        return engine_routes.build(route, model, example, calibration, seven_bit=reduce_range)
     return routes.build_weight_only(model)
+
+
+def _build_and_check(route: str, fp32: nn.Module, example: tuple, batches: Optional[list[tuple]],
+                     checks: list[tuple], traits: policy.IsaTraits, mode: str, report: QuantizeReport,
+                     model: nn.Module) -> Optional[tuple[routes.Built, list[Any]]]:
+    """The route built and its outputs on ``checks``; None (recorded as skipped) when it fails or
+    quantizes nothing under ``auto``, one ValueError for an explicit mode."""
+    try:
+        build = _build(route, fp32, example, batches, traits.reduce_range)
+        outputs = [build.runner(*batch) for batch in checks]
+    except Exception as exc:
+        if mode != "auto":
+            raise ValueError(f"quantize: {route} INT8 failed on {type(model).__name__}: "
+                             f"{type(exc).__name__}: {excerpt(exc)}") from exc
+        report.routes[route] = RouteResult(skipped=f"failed: {type(exc).__name__}: {excerpt(exc)}")
+        return None
+    if not build.quantized:
+        if mode != "auto":
+            raise ValueError(f"quantize: mode={mode!r} quantized no layer of {type(model).__name__} "
+                             f"({'; '.join(f'{k}: {v}' for k, v in build.kept_fp32.items()) or 'nothing eligible'})")
+        report.routes[route] = RouteResult(skipped="quantized no layer")
+        return None
+    return build, outputs
 
 
 def _warn(report: QuantizeReport, message: str) -> None:
@@ -261,14 +243,17 @@ def _warn(report: QuantizeReport, message: str) -> None:
 @marked("quantize")
 def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Iterable[Any]] = None,
              mode: str = "auto", max_error: float = policy.DEFAULT_MAX_ERROR,
-             rounds: int = 7, consider: Optional[Iterable[str]] = None) -> QuantizedModule:
+             rounds: int = 7, consider: Optional[Iterable[str]] = None, progress: bool = True) -> QuantizedModule:
     """Quantize a copy of ``model`` (put in eval mode) to INT8; see the module docstring.
 
     ``example_inputs``: a tensor or tuple of inputs (timing, export); ``calibration``: an iterable
     of input tuples (static needs it; it is also where accuracy is measured). ``max_error`` is the
     largest relative error ``auto`` accepts; ``rounds`` the interleaved timing rounds of ``auto``;
     ``consider`` what ``auto`` may build: INT8 routes and ``"bf16"`` (the bf16 float variant), by
-    default all of them (:data:`.policy.AUTO_ROUTES`).
+    default all of them (:data:`.policy.AUTO_ROUTES`). An explicit mode whose relative error
+    exceeds ``max_error`` is returned with one :class:`QuantizeWarning` saying so.
+    ``progress``: each step that takes seconds is a line on stderr (``xlaunch.quantize: ...``;
+    a bar on a terminal), the first one before any work.
     """
     mode = policy.check_mode(mode)
     if not isinstance(model, nn.Module):
@@ -280,16 +265,31 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
                          "activation scales (or use mode='dynamic' or 'weight_only')")
     if not max_error > 0:
         raise ValueError(f"quantize: max_error must be > 0, not {max_error!r}")
-    traits = _machine_traits()
-    report = QuantizeReport(mode=mode, requested=mode, isa_int8_dot=traits.int8_dot,
-                            reduce_range=traits.reduce_range)
-    fp32 = copy.deepcopy(model).eval()
-    has_linear, has_conv = _layers(fp32)
-    checks = batches or [example]
-    with torch.no_grad():
-        reference = [fp32(*batch) for batch in checks]
+    steps = 3 if mode != "auto" else 2 + len(policy.INT8_ROUTES)   # a terminal bar's length (about)
+    show = Progress(total=steps, enabled=progress, title=PROGRESS_TITLE)
+    try:
+        return _quantize(model, example, batches, mode, max_error, rounds, policy.check_routes(consider), show)
+    finally:
+        show.close()
 
-    allowed = policy.check_routes(consider)
+
+PROGRESS_TITLE = "xlaunch.quantize"
+
+
+def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], mode: str, max_error: float,
+              rounds: int, allowed: tuple[str, ...], show: Progress) -> QuantizedModule:
+    checks = batches or [example]
+    with show.step(f"{type(model).__name__}, mode {mode}: fp32 reference outputs") as step:
+        traits = _machine_traits()
+        report = QuantizeReport(mode=mode, requested=mode, isa_int8_dot=traits.int8_dot,
+                                reduce_range=traits.reduce_range)
+        fp32 = copy.deepcopy(model).eval()
+        has_linear, has_conv = _layers(fp32)
+        with torch.no_grad():
+            reference = [fp32(*batch) for batch in checks]
+        step.done(f"int8 dot products: {traits.int8_dot or 'none'}"
+                  + ("; 7-bit operands" if traits.reduce_range else ""))
+
     if mode == "auto":
         wanted = {route: why if route in allowed else "not among consider=" for route, why in
                   policy.candidate_routes(has_linear, has_conv, batches is not None).items()}
@@ -307,31 +307,32 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
                 raise ValueError(f"quantize: mode={mode!r}: {skip}")
         if skip is not None:
             report.routes[route] = RouteResult(skipped=skip)
+            if skip != "not among consider=":
+                show.line(f"{route}: skipped ({skip})")
             continue
-        try:
-            build = _build(route, fp32, example, batches, traits.reduce_range)
-            outputs = [build.runner(*batch) for batch in checks]
-        except Exception as exc:
-            if mode != "auto":
-                raise ValueError(f"quantize: {route} INT8 failed on {type(model).__name__}: "
-                                 f"{type(exc).__name__}: {excerpt(exc)}") from exc
-            report.routes[route] = RouteResult(skipped=f"failed: {type(exc).__name__}: {excerpt(exc)}")
-            continue
-        if not build.quantized:
-            if mode != "auto":
-                raise ValueError(f"quantize: mode={mode!r} quantized no layer of {type(model).__name__} "
-                                 f"({'; '.join(f'{k}: {v}' for k, v in build.kept_fp32.items()) or 'nothing eligible'})")
-            report.routes[route] = RouteResult(skipped="quantized no layer")
-            continue
-        error, agreement = accuracy(reference, outputs)
-        report.routes[route] = RouteResult(rel_error=error, argmax_agreement=agreement)
-        built[route] = build
+        with show.step(f"building {route} INT8") as step:
+            done = _build_and_check(route, fp32, example, batches, checks, traits, mode, report, model)
+            if done is None:
+                step.done(f"skipped: {report.routes[route].skipped}")
+                continue
+            build, outputs = done
+            error, agreement = accuracy(reference, outputs)
+            report.routes[route] = RouteResult(rel_error=error, argmax_agreement=agreement,
+                                               int8_range=build.int8_range or None)
+            built[route] = build
+            step.done(f"relative error {error:.4f}" + (" (over max_error)" if error > max_error else ""))
 
     unsupported = routes.unsupported_modules(fp32)
     if mode != "auto":
-        times = measure({policy.FP32_EAGER: fp32, mode: built[mode].runner}, example, rounds=3)
+        with show.step(f"timing {mode} against fp32 eager (3 rounds)") as step:
+            times = measure({policy.FP32_EAGER: fp32, mode: built[mode].runner}, example, rounds=3)
+            step.done(f"{times[mode]:.3f} ms against {times[policy.FP32_EAGER]:.3f} ms")
         for name, ms in times.items():
             report.routes.setdefault(name, RouteResult()).ms = ms
+        error = report.routes[mode].rel_error
+        if error is not None and error > max_error:
+            _warn(report, f"{mode} INT8 has relative error {error:.4f} against fp32, over max_error={max_error:g}; "
+                          "mode='auto' keeps only routes within it")
         ratio = times[policy.FP32_EAGER] / times[mode]
         if ratio < 1:
             _warn(report, f"{mode} INT8 measured {ratio:.2f}x fp32 eager (slower) on example_inputs here; "
@@ -341,19 +342,22 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     variants: dict[str, Callable[..., Any]] = {policy.FP32_EAGER: fp32}
     # The fastest fp32 route is what INT8 must beat; with no INT8 route built there is nothing to
     # compare, and the model comes back as it was (building engines would take seconds for nothing).
-    optimized = _optimized(fp32, example, report) if built else None
+    optimized = _optimized(fp32, example, report, show=show) if built else None
     if optimized is not None:
         variants[policy.FP32_OPTIMIZE] = optimized
-    bf16 = (_optimized(fp32, example, report, torch.bfloat16)
+    bf16 = (_optimized(fp32, example, report, torch.bfloat16, show=show)
             if built and policy.BF16 in allowed and _native_bf16() else None)
     if bf16 is not None:
         variants[policy.BF16_OPTIMIZE] = bf16
     variants.update({route: b.runner for route, b in built.items()})
-    times = measure(variants, example, rounds=rounds)
+    with show.step(f"timing {len(variants)} variants ({rounds} interleaved rounds)") as step:
+        times = measure(variants, example, rounds=rounds)
+        step.done(", ".join(f"{name} {ms:.3f} ms" for name, ms in times.items()))
     for name, ms in times.items():
         report.routes.setdefault(name, RouteResult()).ms = ms
     errors = {route: report.routes[route].rel_error for route in built}
     choice, why = policy.choose(times, errors, max_error)
+    show.line(f"kept {choice}: {why}")
     if choice in built:
         return _finish(report, choice, built[choice], fp32, example, unsupported, why)
     float_mode = "bf16" if choice == policy.BF16_OPTIMIZE else "fp32"
@@ -391,20 +395,22 @@ def _native_bf16() -> bool:
 
 
 def _optimized(fp32: nn.Module, example: tuple, report: QuantizeReport,
-               dtype: Any = None) -> Optional[Callable[..., Any]]:
+               dtype: Any = None, show: Optional[Progress] = None) -> Optional[Callable[..., Any]]:
     """The fastest fp32 (or ``dtype``) route (``optimize(..., backend=[engines])``), or None when it
     fails. bf16: OpenVINO only (ONNX Runtime has no bf16 kernels here; the torch route is built as
-    optimize's baseline)."""
+    optimize's baseline). optimize()'s own steps follow as ``xlaunch.optimize:`` lines."""
     from xlaunch.kernels.optimize.pipeline import optimize
 
     name = policy.BF16_OPTIMIZE if dtype is not None else policy.FP32_OPTIMIZE
+    backends = FP32_BACKENDS if dtype is None else BF16_BACKENDS
+    if show is not None:
+        show.line(f"{name}: the float variant INT8 must beat, optimize(backend={backends}) ...")
 
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            optimized = optimize(copy.deepcopy(fp32), dtype=dtype, sample_input=example,
-                                 backend=FP32_BACKENDS if dtype is None else BF16_BACKENDS,
-                                 time_budget=FP32_TIME_BUDGET_S)
+            optimized = optimize(copy.deepcopy(fp32), dtype=dtype, sample_input=example, backend=backends,
+                                 time_budget=FP32_TIME_BUDGET_S, progress=show is not None and show.enabled)
         report.warnings.extend(f"optimize(): {w.message}" for w in caught
                                if type(w.message).__name__ == "OptimizeWarning")
         engines = getattr(optimized, "_xlaunch_engine_report", None)

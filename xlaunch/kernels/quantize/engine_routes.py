@@ -7,7 +7,8 @@
     at OpenVINO's default precision: bf16 on a CPU with native bf16 (AVX512_BF16, AMX), else f32.
   * ``onnxruntime_static``: the ONNX export of :mod:`..optimize.engines.routes.onnxruntime_route`,
     ``onnxruntime.quantization.quantize_static`` in QDQ format, weights per channel (s8),
-    activations u8 (7-bit ``reduce_range`` where the CPU has no VNNI/AMX), MinMax calibration on
+    activations u8 (``reduce_range``, which in ONNX Runtime means 7-bit weights, where the CPU has
+    no VNNI/AMX), MinMax calibration on
     every calibration batch; run by ONNX Runtime's CPU provider (which fuses the QDQ pairs into its
     int8 kernels) with spinning off.
 
@@ -69,21 +70,30 @@ def _layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
     return names, {}
 
 
-def build_openvino(model: nn.Module, example: tuple, calibration: list[tuple], threads: int) -> Built:
+def build_openvino(model: nn.Module, example: tuple, calibration: list[tuple], threads: int,
+                   overflow_fix: bool) -> Built:
+    """``overflow_fix``: every Conv/MatMul weight on half the 8-bit range (NNCF ``OverflowFix.ENABLE``),
+    for CPUs whose u8 x s8 sums saturate in 16 bits; else the full range (``DISABLE``)."""
     from xlaunch.kernels.optimize.engines.routes import openvino_route
     from xlaunch.kernels.optimize.engines.sample import Sample
 
     sample = Sample(model, example)
     ov_model = openvino_route.convert(model, sample)
     import nncf
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
+
+    fix = OverflowFix.ENABLE if overflow_fix else OverflowFix.DISABLE
     dataset = nncf.Dataset(calibration, lambda batch: [t.detach().numpy() for t in sample.tensors(batch)])
     with quiet():
-        quantized = nncf.quantize(ov_model, dataset, subset_size=len(calibration))
+        quantized = nncf.quantize(ov_model, dataset, subset_size=len(calibration),
+                                  advanced_parameters=AdvancedQuantizationParameters(overflow_fix=fix))
     config = {"INFERENCE_NUM_THREADS": max(1, threads), "PERFORMANCE_HINT": "LATENCY"}   # default precision
     runner = openvino_route.CompiledRunner(quantized, sample, threads, config=config)
     runner.ov_model = quantized   # what QuantizedModule.save writes (.engine_saved)
     names, kept = _layers(model)
-    return Built(runner=runner, program_source=model, compiled=False, quantized=names, kept_fp32=kept)
+    return Built(runner=runner, program_source=model, compiled=False, quantized=names, kept_fp32=kept,
+                 int8_range=f"{'7-bit' if overflow_fix else '8-bit'} weights (NNCF overflow_fix={fix.value})",
+                 engine_model=quantized)
 
 
 def build_onnxruntime(model: nn.Module, example: tuple, calibration: list[tuple], threads: int,
@@ -120,11 +130,14 @@ def build_onnxruntime(model: nn.Module, example: tuple, calibration: list[tuple]
     runner = onnxruntime_route.SessionRunner(quantized, sample, threads)
     runner.model_bytes = quantized   # what QuantizedModule.save writes (.engine_saved)
     layers, kept = _layers(model)
-    return Built(runner=runner, program_source=model, compiled=False, quantized=layers, kept_fp32=kept)
+    return Built(runner=runner, program_source=model, compiled=False, quantized=layers, kept_fp32=kept,
+                 int8_range=f"{'7-bit weights (reduce_range)' if reduce_range else '8-bit weights'}, u8 activations")
 
 
-def build(route: str, model: nn.Module, example: tuple, calibration: list[tuple], reduce_range: bool) -> Built:
+def build(route: str, model: nn.Module, example: tuple, calibration: list[tuple], seven_bit: bool) -> Built:
+    """``seven_bit``: the CPU sums u8 x s8 products in saturating 16-bit lanes (no VNNI/AMX); each
+    engine gets its own setting for it (OpenVINO: NNCF's overflow fix; ONNX Runtime: reduce_range)."""
     threads = torch.get_num_threads()
     if route == OPENVINO:
-        return build_openvino(model, example, calibration, threads)
-    return build_onnxruntime(model, example, calibration, threads, reduce_range)
+        return build_openvino(model, example, calibration, threads, overflow_fix=seven_bit)
+    return build_onnxruntime(model, example, calibration, threads, reduce_range=seven_bit)

@@ -45,7 +45,9 @@ class IsaTraits:
 
     @property
     def reduce_range(self) -> bool:
-        """7-bit activations: needed where u8 x s8 products use saturating 16-bit sums."""
+        """7-bit operands, needed where u8 x s8 products use saturating 16-bit sums. Each route
+        sets it its own way: PT2E ``reduce_range`` (activations), ONNX Runtime ``reduce_range``
+        (weights), NNCF ``OverflowFix.ENABLE`` (weights) for OpenVINO."""
         return self.int8_dot is None
 
 

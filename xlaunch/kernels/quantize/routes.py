@@ -45,6 +45,14 @@ class Built:
     compiled: bool                             # runner is torch.compile'd (freezing on)
     quantized: list[str] = field(default_factory=list)
     kept_fp32: dict[str, str] = field(default_factory=dict)
+    # What the route did against the 16-bit saturation of u8 x s8 sums (the setting it was given):
+    # shown per route in the report.
+    int8_range: str = ""
+    engine_model: Any = None                   # the engine's own quantized model (OpenVINO), if any
+
+
+def pt2e_range(reduce_range: bool) -> str:
+    return "7-bit activations (reduce_range)" if reduce_range else "8-bit activations and weights"
 
 
 def import_torchao() -> Any:
@@ -198,7 +206,7 @@ def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tu
         converted = convert_pt2e(prepared)
     quantized, kept = account_pt2e(converted, "dynamic" if dynamic else "static")
     return Built(runner=FrozenCompiled(converted), program_source=converted, compiled=True,
-                 quantized=quantized, kept_fp32=kept)
+                 quantized=quantized, kept_fp32=kept, int8_range=pt2e_range(reduce_range))
 
 
 def build_weight_only(model: nn.Module) -> Built:
@@ -224,4 +232,5 @@ def build_weight_only(model: nn.Module) -> Built:
         with torch.no_grad():
             return quantized_model(*args)
 
-    return Built(runner=run, program_source=quantized_model, compiled=False, quantized=quantized, kept_fp32=kept)
+    return Built(runner=run, program_source=quantized_model, compiled=False, quantized=quantized, kept_fp32=kept,
+                 int8_range="fp32 activations (no u8 x s8 products)")
