@@ -34,7 +34,7 @@ with needs_torch(__name__):
     from torch import nn
 
 from xlaunch.kernels.build_mark import marked
-from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, lowp, policy
+from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, lowp, policy, saved
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.routes.inductor_route import InductorRoute
 from xlaunch.kernels.optimize.engines.routes.onnxruntime_route import OnnxRuntimeRoute
@@ -86,6 +86,7 @@ def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report
         follow.eager = forward.install(working, follow, sample, route, _notify).eager
         result = working
     attach(result, report)
+    saved.keep(result, saved.Saveable(route, built.files, sample, report.dtype))   # result.save(path)
     return result
 
 
@@ -101,9 +102,11 @@ def _run(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module, s
 
 
 def _torch_route(torch_optimize: Callable[..., Any], model: nn.Module, optimizer: Any, dtype: Any, level: str,
-                 inplace: bool, sample_input: Any, flags: dict[str, Any], label: str, reason: str) -> Any:
+                 inplace: bool, sample_input: Any, flags: dict[str, Any], label: str, reason: str,
+                 progress: bool = True) -> Any:
     warn(f"backend={label}: the torch route is used: {reason}")
-    result = torch_optimize(model, optimizer, dtype, level, inplace, sample_input=sample_input, **flags)
+    result = torch_optimize(model, optimizer, dtype, level, inplace, sample_input=sample_input, progress=progress,
+                            **flags)
     if isinstance(result, nn.Module):
         attach(result, EngineReport(backend="torch", requested=label, reason=reason))
     return result
@@ -182,14 +185,15 @@ def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, 
     reason = policy.inference_only_reason(model.training, optimizer is not None, sample_input is not None,
                                           grad_inputs)
     if reason:
-        return _torch_route(torch_optimize, model, optimizer, dtype, level, inplace, sample_input, flags, label, reason)
+        return _torch_route(torch_optimize, model, optimizer, dtype, level, inplace, sample_input, flags, label, reason,
+                            progress)
     engine_dtype = _engine_dtype(dtype, flags, label)
     working = copy.deepcopy(model)
     try:
         sample = Sample(working, sample_input)
     except Unsupported as exc:
         return _torch_route(torch_optimize, model, optimizer, engine_dtype, level, inplace, sample_input, flags, label,
-                            str(exc))
+                            str(exc), progress)
     routes = dict(ROUTES_BY_NAME)
     context = Context(torch.get_num_threads(), torch_optimize, level, flags, dtype=engine_dtype)
     report = EngineReport(backend="", requested=label, sample=sample.describe(), threads=context.threads,
