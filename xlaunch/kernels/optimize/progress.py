@@ -48,11 +48,11 @@ class Progress:
 
     def _announce(self, step: "Step") -> None:
         """The start line of ``step`` (once), if it is still running; from then on every step is said."""
-        with self._lock:
+        with self._lock:   # held while writing: the step's end line cannot come before its start
             if step.announced or step.ended:
                 return
             step.announced = self._loud = True
-        _write(f"{self.title}: {step.what} ...")
+            _write(f"{self.title}: {step.what} ...")
 
     def _quiet_step(self, step: "Step") -> None:
         """Announce ``step`` now when the call is past ``quiet_s``, else when it gets there."""
@@ -122,8 +122,12 @@ class Progress:
             elif self._tqdm is not None:
                 self._tqdm.update(1)
                 self._tqdm.write(text, file=sys.stderr)
-            elif self.enabled and (self.quiet_s <= 0 or step.announced):
+            elif self.enabled and self.quiet_s <= 0:
                 _write(text)
+            elif self.enabled:
+                with self._lock:
+                    if step.announced:
+                        _write(text)
 
     def close(self) -> None:
         if self._bar is not None:

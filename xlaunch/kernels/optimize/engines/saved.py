@@ -11,7 +11,9 @@ What can be saved is what the engine serializes:
   * ``openvino``: the IR (``model.xml`` + ``model.bin``), compiled again with the precision kept;
   * ``eager``, ``torch``, ``inductor`` are your module's class run by torch (the torch route's
     frozen graph and inductor's compiled code are built for this process): refused with one line
-    that says what to do instead (save ``state_dict()`` and call ``optimize`` again where it runs).
+    that says what to do instead (save ``state_dict()`` and call ``optimize`` again where it runs;
+    for ``eager``, ``torch.export`` can save the module as given, but ``torch.export.load``
+    unpickles, which this loader never does).
 
 The saved model is a directory: ``manifest.json`` (format, route, dtype, the input signature, the
 output structure as ``torch.utils._pytree`` JSON, the output dtypes, the report, the library
@@ -47,7 +49,8 @@ MANIFEST = "manifest.json"
 SAVED_ATTRIBUTE = "_xlaunch_engine_saved"
 SAVABLE = ("onnxruntime", "openvino")
 REFUSED = {
-    "eager": "the eager route is your module as given: save its state_dict() and load it into your class",
+    "eager": "the eager route is your module as given: save its state_dict(), or torch.export.save its "
+             "torch.export.export(model, args) (torch.export.load unpickles: trusted files only)",
     "torch": "the torch route is your module's class with rewrites and a graph frozen in this process: save "
              "state_dict() and call optimize() again where it runs",
     "inductor": "inductor's compiled code is built for this process and not serialized here: save state_dict() "
