@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from xlaunch.kernels.optimize.engines import api, lowp, policy  # noqa: E402
+from xlaunch.kernels.optimize.engines import api, auto, lowp, policy  # noqa: E402
 from xlaunch.kernels.optimize.engines.base import Built, Route  # noqa: E402
 from xlaunch.kernels.optimize.engines.routes.openvino_route import compile_config  # noqa: E402
 from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
@@ -141,12 +141,19 @@ def test_bf16_without_native_bf16_is_fp32_auto_with_every_engine_and_one_warning
         route.name = name
         table[name] = route
     monkeypatch.setattr(api, "ROUTES_BY_NAME", table)
+
+    def rounds(built, sample, report, budget_s, progress):   # which routes are built is the point, not the clock
+        for name in built:
+            report.routes[name].ms = 1.0
+        return {name: [1.0] * 5 for name in built}
+
+    monkeypatch.setattr(auto, "time_routes", rounds)
     torch.manual_seed(0)
     model, x = Small().eval(), torch.randn(4, 32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fast = optimize(model, dtype=torch.bfloat16, sample_input=x, backend="auto", cache=False,
-                        progress=False, time_budget=5)
+                        progress=False, time_budget=600)
     said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     routes = fast.report.routes
     if "avx512_bf16" in flags:

@@ -160,6 +160,26 @@ def test_a_planted_symlink_is_never_followed(saved_onnx: tuple, tmp_path: Path) 
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no temporary left
 
 
+def test_an_onnx_model_reading_external_data_is_refused(saved_onnx: tuple, tmp_path: Path) -> None:
+    """A hostile model.onnx (manifest hashes updated to match) whose weights point at another file."""
+    import hashlib
+
+    onnx = pytest.importorskip("onnx")
+    from onnx import external_data_helper
+
+    path = copy_of(saved_onnx[0], tmp_path)
+    model = onnx.load_model_from_string((path / "model.onnx").read_bytes())
+    external_data_helper.convert_model_to_external_data(model, all_tensors_to_one_file=True, location="../secret",
+                                                        size_threshold=0)
+    data = model.SerializeToString()
+    (path / "model.onnx").write_bytes(data)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["model.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SavedModelError, match=r"reads tensor .* from another file \(external data\): refused"):
+        load_optimized(str(path))
+
+
 def test_a_missing_engine_names_the_extra(saved_onnx: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "onnxruntime", None)   # as if not installed
     with pytest.raises(SavedModelError, match=r'onnxruntime is not installed: pip install "xlaunch\[onnxruntime\]"'):

@@ -22,7 +22,8 @@ temporary directory beside ``path`` and renamed into place: ``path`` must not ex
 planted there is refused, never followed). Reading trusts nothing: the directory and its files are
 opened without following symlinks and must be a directory and regular files, the manifest is read
 up to 1 MiB, each file up to the size the manifest declares and checked against its sha256; no
-pickle is read and no code from the files runs in Python. Any problem is one
+pickle is read and no code from the files runs in Python; an ONNX model whose tensors point at
+external data files (which ONNX Runtime would read from wherever they say) is refused. Any problem is one
 :class:`SavedModelError` line naming the path. A missing engine names the extra to install.
 """
 from __future__ import annotations
@@ -192,6 +193,35 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, bytes]]:
         os.close(dir_fd)
 
 
+def _external_tensor(model_bytes: bytes) -> Optional[str]:
+    """The name of the first tensor of an ONNX model whose data would be read from another file
+    (ONNX Runtime resolves such a path itself: outside the saved directory), or None."""
+    import onnx
+
+    model = onnx.load_model_from_string(model_bytes)   # parses only: external data is never loaded from bytes
+
+    def tensors_of(graph: Any) -> Any:
+        yield from graph.initializer
+        yield from (sparse.values for sparse in graph.sparse_initializer)
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    yield attribute.t
+                yield from attribute.tensors
+                for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                    yield from tensors_of(sub)
+
+    for tensor in tensors_of(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
+            return tensor.name or "(unnamed)"
+    for function in model.functions:
+        for node in function.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t") and attribute.t.data_location == onnx.TensorProto.EXTERNAL:
+                    return attribute.t.name or "(unnamed)"
+    return None
+
+
 class Signature:
     """The saved input signature and output structure: what the runners need of a sample."""
 
@@ -257,7 +287,7 @@ def load_optimized(path: str, threads: Optional[int] = None) -> LoadedModel:
     route = manifest.get("route")
     if route not in SAVABLE:
         raise SavedModelError(f"load_optimized: {shown}: unknown route {route!r}")
-    missing = missing_module((route,), PIP_LINES.get(route))
+    missing = missing_module((route, "onnx") if route == "onnxruntime" else (route,), PIP_LINES.get(route))
     if missing:
         raise SavedModelError(f"load_optimized: {shown}: the saved model runs on {route}, and {missing}")
     signature = Signature(manifest, shown)
@@ -266,11 +296,17 @@ def load_optimized(path: str, threads: Optional[int] = None) -> LoadedModel:
         if route == "onnxruntime":
             from xlaunch.kernels.optimize.engines.routes.onnxruntime_route import ARTIFACT, SessionRunner
 
+            external = _external_tensor(files[ARTIFACT])
+            if external is not None:
+                raise SavedModelError(f"load_optimized: {shown}: {ARTIFACT} reads tensor {external!r} from "
+                                      "another file (external data): refused, only the saved files are read")
             runner: Any = SessionRunner(files[ARTIFACT], signature, threads)
         else:
             from xlaunch.kernels.optimize.engines.routes.openvino_route import WEIGHTS, XML, load_runner
 
             runner = load_runner(files[XML], files[WEIGHTS], signature, threads, DTYPES.get(manifest.get("dtype")))
+    except SavedModelError:
+        raise
     except KeyError as exc:
         raise SavedModelError(f"load_optimized: {shown}: {MANIFEST} does not list {exc}") from None
     except Exception as exc:
