@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from xlaunch.kernels.optimize.engines import api, lowp, policy  # noqa: E402
+from xlaunch.kernels.optimize.engines import api, auto, lowp, policy  # noqa: E402
 from xlaunch.kernels.optimize.engines.base import Built, Route  # noqa: E402
 from xlaunch.kernels.optimize.engines.routes.openvino_route import compile_config  # noqa: E402
 from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
@@ -123,3 +123,48 @@ def test_bf16_auto_builds_the_openvino_route_in_bf16_and_fp32_pins_f32() -> None
     for dtype, expected in ((None, ("f32", "float32")), (torch.bfloat16, ("bf16", "bfloat16"))):
         hint = str(CompiledRunner(ov_model, sample, 1, dtype).compiled.get_property("INFERENCE_PRECISION_HINT"))
         assert any(name in hint for name in expected) or dtype is not None, hint   # bf16: where native
+
+
+@pytest.mark.parametrize("flags", [("avx2", "fma"), ("avx2", "fma", "avx512f", "avx512_bf16")])
+def test_bf16_without_native_bf16_is_fp32_auto_with_every_engine_and_one_warning(
+        monkeypatch: pytest.MonkeyPatch, flags: tuple) -> None:
+    """The CPU's flags are faked (any machine, AMX included, runs both cases): without native bf16,
+    ``auto`` with bf16 measures every route in fp32 (ONNX Runtime too, which has no bf16 kernels)
+    after one warning; with native bf16 the routes run bf16 and ONNX Runtime is skipped."""
+    from xlaunch.kernels.optimize import precision
+    from xlaunch.kernels.optimize.notes import OptimizeWarning
+
+    monkeypatch.setattr(precision, "isa_flags", lambda: frozenset(flags))
+    table = dict(api.ROUTES_BY_NAME)
+    for name in ("onnxruntime", "openvino", "inductor"):
+        route = Off(0.0)
+        route.name = name
+        table[name] = route
+    monkeypatch.setattr(api, "ROUTES_BY_NAME", table)
+
+    def rounds(built, sample, report, budget_s, progress):   # which routes are built is the point, not the clock
+        for name in built:
+            report.routes[name].ms = 1.0
+        return {name: [1.0] * 5 for name in built}
+
+    monkeypatch.setattr(auto, "time_routes", rounds)
+    torch.manual_seed(0)
+    model, x = Small().eval(), torch.randn(4, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = optimize(model, dtype=torch.bfloat16, sample_input=x, backend="auto", cache=False,
+                        progress=False, time_budget=600)
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    routes = fast.report.routes
+    if "avx512_bf16" in flags:
+        assert fast.report.dtype == "bfloat16" and "no bfloat16 MatMul/Conv" in routes["onnxruntime"].skipped
+        assert not any("emulated" in text for text in said), said
+        return
+    assert len(said) == 1 and issubclass(caught[0].category, OptimizeWarning), said
+    assert "bf16 not used" in said[0] and "emulated" in said[0] and "every route runs in float32" in said[0]
+    assert "\n" not in said[0]
+    assert fast.report.dtype == "float32" and fast.report.max_rel_error == policy.max_rel_error("float32")
+    assert set(routes) == {"eager", "torch", "onnxruntime", "openvino", "inductor"}
+    assert all(result.skipped is None and result.ms is not None for result in routes.values()), str(fast.report)
+    with torch.no_grad():
+        assert fast(x).dtype == torch.float32 and torch.allclose(fast(x), model(x), atol=1e-5)

@@ -392,7 +392,7 @@ DDP_WORKER = textwrap.dedent('''
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = make().train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = optimize(model, optimizer)          # before DDP, as ipex asks
+    model, optimizer = optimize(model, optimizer, progress=False)   # before DDP, as ipex asks (stderr: empty)
     ddp = DDP(model)
     for x, y in batches(rank):
         optimizer.zero_grad()

@@ -12,6 +12,9 @@ _LAZY = {
     "EngineReport": "xlaunch.kernels.optimize.engines.report",
     "OptimizeWarning": "xlaunch.kernels.optimize.notes",
     "outputs_close": "xlaunch.kernels.optimize.compare",
+    "save_optimized": "xlaunch.kernels.optimize.engines.saved",
+    "load_optimized": "xlaunch.kernels.optimize.engines.saved",
+    "SavedModelError": "xlaunch.kernels.optimize.engines.saved",
 }
 
 __all__ = list(_LAZY)

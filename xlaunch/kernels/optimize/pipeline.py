@@ -62,6 +62,7 @@ from xlaunch.kernels.optimize import dispatch, fold, freeze, layout, measure, pr
 from xlaunch.kernels.native_dtypes import EmulatedPrecisionWarning
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
 from xlaunch.kernels.optimize.notes import OptimizeWarning, info, logger, warn
+from xlaunch.kernels.optimize.progress import Progress
 
 __all__ = ["optimize", "Options", "Report", "OptimizeWarning", "outputs_close"]
 
@@ -69,6 +70,9 @@ LEVELS = ("O0", "O1")
 # Measured with bench/optimize.py (2 threads, jemalloc, torch 2.13): on the examples CNN, jit
 # freezing 1.58x plain fp32 vs inductor's 1.38x, and it compiles in under a second vs 10-30 s.
 DEFAULT_FREEZE_BACKEND = "jit"
+# The steps say what they do (``xlaunch.optimize: freezing ...`` on stderr) once a call has run this
+# long: a small model's call stays silent, a large one's first line comes within a second.
+QUIET_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,8 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
     ``_xlaunch_optimize_report`` (a :class:`Report`) lists what was done and why anything was not.
     ``backend`` other than "torch" ("auto", "onnxruntime", "openvino", "inductor", "eager" or a
     list) measures engines and keeps the fastest: :mod:`xlaunch.kernels.optimize.engines.api`
-    (``time_budget``, ``cache`` and ``progress`` belong to it).
+    (``time_budget`` and ``cache`` belong to it). ``progress``: the steps of a call that runs
+    longer than :data:`QUIET_S` say what they do on stderr (:class:`.progress.Progress`).
     """
     if not (isinstance(backend, str) and backend == "torch"):
         from xlaunch.kernels.optimize.engines.api import optimize_with_engines
@@ -262,28 +267,51 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
     measure_now = (opts.measure and not training and sample_input is not None
                    and use_dtype == torch.float32 and (opts.weights_prepack or level != "O0"))
     given = model
-    if not inplace:
-        model, optimizer = _copy_with_optimizer(model, optimizer)
-    elif measure_now:
-        given = copy.deepcopy(model)   # the model as it was, to time against
-    reference = _run(model, sample_input) if verify and not training else None
+    show = Progress(total=0, enabled=progress, quiet_s=QUIET_S)
+    try:
+        if not inplace or measure_now:
+            with show.step("copying the model") as step:
+                if not inplace:
+                    model, optimizer = _copy_with_optimizer(model, optimizer)
+                else:
+                    given = copy.deepcopy(model)   # the model as it was, to time against
+                step.done("done")
+        return _rewrite(model, optimizer, given, opts, report, use_dtype, level, sample_input, verify,
+                        measure_now, show)
+    finally:
+        show.close()
+
+
+def _rewrite(model: nn.Module, optimizer: Any, given: nn.Module, opts: Options, report: Report, use_dtype: Any,
+             level: str, sample_input: Any, verify: bool, measure_now: bool, show: Progress) -> Any:
+    """The steps of :func:`optimize` (the module docstring's list) on the copy it made."""
+    training = model.training
+    reference = None
+    if verify and not training:
+        with show.step("running the sample input (the reference)") as step:
+            reference = _run(model, sample_input)
+            step.done("done")
 
     log = fold.FoldLog()
     if not training:
-        log = _eval_rewrites(model, opts, sample_input, reference, report)
-        if verify:  # later steps are checked against the folded eager model
-            reference = _run(model, sample_input)
+        with show.step("folding batch norms, removing dropout") as step:
+            log = _eval_rewrites(model, opts, sample_input, reference, report)
+            if verify:  # later steps are checked against the folded eager model
+                reference = _run(model, sample_input)
+            step.done(f"{len(report.folded)} folded, {len(report.dropouts_removed)} dropout(s) removed")
     elif opts.conv_bn_folding or opts.linear_bn_folding or opts.remove_dropout:
         report.warnings.append("model in training mode: folding and dropout removal skipped")
 
     if opts.channels_last and layout.has_conv(model):
-        report.channels_last_convs = layout.to_channels_last(model)
-        if optimizer is not None:
-            layout.match_optimizer_state(optimizer)
-        if verify and reference is not None:
-            problem = outputs_close(reference, _run(model, sample_input), FP32_RTOL)
-            if problem:  # a layout never changes values; report loudly if it somehow does
-                _warn(report, f"channels_last changed results ({problem})")
+        with show.step("converting convolutions to channels-last") as step:
+            report.channels_last_convs = layout.to_channels_last(model)
+            if optimizer is not None:
+                layout.match_optimizer_state(optimizer)
+            if verify and reference is not None:
+                problem = outputs_close(reference, _run(model, sample_input), FP32_RTOL)
+                if problem:  # a layout never changes values; report loudly if it somehow does
+                    _warn(report, f"channels_last changed results ({problem})")
+            step.done(f"{report.channels_last_convs} converted")
 
     low = use_dtype if use_dtype in precision.LOW_DTYPES else None
     autocast_dtype = None
@@ -320,21 +348,28 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
                                    verify=opts.verify, measure=opts.measure and not measure_now,
                                    notify=_notifier(report))
         if verify and report.autocast and reference is not None:
-            with torch.no_grad():
+            with show.step(f"checking the {low} forward against fp32") as step, torch.no_grad():
                 problem = outputs_close(reference, forward.eager(*freeze.as_args(sample_input)), BF16_RTOL)
+                step.done("differs" if problem else "close")
             if problem:
                 _warn(report, f"{low} results differ more than expected from fp32: {problem}")
 
     if forward is not None and freezing and sample_input is not None:
-        _freeze_for_sample(model, forward, sample_input, report)
+        with show.step(f"freezing a graph for the sample input ({opts.freeze_backend})") as step:
+            _freeze_for_sample(model, forward, sample_input, report)
+            step.done(f"frozen with {report.frozen_with}" if report.frozen_with else "not frozen")
     if measure_now:
-        _keep_the_fastest(given, model, forward, log, sample_input, report)
+        with show.step("timing the model as given, the eager rewrite and the frozen graph") as step:
+            _keep_the_fastest(given, model, forward, log, sample_input, report)
+            step.done(f"{report.kept} chosen")
 
     if log.records:
         model.register_load_state_dict_pre_hook(fold.FoldedCheckpointLoader(log.records))
     if optimizer is not None and opts.fused_optimizer:
         split = use_dtype if (opts.split_master_weights and use_dtype == torch.bfloat16) else torch.float32
-        optimizer = _convert_optimizer(optimizer, model, split, report)   # split-bf16: its checkpoint hooks too
+        with show.step("converting the optimizer") as step:
+            optimizer = _convert_optimizer(optimizer, model, split, report)   # split-bf16: its checkpoint hooks too
+            step.done(report.optimizer or "kept as given")
     model._xlaunch_optimize_report = report
     logger.debug("xlaunch.optimize: %s", report)
     return model if optimizer is None else (model, optimizer)

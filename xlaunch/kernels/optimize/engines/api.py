@@ -34,7 +34,7 @@ with needs_torch(__name__):
     from torch import nn
 
 from xlaunch.kernels.build_mark import marked
-from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, lowp, policy
+from xlaunch.kernels.optimize.engines import auto, cache as disk, forward, lowp, policy, saved
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.routes.inductor_route import InductorRoute
 from xlaunch.kernels.optimize.engines.routes.onnxruntime_route import OnnxRuntimeRoute
@@ -50,6 +50,9 @@ DEFAULT_TIME_BUDGET_S = 300.0
 ROUTES_BY_NAME: dict[str, Route] = {route.name: route for route in (
     EagerRoute(), TorchRoute(), OnnxRuntimeRoute(), OpenVinoRoute(), InductorRoute())}
 REPORT_ATTRIBUTE = "_xlaunch_engine_report"
+# A choice made under noise (:attr:`.policy.Decision.clear` False) is measured again by the next
+# runs that find it in the cache, at most this many times (then it stays, as the last figures say).
+MAX_REMEASURES = 3
 
 
 def _isa() -> str:
@@ -83,24 +86,27 @@ def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report
         follow.eager = forward.install(working, follow, sample, route, _notify).eager
         result = working
     attach(result, report)
+    saved.keep(result, saved.Saveable(route, built.files, sample, report.dtype))   # result.save(path)
     return result
 
 
 def _run(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module, sample: Sample, context: Context,
          report: EngineReport, budget: float, show: Progress, single: Optional[str],
-         incumbent: Optional[str] = None) -> tuple[str, dict[str, Built]]:
-    choice, built = auto.run(names, routes, working, sample, context, report, budget, show, single, incumbent)
-    if single is not None and choice != single:   # the route asked for by name could not be used
+         incumbent: Optional[str] = None) -> tuple[policy.Decision, dict[str, Built]]:
+    decision, built = auto.run(names, routes, working, sample, context, report, budget, show, single, incumbent)
+    if single is not None and decision.route != single:   # the route asked for by name could not be used
         warn(f"backend={single}: {report.reason}")
     else:
-        show.line(f"kept {choice}: {report.reason}")
-    return choice, built
+        show.line(f"kept {decision.route}: {report.reason}")
+    return decision, built
 
 
 def _torch_route(torch_optimize: Callable[..., Any], model: nn.Module, optimizer: Any, dtype: Any, level: str,
-                 inplace: bool, sample_input: Any, flags: dict[str, Any], label: str, reason: str) -> Any:
+                 inplace: bool, sample_input: Any, flags: dict[str, Any], label: str, reason: str,
+                 progress: bool = True) -> Any:
     warn(f"backend={label}: the torch route is used: {reason}")
-    result = torch_optimize(model, optimizer, dtype, level, inplace, sample_input=sample_input, **flags)
+    result = torch_optimize(model, optimizer, dtype, level, inplace, sample_input=sample_input, progress=progress,
+                            **flags)
     if isinstance(result, nn.Module):
         attach(result, EngineReport(backend="torch", requested=label, reason=reason))
     return result
@@ -143,14 +149,18 @@ def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working:
         return None
 
 
-def _engine_dtype(dtype: Any, flags: dict[str, Any]) -> Any:
-    """The low precision the engine routes compute in (None: fp32), or None when the CPU does not
-    compute ``dtype`` natively (the torch route then falls back to fp32 and says so)."""
+def _engine_dtype(dtype: Any, flags: dict[str, Any], label: str) -> Any:
+    """The low precision the routes compute in (None: fp32). A bf16/fp16 ``dtype`` this CPU does
+    not compute natively (and no ``force_bf16``) is fp32 ``auto``, every route measured, with one
+    warning: emulated, it runs slower than fp32."""
     if dtype in (None, torch.float32):
         return None
     from xlaunch.kernels.optimize.precision import resolve_dtype
 
-    use, _ = resolve_dtype(dtype, bool(flags.get("force_bf16")))
+    use, why = resolve_dtype(dtype, bool(flags.get("force_bf16")))
+    if why:
+        warn(f"backend={label}: {why.removesuffix(' (pass force_bf16=True to override)')}: every route runs "
+             "in float32 (force_bf16=True overrides)")
     return use if use in lowp.LOW else None
 
 
@@ -172,17 +182,18 @@ def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, 
     grad_inputs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
     if isinstance(optimizer, torch.dtype) and dtype is None:   # ipex's order: optimize(model, dtype)
         optimizer, dtype = None, optimizer
-    engine_dtype = _engine_dtype(dtype, flags)
-    low = None if engine_dtype is not None or dtype in (None, torch.float32) else lowp.name(dtype)
     reason = policy.inference_only_reason(model.training, optimizer is not None, sample_input is not None,
-                                          grad_inputs, low)
+                                          grad_inputs)
     if reason:
-        return _torch_route(torch_optimize, model, optimizer, dtype, level, inplace, sample_input, flags, label, reason)
+        return _torch_route(torch_optimize, model, optimizer, dtype, level, inplace, sample_input, flags, label, reason,
+                            progress)
+    engine_dtype = _engine_dtype(dtype, flags, label)
     working = copy.deepcopy(model)
     try:
         sample = Sample(working, sample_input)
     except Unsupported as exc:
-        return _torch_route(torch_optimize, model, optimizer, dtype, level, inplace, sample_input, flags, label, str(exc))
+        return _torch_route(torch_optimize, model, optimizer, engine_dtype, level, inplace, sample_input, flags, label,
+                            str(exc), progress)
     routes = dict(ROUTES_BY_NAME)
     context = Context(torch.get_num_threads(), torch_optimize, level, flags, dtype=engine_dtype)
     report = EngineReport(backend="", requested=label, sample=sample.describe(), threads=context.threads,
@@ -190,8 +201,8 @@ def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, 
     show = Progress(total=len(names) + 1, enabled=progress)
     try:
         if not cache:
-            choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
-            return _finish(built[choice], choice, working, sample, report)
+            decision, built = _run(names, routes, working, sample, context, report, budget, show, single)
+            return _finish(built[decision.route], decision.route, working, sample, report)
         return _cached(names, routes, working, sample, context, report, budget, show, single, label, flags)
     finally:
         show.close()
@@ -211,30 +222,52 @@ def _cached(names: tuple[str, ...], routes: dict[str, Route], working: nn.Module
                 "another process is building this model; waiting for it")))
         except Exception as exc:   # no folder, no lock, a bad size cap, a model the key cannot read: no cache
             warn(f"the engine cache is not used ({type(exc).__name__}: {exc}); building without it")
-            choice, built = _run(names, routes, working, sample, context, report, budget, show, single)
-            return _finish(built[choice], choice, working, sample, report)
+            decision, built = _run(names, routes, working, sample, context, report, budget, show, single)
+            return _finish(built[decision.route], decision.route, working, sample, report)
         return _cached_locked(store, (key, choice_key), names, routes, working, sample, context, report, budget, show,
                               single, label)
+
+
+def _noisy(decision: Any) -> Optional[dict[str, Any]]:
+    """A stored decision worth measuring again: not clear (:attr:`.policy.Decision.clear`) and
+    measured again fewer than :data:`MAX_REMEASURES` times."""
+    if not isinstance(decision, dict) or decision.get("clear", True) is not False:
+        return None
+    count = decision.get("remeasured", 0)
+    return decision if isinstance(count, int) and 0 <= count < MAX_REMEASURES else None
 
 
 def _cached_locked(store: disk.Cache, keys: tuple[str, str], names: tuple[str, ...], routes: dict[str, Route],
                    working: nn.Module, sample: Sample, context: Context, report: EngineReport, budget: float,
                    show: Progress, single: Optional[str], label: str) -> nn.Module:
     key, choice_key = keys
-    hit = _load_cached(store, key, routes, working, sample, context, label, show)
-    if hit is not None:
-        built_hit, name, cached_report = hit
-        show.line(f"cache hit: {name} ({store.path(key)})")
-        return _finish(built_hit, name, working, sample, cached_report)
-    stored = store.decision(choice_key) if single is None else None   # the incumbent: kept unless beaten
-    incumbent = stored.get("route") if stored else None
-    choice, built = _run(names, routes, working, sample, context, report, budget, show, single, incumbent)
-    report.cache, report.cache_path = "miss", store.path(key)
+    noisy = _noisy(store.stored_decision(key)) if single is None else None
+    if noisy is None:
+        hit = _load_cached(store, key, routes, working, sample, context, label, show)
+        if hit is not None:
+            built_hit, name, cached_report = hit
+            show.line(f"cache hit: {name} ({store.path(key)})")
+            return _finish(built_hit, name, working, sample, cached_report)
+        stored = store.decision(choice_key) if single is None else None   # the incumbent: kept unless beaten
+        incumbent = stored.get("route") if stored and stored.get("clear", True) is not False else None
+        remeasured = 0
+    else:
+        incumbent, remeasured = noisy.get("route"), noisy.get("remeasured", 0) + 1
+        show.line(f"the stored choice {incumbent} was made under noise ({noisy.get('noise', 0):.1%}); "
+                  f"measuring again ({remeasured} of {MAX_REMEASURES})")
+    decision, built = _run(names, routes, working, sample, context, report, budget, show, single, incumbent)
+    choice = decision.route
+    report.cache, report.cache_path = "miss" if noisy is None else f"measured again ({remeasured} of " \
+        f"{MAX_REMEASURES}: the stored choice was noisy)", store.path(key)
     files = built[choice].files if routes[choice].cached_files else {}
-    decision = {"route": choice, "reason": report.reason, "incumbent": incumbent,
-                "ms": {name: r.ms for name, r in report.routes.items() if r.ms is not None}}
-    meta = {"model": type(working).__qualname__, "choice_key": choice_key, "decision": decision}
+    stored_decision = {"route": choice, "reason": report.reason, "incumbent": incumbent,
+                       "contender": decision.contender, "noise": decision.noise, "clear": decision.clear,
+                       "remeasured": remeasured,
+                       "ms": {name: r.ms for name, r in report.routes.items() if r.ms is not None}}
+    meta = {"model": type(working).__qualname__, "choice_key": choice_key, "decision": stored_decision}
     try:
+        if noisy is not None:
+            store.remove(key)   # under the lock: the new figures replace the noisy ones
         store.write(key, choice, built[choice].state, report.to_dict(), files, meta)
     except OSError as exc:   # a full or read-only disk: the model still runs, just not cached
         report.cache = f"not written ({exc.strerror or exc})"

@@ -132,23 +132,25 @@ def time_routes(built: Mapping[str, Built], sample: Sample, report: EngineReport
 
 def run(names: tuple[str, ...], routes: Mapping[str, Route], model: nn.Module, sample: Sample,
         context: Context, report: EngineReport, budget_s: float, progress: Progress,
-        single: Optional[str] = None, incumbent: Optional[str] = None) -> tuple[str, dict[str, Built]]:
-    """Build, check and time ``names``; the route kept and the built routes. With ``single`` (one
-    route asked for by name) that route is kept when it builds, else the torch route.
-    ``incumbent``: the route the cache chose before for this model (see :func:`.policy.choose`)."""
+        single: Optional[str] = None, incumbent: Optional[str] = None) -> tuple[policy.Decision, dict[str, Built]]:
+    """Build, check and time ``names``; the decision (the route kept, why, how clear) and the
+    built routes. With ``single`` (one route asked for by name) that route is kept when it
+    builds, else the torch route. ``incumbent``: the route the cache chose before for this model
+    (see :func:`.policy.decide`)."""
     started = time.perf_counter()
     built = build_all(names, routes, model, sample, context, report, budget_s, progress, started)
+    decision = None
     if single is not None:
         if single in built:
-            choice, why = single, "as asked"
+            decision = policy.Decision(single, "as asked")
         else:
             why = f"{single} could not be used ({report.routes[single].skipped}); the torch route instead"
-            torch_names = ("torch",)
-            built.update(build_all(torch_names, routes, model, sample, context, report, budget_s, progress, started))
-            choice = "torch" if "torch" in built else "eager"
+            built.update(build_all(("torch",), routes, model, sample, context, report, budget_s, progress, started))
+            decision = policy.Decision("torch" if "torch" in built else "eager", why)
     left = budget_s - (time.perf_counter() - started)
     samples = time_routes(built, sample, report, left, progress) if len(built) > 1 else {}
-    if single is None:
-        choice, why = policy.choose(samples, incumbent=incumbent) if samples else (next(iter(built)), "the only route built")
-    report.backend, report.reason = choice, why
-    return choice, built
+    if decision is None:
+        decision = policy.decide(samples, incumbent=incumbent) if samples else \
+            policy.Decision(next(iter(built)), "the only route built")
+    report.backend, report.reason = decision.route, decision.reason
+    return decision, built

@@ -286,6 +286,22 @@ class Cache:
             found.append(item)
         return sorted(found, key=lambda item: (item["used"], item["key"]))
 
+    def stored_decision(self, key: str) -> Optional[dict[str, Any]]:
+        """The decision stored in ``key``'s entry (its ``entry.json`` only, bounded, no symlink
+        followed), or None (no entry, no decision, unreadable: :meth:`read` will say)."""
+        try:
+            dir_fd = os.open(self.path(key), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            entry = json.loads(_read_file(dir_fd, ENTRY, MAX_ENTRY_BYTES).decode("utf-8"))
+        except (OSError, CorruptEntry, ValueError, UnicodeDecodeError):
+            return None
+        finally:
+            os.close(dir_fd)
+        decision = entry.get("decision") if isinstance(entry, dict) and entry.get("key") == key else None
+        return decision if isinstance(decision, dict) else None
+
     def decision(self, choice_key: str) -> Optional[dict[str, Any]]:
         """The latest decision stored with an entry of the same model code, inputs, machine and
         libraries (``choice_key``, the key without the weights): the incumbent a new build must
@@ -402,3 +418,7 @@ def _write_new(path: str, data: bytes) -> None:
             view = view[written:]
     finally:
         os.close(fd)
+
+
+read_regular = _read_file   # for the saved models of :mod:`.saved`: the same bounded, no-symlink reads
+write_new = _write_new

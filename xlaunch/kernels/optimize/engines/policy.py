@@ -3,9 +3,10 @@ No torch here: facts come in as plain values (per-round timings, errors, reasons
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
-from xlaunch.kernels.optimize.engines.report import BASELINES, ENGINE_ROUTES, ROUTES, versus, versus_eager
+from xlaunch.kernels.optimize.engines.report import BASELINES, ENGINE_ROUTES, ROUTES, versus
 
 # An engine must beat the best baseline (eager or the torch rewrite) by this fraction to be kept:
 # timing noise on a shared machine is a few percent, and a tie is not worth a second runtime.
@@ -17,6 +18,10 @@ MAX_REL_ERROR = 1e-3
 # routes here: 5e-3 (ResNet-50), 8e-3 (a 4-layer encoder): 3e-2 leaves room for deeper models and
 # still rejects a route that is wrong (a dropped layer, a wrong scale gives 1e-1 and more).
 # fp16 keeps 11 bits: 1e-2.
+# A choice that did not win decisively is "noisy" when the rounds' noise (half the interquartile
+# range of the paired ratios) exceeds this: the cache measures it again on a later run. The issue's
+# case kept the torch route at 6.7 ms over ONNX Runtime at 3.7 ms with noise 72.8%.
+NOISY = 0.10
 MAX_REL_ERROR_BY_DTYPE = {"float32": MAX_REL_ERROR, "bfloat16": 3e-2, "float16": 1e-2}
 BACKENDS = ("auto", *ROUTES)
 
@@ -44,11 +49,9 @@ def max_rel_error(dtype_name: str = "float32") -> float:
     return MAX_REL_ERROR_BY_DTYPE.get(dtype_name, MAX_REL_ERROR)
 
 
-def inference_only_reason(training: bool, has_optimizer: bool, has_sample: bool, grad_inputs: bool,
-                          low_precision: Optional[str]) -> Optional[str]:
-    """Why engines do not apply to this call (the torch route is used), or None. ``low_precision``:
-    a dtype the CPU does not compute natively (its name), which the torch route turns into fp32
-    with a warning; a native bf16/fp16 goes to the engines."""
+def inference_only_reason(training: bool, has_optimizer: bool, has_sample: bool, grad_inputs: bool) -> Optional[str]:
+    """Why engines do not apply to this call (the torch route is used), or None. (A dtype this
+    CPU does not compute natively is not one: every route then runs fp32, :mod:`.api`.)"""
     if has_optimizer:
         return "an optimizer was given (training): engines serve inference only"
     if training:
@@ -57,8 +60,6 @@ def inference_only_reason(training: bool, has_optimizer: bool, has_sample: bool,
         return "no sample_input: engines are exported, checked and timed on one"
     if grad_inputs:
         return "the sample input requires grad: engines serve inference only"
-    if low_precision:
-        return f"dtype {low_precision} is not computed natively on this CPU: the torch route decides (fp32)"
     return None
 
 
@@ -89,8 +90,29 @@ def _spread_text(spread: float) -> str:
     return f", noise {spread:.1%}" if spread >= 0.0005 else ""
 
 
+@dataclass
+class Decision:
+    """What :func:`decide` kept, against which route, and how sure the rounds make it.
+    ``clear`` is False when the choice did not win decisively and the rounds' noise exceeds
+    :data:`NOISY`: the cache measures such a choice again on a later run (:mod:`.api`)."""
+
+    route: str
+    reason: str
+    contender: Optional[str] = None   # the route the choice was compared with last
+    ratio: Optional[float] = None     # median paired time ratio: contender / route (above 1: route faster)
+    noise: float = 0.0
+    clear: bool = True
+
+
 def choose(samples: Mapping[str, Sequence[float]], margin: float = WIN_MARGIN,
            incumbent: Optional[str] = None) -> tuple[str, str]:
+    """``(route, reason)`` of :func:`decide`."""
+    decision = decide(samples, margin, incumbent)
+    return decision.route, decision.reason
+
+
+def decide(samples: Mapping[str, Sequence[float]], margin: float = WIN_MARGIN,
+           incumbent: Optional[str] = None) -> Decision:
     """The route to keep and why, from per-round seconds per call (round robin, so the rounds of
     two routes pair up).
 
@@ -99,7 +121,8 @@ def choose(samples: Mapping[str, Sequence[float]], margin: float = WIN_MARGIN,
     eager (a rewrite measured within noise of eager is not kept: bench/engines.py saw such a pick
     run at 0.97x eager). The fastest other route replaces the incumbent only when it
     :func:`beats` it: by ``margin`` plus the noise of the rounds. A noisy tie keeps the incumbent,
-    so a model's route does not flip from run to run."""
+    so a model's route does not flip from run to run. The reason compares the route kept with
+    the runner-up directly (the route it beat, or the fastest that did not beat it)."""
     baselines = [name for name in BASELINES if name in samples]
     engines = [name for name in ENGINE_ROUTES if name in samples]
     if not baselines:
@@ -111,27 +134,42 @@ def choose(samples: Mapping[str, Sequence[float]], margin: float = WIN_MARGIN,
     if incumbent is not None and incumbent in samples:
         challengers = [name for name in (baseline, *engines) if name != incumbent]
         if not challengers:
-            return incumbent, f"kept the stored choice {incumbent} (nothing else measured)"
-        fastest = min(challengers, key=lambda name: statistics.median(_ratios(samples[name], samples[incumbent])))
+            return Decision(incumbent, f"kept the stored choice {incumbent} (nothing else measured)")
+        fastest = _fastest(samples, challengers, incumbent)
         wins, ratio, spread = beats(samples, fastest, incumbent, margin)
         if wins:
-            return fastest, (f"{fastest} measured {versus(1 / ratio, f'the stored choice {incumbent}')}"
-                             f"{_spread_text(spread)}")
-        return incumbent, (f"kept the stored choice {incumbent}: the best challenger, {fastest}, measured "
-                           f"{versus(1 / ratio, incumbent)}, within the margin ({margin:.0%}){_spread_text(spread)}")
+            return Decision(fastest, f"{fastest} measured {versus(1 / ratio, f'the stored choice {incumbent}')}"
+                                     f"{_spread_text(spread)}", incumbent, 1 / ratio, spread)
+        return _undecided(incumbent, fastest, ratio, spread,
+                          f"kept the stored choice {incumbent}: the best challenger, {fastest}, measured "
+                          f"{versus(1 / ratio, incumbent)}, within the margin ({margin:.0%})")
     if not engines:
-        return baseline, f"no engine route was built; kept {baseline} of {', '.join(baselines)}"
-    fastest = min(engines, key=lambda name: statistics.median(_ratios(samples[name], samples[baseline])))
+        others = [name for name in baselines if name != baseline]
+        if not others:
+            return Decision(baseline, f"no engine route was built; kept {baseline}")
+        _, ratio, spread = beats(samples, others[0], baseline, margin)
+        return _undecided(baseline, others[0], ratio, spread,
+                          f"no engine route was built; kept {baseline}: {others[0]} measured "
+                          f"{versus(1 / ratio, baseline)}")
+    fastest = _fastest(samples, engines, baseline)
     wins, ratio, spread = beats(samples, fastest, baseline, margin)
     if wins:
-        return fastest, f"{fastest} measured {_versus_eager(samples, fastest)}{_spread_text(spread)}"
-    return baseline, (f"no engine beat {baseline} by {margin:.0%}{' plus the noise' if spread >= 0.0005 else ''} "
-                      f"(the fastest engine, {fastest}, measured {_versus_eager(samples, fastest)}"
-                      f"{_spread_text(spread)})")
+        runner_up = _fastest(samples, [name for name in samples if name != fastest], fastest)
+        _, against, spread_up = beats(samples, fastest, runner_up, margin)
+        return Decision(fastest, f"{fastest} measured {versus(1 / against, runner_up)}, the runner-up"
+                                 f"{_spread_text(spread_up)}", runner_up, 1 / against, spread_up)
+    return _undecided(baseline, fastest, ratio, spread,
+                      f"no engine beat {baseline} by {margin:.0%}{' plus the noise' if spread >= 0.0005 else ''}: "
+                      f"the fastest, {fastest}, measured {versus(1 / ratio, baseline)}")
 
 
-def _versus_eager(samples: Mapping[str, Sequence[float]], name: str) -> str:
-    """Against eager, in words, from the medians the report shows (one baseline everywhere)."""
-    if "eager" not in samples:
-        return "with no eager time to compare"
-    return versus_eager(statistics.median(samples["eager"]) / statistics.median(samples[name]))
+def _fastest(samples: Mapping[str, Sequence[float]], names: Sequence[str], against: str) -> str:
+    return min(names, key=lambda name: statistics.median(_ratios(samples[name], samples[against])))
+
+
+def _undecided(kept: str, contender: str, ratio: float, spread: float, reason: str) -> Decision:
+    """``kept`` stays because ``contender`` (median paired ratio ``ratio`` to it) did not beat it:
+    clear unless the rounds were noisier than :data:`NOISY`."""
+    clear = spread <= NOISY
+    tail = "" if clear else f" (too noisy to tell: noise above {NOISY:.0%})"
+    return Decision(kept, f"{reason}{_spread_text(spread)}{tail}", contender, 1 / ratio, spread, clear)

@@ -125,8 +125,13 @@ class OpenVinoRoute(Route):
 
     def load(self, model: nn.Module, sample: Sample, context: Context, files: dict[str, bytes],
              state: dict[str, Any]) -> Built:
-        avoid_deepbind_crash()
-        import openvino as ov
+        return Built(load_runner(files[XML], files[WEIGHTS], sample, context.threads, context.dtype), files=files)
 
-        ov_model = ov.Core().read_model(model=files[XML], weights=files[WEIGHTS])
-        return Built(CompiledRunner(ov_model, sample, context.threads, context.dtype), files=files)
+
+def load_runner(xml: bytes, weights: bytes, sample: Any, threads: int, dtype: Any = None) -> CompiledRunner:
+    """A runner from the IR's bytes (the cache's or a saved model's, already checked)."""
+    avoid_deepbind_crash()
+    import openvino as ov
+
+    ov_model = ov.Core().read_model(model=xml, weights=weights)
+    return CompiledRunner(ov_model, sample, threads, dtype)

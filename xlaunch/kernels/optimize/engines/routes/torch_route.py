@@ -29,7 +29,7 @@ class TorchRoute(Route):
 
     def build(self, model: nn.Module, sample: Sample, context: Context) -> Built:
         optimized = context.torch_optimize(copy.deepcopy(model), dtype=context.dtype, level=context.level,
-                                           sample_input=sample.args, **context.flags)
+                                           sample_input=sample.args, progress=False, **context.flags)
         report = getattr(optimized, "_xlaunch_optimize_report", None)
         kept = getattr(report, "kept", None)
         return Built(optimized, module=optimized, state={"kept": kept})
@@ -43,5 +43,5 @@ class TorchRoute(Route):
             flags.setdefault("weights_prepack", kept == "frozen")
         level = "O0" if kept == "given" else context.level
         optimized = context.torch_optimize(copy.deepcopy(model), dtype=context.dtype, level=level,
-                                           sample_input=sample.args, **flags)
+                                           sample_input=sample.args, progress=False, **flags)
         return Built(optimized, module=optimized, state={"kept": kept})
