@@ -34,13 +34,16 @@ def headers() -> tuple[str, ...]:
     return tuple(sorted(path.name for path in CSRC.glob("*.h")))
 
 
+# No kernel uses AMX yet: an AMX CPU runs the avx512_bf16 library.
+LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
 LIBRARY = Library("xlaunch.llm", LIBRARY_STEM, CSRC, "xlaunch_llm", DISABLE_ENV, BUILD_DIR_ENV, "llm",
-                  sources=sources, headers=headers)
+                  sources=sources, headers=headers, levels=LEVELS)
 
 
 # The module's surface is the library's: where it is built, building it, using it or not.
 cache_dir, library_path, build = LIBRARY.cache_dir, LIBRARY.library_path, LIBRARY.build
 prefer_native, ops, available, main = LIBRARY.prefer_native, LIBRARY.ops, LIBRARY.available, LIBRARY.main
+ops_at, level, runnable_levels = LIBRARY.ops_at, LIBRARY.level, LIBRARY.runnable_levels
 
 
 if __name__ == "__main__":
