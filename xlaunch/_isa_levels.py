@@ -35,6 +35,13 @@ MARCH = {
             "-mtune=generic"),
 }
 
+# The levels each library is compiled at (a higher CPU level runs the best of them):
+# xlaunch.nn has no bf16- or AMX-specific code; no xlaunch.llm kernel uses AMX yet.
+LIBRARY_LEVELS = {
+    "xlaunch.nn": ("baseline", "avx2", "avx512"),
+    "xlaunch.llm": ("baseline", "avx2", "avx512", "avx512_bf16"),
+}
+
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
     """The first processor's flags (empty when unreadable)."""
@@ -87,3 +94,14 @@ def library_level(level: str, compiled: "Iterable[str]") -> str:
         if LEVELS.index(candidate) <= LEVELS.index(level):
             best = candidate
     return best
+
+
+def kernel_levels(flags: "Iterable[str]") -> dict:
+    """``--check-isa``'s view: the level each library runs at on a CPU with ``flags``, under the cap."""
+    cap = os.environ.get(CAP_ENV, "").strip() or None
+    try:
+        level = chosen_level(flags)
+    except ValueError as exc:
+        return {"level": None, "cap": cap, "error": str(exc), "libraries": {}}
+    libraries = {name: library_level(level, levels) for name, levels in LIBRARY_LEVELS.items()} if level else {}
+    return {"level": level, "cap": cap, "error": None, "libraries": libraries}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from xlaunch._isa_levels import LIBRARY_LEVELS
 from xlaunch._native_build import Library
 from xlaunch._torch import needs_torch
 
@@ -35,7 +36,7 @@ def headers() -> tuple[str, ...]:
 
 
 # No kernel uses AMX yet: an AMX CPU runs the avx512_bf16 library.
-LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
+LEVELS = LIBRARY_LEVELS["xlaunch.llm"]
 LIBRARY = Library("xlaunch.llm", LIBRARY_STEM, CSRC, "xlaunch_llm", DISABLE_ENV, BUILD_DIR_ENV, "llm",
                   sources=sources, headers=headers, levels=LEVELS)
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from xlaunch._isa_levels import LIBRARY_LEVELS
 from xlaunch._native_build import Library, compiler  # noqa: F401  (compiler: part of this module's surface)
 from xlaunch._torch import needs_torch
 
@@ -31,7 +32,7 @@ DISABLE_ENV = "XLAUNCH_NN_NATIVE"
 BUILD_DIR_ENV = "XLAUNCH_NN_BUILD_DIR"
 
 # No bf16- or AMX-specific code: an avx512_bf16 or amx CPU runs the avx512 library.
-LEVELS = ("baseline", "avx2", "avx512")
+LEVELS = LIBRARY_LEVELS["xlaunch.nn"]
 LIBRARY = Library("xlaunch.nn", LIBRARY_STEM, CSRC, "xlaunch_nn", DISABLE_ENV, BUILD_DIR_ENV, "nn",
                   sources=lambda: SOURCES, headers=lambda: HEADERS, levels=LEVELS)
 
