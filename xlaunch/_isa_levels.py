@@ -55,11 +55,20 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
     return frozenset()
 
 
+_host: dict = {}      # this process's levels, read once (every kernel call asks)
+
+
 def host_levels(flags: "Optional[Iterable[str]]" = None) -> tuple:
-    """The levels this CPU (and OS) can execute, lowest first: each needs every level below it."""
-    have = cpu_flags() if flags is None else frozenset(flags)
-    if os.uname().machine not in ("x86_64", "AMD64") and flags is None:
-        return ()
+    """The levels a CPU with ``flags`` (default: this one, and its OS) executes, lowest first.
+
+    Each level needs every level below it.
+    """
+    if flags is None:
+        if "levels" not in _host:
+            x86 = os.uname().machine in ("x86_64", "AMD64")
+            _host["levels"] = host_levels(cpu_flags()) if x86 else ()
+        return _host["levels"]
+    have = frozenset(flags)
     levels = []
     for level in LEVELS:
         if not all(flag in have for flag in REQUIRES[level]):

@@ -161,6 +161,7 @@ class Library:
         self.loaded_levels: dict = {}           # level -> torch.ops namespace, or None: does not load
         self.warned = False
         self.preference: Union[None, bool, str] = None
+        self.chosen: Optional[tuple] = None     # (the cap it was chosen under, the level)
 
     # -- where ---------------------------------------------------------------------------------
     def cache_dir(self) -> Path:
@@ -183,8 +184,11 @@ class Library:
 
         Raises ``ValueError`` for a cap that is unknown or above this CPU.
         """
-        machine = isa.chosen_level()
-        return isa.library_level(machine, self.levels) if machine else None
+        cap = os.environ.get(isa.CAP_ENV, "")
+        if self.chosen is None or self.chosen[0] != cap:      # every kernel call asks: decided once per cap
+            machine = isa.chosen_level(cap=cap)
+            self.chosen = (cap, isa.library_level(machine, self.levels) if machine else None)
+        return self.chosen[1]
 
     def runnable_levels(self) -> tuple[str, ...]:
         """This library's levels that this CPU can execute, lowest first."""
