@@ -1,9 +1,11 @@
-"""The compiled kernels of :mod:`xlaunch.llm`: built once per machine, loaded when present.
+"""The compiled kernels of :mod:`xlaunch.llm`: built once per ISA level, the best this CPU runs loaded.
 
 ``make setup`` (or ``python -m xlaunch.llm.native``) compiles every ``xlaunch/llm/csrc/*.cpp``
-against the installed torch (with ``-march=native``) into one library registering the
-``torch.ops.xlaunch_llm`` operators, kept under ``$XLAUNCH_LLM_BUILD_DIR`` (else
-``~/.cache/xlaunch/llm``) by a key of the sources, torch, compiler and CPU flags.
+against the installed torch once per ISA level (``baseline``, ``avx2``, ``avx512``,
+``avx512_bf16``), each into a library registering ``torch.ops.xlaunch_llm_<level>``, kept under
+``$XLAUNCH_LLM_BUILD_DIR`` (else ``~/.cache/xlaunch/llm``; a wheel's in ``xlaunch/llm/prebuilt``)
+by a key of the sources, torch and flags. A process loads the best level its CPU executes, capped
+by ``XLAUNCH_CPU_ISA``.
 
 Every operator has a pure-torch path with the same semantics, used when the library is not built
 (one warning per process), when ``XLAUNCH_LLM_NATIVE=0``, and inside ``prefer_native(False)``.

@@ -1,11 +1,13 @@
-"""The compiled kernels of :mod:`xlaunch.nn`: built once per machine, loaded when present.
+"""The compiled kernels of :mod:`xlaunch.nn`: built once per ISA level, the best this CPU runs loaded.
 
 ``make setup`` (or ``python -m xlaunch.nn.native``) compiles ``xlaunch/nn/csrc/*.cpp`` with the
-system C++ compiler against the installed torch into one shared library registering the
-``torch.ops.xlaunch_nn`` operators. The library lives in a cache directory
-(``$XLAUNCH_NN_BUILD_DIR``, else ``$XDG_CACHE_HOME/xlaunch/nn``, else ``~/.cache/xlaunch/nn``)
-under a name keyed by the sources, the torch version, the compiler and this CPU's flags (it is
-built with ``-march=native``), so a changed source, torch or machine never loads a stale build.
+system C++ compiler against the installed torch, once per ISA level (``baseline``, ``avx2``,
+``avx512``; :mod:`xlaunch._isa_levels`), each into a library registering ``torch.ops.xlaunch_nn_<level>``.
+The libraries live in a cache directory (``$XLAUNCH_NN_BUILD_DIR``, else
+``$XDG_CACHE_HOME/xlaunch/nn``, else ``~/.cache/xlaunch/nn``; a wheel carries them in
+``xlaunch/nn/prebuilt``) under names keyed by the sources, the torch version and the flags, so a
+changed source or torch never loads a stale build. A process loads the best level its CPU
+executes, capped by ``XLAUNCH_CPU_ISA``.
 
 Every operator has a pure-torch path with the same results. It is used when the library is not
 built (one warning per process says how to build it), when ``XLAUNCH_NN_NATIVE=0``, and inside
