@@ -4,8 +4,10 @@ Every native library is compiled once per level (``-march`` below); at load the 
 CPU can execute is chosen, capped by ``XLAUNCH_CPU_ISA``. What the CPU can execute comes from the
 ``flags`` line of ``/proc/cpuinfo``: Linux lists a feature there only when the OS has enabled its
 register state (XSAVE/xgetbv: an AVX-512 CPU whose kernel does not save the ZMM state shows no
-``avx512f``), so the line is cpuid filtered by the OS's grant. No torch, no subprocess: this is on
-the launcher's path (``xlaunch --check-isa``).
+``avx512f``), so the line is cpuid filtered by the OS's grant. The ``amx`` level asks for no tile
+permission (``arch_prctl``): no kernel uses AMX tiles yet, so it runs the best lower library
+(:data:`LIBRARY_LEVELS`); a kernel that does will need :func:`xlaunch.machine.isa.amx_permitted`.
+No torch, no subprocess: this is on the launcher's path (``xlaunch --check-isa``).
 """
 from __future__ import annotations
 
