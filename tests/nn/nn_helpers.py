@@ -32,3 +32,17 @@ def kernels(request) -> str:
         assert native.ops_at(level).compiled_isa() == level
     with native.prefer_native(level):
         yield request.param
+
+
+@pytest.fixture(params=["native", "torch"])
+def dispatch(request) -> str:
+    """The kernels at the level this process chose, or the torch paths: for tests of the operators'
+    plumbing (tracing, compiling) rather than of the kernels, which ``kernels`` runs at every level."""
+    if request.param == "native":
+        if os.environ.get(native.DISABLE_ENV) == "0":
+            pytest.skip(f"the compiled kernels are disabled ({native.DISABLE_ENV}=0): the torch paths only")
+        require("xlaunch.nn's compiled kernels (python -m xlaunch.nn.native)",
+                str(native.library_path()) if native.available() else None)
+        assert native.ops().compiled_isa() == native.level()
+    with native.prefer_native(request.param == "native"):
+        yield request.param
