@@ -40,8 +40,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   site_packages=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$VENV/bin/python" -m compileall -q -j 0 "$site_packages/torch" "$site_packages/numpy" >/dev/null 2>&1 &
   bytecode=$!
-  # With torch in place, xlaunch.nn's kernels compile (about half a minute of g++) while pip
-  # installs the rest; `python -m` from here imports xlaunch from this source tree.
+  # With torch in place, xlaunch.nn's and xlaunch.llm's kernels compile at every ISA level (the
+  # levels this CPU runs first; the others so that a wheel built here serves any x86-64 CPU)
+  # while pip installs the rest; `python -m` from here imports xlaunch from this source tree.
   { "$VENV/bin/python" -m xlaunch.nn.native && "$VENV/bin/python" -m xlaunch.llm.native; } >"$VENV/nn-build.log" 2>&1 &
   nn_build=$!
   # a failed pip step leaves no compiler behind
@@ -58,8 +59,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
-# xlaunch.nn's kernels: compiled once per source, torch, compiler and CPU into ~/.cache/xlaunch/nn
-# (nothing to do when that build exists); without a compiler the pure-torch paths are used.
+# xlaunch.nn's and xlaunch.llm's kernels: compiled once per source, torch and ISA level into
+# ~/.cache/xlaunch/{nn,llm} (nothing to do when those builds exist; not keyed by this CPU, so a
+# cache or wheel made on one x86-64 machine serves every other); without a compiler the
+# pure-torch paths are used.
 # A build started above is waited for here.
 nn_status=0
 if [ -n "${nn_build:-}" ]; then

@@ -1,14 +1,19 @@
 """Compiling the C++ operator libraries of :mod:`xlaunch.nn` and :mod:`xlaunch.llm` against the installed torch.
 
-Which compiler, the key a build is stored under (sources, torch, compiler, flags, this CPU),
-:func:`compile_library` (sources compiled in parallel, the library renamed into place, never
-through a symlink), and :class:`Library`: one package's library, built and loaded once.
+Each library is compiled once per ISA level (:mod:`xlaunch._isa_levels`): one shared library per
+level, registering its operators in its own namespace (``torch.ops.xlaunch_nn_avx2``, ...; the
+sources write ``TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m)`` and ``-DXLAUNCH_OPS`` names it). A process
+loads only levels this CPU can execute; :meth:`Library.ops` returns the chosen level's namespace.
+A build is stored under a key of its sources, torch, flags and platform (not this CPU's flags):
+one made on any x86-64 machine serves every other. A wheel carries them in ``<package>/prebuilt``.
+Each level parses the torch headers once (a precompiled header), then compiles its sources.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,9 +21,12 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
+from xlaunch import _isa_levels as isa
+
+FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
+_TORCH_INCLUDE = re.compile(r"^#include <((?:ATen|c10|torch)/[^>]+)>", re.M)
 
 
 def cache_root() -> Path:
@@ -35,38 +43,20 @@ def compiler() -> Optional[str]:
     return None
 
 
-def cpu_flags() -> str:
-    """This CPU's feature flags from /proc/cpuinfo ('' when unreadable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+def level_flags(namespace: str, level: str) -> tuple[str, ...]:
+    """The flags of one level's library: the common ones, its ``-march``, its operator namespace."""
+    return (*FLAGS, *isa.MARCH[level], f"-DXLAUNCH_OPS={namespace}_{level}")
 
 
-def compiler_version(cxx: str) -> str:
-    """The first line of ``cxx --version`` ('' when it does not answer)."""
-    try:
-        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout.splitlines()[0] if done.stdout else ""
-
-
-def build_key(csrc: Path, files: Sequence[str], cxx: Optional[str] = None, flags: Sequence[str] = FLAGS) -> str:
-    """Hash of everything a library depends on: its files, torch, compiler, flags, CPU."""
+def build_key(csrc: Path, files: Sequence[str], flags: Sequence[str] = FLAGS) -> str:
+    """Hash of everything a library depends on: its files, torch (version, C++ ABI), flags, platform."""
     import torch
 
     digest = hashlib.sha256()
     for name in files:
         digest.update(name.encode())
         digest.update((csrc / name).read_bytes())
-    cxx = cxx or compiler() or ""
-    for part in (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), cxx, compiler_version(cxx) if cxx else "",
-                 " ".join(flags), cpu_flags(), sys.platform):
+    for part in (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), " ".join(flags), sys.platform):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:16]
 
@@ -82,10 +72,6 @@ def torch_flags(csrc: Path, flags: Sequence[str] = FLAGS) -> tuple[list[str], li
     return compile_flags, [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
-def _run(command: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 def _finish(process: subprocess.Popen, what: str, cxx: str, label: str) -> None:
     output, _ = process.communicate()
     if process.returncode != 0:
@@ -93,103 +79,178 @@ def _finish(process: subprocess.Popen, what: str, cxx: str, label: str) -> None:
                            f"on {what}):\n{output[-4000:]}")
 
 
-def compile_library(csrc: Path, sources: Sequence[str], target: Path, label: str,
-                    echo: Callable[[str], None] = print, cxx: Optional[str] = None,
-                    flags: Sequence[str] = FLAGS) -> Path:
-    """Compile ``sources`` (in ``csrc``) into the shared library ``target``, as many at once as there are CPUs.
+def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str,
+                   echo: Callable[[str], None] = print, cxx: Optional[str] = None) -> None:
+    """Compile ``sources`` once per level into ``targets`` (level -> (library path, flags)).
 
-    Raises ``RuntimeError`` (with the compiler's output) when the compiler is missing or fails, or
-    when ``target``'s folder is a symlink. The library is linked next to its final name and renamed
-    into place; a failure or an interrupt leaves no compiler running.
+    Per level: a precompiled header of the torch headers the sources include, then the sources
+    with it, then the link; as many compilers at once as there are CPUs, levels in the given
+    order. Raises ``RuntimeError`` (with the compiler's output) when the compiler is missing or
+    fails, or when a target's folder is a symlink. Each library is linked next to its final name
+    and renamed into place; a failure or an interrupt leaves no compiler running.
     """
     cxx = cxx or compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.parent.is_symlink():
-        raise RuntimeError(f"refusing to build into {target.parent}: it is a symlink")
-    compile_flags, link_flags = torch_flags(csrc, flags)
-    parallel = max(1, min(len(sources), os.cpu_count() or 1))
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
-        objects, running = [], []
-        echo(f"{label}: compiling {len(sources)} sources with {Path(cxx).name}, {parallel} at a time "
-             "(about a minute) ...")
+    headers = sorted({name for source in sources for name in _TORCH_INCLUDE.findall((csrc / source).read_text())})
+    for path, _ in targets.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent.is_symlink():
+            raise RuntimeError(f"refusing to build into {path.parent}: it is a symlink")
+    parallel = max(1, os.cpu_count() or 1)
+    first = next(iter(targets.values()))[0]
+    with tempfile.TemporaryDirectory(dir=first.parent, prefix=".build-") as scratch:
+        jobs = []                                   # (level, what, command, output, needs)
+        for level, (path, flags) in targets.items():
+            folder = Path(scratch) / level
+            folder.mkdir()
+            compile_flags, link_flags = torch_flags(csrc, flags)
+            pch = folder / "xlaunch_pch.h"
+            pch.write_text("".join(f"#include <{name}>\n" for name in headers))
+            jobs.append((level, "torch headers", [cxx, *compile_flags, "-x", "c++-header", str(pch), "-o",
+                                                  f"{pch}.gch"], None, ()))
+            objects = [folder / f"{Path(name).stem}.o" for name in sources]
+            for name, obj in zip(sources, objects):
+                jobs.append((level, name, [cxx, *compile_flags, "-include", str(pch), "-c", str(csrc / name),
+                                           "-o", str(obj)], obj, (f"{pch}.gch",)))
+            partial = folder / path.name
+            jobs.append((level, "linking", [cxx, "-shared", *flags, *map(str, objects), *link_flags, "-o",
+                                            str(partial)], (partial, path), tuple(map(str, objects))))
+        echo(f"{label}: compiling {len(sources)} sources at {len(targets)} ISA levels ({', '.join(targets)}) "
+             f"with {Path(cxx).name}, {parallel} at a time ...")
+        done: set = set()
+        running: list = []
         try:
-            for number, name in enumerate(sources, 1):
-                objects.append(Path(scratch) / f"{Path(name).stem}.o")
-                running.append((name, _run([cxx, *compile_flags, "-c", str(csrc / name), "-o", str(objects[-1])])))
-                while len(running) >= parallel or (number == len(sources) and running):
-                    done, process = running[0]
-                    _finish(process, done, cxx, label)
-                    running.pop(0)
-                    echo(f"{label}: compiled {done}")
+            while jobs or running:
+                ready = next((job for job in jobs if all(need in done for need in job[4])), None)
+                if ready is not None and len(running) < parallel:
+                    jobs.remove(ready)
+                    running.append((ready, subprocess.Popen(ready[2], stdout=subprocess.PIPE,
+                                                            stderr=subprocess.STDOUT, text=True)))
+                    continue
+                (level, what, command, output, _), process = running.pop(0)
+                _finish(process, f"{what} ({level})", cxx, label)
+                done.add(command[-1])
+                if isinstance(output, tuple):       # a linked library: into place
+                    if output[1].is_symlink():
+                        output[1].unlink()
+                    os.replace(*output)
+                    echo(f"{label}: built {output[1]}")
         finally:
             for _, process in running:
                 process.kill()
                 process.wait()
-        partial = Path(scratch) / target.name
-        _finish(_run([cxx, "-shared", *flags, *map(str, objects), *link_flags, "-o", str(partial)]), "linking", cxx,
-                label)
-        if target.is_symlink():
-            target.unlink()
-        os.replace(partial, target)
-    return target
 
 
 class Library:
-    """One operator library: where it is built, building it, and loading it once per process.
+    """One operator library: its levels, where each is built, building them, loading them once.
 
     ``sources``/``headers`` are called each time (``xlaunch.llm`` compiles every ``csrc/*.cpp``);
-    the build key covers them, torch, the compiler, the flags and this CPU, so a changed source,
-    torch or machine never loads a stale build. Loading is lazy and thread-safe; a missing build
-    warns once per process and the callers take their pure-torch paths.
+    ``levels`` are the ISA levels it is compiled at (a higher CPU level uses the best of them).
+    Loading is lazy and thread-safe; a missing build warns once per process and the callers take
+    their pure-torch paths.
     """
 
     def __init__(self, label: str, stem: str, csrc: Path, namespace: str, disable_env: str, build_dir_env: str,
-                 cache_subdir: str, sources: Callable[[], Sequence[str]], headers: Callable[[], Sequence[str]]) -> None:
+                 cache_subdir: str, sources: Callable[[], Sequence[str]], headers: Callable[[], Sequence[str]],
+                 levels: Sequence[str] = isa.LEVELS[:-1]) -> None:
         self.label, self.stem, self.csrc, self.namespace = label, stem, csrc, namespace
         self.disable_env, self.build_dir_env, self.cache_subdir = disable_env, build_dir_env, cache_subdir
-        self.sources, self.headers = sources, headers
+        self.sources, self.headers, self.levels = sources, headers, tuple(levels)
         self.lock = threading.Lock()
-        self.loaded: Optional[object] = None
-        self.load_failed = False
+        self.loaded_levels: dict = {}           # level -> torch.ops namespace, or None: does not load
         self.warned = False
-        self.preference: Optional[bool] = None
+        self.preference: Union[None, bool, str] = None
+        self.chosen: Optional[tuple] = None     # (the cap it was chosen under, the level)
 
+    # -- where ---------------------------------------------------------------------------------
     def cache_dir(self) -> Path:
         explicit = os.environ.get(self.build_dir_env)
         return Path(explicit) if explicit else cache_root() / self.cache_subdir
 
-    def build_key(self, cxx: Optional[str] = None) -> str:
-        return build_key(self.csrc, (*self.sources(), *self.headers()), cxx, FLAGS)
+    def prebuilt_dir(self) -> Path:
+        """Where a wheel carries the prebuilt libraries."""
+        return self.csrc.parent / "prebuilt"
 
-    def library_path(self, cxx: Optional[str] = None) -> Path:
-        return self.cache_dir() / f"{self.stem}-{self.build_key(cxx)}.so"
+    def build_key(self, level: Optional[str] = None) -> str:
+        return build_key(self.csrc, (*self.sources(), *self.headers()),
+                         level_flags(self.namespace, level or self.levels[0]))
 
-    def available(self) -> bool:
+    def file_name(self, level: str) -> str:
+        return f"{self.stem}-{level}-{self.build_key(level)}.so"
+
+    def level(self) -> Optional[str]:
+        """The compiled level this process uses (``$XLAUNCH_CPU_ISA`` caps it); None off x86-64.
+
+        Raises ``ValueError`` for a cap that is unknown or above this CPU.
+        """
+        cap = os.environ.get(isa.CAP_ENV, "")
+        if self.chosen is None or self.chosen[0] != cap:      # every kernel call asks: decided once per cap
+            machine = isa.chosen_level(cap=cap)
+            self.chosen = (cap, isa.library_level(machine, self.levels) if machine else None)
+        return self.chosen[1]
+
+    def runnable_levels(self) -> tuple[str, ...]:
+        """This library's levels that this CPU can execute, lowest first."""
+        host = isa.host_levels()
+        return tuple(level for level in self.levels if level in host)
+
+    def find(self, level: str) -> Optional[Path]:
+        """The built library of ``level``: the cache's, else the wheel's; None when neither exists."""
+        name = self.file_name(level)
+        for folder in (self.cache_dir(), self.prebuilt_dir()):
+            if (folder / name).is_file() and not (folder / name).is_symlink():
+                return folder / name
+        return None
+
+    def library_path(self, level: Optional[str] = None) -> Path:
+        """Where ``level``'s library (default: the chosen level) is, or would be built."""
+        level = level or self.level() or self.levels[0]
+        return self.find(level) or self.cache_dir() / self.file_name(level)
+
+    def available(self, level: Optional[str] = None) -> bool:
         if not self.sources():
             return False
-        path = self.library_path()
-        return path.is_file() and not path.is_symlink()
+        level = level or self.level()
+        return level is not None and self.find(level) is not None
 
-    def build(self, force: bool = False, echo: Callable[[str], None] = print) -> Optional[Path]:
-        """Compile unless a build for this key exists; returns its path (None: no sources)."""
+    # -- building --------------------------------------------------------------------------------
+    def build(self, force: bool = False, echo: Callable[[str], None] = print,
+              levels: Optional[Sequence[str]] = None, into: Optional[Path] = None) -> Optional[Path]:
+        """Compile every level (or ``levels``) unless built; returns the chosen level's path.
+
+        The levels this CPU runs are compiled first. ``into``: build there (a wheel's folder)
+        instead of the cache, copying a build the cache already has.
+        """
         if not self.sources():
             echo(f"{self.label}: no native sources; the pure-torch paths are used")
             return None
-        cxx = compiler()
-        if cxx is None:
-            raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-        target = self.library_path(cxx)
-        if target.is_file() and not target.is_symlink() and not force:
-            echo(f"{self.label}: native kernels already built: {target}")
-            return target
-        compile_library(self.csrc, self.sources(), target, self.label, echo=echo, cxx=cxx, flags=FLAGS)
-        echo(f"{self.label}: native kernels built: {target}")
-        return target
+        wanted = tuple(levels or self.levels)
+        runnable = set(isa.host_levels())
+        wanted = tuple(sorted(wanted, key=lambda lv: (lv not in runnable, self.levels.index(lv))))
+        folder = into or self.cache_dir()
+        missing = {}
+        for level in wanted:
+            target = folder / self.file_name(level)
+            cached = self.cache_dir() / target.name
+            if into is not None and not force and cached.is_file() and not cached.is_symlink():
+                folder.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(cached, target)
+            if force or not target.is_file() or target.is_symlink():
+                missing[level] = (target, level_flags(self.namespace, level))
+        if missing:
+            compile_levels(self.csrc, self.sources(), missing, self.label, echo=echo)
+        else:
+            echo(f"{self.label}: native kernels already built at {', '.join(wanted)}: {folder}")
+        level = self.level() if into is None else None
+        return folder / self.file_name(level if level in wanted else wanted[0])
 
+    # -- loading ---------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def prefer_native(self, enabled: bool) -> Iterator[None]:
+    def prefer_native(self, enabled: Union[bool, str]) -> Iterator[None]:
+        """Within the block: the chosen level (True), the pure-torch paths (False), or one level (a name)."""
+        if isinstance(enabled, str) and enabled not in self.levels:
+            raise ValueError(f"{self.label}: no compiled level {enabled!r}; it has: {', '.join(self.levels)}")
         saved, self.preference = self.preference, enabled
         try:
             yield
@@ -197,51 +258,62 @@ class Library:
             self.preference = saved
 
     def ops(self) -> Optional[object]:
-        """``torch.ops.<namespace>`` when the kernels are wanted and load, else None."""
+        """``torch.ops.<namespace>_<level>`` when the kernels are wanted and load, else None."""
         if self.preference is False or (self.preference is None and os.environ.get(self.disable_env, "1") == "0"):
             return None
-        if self.loaded is not None or self.load_failed:
-            return self.loaded
-        with self.lock:
-            if self.loaded is None and not self.load_failed:
-                self._load()
-        return self.loaded
+        level = self.preference if isinstance(self.preference, str) else self.level()
+        return None if level is None else self.ops_at(level)
 
-    def _load(self) -> None:
+    def ops_at(self, level: str) -> Optional[object]:
+        """One level's operators (loading its library once); None when it is not built.
+
+        Raises ``RuntimeError`` for a level this CPU cannot execute: it is never loaded.
+        """
+        if level in self.loaded_levels:
+            return self.loaded_levels[level]
+        if level not in isa.host_levels():
+            raise RuntimeError(f"{self.label}: this CPU cannot execute the {level} kernels "
+                               f"(it runs: {', '.join(isa.host_levels()) or 'none'})")
+        with self.lock:
+            if level not in self.loaded_levels:
+                self.loaded_levels[level] = self._load(level)
+        return self.loaded_levels[level]
+
+    def _load(self, level: str) -> Optional[object]:
         import torch
 
-        path = self.library_path() if self.sources() else None
-        if path is not None and path.is_file() and not path.is_symlink():
+        path = self.find(level) if self.sources() else None
+        if path is not None:
             try:
                 torch.ops.load_library(str(path))
-                self.loaded = getattr(torch.ops, self.namespace)
-                return
+                return getattr(torch.ops, f"{self.namespace}_{level}")
             except (OSError, RuntimeError) as exc:
-                self.load_failed = True
                 warnings.warn(f"{self.label}: the native kernels at {path} do not load ({exc}); "
-                              "using the pure-torch paths", RuntimeWarning, stacklevel=4)
-                return
-        self.load_failed = True
-        if not self.warned and path is not None:
+                              "using the pure-torch paths", RuntimeWarning, stacklevel=5)
+                return None
+        if not self.warned and self.sources():
             self.warned = True
             warnings.warn(f"{self.label}: native kernels not built here; using the slower pure-torch paths "
-                          f"(build them with `python -m {self.label}.native`)", RuntimeWarning, stacklevel=4)
+                          f"(build them with `python -m {self.label}.native`)", RuntimeWarning, stacklevel=5)
+        return None
 
     def main(self, argv: Optional[list[str]] = None) -> int:
-        """``python -m <package>.native [--force] [--path]``: build the kernels (or print where)."""
+        """``python -m <package>.native [--force] [--path] [--host-only]``: build the kernels (or print where)."""
         import argparse
 
         parser = argparse.ArgumentParser(prog=f"python -m {self.label}.native",
-                                         description=f"Build {self.label}'s C++ kernels for this machine.")
+                                         description=f"Build {self.label}'s C++ kernels at every ISA level.")
         parser.add_argument("--force", action="store_true", help="rebuild even when a build exists")
-        parser.add_argument("--path", action="store_true", help="print the library path and whether it is built")
+        parser.add_argument("--path", action="store_true", help="print each level's library and whether it is built")
+        parser.add_argument("--host-only", action="store_true", help="only the levels this CPU can execute")
         args = parser.parse_args(argv)
         if args.path:
-            print(f"{self.library_path()} ({'built' if self.available() else 'not built'})")
+            for level in self.levels:
+                print(f"{level}: {self.library_path(level)} ({'built' if self.available(level) else 'not built'})")
             return 0
         try:
-            self.build(force=args.force)
-        except RuntimeError as exc:
+            self.build(force=args.force, levels=self.runnable_levels() if args.host_only else None)
+        except (RuntimeError, ValueError) as exc:
             print(f"{self.label}: warning: {exc}", file=sys.stderr)
             print(f"{self.label}: the pure-torch paths will be used", file=sys.stderr)
             return 1

@@ -14,8 +14,12 @@ from xlaunch.llm import fused, native  # noqa: E402
 pytestmark = pytest.mark.torch
 
 NATIVE = native.available()
-PATHS = [pytest.param(True, id="native", marks=pytest.mark.skipif(not NATIVE, reason="kernels not built")),
-         pytest.param(False, id="torch")]
+RUNNABLE = native.runnable_levels()
+# Each compiled ISA level this CPU executes (the others skipped, with the reason), then the torch path.
+PATHS = [*(pytest.param(level, id=f"native-{level}", marks=[
+    pytest.mark.skipif(level not in RUNNABLE, reason=f"this CPU cannot execute the {level} kernels"),
+    pytest.mark.skipif(not native.available(level), reason=f"the {level} kernels are not built")])
+    for level in native.LEVELS), pytest.param(False, id="torch")]
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
@@ -23,7 +27,7 @@ TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2
 def path(request):
     with native.prefer_native(request.param):
         if request.param:
-            assert native.ops() is not None
+            assert native.ops().compiled_isa() == request.param
         yield request.param
 
 

@@ -1,6 +1,9 @@
-"""PackedLinear: every kind against a float reference on odd shapes, the compiled kernels against
-ATen's paths, and the INT8/INT4 error bound against "dequantize, then multiply in bf16"."""
+"""PackedLinear: every kind against a float reference on odd shapes, the compiled kernels (at every
+ISA level this CPU executes) against ATen's paths, and the INT8/INT4 error bound against
+"dequantize, then multiply in bf16"."""
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
@@ -14,10 +17,36 @@ F = torch.nn.functional
 LAYOUTS = ("native", "aten")
 
 
+def use_level(level: str):
+    """Within the block the kernels of ``level`` run (skipped: this CPU cannot, or not built)."""
+    if level not in native.runnable_levels():
+        pytest.skip(f"this CPU cannot execute the {level} kernels")
+    if native.ops_at(level) is None:
+        pytest.skip(f"the xlaunch.llm {level} kernels are not built (python -m xlaunch.llm.native)")
+    assert native.ops_at(level).compiled_isa() == level
+    return native.prefer_native(level)
+
+
+@pytest.fixture(params=native.LEVELS)
+def level(request):
+    """Each compiled ISA level in turn: its kernels run within the test."""
+    with use_level(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=[*(f"native-{lv}" for lv in native.LEVELS), "aten"])
+def layout(request):
+    """``native`` (each level's kernels in turn, run within the test) or ``aten``."""
+    lv = request.param.partition("-")[2]
+    with use_level(lv) if lv else contextlib.nullcontext():
+        yield "native" if lv else "aten"
+
+
 def build(layout: str, weight, bias, kind: str, **kw) -> PackedLinear:
+    """A layer of ``layout``: native with the level in use (the fixtures above), else ATen's."""
     if layout == "native" and native.ops() is None:
         pytest.skip("the xlaunch.llm kernels are not built (python -m xlaunch.llm.native)")
-    with native.prefer_native(layout == "native"):
+    with native.prefer_native(False) if layout == "aten" else contextlib.nullcontext():
         layer = PackedLinear(weight, bias, kind, **kw)
     assert layer.layout == layout
     return layer
@@ -27,7 +56,6 @@ def max_error(y, ref) -> float:
     return (y.float() - ref).abs().max().item()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind, n, k", [("bf16", 70, 33), ("bf16", 130, 256), ("int8", 70, 33),
                                         ("int8", 130, 96), ("int4", 70, 96), ("int4", 130, 256)])
 def test_each_kind_computes_x_times_its_dense_weight(layout, kind, n, k):
@@ -49,7 +77,7 @@ def test_each_kind_computes_x_times_its_dense_weight(layout, kind, n, k):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
-def test_the_kernels_agree_with_the_aten_paths_on_3d_input(kind):
+def test_the_kernels_agree_with_the_aten_paths_on_3d_input(kind, level):
     torch.manual_seed(1)
     weight, bias = torch.randn(200, 128), torch.randn(200)
     fast, slow = (build(layout, weight, bias, kind, group_size=64) for layout in LAYOUTS)
@@ -63,7 +91,7 @@ def test_the_kernels_agree_with_the_aten_paths_on_3d_input(kind):
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_groups_quantize_each_group_on_its_own(group_size):
+def test_int4_groups_quantize_each_group_on_its_own(group_size, level):
     torch.manual_seed(group_size)
     weight = torch.randn(64, 256)
     weight[:, :group_size] *= 100.0    # one loud group must not flatten the others
@@ -76,7 +104,6 @@ def test_int4_groups_quantize_each_group_on_its_own(group_size):
         assert quiet <= weight[:, group_size:].abs().max() / 7
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_error_stays_within_1_5x_of_dequantize_then_bf16(layout, kind):
     """Error against the fp32 layer of the original weights, over a layer with outlier activations."""

@@ -122,3 +122,22 @@ def test_isa_report_with_torch():
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert info["onednn_version"] and info["onednn_version"][0].isdigit()
     assert "cpu capability" in format_isa(report)
+
+
+@pytest.mark.parametrize("cap, level, nn, llm", [("", "amx", "avx512", "avx512_bf16"),
+                                                  ("avx2", "avx2", "avx2", "avx2"),
+                                                  ("baseline", "baseline", "baseline", "baseline")])
+def test_check_isa_says_which_level_the_kernels_run_at(monkeypatch, cap, level, nn, llm):
+    monkeypatch.setenv("XLAUNCH_CPU_ISA", cap)
+    report = isa_report(load("xeon-2s-amx"))
+    assert report["kernels"] == {"level": level, "cap": cap or None, "error": None,
+                                 "libraries": {"xlaunch.nn": nn, "xlaunch.llm": llm}}
+    assert f"xlaunch kernels: {level} level (xlaunch.nn {nn}, xlaunch.llm {llm}; " in format_isa(report)
+
+
+def test_check_isa_names_a_cap_above_the_cpu_in_one_line(monkeypatch):
+    m = load("xeon-2s-amx")
+    no_avx512 = replace(m, isa=replace(m.isa, flags=frozenset(f for f in m.isa.flags if not f.startswith("avx512"))))
+    monkeypatch.setenv("XLAUNCH_CPU_ISA", "avx512")
+    assert ("xlaunch kernels: XLAUNCH_CPU_ISA=avx512: this CPU cannot execute it; it runs: baseline, avx2"
+            in format_isa(isa_report(no_avx512)).splitlines())

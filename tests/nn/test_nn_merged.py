@@ -3,7 +3,7 @@ on the compiled kernels and on the pure-torch paths (the ``kernels`` fixture run
 from __future__ import annotations
 
 import pytest
-from nn_helpers import kernels  # noqa: F401 - the fixture
+from nn_helpers import dispatch, kernels  # noqa: F401 - the fixtures
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -339,7 +339,7 @@ def test_fused_classes_train_max_pooled_tables(kernels, fused, optimizer):
         torch.testing.assert_close(merged.weights[number][rows], ref[number].weight.detach()[rows])
 
 
-def test_jit_trace_and_compile_fullgraph_record_the_ops(kernels):
+def test_jit_trace_and_compile_fullgraph_record_the_ops(dispatch):
     tables = make_tables(modes=("mean", "sum", "sum"))
     indices, offsets = make_inputs(tables)
     merged = MergedEmbeddingBag.from_embeddingbag_list(tables)

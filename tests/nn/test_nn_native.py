@@ -13,6 +13,7 @@ from conftest import require
 
 torch = pytest.importorskip("torch")
 
+from xlaunch import _isa_levels as isa  # noqa: E402
 from xlaunch.nn import native  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -34,6 +35,59 @@ def test_the_library_is_keyed_by_its_sources_under_the_cache_dir(monkeypatch, tm
     same = native.build_key()
     (changed / native.SOURCES[0]).write_bytes((changed / native.SOURCES[0]).read_bytes() + b"\n// changed\n")
     assert native.build_key() != same
+    assert len({native.build_key(level) for level in native.LEVELS}) == len(native.LEVELS)
+
+
+def test_the_key_holds_no_cpu_flags(monkeypatch):
+    before = {level: native.build_key(level) for level in native.LEVELS}
+    monkeypatch.setattr(isa, "_host", {"levels": isa.host_levels({"sse2"})})
+    assert native.runnable_levels() == ("baseline",)
+    assert {level: native.build_key(level) for level in native.LEVELS} == before
+
+
+ZEN3 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2 abm movbe".split()
+SKX = [*ZEN3, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"]
+SPR = [*SKX, "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"]
+
+
+@pytest.mark.parametrize("flags, levels", [
+    (["sse2"], ("baseline",)), (ZEN3, ("baseline", "avx2")), (["avx512f", "avx512bw", "avx512vl", "avx512dq",
+                                                             "avx512cd"], ("baseline",)),
+    (SKX, ("baseline", "avx2", "avx512")), (SPR, isa.LEVELS), ([*SKX, "avx512_bf16"], ("baseline", "avx2", "avx512")),
+])
+def test_the_levels_a_cpu_runs_need_every_level_below(flags, levels):
+    assert isa.host_levels(flags) == levels
+
+
+def test_the_cap_picks_a_level_and_says_what_is_wrong_in_one_line():
+    assert isa.chosen_level(SPR, "") == "amx" and isa.chosen_level(ZEN3, "") == "avx2"
+    assert isa.chosen_level(SPR, "AVX2") == "avx2"
+    assert isa.library_level("amx", native.LEVELS) == "avx512"
+    assert isa.library_level("avx512_bf16", ("baseline", "avx2", "avx512", "avx512_bf16")) == "avx512_bf16"
+    with pytest.raises(ValueError, match=r"^XLAUNCH_CPU_ISA=avx512: this CPU cannot execute it; it runs: baseline, "
+                                         r"avx2$"):
+        isa.chosen_level(ZEN3, "avx512")
+    with pytest.raises(ValueError, match=r"^XLAUNCH_CPU_ISA=sse9: unknown ISA level; valid: baseline, avx2, avx512, "
+                                         r"avx512_bf16, amx$"):
+        isa.chosen_level(ZEN3, "sse9")
+
+
+def test_the_cap_chooses_the_kernels_a_process_runs(monkeypatch):
+    runnable = native.runnable_levels()
+    for level in runnable:
+        require(f"xlaunch.nn's compiled {level} kernels", str(native.library_path(level)) if native.available(level)
+                else None)
+    monkeypatch.delenv(native.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(isa.CAP_ENV, raising=False)
+    best = isa.chosen_level()
+    assert native.level() == isa.library_level(best, native.LEVELS)
+    assert native.ops().compiled_isa() == native.level()
+    for level in runnable:
+        monkeypatch.setenv(isa.CAP_ENV, level)
+        assert native.level() == level and native.ops().compiled_isa() == level
+    for level in set(native.LEVELS) - set(runnable):                  # never loaded here
+        with pytest.raises(RuntimeError, match=f"cannot execute the {level} kernels"):
+            native.ops_at(level)
 
 
 def test_build_keeps_an_existing_build_and_refuses_a_symlinked_dir(monkeypatch, tmp_path):
@@ -46,16 +100,16 @@ def test_build_keeps_an_existing_build_and_refuses_a_symlinked_dir(monkeypatch, 
     with pytest.raises(RuntimeError, match="symlink"):
         native.build(echo=lambda line: None)
     monkeypatch.setenv(native.BUILD_DIR_ENV, str(real))
-    native.library_path().write_bytes(b"stands for a finished build")
+    for level in native.LEVELS:
+        native.library_path(level).write_bytes(b"stands for a finished build")
     said = []
     assert native.build(echo=said.append) == native.library_path()          # nothing compiled
-    assert said == [f"xlaunch.nn: native kernels already built: {native.library_path()}"]
+    assert said == [f"xlaunch.nn: native kernels already built at {', '.join(native.LEVELS)}: {real}"]
 
 
 def test_missing_or_disabled_kernels_mean_the_torch_paths(monkeypatch, tmp_path):
     monkeypatch.delenv(native.DISABLE_ENV, raising=False)                # the suite may run with it set
-    monkeypatch.setattr(native.LIBRARY, "loaded", None)
-    monkeypatch.setattr(native.LIBRARY, "load_failed", False)
+    monkeypatch.setattr(native.LIBRARY, "loaded_levels", {})
     monkeypatch.setattr(native.LIBRARY, "warned", False)
     monkeypatch.setenv(native.BUILD_DIR_ENV, str(tmp_path))              # nothing built there
     with pytest.warns(RuntimeWarning, match="native kernels not built here"):
@@ -63,7 +117,7 @@ def test_missing_or_disabled_kernels_mean_the_torch_paths(monkeypatch, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                     # said once per process
         assert native.ops() is None
-    monkeypatch.setattr(native.LIBRARY, "load_failed", False)
+    monkeypatch.setattr(native.LIBRARY, "loaded_levels", {})
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.ops() is None
     with native.prefer_native(False):

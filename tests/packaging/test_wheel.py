@@ -2,7 +2,9 @@
 
 The launcher and the recorder work there; every torch-needing entry point raises one ImportError
 that names ``pip install "xlaunch[torch]"``. Needs the package registry for click, psutil and
-py-cpuinfo: skipped only when pip cannot reach it.
+py-cpuinfo: skipped only when pip cannot reach it. The wheel carries the C++ kernels prebuilt at
+every ISA level (copied from the cache ``make setup`` filled); installed beside this torch, with
+no compiler on PATH, they load and run.
 """
 from __future__ import annotations
 
@@ -30,23 +32,35 @@ def run(argv: list, *, cwd: Path, env: dict | None = None, timeout: int = 180) -
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
-    """(wheel, venv, env without PYTHONPATH) with xlaunch installed from a freshly built wheel."""
+def built(tmp_path_factory) -> Path:
+    """A wheel freshly built from a copy of this tree (its kernels copied from the build cache)."""
     work = tmp_path_factory.mktemp("wheel")
     source = work / "src"                        # a copy: building leaves build/ and egg-info behind
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy(REPO / name, source / name)
     shutil.copytree(REPO / "xlaunch", source / "xlaunch", ignore=shutil.ignore_patterns("__pycache__"))
     built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                 "-w", work / "dist", source], cwd=work)
+                 "-w", work / "dist", source], cwd=work, timeout=1200)
     assert built.returncode == 0, built.stderr
     (wheel,) = (work / "dist").glob("xlaunch-*.whl")
+    return wheel
+
+
+def clean_env(work: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLAUNCH_FSROOT", "VIRTUAL_ENV")}
+    env["XDG_CACHE_HOME"] = str(work / "cache")
+    return env
+
+
+@pytest.fixture(scope="module")
+def installed(built, tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(wheel, venv, env without PYTHONPATH) with xlaunch installed from the wheel, without torch."""
+    wheel, work = built, tmp_path_factory.mktemp("venv")
     venv = work / "venv"
     made = run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=work)
     assert made.returncode == 0, made.stderr
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLAUNCH_FSROOT", "VIRTUAL_ENV")}
-    env["XDG_CACHE_HOME"] = str(work / "cache")
+    env = clean_env(work)
     install = run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q", wheel],
                   cwd=work, env=env)
     if install.returncode != 0 and any(word in install.stderr for word in OFFLINE):
@@ -117,3 +131,53 @@ def test_without_torch_pools_work_and_pinning_says_what_is_missing(installed, tm
     result = run([venv / "bin" / "python", "-c", code], cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("OpenMPNotFoundError") and HINT in result.stdout, result.stdout
+
+
+def test_the_wheel_carries_the_kernels_of_every_level_for_this_torch(built):
+    pytest.importorskip("torch")
+    from xlaunch.llm import native as llm_native
+    from xlaunch.nn import native as nn_native
+
+    wheel = built
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    for native in (nn_native, llm_native):
+        for level in native.LEVELS:      # every level, also those this CPU cannot execute: they compile here
+            path = f"{native.__package__.replace('.', '/')}/prebuilt/{native.LIBRARY.file_name(level)}"
+            assert path in names, path
+
+
+KERNELS = r"""
+import shutil, torch
+from xlaunch.nn import native as nn_native
+from xlaunch.llm import native as llm_native, fused
+assert shutil.which("g++") is None and shutil.which("c++") is None
+for native in (nn_native, llm_native):
+    assert "/prebuilt/" in str(native.LIBRARY.find(native.level())), native.LIBRARY.find(native.level())
+    assert native.ops().compiled_isa() == native.level(), native.level()
+x, w = torch.randn(3, 64), torch.rand(64) + 0.5
+expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+with llm_native.prefer_native(True):
+    assert torch.allclose(fused.rms_norm(x, w, 1e-6), expected, rtol=1e-5, atol=1e-5)
+print(nn_native.level(), llm_native.level())
+"""
+
+
+def test_the_installed_wheel_runs_its_prebuilt_kernels_without_a_compiler(built, tmp_path):
+    """Installed beside this torch (a .pth; click, psutil and py-cpuinfo come with it), no g++ on PATH."""
+    torch = pytest.importorskip("torch")
+    from xlaunch.llm import native as llm_native
+
+    wheel, env = built, clean_env(tmp_path)
+    venv = tmp_path / "venv"
+    assert run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path).returncode == 0
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "torch_beside.pth").write_text(str(Path(torch.__file__).resolve().parents[1]) + "\n")
+    install = run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q", "--no-deps",
+                   wheel], cwd=tmp_path, env=env)
+    assert install.returncode == 0, install.stderr
+    no_compiler = {k: v for k, v in env.items() if not k.endswith(("_BUILD_DIR", "_NATIVE"))}
+    no_compiler.update(PATH=str(venv / "bin"), CXX="")
+    done = run([venv / "bin" / "python", "-c", KERNELS], cwd=tmp_path, env=no_compiler)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[1] == llm_native.level()

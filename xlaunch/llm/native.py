@@ -1,9 +1,11 @@
-"""The compiled kernels of :mod:`xlaunch.llm`: built once per machine, loaded when present.
+"""The compiled kernels of :mod:`xlaunch.llm`: built once per ISA level, the best this CPU runs loaded.
 
 ``make setup`` (or ``python -m xlaunch.llm.native``) compiles every ``xlaunch/llm/csrc/*.cpp``
-against the installed torch (with ``-march=native``) into one library registering the
-``torch.ops.xlaunch_llm`` operators, kept under ``$XLAUNCH_LLM_BUILD_DIR`` (else
-``~/.cache/xlaunch/llm``) by a key of the sources, torch, compiler and CPU flags.
+against the installed torch once per ISA level (``baseline``, ``avx2``, ``avx512``,
+``avx512_bf16``), each into a library registering ``torch.ops.xlaunch_llm_<level>``, kept under
+``$XLAUNCH_LLM_BUILD_DIR`` (else ``~/.cache/xlaunch/llm``; a wheel's in ``xlaunch/llm/prebuilt``)
+by a key of the sources, torch and flags. A process loads the best level its CPU executes, capped
+by ``XLAUNCH_CPU_ISA``.
 
 Every operator has a pure-torch path with the same semantics, used when the library is not built
 (one warning per process), when ``XLAUNCH_LLM_NATIVE=0``, and inside ``prefer_native(False)``.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from xlaunch._isa_levels import LIBRARY_LEVELS
 from xlaunch._native_build import Library
 from xlaunch._torch import needs_torch
 
@@ -34,13 +37,16 @@ def headers() -> tuple[str, ...]:
     return tuple(sorted(path.name for path in CSRC.glob("*.h")))
 
 
+# No kernel uses AMX yet: an AMX CPU runs the avx512_bf16 library.
+LEVELS = LIBRARY_LEVELS["xlaunch.llm"]
 LIBRARY = Library("xlaunch.llm", LIBRARY_STEM, CSRC, "xlaunch_llm", DISABLE_ENV, BUILD_DIR_ENV, "llm",
-                  sources=sources, headers=headers)
+                  sources=sources, headers=headers, levels=LEVELS)
 
 
 # The module's surface is the library's: where it is built, building it, using it or not.
 cache_dir, library_path, build = LIBRARY.cache_dir, LIBRARY.library_path, LIBRARY.build
 prefer_native, ops, available, main = LIBRARY.prefer_native, LIBRARY.ops, LIBRARY.available, LIBRARY.main
+ops_at, level, runnable_levels = LIBRARY.ops_at, LIBRARY.level, LIBRARY.runnable_levels
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 if TYPE_CHECKING:
     from typing import Any, Optional
 
+from xlaunch._isa_levels import kernel_levels
 from xlaunch.cpulist import format_cpulist
 from xlaunch.machine.host import host_checks, host_json
 from xlaunch.machine.isa import ISA_FLAGS
@@ -139,6 +140,7 @@ def isa_report(machine: Machine, with_torch: bool = False) -> dict[str, Any]:
         "model_name": isa.model_name,
         "amx_permitted": isa.amx_permitted,
         "advice": dtype_advice(machine),
+        "kernels": kernel_levels(isa.flags),
     }
     if with_torch:
         report["torch"] = torch_report()
@@ -228,6 +230,16 @@ def format_isa(report: dict[str, Any]) -> str:
     amx = report.get("amx_permitted")
     out.append("")
     out.append("AMX granted to this process: " + {True: "yes", False: "no", None: "not checked"}[amx])
+    kernels = report.get("kernels")
+    if kernels is not None:
+        cap = f"XLAUNCH_CPU_ISA={kernels['cap']}" if kernels["cap"] else "XLAUNCH_CPU_ISA unset"
+        if kernels["error"]:
+            out.append(f"xlaunch kernels: {kernels['error']}")
+        elif kernels["level"] is None:
+            out.append("xlaunch kernels: none for this architecture (pure-torch paths)")
+        else:
+            each = ", ".join(f"{name} {level}" for name, level in kernels["libraries"].items())
+            out.append(f"xlaunch kernels: {kernels['level']} level ({each}; {cap})")
     out.append("")
     out.append("dtype  fast  why")
     for dtype, verdict in report["advice"].items():

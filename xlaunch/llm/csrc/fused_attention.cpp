@@ -266,13 +266,13 @@ at::Tensor cache_attention_meta(const at::Tensor& q, const at::Tensor& k_cache, 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(xlaunch_llm, m) {
+TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
   m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, int start, Tensor? key_padding, float scale) "
         "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(xlaunch_llm, CPU, m) { m.impl("cache_attention", &cache_attention); }
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CPU, m) { m.impl("cache_attention", &cache_attention); }
 
-TORCH_LIBRARY_IMPL(xlaunch_llm, Meta, m) { m.impl("cache_attention", &cache_attention_meta); }
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, Meta, m) { m.impl("cache_attention", &cache_attention_meta); }
 
 }  // namespace xlaunch_llm

@@ -277,7 +277,7 @@ void write_cache_meta(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(xlaunch_llm, m) {
+TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -287,7 +287,7 @@ TORCH_LIBRARY_FRAGMENT(xlaunch_llm, m) {
   m.def("write_cache_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, int start) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(xlaunch_llm, CPU, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
@@ -296,7 +296,7 @@ TORCH_LIBRARY_IMPL(xlaunch_llm, CPU, m) {
   m.impl("write_cache_", &write_cache_);
 }
 
-TORCH_LIBRARY_IMPL(xlaunch_llm, Meta, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, Meta, m) {
   m.impl("rms_norm", &rms_norm_meta);
   m.impl("add_rms_norm", &add_rms_norm_meta);
   m.impl("silu_mul", &silu_mul_meta);

@@ -220,19 +220,19 @@ at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 }  // namespace
 }  // namespace xlaunch_llm
 
-TORCH_LIBRARY_FRAGMENT(xlaunch_llm, m) {
+TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features, int group_size) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(xlaunch_llm, CPU, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CPU, m) {
   m.impl("bf16_linear", &xlaunch_llm::bf16_linear);
   m.impl("int8_linear", &xlaunch_llm::int8_linear);
   m.impl("int4_linear", &xlaunch_llm::int4_linear);
 }
 
-TORCH_LIBRARY_IMPL(xlaunch_llm, Meta, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, Meta, m) {
   m.impl("bf16_linear", &xlaunch_llm::bf16_linear_meta);
   m.impl("int8_linear", &xlaunch_llm::int8_linear_meta);
   m.impl("int4_linear", &xlaunch_llm::int4_linear_meta);

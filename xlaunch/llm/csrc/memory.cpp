@@ -47,10 +47,10 @@ at::Tensor huge_page_copy(const at::Tensor& src) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(xlaunch_llm, m) {
+TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
   m.def("huge_page_copy(Tensor src) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(xlaunch_llm, CPU, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CPU, m) {
   m.impl("huge_page_copy", &huge_page_copy);
 }

@@ -285,13 +285,13 @@ void bag_backward(at::TensorList grads, at::TensorList indices, at::TensorList o
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(xlaunch_nn, m) {
+TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
   m.def("bag_backward(Tensor[] grads, Tensor[] indices, Tensor[] offsets, Tensor?[] per_sample_weights, "
         "Tensor meta, int batch, int kind, Tensor(a!) weight, Tensor(b!) trail, Tensor(c!) state, "
         "float lr, float weight_decay, float eps) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(xlaunch_nn, CompositeExplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CompositeExplicitAutograd, m) {
   m.impl("bag_backward", &bag_backward);
 }
 

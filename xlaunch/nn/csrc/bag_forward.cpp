@@ -102,12 +102,12 @@ void bag_forward(const at::Tensor& weight, at::TensorList indices, at::TensorLis
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(xlaunch_nn, m) {
+TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
   m.def("bag_forward(Tensor weight, Tensor[] indices, Tensor[] offsets, Tensor?[] per_sample_weights, "
         "Tensor meta, int batch, Tensor(a!)[] outs) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(xlaunch_nn, CompositeExplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CompositeExplicitAutograd, m) {
   m.impl("bag_forward", &bag_forward);
 }
 

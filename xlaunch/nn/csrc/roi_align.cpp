@@ -258,14 +258,14 @@ void roi_align_backward(const at::Tensor& grad, const at::Tensor& rois, double s
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(xlaunch_nn, m) {
+TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
   m.def("roi_align_forward(Tensor input, Tensor rois, float spatial_scale, int pooled_height, int pooled_width, "
         "int sampling_ratio, bool aligned, Tensor(a!) out) -> ()");
   m.def("roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, int pooled_height, int pooled_width, "
         "int sampling_ratio, bool aligned, Tensor(a!) grad_input) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(xlaunch_nn, CompositeExplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CompositeExplicitAutograd, m) {
   m.impl("roi_align_forward", &roi_align_forward);
   m.impl("roi_align_backward", &roi_align_backward);
 }
