@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent
 class BuildPyWithKernels(build_py):
     def run(self) -> None:
         super().run()
-        if os.environ.get("XLAUNCH_WHEEL_KERNELS", "1") == "0":
+        # An editable install (make setup) runs from the tree: its kernels are built into the cache.
+        if os.environ.get("XLAUNCH_WHEEL_KERNELS", "1") == "0" or getattr(self, "editable_mode", False):
             return
         sys.path.insert(0, str(ROOT))
         try:
