@@ -65,8 +65,8 @@ ROUTES = {route.name: route for route in (
     Route("hf-bf16-compiled", "torch", "bf16", "HF bf16, static cache + torch.compile", quick=False),
     Route("torchao-int8", "torch", "q8_0", "HF bf16 + torchao int8 weight-only, static cache + torch.compile"),
     Route("xlaunch-bf16", "torch", "bf16", "xlaunch.llm.optimize(model, dtype=bfloat16)"),
-    Route("xlaunch-int8", "torch", "q8_0", 'xlaunch.llm.optimize(model, dtype=bfloat16, weights="int8")'),
-    Route("xlaunch-int4", "torch", "q4_0", 'xlaunch.llm.optimize(model, dtype=bfloat16, weights="int4")'),
+    Route("xlaunch-int8", "torch", "q8_0", 'xlaunch.llm.optimize(model, weights="int8"): the CPU\'s default dtype'),
+    Route("xlaunch-int4", "torch", "q4_0", 'xlaunch.llm.optimize(model, weights="int4"): the CPU\'s default dtype'),
     *(Route(f"llamacpp-{kind}", "llamacpp", kind, f"llama.cpp llama-bench, GGUF {kind.upper()}")
       for kind in _llamacpp.GGUF_TYPES),
 )}
@@ -234,7 +234,8 @@ def prepare(route: str, folder: Path) -> Any:
         weights = {"xlaunch-bf16": None, "xlaunch-int8": "int8", "xlaunch-int4": "int4"}[route]
         optimize = xlaunch_optimize()
         try:
-            model = optimize(model, dtype=torch.bfloat16, weights=weights)
+            # bf16 weights need bf16 activations; INT8/INT4 take the CPU's default (bf16 with native bf16, else fp32)
+            model = optimize(model, dtype=torch.bfloat16) if weights is None else optimize(model, weights=weights)
         except Exception as error:
             raise LookupError(f"optimize raised {type(error).__name__}: {error}") from None
     return model

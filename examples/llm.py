@@ -1,6 +1,6 @@
 """Decode with a small random Llama built from a config (no download), optimized by xlaunch.llm.
 
-    python examples/llm.py                          # the 168M-parameter model, bf16, batch 1
+    python examples/llm.py                          # the 168M-parameter model, batch 1, the CPU's dtype
     python examples/llm.py --weights int8 --batch 4
     python examples/llm.py --tiny --no-optimize     # a 2-layer model in seconds; plain Hugging Face
     xlaunch --ninstances 2 examples/llm.py          # each instance its own copy on its own cores
@@ -26,7 +26,8 @@ TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_l
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 128-wide model (for tests)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="activations; auto: bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--weights", choices=("none", "int8", "int4"), default="none")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=32)
@@ -52,15 +53,23 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(args.seed)
     config = LlamaConfig(**(TINY if args.tiny else MODEL), tie_word_embeddings=False)
     model = LlamaForCausalLM(config).eval()
-    dtype = getattr(torch, args.dtype)
     if args.no_optimize:
+        if args.dtype == "auto":
+            import xlaunch.llm
+
+            dtype = xlaunch.llm.default_dtype()
+        else:
+            dtype = getattr(torch, args.dtype)
         model = model.to(dtype)
+        print(f"not optimized ({str(dtype).removeprefix('torch.')})")
     else:
         import xlaunch.llm
 
         started = time.perf_counter()
-        xlaunch.llm.optimize(model, dtype=dtype, weights=None if args.weights == "none" else args.weights)
-        print(f"optimized ({args.dtype}, weights {args.weights}) in {time.perf_counter() - started:.2f} s")
+        xlaunch.llm.optimize(model, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+                             weights=None if args.weights == "none" else args.weights)
+        ran = str(model.config.dtype).removeprefix("torch.")
+        print(f"optimized ({ran}, weights {args.weights}) in {time.perf_counter() - started:.2f} s")
     ids = torch.randint(1, config.vocab_size, (args.batch, args.prompt_tokens))
     fixed = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
 

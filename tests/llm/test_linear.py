@@ -10,7 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from xlaunch.llm import native  # noqa: E402
-from xlaunch.llm.linear import PackedLinear, dequantize, quantize_int4, quantize_int8  # noqa: E402
+from xlaunch.llm.linear import (PackedLinear, activation_block, dequantize, quantize_int4,  # noqa: E402
+                                quantize_int8, round_activations)
 
 pytestmark = pytest.mark.torch
 F = torch.nn.functional
@@ -56,6 +57,15 @@ def max_error(y, ref) -> float:
     return (y.float() - ref).abs().max().item()
 
 
+def rounds_activations(layer: PackedLinear, x) -> bool:
+    """Whether this layer's kernel takes x rounded per block of 32 (integer dot products, the AVX2 build);
+    INT8 prefill from bf16 (8 rows or more) stays exact."""
+    if layer.layout != "native" or layer.kind not in ("int8", "int4") or not activation_block():
+        return False
+    rows = x.numel() // x.shape[-1]
+    return not (layer.kind == "int8" and x.dtype == torch.bfloat16 and rows >= 8)
+
+
 @pytest.mark.parametrize("kind, n, k", [("bf16", 70, 33), ("bf16", 130, 256), ("int8", 70, 33),
                                         ("int8", 130, 96), ("int4", 70, 96), ("int4", 130, 256)])
 def test_each_kind_computes_x_times_its_dense_weight(layout, kind, n, k):
@@ -70,8 +80,9 @@ def test_each_kind_computes_x_times_its_dense_weight(layout, kind, n, k):
             x = torch.randn(m, k).to(dtype)
             y = layer(x)
             assert y.shape == (m, n) and y.dtype == dtype
-            ref = F.linear(x.float(), dense, layer.bias.float())
-            exact = dtype == torch.float32 and (kind == "int8" or (kind == "int4" and layout == "aten"))
+            rounded = rounds_activations(layer, x)   # then exact for the rounded activations
+            ref = F.linear(round_activations(x) if rounded else x.float(), dense, layer.bias.float())
+            exact = dtype == torch.float32 and (rounded or kind == "int8" or (kind == "int4" and layout == "aten"))
             rounding = 1e-5 if exact else 2 ** -7   # bf16 outputs, or activations rounded to bf16
             assert max_error(y, ref) <= rounding * ref.abs().max() + 1e-4, (m, dtype)
 
@@ -116,7 +127,39 @@ def test_quantized_error_stays_within_1_5x_of_dequantize_then_bf16(layout, kind)
     q, scale = quantize_int8(weight) if kind == "int8" else quantize_int4(weight, 32)
     reference = F.linear(x, dequantize(q, scale).to(torch.bfloat16)).float()
     layer = build(layout, weight, None, kind, group_size=32)
+    if rounds_activations(layer, x):   # the outlier's block of 32 is rounded on its scale: compare like with like
+        reference = F.linear(round_activations(x), dequantize(q, scale).to(torch.bfloat16).float())
     assert max_error(layer(x), exact) <= 1.5 * max_error(reference, exact)
+
+
+@pytest.mark.parametrize("kind, k", [("int8", 1000), ("int8", 37), ("int4", 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_integer_kernels_stay_within_the_activation_rounding_bound_of_float64(kind, k, dtype, level):
+    """Against float64 with the layer's own (dequantized) weights: the kernels that round activations
+    (AVX2) stay within sum_k |w[n, k]| * d(k) / 2 (d: the scale of k's block of 32), plus fp32
+    accumulation and bf16 output rounding; the others within fp32 accumulation (INT8) or bf16 rounding."""
+    torch.manual_seed(k)
+    weight = torch.randn(130, k) * 0.05
+    x = torch.randn(3, k)
+    x[:, 5] *= 30.0
+    x = x.to(dtype)
+    layer = build("native", weight, None, kind, group_size=32)
+    dense = layer.dense_weight().double()
+    exact = x.double() @ dense.T
+    slack = 1e-5 * exact.abs().max().item() + 1e-5
+    y = layer(x).double()
+    if rounds_activations(layer, x):
+        blocks = x.float().abs().reshape(3, -1).new_zeros(3, -(-k // 32) * 32)
+        blocks[:, :k] = x.float().abs()
+        d = blocks.reshape(3, -1, 32).amax(-1) / 127.0
+        half_step = d.repeat_interleave(32, dim=1)[:, :k].double() / 2
+        output = exact.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0.0   # y rounded to bf16
+        bound = half_step @ dense.abs().T + output + slack
+        assert ((y - exact).abs() <= bound).all()
+        assert (y - exact).abs().max() > 1e-3 * bound.max()    # the activations really were rounded
+    else:
+        fp32_exact = dtype == torch.float32 and kind == "int8"   # INT4 rounds fp32 activations to bf16
+        assert (y - exact).abs().max() <= (slack if fp32_exact else 2 ** -7 * exact.abs().max().item())
 
 
 def test_bad_group_sizes_and_kinds_are_refused_clearly():

@@ -77,9 +77,9 @@ def test_generate_matches_hugging_face_in_fp32(architecture, batch, length):
     assert torch.equal(got, expected)
 
 
-def test_bf16_generate_returns_the_same_model_and_fills_a_preallocated_cache(llama):
+def test_generate_returns_the_same_model_and_fills_a_preallocated_cache(llama):
     model = clone(llama)
-    assert llm.optimize(model) is model
+    assert llm.optimize(model) is model   # in the CPU's default dtype
     ids, mask = prompts(4, 9)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
                          pad_token_id=0, return_dict_in_generate=True)
@@ -87,7 +87,7 @@ def test_bf16_generate_returns_the_same_model_and_fills_a_preallocated_cache(lla
     assert isinstance(cache, KVCache)
     assert out.sequences.shape == (4, 15)
     assert cache.capacity == cache.length == 14      # generate's maximum: the last token is never fed back
-    assert cache.keys[0].dtype == torch.bfloat16 and cache.keys[0].shape == (4, 2, 14, 32)
+    assert cache.keys[0].dtype == llm.default_dtype() and cache.keys[0].shape == (4, 2, 14, 32)
 
 
 def test_decoding_never_reallocates_the_cache(llama):
@@ -126,6 +126,50 @@ def test_an_unknown_architecture_warns_and_comes_back_unchanged():
         "xlaunch.llm.optimize: GPT2LMHeadModel is not a supported architecture "
         "(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM); the model is returned unchanged"]
     assert model.forward == forward and isinstance(model.transformer.h[0].attn.c_attn, torch.nn.Module)
+
+
+def _runtime_dtype(model):
+    return model._xlaunch_llm.dtype
+
+
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-cpu", "avx2-cpu"])
+def test_the_default_dtype_follows_the_cpu(llama, monkeypatch, native_bf16):
+    """A faked ISA: bf16 activations by default only where the CPU has native bf16; no warning either way."""
+    from xlaunch.llm import api
+
+    monkeypatch.setattr(api, "native_bf16", lambda: native_bf16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = llm.optimize(clone(llama), weights="int8")
+    assert caught == []
+    expected = torch.bfloat16 if native_bf16 else torch.float32
+    assert llm.default_dtype() == expected and _runtime_dtype(model) == expected
+    assert model.model.embed_tokens.weight.dtype == expected and model.lm_head.dtype == expected
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_once_and_runs_bf16(llama, monkeypatch):
+    from xlaunch.llm import api
+
+    monkeypatch.setattr(api, "native_bf16", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = llm.optimize(clone(llama), dtype=torch.bfloat16)
+    assert [w.category for w in caught] == [UserWarning]
+    assert "neither AVX512_BF16 nor AMX_BF16" in str(caught[0].message) and "torch.float32" in str(caught[0].message)
+    assert _runtime_dtype(model) == torch.bfloat16
+    monkeypatch.setattr(api, "native_bf16", lambda: True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm.optimize(clone(llama), dtype=torch.bfloat16)
+    assert caught == []
+
+
+def test_native_bf16_reads_this_cpus_flags():
+    from xlaunch.llm import api
+    from xlaunch.machine import current_machine
+
+    flags = current_machine().isa.flags
+    assert api.native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
 def test_bad_arguments_name_the_option(llama):

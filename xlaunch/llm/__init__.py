@@ -1,6 +1,7 @@
 """LLM decoding on CPUs: :func:`optimize` for Hugging Face decoder models (Llama, Mistral, Qwen2).
 
-``xlaunch.llm.optimize(model, dtype=torch.bfloat16, weights=None | "int8" | "int4")`` returns the
+``xlaunch.llm.optimize(model, dtype=None, weights=None | "int8" | "int4")`` (dtype: bf16 where the CPU
+has native bf16, else fp32; :func:`default_dtype`) returns the
 same model object with its linear layers packed for the chosen precision (bf16, weight-only INT8
 per output channel, weight-only INT4 group-wise), fused RMSNorm and RoPE, a preallocated KV cache
 and a forward that runs prefill and decode with few, fused calls per layer. ``model.generate``
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["optimize", "is_optimized", "SUPPORTED_ARCHITECTURES", "PackedLinear"]
+__all__ = ["optimize", "is_optimized", "default_dtype", "SUPPORTED_ARCHITECTURES", "PackedLinear"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("optimize", "is_optimized", "SUPPORTED_ARCHITECTURES"):
+    if name in ("optimize", "is_optimized", "default_dtype", "SUPPORTED_ARCHITECTURES"):
         from xlaunch.llm import api as _api
 
         return getattr(_api, name)

@@ -30,6 +30,23 @@ __all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "is_optimized"]
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 WEIGHTS = (None, "int8", "int4")
 MARK = "_xlaunch_llm"
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")   # the CPU flags of native bf16 dot products
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has native bf16 dot products (AVX512_BF16 or AMX_BF16), from the machine model.
+
+    Without them bf16 activations are the slowest route (every product widened to fp32 first), so
+    :func:`optimize` defaults to fp32 activations there and warns when bf16 is asked for.
+    """
+    from xlaunch.machine import current_machine
+
+    return any(flag in current_machine().isa.flags for flag in BF16_FLAGS)
+
+
+def default_dtype() -> Any:
+    """The activations' dtype :func:`optimize` takes when none is given: bf16 where it is native, else fp32."""
+    return torch.bfloat16 if native_bf16() else torch.float32
 
 
 class _Retired(torch.nn.Module):
@@ -100,13 +117,14 @@ def _install_generate_hook(model: Any, runtime: DecoderRuntime) -> None:
 def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128) -> Any:
     """Optimize a Hugging Face Llama, Mistral or Qwen2 causal LM for CPU decoding, in place; returns it.
 
-    ``dtype``: the activations' and unquantized weights' dtype, ``torch.bfloat16`` (default) or
-    ``torch.float32``. ``weights``: ``None`` keeps weights in ``dtype``; ``"int8"`` quantizes every
+    ``dtype``: the activations' and unquantized weights' dtype, ``torch.bfloat16`` or
+    ``torch.float32``; by default bf16 where the CPU has native bf16 (AVX512_BF16 or AMX), else fp32
+    (a bf16 request there gets one warning). ``weights``: ``None`` keeps weights in ``dtype``; ``"int8"`` quantizes every
     linear (lm_head included) per output channel; ``"int4"`` quantizes the decoder layers' linears
     per group of ``group_size`` inputs (32, 64 or 128) and lm_head to INT8. Inference only.
     An architecture it does not know gets one warning and comes back unchanged.
     """
-    dtype = torch.bfloat16 if dtype is None else dtype
+    dtype = default_dtype() if dtype is None else dtype
     kind = _check(dtype, weights, group_size)
     spec = describe(model)
     if not isinstance(spec, DecoderSpec):
@@ -114,6 +132,10 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
             return model
         warnings.warn(f"xlaunch.llm.optimize: {spec}; the model is returned unchanged", UserWarning, stacklevel=2)
         return model
+    if dtype == torch.bfloat16 and not native_bf16():
+        warnings.warn("xlaunch.llm.optimize: this CPU has neither AVX512_BF16 nor AMX_BF16, so bf16 activations "
+                      "are widened to fp32 for every product and decode slower than dtype=torch.float32 "
+                      "(the default here)", UserWarning, stacklevel=2)
     model.eval()
     inner = model.model
     rotary = copy.deepcopy(inner.rotary_emb).float()

@@ -17,6 +17,11 @@ Layouts (``PackedLinear.layout``), chosen once when the layer is built:
 Both compute the same products (the quantized integers times fp32 scales) up to fp rounding; the native
 INT4 kernel rounds fp32 activations to bf16 (INT8 keeps them fp32). A native
 layer asked to run without the kernels (``prefer_native(False)``) dequantizes and multiplies (slow).
+
+Where the kernels run integer dot products (the AVX2 build, :func:`activation_block` 32), INT8 and INT4
+layers first round each activation row per block of 32 values to ``q * d`` (``d = max|x| / 127``,
+``q = round(x / d)``, as llama.cpp's Q8_0): :func:`round_activations` is that rounding. INT8 prefill
+from bf16 activations (8 rows or more) stays exact.
 """
 from __future__ import annotations
 
@@ -60,6 +65,27 @@ def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
     n, k = q.shape
     groups = scale.reshape(n, -1).shape[1]
     return (q.float().reshape(n, groups, k // groups) * scale.reshape(n, groups, 1)).reshape(n, k)
+
+
+def activation_block() -> int:
+    """32 when the loaded kernels' INT8/INT4 layers quantize activations per row in blocks of 32 values
+    (integer dot products: the AVX2 build), 0 when they take them as they are (or no kernels are loaded)."""
+    ops = native.ops()
+    if ops is None or not hasattr(ops, "linear_activation_block"):
+        return 0
+    return int(ops.linear_activation_block())
+
+
+def round_activations(x: "torch.Tensor", block: int = 32) -> "torch.Tensor":
+    """fp32 ``x`` [..., K] as the integer kernels see it: per block of ``block`` values along K,
+    ``q * d`` with ``d = max|x| / 127`` and ``q = round(x * (127 / max|x|))`` (half to even)."""
+    x = x.float()
+    k = x.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, -k % block)).reshape(*x.shape[:-1], -1, block)
+    amax = padded.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    rounded = torch.round(padded * inverse) * (amax / 127.0)
+    return rounded.reshape(*x.shape[:-1], -1)[..., :k]
 
 
 def _pad_rows(t: "torch.Tensor", multiple: int, value: float = 0) -> "torch.Tensor":

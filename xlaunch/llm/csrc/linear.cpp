@@ -58,6 +58,23 @@ struct Epilogue {
   }
 };
 
+// Activation rows quantized once per call for the integer kernels (linear.h: quantize_activations).
+struct QuantizedRows {
+  int64_t ldq;
+  at::Tensor values, scales, sums;
+
+  QuantizedRows(const float* x, int64_t m, int64_t k)
+      : ldq((k + kQuantBlock - 1) / kQuantBlock * kQuantBlock),
+        values(at::empty({m, ldq}, at::kChar)),
+        scales(at::empty({m, ldq / kQuantBlock}, at::kFloat)),
+        sums(at::empty({m, ldq / kQuantBlock}, at::kInt)) {
+    quantize_activations(x, k, m, k, values.data_ptr<int8_t>(), ldq, scales.data_ptr<float>(), sums.data_ptr<int32_t>());
+  }
+  const int8_t* q(int64_t row) const { return values.data_ptr<int8_t>() + row * ldq; }
+  const float* d(int64_t row) const { return scales.data_ptr<float>() + row * (ldq / kQuantBlock); }
+  const int32_t* qsum(int64_t row) const { return sums.data_ptr<int32_t>() + row * (ldq / kQuantBlock); }
+};
+
 // A thread takes at least kMinWork multiply-adds: a parallel region costs microseconds, and a small layer
 // is quicker on one thread than shared.
 constexpr int64_t kMinWork = int64_t(1) << 17;
@@ -169,6 +186,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor b = float_bias(bias, n);
   const float* xp = rows.data_ptr<float>();
+  if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2)
+    const QuantizedRows qx(xp, m, k);
+    run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
+               [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
+                 int8q_block(qx.q(m0), qx.d(m0), qx.ldq, r, wp + blk * k * kBlock, k, acc);
+               });
+    return out.view(output_sizes(x, n));
+  }
   run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
              [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
                int8_block(xp + m0 * k, k, r, wp + blk * k * kBlock, k, acc);
@@ -188,6 +213,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
               scales.numel() == packed.size(0) * groups * kBlock,
               "xlaunch_llm int4_linear: scales must be float32 [N/64, K/group, 64]");
+  if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2)
+    at::Tensor rows = rows_of(x, at::kFloat, k);
+    const int64_t m = rows.size(0);
+    at::Tensor out = at::empty({m, n}, x.options());
+    at::Tensor b = float_bias(bias, n);
+    const QuantizedRows qx(rows.data_ptr<float>(), m, k);
+    const uint8_t* wp = packed.data_ptr<uint8_t>();
+    const float* sp = scales.data_ptr<float>();
+    run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
+      int4q_block(qx.q(m0), qx.d(m0), qx.qsum(m0), qx.ldq, r, wp + blk * (k / 2) * kBlock, sp + blk * groups * kBlock,
+                  groups, group_size, acc);
+    });
+    return out.view(output_sizes(x, n));
+  }
   at::Tensor rows = rows_of(x, at::kBFloat16, k);
   const int64_t m = rows.size(0);
   at::Tensor sums = rows.to(at::kFloat).view({m, groups, group_size}).sum(-1).contiguous();
@@ -212,6 +251,10 @@ at::Tensor int8_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Te
                             const std::optional<at::Tensor>&, int64_t n) {
   return at::empty(output_sizes(x, n), x.options());
 }
+// 32 when this build's INT8/INT4 kernels quantize the activations (integer dot products, AVX2), 0 when
+// they take them as they are.
+int64_t activation_block() { return quantized_activation_block(); }
+
 at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, int64_t n, int64_t) {
   return at::empty(output_sizes(x, n), x.options());
@@ -224,6 +267,7 @@ TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features, int group_size) -> Tensor");
+  m.def("linear_activation_block() -> int", &xlaunch_llm::activation_block);
 }
 
 TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CPU, m) {

@@ -43,4 +43,20 @@ void int8_block(const float* x, int64_t ldx, int64_t rows, const int8_t* w, int6
 void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, const float* scales,
                 const float* group_sums, int64_t groups, int64_t group_size, float* acc);
 
+// Integer dot products (the AVX2 path, as llama.cpp's Q8_0/Q4_0 on AVX2): the INT8 and INT4 kernels take
+// activations quantized per row in blocks of kQuantBlock values, d = max|x| / 127, q = round(x / d)
+// (half to even), so y is exact for the rounded activations, not for x. kQuantBlock when this build's
+// kernels do that, 0 when they take the activations as they are (exact up to fp32 rounding).
+constexpr int64_t kQuantBlock = 32;
+int64_t quantized_activation_block();
+// Rows [rows][k] of fp32 x -> q [rows][ldq] (zero past k; ldq a multiple of kQuantBlock), d [rows][ldq / 32],
+// qsum [rows][ldq / 32] (the sum of each block's q).
+void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, int8_t* q, int64_t ldq, float* d,
+                          int32_t* qsum);
+// acc[r * kBlock + c] = sum over blocks b of d[r][b] * (sum_k q[r][k] w[k][c]) (int8 block [K][64]).
+void int8q_block(const int8_t* q, const float* d, int64_t ldq, int64_t rows, const int8_t* w, int64_t k, float* acc);
+// acc[r * kBlock + c] = sum over groups g of scale[g][c] * sum_b d[r][b] * sum_k q[r][k] (u[k][c] - 8).
+void int4q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
+                 const float* scales, int64_t groups, int64_t group_size, float* acc);
+
 }  // namespace xlaunch_llm

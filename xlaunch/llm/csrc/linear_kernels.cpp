@@ -5,11 +5,26 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
+
 namespace xlaunch_llm {
 namespace {
 
 inline int32_t load_pair(const uint16_t* p) {
   int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline int32_t load_pair_of_pairs(const int8_t* p) {   // four int8 values as one 32-bit word
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline int16_t load_int16(const int8_t* p) {   // two int8 values as one 16-bit word
+  int16_t v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
@@ -96,32 +111,159 @@ void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* sc
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
+#define XLAUNCH_LLM_INT_DOT 1   // INT8/INT4 take quantized activations (linear.h: kQuantBlock)
 
-// AVX2: a block is read as four slices of 16 channels; a bf16 pair (k, k+1) in a 32-bit lane widens to
-// two fp32 by a shift (k) and a mask (k + 1).
+// AVX2: a bf16 pair (k, k+1) in a 32-bit lane widens to two fp32 by a shift (k) and a mask (k + 1).
 inline __m256 even_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline __m256 odd_half(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u)))); }
 
+// One pass over K for R rows and C vectors of 8 channels from channel c0 (R * C accumulators: 8 for one row,
+// so that the FMA latency is hidden; 64 channels a pass for one row, 32 for two, 16 from three).
+template <int R, int C>
+void bf16_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, int c0, float* out) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    const uint16_t* wp = w + kp * 2 * kBlock + 2 * c0;
+    __m256 xe[R], xo[R];
+    for (int r = 0; r < R; ++r) {
+      xe[r] = _mm256_set1_ps(bf16_bits_to_float(x[r * ldx + 2 * kp]));
+      xo[r] = _mm256_set1_ps(bf16_bits_to_float(x[r * ldx + 2 * kp + 1]));
+    }
+    for (int j = 0; j < C; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
+      const __m256 e = even_half(v), o = odd_half(v);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(o, xo[r], _mm256_fmadd_ps(e, xe[r], acc[r][j]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) _mm256_storeu_ps(out + r * kBlock + c0 + 8 * j, acc[r][j]);
+}
+
 template <int R>
 void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
-  for (int s = 0; s < 4; ++s) {
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t kp = 0; kp < k_pairs; ++kp) {
-      const uint16_t* wp = w + kp * 2 * kBlock + 32 * s;
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
-      const __m256 e0 = even_half(w0), o0 = odd_half(w0), e1 = even_half(w1), o1 = odd_half(w1);
-      for (int r = 0; r < R; ++r) {
-        const __m256 xe = _mm256_set1_ps(bf16_bits_to_float(x[r * ldx + 2 * kp]));
-        const __m256 xo = _mm256_set1_ps(bf16_bits_to_float(x[r * ldx + 2 * kp + 1]));
-        acc[r][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[r][0]));
-        acc[r][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[r][1]));
+  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;
+  for (int c0 = 0; c0 < kBlock; c0 += 8 * C) bf16_pass<R, C>(x, ldx, w, k_pairs, c0, out);
+}
+
+// Four k-rows of 32 int8 channels ([k][64] layout) regrouped so that each 32-bit lane holds one channel's
+// w[k..k+3]: out[j] holds channels 4j..4j+3 in its low 128 bits and 16+4j..16+4j+3 in its high ones.
+inline void regroup(__m256i r0, __m256i r1, __m256i r2, __m256i r3, __m256i out[4]) {
+  const __m256i a = _mm256_unpacklo_epi8(r0, r1), b = _mm256_unpackhi_epi8(r0, r1);
+  const __m256i c = _mm256_unpacklo_epi8(r2, r3), d = _mm256_unpackhi_epi8(r2, r3);
+  out[0] = _mm256_unpacklo_epi16(a, c);
+  out[1] = _mm256_unpackhi_epi16(a, c);
+  out[2] = _mm256_unpacklo_epi16(b, d);
+  out[3] = _mm256_unpackhi_epi16(b, d);
+}
+
+// out[c0 + 0..31] += d * v (v: four int32 vectors in regroup's channel order).
+inline void flush_regrouped(const __m256i v[4], __m256 d, float* out) {
+  const __m256i natural[4] = {_mm256_permute2x128_si256(v[0], v[1], 0x20), _mm256_permute2x128_si256(v[2], v[3], 0x20),
+                              _mm256_permute2x128_si256(v[0], v[1], 0x31), _mm256_permute2x128_si256(v[2], v[3], 0x31)};
+  for (int i = 0; i < 4; ++i)
+    _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(natural[i]), d, _mm256_loadu_ps(out + 8 * i)));
+}
+
+inline __m256i load_row(const int8_t* w, int64_t kk, int64_t k, int64_t c0) {
+  return kk < k ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * kBlock + c0)) : _mm256_setzero_si256();
+}
+
+// INT8 x quantized activations, llama.cpp's AVX2 Q8_0 dot product: |x| (unsigned) times w with x's sign
+// (vpsignb), vpmaddubsw (two products, at most 2 * 127 * 127: no saturation), vpmaddwd into int32; each
+// block of kQuantBlock k scaled by its d into fp32. R <= 2 rows, 32 channels a pass.
+template <int R>
+void int8q_tile(const int8_t* q, const float* d, int64_t ldq, const int8_t* w, int64_t k, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t blocks = (k + kQuantBlock - 1) / kQuantBlock;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kBlock; c += 8) _mm256_storeu_ps(out + r * kBlock + c, _mm256_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k0 = b * kQuantBlock, k1 = std::min(k0 + kQuantBlock, k);
+    for (int64_t c0 = 0; c0 < kBlock; c0 += 32) {
+      __m256i acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_si256();
+      for (int64_t kk = k0; kk < k1; kk += 4) {
+        __m256i wv[4];
+        if (kk + 4 <= k) {
+          const int8_t* wp = w + kk * kBlock + c0;
+          regroup(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kBlock)),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 2 * kBlock)),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 3 * kBlock)), wv);
+        } else {   // the last rows of K: past them the weights are zero
+          regroup(load_row(w, kk, k, c0), load_row(w, kk + 1, k, c0), load_row(w, kk + 2, k, c0),
+                  load_row(w, kk + 3, k, c0), wv);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_set1_epi32(load_pair_of_pairs(q + r * ldq + kk));
+          const __m256i ax = _mm256_sign_epi8(xv, xv);
+          for (int j = 0; j < 4; ++j)
+            acc[r][j] = _mm256_add_epi32(acc[r][j],
+                _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xv)), ones));
+        }
       }
+      for (int r = 0; r < R; ++r) flush_regrouped(acc[r], _mm256_set1_ps(d[r * (ldq / kQuantBlock) + b]),
+                                                  out + r * kBlock + c0);
     }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out + r * kBlock + 16 * s, acc[r][0]);
-      _mm256_storeu_ps(out + r * kBlock + 16 * s + 8, acc[r][1]);
+  }
+}
+
+// INT4 x quantized activations (llama.cpp's AVX2 Q4_0 dot product): the nibbles u = q + 8 in [0, 15] are the
+// unsigned side of vpmaddubsw, with the activation pair (k, k+1) or (k+2, k+3) as the signed side; four
+// steps of K sum in int16 (at most 4 * 4 * 15 * 127 = 30480), then widen to int32. Per block of kQuantBlock,
+// (sum u q - 8 sum q) * d * scale[group][c]. R <= 2 rows, 32 channels a pass.
+template <int R>
+void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, const uint8_t* w,
+                const float* scales, int64_t group_size, int64_t k, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const int64_t blocks = k / kQuantBlock, ldb = ldq / kQuantBlock;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kBlock; c += 8) _mm256_storeu_ps(out + r * kBlock + c, _mm256_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* sg = scales + (b * kQuantBlock / group_size) * kBlock;
+    for (int64_t c0 = 0; c0 < kBlock; c0 += 32) {
+      __m256i acc[R][4];   // int32, channels c0 + 8i
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_si256();
+      for (int64_t k4 = 0; k4 < kQuantBlock; k4 += 16) {
+        __m256i part[R][2];   // int16, channels c0 + 16j + i
+        for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_si256();
+        for (int64_t t = 0; t < 16; t += 4) {
+          const int64_t kk = b * kQuantBlock + k4 + t;
+          const uint8_t* wp = w + (kk / 4) * 2 * kBlock + 2 * c0;
+          __m256i lo[2], hi[2];
+          for (int j = 0; j < 2; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * j));
+            lo[j] = _mm256_and_si256(v, low);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          }
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = q + r * ldq + kk;
+            const __m256i x01 = _mm256_set1_epi16(load_int16(xr)), x23 = _mm256_set1_epi16(load_int16(xr + 2));
+            for (int j = 0; j < 2; ++j)
+              part[r][j] = _mm256_add_epi16(part[r][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x01),
+                                                                         _mm256_maddubs_epi16(hi[j], x23)));
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 2; ++j) {
+            acc[r][2 * j] = _mm256_add_epi32(acc[r][2 * j], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(part[r][j])));
+            acc[r][2 * j + 1] = _mm256_add_epi32(acc[r][2 * j + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(part[r][j], 1)));
+          }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i offset = _mm256_set1_epi32(8 * qsum[r * ldb + b]);
+        const __m256 scale = _mm256_set1_ps(d[r * ldb + b]);
+        float* o = out + r * kBlock + c0;
+        for (int i = 0; i < 4; ++i) {
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][i], offset));
+          _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_mul_ps(v, scale), _mm256_loadu_ps(sg + c0 + 8 * i),
+                                                      _mm256_loadu_ps(o + 8 * i)));
+        }
+      }
     }
   }
 }
@@ -231,7 +373,69 @@ void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* sc
 
 #endif
 
+// The integer kernels' meaning, value by value (the builds whose INT8/INT4 kernels take activations as
+// they are never call these: quantized_activation_block() is 0 there).
+void int8q_scalar(const int8_t* q, const float* d, int64_t ldq, int64_t rows, const int8_t* w, int64_t k, float* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < kBlock; ++c) {
+      float sum = 0.0f;
+      for (int64_t b = 0; b * kQuantBlock < k; ++b) {
+        int32_t dot = 0;
+        for (int64_t kk = b * kQuantBlock; kk < std::min(k, (b + 1) * kQuantBlock); ++kk)
+          dot += int32_t(q[r * ldq + kk]) * w[kk * kBlock + c];
+        sum += float(dot) * d[r * (ldq / kQuantBlock) + b];
+      }
+      out[r * kBlock + c] = sum;
+    }
+}
+
+void int4q_scalar(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
+                  const float* scales, int64_t group_size, int64_t k, float* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < kBlock; ++c) {
+      float sum = 0.0f;
+      for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+        int32_t dot = 0;
+        for (int64_t kk = b * kQuantBlock; kk < (b + 1) * kQuantBlock; ++kk) {
+          const uint8_t byte = w[(kk / 4) * 2 * kBlock + 2 * c + (kk % 2)];
+          dot += int32_t(q[r * ldq + kk]) * int32_t(kk % 4 < 2 ? byte & 15 : byte >> 4);
+        }
+        dot -= 8 * qsum[r * (ldq / kQuantBlock) + b];
+        sum += float(dot) * d[r * (ldq / kQuantBlock) + b] * scales[(b * kQuantBlock / group_size) * kBlock + c];
+      }
+      out[r * kBlock + c] = sum;
+    }
+}
+
 }  // namespace
+
+int64_t quantized_activation_block() {
+#if defined(XLAUNCH_LLM_INT_DOT)
+  return kQuantBlock;
+#else
+  return 0;
+#endif
+}
+
+void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, int8_t* q, int64_t ldq, float* d,
+                          int32_t* qsum) {
+  const int64_t blocks = ldq / kQuantBlock;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t k0 = b * kQuantBlock, k1 = std::min(k, k0 + kQuantBlock);
+      float amax = 0.0f;
+      for (int64_t kk = k0; kk < k1; ++kk) amax = std::max(amax, std::fabs(x[r * ldx + kk]));
+      const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int64_t kk = k0; kk < k0 + kQuantBlock; ++kk) {
+        const int8_t v = kk < k1 ? int8_t(std::nearbyint(x[r * ldx + kk] * inverse)) : int8_t(0);
+        q[r * ldq + kk] = v;
+        sum += v;
+      }
+      d[r * blocks + b] = scale;
+      qsum[r * blocks + b] = sum;
+    }
+}
 
 #define XLAUNCH_LLM_ROWS(CALL) \
   switch (rows) {              \
@@ -258,6 +462,33 @@ void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, 
 #define CALL(R) int4_tile<R>(x, ldx, w, scales, group_sums, groups, group_size, acc)
   XLAUNCH_LLM_ROWS(CALL)
 #undef CALL
+}
+
+// Rows two at a time (four rows' accumulators would not fit AVX2's 16 registers).
+void int8q_block(const int8_t* q, const float* d, int64_t ldq, int64_t rows, const int8_t* w, int64_t k, float* acc) {
+  const int64_t ldd = ldq / kQuantBlock;
+  for (int64_t r = 0; r < rows; r += 2) {
+#if defined(XLAUNCH_LLM_INT_DOT)
+    if (rows - r >= 2) int8q_tile<2>(q + r * ldq, d + r * ldd, ldq, w, k, acc + r * kBlock);
+    else int8q_tile<1>(q + r * ldq, d + r * ldd, ldq, w, k, acc + r * kBlock);
+#else
+    int8q_scalar(q + r * ldq, d + r * ldd, ldq, std::min<int64_t>(2, rows - r), w, k, acc + r * kBlock);
+#endif
+  }
+}
+
+void int4q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
+                 const float* scales, int64_t groups, int64_t group_size, float* acc) {
+  const int64_t ldd = ldq / kQuantBlock, k = groups * group_size;
+  for (int64_t r = 0; r < rows; r += 2) {
+#if defined(XLAUNCH_LLM_INT_DOT)
+    if (rows - r >= 2) int4q_tile<2>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock);
+    else int4q_tile<1>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock);
+#else
+    int4q_scalar(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, std::min<int64_t>(2, rows - r), w, scales, group_size,
+                 k, acc + r * kBlock);
+#endif
+  }
 }
 
 }  // namespace xlaunch_llm
