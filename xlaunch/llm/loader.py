@@ -188,7 +188,9 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     parts = Parts(embed=checkpoint.tensor("model.embed_tokens.weight").to(dtype),
                   final_norm=checkpoint.tensor("model.norm.weight").to(dtype), lm_head=lm_head,
                   input_norms=input_norms, post_attention_norms=post_norms, linears=linears)
-    return install(model, spec, dtype, parts)
+    model = install(model, spec, dtype, parts)
+    object.__setattr__(model, "_xlaunch_llm_source", str(path))     # save_packed records its digest
+    return model
 
 
 def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128,
