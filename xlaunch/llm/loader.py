@@ -2,7 +2,7 @@
 
 The model is built from ``config.json`` on the meta device, so no full-precision weight is ever
 held: each linear group (q/k/v, gate/up; o, down, lm_head alone) is read from the safetensors
-file(s) a block of 64-row chunks at a time (``safe_open(...).get_slice``), quantized and packed
+file(s) a block of 64-row chunks at a time (read with ``pread``), quantized and packed
 into its final buffer (2 MiB pages for the weights, as :class:`~xlaunch.llm.linear.PackedLinear`
 makes them). The peak memory is the packed model plus one layer group's buffer and a few MiB.
 The packed bytes are those :func:`xlaunch.llm.optimize` makes from the loaded model, bit for bit.
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
+import struct
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -27,7 +29,7 @@ from xlaunch.llm.linear import (BLOCK, PackedLinear, pack_bf16, pack_channels, p
                                 quantize_int4, quantize_int8)
 
 HUGE_PAGE = 2 << 20
-CHUNK_BYTES = 8 << 20         # fp32 bytes of source rows packed at a time
+CHUNK_BYTES = 1 << 20         # fp32 bytes of source rows packed at a time (small: glibc keeps freed chunks)
 INDEX = "model.safetensors.index.json"
 
 
@@ -37,7 +39,7 @@ def huge_empty(shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
     if nbytes < HUGE_PAGE:
         return torch.empty(tuple(shape), dtype=dtype)
     rounded = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    area = mmap.mmap(-1, rounded + HUGE_PAGE)
+    area = mmap.mmap(-1, rounded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # shared: no THP
     base = torch.frombuffer(area, dtype=torch.uint8)      # keeps ``area`` alive
     start = -base.data_ptr() % HUGE_PAGE
     if hasattr(area, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -45,45 +47,92 @@ def huge_empty(shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
     return base[start:start + nbytes].view(dtype).reshape(tuple(shape))
 
 
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+class SafetensorsFile:
+    """One safetensors file read with ``pread``: a mapping (what ``safe_open`` does) would count every
+    page read in this process's RSS until it is closed; plain reads leave them in the page cache."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        size = os.fstat(self.fd).st_size
+        prefix = os.pread(self.fd, 8, 0)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < length <= min(MAX_SAFETENSORS_HEADER, size - 8):
+            raise ValueError(f"xlaunch.llm.from_pretrained: {path} is not a safetensors file")
+        header = json.loads(os.pread(self.fd, length, 8))
+        header.pop("__metadata__", None)
+        self.start, self.size, self.entries = 8 + length, size, header
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.entries[name]["shape"])
+
+    def rows(self, name: str, start: int, stop: int) -> "torch.Tensor":
+        """Rows [start, stop) of a tensor (the whole of a 1-D one: start 0, stop its length)."""
+        entry = self.entries[name]
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {name} in {self.path} is {entry['dtype']}, "
+                             f"not one of {', '.join(SAFETENSORS_DTYPES)}")
+        shape = entry["shape"]
+        row = int(torch.Size(shape[1:]).numel()) * torch.empty(0, dtype=dtype).element_size()
+        begin, end = entry["data_offsets"]
+        offset, nbytes = self.start + begin + start * row, (stop - start) * row
+        if not (0 <= start <= stop <= (shape[0] if shape else 1)) or self.start + end > self.size:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {name} lies outside {self.path} (truncated?)")
+        data = bytearray(nbytes)
+        view, done = memoryview(data), 0
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ValueError(f"xlaunch.llm.from_pretrained: {self.path} ends inside {name} (truncated?)")
+            done += got
+        if not nbytes:
+            return torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape((stop - start, *shape[1:]) if shape else ())
+
+
 class Checkpoint:
     """The tensors of a Hugging Face safetensors checkpoint directory, read lazily by name."""
 
     def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
         self.path = path
         if not (path / "config.json").is_file():
             raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no config.json")
         if (path / INDEX).is_file():
-            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
-            if not files:
-                raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no *.safetensors file")
-            weight_map = {}
-        self.files = {name: safe_open(str(path / name), framework="pt", device="cpu") for name in files}
-        for name, handle in self.files.items():
-            for key in handle.keys():
-                weight_map.setdefault(key, name)
-        self.weight_map = weight_map
+        if not files:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no *.safetensors file")
+        self.files = {name: SafetensorsFile(path / name) for name in files}
+        self.weight_map = {key: name for name, handle in self.files.items() for key in handle.entries}
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def _handle(self, name: str) -> Any:
+    def _handle(self, name: str) -> SafetensorsFile:
         if name not in self.weight_map:
             raise ValueError(f"xlaunch.llm.from_pretrained: {self.path} lacks the tensor {name}")
         return self.files[self.weight_map[name]]
 
     def tensor(self, name: str) -> "torch.Tensor":
-        return self._handle(name).get_tensor(name)
+        handle = self._handle(name)
+        shape = handle.shape(name)
+        return handle.rows(name, 0, shape[0] if shape else 1)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(name).get_slice(name).get_shape())
+        return self._handle(name).shape(name)
 
     def rows(self, name: str, start: int, stop: int) -> "torch.Tensor":
-        return self._handle(name).get_slice(name)[start:stop]
+        return self._handle(name).rows(name, start, stop)
+
+    def close(self) -> None:
+        for handle in self.files.values():
+            os.close(handle.fd)
 
 
 def _rows(checkpoint: Checkpoint, names: Sequence[str], start: int, stop: int) -> "torch.Tensor":
@@ -161,12 +210,24 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     kind = _check(dtype, weights, group_size)
     path = Path(path)
     checkpoint = Checkpoint(path)
-    config = transformers.AutoConfig.from_pretrained(str(path))
-    model, spec = skeleton(config)
+    try:
+        model, spec, parts = _read(checkpoint, transformers.AutoConfig.from_pretrained(str(path)), kind, dtype,
+                                   group_size)
+    finally:
+        checkpoint.close()
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(str(path))
     except OSError:
         pass
+    model = install(model, spec, dtype, parts)
+    object.__setattr__(model, "_xlaunch_llm_source", str(path))     # save_packed records its digest
+    return model
+
+
+def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", group_size: int) -> tuple:
+    """(meta model, spec, packed parts) of a checkpoint."""
+    model, spec = skeleton(config)
+    path = checkpoint.path
     linears, input_norms, post_norms = [], [], []
     for index in range(spec.num_layers):
         prefix = f"model.layers.{index}"
@@ -188,9 +249,7 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     parts = Parts(embed=checkpoint.tensor("model.embed_tokens.weight").to(dtype),
                   final_norm=checkpoint.tensor("model.norm.weight").to(dtype), lm_head=lm_head,
                   input_norms=input_norms, post_attention_norms=post_norms, linears=linears)
-    model = install(model, spec, dtype, parts)
-    object.__setattr__(model, "_xlaunch_llm_source", str(path))     # save_packed records its digest
-    return model
+    return model, spec, parts
 
 
 def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128,
