@@ -153,6 +153,8 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
                 handle.seek(manifest["tensors"][name]["offset"])
                 handle.write(tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
             handle.truncate(offset)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(partial, path)
     finally:
         if partial.exists():
@@ -167,7 +169,7 @@ def _fail(path: Any, problem: str) -> PackedFileError:
 def _read_manifest(path: Any) -> tuple[dict, int, int]:
     """(manifest, open read-only fd, file size) of a packed file, its tensors checked against the file."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))   # a FIFO must not block
     except OSError as exc:
         raise _fail(path, f"cannot open the packed file ({exc.strerror})") from None
     try:
