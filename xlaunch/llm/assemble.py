@@ -7,6 +7,7 @@ gives it the same runtime and forward as :func:`xlaunch.llm.optimize`.
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,6 +22,7 @@ from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, make_fo
 from xlaunch.llm.linear import PackedLinear  # noqa: E402
 
 LAYER_LINEARS = ("qkv", "out", "gate_up", "down")
+HUGE_PAGE = 2 << 20
 
 
 @dataclass
@@ -45,6 +47,20 @@ def skeleton(config: Any) -> tuple[Any, DecoderSpec]:
     if not isinstance(spec, DecoderSpec):
         raise ValueError(f"xlaunch.llm.from_pretrained: {spec}")
     return model.eval(), spec
+
+
+def huge_empty(shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
+    """An uninitialized tensor; from 2 MiB up, in its own anonymous mapping advised to use 2 MiB pages."""
+    nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE:
+        return torch.empty(tuple(shape), dtype=dtype)
+    rounded = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    area = mmap.mmap(-1, rounded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # shared: no THP
+    base = torch.frombuffer(area, dtype=torch.uint8)      # keeps ``area`` alive
+    start = -base.data_ptr() % HUGE_PAGE
+    if hasattr(area, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        area.madvise(mmap.MADV_HUGEPAGE, start, rounded)
+    return base[start:start + nbytes].view(dtype).reshape(tuple(shape))
 
 
 def _parameter(tensor: "torch.Tensor") -> "torch.nn.Parameter":

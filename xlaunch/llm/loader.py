@@ -11,7 +11,6 @@ A path that is a packed file (:func:`xlaunch.llm.save_packed`) is mapped instead
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from pathlib import Path
@@ -24,27 +23,12 @@ with needs_torch(__name__):
 
 from xlaunch.llm import native  # noqa: E402
 from xlaunch.llm.api import _check  # noqa: E402
-from xlaunch.llm.assemble import Parts, install, skeleton  # noqa: E402
+from xlaunch.llm.assemble import Parts, huge_empty, install, skeleton  # noqa: E402
 from xlaunch.llm.linear import (BLOCK, PackedLinear, pack_bf16, pack_channels, pack_int4, pack_int8,  # noqa: E402
                                 quantize_int4, quantize_int8)
 
-HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 1 << 20         # fp32 bytes of source rows packed at a time (small: glibc keeps freed chunks)
 INDEX = "model.safetensors.index.json"
-
-
-def huge_empty(shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
-    """An uninitialized tensor; from 2 MiB up, in its own anonymous mapping advised to use 2 MiB pages."""
-    nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE:
-        return torch.empty(tuple(shape), dtype=dtype)
-    rounded = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    area = mmap.mmap(-1, rounded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # shared: no THP
-    base = torch.frombuffer(area, dtype=torch.uint8)      # keeps ``area`` alive
-    start = -base.data_ptr() % HUGE_PAGE
-    if hasattr(area, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        area.madvise(mmap.MADV_HUGEPAGE, start, rounded)
-    return base[start:start + nbytes].view(dtype).reshape(tuple(shape))
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

@@ -31,9 +31,8 @@ with needs_torch(__name__):
 
 from xlaunch.llm import native  # noqa: E402
 from xlaunch.llm.api import DTYPES  # noqa: E402
-from xlaunch.llm.assemble import LAYER_LINEARS, Parts, install, parts_of, skeleton  # noqa: E402
+from xlaunch.llm.assemble import HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of, skeleton  # noqa: E402
 from xlaunch.llm.linear import BLOCK, KINDS, PackedLinear  # noqa: E402
-from xlaunch.llm.loader import HUGE_PAGE, huge_empty  # noqa: E402
 
 MAGIC = b"XLLMPACK"
 FORMAT_VERSION = 1
