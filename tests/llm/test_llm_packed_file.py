@@ -166,4 +166,6 @@ def test_malformed_files_get_one_clear_error(packed, tmp_path):
     shape = _rewrite(path, tmp_path / "shape.xlp",
                      lambda m: m["tensors"]["lm_head.weight"].update(shape=[1, 1], nbytes=1))
     _refused(shape, "lm_head.weight")
+    kind = _rewrite(path, tmp_path / "dtype.xlp", lambda m: m["tensors"]["lm_head.weight"].update(dtype="uint8"))
+    _refused(kind, "'lm_head.weight' is uint8, not int8")
     _refused("/dev/null", "not a regular file")

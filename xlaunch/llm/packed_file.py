@@ -32,7 +32,7 @@ with needs_torch(__name__):
 from xlaunch.llm import native  # noqa: E402
 from xlaunch.llm.api import DTYPES  # noqa: E402
 from xlaunch.llm.assemble import HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of, skeleton  # noqa: E402
-from xlaunch.llm.linear import BLOCK, KINDS, PackedLinear  # noqa: E402
+from xlaunch.llm.linear import BLOCK, GROUP_SIZES, KINDS, PackedLinear  # noqa: E402
 
 MAGIC = b"XLLMPACK"
 FORMAT_VERSION = 1
@@ -44,6 +44,7 @@ TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": t
 LEVELS = (("amx", ("amx_bf16", "amx_tile")), ("avx512_bf16", ("avx512_bf16",)), ("avx512_vnni", ("avx512_vnni",)),
           ("avx512", ("avx512f", "avx512bw")), ("avx2", ("avx2", "fma")))
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10
+WEIGHT_DTYPES = {"fp32": ("float32",), "bf16": ("bfloat16",), "int8": ("int8",), "int4": ("uint8", "int32")}
 
 
 class PackedFileError(ValueError):
@@ -207,7 +208,7 @@ def _check_tensors(path: Any, tensors: Any, data_start: int, size: int) -> None:
             shape, offset, nbytes = entry["shape"], entry["offset"], entry["nbytes"]
             ok = (all(type(d) is int and d >= 0 for d in shape) and type(offset) is int and type(nbytes) is int
                   and nbytes == torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size())
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError):
             ok = False
         if not ok:
             raise _fail(path, f"malformed manifest entry for tensor {name!r}")
@@ -260,9 +261,11 @@ def _linear(path: Any, name: str, entry: Any, shape: tuple, area: mmap.mmap, ten
         parts = {part: entry[part] for part in ("weight", "scales", "bias")}
     except (KeyError, TypeError):
         raise _fail(path, f"malformed manifest entry for the linear {name!r}") from None
-    if kind not in KINDS or layout not in ("native", "aten") or (n, k) != shape or type(group) is not int:
+    if (kind not in KINDS or layout not in ("native", "aten") or (n, k) != shape or type(group) is not int
+            or (kind == "int4" and (group not in GROUP_SIZES or k % group))):
         raise _fail(path, f"the linear {name!r} does not match the model's config")
     wanted = dict(_packed_shapes(kind, layout, n, k, group), bias=[n])
+    dtypes = {"weight": WEIGHT_DTYPES[kind], "scales": ("float32",), "bias": (str(dtype).removeprefix("torch."),)}
     found = {}
     for part, tensor_name in parts.items():
         if tensor_name is None:
@@ -270,11 +273,13 @@ def _linear(path: Any, name: str, entry: Any, shape: tuple, area: mmap.mmap, ten
                 raise _fail(path, f"the linear {name!r} has no {part}")
             found[part] = None
             continue
-        if tensor_name not in tensors:
+        if not isinstance(tensor_name, str) or tensor_name not in tensors:
             raise _fail(path, f"the linear {name!r} names a missing tensor {tensor_name!r}")
-        shape_wanted = wanted.get(part)
-        if shape_wanted is not None and tensors[tensor_name]["shape"] != shape_wanted:
-            raise _fail(path, f"tensor {tensor_name!r} has shape {tensors[tensor_name]['shape']}, not {shape_wanted}")
+        shape_wanted, entry_found = wanted.get(part), tensors[tensor_name]
+        if shape_wanted is not None and entry_found["shape"] != shape_wanted:
+            raise _fail(path, f"tensor {tensor_name!r} has shape {entry_found['shape']}, not {shape_wanted}")
+        if entry_found["dtype"] not in dtypes[part]:
+            raise _fail(path, f"tensor {tensor_name!r} is {entry_found['dtype']}, not {' or '.join(dtypes[part])}")
         found[part] = _tensor(area, tensors[tensor_name], private)
     return PackedLinear.from_packed(found["weight"], found["scales"], found["bias"], kind, dtype, group, n, k, layout)
 
