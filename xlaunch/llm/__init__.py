@@ -5,13 +5,16 @@ has native bf16, else fp32; :func:`default_dtype`) returns the
 same model object with its linear layers packed for the chosen precision (bf16, weight-only INT8
 per output channel, weight-only INT4 group-wise), fused RMSNorm and RoPE, a preallocated KV cache
 and a forward that runs prefill and decode with few, fused calls per layer. ``model.generate``
-works unchanged. ``import xlaunch.llm`` stays light: torch and transformers load on first use.
+works unchanged. ``from_pretrained(path, ...)`` streams a safetensors checkpoint straight into
+that packed form, and ``save_packed(model, path)`` writes it as one file that ``from_pretrained``
+maps read-only, shared by every process that loads it. ``import xlaunch.llm`` stays light: torch and transformers load on first use.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["optimize", "is_optimized", "default_dtype", "SUPPORTED_ARCHITECTURES", "PackedLinear"]
+__all__ = ["optimize", "is_optimized", "default_dtype", "SUPPORTED_ARCHITECTURES", "PackedLinear", "from_pretrained",
+           "save_packed"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +22,14 @@ def __getattr__(name: str) -> Any:
         from xlaunch.llm import api as _api
 
         return getattr(_api, name)
+    if name == "from_pretrained":
+        from xlaunch.llm.loader import from_pretrained
+
+        return from_pretrained
+    if name == "save_packed":
+        from xlaunch.llm.packed_file import save_packed
+
+        return save_packed
     if name == "PackedLinear":
         from xlaunch.llm.linear import PackedLinear
 

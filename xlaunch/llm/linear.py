@@ -208,6 +208,21 @@ class PackedLinear(nn.Module):
                               for b, l in zip(biases, linears)])
         return cls(weight, bias, kind, dtype=dtype, group_size=group_size)
 
+    @classmethod
+    def from_packed(cls, weight: "torch.Tensor", scales: Optional["torch.Tensor"], bias: Optional["torch.Tensor"],
+                    kind: str, dtype: "torch.dtype", group_size: int, out_features: int, in_features: int,
+                    layout: str) -> "PackedLinear":
+        """A layer over tensors already packed as :meth:`_pack` lays them out, used as they are (no copy)."""
+        if kind not in KINDS or layout not in ("native", "aten"):
+            raise ValueError(f"unknown packed layer: weights {kind!r}, layout {layout!r}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.kind, layer.dtype, layer.group_size, layer.layout = kind, dtype, group_size, layout
+        layer.out_features, layer.in_features = out_features, in_features
+        for name, tensor in (("bias", bias), ("weight", weight), ("scales", scales)):
+            layer.register_buffer(name, tensor)
+        return layer
+
     def extra_repr(self) -> str:
         extra = f", group_size={self.group_size}" if self.kind == "int4" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, weights={self.kind}, "

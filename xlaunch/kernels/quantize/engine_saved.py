@@ -201,42 +201,6 @@ def check_installed(name: str, mode: str) -> None:
                               f"{EXTRA[engine]}") from None
 
 
-def _external_data(model: Any) -> Optional[str]:
-    """The first tensor of an ONNX model whose data lives in another file, or None."""
-    import onnx
-
-    def graphs(graph: Any) -> Any:
-        yield graph
-        for node in graph.node:
-            for attribute in node.attribute:
-                if attribute.HasField("g"):
-                    yield from graphs(attribute.g)
-                for sub in attribute.graphs:
-                    yield from graphs(sub)
-
-    def tensors(graph: Any) -> Any:
-        yield from graph.initializer
-        for sparse in graph.sparse_initializer:
-            yield sparse.values
-            yield sparse.indices
-        for node in graph.node:
-            for attribute in node.attribute:
-                if attribute.HasField("t"):
-                    yield attribute.t
-                yield from attribute.tensors
-
-    for graph in graphs(model.graph):
-        for tensor in tensors(graph):
-            if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
-                return tensor.name or "(unnamed)"
-    for function in model.functions:
-        for node in function.node:
-            for attribute in node.attribute:
-                if attribute.HasField("t") and attribute.t.data_location == onnx.TensorProto.EXTERNAL:
-                    return attribute.t.name or "(unnamed)"
-    return None
-
-
 class Loaded:
     """A loaded engine model: checks each call against the signature, then runs the engine."""
 
@@ -265,12 +229,10 @@ def load(name: str, mode: str, manifest: dict[str, Any], files: dict[str, bytes]
     here = versions(engine)
     try:
         if engine == "onnxruntime":
-            import onnx
-
             from xlaunch.kernels.optimize.engines.routes import onnxruntime_route
 
             model = files["model.onnx"]
-            external = _external_data(onnx.ModelProto.FromString(model))
+            external = onnxruntime_route.external_data_tensor(model)
             if external is not None:
                 raise ValueError(f"load_quantized: {name} is refused: its ONNX model reads tensor {external!r} "
                                  "from an external file (a saved model holds all its data)")

@@ -193,35 +193,6 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, bytes]]:
         os.close(dir_fd)
 
 
-def _external_tensor(model_bytes: bytes) -> Optional[str]:
-    """The name of the first tensor of an ONNX model whose data would be read from another file
-    (ONNX Runtime resolves such a path itself: outside the saved directory), or None."""
-    import onnx
-
-    model = onnx.load_model_from_string(model_bytes)   # parses only: external data is never loaded from bytes
-
-    def tensors_of(graph: Any) -> Any:
-        yield from graph.initializer
-        yield from (sparse.values for sparse in graph.sparse_initializer)
-        for node in graph.node:
-            for attribute in node.attribute:
-                if attribute.HasField("t"):
-                    yield attribute.t
-                yield from attribute.tensors
-                for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                    yield from tensors_of(sub)
-
-    for tensor in tensors_of(model.graph):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
-            return tensor.name or "(unnamed)"
-    for function in model.functions:
-        for node in function.node:
-            for attribute in node.attribute:
-                if attribute.HasField("t") and attribute.t.data_location == onnx.TensorProto.EXTERNAL:
-                    return attribute.t.name or "(unnamed)"
-    return None
-
-
 class Signature:
     """The saved input signature and output structure: what the runners need of a sample."""
 
@@ -294,9 +265,10 @@ def load_optimized(path: str, threads: Optional[int] = None) -> LoadedModel:
     threads = torch.get_num_threads() if threads is None else threads
     try:
         if route == "onnxruntime":
-            from xlaunch.kernels.optimize.engines.routes.onnxruntime_route import ARTIFACT, SessionRunner
+            from xlaunch.kernels.optimize.engines.routes.onnxruntime_route import (ARTIFACT, SessionRunner,
+                                                                                  external_data_tensor)
 
-            external = _external_tensor(files[ARTIFACT])
+            external = external_data_tensor(files[ARTIFACT])
             if external is not None:
                 raise SavedModelError(f"load_optimized: {shown}: {ARTIFACT} reads tensor {external!r} from "
                                       "another file (external data): refused, only the saved files are read")

@@ -9,7 +9,7 @@ created from its bytes (already read and checked by the cache), never from a pat
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, Optional
 
 from xlaunch._torch import needs_torch
 
@@ -77,3 +77,44 @@ class OnnxRuntimeRoute(Route):
     def load(self, model: nn.Module, sample: Sample, context: Context, files: dict[str, bytes],
              state: dict[str, Any]) -> Built:
         return Built(SessionRunner(files[ARTIFACT], sample, context.threads), files=files)
+
+
+def external_data_tensor(model_bytes: bytes) -> Optional[str]:
+    """The name of the first tensor of a serialized ONNX model whose data would be read from another
+    file, or None. A saved model must hold all its data: ONNX Runtime resolves an external path
+    itself, outside whatever folder or archive the model came from. Parsing bytes never loads
+    external data. Subgraphs (If/Loop bodies), sparse initializers and functions are searched too."""
+    import onnx
+
+    model = onnx.ModelProto.FromString(model_bytes)
+
+    def graphs(graph: Any) -> Any:
+        yield graph
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.HasField("g"):
+                    yield from graphs(attribute.g)
+                for sub in attribute.graphs:
+                    yield from graphs(sub)
+
+    def tensors(graph: Any) -> Any:
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    yield attribute.t
+                yield from attribute.tensors
+
+    for graph in graphs(model.graph):
+        for tensor in tensors(graph):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
+                return tensor.name or "(unnamed)"
+    for function in model.functions:
+        for node in function.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t") and attribute.t.data_location == onnx.TensorProto.EXTERNAL:
+                    return attribute.t.name or "(unnamed)"
+    return None

@@ -1,0 +1,171 @@
+"""xlaunch.llm.save_packed and from_pretrained of the packed file: identical logits in a fresh process, two
+processes sharing the mapped pages (smaps), and stale, truncated or malformed files refused with one line."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from llm_models import VOCAB, tiny  # noqa: E402
+
+import xlaunch.llm as llm  # noqa: E402
+from xlaunch.llm.packed_file import PackedFileError, kernel_level  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
+REPO = Path(__file__).resolve().parents[2]
+IDS = [[5, 17, 300, 42, 7, 99, 250, 1, 64, 128, 511, 3]]
+
+CHILD = r"""
+import sys, torch
+import xlaunch.llm as llm
+model = llm.from_pretrained(sys.argv[1])
+with torch.no_grad():
+    torch.save(model(torch.tensor(%s)).logits, sys.argv[2])
+print("ready", flush=True)
+sys.stdin.read()
+""" % IDS
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """(checkpoint directory, packed file, logits of the streamed model): INT8, so scales are stored too."""
+    root = tmp_path_factory.mktemp("packed")
+    tiny("llama", seed=2).save_pretrained(root / "checkpoint", safe_serialization=True)
+    model = llm.from_pretrained(root / "checkpoint", weights="int8")
+    path = llm.save_packed(model, root / "model.xlp")
+    with torch.no_grad():
+        return root / "checkpoint", path, model(torch.tensor(IDS)).logits
+
+
+def _mapping(pid: int, path: Path) -> dict:
+    """Rss, Pss and shared pages (kB) of every mapping of ``path`` in process ``pid``."""
+    total, inside = {"Rss": 0, "Pss": 0, "Shared_Clean": 0, "Shared_Dirty": 0}, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and fields[5] == str(path)
+            elif inside and fields[0].rstrip(":") in total:
+                total[fields[0].rstrip(":")] += int(fields[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def children(packed, tmp_path_factory):
+    """Two fresh processes that mapped the packed file and ran it: their logits and their smaps of it."""
+    _, path, _ = packed
+    root = tmp_path_factory.mktemp("children")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    outs = [root / f"logits{i}.pt" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(out)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for out in outs]
+    try:
+        for proc in procs:
+            line = proc.stdout.readline()
+            assert line.strip() == "ready", proc.stderr.read()[-3000:] if proc.poll() is not None else line
+        maps = [_mapping(proc.pid, path) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.communicate(timeout=60)
+    return [torch.load(out) for out in outs], maps
+
+
+def test_a_fresh_process_gets_identical_logits_from_the_packed_file(packed, children):
+    logits, _ = children
+    for got in logits:
+        assert torch.equal(got, packed[2])
+
+
+def test_two_processes_share_the_mapped_file_pages(packed, children):
+    _, maps = children
+    for found in maps:
+        shared = found["Shared_Clean"] + found["Shared_Dirty"]
+        assert found["Rss"] > 0 and shared > 0, maps
+        assert found["Pss"] <= 0.75 * found["Rss"], maps     # each process is charged about half of each page
+
+
+def test_a_loaded_file_is_mapped_not_copied(packed):
+    _, path, logits = packed
+    model = llm.from_pretrained(path)
+    private = llm.from_pretrained(path, private=True)
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor(IDS)).logits, logits)
+        assert torch.equal(private(torch.tensor(IDS)).logits, logits)
+    assert _mapping(os.getpid(), path)["Rss"] > 0          # the weights were read where the file is mapped
+
+
+def _rewrite(source: Path, target: Path, change) -> Path:
+    """A copy of a packed file with its manifest changed (the tensors stay where they were)."""
+    data = bytearray(source.read_bytes())
+    length = struct.unpack("<Q", data[8:16])[0]
+    manifest = json.loads(data[16:16 + length])
+    first = min(entry["offset"] for entry in manifest["tensors"].values())
+    change(manifest)
+    header = json.dumps(manifest).encode()
+    assert 16 + len(header) <= first
+    data[16:16 + length] = b" " * length
+    data[8:16] = struct.pack("<Q", len(header))
+    data[16:16 + len(header)] = header
+    target.write_bytes(bytes(data))
+    return target
+
+
+def _refused(path, match: str, **kwargs) -> str:
+    with pytest.raises(PackedFileError, match=match) as info:
+        llm.from_pretrained(path, **kwargs)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_a_truncated_file_is_refused_with_one_line(packed, tmp_path):
+    _, path, _ = packed
+    data = path.read_bytes()
+    for size in (len(data) - 1, len(data) // 2, 1000, 10):
+        (tmp_path / "cut.xlp").write_bytes(data[:size])
+        _refused(tmp_path / "cut.xlp", "truncated|not an xlaunch")
+
+
+def test_another_kernel_level_or_format_is_refused_then_rebuilt_from_the_source(packed, tmp_path):
+    checkpoint, path, logits = packed
+    other = "avx2" if kernel_level() != "avx2" else "avx512"
+    stale = _rewrite(path, tmp_path / "stale.xlp", lambda m: m["kernel"].update(level=other))
+    message = _refused(stale, "kernel level")
+    assert other in message and kernel_level() in message
+    _refused(_rewrite(path, tmp_path / "layout.xlp", lambda m: m["kernel"].update(fingerprint="0" * 16)),
+             "kernel fingerprint")
+    _refused(_rewrite(path, tmp_path / "version.xlp", lambda m: m.update(version=99)), "format version 99")
+    rebuilt = llm.from_pretrained(stale, source=checkpoint, weights="int8")
+    with torch.no_grad():
+        assert torch.equal(rebuilt(torch.tensor(IDS)).logits, logits)
+    assert json.loads(stale.read_bytes()[16:16 + struct.unpack("<Q", stale.read_bytes()[8:16])[0]])[
+        "kernel"]["level"] == kernel_level()
+    _refused(stale, "holds weights='int8'", weights="int4")
+
+
+def test_malformed_files_get_one_clear_error(packed, tmp_path):
+    _, path, _ = packed
+    (tmp_path / "junk.xlp").write_bytes(b"not a packed file at all")
+    _refused(tmp_path / "junk.xlp", "no XLLMPACK header")
+    (tmp_path / "huge.xlp").write_bytes(b"XLLMPACK" + struct.pack("<Q", 1 << 40) + b"{}")
+    _refused(tmp_path / "huge.xlp", "malformed")
+    (tmp_path / "json.xlp").write_bytes(b"XLLMPACK" + struct.pack("<Q", 4) + b"{{{{")
+    _refused(tmp_path / "json.xlp", "not valid JSON")
+    outside = _rewrite(path, tmp_path / "outside.xlp",
+                       lambda m: m["tensors"]["embed"].update(offset=m["tensors"]["embed"]["offset"] + (1 << 30)))
+    _refused(outside, "truncated: tensor 'embed'")
+    header = _rewrite(path, tmp_path / "header.xlp", lambda m: m["tensors"]["embed"].update(offset=0))
+    _refused(header, "inside the header")
+    shape = _rewrite(path, tmp_path / "shape.xlp",
+                     lambda m: m["tensors"]["lm_head.weight"].update(shape=[1, 1], nbytes=1))
+    _refused(shape, "lm_head.weight")
+    kind = _rewrite(path, tmp_path / "dtype.xlp", lambda m: m["tensors"]["lm_head.weight"].update(dtype="uint8"))
+    _refused(kind, "'lm_head.weight' is uint8, not int8")
+    _refused("/dev/null", "not a regular file")

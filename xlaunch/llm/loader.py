@@ -1,0 +1,260 @@
+"""``xlaunch.llm.from_pretrained``: a checkpoint streamed straight into the packed layout.
+
+The model is built from ``config.json`` on the meta device, so no full-precision weight is ever
+held: each linear group (q/k/v, gate/up; o, down, lm_head alone) is read from the safetensors
+file(s) a block of 64-row chunks at a time (read with ``pread``), quantized and packed
+into its final buffer (2 MiB pages for the weights, as :class:`~xlaunch.llm.linear.PackedLinear`
+makes them). The peak memory is the packed model plus one layer group's buffer and a few MiB.
+The packed bytes are those :func:`xlaunch.llm.optimize` makes from the loaded model, bit for bit.
+A path that is a packed file (:func:`xlaunch.llm.save_packed`) is mapped instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+
+from xlaunch.llm import native  # noqa: E402
+from xlaunch.llm.api import _check, default_dtype  # noqa: E402
+from xlaunch.llm.assemble import Parts, huge_empty, install, skeleton  # noqa: E402
+from xlaunch.llm.linear import (BLOCK, PackedLinear, pack_bf16, pack_channels, pack_int4, pack_int8,  # noqa: E402
+                                quantize_int4, quantize_int8)
+
+CHUNK_BYTES = 1 << 20         # fp32 bytes of source rows packed at a time (small: glibc keeps freed chunks)
+INDEX = "model.safetensors.index.json"
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+class SafetensorsFile:
+    """One safetensors file read with ``pread``: a mapping (what ``safe_open`` does) would count every
+    page read in this process's RSS until it is closed; plain reads leave them in the page cache."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        size = os.fstat(self.fd).st_size
+        prefix = os.pread(self.fd, 8, 0)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < length <= min(MAX_SAFETENSORS_HEADER, size - 8):
+            raise ValueError(f"xlaunch.llm.from_pretrained: {path} is not a safetensors file")
+        header = json.loads(os.pread(self.fd, length, 8))
+        header.pop("__metadata__", None)
+        self.start, self.size, self.entries = 8 + length, size, header
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.entries[name]["shape"])
+
+    def rows(self, name: str, start: int, stop: int) -> "torch.Tensor":
+        """Rows [start, stop) of a tensor (the whole of a 1-D one: start 0, stop its length)."""
+        entry = self.entries[name]
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {name} in {self.path} is {entry['dtype']}, "
+                             f"not one of {', '.join(SAFETENSORS_DTYPES)}")
+        shape = entry["shape"]
+        row = int(torch.Size(shape[1:]).numel()) * torch.empty(0, dtype=dtype).element_size()
+        begin, end = entry["data_offsets"]
+        offset, nbytes = self.start + begin + start * row, (stop - start) * row
+        if not (0 <= start <= stop <= (shape[0] if shape else 1)) or self.start + end > self.size:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {name} lies outside {self.path} (truncated?)")
+        data = bytearray(nbytes)
+        view, done = memoryview(data), 0
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ValueError(f"xlaunch.llm.from_pretrained: {self.path} ends inside {name} (truncated?)")
+            done += got
+        if not nbytes:
+            return torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape((stop - start, *shape[1:]) if shape else ())
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face safetensors checkpoint directory, read lazily by name."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not (path / "config.json").is_file():
+            raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no config.json")
+        if (path / INDEX).is_file():
+            files = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no *.safetensors file")
+        self.files = {name: SafetensorsFile(path / name) for name in files}
+        self.weight_map = {key: name for name, handle in self.files.items() for key in handle.entries}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _handle(self, name: str) -> SafetensorsFile:
+        if name not in self.weight_map:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {self.path} lacks the tensor {name}")
+        return self.files[self.weight_map[name]]
+
+    def tensor(self, name: str) -> "torch.Tensor":
+        handle = self._handle(name)
+        shape = handle.shape(name)
+        return handle.rows(name, 0, shape[0] if shape else 1)
+
+    def shape(self, name: str) -> list[int]:
+        return self._handle(name).shape(name)
+
+    def rows(self, name: str, start: int, stop: int) -> "torch.Tensor":
+        return self._handle(name).rows(name, start, stop)
+
+    def close(self) -> None:
+        for handle in self.files.values():
+            os.close(handle.fd)
+
+
+def _rows(checkpoint: Checkpoint, names: Sequence[str], start: int, stop: int) -> "torch.Tensor":
+    """Rows [start, stop) of the weights ``names`` stacked along the output dimension."""
+    pieces, offset = [], 0
+    for name in names:
+        n = checkpoint.shape(name)[0]
+        lo, hi = max(start, offset), min(stop, offset + n)
+        if lo < hi:
+            pieces.append(checkpoint.rows(name, lo - offset, hi - offset))
+        offset += n
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _bias(checkpoint: Checkpoint, prefixes: Sequence[str], dtype: "torch.dtype") -> Optional["torch.Tensor"]:
+    names = [f"{prefix}.bias" for prefix in prefixes]
+    if not any(name in checkpoint for name in names):
+        return None
+    parts = [checkpoint.tensor(name) if name in checkpoint
+             else torch.zeros(checkpoint.shape(f"{prefix}.weight")[0])
+             for name, prefix in zip(names, prefixes)]
+    return torch.cat([p.float() for p in parts]).to(dtype)
+
+
+def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dtype: "torch.dtype",
+                  group_size: int, weight_names: Optional[Sequence[str]] = None) -> PackedLinear:
+    """One :class:`PackedLinear` of the linears ``prefixes`` (their outputs concatenated), packed by chunks."""
+    names = list(weight_names or [f"{prefix}.weight" for prefix in prefixes])
+    n = sum(checkpoint.shape(name)[0] for name in names)
+    k = checkpoint.shape(names[0])[1]
+    bias = _bias(checkpoint, prefixes, dtype)
+    layout = "native" if kind != "fp32" and native.ops() is not None else "aten"
+    if kind == "fp32" or (layout == "aten" and kind == "int4"):      # packed whole, as optimize does
+        weight = _rows(checkpoint, names, 0, n)
+        if kind == "int4" and k % group_size:
+            raise ValueError(f"xlaunch.llm.from_pretrained: in_features {k} of {prefixes[0]} is not a multiple "
+                             f"of the INT4 group size {group_size}")
+        return PackedLinear(weight, bias, kind, dtype=dtype, group_size=group_size)
+    if kind == "int4" and k % group_size:
+        raise ValueError(f"xlaunch.llm.from_pretrained: in_features {k} of {prefixes[0]} is not a multiple of "
+                         f"the INT4 group size {group_size}")
+    blocks = -(-n // BLOCK)
+    if layout == "native":
+        shapes = {"bf16": ((blocks, -(-k // 2), 2 * BLOCK), torch.bfloat16, None),
+                  "int8": ((blocks, k, BLOCK), torch.int8, (blocks, BLOCK)),
+                  "int4": ((blocks, k // 4, 2 * BLOCK), torch.uint8, (blocks, k // group_size, BLOCK))}
+    else:
+        shapes = {"bf16": ((n, k), torch.bfloat16, None), "int8": ((n, k), torch.int8, (n,))}
+    weight_shape, weight_dtype, scales_shape = shapes[kind]
+    weight = huge_empty(weight_shape, weight_dtype)
+    scales = None if scales_shape is None else torch.empty(scales_shape, dtype=torch.float32)
+    step = max(BLOCK, CHUNK_BYTES // (4 * k) // BLOCK * BLOCK)
+    with torch.no_grad():
+        for start in range(0, n, step):
+            rows = _rows(checkpoint, names, start, min(n, start + step))
+            where = slice(start // BLOCK, start // BLOCK + -(-rows.shape[0] // BLOCK)) if layout == "native" \
+                else slice(start, start + rows.shape[0])
+            if kind == "bf16":
+                weight[where] = pack_bf16(rows) if layout == "native" else rows.to(torch.bfloat16)
+                continue
+            q, scale = quantize_int8(rows) if kind == "int8" else quantize_int4(rows, group_size)
+            if layout == "aten":
+                weight[where], scales[where] = q, scale
+            else:
+                weight[where] = pack_int8(q) if kind == "int8" else pack_int4(q)
+                scales[where] = pack_channels(scale)
+    return PackedLinear.from_packed(weight, scales, bias, kind, dtype, group_size, n, k, layout)
+
+
+def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128) -> Any:
+    """The optimized model of a safetensors checkpoint directory, streamed (see the module docstring)."""
+    import transformers
+
+    dtype = default_dtype() if dtype is None else dtype
+    kind = _check(dtype, weights, group_size)
+    path = Path(path)
+    checkpoint = Checkpoint(path)
+    try:
+        model, spec, parts = _read(checkpoint, transformers.AutoConfig.from_pretrained(str(path)), kind, dtype,
+                                   group_size)
+    finally:
+        checkpoint.close()
+    try:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(str(path))
+    except OSError:
+        pass
+    model = install(model, spec, dtype, parts)
+    object.__setattr__(model, "_xlaunch_llm_source", str(path))     # save_packed records its digest
+    return model
+
+
+def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", group_size: int) -> tuple:
+    """(meta model, spec, packed parts) of a checkpoint."""
+    model, spec = skeleton(config)
+    path = checkpoint.path
+    linears, input_norms, post_norms = [], [], []
+    for index in range(spec.num_layers):
+        prefix = f"model.layers.{index}"
+        attention, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        pack = dict(kind=kind, dtype=dtype, group_size=group_size)
+        linears.append({
+            "qkv": stream_linear(checkpoint, [f"{attention}.{p}_proj" for p in "qkv"], **pack),
+            "out": stream_linear(checkpoint, [f"{attention}.o_proj"], **pack),
+            "gate_up": stream_linear(checkpoint, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], **pack),
+            "down": stream_linear(checkpoint, [f"{mlp}.down_proj"], **pack),
+        })
+        input_norms.append(checkpoint.tensor(f"{prefix}.input_layernorm.weight").to(dtype))
+        post_norms.append(checkpoint.tensor(f"{prefix}.post_attention_layernorm.weight").to(dtype))
+    head = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
+    if head != "lm_head.weight" and not spec.tied_embeddings:
+        raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks lm_head.weight and its embeddings are not tied")
+    lm_head = stream_linear(checkpoint, ["lm_head"], "int8" if kind == "int4" else kind, dtype, group_size,
+                            weight_names=[head])
+    parts = Parts(embed=checkpoint.tensor("model.embed_tokens.weight").to(dtype),
+                  final_norm=checkpoint.tensor("model.norm.weight").to(dtype), lm_head=lm_head,
+                  input_norms=input_norms, post_attention_norms=post_norms, linears=linears)
+    return model, spec, parts
+
+
+def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128,
+                    source: Any = None, private: bool = False) -> Any:
+    """An optimized Hugging Face Llama, Mistral or Qwen2 causal LM, loaded without its full-precision copy.
+
+    ``path``: a checkpoint directory (``config.json`` and ``*.safetensors``, sharded or not), streamed
+    into the packed layout of ``dtype``/``weights``/``group_size`` (as :func:`xlaunch.llm.optimize`);
+    or a packed file written by :func:`xlaunch.llm.save_packed`, mapped read-only and shared between
+    processes (``private=True`` copies it into this process's 2 MiB pages instead). With ``source``
+    (a checkpoint directory), ``path`` is the packed file of that source: written when missing,
+    rewritten when stale (another source, kernel level, layout or precision), then mapped.
+    """
+    from xlaunch.llm import packed_file
+
+    if source is not None:
+        if dtype is None:
+            dtype = default_dtype()
+        if packed_file.stale_reason(path, source, dtype, weights, group_size) is not None:
+            packed_file.save_packed(load_checkpoint(source, dtype, weights, group_size), path, source=source)
+        return packed_file.load_packed(path, dtype, weights, group_size, private=private)
+    if Path(path).is_dir():
+        return load_checkpoint(path, dtype, weights, group_size)
+    return packed_file.load_packed(path, dtype, weights, group_size if weights == "int4" else None, private=private)

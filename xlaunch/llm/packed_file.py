@@ -1,0 +1,366 @@
+"""One file of packed weights, mapped read-only: :func:`save_packed` and :func:`load_packed`.
+
+Layout: ``XLLMPACK`` (8 bytes), the manifest's length (8 bytes, little endian), the manifest (JSON:
+format version, the model's config and generation config, precision, the kernel level and a
+fingerprint of the packed layout, the source checkpoint's digest, every packed linear and every
+tensor's dtype/shape/offset/length), then the tensors, each at an offset aligned to 4 KiB (2 MiB
+from 2 MiB up). Loading maps the file read-only (``mmap``) and wraps the tensors in place: no
+copy, so loading takes milliseconds and processes that map one file share one copy of its pages
+in the page cache. A file of another format version, kernel level or layout is refused with one
+line (``from_pretrained(path, source=CHECKPOINT)`` rewrites it instead); a malformed or truncated
+file gets one error, and nothing outside the file is read.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import mmap
+import os
+import stat
+import struct
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+
+from xlaunch.llm import native  # noqa: E402
+from xlaunch.llm.api import DTYPES  # noqa: E402
+from xlaunch.llm.assemble import HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of, skeleton  # noqa: E402
+from xlaunch.llm.linear import BLOCK, GROUP_SIZES, KINDS, PackedLinear  # noqa: E402
+
+MAGIC = b"XLLMPACK"
+FORMAT_VERSION = 1
+MAX_HEADER = 64 << 20
+PAGE = 4096
+SOURCE_ATTR = "_xlaunch_llm_source"
+TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8, "uint8": torch.uint8,
+                 "int32": torch.int32}
+
+class PackedFileError(ValueError):
+    """A packed file that cannot be used here (the message is one line)."""
+
+
+def kernel_level() -> str:
+    """The ISA level of the kernels this process runs (``xlaunch.llm.native``'s, capped by
+    ``XLAUNCH_CPU_ISA``), or ``"aten"`` without them: what the packed layout depends on."""
+    return (native.LIBRARY.level() or "aten") if native.ops() is not None else "aten"
+
+
+def expected_layout(kind: str) -> str:
+    return "native" if kind != "fp32" and native.ops() is not None else "aten"
+
+
+@functools.lru_cache(maxsize=None)
+def layout_fingerprint() -> str:
+    """A hash of how this machine packs a fixed probe weight in every precision: changes with the layout."""
+    probe = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
+    digest = hashlib.sha256()
+    for kind, group in (("fp32", 128), ("bf16", 128), ("int8", 128), ("int4", 32)):
+        layer = PackedLinear(probe, None, kind, dtype=torch.bfloat16, group_size=group)
+        for tensor in (layer.weight, layer.scales):
+            if tensor is not None:
+                digest.update(f"{kind}:{layer.layout}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+                digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def source_digest(path: Any) -> str:
+    """A digest of a checkpoint directory: config.json, every safetensors header and size, sampled bytes."""
+    path = Path(path)
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as handle:
+            head = handle.read(8)
+            digest.update(head + handle.read(min(struct.unpack("<Q", head)[0], MAX_HEADER) if len(head) == 8 else 0))
+            for i in range(SAMPLES):
+                handle.seek(size * i // SAMPLES)
+                digest.update(handle.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def _align(offset: int, nbytes: int) -> int:
+    unit = HUGE_PAGE if nbytes >= HUGE_PAGE else PAGE
+    return -(-offset // unit) * unit
+
+
+def _linear_entries(name: str, layer: PackedLinear, tensors: dict) -> dict:
+    entry = dict(kind=layer.kind, layout=layer.layout, out_features=layer.out_features,
+                 in_features=layer.in_features, group_size=layer.group_size)
+    for part in ("weight", "scales", "bias"):
+        tensor = getattr(layer, part)
+        entry[part] = None if tensor is None else f"{name}.{part}"
+        if tensor is not None:
+            tensors[f"{name}.{part}"] = tensor
+    return entry
+
+
+def save_packed(model: Any, path: Any, source: Any = None) -> Path:
+    """Write an optimized model's packed weights to one file at ``path`` (replaced atomically); returns it.
+
+    ``source``: the checkpoint directory the model came from (default: the one
+    :func:`~xlaunch.llm.from_pretrained` loaded it from, if any); its digest is recorded, so
+    ``from_pretrained(path, source=...)`` notices a changed checkpoint.
+    """
+    spec, dtype, parts = parts_of(model)
+    source = source if source is not None else getattr(model, SOURCE_ATTR, None)
+    tensors: dict[str, "torch.Tensor"] = {"embed": parts.embed, "final_norm": parts.final_norm}
+    linears = {"lm_head": _linear_entries("lm_head", parts.lm_head, tensors)}
+    for index, layer in enumerate(parts.linears):
+        tensors[f"layers.{index}.input_norm"] = parts.input_norms[index]
+        tensors[f"layers.{index}.post_attention_norm"] = parts.post_attention_norms[index]
+        for name in LAYER_LINEARS:
+            linears[f"layers.{index}.{name}"] = _linear_entries(f"layers.{index}.{name}", layer[name], tensors)
+    first = parts.linears[0]["qkv"]
+    generation = getattr(model, "generation_config", None)
+    manifest = dict(format="xlaunch.llm.packed", version=FORMAT_VERSION, architecture=spec.architecture,
+                    config=model.config.to_dict(), generation_config=generation.to_dict() if generation else None,
+                    dtype=DTYPES[dtype], weights=first.kind, group_size=first.group_size,
+                    kernel=dict(level=kernel_level(), layout=first.layout, fingerprint=layout_fingerprint()),
+                    source=None if source is None else dict(path=str(source), digest=source_digest(source)),
+                    linears=linears, tensors={})
+    # offsets depend on the manifest's length: reserve room for the offsets' digits, then lay out
+    entries = {name: dict(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
+                          nbytes=t.numel() * t.element_size()) for name, t in tensors.items()}
+    manifest["tensors"] = {name: dict(entry, offset=10 ** 15) for name, entry in entries.items()}
+    header_room = _align(16 + len(json.dumps(manifest).encode()), PAGE) + PAGE
+    offset = header_room
+    for name, entry in entries.items():
+        offset = _align(offset, entry["nbytes"])
+        manifest["tensors"][name] = dict(entry, offset=offset)
+        offset += entry["nbytes"]
+    header = json.dumps(manifest).encode()
+    path = Path(path)
+    if path.is_symlink():
+        raise PackedFileError(f"xlaunch.llm.save_packed: {path} is a symlink; give the file's own path")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "wb") as handle:
+            handle.write(MAGIC + struct.pack("<Q", len(header)) + header)
+            for name, tensor in tensors.items():
+                handle.seek(manifest["tensors"][name]["offset"])
+                handle.write(tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
+            handle.truncate(offset)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    finally:
+        if partial.exists():
+            partial.unlink()
+    return path
+
+
+def _fail(path: Any, problem: str) -> PackedFileError:
+    return PackedFileError(f"xlaunch.llm: {path}: {problem}")
+
+
+def _read_manifest(path: Any) -> tuple[dict, int, int]:
+    """(manifest, open read-only fd, file size) of a packed file, its tensors checked against the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))   # a FIFO must not block
+    except OSError as exc:
+        raise _fail(path, f"cannot open the packed file ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _fail(path, "not a regular file")
+        size = info.st_size
+        prefix = os.pread(fd, 16, 0)
+        if len(prefix) < 16 or prefix[:8] != MAGIC:
+            raise _fail(path, "not an xlaunch packed-weights file (no XLLMPACK header)")
+        length = struct.unpack("<Q", prefix[8:])[0]
+        if length > MAX_HEADER or 16 + length > size:
+            raise _fail(path, f"truncated or malformed: a {length}-byte manifest in a {size}-byte file")
+        try:
+            manifest = json.loads(os.pread(fd, length, 16))
+        except ValueError:
+            raise _fail(path, "the manifest is not valid JSON") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != "xlaunch.llm.packed":
+            raise _fail(path, "the manifest is not an xlaunch.llm packed-weights manifest")
+        if manifest.get("version") != FORMAT_VERSION:
+            raise _fail(path, f"written in format version {manifest.get('version')!r}, this xlaunch reads version "
+                              f"{FORMAT_VERSION}; rebuild it: from_pretrained(path, source=CHECKPOINT)")
+        _check_tensors(path, manifest.get("tensors"), 16 + length, size)
+        return manifest, fd, size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _check_tensors(path: Any, tensors: Any, data_start: int, size: int) -> None:
+    if not isinstance(tensors, dict):
+        raise _fail(path, "the manifest has no tensor table")
+    for name, entry in tensors.items():
+        try:
+            dtype = TENSOR_DTYPES[entry["dtype"]]
+            shape, offset, nbytes = entry["shape"], entry["offset"], entry["nbytes"]
+            ok = (all(type(d) is int and d >= 0 for d in shape) and type(offset) is int and type(nbytes) is int
+                  and nbytes == torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size())
+        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError):
+            ok = False
+        if not ok:
+            raise _fail(path, f"malformed manifest entry for tensor {name!r}")
+        if offset < data_start or offset % PAGE:
+            raise _fail(path, f"tensor {name!r} starts at {offset}, inside the header or unaligned")
+        if offset + nbytes > size:
+            raise _fail(path, f"truncated: tensor {name!r} ends at byte {offset + nbytes}, the file has {size}")
+
+
+def _packed_shapes(kind: str, layout: str, n: int, k: int, group: int) -> dict:
+    """The shapes :class:`PackedLinear` gives its weight and scales (None: not checked, ATen's opaque int4)."""
+    blocks = -(-n // BLOCK)
+    if layout == "native":
+        return {"bf16": {"weight": [blocks, -(-k // 2), 2 * BLOCK]},
+                "int8": {"weight": [blocks, k, BLOCK], "scales": [blocks, BLOCK]},
+                "int4": {"weight": [blocks, k // 4, 2 * BLOCK], "scales": [blocks, k // group, BLOCK]}}.get(kind, {})
+    n16 = -(-n // 16) * 16
+    return {"fp32": {"weight": [n, k]}, "bf16": {"weight": [n, k]}, "int8": {"weight": [n, k], "scales": [n]},
+            "int4": {"weight": None, "scales": [k // max(group, 1), n16, 2]}}[kind]
+
+
+def _expected_linears(spec: Any) -> dict:
+    heads, kv, dim, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+    per_layer = {"qkv": ((heads + 2 * kv) * dim, hidden), "out": (hidden, heads * dim),
+                 "gate_up": (2 * spec.intermediate_size, hidden), "down": (hidden, spec.intermediate_size)}
+    shapes = {"lm_head": (spec.vocab_size, hidden)}
+    for index in range(spec.num_layers):
+        shapes.update({f"layers.{index}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
+
+
+def _tensor(area: mmap.mmap, entry: dict, private: bool) -> "torch.Tensor":
+    dtype = TENSOR_DTYPES[entry["dtype"]]
+    count = torch.Size(entry["shape"]).numel()
+    if count == 0:
+        return torch.empty(entry["shape"], dtype=dtype)
+    with warnings.catch_warnings():     # the mapping is read-only, and so are these tensors
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.frombuffer(area, dtype=dtype, count=count, offset=entry["offset"]).reshape(entry["shape"])
+    if private:
+        return huge_empty(tensor.shape, dtype).copy_(tensor)
+    return tensor
+
+
+def _linear(path: Any, name: str, entry: Any, shape: tuple, area: mmap.mmap, tensors: dict, dtype: Any,
+            private: bool) -> PackedLinear:
+    try:
+        kind, layout, n, k, group = (entry["kind"], entry["layout"], entry["out_features"], entry["in_features"],
+                                     entry["group_size"])
+        parts = {part: entry[part] for part in ("weight", "scales", "bias")}
+    except (KeyError, TypeError):
+        raise _fail(path, f"malformed manifest entry for the linear {name!r}") from None
+    if (kind not in KINDS or layout not in ("native", "aten") or (n, k) != shape or type(group) is not int
+            or (kind == "int4" and (group not in GROUP_SIZES or k % group))):
+        raise _fail(path, f"the linear {name!r} does not match the model's config")
+    wanted = dict(_packed_shapes(kind, layout, n, k, group), bias=[n])
+    dtypes = {"weight": WEIGHT_DTYPES[kind], "scales": ("float32",), "bias": (str(dtype).removeprefix("torch."),)}
+    found = {}
+    for part, tensor_name in parts.items():
+        if tensor_name is None:
+            if part == "weight" or (part == "scales" and kind in ("int8", "int4")):
+                raise _fail(path, f"the linear {name!r} has no {part}")
+            found[part] = None
+            continue
+        if not isinstance(tensor_name, str) or tensor_name not in tensors:
+            raise _fail(path, f"the linear {name!r} names a missing tensor {tensor_name!r}")
+        shape_wanted, entry_found = wanted.get(part), tensors[tensor_name]
+        if shape_wanted is not None and entry_found["shape"] != shape_wanted:
+            raise _fail(path, f"tensor {tensor_name!r} has shape {entry_found['shape']}, not {shape_wanted}")
+        if entry_found["dtype"] not in dtypes[part]:
+            raise _fail(path, f"tensor {tensor_name!r} is {entry_found['dtype']}, not {' or '.join(dtypes[part])}")
+        found[part] = _tensor(area, tensors[tensor_name], private)
+    return PackedLinear.from_packed(found["weight"], found["scales"], found["bias"], kind, dtype, group, n, k, layout)
+
+
+def stale_reason(path: Any, source: Any, dtype: Any, weights: Optional[str], group_size: int) -> Optional[str]:
+    """Why the packed file at ``path`` cannot stand for ``source`` at this precision here (None: it can)."""
+    if not Path(path).exists():
+        return "missing"
+    try:
+        manifest, fd, _ = _read_manifest(path)
+        os.close(fd)
+        _check_kernel(path, manifest)
+        _check_precision(path, manifest, dtype, weights, group_size if weights == "int4" else None)
+    except PackedFileError as exc:
+        return str(exc)
+    recorded = manifest.get("source") or {}
+    if recorded.get("digest") != source_digest(source):
+        return "another source checkpoint"
+    return None
+
+
+def _check_kernel(path: Any, manifest: dict) -> None:
+    kernel = manifest.get("kernel") or {}
+    here = dict(level=kernel_level(), layout=expected_layout(manifest.get("weights", "")),
+                fingerprint=layout_fingerprint())
+    for key in ("level", "layout", "fingerprint"):
+        if kernel.get(key) != here[key]:
+            raise _fail(path, f"packed for kernel {key} {kernel.get(key)!r}, this machine uses {here[key]!r}; "
+                              "rebuild it: from_pretrained(path, source=CHECKPOINT)")
+
+
+def _check_precision(path: Any, manifest: dict, dtype: Any, weights: Optional[str], group: Optional[int]) -> None:
+    asked = {"dtype": None if dtype is None else DTYPES.get(dtype, str(dtype)),
+             "weights": None if weights is None and dtype is None else (weights or DTYPES.get(dtype)),
+             "group_size": group}
+    for key, value in asked.items():
+        if value is not None and manifest.get(key) != value:
+            raise _fail(path, f"holds {key}={manifest.get(key)!r}, not the {value!r} asked for")
+
+
+def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: Optional[int] = None,
+                private: bool = False) -> Any:
+    """The optimized model in a packed file, its tensors mapped read-only (``private``: copied to 2 MiB pages)."""
+    import transformers
+
+    manifest, fd, _ = _read_manifest(path)
+    try:
+        _check_kernel(path, manifest)
+        _check_precision(path, manifest, dtype, weights, group_size)
+        area = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    if hasattr(area, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            area.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    dtype = {name: d for d, name in DTYPES.items()}.get(manifest.get("dtype"))
+    config_dict = manifest.get("config")
+    if dtype is None or not isinstance(config_dict, dict) or "model_type" not in config_dict:
+        raise _fail(path, "the manifest lacks the model's dtype or config")
+    config = transformers.AutoConfig.for_model(config_dict["model_type"]).__class__.from_dict(config_dict)
+    model, spec = skeleton(config)
+    if manifest.get("generation_config"):
+        model.generation_config = transformers.GenerationConfig.from_dict(manifest["generation_config"])
+    tensors, linears = manifest["tensors"], manifest.get("linears")
+    if not isinstance(linears, dict):
+        raise _fail(path, "the manifest has no linear table")
+    expected = _expected_linears(spec)
+    if set(linears) != set(expected):
+        raise _fail(path, "its linears do not match the model's config")
+    built = {name: _linear(path, name, linears[name], shape, area, tensors, dtype, private)
+             for name, shape in expected.items()}
+    plain = {"embed": [spec.vocab_size, spec.hidden_size], "final_norm": [spec.hidden_size]}
+    for index in range(spec.num_layers):
+        plain[f"layers.{index}.input_norm"] = plain[f"layers.{index}.post_attention_norm"] = [spec.hidden_size]
+    for name, shape in plain.items():
+        if name not in tensors or tensors[name]["shape"] != shape or TENSOR_DTYPES[tensors[name]["dtype"]] != dtype:
+            raise _fail(path, f"tensor {name!r} is missing or not {DTYPES[dtype]} of shape {shape}")
+    get = {name: _tensor(area, tensors[name], private) for name in plain}
+    layers = range(spec.num_layers)
+    parts = Parts(embed=get["embed"], final_norm=get["final_norm"], lm_head=built["lm_head"],
+                  input_norms=[get[f"layers.{i}.input_norm"] for i in layers],
+                  post_attention_norms=[get[f"layers.{i}.post_attention_norm"] for i in layers],
+                  linears=[{name: built[f"layers.{i}.{name}"] for name in LAYER_LINEARS} for i in layers])
+    model = install(model, spec, dtype, parts)
+    source = manifest.get("source") or {}
+    if source.get("path"):
+        object.__setattr__(model, SOURCE_ATTR, source["path"])
+    return model
