@@ -66,7 +66,7 @@ def test_a_directory_without_a_checkpoint_gets_one_line(tmp_path):
 
 
 PEAK_PROGRAM = r"""
-import json, sys, gc, torch
+import json, sys, gc, torch, warnings
 import xlaunch.llm as llm
 from transformers import AutoModelForCausalLM
 
@@ -76,14 +76,15 @@ def hwm():
             return int(line.split()[1]) * 1024
 
 small, big, route = sys.argv[1:4]
+warnings.simplefilter("ignore")                   # bf16 on a CPU without native bf16 warns (as it should)
 ids = torch.randint(1, 500, (1, 16), generator=torch.Generator().manual_seed(0))
-warm = llm.from_pretrained(small)                  # imports, kernels and allocator warmed on a tiny model
+warm = llm.from_pretrained(small, dtype=torch.bfloat16)   # imports, kernels and allocator warmed on a tiny model
 warm.generate(ids, max_new_tokens=4, do_sample=False)
 del warm
 gc.collect()
 baseline = hwm()
 if route == "stream":
-    model = llm.from_pretrained(big)
+    model = llm.from_pretrained(big, dtype=torch.bfloat16)   # the packed bytes are the checkpoint's
 else:
     model = llm.optimize(AutoModelForCausalLM.from_pretrained(big), dtype=torch.bfloat16)
 out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)

@@ -40,6 +40,9 @@ PAGE = 4096
 SOURCE_ATTR = "_xlaunch_llm_source"
 TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8, "uint8": torch.uint8,
                  "int32": torch.int32}
+SAMPLES, SAMPLE_BYTES = 16, 64 << 10
+WEIGHT_DTYPES = {"fp32": ("float32",), "bf16": ("bfloat16",), "int8": ("int8",), "int4": ("uint8", "int32")}
+
 
 class PackedFileError(ValueError):
     """A packed file that cannot be used here (the message is one line)."""
