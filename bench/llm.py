@@ -142,6 +142,9 @@ def make_model(folder: Path) -> None:
     except ImportError:
         raise SystemExit("bench/llm.py needs sentencepiece for the GGUF tokenizer: pip install -e '.[bench-llm]'") from None
     import torch
+
+    from xlaunch._torch import import_quietly
+    import_quietly("torchao.quantization", "transformers.quantizers.auto")   # no torchao import noise
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
