@@ -38,7 +38,7 @@ test: setup
 	( start=$$(date +%s); taskset -c $$cpu $(PY) -m pytest -q -p no:cacheprovider -k 'not recorded_machines' \
 	  $(ONE_CPU_TESTS) >$$one_cpu_log 2>&1; code=$$?; \
 	  echo "1-CPU run (taskset -c $$cpu): $$(( $$(date +%s) - start )) s wall" >>$$one_cpu_log; exit $$code ) & one_cpu=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=12 tests; main=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests; main=$$?; \
 	wait $$one_cpu; single=$$?; \
 	if [ $$single -eq 0 ]; then tail -n 2 $$one_cpu_log; else cat $$one_cpu_log; fi; rm -f $$one_cpu_log; \
 	[ $$main -eq 0 ] && [ $$single -eq 0 ]
