@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import leftovers, running, wait_gone
 
 from xlaunch.cpulist import format_cpulist, parse_cpulist
 
@@ -104,16 +105,6 @@ def ddp_lines(output: str) -> dict[int, dict[str, str]]:
     return {int(m.group(1)): dict(zip(names, m.groups())) for m in DDP_LINE.finditer(output)}
 
 
-def leftovers(token: str) -> list[int]:
-    """Live (non-zombie) processes whose command line mentions ``token``."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and token in " ".join(proc.info["cmdline"] or ()):
-                found.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
 
 
 def check_ddp(output: str, ranks: list[dict], world: int = 2) -> None:
@@ -175,24 +166,8 @@ def job_pids(ready: dict[int, list[str]]) -> list[int]:
     return [int(f[13]) for f in ready.values()] + [int(f[15]) for f in ready.values() if f[15] != "0"]
 
 
-def alive(pids: list[int]) -> list[int]:
-    """Those of ``pids`` that still exist and are not zombies (read from /proc)."""
-    left = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if state not in ("Z", "X"):
-            left.append(pid)
-    return left
 
 
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive(pids)
 
 
 def test_two_nodes_on_loopback_reach_world_size_two(tmp_path: Path) -> None:
@@ -313,7 +288,7 @@ def test_kill_9_of_the_front_leaves_nothing_running(tmp_path: Path) -> None:
     try:
         ready = wait_ready(job, 2)
         pids = job_pids(ready)
-        assert len(alive(pids)) == 4
+        assert len(running(pids)) == 4
         job.kill()
         job.wait(timeout=30)
         assert wait_gone(pids, 1 + 3.0) == []

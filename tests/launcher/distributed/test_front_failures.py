@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import leftovers, running, wait_gone
 
 pytestmark = pytest.mark.live
 if importlib.util.find_spec("torch") is None:     # found without importing it here
@@ -74,27 +75,8 @@ def start(*argv: str) -> subprocess.Popen:
                             preexec_fn=default_signals)
 
 
-def leftovers(token: str) -> list[int]:
-    """Live (non-zombie) processes whose command line mentions ``token``."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and token in " ".join(proc.info["cmdline"] or ()):
-                found.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
 
 
-def running(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def wait_for_agent(job: subprocess.Popen, timeout: float = 60) -> int:
@@ -149,10 +131,7 @@ def test_the_job_ends_with_the_first_failed_ranks_status(tmp_path: Path, log_dir
         pids += found
         if log_dir:
             assert (tmp_path / how / "xlaunch_rank_1.log").read_text().startswith("ready 1 ")
-    deadline = time.monotonic() + 5
-    while running(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert running(pids) == []
+    assert wait_gone(pids, 5) == []
     assert leftovers(program.name) == []
 
 

@@ -11,9 +11,9 @@ import sys
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 from machine_trees import machine_tree
+from processes import leftovers
 
 from xlaunch.launcher.observe.kernel_report import RELAYOUT_ADVICE
 
@@ -46,15 +46,6 @@ def rank(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, str]:
     return proc, token
 
 
-def left_running(token: str) -> list[int]:
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and token in " ".join(proc.info["cmdline"] or ()):
-                found.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
 
 
 def test_rank_is_its_program_and_its_output_is_clean(tmp_path: Path) -> None:
@@ -69,7 +60,7 @@ def test_rank_is_its_program_and_its_output_is_clean(tmp_path: Path) -> None:
         "xlaunch: warning: rank 3: weights re-laid-out on every call (convolution: 21 weight reorders in 21 calls): "
         f"{RELAYOUT_ADVICE}",
     ]
-    assert left_running(token) == []
+    assert leftovers(token) == []
 
 
 def test_a_stopped_rank_still_gets_its_output_and_report(tmp_path: Path) -> None:
@@ -83,7 +74,7 @@ def test_a_stopped_rank_still_gets_its_output_and_report(tmp_path: Path) -> None
     assert proc.returncode == -signal.SIGTERM
     assert seen + out == EXPECTED + b"pid %d\n" % proc.pid
     assert "xlaunch: rank 3 kernels: oneDNN v3.12.0, AVX2;" in err.decode()
-    assert left_running(token) == []
+    assert leftovers(token) == []
 
 
 def test_front_forwards_the_option_to_every_rank() -> None:

@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from host_cpus import allowed_cores
+from processes import running, wait_gone
 
 REPO = Path(__file__).resolve().parents[3]
 ALLOWED = sorted(os.sched_getaffinity(0))
@@ -51,22 +51,8 @@ def recorded(path: Path) -> list[int]:
     return [int(p) for line in path.read_text().splitlines() for p in line.split()]
 
 
-def running(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while running(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return running(pids)
 
 
 def traceback_in_xlaunch(err: str) -> bool:
