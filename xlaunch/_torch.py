@@ -62,16 +62,11 @@ def load_attribute(module: str, name: str, what: str) -> object:
 NOISY_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
-def import_quietly(*modules: str) -> None:
-    """Import each of ``modules`` that is installed, with torchao's import-time log lines silenced.
-
-    transformers imports torchao when it is installed (its torchao quantizer, on the first model
-    built); torchao then logs one warning per CUDA-only library it cannot load and, through torch's
-    pytree, one deprecation line per Enum it registers. Importing those modules first, with the
-    loggers at ERROR (restored after), keeps a decoding run's output free of them. A module that
-    fails to import is left for its own caller to report.
-    """
-    import importlib.util
+@contextlib.contextmanager
+def quiet_import_logs() -> Iterator[None]:
+    """Within the block, torchao's import-time log lines are silenced (its loggers and torch's
+    pytree at ERROR, restored after): torchao logs one warning per CUDA-only library it cannot
+    load and, through torch's pytree, one deprecation line per Enum it registers."""
     import logging
 
     loggers = [logging.getLogger(name) for name in NOISY_IMPORT_LOGGERS]
@@ -79,12 +74,25 @@ def import_quietly(*modules: str) -> None:
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def import_quietly(*modules: str) -> None:
+    """Import each of ``modules`` that is installed, within :func:`quiet_import_logs`.
+
+    transformers imports torchao when it is installed (its torchao quantizer, on the first model
+    built): importing those modules first keeps a decoding run's output free of torchao's lines.
+    A module that fails to import is left for its own caller to report.
+    """
+    import importlib.util
+
+    with quiet_import_logs():
         for module in modules:
             try:
                 if importlib.util.find_spec(module.partition(".")[0]) is not None:
                     importlib.import_module(module)
             except Exception:   # noqa: BLE001  (a broken optional package is its importer's to report)
                 pass
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)

@@ -5,12 +5,11 @@ with freezing, which lowers the q/dq pattern to oneDNN int8 kernels) and int8 we
 from __future__ import annotations
 
 import copy
-import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from xlaunch._torch import needs_torch
+from xlaunch._torch import needs_torch, quiet_import_logs
 
 with needs_torch(__name__):
     import torch
@@ -57,19 +56,13 @@ def pt2e_range(reduce_range: bool) -> str:
 
 def import_torchao() -> Any:
     """torchao, imported lazily and quietly (it logs failed loads of its CUDA-only libraries)."""
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.ERROR)
     try:
-        import torchao  # noqa: F401
-        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
-        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
+        with quiet_import_logs():
+            import torchao  # noqa: F401
+            import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+            import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
     except ImportError as exc:
         raise ImportError("xlaunch.quantize needs torchao: pip install 'xlaunch[torch]'") from exc
-    finally:
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
     return torchao
 
 
