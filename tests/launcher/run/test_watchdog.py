@@ -19,8 +19,16 @@ STUBBORN = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);
 
 
 def cmdline(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as text:
-        return [part.decode() for part in text.read().split(b"\0") if part]
+    """The process's argv. Right after ``Popen`` returns, a child started by vfork may still be
+    inside execve (the parent resumes once the old memory is released, before the new argv is set
+    up): its cmdline reads empty for a moment, most often on a loaded machine. Wait for it."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{pid}/cmdline", "rb") as text:
+            parts = [part.decode() for part in text.read().split(b"\0") if part]
+        if parts or time.monotonic() > deadline:
+            return parts
+        time.sleep(0.005)
 
 
 def test_the_watchdog_is_exec_d_in_a_session_of_its_own_while_threads_run() -> None:
