@@ -126,6 +126,7 @@ def test_default_activations_follow_the_same_flags_as_optimize():
     assert footprint.default_activations() == {torch.bfloat16: "bf16", torch.float32: "fp32"}[api.default_dtype()]
 
 
+@pytest.mark.live
 def test_example_refuses_a_shape_too_big_for_the_memory(tmp_path):
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc" / "meminfo").write_text("MemTotal: 8000000 kB\nMemAvailable: 262144 kB\n")
