@@ -6,8 +6,9 @@ Cache layout (``$XLAUNCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/xlaunch``, else ``~
 
     llamacpp/src/llama_cpp_python-<version>/vendor/llama.cpp     the source
     llamacpp/build-<version>-<cpu key>/bin/llama-bench            the build (-DGGML_NATIVE=ON)
-    llamacpp/model-<model key>/{config.json,model.safetensors,tokenizer.model}
-    llamacpp/model-<model key>/gguf-<version>/{f32,bf16,q8_0,q4_0}.gguf
+    llamacpp/tokenizer-spm32000-seed0/tokenizer.model             the presets' tokenizer
+    llm-shapes/<shape>-seed0-<key>/{config.json,model.safetensors,tokenizer.model}   a preset's checkpoint
+    llamacpp/gguf-<model key>/gguf-<version>/{f32,bf16,q8_0,q4_0}.gguf   (never in a user's --model folder)
 
 The CPU key hashes the CPU's flags: a native build only runs where they are. The build's binaries
 find their libraries next to them (``$ORIGIN``), so the finished build is renamed into place.
@@ -123,10 +124,12 @@ def build(root: Optional[Path] = None) -> Path:
     return final / "bin"
 
 
-def gguf_file(model_dir: Path, kind: str, bin_dir: Path, source: Path) -> Path:
-    """``model_dir``'s weights as a GGUF of ``kind`` (converted once; Q4_0 quantized from F32)."""
-    folder = model_dir / f"gguf-{VERSION}"
-    folder.mkdir(exist_ok=True)
+def gguf_file(model_dir: Path, kind: str, bin_dir: Path, source: Path, out_dir: Optional[Path] = None,
+              q4_from: str = "f32") -> Path:
+    """``model_dir``'s weights as a GGUF of ``kind`` under ``out_dir`` (default ``model_dir``), converted once;
+    Q4_0 quantized from the GGUF of ``q4_from`` (F32, or BF16 for a bf16 checkpoint: the same values)."""
+    folder = (out_dir or model_dir) / f"gguf-{VERSION}"
+    folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{kind}.gguf"
     if target.exists():
         return target
@@ -137,8 +140,11 @@ def gguf_file(model_dir: Path, kind: str, bin_dir: Path, source: Path) -> Path:
         _run_logged([sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", kind,
                      "--outfile", str(partial)], log, f"converting to GGUF {kind.upper()}", env=env)
     elif kind == "q4_0":
-        _run_logged([str(bin_dir / "llama-quantize"), str(gguf_file(model_dir, "f32", bin_dir, source)), str(partial),
-                     "Q4_0"], log, "quantizing GGUF F32 to Q4_0 (llama-quantize)")
+        if q4_from not in ("f32", "bf16"):
+            raise ValueError(f"Q4_0 is quantized from f32 or bf16, not {q4_from!r}")
+        original = gguf_file(model_dir, q4_from, bin_dir, source, out_dir)
+        _run_logged([str(bin_dir / "llama-quantize"), str(original), str(partial), "Q4_0"], log,
+                    f"quantizing GGUF {q4_from.upper()} to Q4_0 (llama-quantize)")
     else:
         raise ValueError(f"unknown GGUF type {kind!r}")
     partial.rename(target)

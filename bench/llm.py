@@ -3,13 +3,18 @@
 ``llama-bench`` (F32, BF16, Q8_0, Q4_0) on the same weights, at 1 and 2 threads.
 
     .venv/bin/python bench/llm.py [--quick] [--threads 1,2] [--routes hf-fp32,llamacpp-bf16,...]
+                                  [--shape llama-168m | --model PATH]
                                   [--rounds 5] [--prompt 32] [--new-tokens 48] [--no-llamacpp]
                                   [--json PATH] [--lock PATH] [--list]
 
-The model is a Llama decoder of 168.3M parameters made from a config (random weights, normal(0,
-0.02)), saved once as a Hugging Face checkpoint with a sentencepiece tokenizer (trained on generated
-words) and converted to GGUF with llama.cpp's own ``convert_hf_to_gguf.py``; llama.cpp is built
-from the tree vendored in the ``llama-cpp-python`` sdist. All of it is cached (bench/_llamacpp.py).
+The model is a preset shape (``--shape``, default ``llama-168m``: the published configs of
+Llama-3.2-1B/3B, Qwen2.5-0.5B/1.5B and Mistral-7B-v0.1 in xlaunch/llm/shapes.py) with random weights
+(normal(0, 0.02)), written once as a Hugging Face checkpoint with a sentencepiece tokenizer (trained
+on generated words), or a user's checkpoint (``--model PATH``); it is converted to GGUF with
+llama.cpp's own ``convert_hf_to_gguf.py``; llama.cpp is built from the tree vendored in the
+``llama-cpp-python`` sdist. All of it is cached (bench/_llamacpp.py, bench/_llm_model.py). Before
+anything starts, the memory and disk the run needs are estimated from the config and compared with
+MemAvailable and the free disk: a shape that does not fit is refused with one line (exit status 2).
 
 Each torch route runs in its own process (its threads and its peak RSS are its own), set up and
 warmed once (a compiled route's first call takes about 30 s), then timed in interleaved rounds
@@ -42,11 +47,9 @@ REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
 import _llamacpp  # noqa: E402
+import _llm_model  # noqa: E402
 from _machine_bench import median, paired_ratio  # noqa: E402
 
-CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-              num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)
-SEED = 0
 REPLY = "@@xlaunch-bench "                # a worker's replies on stdout start with this
 
 
@@ -90,6 +93,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--routes", help="comma-separated routes (--list); default: all (--quick: its set)")
     parser.add_argument("--threads", type=int_list, default=[1, 2], help="thread counts (default 1,2)")
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5, --quick 2)")
+    parser.add_argument("--shape", help="a preset shape with random weights (default llama-168m; "
+                        "xlaunch/llm/shapes.py: llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, qwen2.5-1.5b, mistral-7b-v0.1)")
+    parser.add_argument("--model", help="a Hugging Face checkpoint directory (config.json + *.safetensors) instead")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
     parser.add_argument("--new-tokens", type=int, help="generated tokens (default 48, --quick 24)")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp (no build, no GGUF)")
@@ -98,13 +104,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="flock this file around each timed round ('' for none; default: "
                              "/tmp/xlaunch-bench.lock when it exists)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)      # internal: one torch route's process
-    parser.add_argument("--make-model", help=argparse.SUPPRESS)  # internal: write the HF checkpoint
+    parser.add_argument("--make-model", help=argparse.SUPPRESS)  # internal: write a preset's checkpoint
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.new_tokens = args.new_tokens or (24 if args.quick else 48)
     if args.new_tokens < 2 or args.prompt < 1 or args.rounds < 1:
         parser.error("--new-tokens must be at least 2, --prompt and --rounds at least 1")
+    if args.shape and args.model:
+        parser.error("--shape and --model exclude each other")
     if args.routes:
         names = [name.strip() for name in args.routes.split(",") if name.strip()]
         unknown = [name for name in names if name not in ROUTES]
@@ -123,52 +131,12 @@ def list_routes() -> str:
                      + ("" if r.quick else "   (not in --quick)") for r in ROUTES.values())
 
 
-def model_key() -> str:
-    import hashlib
-    from importlib.metadata import version
-
-    text = json.dumps({"config": CONFIG, "seed": SEED, "transformers": version("transformers"), "spm": 32000},
-                      sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-# -- the model (in a subprocess: torch stays out of the orchestrating process) ---------------------
-def make_model(folder: Path) -> None:
-    """The seeded checkpoint (fp32 safetensors) and a sentencepiece BPE tokenizer of 32000 pieces."""
-    import random
-
-    try:
-        import sentencepiece
-    except ImportError:
-        raise SystemExit("bench/llm.py needs sentencepiece for the GGUF tokenizer: pip install -e '.[bench-llm]'") from None
-    import torch
-
-    from xlaunch._torch import import_quietly
-    import_quietly("torchao.quantization", "transformers.quantizers.auto")   # no torchao import noise
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
-    print(f"  model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
-    model.save_pretrained(folder)
-    rng = random.Random(SEED)
-    syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiou"] + list("aeiou")
-    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(60000)]
-    lines = (" ".join(rng.choice(words) for _ in range(12)) for _ in range(40000))
-    print("  training the sentencepiece tokenizer (about 20 s)", flush=True)
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=lines, model_prefix=str(folder / "tokenizer"),
-                                             vocab_size=CONFIG["vocab_size"], model_type="bpe",
-                                             hard_vocab_limit=False, minloglevel=2)
-    (folder / "tokenizer.vocab").unlink(missing_ok=True)
-
-
-def model_dir() -> Path:
-    folder = _llamacpp.cache_root() / f"model-{model_key()}"
-    if not (folder / "tokenizer.model").exists():
-        print(f"writing the model checkpoint and tokenizer to {folder}", flush=True)
-        subprocess.run([sys.executable, __file__, "--make-model", str(folder)], check=True)
-    return folder
+def model_dir(model: _llm_model.BenchModel) -> Path:
+    """The checkpoint folder; a preset's is written first when missing (in a subprocess: torch)."""
+    if not model.ready():
+        print(f"writing the {model.name} checkpoint and tokenizer to {model.folder}", flush=True)
+        subprocess.run([sys.executable, __file__, "--make-model", model.name], check=True)
+    return model.folder
 
 
 # -- one torch route (the worker process) --------------------------------------------------------
@@ -196,22 +164,16 @@ def heartbeat(what: str, every: float = 10.0) -> Iterator[None]:
         thread.join()
 
 
-def xlaunch_optimize() -> Any:
-    """``xlaunch.llm.optimize``, looked up lazily; ``LookupError(reason)`` while it is not there."""
-    import importlib
-    import importlib.util
-    import types
-
+def xlaunch_from_pretrained() -> Any:
+    """``xlaunch.llm.from_pretrained``, looked up lazily; ``LookupError(reason)`` while it is not there."""
     try:
-        package = importlib.import_module("xlaunch.llm")
-        if importlib.util.find_spec("xlaunch.llm.optimize") is not None:
-            importlib.import_module("xlaunch.llm.optimize")     # a submodule of that name: its function
-        found = package.optimize
-        found = found.optimize if isinstance(found, types.ModuleType) else found
+        import xlaunch.llm
+
+        found = xlaunch.llm.from_pretrained
     except Exception as error:   # not merged yet, or its imports fail
-        raise LookupError(f"xlaunch.llm.optimize does not import ({type(error).__name__}: {str(error)[:160]})") from None
+        raise LookupError(f"xlaunch.llm.from_pretrained does not import ({type(error).__name__}: {str(error)[:160]})") from None
     if not callable(found):
-        raise LookupError(f"xlaunch.llm.optimize is not callable: {found!r}")
+        raise LookupError(f"xlaunch.llm.from_pretrained is not callable: {found!r}")
     return found
 
 
@@ -220,6 +182,15 @@ def prepare(route: str, folder: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    if route.startswith("xlaunch-"):
+        weights = {"xlaunch-bf16": None, "xlaunch-int8": "int8", "xlaunch-int4": "int4"}[route]
+        load = xlaunch_from_pretrained()
+        try:
+            # streamed into the packed form (no full-precision copy); bf16 weights need bf16 activations,
+            # INT8/INT4 take the CPU's default (bf16 with native bf16, else fp32)
+            return load(folder, dtype=torch.bfloat16 if weights is None else None, weights=weights)
+        except Exception as error:
+            raise LookupError(f"from_pretrained raised {type(error).__name__}: {error}") from None
     dtype = torch.float32 if route == "hf-fp32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     if route == "torchao-int8":
@@ -233,14 +204,6 @@ def prepare(route: str, folder: Path) -> Any:
         compile_config._compile_all_devices = True       # generate compiles on CUDA only otherwise
         model.generation_config.cache_implementation = "static"
         model.generation_config.compile_config = compile_config
-    if route.startswith("xlaunch-"):
-        weights = {"xlaunch-bf16": None, "xlaunch-int8": "int8", "xlaunch-int4": "int4"}[route]
-        optimize = xlaunch_optimize()
-        try:
-            # bf16 weights need bf16 activations; INT8/INT4 take the CPU's default (bf16 with native bf16, else fp32)
-            model = optimize(model, dtype=torch.bfloat16) if weights is None else optimize(model, weights=weights)
-        except Exception as error:
-            raise LookupError(f"optimize raised {type(error).__name__}: {error}") from None
     return model
 
 
@@ -265,7 +228,8 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int) -> None:
         return
     setup_s = time.perf_counter() - start
     model.generation_config.eos_token_id = None      # exactly N tokens, no per-step EOS work (see the top)
-    prompt = torch.randint(3, CONFIG["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    prompt = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompt)
 
     def generate(count: int) -> float:
@@ -366,11 +330,12 @@ def bench_lock(path: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def prepare_llamacpp(kinds: Sequence[str], folder: Path) -> tuple[Path, dict[str, Path]]:
+def prepare_llamacpp(kinds: Sequence[str], model: _llm_model.BenchModel) -> tuple[Path, dict[str, Path]]:
     print("llama.cpp: build and GGUF files (cached under " f"{_llamacpp.cache_root()})", flush=True)
     bin_dir = _llamacpp.build()
     source = _llamacpp.source_dir()
-    return bin_dir, {kind: _llamacpp.gguf_file(folder, kind, bin_dir, source) for kind in kinds}
+    return bin_dir, {kind: _llamacpp.gguf_file(model.folder, kind, bin_dir, source, model.gguf_dir, model.q4_source())
+                     for kind in kinds}
 
 
 def measure_llamacpp(bin_dir: Path, gguf: Path, threads: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -507,21 +472,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(list_routes())
         return 0
     if args.make_model:
-        make_model(Path(args.make_model))
+        _llm_model.make(args.make_model)
         return 0
     if args.worker:
         worker(args.worker, Path(args.model_dir), args.prompt, args.new_tokens)
         return 0
-    description = machine()
-    print(f"routes: {', '.join(args.route_names)}; threads {args.threads}; {args.rounds} rounds; "
-          f"prompt {args.prompt}, new tokens {args.new_tokens}; lock {args.lock or 'none'}", flush=True)
-    folder = model_dir()
     kinds = sorted({ROUTES[name].precision for name in args.route_names if ROUTES[name].engine == "llamacpp"},
                    key=_llamacpp.GGUF_TYPES.index)
+    try:
+        model = _llm_model.resolve(args.shape, args.model)
+    except _llm_model.shapes.ShapeError as error:
+        print(f"bench/llm.py: {error}", file=sys.stderr)
+        return 2
+    torch_routes = [name for name in args.route_names if ROUTES[name].engine == "torch"]
+    refused = _llm_model.footprint.refusal(
+        "bench/llm.py", model.name, _llm_model.need(model, torch_routes, kinds, args.prompt, args.new_tokens),
+        hint=" (try fewer --routes or a smaller --shape)")
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
+    description = machine()
+    print(f"model: {model.name} ({model.shape.parameters() / 1e6:.1f}M parameters); routes: {', '.join(args.route_names)}; "
+          f"threads {args.threads}; {args.rounds} rounds; prompt {args.prompt}, new tokens {args.new_tokens}; "
+          f"lock {args.lock or 'none'}", flush=True)
+    folder = model_dir(model)
     llama = None
     if kinds:
         try:
-            llama = prepare_llamacpp(kinds, folder)
+            llama = prepare_llamacpp(kinds, model)
         except Exception as error:       # no compiler, no network: the torch rows still run
             print(f"llama.cpp unavailable: {type(error).__name__}: {error}", flush=True)
     results = {}
@@ -534,7 +512,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from _machine_bench import write_results
 
     write_results(description, args.json, {
-        "bench": "llm", "config": CONFIG, "prompt": args.prompt, "new_tokens": args.new_tokens,
+        "bench": "llm", "model": model.name, "config": model.config, "prompt": args.prompt, "new_tokens": args.new_tokens,
         "rounds": args.rounds, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
         "results": results})
     return 0

@@ -1,11 +1,18 @@
-"""Decode with a small random Llama built from a config (no download), optimized by xlaunch.llm.
+"""Decode with a random-weight decoder of a real shape (no download) or your checkpoint, optimized by xlaunch.llm.
 
-    python examples/llm.py                          # the 168M-parameter model, batch 1, the CPU's dtype
+    python examples/llm.py                          # the 168M-parameter Llama (--shape llama-168m), batch 1
+    python examples/llm.py --shape llama-3.2-1b --weights int4   # Llama-3.2-1B's config, random weights
+    python examples/llm.py --model ~/models/Qwen2.5-0.5B         # a Hugging Face checkpoint directory
     python examples/llm.py --weights int8 --batch 4
     python examples/llm.py --tiny --no-optimize     # a 2-layer model in seconds; plain Hugging Face
     xlaunch --ninstances 2 examples/llm.py          # each instance its own copy on its own cores
     xlaunch --auto-optimize --dtype bfloat16 examples/llm.py --no-optimize   # the launcher optimizes it
 
+A preset (``--shape``, xlaunch/llm/shapes.py) is written as a safetensors checkpoint of random
+weights, one slice at a time (from 256 MiB up cached under ~/.cache/xlaunch/llm-shapes, else in a
+temporary folder), then streamed into the packed form by ``xlaunch.llm.from_pretrained``
+(``--no-optimize``: loaded by transformers). Before that the memory it needs is compared with
+MemAvailable: a shape that does not fit is refused with one line, exit status 2.
 Prints ``prefill: X tokens/s`` (the prompt's forward) and ``decode: Y tokens/s`` (tokens after the
 first, over ``generate``'s time after the prefill), per instance with its CPUs.
 """
@@ -14,18 +21,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 CPUS = sorted(os.sched_getaffinity(0))      # before torch: its OpenMP may pin the main thread
-MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-             num_attention_heads=16, num_key_value_heads=16)
-TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2)
+
+from xlaunch.llm import footprint, shapes  # noqa: E402  (no torch)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer, 128-wide model (for tests)")
+    parser.add_argument("--shape", default=shapes.DEFAULT,
+                        help=f"a preset: {', '.join(shapes.PRESETS)} (default {shapes.DEFAULT})")
+    parser.add_argument("--model", help="a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("--tiny", action="store_true", help="--shape tiny: a 2-layer, 128-wide model (for tests)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="activations; auto: bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--weights", choices=("none", "int8", "int4"), default="none")
@@ -38,21 +48,58 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("batch", "prompt_tokens", "new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.tiny:
+        args.shape = "tiny"
     return args
+
+
+def need(args: argparse.Namespace, config: dict) -> footprint.Need:
+    """The memory of the run's largest phase (writing the checkpoint, or loading and decoding) and the disk it writes."""
+    shape = shapes.Shape(config)
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(args.dtype) or footprint.default_activations()
+    tokens = args.prompt_tokens + args.new_tokens + 1
+    run = footprint.TORCH_PROCESS_BYTES + footprint.kv_cache_bytes(shape, tokens, args.batch, dtype) \
+        + footprint.activation_bytes(shape, args.prompt_tokens, args.batch)
+    if args.no_optimize:      # transformers maps the checkpoint and holds the model in the dtype
+        run += shapes.checkpoint_bytes(config) + footprint.dense_bytes(shape, dtype)
+        what = f"the {dtype} model, the mapped checkpoint and the KV cache"
+    else:
+        weights = None if args.weights == "none" else args.weights
+        run += footprint.packed_bytes(shape, dtype, weights) + footprint.streamed_load_bytes(shape, dtype)
+        what = f"packed {weights or dtype} weights and the KV cache"
+    phases = [(what, run)]
+    disk, where = 0, None
+    if not args.model:
+        folder = shapes.cached_checkpoint(args.shape, args.seed)
+        if not (folder / "model.safetensors").is_file():
+            big = shapes.checkpoint_bytes(config) >= shapes.CACHE_FROM_BYTES
+            disk, where = shapes.checkpoint_bytes(config), str(folder.parent if big else tempfile.gettempdir())
+            phases.append(("writing the checkpoint", footprint.TORCH_PROCESS_BYTES + 3 * shapes.CHUNK_BYTES))
+    memory, what = footprint.peak(phases)
+    return footprint.Need(memory, what, disk, where)
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    try:
+        config = shapes.read_config(args.model) if args.model else shapes.preset(args.shape)
+    except shapes.ShapeError as error:
+        print(f"examples/llm.py: {error}", file=sys.stderr)
+        return 2
+    name = args.model or args.shape
+    refused = footprint.refusal("examples/llm.py", name, need(args, config))
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
     import logging
 
     for noisy in ("torchao", "torch.utils._pytree"):   # transformers imports torchao, which logs CUDA-only misses
         logging.getLogger(noisy).setLevel(logging.ERROR)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(args.seed)
-    config = LlamaConfig(**(TINY if args.tiny else MODEL), tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
+    scratch = tempfile.TemporaryDirectory(prefix="xlaunch-llm-example-")
+    folder = Path(args.model) if args.model else shapes.ensure_checkpoint(args.shape, args.seed, scratch.name)
     if args.no_optimize:
         if args.dtype == "auto":
             import xlaunch.llm
@@ -60,16 +107,18 @@ def main(argv: list[str]) -> int:
             dtype = xlaunch.llm.default_dtype()
         else:
             dtype = getattr(torch, args.dtype)
-        model = model.to(dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
         print(f"not optimized ({str(dtype).removeprefix('torch.')})")
     else:
         import xlaunch.llm
 
         started = time.perf_counter()
-        xlaunch.llm.optimize(model, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
-                             weights=None if args.weights == "none" else args.weights)
+        model = xlaunch.llm.from_pretrained(folder, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+                                            weights=None if args.weights == "none" else args.weights)
         ran = str(model.config.dtype).removeprefix("torch.")
-        print(f"optimized ({ran}, weights {args.weights}) in {time.perf_counter() - started:.2f} s")
+        print(f"optimized ({ran}, weights {args.weights}) in {time.perf_counter() - started:.2f} s: {name}")
+    scratch.cleanup()                  # the model no longer reads it
+    config = model.config
     ids = torch.randint(1, config.vocab_size, (args.batch, args.prompt_tokens))
     fixed = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
 

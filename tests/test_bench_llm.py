@@ -4,6 +4,8 @@ ratios to llama.cpp at the same precision."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +54,7 @@ def test_list_prints_every_route_without_importing_torch() -> None:
             f"    runpy.run_path({str(BENCH / 'llm.py')!r}, run_name='__main__')\n"
             "except SystemExit as stop:\n"
             "    assert stop.code == 0, stop.code\n"
-            "print('heavy:', sorted(m for m in ('torch', 'transformers', 'xlaunch.llm') if m in sys.modules))\n")
+            "print('heavy:', sorted(m for m in ('torch', 'transformers', 'xlaunch.llm.api', 'xlaunch.llm.loader') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     routes = [line.split()[0] for line in out.splitlines() if line and not line.startswith("heavy:")]
     assert routes == list(load("llm").ROUTES)
@@ -130,3 +132,59 @@ def test_summary_ratios_pair_rounds_with_the_same_precision() -> None:
     assert "| hf-bf16 | 50.0 | 0.50 | 400 | 0.50 | 900 | 700 | 1.0 |" in text
     assert "| llamacpp-bf16 | 100.0 |  | 800 |  | 400 |  |  |" in text
     assert "| xlaunch-int8 | unavailable: not there |" in text
+
+
+def test_a_bad_or_too_big_shape_is_refused_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 4000000 kB\nMemAvailable: 2097152 kB\n")
+    env = {**os.environ, "XLAUNCH_FSROOT": str(tmp_path), "XLAUNCH_CACHE_DIR": str(tmp_path / "cache")}
+    for argv, expected in ((["--shape", "llama-3.2-1b"], "bench/llm.py: shape llama-3.2-1b needs about "),
+                           (["--shape", "llama-3.2-1b"], "this machine has 2.0 GiB available (MemAvailable); nothing"),
+                           (["--shape", "llama-9"], "bench/llm.py: --shape: unknown shape 'llama-9' (presets: llama-168m, ")):
+        proc = subprocess.run([sys.executable, str(BENCH / "llm.py"), *argv, "--routes", "xlaunch-int4,llamacpp-q4_0",
+                               "--lock", ""], capture_output=True, text=True, timeout=60, env=env)
+        assert (proc.returncode, proc.stdout, proc.stderr.count("\n")) == (2, "", 1), proc.stderr
+        assert expected in proc.stderr and proc.stderr.startswith("bench/llm.py: ")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_need_counts_every_phase_and_the_files_still_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path))
+    model_ = load("_llm_model")
+    footprint, shapes = model_.footprint, model_.shapes
+    tiny = model_.resolve("tiny", None)          # 2 layers, hidden 128, intermediate 256, vocabulary 512, fp32
+    assert tiny.preset and not tiny.ready() and tiny.q4_source() == "f32" and tiny.gguf_dir.parent == tmp_path / "llamacpp"
+    shape = tiny.shape
+    head = 512 * 128
+    assert model_.gguf_bytes(shape, "q4_0") == int((shape.parameters() - head) * 18 / 32 + head * 210 / 256)
+    need = model_.need(tiny, ["xlaunch-int4"], ["q4_0"], 32, 24)
+    # the checkpoint, Q4_0 and the F32 GGUF it is quantized from
+    assert need.disk == shapes.checkpoint_bytes(tiny.config) + model_.gguf_bytes(shape, "q4_0") + model_.gguf_bytes(shape, "f32")
+    steady, peak = model_.route_bytes("xlaunch-int4", shape, shapes.checkpoint_bytes(tiny.config), 32, 57)
+    run = peak + model_.llama_bytes(shape, "q4_0", 32, 57)
+    assert need.memory == max(run, footprint.TORCH_PROCESS_BYTES + 3 * shapes.CHUNK_BYTES,
+                              model_.CONVERT_BYTES + 12 * 512 * 128)
+    # two routes side by side: both steady, plus the larger load peak
+    both = model_.need(tiny, ["xlaunch-int4", "hf-bf16"], [], 32, 24)
+    steady2, peak2 = model_.route_bytes("hf-bf16", shape, shapes.checkpoint_bytes(tiny.config), 32, 57)
+    assert both.memory == steady + steady2 + max(peak - steady, peak2 - steady2)
+
+
+def test_model_takes_a_checkpoint_folder_and_keeps_its_gguf_out_of_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path / "cache"))
+    model_ = load("_llm_model")
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    config = dict(model_.shapes.preset("tiny"), torch_dtype="bfloat16")
+    (folder / "config.json").write_text(json.dumps(config))
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [512, 128], "data_offsets": [0, 131072]}})
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header.encode() + bytes(131072))
+    mine = model_.resolve(None, str(folder))
+    assert (mine.name, mine.preset, mine.ready(), mine.q4_source()) == ("my-model", False, True, "bf16")
+    assert mine.gguf_dir.parent == tmp_path / "cache" / "llamacpp"
+    assert model_.need(mine, ["xlaunch-bf16"], [], 32, 24).disk == 0         # nothing to write
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(model_.shapes.ShapeError, match="lacks hidden_size"):
+        model_.resolve(None, str(folder))
+    with pytest.raises(SystemExit):
+        load("llm").parse_args(["--shape", "tiny", "--model", str(folder)])

@@ -1,0 +1,142 @@
+"""xlaunch.llm.shapes and footprint: the presets are the published models (transformers builds them, with the
+published parameter counts), a written random checkpoint loads as transformers' own, the memory estimate of the
+packed weights matches what from_pretrained holds, and examples/llm.py refuses a shape that does not fit and runs
+a user's checkpoint (--model). Every model built here is a few MB at most (the big presets only on the meta device)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from llm_models import tiny  # noqa: E402
+
+from xlaunch.llm import footprint, shapes  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = str(REPO / "examples" / "llm.py")
+# the sizes the model cards publish (billions of parameters)
+PUBLISHED = {"llama-3.2-1b": 1.23, "llama-3.2-3b": 3.21, "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54,
+             "mistral-7b-v0.1": 7.24}
+
+
+def hf_config(config: dict):
+    kwargs = {key: value for key, value in config.items() if key not in ("architectures", "model_type")}
+    return transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_presets_build_the_published_models(name):
+    config = shapes.preset(name)
+    hf = hf_config(config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert type(model).__name__ == config["architectures"][0]
+    counted = sum(p.numel() for p in model.parameters())
+    shape = shapes.Shape(config)
+    assert shape.parameters() == counted
+    assert abs(counted / (PUBLISHED[name] * 1e9) - 1) < 0.02, counted
+    # the written checkpoint's tensors are the model's state dict, shape for shape
+    expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    if shape.tied:
+        expected.pop("lm_head.weight")
+    assert {n: dims for n, dims, _ in shape.tensors()} == expected
+    attention = model.model.layers[0].self_attn
+    assert attention.k_proj.out_features == hf.num_key_value_heads * attention.head_dim
+    assert (attention.q_proj.bias is not None) == (config["model_type"] == "qwen2")
+    rope = hf.rope_parameters
+    assert rope["rope_theta"] == config["rope_theta"]
+    assert rope["rope_type"] == ("llama3" if name.startswith("llama") else "default")
+
+
+def test_bad_names_list_the_presets():
+    with pytest.raises(shapes.ShapeError, match="presets: llama-168m, tiny, llama-3.2-1b"):
+        shapes.preset("llama-4")
+
+
+def test_written_checkpoint_loads_as_transformers_model(tmp_path, monkeypatch):
+    # a Qwen2 (biases) scaled down from the 0.5B preset, written in slices of 16 KiB
+    config = dict(shapes.preset("qwen2.5-0.5b"), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    monkeypatch.setattr(shapes, "CHUNK_BYTES", 16 << 10)
+    folder = shapes.write_checkpoint(tmp_path / "qwen", config, seed=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen"]          # no partial folder left
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.dtype == torch.bfloat16 and type(model).__name__ == "Qwen2ForCausalLM"
+    layer = model.model.layers[1]
+    assert abs(float(layer.mlp.up_proj.weight.detach().float().std()) - 0.02) < 0.002
+    assert torch.equal(layer.input_layernorm.weight.float(), torch.ones(64))
+    assert not layer.self_attn.k_proj.bias.any()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()    # tied
+    again = shapes.write_checkpoint(tmp_path / "again", config, seed=3)
+    other = shapes.write_checkpoint(tmp_path / "other", config, seed=4)
+    data = (folder / "model.safetensors").read_bytes()
+    assert data == (again / "model.safetensors").read_bytes() != (other / "model.safetensors").read_bytes()
+    assert len(data) - 8 - int.from_bytes(data[:8], "little") == shapes.checkpoint_bytes(config)
+
+
+@pytest.mark.parametrize("dtype,weights", [("fp32", None), ("bf16", None), ("fp32", "int8"), ("bf16", "int4")])
+def test_packed_estimate_is_what_from_pretrained_holds(tmp_path, dtype, weights):
+    import xlaunch.llm as llm
+
+    model = tiny("qwen2", seed=2)
+    model.save_pretrained(tmp_path)
+    loaded = llm.from_pretrained(tmp_path, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype],
+                                 weights=weights, group_size=32)
+    named = [*loaded.named_parameters(), *loaded.named_buffers()]
+    held = {t.data_ptr(): t.numel() * t.element_size() for name, t in named if "rotary_emb" not in name}
+    shape = shapes.Shape(json.loads((tmp_path / "config.json").read_text()))
+    assert footprint.packed_bytes(shape, dtype, weights, group_size=32) == sum(held.values())
+
+
+def test_kv_cache_and_activation_formulas_by_hand():
+    shape = shapes.Shape(shapes.preset("tiny"))      # 2 layers, 2 KV heads of 32, vocabulary 512
+    assert footprint.kv_cache_bytes(shape, 100, 3, "bf16") == 2 * 2 * 2 * 32 * 100 * 3 * 2
+    assert footprint.activation_bytes(shape, 10) == 4 * 10 * (512 + 2 * 256 + (4 + 4) * 32 + 4 * 128)
+    assert footprint.packed_linear_bytes(96, 256, "int4", 128) == 128 * 256 // 2 + 4 * 128 * 2   # padded to 128
+    assert footprint.packed_linear_bytes(4096, 4096, "bf16") == 32 << 20                          # 2 MiB pages
+    assert footprint.packed_linear_bytes(4097, 1024, "int8") == (6 << 20) + 4 * 4160
+
+
+def test_refusal_names_the_shape_the_need_and_what_is_there(tmp_path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 8000000 kB\nMemFree: 1 kB\nMemAvailable: 1048576 kB\n")
+    assert footprint.meminfo_available(str(tmp_path)) == 1 << 30
+    line = footprint.refusal("x", "big", footprint.Need(3 << 30, "the weights"), root=str(tmp_path))
+    assert line == ("x: shape big needs about 3.0 GiB of memory (the weights), this machine has 1.0 GiB "
+                    "available (MemAvailable); nothing was started")
+    assert footprint.refusal("x", "small", footprint.Need(1 << 29, "w"), root=str(tmp_path)) is None
+    disk = footprint.refusal("x", "small", footprint.Need(1 << 29, "w", 1 << 60, str(tmp_path / "no" / "dir")),
+                             root=str(tmp_path))
+    assert disk.startswith("x: shape small needs 1073741824.0 GiB of disk under ") and "\n" not in disk
+
+
+def test_default_activations_follow_the_same_flags_as_optimize():
+    from xlaunch.llm import api
+
+    assert footprint.BF16_FLAGS == api.BF16_FLAGS
+    assert footprint.default_activations() == {torch.bfloat16: "bf16", torch.float32: "fp32"}[api.default_dtype()]
+
+
+@pytest.mark.live
+def test_example_refuses_a_shape_too_big_for_the_memory(tmp_path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 8000000 kB\nMemAvailable: 262144 kB\n")
+    env = dict(os.environ, XLAUNCH_FSROOT=str(tmp_path), XLAUNCH_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, EXAMPLE, "--shape", "llama-3.2-1b", "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("examples/llm.py: shape llama-3.2-1b needs about ")
+    assert "0.2 GiB available (MemAvailable)" in proc.stderr
+    assert not (tmp_path / "cache").exists()
+    bad = subprocess.run([sys.executable, EXAMPLE, "--shape", "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "presets: llama-168m" in bad.stderr

@@ -1,0 +1,157 @@
+"""How much memory and disk a decoder shape needs, from its config alone (no torch), and what this
+machine has: examples/llm.py and bench/llm.py check a shape before they start anything.
+
+The sizes follow what runs: :func:`packed_bytes` counts :class:`~xlaunch.llm.linear.PackedLinear`'s
+buffers (native layout: output channels padded to 64; INT8 one fp32 scale per channel; INT4 one per
+group and channel; lm_head INT8 under INT4; buffers from 2 MiB up rounded to 2 MiB pages), the
+embedding and norms in the activations' dtype; :func:`kv_cache_bytes` the preallocated cache;
+:func:`activation_bytes` a prefill's largest temporaries (the logits of every prompt token in fp32
+when the model is called on the whole prompt). :data:`TORCH_PROCESS_BYTES` is a Python process with
+torch and transformers imported. Available memory is ``MemAvailable`` of ``<root>/proc/meminfo``
+(``<root>``: ``$XLAUNCH_FSROOT``, default ``/``, so a test can fake it).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from xlaunch.llm.shapes import Shape
+
+MiB, GiB = 1 << 20, 1 << 30
+HUGE_PAGE = 2 * MiB
+BLOCK = 64                                # output channels per native block (xlaunch/llm/linear.py)
+TORCH_PROCESS_BYTES = 450 * MiB           # python + torch + transformers imported, before any model
+BYTES = {"fp32": 4, "bf16": 2}
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # as xlaunch.llm.api.BF16_FLAGS (that module imports torch)
+LOAD_CHUNK_BYTES = 1 << 20                # xlaunch.llm.loader.CHUNK_BYTES
+
+
+def _buffer(nbytes: int) -> int:
+    """A buffer's resident bytes: from 2 MiB up it sits on its own 2 MiB pages."""
+    return nbytes if nbytes < HUGE_PAGE else -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+
+
+def packed_linear_bytes(n: int, k: int, kind: str, group_size: int = 128) -> int:
+    """One packed linear of ``n`` outputs over ``k`` inputs (weights and scales; bias apart)."""
+    padded = -(-n // BLOCK) * BLOCK
+    if kind == "fp32":
+        return _buffer(4 * n * k)
+    if kind == "bf16":
+        return _buffer(2 * padded * k)
+    if kind == "int8":
+        return _buffer(padded * k) + 4 * padded
+    if kind == "int4":
+        return _buffer(padded * k // 2) + 4 * padded * (k // group_size)
+    raise ValueError(f"unknown weight kind {kind!r}")
+
+
+def packed_bytes(shape: Shape, dtype: str, weights: Optional[str] = None, group_size: int = 128) -> int:
+    """The weights of ``xlaunch.llm.optimize`` / ``from_pretrained`` of ``shape``: activations ``dtype``
+    ("fp32" or "bf16"), ``weights`` None (the dtype), "int8" or "int4"."""
+    kind = weights or dtype
+    size = BYTES[dtype]
+    linears = shape.linears()
+    q, k, v = (linears[f"self_attn.{p}_proj"] for p in "qkv")
+    gate, up = linears["mlp.gate_proj"], linears["mlp.up_proj"]
+    groups = [(q[0] + k[0] + v[0], shape.hidden), linears["self_attn.o_proj"], (gate[0] + up[0], shape.hidden),
+              linears["mlp.down_proj"]]
+    per_layer = sum(packed_linear_bytes(n, k_, kind, group_size) for n, k_ in groups)
+    biases = (q[0] + k[0] + v[0]) * shape.qkv_bias + shape.hidden * shape.o_bias
+    per_layer += size * (biases + 2 * shape.hidden)                       # biases and the two norms
+    head = packed_linear_bytes(shape.vocab, shape.hidden, "int8" if kind == "int4" else kind, group_size)
+    embed = _buffer(size * shape.vocab * shape.hidden)
+    return shape.layers * per_layer + head + embed + size * shape.hidden
+
+
+def dense_bytes(shape: Shape, dtype: str) -> int:
+    """A Hugging Face model of ``shape`` in ``dtype`` (every parameter, a tied lm_head once)."""
+    return shape.parameters() * BYTES[dtype]
+
+
+def kv_cache_bytes(shape: Shape, tokens: int, batch: int = 1, dtype: str = "bf16") -> int:
+    """Keys and values of every layer for ``tokens`` positions of ``batch`` rows."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch * BYTES[dtype]
+
+
+def activation_bytes(shape: Shape, tokens: int, batch: int = 1) -> int:
+    """A forward over ``tokens`` prompt tokens: the fp32 logits of every position and one layer's temporaries."""
+    width = 2 * shape.intermediate + (shape.heads + 2 * shape.kv_heads) * shape.head_dim + 4 * shape.hidden
+    return 4 * batch * tokens * (shape.vocab + width)
+
+
+def default_activations() -> str:
+    """``xlaunch.llm.default_dtype()`` without torch: "bf16" where the CPU has native bf16 dot products, else "fp32"."""
+    from xlaunch.machine import current_machine
+
+    return "bf16" if any(flag in current_machine().isa.flags for flag in BF16_FLAGS) else "fp32"
+
+
+def streamed_load_bytes(shape: Shape, dtype: str) -> int:
+    """What ``xlaunch.llm.from_pretrained`` holds beyond the packed model while it loads: the embedding as
+    read from the checkpoint before its cast to ``dtype`` (none when they agree) and a chunk of rows."""
+    from xlaunch.llm.shapes import DTYPE_BYTES
+
+    stored = DTYPE_BYTES.get(shape.dtype, 4)
+    return (stored * shape.vocab * shape.hidden if stored != BYTES[dtype] else 0) + 4 * LOAD_CHUNK_BYTES
+
+
+def meminfo_available(root: Optional[str] = None) -> Optional[int]:
+    """``MemAvailable`` in bytes from ``<root>/proc/meminfo`` (root: ``$XLAUNCH_FSROOT`` or ``/``); None if unreadable."""
+    root = root if root is not None else (os.environ.get("XLAUNCH_FSROOT") or "/")
+    try:
+        text = Path(root, "proc/meminfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            parts = line.split()
+            return int(parts[1]) * 1024 if len(parts) > 1 and parts[1].isdigit() else None
+    return None
+
+
+def disk_free(path: Any) -> Optional[int]:
+    """Bytes free for this user on the filesystem that holds ``path`` (or its nearest existing parent)."""
+    place = Path(path).absolute()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        stat = os.statvfs(place)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB"
+
+
+@dataclass
+class Need:
+    """A run's peak memory (the largest of its phases) and the disk it writes, with what each is."""
+
+    memory: int
+    memory_what: str
+    disk: int = 0
+    disk_where: Optional[str] = None
+
+
+def peak(phases: Sequence[tuple[str, int]]) -> tuple[int, str]:
+    """The largest of ``(what, bytes)`` phases."""
+    what, nbytes = max(phases, key=lambda phase: phase[1])
+    return nbytes, what
+
+
+def refusal(program: str, shape_name: str, need: Need, root: Optional[str] = None, hint: str = "") -> Optional[str]:
+    """One line saying why ``need`` does not fit this machine (memory, then disk), or None when it fits."""
+    available = meminfo_available(root)
+    if available is not None and need.memory > available:
+        return (f"{program}: shape {shape_name} needs about {gib(need.memory)} of memory ({need.memory_what}), "
+                f"this machine has {gib(available)} available (MemAvailable); nothing was started{hint}")
+    if need.disk and need.disk_where:
+        free = disk_free(need.disk_where)
+        if free is not None and need.disk > free:
+            return (f"{program}: shape {shape_name} needs {gib(need.disk)} of disk under {need.disk_where}, "
+                    f"{gib(free)} is free; nothing was started")
+    return None
