@@ -186,9 +186,11 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 from xlaunch.kernels import load_quantized
 for path, io_path in json.loads(sys.argv[1]):
-    x, expected, mode = torch.load(io_path)
+    x, expected, mode, how = torch.load(io_path)
     model = load_quantized(path)
     assert model.mode == mode, (model.mode, mode)
+    # compiled as the saved model was, before any call (the encoder's unbacked compile fails: not again)
+    assert getattr(model._runner, "how", None) == how, (path, how)
     out = model(x)
     error = (out - expected).abs().max().item() / expected.abs().max().item()
     assert error < 1e-4, (path, error)
@@ -209,7 +211,7 @@ def save_then_load(tmp_path, variants: dict) -> None:
         path, io_path = tmp_path / f"{label}.pt2", tmp_path / f"{label}.io"
         q.save(str(path))
         with torch.no_grad():
-            torch.save((x, q(x), q.mode), io_path)
+            torch.save((x, q(x), q.mode, getattr(q._runner, "how", None)), io_path)
         cases.append((str(path), str(io_path)))
     # The child cannot import this test module: the models' classes are not available there.
     proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, json.dumps(cases)], capture_output=True,

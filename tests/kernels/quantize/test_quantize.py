@@ -176,3 +176,20 @@ def test_policy_routes_and_choice() -> None:
     assert policy.choose(times, {"static": 0.01, "dynamic": 0.5}, 0.1)[0] == policy.FP32_OPTIMIZE
     assert policy.choose(times, {"static": 0.01, "dynamic": 0.05}, 0.1)[0] == "dynamic"
     assert policy.choose({policy.FP32_EAGER: 1.0, "static": 2.0}, {"static": 0.0}, 0.1)[0] == policy.FP32_EAGER
+
+
+def test_convolutions_an_unbacked_batch_breaks_compile_with_a_dynamic_batch_at_once() -> None:
+    """An unbacked batch fails in inductor's lowering of a dynamically quantized (or fp32)
+    convolution after a whole compile: such a program goes to a dynamic batch directly, a
+    statically quantized one stays unbacked (one compile serves batch 1 too), as does a program
+    without convolutions. (The auto fixtures compile and run both CNN routes.)"""
+    from xlaunch.kernels.quantize import routes
+
+    model, example, calibration = make("cnn")
+    for dynamic in (True, False):
+        built = routes.build_pt2e(model, (example,), calibration, dynamic, True)
+        assert routes.unbacked_convolutions_fail(built.program_source) is dynamic
+        assert built.runner.how == ("dynamic" if dynamic else "unbacked") and built.runner.calls == 0
+    mlp, mlp_example, mlp_calibration = make("mlp")
+    built = routes.build_pt2e(mlp, (mlp_example,), mlp_calibration, True, True)
+    assert not routes.unbacked_convolutions_fail(built.program_source) and built.runner.how == "unbacked"

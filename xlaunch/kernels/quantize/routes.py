@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 from xlaunch._torch import needs_torch, quiet_import_logs
 
@@ -86,21 +86,53 @@ def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProg
         return torch.export.export(model, example_inputs)
 
 
+# How FrozenCompiled may compile the batch dimension (a saved model records the one that worked).
+COMPILE_MODES = ("unbacked", "dynamic")
+_CONVOLUTIONS = ("aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution")
+
+
+def unbacked_convolutions_fail(module: Any) -> bool:
+    """Whether the program has a convolution that inductor cannot compile with an unbacked batch:
+    one on fp32 weights (a ``get_attr``, where a quantized one reads a dequantize) or on
+    dynamically quantized activations (``dequantize_per_tensor.tensor``: the dynamic route's).
+    Their lowering asserts strides that an unbacked batch breaks, after seconds of work (3.9 s for
+    the test CNN's dynamic route on the AVX2 VM), and the compile is done again with a dynamic
+    batch: go there at once."""
+    graph = getattr(module, "graph", None)
+    for node in getattr(graph, "nodes", ()):
+        if node.op != "call_function" or not str(node.target).startswith(_CONVOLUTIONS) or len(node.args) < 2:
+            continue
+        activation, weight = node.args[0], node.args[1]
+        if getattr(weight, "op", None) == "get_attr":
+            return True
+        if str(getattr(activation, "target", "")).startswith("quantized_decomposed.dequantize_per_tensor.tensor"):
+            return True
+    return False
+
+
 class FrozenCompiled:
     """torch.compile'd module whose compiles run with inductor freezing (int8 weight prepacking),
     compiled once for every batch size: the batch dimension is marked unbacked on the first call
     (:class:`xlaunch.kernels.optimize.engines.routes.inductor_route.FrozenDynamicBatch`), so batches 3,
     16 and 1 after 8 reuse the first compile instead of compiling again (seconds each)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, how: Optional[str] = None) -> None:
         from xlaunch.kernels.optimize.engines.routes.inductor_route import FrozenDynamicBatch
 
         self.module = module
-        self._compiled = FrozenDynamicBatch(module, how="unbacked", quiet=NOISE)
+        if how not in COMPILE_MODES:
+            how = "dynamic" if unbacked_convolutions_fail(module) else "unbacked"
+        self._compiled = FrozenDynamicBatch(module, how=how, quiet=NOISE)
 
     @property
     def calls(self) -> int:
         return self._compiled.calls
+
+    @property
+    def how(self) -> str:
+        """How the batch dimension is compiled: ``unbacked``, or ``dynamic`` where an unbacked
+        compile failed (known after the first call) or cannot work (:func:`unbacked_convolutions_fail`)."""
+        return self._compiled.how
 
     def __call__(self, *args: Any) -> Any:
         return self._compiled(*args)

@@ -172,10 +172,11 @@ class Opened:
     module: Optional[torch.nn.Module] = None
 
 
-def _torch_model(program: torch.export.ExportedProgram, mode: str) -> tuple[Callable[..., Any], torch.nn.Module]:
+def _torch_model(program: torch.export.ExportedProgram, mode: str,
+                 how: Optional[str] = None) -> tuple[Callable[..., Any], torch.nn.Module]:
     module = program.module()
-    if mode in ("static", "dynamic"):
-        return routes.FrozenCompiled(module), module
+    if mode in ("static", "dynamic"):   # compiled as the saved model was (one compile, not a failed one first)
+        return routes.FrozenCompiled(module, how if how in routes.COMPILE_MODES else None), module
 
     def runner(*args: Any) -> Any:
         with torch.no_grad():
@@ -213,7 +214,7 @@ def read(path: Any) -> Opened:
         finally:
             for logger in loggers:
                 logger.removeFilter(held)
-    runner, module = _torch_model(program, mode)
+    runner, module = _torch_model(program, mode, meta.get("compile"))
     return Opened(meta, runner, program, module)
 
 
@@ -290,6 +291,8 @@ def save(path: Any, mode: str, report: dict, runner: Any,
     exported = program()
     meta = {"format": FORMAT_VERSION, "mode": mode, "engine": "torch", "report": report,
             "versions": engine_saved.versions("torch"), "inputs": program_inputs(exported)}
+    if isinstance(runner, routes.FrozenCompiled) and runner.calls:   # the batch compile that worked
+        meta["compile"] = runner.how
     write_new(path, lambda handle: torch.export.save(exported, handle, extra_files={META_FILE: json.dumps(meta)}))
 
 
