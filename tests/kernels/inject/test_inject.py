@@ -12,7 +12,8 @@ import importlib.util
 
 import pytest
 
-from xlaunch.kernels.inject import BACKEND_ENV, CACHE_ENV, DTYPE_ENV, FREEZE_ENV, SITE_DIR, VERBOSE_ENV, injection_env
+from xlaunch.kernels.inject import (BACKEND_ENV, CACHE_ENV, DTYPE_ENV, FREEZE_ENV, RECORD_ENV, SITE_DIR, VERBOSE_ENV,
+                                    injection_env)
 
 REPO = Path(__file__).resolve().parents[3]
 if importlib.util.find_spec("torch") is None:     # the launched scripts import torch (found without importing it)
@@ -181,34 +182,57 @@ def test_unmodified_script_is_optimized_in_every_instance_and_gives_the_same_res
     assert digest(script) == before
 
 
-def test_without_auto_optimize_nothing_is_injected(script) -> None:
-    got = payload(xlaunch(str(script)))
-    assert got["optimizer"] == "torch.optim.adamw.AdamW"
+NO_INJECTION_PROBE = """
+import json, os, sys
+print(json.dumps({"hooks": "xlaunch.kernels.inject.hooks" in sys.modules,
+                  "site": (getattr(sys.modules.get("sitecustomize"), "__file__", None) or ""),
+                  "env": sorted(k for k in os.environ if k.startswith("XLAUNCH_AUTO_OPTIMIZE"))}))
+"""
 
 
-def test_module_mode(tmp_path, reference) -> None:
-    package = tmp_path / "pkg"
+def test_without_auto_optimize_nothing_is_injected(tmp_path) -> None:
+    """No hooks, not our sitecustomize, none of the injection's variables (a torch-free probe: what
+    the hooks would do to a torch program is the launches' below)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(NO_INJECTION_PROBE)
+    got = payload(xlaunch(str(probe)))
+    assert got["hooks"] is False and not got["site"].startswith(str(SITE_DIR)), got
+    assert {DTYPE_ENV, VERBOSE_ENV, RECORD_ENV} & set(got["env"]) == set(), got   # (the test sets FREEZE and BACKEND)
+
+
+@pytest.fixture(scope="module")
+def module_with_user_site(tmp_path_factory) -> tuple[subprocess.CompletedProcess, tuple[str, str], Path, Path]:
+    """One ``--auto-optimize -m pkg.run`` launch, with the user's own sitecustomize on PYTHONPATH:
+    module mode and the shadowed sitecustomize share it (each launch imports torch: seconds)."""
+    root = tmp_path_factory.mktemp("module_mode")
+    package = root / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "run.py").write_text(MODEL_SCRIPT)
-    got = payload(xlaunch("--auto-optimize", "-m", "pkg.run", env={"PYTHONPATH": str(tmp_path)}))
+    run = package / "run.py"
+    run.write_text(MODEL_SCRIPT.replace('"optimizer":', '"site": __import__("os").environ.get('
+                                        '"USER_SITECUSTOMIZE_RAN"), "optimizer":'))
+    user_site = root / "usersite"
+    user_site.mkdir()
+    custom = user_site / "sitecustomize.py"
+    custom.write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
+    before = digest(custom), digest(run)
+    result = xlaunch("--auto-optimize", "-m", "pkg.run", env={"PYTHONPATH": os.pathsep.join([str(root), str(user_site)])})
+    return result, before, custom, run
+
+
+def test_module_mode(module_with_user_site, reference) -> None:
+    result = module_with_user_site[0]
+    got = payload(result)
     assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
     assert close(got["out"], reference["out"])
 
 
-def test_existing_sitecustomize_still_runs_and_is_untouched(tmp_path, script) -> None:
-    user_site = tmp_path / "usersite"
-    user_site.mkdir()
-    custom = user_site / "sitecustomize.py"
-    custom.write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
-    probe = tmp_path / "probe.py"
-    probe.write_text(MODEL_SCRIPT.replace('"optimizer":', '"site": __import__("os").environ.get('
-                                          '"USER_SITECUSTOMIZE_RAN"), "optimizer":'))
-    before = digest(custom), digest(probe)
-    got = payload(xlaunch("--auto-optimize", str(probe), env={"PYTHONPATH": str(user_site)}))
+def test_existing_sitecustomize_still_runs_and_is_untouched(module_with_user_site) -> None:
+    result, before, custom, run = module_with_user_site
+    got = payload(result)
     assert got["site"] == "yes"
     assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
-    assert (digest(custom), digest(probe)) == before
+    assert (digest(custom), digest(run)) == before
 
 
 ENGINE_SCRIPT = """
