@@ -22,16 +22,18 @@ class EmulatedPrecisionWarning(UserWarning):
 
 @functools.lru_cache(maxsize=1)
 def isa_flags() -> frozenset[str]:
-    """CPU flags from the machine model (``current_machine().isa``), else from /proc/cpuinfo."""
+    """The CPU flags oneDNN may use: the machine model's (``current_machine().isa``, else
+    /proc/cpuinfo), less what ``ONEDNN_MAX_CPU_ISA`` puts above oneDNN's ceiling."""
+    from xlaunch.machine.isa import onednn_flags
+
+    flags: frozenset[str] = frozenset()
     try:
         from xlaunch.machine import current_machine  # type: ignore[attr-defined]
 
-        flags = current_machine().isa.flags
-        if flags:
-            return frozenset(flags)
+        flags = frozenset(current_machine().isa.flags)
     except Exception:
         pass
-    return flags_from_cpuinfo(Path("/proc/cpuinfo"))
+    return onednn_flags(flags or flags_from_cpuinfo(Path("/proc/cpuinfo")))
 
 
 def flags_from_cpuinfo(path: Path) -> frozenset[str]:

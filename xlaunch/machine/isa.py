@@ -95,3 +95,43 @@ def amx_permitted(flags: frozenset[str]) -> Optional[bool]:
                             ctypes.c_long(XFEATURE_XTILEDATA)) == 0
     except (OSError, AttributeError):
         return None
+
+
+# oneDNN's ceiling (``ONEDNN_MAX_CPU_ISA``, formerly ``DNNL_MAX_CPU_ISA``; read once, at oneDNN's first
+# use): the flags each value leaves to oneDNN's kernels. oneDNN's ISAs are not one line: AVX512_CORE
+# is AVX2 plus AVX-512, without AVX-VNNI; the FP16 level (AVX10_1_512) takes in AVX-VNNI(-INT8).
+_AVX2 = frozenset({"sse4_1", "avx", "avx2", "fma", "f16c"})
+_AVX2_VNNI_2 = _AVX2 | {"avx_vnni", "avx_vnni_int8", "avx_ne_convert"}
+_AVX512_CORE = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+_AVX512_BF16 = _AVX512_CORE | {"avx512_vnni", "avx512_bf16"}
+_AVX512_FP16 = _AVX512_BF16 | _AVX2_VNNI_2 | {"avx512_fp16"}
+_ONEDNN_LEVELS = {
+    "SSE41": frozenset({"sse4_1"}), "AVX": frozenset({"sse4_1", "avx"}), "AVX2": _AVX2,
+    "AVX2_VNNI": _AVX2 | {"avx_vnni"}, "AVX2_VNNI_2": _AVX2_VNNI_2,
+    "AVX512_CORE": _AVX512_CORE, "AVX512_CORE_VNNI": _AVX512_CORE | {"avx512_vnni"},
+    "AVX512_CORE_BF16": _AVX512_BF16, "AVX10_1_512": _AVX512_FP16,
+    "AVX10_1_512_AMX": _AVX512_FP16 | {"amx_tile", "amx_int8", "amx_bf16"},
+    "AVX10_1_512_AMX_FP16": _AVX512_FP16 | {"amx_tile", "amx_int8", "amx_bf16", "amx_fp16"},
+}
+_ONEDNN_ALIASES = {"AVX512_CORE_FP16": "AVX10_1_512", "AVX512_CORE_AMX": "AVX10_1_512_AMX",
+                   "AVX512_CORE_AMX_FP16": "AVX10_1_512_AMX_FP16"}
+_ONEDNN_GOVERNED = frozenset().union(*_ONEDNN_LEVELS.values())
+ONEDNN_CEILING_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def onednn_flags(flags: frozenset[str], environ: "Optional[dict[str, str]]" = None) -> frozenset[str]:
+    """The CPU flags oneDNN's kernels may use in a process started with ``environ`` (default: this
+    one's): all of them, or, under ``ONEDNN_MAX_CPU_ISA=AVX2`` and the like, none above that level.
+    The routes that depend on VNNI, BF16 or AMX (INT8 ranges, bf16 engines) ask this, so a run under
+    the ceiling on an AVX-512 machine chooses what an AVX2 machine would. An unknown value (oneDNN
+    ignores it) or ``ALL``/``DEFAULT`` leaves the flags as they are. Other AVX-512 and AMX flags
+    than oneDNN's levels name go with the first level of their family."""
+    env = os.environ if environ is None else environ
+    value = next((env[name] for name in ONEDNN_CEILING_ENV if env.get(name)), "").strip().upper()
+    allowed = _ONEDNN_LEVELS.get(_ONEDNN_ALIASES.get(value, value))
+    if allowed is None:
+        return flags
+    avx512, amx = "avx512f" in allowed, "amx_tile" in allowed
+    return frozenset(flag for flag in flags if flag in allowed or (
+        flag not in _ONEDNN_GOVERNED and not (flag.startswith("avx512") and not avx512)
+        and not (flag.startswith("amx") and not amx)))

@@ -192,8 +192,10 @@ def _layers(model: nn.Module) -> tuple[bool, bool]:
 def _machine_traits() -> policy.IsaTraits:
     from xlaunch.machine import current_machine
 
-    isa = current_machine().isa
-    return policy.isa_traits(isa.flags, isa.amx_permitted)
+    from xlaunch.machine.isa import onednn_flags
+
+    isa = current_machine().isa   # what oneDNN may use: ONEDNN_MAX_CPU_ISA caps it
+    return policy.isa_traits(onednn_flags(isa.flags), isa.amx_permitted)
 
 
 def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[list[tuple]],

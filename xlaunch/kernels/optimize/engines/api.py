@@ -58,8 +58,10 @@ MAX_REMEASURES = 3
 def _isa() -> str:
     try:
         from xlaunch.machine import current_machine
+        from xlaunch.machine.isa import onednn_flags
 
-        return " ".join(sorted(current_machine().isa.flags))
+        # under ONEDNN_MAX_CPU_ISA the engines run other kernels: cached apart
+        return " ".join(sorted(onednn_flags(current_machine().isa.flags)))
     except Exception:
         return ""
 
