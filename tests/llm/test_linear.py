@@ -132,26 +132,27 @@ def test_quantized_error_stays_within_1_5x_of_dequantize_then_bf16(layout, kind)
     assert max_error(layer(x), exact) <= 1.5 * max_error(reference, exact)
 
 
-@pytest.mark.parametrize("kind, k", [("int8", 1000), ("int8", 37), ("int4", 512)])
+@pytest.mark.parametrize("kind, k, group_size, rows", [("int8", 1000, 32, 3), ("int8", 37, 32, 3), ("int4", 512, 32, 3),
+                                                      ("int4", 640, 128, 1), ("int4", 512, 64, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_integer_kernels_stay_within_the_activation_rounding_bound_of_float64(kind, k, dtype, level):
+def test_integer_kernels_stay_within_the_activation_rounding_bound_of_float64(kind, k, group_size, rows, dtype, level):
     """Against float64 with the layer's own (dequantized) weights: the kernels that round activations
     (AVX2) stay within sum_k |w[n, k]| * d(k) / 2 (d: the scale of k's block of 32), plus fp32
     accumulation and bf16 output rounding; the others within fp32 accumulation (INT8) or bf16 rounding."""
     torch.manual_seed(k)
     weight = torch.randn(130, k) * 0.05
-    x = torch.randn(3, k)
+    x = torch.randn(rows, k)   # 1 row: decode's kernel; 2 and 3: the row pairs of prefill
     x[:, 5] *= 30.0
     x = x.to(dtype)
-    layer = build("native", weight, None, kind, group_size=32)
+    layer = build("native", weight, None, kind, group_size=group_size)
     dense = layer.dense_weight().double()
     exact = x.double() @ dense.T
     slack = 1e-5 * exact.abs().max().item() + 1e-5
     y = layer(x).double()
     if rounds_activations(layer, x):
-        blocks = x.float().abs().reshape(3, -1).new_zeros(3, -(-k // 32) * 32)
+        blocks = x.float().abs().reshape(rows, -1).new_zeros(rows, -(-k // 32) * 32)
         blocks[:, :k] = x.float().abs()
-        d = blocks.reshape(3, -1, 32).amax(-1) / 127.0
+        d = blocks.reshape(rows, -1, 32).amax(-1) / 127.0
         half_step = d.repeat_interleave(32, dim=1)[:, :k].double() / 2
         output = exact.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0.0   # y rounded to bf16
         bound = half_step @ dense.abs().T + output + slack

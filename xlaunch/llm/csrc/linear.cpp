@@ -214,6 +214,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               scales.numel() == packed.size(0) * groups * kBlock,
               "xlaunch_llm int4_linear: scales must be float32 [N/64, K/group, 64]");
   if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2)
+    TORCH_CHECK(group_size % kQuantBlock == 0, "xlaunch_llm int4_linear: the group size ", group_size,
+                " is not a multiple of ", kQuantBlock, " (the activations' block)");
     at::Tensor rows = rows_of(x, at::kFloat, k);
     const int64_t m = rows.size(0);
     at::Tensor out = at::empty({m, n}, x.options());

@@ -147,6 +147,16 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
   for (int c0 = 0; c0 < kBlock; c0 += 8 * C) bf16_pass<R, C>(x, ldx, w, k_pairs, c0, out);
 }
 
+// The weights bytes past p, one block of K later: a core streaming the weights from memory waits on each
+// line otherwise (measured on a Zen 3 VM, 1 thread: INT4 decode linears about 15% faster; the hardware
+// prefetcher alone runs too short a way ahead of these kernels). Past the end of the weights it reads
+// nothing (a prefetch never faults).
+constexpr int64_t kPrefetchBytes = 8192;
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
+}
+
 // Four k-rows of 32 int8 channels ([k][64] layout) regrouped so that each 32-bit lane holds one channel's
 // w[k..k+3]: out[j] holds channels 4j..4j+3 in its low 128 bits and 16+4j..16+4j+3 in its high ones.
 inline void regroup(__m256i r0, __m256i r1, __m256i r2, __m256i r3, __m256i out[4]) {
@@ -181,6 +191,7 @@ void int8q_tile(const int8_t* q, const float* d, int64_t ldq, const int8_t* w, i
     for (int c = 0; c < kBlock; c += 8) _mm256_storeu_ps(out + r * kBlock + c, _mm256_setzero_ps());
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t k0 = b * kQuantBlock, k1 = std::min(k0 + kQuantBlock, k);
+    prefetch_ahead(w + k0 * kBlock, kQuantBlock * kBlock);
     for (int64_t c0 = 0; c0 < kBlock; c0 += 32) {
       __m256i acc[R][4];
       for (int r = 0; r < R; ++r)
@@ -222,8 +233,10 @@ void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
   const int64_t blocks = k / kQuantBlock, ldb = ldq / kQuantBlock;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kBlock; c += 8) _mm256_storeu_ps(out + r * kBlock + c, _mm256_setzero_ps());
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* sg = scales + (b * kQuantBlock / group_size) * kBlock;
+  const int64_t per_group = group_size / kQuantBlock;   // group_size is a multiple of kQuantBlock here
+  const float* sg = scales;
+  for (int64_t b = 0, in_group = 0; b < blocks; ++b) {
+    prefetch_ahead(w + b * (kQuantBlock / 4) * 2 * kBlock, kQuantBlock / 2 * kBlock);
     for (int64_t c0 = 0; c0 < kBlock; c0 += 32) {
       __m256i acc[R][4];   // int32, channels c0 + 8i
       for (int r = 0; r < R; ++r)
@@ -265,6 +278,7 @@ void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
         }
       }
     }
+    if (++in_group == per_group) in_group = 0, sg += kBlock;
   }
 }
 
@@ -423,6 +437,34 @@ void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, 
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t k0 = b * kQuantBlock, k1 = std::min(k, k0 + kQuantBlock);
+#if defined(XLAUNCH_LLM_INT_DOT)
+      if (k1 - k0 == kQuantBlock) {   // a full block in vectors: the same values as the loop below
+        const float* xb = x + r * ldx + k0;
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_loadu_ps(xb + 8 * i);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        __m256i n[4];   // round half to even: the rounding mode nearbyint uses
+        for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+        const __m256i words = _mm256_packs_epi32(n[0], n[1]), words2 = _mm256_packs_epi32(n[2], n[3]);
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * ldq + k0), bytes);
+        __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+        d[r * blocks + b] = top / 127.0f;
+        qsum[r * blocks + b] = _mm_cvtsi128_si32(t4);
+        continue;
+      }
+#endif
       float amax = 0.0f;
       for (int64_t kk = k0; kk < k1; ++kk) amax = std::max(amax, std::fabs(x[r * ldx + kk]));
       const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
