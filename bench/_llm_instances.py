@@ -1,0 +1,440 @@
+"""bench/llm.py ``--instances k``: k copies of one route decoding at once, each pinned to its own cores.
+
+The xlaunch routes run through ``xlaunch --ninstances k --ncores-per-instance T``: every instance is a
+decode worker (``bench/llm.py --instance-worker``) that maps the one packed file
+(``xlaunch.llm.from_pretrained(path)``), so the k share its pages. llama.cpp runs k ``llama-bench``
+processes under ``taskset -c`` on the core sets that ``xlaunch --dry-run --json`` planned for the
+same options (read from the plan, never guessed).
+
+The window: every copy warms up, then all start at one instant (``go``) and decode round after round
+until every copy has finished ``rounds`` rounds; only then does the orchestrator say ``stop``, so each
+counted round ran while the other k-1 copies were decoding too. A copy's decode tokens/s is the
+median of its rounds; the aggregate is their sum. Memory: the sum over the k processes of ``Pss``
+and of ``Rss`` from ``/proc/PID/smaps_rollup``, sampled together every 0.2 s during the window (the
+largest sums are reported). No torch here (the worker imports it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+SAMPLE_S = 0.2
+START_DELAY_S = 0.3                  # ``go`` names an instant this far ahead: every copy starts together
+READY_TIMEOUT_S = 900.0
+
+
+class PlanError(ValueError):
+    """The launcher refused the instances (the message is one line)."""
+
+
+# -- the plan ------------------------------------------------------------------------------------
+def launcher_argv(instances: int, threads: int) -> list[str]:
+    """The xlaunch options of a run (the dry run and the launch take the same ones)."""
+    return [sys.executable, "-m", "xlaunch", "--ninstances", str(instances), "--ncores-per-instance", str(threads)]
+
+
+def cpus_from_plan(plan: dict[str, Any], instances: int) -> list[list[int]]:
+    """Each instance's CPUs, by index, from ``xlaunch --dry-run --json``'s object."""
+    found = sorted(plan.get("instances") or [], key=lambda entry: entry["index"])
+    if [entry["index"] for entry in found] != list(range(instances)):
+        raise PlanError(f"xlaunch planned instances {[entry['index'] for entry in found]}, not 0..{instances - 1}")
+    cpus = [[int(cpu) for cpu in entry["cpus"]] for entry in found]
+    if any(not one for one in cpus) or len({cpu for one in cpus for cpu in one}) != sum(map(len, cpus)):
+        raise PlanError(f"xlaunch planned empty or overlapping CPU sets: {cpus}")
+    return cpus
+
+
+def plan(instances: int, threads: int, program: Sequence[str], env: dict[str, str],
+         run: Callable[..., Any] = subprocess.run) -> list[list[int]]:
+    """The CPUs of each of ``instances`` instances of ``threads`` cores; :class:`PlanError` (one line) when
+    xlaunch refuses them (more than the usable cores, ...)."""
+    proc = run([*launcher_argv(instances, threads), "--dry-run", "--json", *program], capture_output=True,
+               text=True, env=env, timeout=120)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        reason = lines[-1].removeprefix("xlaunch: error: ") if lines else f"exit status {proc.returncode}"
+        raise PlanError(f"--instances {instances} with --threads {threads}: {reason}")
+    return cpus_from_plan(json.loads(proc.stdout), instances)
+
+
+def cpulist(cpus: Sequence[int]) -> str:
+    return ",".join(str(cpu) for cpu in cpus)
+
+
+# -- memory --------------------------------------------------------------------------------------
+def parse_rollup(text: str) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup`` (or one smaps entry) as ``{"Rss": kB, "Pss": kB, ...}``."""
+    fields = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            fields[key.strip()] = int(parts[0])
+    return fields
+
+
+def mapping_kib(smaps_text: str, path: str) -> dict[str, int]:
+    """Rss and Pss (kB) summed over the entries of ``/proc/PID/smaps`` that map ``path``."""
+    total = {"Rss": 0, "Pss": 0}
+    inside = False
+    for line in smaps_text.splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):       # an entry's header line
+            inside = len(head) >= 6 and " ".join(head[5:]) == path
+            continue
+        if inside:
+            fields = parse_rollup(line)
+            for key in total:
+                total[key] += fields.get(key, 0)
+    return total
+
+
+class MemorySampler:
+    """The sums of Pss and Rss over ``pids``, sampled together; a sample counts only when every pid answers."""
+
+    def __init__(self, pids: Sequence[int], proc: str = "/proc", mapped: Optional[str] = None) -> None:
+        self.pids, self.proc, self.mapped = list(pids), proc, mapped
+        self.samples: list[dict[str, Any]] = []
+
+    def sample(self) -> bool:
+        each = []
+        for pid in self.pids:
+            try:
+                fields = parse_rollup(Path(self.proc, str(pid), "smaps_rollup").read_text())
+            except OSError:
+                return False
+            if "Pss" not in fields or "Rss" not in fields:
+                return False
+            each.append(fields)
+        taken: dict[str, Any] = {"pss_kib": [f["Pss"] for f in each], "rss_kib": [f["Rss"] for f in each]}
+        if self.mapped:
+            try:
+                maps = [mapping_kib(Path(self.proc, str(pid), "smaps").read_text(), self.mapped) for pid in self.pids]
+            except OSError:
+                return False
+            taken["mapped_rss_kib"], taken["mapped_pss_kib"] = [m["Rss"] for m in maps], [m["Pss"] for m in maps]
+        self.samples.append(taken)
+        return True
+
+    def result(self) -> dict[str, Any]:
+        """The largest sums (MiB), each instance's Pss and Rss at the largest Pss sum, and the packed mapping's."""
+        if not self.samples:
+            return {"samples": 0}
+        top = max(self.samples, key=lambda s: sum(s["pss_kib"]))
+        out = {"samples": len(self.samples),
+               "pss_sum_mib": sum(top["pss_kib"]) / 1024,
+               "rss_sum_mib": max(sum(s["rss_kib"]) for s in self.samples) / 1024,
+               "pss_each_mib": [v / 1024 for v in top["pss_kib"]], "rss_each_mib": [v / 1024 for v in top["rss_kib"]]}
+        if "mapped_pss_kib" in top:
+            out["mapped_rss_each_mib"] = [v / 1024 for v in top["mapped_rss_kib"]]
+            out["mapped_pss_each_mib"] = [v / 1024 for v in top["mapped_pss_kib"]]
+        return out
+
+
+# -- one instance (runs under xlaunch) ---------------------------------------------------------------
+def _write_text(path: Path, text: str) -> None:
+    """Whole or not at all: the reader polls for the name."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _write(path: Path, payload: dict[str, Any]) -> None:
+    _write_text(path, json.dumps(payload))
+
+
+def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int) -> None:
+    """Map the packed file, warm up, say ``ready-<index>.json``; from ``go``'s instant decode rounds (t_1 the
+    fastest of 3 ``generate(1)``, t_N of 2 ``generate(N)``) into ``rounds-<index>.jsonl`` until ``stop``."""
+    import torch
+
+    index = int(os.environ.get("XLAUNCH_INSTANCE_INDEX", "0"))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    start = time.perf_counter()
+    try:
+        import xlaunch.llm
+
+        model = xlaunch.llm.from_pretrained(packed)
+    except Exception as error:
+        _write(sync / f"ready-{index}.json", {"unavailable": f"{type(error).__name__}: {str(error)[:300]}"})
+        return
+    model.generation_config.eos_token_id = None          # exactly N tokens (bench/llm.py's worker does the same)
+    prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompt)
+
+    def generate(count: int) -> float:
+        begin = time.perf_counter()
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=count, do_sample=False, pad_token_id=0)
+        if out.shape[1] != prompt_len + count:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, not {count}")
+        return time.perf_counter() - begin
+
+    with torch.inference_mode():
+        generate(new_tokens)
+        generate(1)
+        _write(sync / f"ready-{index}.json", {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)),
+                                              "threads": torch.get_num_threads(), "setup_s": time.perf_counter() - start})
+        go, stop = sync / "go", sync / "stop"
+        while not go.exists():
+            if stop.exists():          # another instance could not start: no window
+                return
+            time.sleep(0.01)
+        time.sleep(max(0.0, float(go.read_text()) - time.monotonic()))
+        with open(sync / f"rounds-{index}.jsonl", "a") as rounds:
+            while not stop.exists():
+                begin = time.monotonic()
+                gen1 = min(generate(1) for _ in range(3))
+                genN = min(generate(new_tokens) for _ in range(2))
+                rounds.write(json.dumps({"begin": begin, "end": time.monotonic(),
+                                         "decode_tps": (new_tokens - 1) / max(genN - gen1, 1e-9)}) + "\n")
+                rounds.flush()
+
+
+def _read_rounds(path: Path, start: float, until: float = float("inf")) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [row for row in rows if row["begin"] >= start and row["end"] <= until]
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    try:
+        return "\n".join("      ! " + line for line in path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_xlaunch(route: str, packed: Path, instances: int, threads: int, cpus: list[list[int]],
+                program: Callable[[Path], list[str]], rounds: int, env: dict[str, str]) -> dict[str, Any]:
+    """``route``'s k instances under ``xlaunch --ninstances``: per-instance decode tokens/s and their memory."""
+    sync = Path(tempfile.mkdtemp(prefix="xlaunch-bench-instances-"))
+    summary, log_path = sync / "summary.json", sync / "xlaunch.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*launcher_argv(instances, threads), "--summary-json", str(summary), *program(sync)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    ready_files = [sync / f"ready-{i}.json" for i in range(instances)]
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not all(path.exists() for path in ready_files):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return {"status": f"failed: xlaunch exited ({proc.poll()}) before every instance was ready\n"
+                                  + _tail(log_path)}
+            time.sleep(0.05)
+        ready = [json.loads(path.read_text()) for path in ready_files]
+        missing = [r["unavailable"] for r in ready if "unavailable" in r]
+        if missing:
+            return {"status": f"unavailable: {missing[0]}"}
+        seen = [r["cpus"] for r in ready]
+        if seen != cpus:
+            return {"status": f"failed: the instances ran on {seen}, the plan said {cpus}"}
+        sampler = MemorySampler([r["pid"] for r in ready], mapped=str(packed))
+        start = time.monotonic() + START_DELAY_S
+        _write_text(sync / "go", repr(start))
+        while True:
+            time.sleep(SAMPLE_S)
+            if time.monotonic() >= start:
+                sampler.sample()
+            if all(len(_read_rounds(sync / f"rounds-{i}.jsonl", start)) >= rounds for i in range(instances)):
+                break
+            if proc.poll() is not None:
+                return {"status": f"failed: xlaunch exited ({proc.poll()}) while decoding\n" + _tail(log_path)}
+        stop_at = time.monotonic()
+        sampler.sample()
+    finally:
+        (sync / "stop").write_text("")
+        try:
+            proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            proc.wait()
+    per = [[row["decode_tps"] for row in _read_rounds(sync / f"rounds-{i}.jsonl", start, stop_at)]
+           for i in range(instances)]
+    launched = json.loads(summary.read_text()) if summary.exists() else {}
+    if launched.get("exit_status") != 0 or [i.get("cpus") for i in launched.get("instances", [])] != cpus:
+        return {"status": f"failed: xlaunch's summary: exit {launched.get('exit_status')}, cpus "
+                          f"{[i.get('cpus') for i in launched.get('instances', [])]} (plan {cpus})\n" + _tail(log_path)}
+    return {"status": "ok", "cpus": cpus, "decode_rounds": per, "window_s": stop_at - start,
+            "setup_s": [r["setup_s"] for r in ready], **sampler.result()}
+
+
+# -- llama.cpp: k llama-bench processes -------------------------------------------------------------
+def run_llama(argv: Sequence[str], cpus: list[list[int]], rounds: int,
+              parse: Callable[[str], list[dict[str, Any]]]) -> dict[str, Any]:
+    """k ``taskset -c CPUS llama-bench ...`` slots, each restarting its run until every slot has ``rounds``
+    runs that started after the common start; then the running ones are stopped (not counted)."""
+    slots: list[dict[str, Any]] = [{"cpus": one, "done": [], "proc": None} for one in cpus]
+
+    def launch(slot: dict[str, Any]) -> None:
+        out = tempfile.TemporaryFile()
+        slot["out"], slot["began"] = out, time.monotonic()
+        slot["proc"] = subprocess.Popen(["taskset", "-c", cpulist(slot["cpus"]), *argv], stdout=out,
+                                        stderr=subprocess.DEVNULL)
+
+    start = time.monotonic()
+    for slot in slots:
+        launch(slot)
+    sampler = MemorySampler([])
+    failure = None
+    next_sample = start + SAMPLE_S
+    while failure is None and any(len(slot["done"]) < rounds for slot in slots):
+        time.sleep(0.02)
+        for slot in slots:
+            code = slot["proc"].poll()
+            if code is None:
+                continue
+            slot["out"].seek(0)
+            text = slot["out"].read().decode(errors="replace")
+            slot["out"].close()
+            if code != 0:
+                failure = f"failed: taskset/llama-bench exited {code}"
+                break
+            try:
+                (test,) = parse(text)
+            except ValueError as error:
+                failure = f"failed: {error}"
+                break
+            slot["done"].append(test["avg_ts"])
+            launch(slot)
+        if time.monotonic() >= next_sample and failure is None:
+            sampler.pids = [slot["proc"].pid for slot in slots]
+            sampler.sample()
+            next_sample = time.monotonic() + SAMPLE_S
+    window = time.monotonic() - start
+    for slot in slots:
+        if slot["proc"].poll() is None:
+            slot["proc"].terminate()
+            slot["proc"].wait()
+            slot["out"].close()
+    if failure:
+        return {"status": failure}
+    return {"status": "ok", "cpus": cpus, "decode_rounds": [slot["done"] for slot in slots], "window_s": window,
+            **sampler.result()}
+
+
+# -- the summary -------------------------------------------------------------------------------------
+def summarize(result: dict[str, Any], median: Callable[[Sequence[float]], Optional[float]]) -> dict[str, Any]:
+    """Per-instance medians and their sum (the aggregate decode tokens/s)."""
+    if result.get("status") != "ok":
+        return result
+    each = [median(rounds) for rounds in result["decode_rounds"]]
+    return {**result, "decode_tps_each": each, "decode_tps": sum(v for v in each if v is not None)}
+
+
+def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
+    return ours / theirs if ours is not None and theirs else None
+
+
+def table(instances: int, threads: int, rows: dict[str, dict[str, Any]], peers: dict[str, str],
+          single: dict[str, dict[str, Any]]) -> str:
+    """One row per route: aggregate decode tokens/s, memory sums, the ratios to llama.cpp, and to one instance."""
+    def number(value: Optional[float], form: str) -> str:
+        return "" if value is None else format(value, form)
+
+    lines = [f"| route ({instances} x {threads} thread{'s' if threads > 1 else ''}) | decode tok/s, sum | per instance "
+             "| vs llama.cpp | PSS sum MiB | RSS sum MiB | PSS vs llama.cpp | PSS vs 1 instance |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for name, row in rows.items():
+        if row.get("status") != "ok":
+            lines.append(f"| {name} | {row.get('status', '').splitlines()[0]} | | | | | | |")
+            continue
+        peer = rows.get(peers.get(name, ""), {})
+        one = single.get(name, {})
+        lines.append(
+            f"| {name} | {row['decode_tps']:.1f} | {' + '.join(number(v, '.1f') for v in row['decode_tps_each'])} "
+            f"| {number(ratio(row['decode_tps'], peer.get('decode_tps')), '.2f')} "
+            f"| {number(row.get('pss_sum_mib'), '.0f')} | {number(row.get('rss_sum_mib'), '.0f')} "
+            f"| {number(ratio(row.get('pss_sum_mib'), peer.get('pss_sum_mib')), '.2f')} "
+            f"| {number(ratio(row.get('pss_sum_mib'), one.get('pss_sum_mib')), '.2f')} |")
+    return "\n".join(lines)
+
+
+# -- the run -----------------------------------------------------------------------------------------
+def worker_program(script: str, packed: Path, args: Any) -> Callable[[Path], list[str]]:
+    """The instance's program and arguments, given its sync folder."""
+    return lambda sync: [script, "--instance-worker", "--packed", str(packed), "--sync", str(sync),
+                         "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)]
+
+
+def plans(args: Any, script: str, env: dict[str, str]) -> dict[tuple[int, int], list[list[int]]]:
+    """Each (k, threads)'s CPU sets from xlaunch's dry run; :class:`PlanError` on the first refused."""
+    program = worker_program(script, Path("packed.xlp"), args)(Path("sync"))
+    return {(k, threads): plan(k, threads, program, env) for threads in args.threads for k in args.instances}
+
+
+def pack_all(routes: Sequence[str], model: Any, script: str, env: dict[str, str]) -> dict[str, Optional[Path]]:
+    """Each xlaunch route's packed file under ``model.packed_dir``, written once by one subprocess (torch);
+    None for a route whose file could not be written."""
+    wanted = [route for route in routes if route.startswith("xlaunch-")]
+    files = {route: model.packed_dir / f"{route}.xlp" for route in wanted}
+    if not wanted:
+        return {}
+    print(f"packed files (written once, then mapped by every instance) under {model.packed_dir}", flush=True)
+    model.packed_dir.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, script, "--pack", ",".join(wanted), "--model-dir", str(model.folder),
+                           "--packed", str(model.packed_dir)], capture_output=True, text=True, env=env)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    for route, path in files.items():
+        if proc.returncode != 0 or not path.exists():
+            print(f"  {route}: unavailable: {lines[-1] if lines else f'exit status {proc.returncode}'}", flush=True)
+            files[route] = None
+        else:
+            print(f"  {route}: {path.name} ({path.stat().st_size / 2**20:.0f} MiB)", flush=True)
+    print(f"  ({time.monotonic() - began:.0f} s)", flush=True)
+    return dict(files)
+
+
+def run(args: Any, packed_files: dict[str, Optional[Path]], llama: Optional[tuple[Path, dict[str, Path]]],
+        cpu_plans: dict[tuple[int, int], Any], script: str, env: dict[str, str], median: Callable,
+        llamacpp: Any) -> dict[str, Any]:
+    """Every (threads, k): each route pair, xlaunch's k instances then llama.cpp's k processes."""
+    routes = args.route_names
+    results: dict[str, Any] = {}
+    for threads in args.threads:
+        for k in args.instances:
+            cpus = cpu_plans[(k, threads)]
+            print(f"\n== {k} instance(s) x {threads} thread(s) on CPUs {' | '.join(cpulist(c) for c in cpus)}", flush=True)
+            rows: dict[str, Any] = {}
+            for name in routes:
+                if name.startswith("xlaunch-"):
+                    if packed_files[name] is None:
+                        rows[name] = {"status": "unavailable: no packed file"}
+                    else:
+                        rows[name] = summarize(run_xlaunch(name, packed_files[name], k, threads, cpus,
+                                                           worker_program(script, packed_files[name], args),
+                                                           args.rounds, env), median)
+                elif llama is None:
+                    rows[name] = {"status": "unavailable: llama.cpp skipped"}
+                else:
+                    kind = name.removeprefix("llamacpp-")
+                    argv = llamacpp.llama_bench_argv(llama[0], llama[1][kind], threads, "decode", args.new_tokens - 1,
+                                                     args.prompt + 1, 2)
+                    rows[name] = summarize(run_llama(argv, cpus, args.rounds, llamacpp.parse_llama_bench), median)
+                row = rows[name]
+                if row["status"] != "ok":
+                    print(f"  {name}: {row['status']}", flush=True)
+                    continue
+                mapped = ""
+                if row.get("mapped_rss_each_mib"):
+                    mapped = "; packed file mapped: " + ", ".join(
+                        f"Rss {r:.0f} Pss {p:.0f}" for r, p in zip(row["mapped_rss_each_mib"], row["mapped_pss_each_mib"]))
+                print(f"  {name}: {' + '.join(f'{v:.1f}' for v in row['decode_tps_each'])} = {row['decode_tps']:.1f} "
+                      f"tok/s ({row['window_s']:.1f} s window); PSS sum {row.get('pss_sum_mib', 0):.0f} MiB, "
+                      f"RSS sum {row.get('rss_sum_mib', 0):.0f} MiB ({row.get('samples', 0)} samples){mapped}", flush=True)
+            results[f"{k}x{threads}"] = rows
+    return results
+
+
+def tables(args: Any, results: dict[str, Any], peers: dict[str, str]) -> str:
+    out = []
+    for threads in args.threads:
+        single = results.get(f"1x{threads}", {})
+        for k in args.instances:
+            out.append(table(k, threads, results[f"{k}x{threads}"], peers, single) + "\n")
+    return "\n".join(out)
