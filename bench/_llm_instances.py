@@ -11,7 +11,7 @@ until every copy has finished ``rounds`` rounds; only then does the orchestrator
 counted round ran while the other k-1 copies were decoding too. A copy's decode tokens/s is the
 median of its rounds; the aggregate is their sum. Memory: the sum over the k processes of ``Pss``
 and of ``Rss`` from ``/proc/PID/smaps_rollup``, sampled together every 0.2 s during the window (the
-largest sums are reported). No torch here (the worker imports it).
+median sums are reported, and the largest). No torch here (the worker imports it).
 """
 from __future__ import annotations
 
@@ -123,17 +123,27 @@ class MemorySampler:
         return True
 
     def result(self) -> dict[str, Any]:
-        """The largest sums (MiB), each instance's Pss and Rss at the largest Pss sum, and the packed mapping's."""
+        """The median sums over the samples (MiB; a copy restarting or loading makes a few samples low or high),
+        the largest, and each instance's median Pss and Rss, and the packed mapping's."""
         if not self.samples:
             return {"samples": 0}
-        top = max(self.samples, key=lambda s: sum(s["pss_kib"]))
+
+        def mid(values: Sequence[float]) -> float:
+            ordered = sorted(values)
+            half = len(ordered) // 2
+            return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+        def each(key: str) -> list[float]:
+            return [mid([s[key][i] for s in self.samples]) / 1024 for i in range(len(self.samples[0][key]))]
+
         out = {"samples": len(self.samples),
-               "pss_sum_mib": sum(top["pss_kib"]) / 1024,
-               "rss_sum_mib": max(sum(s["rss_kib"]) for s in self.samples) / 1024,
-               "pss_each_mib": [v / 1024 for v in top["pss_kib"]], "rss_each_mib": [v / 1024 for v in top["rss_kib"]]}
-        if "mapped_pss_kib" in top:
-            out["mapped_rss_each_mib"] = [v / 1024 for v in top["mapped_rss_kib"]]
-            out["mapped_pss_each_mib"] = [v / 1024 for v in top["mapped_pss_kib"]]
+               "pss_sum_mib": mid([sum(s["pss_kib"]) for s in self.samples]) / 1024,
+               "rss_sum_mib": mid([sum(s["rss_kib"]) for s in self.samples]) / 1024,
+               "pss_sum_max_mib": max(sum(s["pss_kib"]) for s in self.samples) / 1024,
+               "rss_sum_max_mib": max(sum(s["rss_kib"]) for s in self.samples) / 1024,
+               "pss_each_mib": each("pss_kib"), "rss_each_mib": each("rss_kib")}
+        if "mapped_pss_kib" in self.samples[0]:
+            out["mapped_rss_each_mib"], out["mapped_pss_each_mib"] = each("mapped_rss_kib"), each("mapped_pss_kib")
         return out
 
 

@@ -112,12 +112,15 @@ def test_memory_sums_pss_and_rss_over_the_instances(tmp_path: Path) -> None:
     assert sampler.sample()
     write(12, 430_000, 330_000)
     assert sampler.sample()
+    write(12, 430_000, 900_000)                       # a transient: in the largest sum, not in the median
+    assert sampler.sample()
     sampler.pids = [11, 12, 13]                       # one that is gone: the sample does not count
     assert not sampler.sample()
     sampler.pids = [11, 12]
     got = sampler.result()
-    assert got["samples"] == 2
+    assert got["samples"] == 3
     assert got["pss_sum_mib"] == (300_000 + 330_000) / 1024 and got["rss_sum_mib"] == (400_000 + 430_000) / 1024
+    assert got["pss_sum_max_mib"] == (300_000 + 900_000) / 1024
     assert got["pss_each_mib"] == [300_000 / 1024, 330_000 / 1024]
     assert got["mapped_rss_each_mib"] == [2560 / 1024] * 2 and got["mapped_pss_each_mib"] == [1280 / 1024] * 2
     assert inst.parse_rollup(ROLLUP.format(rss=5, pss=3))["Pss_Anon"] == 100
