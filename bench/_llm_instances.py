@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -223,7 +224,7 @@ def _tail(path: Path, lines: int = 12) -> str:
 def run_xlaunch(route: str, packed: Path, instances: int, threads: int, cpus: list[list[int]],
                 program: Callable[[Path], list[str]], rounds: int, env: dict[str, str]) -> dict[str, Any]:
     """``route``'s k instances under ``xlaunch --ninstances``: per-instance decode tokens/s and their memory."""
-    sync = Path(tempfile.mkdtemp(prefix="xlaunch-bench-instances-"))
+    sync = Path(tempfile.mkdtemp(prefix=f"xlaunch-bench-{route}-x{instances}-"))
     summary, log_path = sync / "summary.json", sync / "xlaunch.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([*launcher_argv(instances, threads), "--summary-json", str(summary), *program(sync)],
@@ -269,8 +270,10 @@ def run_xlaunch(route: str, packed: Path, instances: int, threads: int, cpus: li
     if launched.get("exit_status") != 0 or [i.get("cpus") for i in launched.get("instances", [])] != cpus:
         return {"status": f"failed: xlaunch's summary: exit {launched.get('exit_status')}, cpus "
                           f"{[i.get('cpus') for i in launched.get('instances', [])]} (plan {cpus})\n" + _tail(log_path)}
+    shutil.rmtree(sync, ignore_errors=True)          # kept when a launch failed: its log is there
+    ran_on = [sorted((i.get("observed") or {}).get("thread_cpus") or []) for i in launched["instances"]]
     return {"status": "ok", "cpus": cpus, "decode_rounds": per, "window_s": stop_at - start,
-            "setup_s": [r["setup_s"] for r in ready], **sampler.result()}
+            "setup_s": [r["setup_s"] for r in ready], "threads_ran_on": ran_on, **sampler.result()}
 
 
 # -- llama.cpp: k llama-bench processes -------------------------------------------------------------

@@ -193,6 +193,7 @@ def test_two_xlaunch_instances_share_a_mapped_files_pages(tmp_path: Path) -> Non
                          lambda values: sorted(values)[len(values) // 2])
     assert got["status"] == "ok", got["status"]
     assert got["cpus"] == cpus and all(len(rounds) >= 2 for rounds in got["decode_rounds"])
+    assert all(set(seen) <= set(planned) for seen, planned in zip(got["threads_ran_on"], cpus)), got["threads_ran_on"]
     assert all(rate > 0 for rate in got["decode_tps_each"]) and got["samples"] >= 1
     # both map all 8 MiB; each page is counted in both, so each one's Pss of it is about half its Rss
     for rss, pss in zip(got["mapped_rss_each_mib"], got["mapped_pss_each_mib"]):
