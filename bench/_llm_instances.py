@@ -191,20 +191,24 @@ def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int) 
         generate(1)
         _write(sync / f"ready-{index}.json", {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)),
                                               "threads": torch.get_num_threads(), "setup_s": time.perf_counter() - start})
-        go, stop = sync / "go", sync / "stop"
-        while not go.exists():
-            if stop.exists():          # another instance could not start: no window
-                return
-            time.sleep(0.01)
-        time.sleep(max(0.0, float(go.read_text()) - time.monotonic()))
-        with open(sync / f"rounds-{index}.jsonl", "a") as rounds:
-            while not stop.exists():
-                begin = time.monotonic()
-                gen1 = min(generate(1) for _ in range(3))
-                genN = min(generate(new_tokens) for _ in range(2))
-                rounds.write(json.dumps({"begin": begin, "end": time.monotonic(),
-                                         "decode_tps": (new_tokens - 1) / max(genN - gen1, 1e-9)}) + "\n")
-                rounds.flush()
+        window = 0
+        while True:          # window w: from go-w's instant, rounds until stop-w; then idle-<index>-w
+            go, stop = sync / f"go-{window}", sync / f"stop-{window}"
+            while not go.exists():
+                if (sync / "quit").exists():
+                    return
+                time.sleep(0.01)
+            time.sleep(max(0.0, float(go.read_text()) - time.monotonic()))
+            with open(sync / f"rounds-{index}-{window}.jsonl", "a") as rounds:
+                while not stop.exists():
+                    begin = time.monotonic()
+                    gen1 = min(generate(1) for _ in range(3))
+                    genN = min(generate(new_tokens) for _ in range(2))
+                    rounds.write(json.dumps({"begin": begin, "end": time.monotonic(),
+                                             "decode_tps": (new_tokens - 1) / max(genN - gen1, 1e-9)}) + "\n")
+                    rounds.flush()
+            _write_text(sync / f"idle-{index}-{window}", "")
+            window += 1
 
 
 def _read_rounds(path: Path, start: float, until: float = float("inf")) -> list[dict[str, Any]]:
@@ -221,59 +225,81 @@ def _tail(path: Path, lines: int = 12) -> str:
         return ""
 
 
-def run_xlaunch(route: str, packed: Path, instances: int, threads: int, cpus: list[list[int]],
-                program: Callable[[Path], list[str]], rounds: int, env: dict[str, str]) -> dict[str, Any]:
-    """``route``'s k instances under ``xlaunch --ninstances``: per-instance decode tokens/s and their memory."""
-    sync = Path(tempfile.mkdtemp(prefix=f"xlaunch-bench-{route}-x{instances}-"))
-    summary, log_path = sync / "summary.json", sync / "xlaunch.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*launcher_argv(instances, threads), "--summary-json", str(summary), *program(sync)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    ready_files = [sync / f"ready-{i}.json" for i in range(instances)]
-    try:
+class RouteFailed(RuntimeError):
+    """A route's copies could not run (the message is the row's status)."""
+
+
+class XlaunchInstances:
+    """``route``'s k instances under ``xlaunch --ninstances``, kept between windows (idle in between)."""
+
+    def __init__(self, route: str, packed: Path, instances: int, threads: int, cpus: list[list[int]],
+                 program: Callable[[Path], list[str]], env: dict[str, str]) -> None:
+        self.cpus, self.instances = cpus, instances
+        self.sync = Path(tempfile.mkdtemp(prefix=f"xlaunch-bench-{route}-x{instances}-"))
+        self.summary, self.log = self.sync / "summary.json", self.sync / "xlaunch.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([*launcher_argv(instances, threads), "--summary-json", str(self.summary),
+                                          *program(self.sync)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        ready_files = [self.sync / f"ready-{i}.json" for i in range(instances)]
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not all(path.exists() for path in ready_files):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                return {"status": f"failed: xlaunch exited ({proc.poll()}) before every instance was ready\n"
-                                  + _tail(log_path)}
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.fail(f"failed: xlaunch exited ({self.proc.poll()}) before every instance was ready")
             time.sleep(0.05)
         ready = [json.loads(path.read_text()) for path in ready_files]
         missing = [r["unavailable"] for r in ready if "unavailable" in r]
         if missing:
-            return {"status": f"unavailable: {missing[0]}"}
-        seen = [r["cpus"] for r in ready]
-        if seen != cpus:
-            return {"status": f"failed: the instances ran on {seen}, the plan said {cpus}"}
-        sampler = MemorySampler([r["pid"] for r in ready], mapped=str(packed))
+            self.fail(f"unavailable: {missing[0]}", tail=False)
+        if [r["cpus"] for r in ready] != cpus:
+            self.fail(f"failed: the instances ran on {[r['cpus'] for r in ready]}, the plan said {cpus}", tail=False)
+        self.pids, self.setup_s, self.mapped, self.windows = [r["pid"] for r in ready], [r["setup_s"] for r in ready], \
+            str(packed), 0
+
+    def fail(self, status: str, tail: bool = True) -> None:
+        self.close()
+        raise RouteFailed(status + ("\n" + _tail(self.log) if tail else ""))
+
+    def window(self, rounds: int) -> dict[str, Any]:
+        """All k from one instant until each has ``rounds`` rounds; returns when every one is idle again."""
+        w, sampler = self.windows, MemorySampler(self.pids, mapped=self.mapped)
+        self.windows += 1
         start = time.monotonic() + START_DELAY_S
-        _write_text(sync / "go", repr(start))
+        _write_text(self.sync / f"go-{w}", repr(start))
+        files = [self.sync / f"rounds-{i}-{w}.jsonl" for i in range(self.instances)]
         while True:
             time.sleep(SAMPLE_S)
             if time.monotonic() >= start:
                 sampler.sample()
-            if all(len(_read_rounds(sync / f"rounds-{i}.jsonl", start)) >= rounds for i in range(instances)):
+            if all(len(_read_rounds(path, start)) >= rounds for path in files):
                 break
-            if proc.poll() is not None:
-                return {"status": f"failed: xlaunch exited ({proc.poll()}) while decoding\n" + _tail(log_path)}
+            if self.proc.poll() is not None:
+                self.fail(f"failed: xlaunch exited ({self.proc.poll()}) while decoding")
         stop_at = time.monotonic()
         sampler.sample()
-    finally:
-        (sync / "stop").write_text("")
+        _write_text(self.sync / f"stop-{w}", "")
+        while not all((self.sync / f"idle-{i}-{w}").exists() for i in range(self.instances)):
+            if self.proc.poll() is not None:
+                self.fail(f"failed: xlaunch exited ({self.proc.poll()}) after a window")
+            time.sleep(0.02)
+        return {"decode_rounds": [[row["decode_tps"] for row in _read_rounds(path, start, stop_at)] for path in files],
+                "window_s": stop_at - start, **sampler.result()}
+
+    def close(self) -> dict[str, Any]:
+        """Quit the instances; xlaunch's summary checked against the plan (:class:`RouteFailed` when it differs)."""
+        (self.sync / "quit").write_text("")
         try:
-            proc.wait(timeout=600)
+            self.proc.wait(timeout=600)
         except subprocess.TimeoutExpired:
-            proc.terminate()
-            proc.wait()
-    per = [[row["decode_tps"] for row in _read_rounds(sync / f"rounds-{i}.jsonl", start, stop_at)]
-           for i in range(instances)]
-    launched = json.loads(summary.read_text()) if summary.exists() else {}
-    if launched.get("exit_status") != 0 or [i.get("cpus") for i in launched.get("instances", [])] != cpus:
-        return {"status": f"failed: xlaunch's summary: exit {launched.get('exit_status')}, cpus "
-                          f"{[i.get('cpus') for i in launched.get('instances', [])]} (plan {cpus})\n" + _tail(log_path)}
-    shutil.rmtree(sync, ignore_errors=True)          # kept when a launch failed: its log is there
-    ran_on = [sorted((i.get("observed") or {}).get("thread_cpus") or []) for i in launched["instances"]]
-    return {"status": "ok", "cpus": cpus, "decode_rounds": per, "window_s": stop_at - start,
-            "setup_s": [r["setup_s"] for r in ready], "threads_ran_on": ran_on, **sampler.result()}
+            self.proc.terminate()
+            self.proc.wait()
+        launched = json.loads(self.summary.read_text()) if self.summary.exists() else {}
+        seen = [i.get("cpus") for i in launched.get("instances", [])]
+        if launched.get("exit_status") != 0 or seen != self.cpus:
+            raise RouteFailed(f"failed: xlaunch's summary: exit {launched.get('exit_status')}, cpus {seen} "
+                              f"(plan {self.cpus})\n" + _tail(self.log))
+        shutil.rmtree(self.sync, ignore_errors=True)          # kept when a launch failed: its log is there
+        ran_on = [sorted((i.get("observed") or {}).get("thread_cpus") or []) for i in launched["instances"]]
+        return {"setup_s": self.setup_s, "threads_ran_on": ran_on}
 
 
 # -- llama.cpp: k llama-bench processes -------------------------------------------------------------
@@ -331,12 +357,32 @@ def run_llama(argv: Sequence[str], cpus: list[list[int]], rounds: int,
 
 
 # -- the summary -------------------------------------------------------------------------------------
-def summarize(result: dict[str, Any], median: Callable[[Sequence[float]], Optional[float]]) -> dict[str, Any]:
-    """Per-instance medians and their sum (the aggregate decode tokens/s)."""
-    if result.get("status") != "ok":
-        return result
-    each = [median(rounds) for rounds in result["decode_rounds"]]
-    return {**result, "decode_tps_each": each, "decode_tps": sum(v for v in each if v is not None)}
+def combine(windows: Sequence[dict[str, Any]], median: Callable[[Sequence[float]], Optional[float]],
+            **extra: Any) -> dict[str, Any]:
+    """A route's windows: each window's aggregate (the sum of the copies' median rounds), and over the
+    windows the median aggregate, each copy's median, and the median memory sums."""
+    done = []
+    for window in windows:
+        each = [median(rounds) for rounds in window["decode_rounds"]]
+        done.append({**window, "decode_tps_each": each, "decode_tps": sum(v for v in each if v is not None)})
+    copies = len(done[0]["decode_tps_each"])
+    out = {"status": "ok", **extra, "windows": done,
+           "decode_tps": median([w["decode_tps"] for w in done]),
+           "decode_tps_each": [median([w["decode_tps_each"][i] for w in done]) for i in range(copies)]}
+    for key in ("pss_sum_mib", "rss_sum_mib"):
+        values = [w[key] for w in done if key in w]
+        out[key] = median(values) if values else None
+    for key in ("mapped_rss_each_mib", "mapped_pss_each_mib"):
+        if key in done[-1]:
+            out[key] = done[-1][key]
+    return out
+
+
+def paired(row: dict[str, Any], peer: dict[str, Any], median: Callable) -> Optional[float]:
+    """The median over windows of the row's aggregate over the peer's in the same window (pairs, not runs apart)."""
+    ratios = [ours["decode_tps"] / theirs["decode_tps"] for ours, theirs in zip(row.get("windows", []), peer.get("windows", []))
+              if theirs["decode_tps"]]
+    return median(ratios) if ratios else None
 
 
 def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
@@ -360,7 +406,7 @@ def table(instances: int, threads: int, rows: dict[str, dict[str, Any]], peers: 
         one = single.get(name, {})
         lines.append(
             f"| {name} | {row['decode_tps']:.1f} | {' + '.join(number(v, '.1f') for v in row['decode_tps_each'])} "
-            f"| {number(ratio(row['decode_tps'], peer.get('decode_tps')), '.2f')} "
+            f"| {number(row.get('decode_vs_llamacpp'), '.2f')} "
             f"| {number(row.get('pss_sum_mib'), '.0f')} | {number(row.get('rss_sum_mib'), '.0f')} "
             f"| {number(ratio(row.get('pss_sum_mib'), peer.get('pss_sum_mib')), '.2f')} "
             f"| {number(ratio(row.get('pss_sum_mib'), one.get('pss_sum_mib')), '.2f')} |")
@@ -405,43 +451,83 @@ def pack_all(routes: Sequence[str], model: Any, script: str, env: dict[str, str]
 
 def run(args: Any, packed_files: dict[str, Optional[Path]], llama: Optional[tuple[Path, dict[str, Path]]],
         cpu_plans: dict[tuple[int, int], Any], script: str, env: dict[str, str], median: Callable,
-        llamacpp: Any) -> dict[str, Any]:
-    """Every (threads, k): each route pair, xlaunch's k instances then llama.cpp's k processes."""
-    routes = args.route_names
+        llamacpp: Any, pairs: dict[str, str]) -> dict[str, Any]:
+    """Every (threads, k) and route pair: the xlaunch instances started once, then ``args.rounds`` windows,
+    each the xlaunch copies' window and llama.cpp's (order reversed every other window), one round a copy."""
     results: dict[str, Any] = {}
     for threads in args.threads:
         for k in args.instances:
             cpus = cpu_plans[(k, threads)]
             print(f"\n== {k} instance(s) x {threads} thread(s) on CPUs {' | '.join(cpulist(c) for c in cpus)}", flush=True)
             rows: dict[str, Any] = {}
-            for name in routes:
-                if name.startswith("xlaunch-"):
-                    if packed_files[name] is None:
-                        rows[name] = {"status": "unavailable: no packed file"}
-                    else:
-                        rows[name] = summarize(run_xlaunch(name, packed_files[name], k, threads, cpus,
-                                                           worker_program(script, packed_files[name], args),
-                                                           args.rounds, env), median)
-                elif llama is None:
-                    rows[name] = {"status": "unavailable: llama.cpp skipped"}
-                else:
-                    kind = name.removeprefix("llamacpp-")
-                    argv = llamacpp.llama_bench_argv(llama[0], llama[1][kind], threads, "decode", args.new_tokens - 1,
-                                                     args.prompt + 1, 2)
-                    rows[name] = summarize(run_llama(argv, cpus, args.rounds, llamacpp.parse_llama_bench), median)
-                row = rows[name]
-                if row["status"] != "ok":
-                    print(f"  {name}: {row['status']}", flush=True)
-                    continue
-                mapped = ""
-                if row.get("mapped_rss_each_mib"):
-                    mapped = "; packed file mapped: " + ", ".join(
-                        f"Rss {r:.0f} Pss {p:.0f}" for r, p in zip(row["mapped_rss_each_mib"], row["mapped_pss_each_mib"]))
-                print(f"  {name}: {' + '.join(f'{v:.1f}' for v in row['decode_tps_each'])} = {row['decode_tps']:.1f} "
-                      f"tok/s ({row['window_s']:.1f} s window); PSS sum {row.get('pss_sum_mib', 0):.0f} MiB, "
-                      f"RSS sum {row.get('rss_sum_mib', 0):.0f} MiB ({row.get('samples', 0)} samples){mapped}", flush=True)
+            for ours, theirs in pairs.items():
+                rows.update(run_pair(args, ours if ours in args.route_names else None,
+                                     theirs if theirs in args.route_names else None, packed_files, llama, k, threads,
+                                     cpus, script, env, median, llamacpp))
             results[f"{k}x{threads}"] = rows
     return results
+
+
+def run_pair(args: Any, ours: Optional[str], theirs: Optional[str], packed_files: dict[str, Optional[Path]],
+             llama: Optional[tuple[Path, dict[str, Path]]], k: int, threads: int, cpus: list[list[int]], script: str,
+             env: dict[str, str], median: Callable, llamacpp: Any) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    instances, windows = None, {ours: [], theirs: []}
+    if ours and packed_files.get(ours) is None:
+        rows[ours] = {"status": "unavailable: no packed file"}
+    elif ours:
+        print(f"  {ours}: starting {k} instance(s) ...", flush=True)
+        try:
+            instances = XlaunchInstances(ours, packed_files[ours], k, threads, cpus,
+                                         worker_program(script, packed_files[ours], args), env)
+        except RouteFailed as error:
+            rows[ours] = {"status": str(error)}
+    if theirs and llama is None:
+        rows[theirs] = {"status": "unavailable: llama.cpp skipped"}
+    argv = llamacpp.llama_bench_argv(llama[0], llama[1][theirs.removeprefix("llamacpp-")], threads, "decode",
+                                     args.new_tokens - 1, args.prompt + 1, 2) if theirs and llama else None
+    for index in range(args.rounds):
+        order = [ours, theirs] if index % 2 == 0 else [theirs, ours]
+        for name in order:
+            if name is None or name in rows:
+                continue
+            try:
+                got = instances.window(1) if name == ours else run_llama(argv, cpus, 1, llamacpp.parse_llama_bench)
+            except RouteFailed as error:          # only the xlaunch side raises it, its instances closed
+                rows[name], instances = {"status": str(error)}, None
+                continue
+            if got.get("status", "ok") != "ok":
+                rows[name] = got
+                continue
+            windows[name].append(got)
+            print(f"    {name}: {' + '.join(f'{median(r) or 0:.1f}' for r in got['decode_rounds'])} tok/s "
+                  f"({got['window_s']:.1f} s window); PSS sum {got.get('pss_sum_mib', 0):.0f} MiB, RSS sum "
+                  f"{got.get('rss_sum_mib', 0):.0f} MiB", flush=True)
+    extra: dict[str, Any] = {}
+    if instances is not None:
+        try:
+            extra = instances.close()
+        except RouteFailed as error:
+            rows[ours] = {"status": str(error)}
+    for name in (ours, theirs):
+        if name and name not in rows:
+            rows[name] = combine(windows[name], median, cpus=cpus, **(extra if name == ours else {}))
+    if ours and theirs and rows[ours]["status"] == "ok" == rows[theirs]["status"]:
+        rows[ours]["decode_vs_llamacpp"] = paired(rows[ours], rows[theirs], median)
+    for name in (ours, theirs):
+        row = rows.get(name) if name else None
+        if row is None:
+            continue
+        if row["status"] != "ok":
+            print(f"  {name}: {row['status']}", flush=True)
+            continue
+        mapped = ""
+        if row.get("mapped_rss_each_mib"):
+            mapped = "; packed file mapped: " + ", ".join(
+                f"Rss {r:.0f} Pss {p:.0f}" for r, p in zip(row["mapped_rss_each_mib"], row["mapped_pss_each_mib"]))
+        print(f"  {name}: {row['decode_tps']:.1f} tok/s over {len(row['windows'])} window(s); PSS sum "
+              f"{row['pss_sum_mib'] or 0:.0f} MiB, RSS sum {row['rss_sum_mib'] or 0:.0f} MiB{mapped}", flush=True)
+    return rows
 
 
 def tables(args: Any, results: dict[str, Any], peers: dict[str, str]) -> str:

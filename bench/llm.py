@@ -576,7 +576,7 @@ def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds
             print(f"llama.cpp unavailable: {type(error).__name__}: {error}", flush=True)
     packed = _llm_instances.pack_all(args.route_names, model, __file__, env)
     with bench_lock(args.lock):
-        results = _llm_instances.run(args, packed, llama, cpu_plans, __file__, env, median, _llamacpp)
+        results = _llm_instances.run(args, packed, llama, cpu_plans, __file__, env, median, _llamacpp, INSTANCE_PAIRS)
     print("\n" + _llm_instances.tables(args, results, INSTANCE_PAIRS))
     description["load_average_end"] = list(os.getloadavg())
     from _machine_bench import write_results

@@ -127,20 +127,27 @@ def test_memory_sums_pss_and_rss_over_the_instances(tmp_path: Path) -> None:
     assert inst.MemorySampler([], proc=str(proc)).result() == {"samples": 0}
 
 
-def test_summary_sums_the_instances_and_compares_with_llamacpp_and_one_instance() -> None:
+def test_summary_sums_the_copies_per_window_and_pairs_windows_with_llamacpp() -> None:
     inst = instances()
     llm = load("llm")
     from _machine_bench import median
 
-    rows = {"xlaunch-int8": inst.summarize({"status": "ok", "decode_rounds": [[50.0, 40.0, 60.0], [30.0, 30.0]],
-                                            "pss_sum_mib": 900.0, "rss_sum_mib": 1500.0}, median),
-            "llamacpp-q8_0": inst.summarize({"status": "ok", "decode_rounds": [[40.0], [40.0]],
-                                             "pss_sum_mib": 300.0, "rss_sum_mib": 600.0}, median),
+    def window(rounds, pss, rss):
+        return {"decode_rounds": rounds, "pss_sum_mib": pss, "rss_sum_mib": rss, "window_s": 1.0}
+
+    # window 1: copies at 50 (median of 3 rounds) and 30; window 2: 20 and 20 (a loaded window)
+    ours = inst.combine([window([[50.0, 40.0, 60.0], [30.0]], 900.0, 1500.0), window([[20.0], [20.0]], 910.0, 1500.0),
+                         window([[45.0], [35.0]], 920.0, 1500.0)], median, cpus=[[0], [1]])
+    theirs = inst.combine([window([[40.0], [40.0]], 300.0, 600.0), window([[10.0], [10.0]], 300.0, 600.0),
+                           window([[40.0], [40.0]], 300.0, 600.0)], median)
+    assert [w["decode_tps"] for w in ours["windows"]] == [80.0, 40.0, 80.0] and ours["decode_tps"] == 80.0
+    assert ours["decode_tps_each"] == [45.0, 30.0] and ours["pss_sum_mib"] == 910.0 and ours["cpus"] == [[0], [1]]
+    # per-window ratios 1.0, 2.0, 1.0: the loaded window is paired with llama.cpp's loaded window
+    assert inst.paired(ours, theirs, median) == 1.0
+    rows = {"xlaunch-int8": {**ours, "decode_vs_llamacpp": inst.paired(ours, theirs, median)}, "llamacpp-q8_0": theirs,
             "xlaunch-int4": {"status": "failed: xlaunch exited (1)\n      ! Traceback"}}
-    assert rows["xlaunch-int8"]["decode_tps_each"] == [50.0, 30.0] and rows["xlaunch-int8"]["decode_tps"] == 80.0
-    single = {"xlaunch-int8": {"pss_sum_mib": 600.0}}
-    text = inst.table(2, 1, rows, llm.INSTANCE_PAIRS, single)
-    assert "| xlaunch-int8 | 80.0 | 50.0 + 30.0 | 1.00 | 900 | 1500 | 3.00 | 1.50 |" in text
+    text = inst.table(2, 1, rows, llm.INSTANCE_PAIRS, {"xlaunch-int8": {"pss_sum_mib": 455.0}})
+    assert "| xlaunch-int8 | 80.0 | 45.0 + 30.0 | 1.00 | 910 | 1500 | 3.03 | 2.00 |" in text
     assert "| llamacpp-q8_0 | 80.0 | 40.0 + 40.0 |  | 300 | 600 |  |  |" in text
     assert "| xlaunch-int4 | failed: xlaunch exited (1) | | | | | | |" in text
 
@@ -162,17 +169,23 @@ read()
 (sync / f"ready-{index}.json.partial").write_text(json.dumps(
     {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "threads": 1, "setup_s": 0.0}))
 os.replace(sync / f"ready-{index}.json.partial", sync / f"ready-{index}.json")
-while not (sync / "go").exists():
-    time.sleep(0.01)
-time.sleep(max(0.0, float((sync / "go").read_text()) - time.monotonic()))
-with open(sync / f"rounds-{index}.jsonl", "a") as rounds:
-    while not (sync / "stop").exists():
-        begin = time.monotonic()
-        for _ in range(20):
-            read()
-        end = time.monotonic()
-        rounds.write(json.dumps({"begin": begin, "end": end, "decode_tps": 20 / max(end - begin, 1e-9)}) + "\\n")
-        rounds.flush()
+window = 0
+while True:
+    while not (sync / f"go-{window}").exists():
+        if (sync / "quit").exists():
+            sys.exit(0)
+        time.sleep(0.01)
+    time.sleep(max(0.0, float((sync / f"go-{window}").read_text()) - time.monotonic()))
+    with open(sync / f"rounds-{index}-{window}.jsonl", "a") as rounds:
+        while not (sync / f"stop-{window}").exists():
+            begin = time.monotonic()
+            for _ in range(20):
+                read()
+            end = time.monotonic()
+            rounds.write(json.dumps({"begin": begin, "end": end, "decode_tps": 20 / max(end - begin, 1e-9)}) + "\\n")
+            rounds.flush()
+    (sync / f"idle-{index}-{window}").write_text("")
+    window += 1
 """
 
 
@@ -188,13 +201,12 @@ def test_two_xlaunch_instances_share_a_mapped_files_pages(tmp_path: Path) -> Non
     worker = tmp_path / "worker.py"
     worker.write_text(MAPPING_WORKER)
     cpus = inst.plan(2, 1, [str(worker)], ENV)
-    got = inst.summarize(inst.run_xlaunch("mapping", mapped, 2, 1, cpus,
-                                          lambda sync: [str(worker), str(mapped), str(sync)], 2, ENV),
-                         lambda values: sorted(values)[len(values) // 2])
-    assert got["status"] == "ok", got["status"]
-    assert got["cpus"] == cpus and all(len(rounds) >= 2 for rounds in got["decode_rounds"])
+    copies = inst.XlaunchInstances("mapping", mapped, 2, 1, cpus, lambda sync: [str(worker), str(mapped), str(sync)], ENV)
+    windows = [copies.window(2), copies.window(1)]        # the instances wait, idle, between the windows
+    got = inst.combine(windows, lambda values: sorted(values)[len(values) // 2], **copies.close())
+    assert [len(rounds) >= n for w, n in zip(windows, (2, 1)) for rounds in w["decode_rounds"]] == [True] * 4
     assert all(set(seen) <= set(planned) for seen, planned in zip(got["threads_ran_on"], cpus)), got["threads_ran_on"]
-    assert all(rate > 0 for rate in got["decode_tps_each"]) and got["samples"] >= 1
+    assert all(rate > 0 for rate in got["decode_tps_each"]) and all(w["samples"] >= 1 for w in windows)
     # both map all 8 MiB; each page is counted in both, so each one's Pss of it is about half its Rss
     for rss, pss in zip(got["mapped_rss_each_mib"], got["mapped_pss_each_mib"]):
         assert rss >= 7.5 and pss <= 0.75 * rss, (rss, pss)
