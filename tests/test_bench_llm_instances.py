@@ -28,6 +28,7 @@ def load(name: str):
 
 
 def instances():
+    load("llm")                  # puts bench/ on sys.path (bench/_llm_instances.py imports _procmem)
     return load("_llm_instances")
 
 
