@@ -6,12 +6,14 @@ decode worker (``bench/llm.py --instance-worker``) that maps the one packed file
 processes under ``taskset -c`` on the core sets that ``xlaunch --dry-run --json`` planned for the
 same options (read from the plan, never guessed).
 
-The window: every copy warms up, then all start at one instant (``go``) and decode round after round
-until every copy has finished ``rounds`` rounds; only then does the orchestrator say ``stop``, so each
-counted round ran while the other k-1 copies were decoding too. A copy's decode tokens/s is the
-median of its rounds; the aggregate is their sum. Memory: the sum over the k processes of ``Pss``
-and of ``Rss`` from ``/proc/PID/smaps_rollup``, sampled together every 0.2 s during the window (the
-median sums are reported, and the largest). No torch here (the worker imports it).
+Windows: the xlaunch instances warm up once; then each of ``rounds`` windows times the k xlaunch copies
+and the k llama.cpp copies one after the other (order reversed every other window). In a window all k
+start at one instant (``go-w``) and decode round after round until every copy has its round; only then
+does the orchestrator say ``stop-w``, so each counted round ran while the other k-1 copies were
+decoding too. A window's aggregate is the sum of the copies' tokens/s; "vs llama.cpp" is the median of
+the per-window ratios. Memory (bench/_procmem.py): the sums over the k processes of ``Pss`` and ``Rss``
+from ``/proc/PID/smaps_rollup``, sampled together every 0.2 s in a window (the median sums are
+reported, and the largest). No torch here (the worker imports it).
 """
 from __future__ import annotations
 
