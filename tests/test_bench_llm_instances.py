@@ -222,3 +222,17 @@ def test_two_xlaunch_instances_share_a_mapped_files_pages(tmp_path: Path) -> Non
     for rss, pss in zip(got["mapped_rss_each_mib"], got["mapped_pss_each_mib"]):
         assert rss >= 7.5 and pss <= 0.75 * rss, (rss, pss)
     assert got["pss_sum_mib"] < got["rss_sum_mib"]
+
+
+def test_the_memory_check_counts_the_packed_file_once_and_the_process_per_instance(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path))
+    model_ = load("_llm_model")
+    tiny = model_.resolve("tiny", None)
+    footprint, shape = model_.footprint, tiny.shape
+    steady, _ = model_.route_bytes("xlaunch-int8", shape, model_.shapes.checkpoint_bytes(tiny.config), 32, 57)
+    packed = footprint.packed_bytes(shape, footprint.default_activations(), "int8")
+    many = [model_.need_instances(tiny, ["xlaunch-int8"], [], k, 32, 24) for k in (50, 51)]
+    assert "50 instance(s) of xlaunch-int8" in many[0].memory_what
+    assert many[1].memory - many[0].memory == steady - packed          # one more process, not one more copy
+    assert many[0].disk == model_.shapes.checkpoint_bytes(tiny.config) + packed     # the packed file, once
