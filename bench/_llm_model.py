@@ -43,6 +43,11 @@ class BenchModel:
     def shape(self) -> shapes.Shape:
         return shapes.Shape(self.config)
 
+    @property
+    def packed_dir(self) -> Path:
+        """Where ``--instances`` keeps the packed files the instances map (``<cache>/llm-packed/<model key>``)."""
+        return self.gguf_dir.parent.parent / "llm-packed" / self.gguf_dir.name.removeprefix("gguf-")
+
     def ready(self) -> bool:
         return (self.folder / "model.safetensors").is_file() and (not self.preset or (self.folder / "tokenizer.model").is_file())
 
@@ -150,14 +155,12 @@ def llama_bytes(shape: shapes.Shape, kind: str, prompt: int, tokens: int) -> int
     return gguf_bytes(shape, kind) + kv + 4 * shape.vocab * min(512, prompt) + LLAMA_PROCESS_BYTES
 
 
-def need(model: BenchModel, torch_routes: Sequence[str], gguf_kinds: Sequence[str], prompt: int,
-         new_tokens: int) -> footprint.Need:
-    """The largest phase of a run (writing the checkpoint, converting to GGUF, the routes of one thread count
-    side by side with one llama-bench) and the disk its files still need."""
+def _preparing(model: BenchModel, gguf_kinds: Sequence[str]) -> tuple[list[tuple[str, int]], int, int]:
+    """The phases before any timing (writing the checkpoint, converting to GGUF), the disk their files still
+    need, and the checkpoint's size."""
     shape = model.shape
     checkpoint = shapes.checkpoint_bytes(model.config) if model.preset else \
         sum(path.stat().st_size for path in model.folder.glob("*.safetensors"))
-    tokens = prompt + new_tokens + 1
     phases: list[tuple[str, int]] = []
     disk = 0
     if not model.ready():
@@ -170,11 +173,45 @@ def need(model: BenchModel, torch_routes: Sequence[str], gguf_kinds: Sequence[st
     if missing:
         phases.append(("converting to GGUF", CONVERT_BYTES + 3 * 4 * shape.vocab * shape.hidden))
         disk += sum(gguf_bytes(shape, kind) for kind in missing)
+    return phases, disk, checkpoint
+
+
+def need(model: BenchModel, torch_routes: Sequence[str], gguf_kinds: Sequence[str], prompt: int,
+         new_tokens: int) -> footprint.Need:
+    """The largest phase of a run (writing the checkpoint, converting to GGUF, the routes of one thread count
+    side by side with one llama-bench) and the disk its files still need."""
+    shape = model.shape
+    phases, disk, checkpoint = _preparing(model, gguf_kinds)
+    tokens = prompt + new_tokens + 1
     sizes = [route_bytes(route, shape, checkpoint, prompt, tokens) for route in torch_routes]
     llama = max((llama_bytes(shape, kind, prompt, tokens) for kind in gguf_kinds), default=0)
     if sizes or llama:
         together = sum(steady for steady, _ in sizes) + max((p - s for s, p in sizes), default=0) + llama
         what = f"{len(sizes)} torch route(s) side by side" + (" and llama-bench" if llama else "")
         phases.append((what, together))
+    memory, what = footprint.peak(phases) if phases else (0, "nothing")
+    return footprint.Need(memory, what, disk, str(_llamacpp.cache_root().parent))
+
+
+def need_instances(model: BenchModel, xlaunch_routes: Sequence[str], gguf_kinds: Sequence[str], instances: int,
+                   prompt: int, new_tokens: int) -> footprint.Need:
+    """``--instances k``: one route at a time, k copies sharing its packed file (or GGUF) in the page cache;
+    before that, each packed file written once (a route's load peak) next to its size on disk."""
+    shape = model.shape
+    phases, disk, checkpoint = _preparing(model, gguf_kinds)
+    tokens = prompt + new_tokens + 1
+    for route in xlaunch_routes:
+        steady, peak = route_bytes(route, shape, checkpoint, prompt, tokens)
+        dtype = "bf16" if route == "xlaunch-bf16" else footprint.default_activations()
+        packed = footprint.packed_bytes(shape, dtype, {"xlaunch-bf16": None, "xlaunch-int8": "int8",
+                                                       "xlaunch-int4": "int4"}[route])
+        phases.append((f"packing {route}", peak))
+        phases.append((f"{instances} instance(s) of {route}", instances * (steady - packed) + packed))
+        if not (model.packed_dir / f"{route}.xlp").exists():
+            disk += packed
+    for kind in gguf_kinds:
+        gguf = gguf_bytes(shape, kind)
+        phases.append((f"{instances} llama-bench of {kind.upper()}",
+                       instances * (llama_bytes(shape, kind, prompt, tokens) - gguf) + gguf))
     memory, what = footprint.peak(phases) if phases else (0, "nothing")
     return footprint.Need(memory, what, disk, str(_llamacpp.cache_root().parent))

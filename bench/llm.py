@@ -5,7 +5,7 @@
     .venv/bin/python bench/llm.py [--quick] [--threads 1,2] [--routes hf-fp32,llamacpp-bf16,...]
                                   [--shape llama-168m | --model PATH]
                                   [--rounds 5] [--prompt 32] [--new-tokens 48] [--no-llamacpp]
-                                  [--json PATH] [--lock PATH] [--list]
+                                  [--json PATH] [--lock PATH] [--list] [--instances 1,2]
 
 The model is a preset shape (``--shape``, default ``llama-168m``: the published configs of
 Llama-3.2-1B/3B, Qwen2.5-0.5B/1.5B and Mistral-7B-v0.1 in xlaunch/llm/shapes.py) with random weights
@@ -27,6 +27,11 @@ tokens without an EOS check or a minimum-length logits processor (llama-bench ru
 llama-bench times prefill (``-p P``) and decode (``-n N-1 -d P+1``: the same context lengths) as
 two runs. Reported: medians over rounds, and the median of the per-round ratios to llama.cpp at
 the same precision.
+
+``--instances k`` (a list, e.g. ``1,2``) runs each xlaunch route as k instances of ``xlaunch --ninstances k``
+mapping one packed file, and k llama-bench processes pinned by ``taskset`` to the same cores (from
+``xlaunch --dry-run --json``); it reports aggregate decode tokens/s and the memory the k hold together
+(bench/_llm_instances.py).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
 import _llamacpp  # noqa: E402
+import _llm_instances  # noqa: E402
 import _llm_model  # noqa: E402
 from _machine_bench import median, paired_ratio  # noqa: E402
 
@@ -74,6 +80,8 @@ ROUTES = {route.name: route for route in (
       for kind in _llamacpp.GGUF_TYPES),
 )}
 COMPILED = ("hf-bf16-compiled", "torchao-int8")
+# --instances: xlaunch's routes, each beside the llama.cpp route of its precision
+INSTANCE_PAIRS = {"xlaunch-bf16": "llamacpp-bf16", "xlaunch-int8": "llamacpp-q8_0", "xlaunch-int4": "llamacpp-q4_0"}
 
 
 def int_list(text: str) -> list[int]:
@@ -91,7 +99,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--list", action="store_true", help="print the routes and exit")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 24 new tokens, no hf-bf16-compiled")
     parser.add_argument("--routes", help="comma-separated routes (--list); default: all (--quick: its set)")
-    parser.add_argument("--threads", type=int_list, default=[1, 2], help="thread counts (default 1,2)")
+    parser.add_argument("--threads", type=int_list, help="thread counts (default 1,2; with --instances: 1)")
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5, --quick 2)")
     parser.add_argument("--shape", help="a preset shape with random weights (default llama-168m; "
                         "xlaunch/llm/shapes.py: llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, qwen2.5-1.5b, mistral-7b-v0.1)")
@@ -103,10 +111,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lock", default="/tmp/xlaunch-bench.lock" if os.path.exists("/tmp/xlaunch-bench.lock") else "",
                         help="flock this file around each timed round ('' for none; default: "
                              "/tmp/xlaunch-bench.lock when it exists)")
+    parser.add_argument("--instances", type=int_list, help="run k copies at once, each on its own cores: xlaunch "
+                        "routes through xlaunch --ninstances k (one shared packed file), llama.cpp pinned the same; "
+                        "a list (1,2) runs each k")
     parser.add_argument("--worker", help=argparse.SUPPRESS)      # internal: one torch route's process
+    parser.add_argument("--instance-worker", action="store_true", help=argparse.SUPPRESS)   # internal: one instance
+    parser.add_argument("--pack", help=argparse.SUPPRESS)        # internal: write a route's packed file
+    parser.add_argument("--packed", help=argparse.SUPPRESS)
+    parser.add_argument("--sync", help=argparse.SUPPRESS)
     parser.add_argument("--make-model", help=argparse.SUPPRESS)  # internal: write a preset's checkpoint
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.threads = args.threads or ([1] if args.instances else [1, 2])
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.new_tokens = args.new_tokens or (24 if args.quick else 48)
     if args.new_tokens < 2 or args.prompt < 1 or args.rounds < 1:
@@ -118,6 +134,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         unknown = [name for name in names if name not in ROUTES]
         if unknown:
             parser.error(f"--routes: unknown {', '.join(unknown)} (known: {', '.join(ROUTES)})")
+        if args.instances and set(names) - set(INSTANCE_PAIRS) - set(INSTANCE_PAIRS.values()):
+            parser.error(f"--instances runs {', '.join(n for pair in INSTANCE_PAIRS.items() for n in pair)} only, "
+                         f"not {', '.join(sorted(set(names) - set(INSTANCE_PAIRS) - set(INSTANCE_PAIRS.values())))}")
+    elif args.instances:
+        names = [name for pair in INSTANCE_PAIRS.items() for name in pair]
     else:
         names = [name for name, route in ROUTES.items() if route.quick or not args.quick]
     if args.no_llamacpp:
@@ -177,8 +198,9 @@ def xlaunch_from_pretrained() -> Any:
     return found
 
 
-def prepare(route: str, folder: Path) -> Any:
-    """The route's model; raises ``LookupError(reason)`` when the route cannot run here."""
+def prepare(route: str, folder: Path, packed: Optional[Path] = None) -> Any:
+    """The route's model; raises ``LookupError(reason)`` when the route cannot run here. With ``packed`` (an
+    xlaunch route), the packed file of ``folder``: written when missing or stale, then mapped."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -188,7 +210,10 @@ def prepare(route: str, folder: Path) -> Any:
         try:
             # streamed into the packed form (no full-precision copy); bf16 weights need bf16 activations,
             # INT8/INT4 take the CPU's default (bf16 with native bf16, else fp32)
-            return load(folder, dtype=torch.bfloat16 if weights is None else None, weights=weights)
+            dtype = torch.bfloat16 if weights is None else None
+            if packed is not None:
+                return load(packed, source=folder, dtype=dtype, weights=weights)
+            return load(folder, dtype=dtype, weights=weights)
         except Exception as error:
             raise LookupError(f"from_pretrained raised {type(error).__name__}: {error}") from None
     dtype = torch.float32 if route == "hf-fp32" else torch.bfloat16
@@ -474,6 +499,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.make_model:
         _llm_model.make(args.make_model)
         return 0
+    if args.instance_worker:
+        _llm_instances.instance_worker(Path(args.packed), Path(args.sync), args.prompt, args.new_tokens)
+        return 0
+    if args.pack:           # each route's packed file, <packed>/<route>.xlp: written when missing or stale
+        for route in args.pack.split(","):
+            prepare(route, Path(args.model_dir), Path(args.packed) / f"{route}.xlp")
+        return 0
     if args.worker:
         worker(args.worker, Path(args.model_dir), args.prompt, args.new_tokens)
         return 0
@@ -485,12 +517,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"bench/llm.py: {error}", file=sys.stderr)
         return 2
     torch_routes = [name for name in args.route_names if ROUTES[name].engine == "torch"]
-    refused = _llm_model.footprint.refusal(
-        "bench/llm.py", model.name, _llm_model.need(model, torch_routes, kinds, args.prompt, args.new_tokens),
-        hint=" (try fewer --routes or a smaller --shape)")
+    needed = (_llm_model.need_instances(model, torch_routes, kinds, max(args.instances), args.prompt, args.new_tokens)
+              if args.instances else _llm_model.need(model, torch_routes, kinds, args.prompt, args.new_tokens))
+    refused = _llm_model.footprint.refusal("bench/llm.py", model.name, needed,
+                                           hint=" (try fewer --routes or a smaller --shape)")
     if refused:
         print(refused, file=sys.stderr)
         return 2
+    if args.instances:
+        return main_instances(args, model, kinds)
     description = machine()
     print(f"model: {model.name} ({model.shape.parameters() / 1e6:.1f}M parameters); routes: {', '.join(args.route_names)}; "
           f"threads {args.threads}; {args.rounds} rounds; prompt {args.prompt}, new tokens {args.new_tokens}; "
@@ -515,6 +550,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "bench": "llm", "model": model.name, "config": model.config, "prompt": args.prompt, "new_tokens": args.new_tokens,
         "rounds": args.rounds, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
         "results": results})
+    return 0
+
+
+def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds: Sequence[str]) -> int:
+    """``--instances``: plan every (k, threads) with xlaunch's dry run first (a refused one stops the run in
+    one line), then pack, then each route's k copies at once."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    try:
+        cpu_plans = _llm_instances.plans(args, __file__, env)
+    except _llm_instances.PlanError as error:
+        print(f"bench/llm.py: {error}", file=sys.stderr)
+        return 2
+    description = machine()
+    print(f"model: {model.name} ({model.shape.parameters() / 1e6:.1f}M parameters); routes: {', '.join(args.route_names)}; "
+          f"instances {args.instances}; threads {args.threads}; {args.rounds} rounds per instance; prompt {args.prompt}, "
+          f"new tokens {args.new_tokens}", flush=True)
+    model_dir(model)
+    llama = None
+    if kinds:
+        try:
+            llama = prepare_llamacpp(kinds, model)
+        except Exception as error:       # no compiler, no network: the xlaunch rows still run
+            print(f"llama.cpp unavailable: {type(error).__name__}: {error}", flush=True)
+    packed = _llm_instances.pack_all(args.route_names, model, __file__, env)
+    with bench_lock(args.lock):
+        results = _llm_instances.run(args, packed, llama, cpu_plans, __file__, env, median, _llamacpp, INSTANCE_PAIRS)
+    print("\n" + _llm_instances.tables(args, results, INSTANCE_PAIRS))
+    description["load_average_end"] = list(os.getloadavg())
+    from _machine_bench import write_results
+
+    write_results(description, args.json, {
+        "bench": "llm-instances", "model": model.name, "config": model.config, "prompt": args.prompt,
+        "new_tokens": args.new_tokens, "rounds": args.rounds, "instances": args.instances, "threads": args.threads,
+        "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()}, "results": results})
     return 0
 
 

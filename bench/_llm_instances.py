@@ -1,0 +1,463 @@
+"""bench/llm.py ``--instances k``: k copies of one route decoding at once, each pinned to its own cores.
+
+The xlaunch routes run through ``xlaunch --ninstances k --ncores-per-instance T``: every instance is a
+decode worker (``bench/llm.py --instance-worker``) that maps the one packed file
+(``xlaunch.llm.from_pretrained(path)``), so the k share its pages. llama.cpp runs k ``llama-bench``
+processes under ``taskset -c`` on the core sets that ``xlaunch --dry-run --json`` planned for the
+same options (read from the plan, never guessed).
+
+Windows: the xlaunch instances warm up once; then each of ``rounds`` windows times the k xlaunch copies
+and the k llama.cpp copies one after the other (order reversed every other window). In a window all k
+start at one instant (``go-w``) and decode round after round until every copy has its round; only then
+does the orchestrator say ``stop-w``, so each counted round ran while the other k-1 copies were
+decoding too. A window's aggregate is the sum of the copies' tokens/s; "vs llama.cpp" is the median of
+the per-window ratios. Memory (bench/_procmem.py): the sums over the k processes of ``Pss`` and ``Rss``
+from ``/proc/PID/smaps_rollup``, sampled together every 0.2 s in a window (the median sums are
+reported, and the largest). No torch here (the worker imports it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from _procmem import MemorySampler, mapping_kib, parse_rollup  # noqa: F401  (bench/ is on sys.path)
+
+SAMPLE_S = 0.2
+START_DELAY_S = 0.3                  # ``go`` names an instant this far ahead: every copy starts together
+READY_TIMEOUT_S = 900.0
+
+
+class PlanError(ValueError):
+    """The launcher refused the instances (the message is one line)."""
+
+
+# -- the plan ------------------------------------------------------------------------------------
+def launcher_argv(instances: int, threads: int) -> list[str]:
+    """The xlaunch options of a run (the dry run and the launch take the same ones)."""
+    return [sys.executable, "-m", "xlaunch", "--ninstances", str(instances), "--ncores-per-instance", str(threads)]
+
+
+def cpus_from_plan(plan: dict[str, Any], instances: int) -> list[list[int]]:
+    """Each instance's CPUs, by index, from ``xlaunch --dry-run --json``'s object."""
+    found = sorted(plan.get("instances") or [], key=lambda entry: entry["index"])
+    if [entry["index"] for entry in found] != list(range(instances)):
+        raise PlanError(f"xlaunch planned instances {[entry['index'] for entry in found]}, not 0..{instances - 1}")
+    cpus = [[int(cpu) for cpu in entry["cpus"]] for entry in found]
+    if any(not one for one in cpus) or len({cpu for one in cpus for cpu in one}) != sum(map(len, cpus)):
+        raise PlanError(f"xlaunch planned empty or overlapping CPU sets: {cpus}")
+    return cpus
+
+
+def plan(instances: int, threads: int, program: Sequence[str], env: dict[str, str],
+         run: Callable[..., Any] = subprocess.run) -> list[list[int]]:
+    """The CPUs of each of ``instances`` instances of ``threads`` cores; :class:`PlanError` (one line) when
+    xlaunch refuses them (more than the usable cores, ...)."""
+    proc = run([*launcher_argv(instances, threads), "--dry-run", "--json", *program], capture_output=True,
+               text=True, env=env, timeout=120)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        reason = lines[-1].removeprefix("xlaunch: error: ") if lines else f"exit status {proc.returncode}"
+        raise PlanError(f"--instances {instances} with --threads {threads}: {reason}")
+    return cpus_from_plan(json.loads(proc.stdout), instances)
+
+
+def cpulist(cpus: Sequence[int]) -> str:
+    return ",".join(str(cpu) for cpu in cpus)
+
+
+# -- one instance (runs under xlaunch) ---------------------------------------------------------------
+def _write_text(path: Path, text: str) -> None:
+    """Whole or not at all: the reader polls for the name."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _write(path: Path, payload: dict[str, Any]) -> None:
+    _write_text(path, json.dumps(payload))
+
+
+def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int) -> None:
+    """Map the packed file, warm up, say ``ready-<index>.json``; from ``go``'s instant decode rounds (t_1 the
+    fastest of 3 ``generate(1)``, t_N of 2 ``generate(N)``) into ``rounds-<index>.jsonl`` until ``stop``."""
+    import torch
+
+    index = int(os.environ.get("XLAUNCH_INSTANCE_INDEX", "0"))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    start = time.perf_counter()
+    try:
+        import xlaunch.llm
+
+        model = xlaunch.llm.from_pretrained(packed)
+    except Exception as error:
+        _write(sync / f"ready-{index}.json", {"unavailable": f"{type(error).__name__}: {str(error)[:300]}"})
+        return
+    model.generation_config.eos_token_id = None          # exactly N tokens (bench/llm.py's worker does the same)
+    prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompt)
+
+    def generate(count: int) -> float:
+        begin = time.perf_counter()
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=count, do_sample=False, pad_token_id=0)
+        if out.shape[1] != prompt_len + count:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, not {count}")
+        return time.perf_counter() - begin
+
+    with torch.inference_mode():
+        generate(new_tokens)
+        generate(1)
+        _write(sync / f"ready-{index}.json", {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)),
+                                              "threads": torch.get_num_threads(), "setup_s": time.perf_counter() - start})
+        window = 0
+        while True:          # window w: from go-w's instant, rounds until stop-w; then idle-<index>-w
+            go, stop = sync / f"go-{window}", sync / f"stop-{window}"
+            while not go.exists():
+                if (sync / "quit").exists():
+                    return
+                time.sleep(0.01)
+            time.sleep(max(0.0, float(go.read_text()) - time.monotonic()))
+            with open(sync / f"rounds-{index}-{window}.jsonl", "a") as rounds:
+                while not stop.exists():
+                    begin = time.monotonic()
+                    gen1 = min(generate(1) for _ in range(3))
+                    genN = min(generate(new_tokens) for _ in range(2))
+                    rounds.write(json.dumps({"begin": begin, "end": time.monotonic(),
+                                             "decode_tps": (new_tokens - 1) / max(genN - gen1, 1e-9)}) + "\n")
+                    rounds.flush()
+            _write_text(sync / f"idle-{index}-{window}", "")
+            window += 1
+
+
+def _read_rounds(path: Path, start: float, until: float = float("inf")) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [row for row in rows if row["begin"] >= start and row["end"] <= until]
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    try:
+        return "\n".join("      ! " + line for line in path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class RouteFailed(RuntimeError):
+    """A route's copies could not run (the message is the row's status)."""
+
+
+class XlaunchInstances:
+    """``route``'s k instances under ``xlaunch --ninstances``, kept between windows (idle in between)."""
+
+    def __init__(self, route: str, packed: Path, instances: int, threads: int, cpus: list[list[int]],
+                 program: Callable[[Path], list[str]], env: dict[str, str]) -> None:
+        self.cpus, self.instances = cpus, instances
+        self.sync = Path(tempfile.mkdtemp(prefix=f"xlaunch-bench-{route}-x{instances}-"))
+        self.summary, self.log = self.sync / "summary.json", self.sync / "xlaunch.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([*launcher_argv(instances, threads), "--summary-json", str(self.summary),
+                                          *program(self.sync)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        ready_files = [self.sync / f"ready-{i}.json" for i in range(instances)]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not all(path.exists() for path in ready_files):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.fail(f"failed: xlaunch exited ({self.proc.poll()}) before every instance was ready")
+            time.sleep(0.05)
+        ready = [json.loads(path.read_text()) for path in ready_files]
+        missing = [r["unavailable"] for r in ready if "unavailable" in r]
+        if missing:
+            self.fail(f"unavailable: {missing[0]}", tail=False)
+        if [r["cpus"] for r in ready] != cpus:
+            self.fail(f"failed: the instances ran on {[r['cpus'] for r in ready]}, the plan said {cpus}", tail=False)
+        self.pids, self.setup_s, self.mapped, self.windows = [r["pid"] for r in ready], [r["setup_s"] for r in ready], \
+            str(packed), 0
+
+    def fail(self, status: str, tail: bool = True) -> None:
+        self.close()
+        raise RouteFailed(status + ("\n" + _tail(self.log) if tail else ""))
+
+    def window(self, rounds: int) -> dict[str, Any]:
+        """All k from one instant until each has ``rounds`` rounds; returns when every one is idle again."""
+        w, sampler = self.windows, MemorySampler(self.pids, mapped=self.mapped)
+        self.windows += 1
+        start = time.monotonic() + START_DELAY_S
+        _write_text(self.sync / f"go-{w}", repr(start))
+        files = [self.sync / f"rounds-{i}-{w}.jsonl" for i in range(self.instances)]
+        while True:
+            time.sleep(SAMPLE_S)
+            if time.monotonic() >= start:
+                sampler.sample()
+            if all(len(_read_rounds(path, start)) >= rounds for path in files):
+                break
+            if self.proc.poll() is not None:
+                self.fail(f"failed: xlaunch exited ({self.proc.poll()}) while decoding")
+        stop_at = time.monotonic()
+        sampler.sample()
+        _write_text(self.sync / f"stop-{w}", "")
+        while not all((self.sync / f"idle-{i}-{w}").exists() for i in range(self.instances)):
+            if self.proc.poll() is not None:
+                self.fail(f"failed: xlaunch exited ({self.proc.poll()}) after a window")
+            time.sleep(0.02)
+        return {"decode_rounds": [[row["decode_tps"] for row in _read_rounds(path, start, stop_at)] for path in files],
+                "window_s": stop_at - start, **sampler.result()}
+
+    def close(self) -> dict[str, Any]:
+        """Quit the instances; xlaunch's summary checked against the plan (:class:`RouteFailed` when it differs)."""
+        (self.sync / "quit").write_text("")
+        try:
+            self.proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            self.proc.wait()
+        launched = json.loads(self.summary.read_text()) if self.summary.exists() else {}
+        seen = [i.get("cpus") for i in launched.get("instances", [])]
+        if launched.get("exit_status") != 0 or seen != self.cpus:
+            raise RouteFailed(f"failed: xlaunch's summary: exit {launched.get('exit_status')}, cpus {seen} "
+                              f"(plan {self.cpus})\n" + _tail(self.log))
+        shutil.rmtree(self.sync, ignore_errors=True)          # kept when a launch failed: its log is there
+        ran_on = [sorted((i.get("observed") or {}).get("thread_cpus") or []) for i in launched["instances"]]
+        return {"setup_s": self.setup_s, "threads_ran_on": ran_on}
+
+
+# -- llama.cpp: k llama-bench processes -------------------------------------------------------------
+def run_llama(argv: Sequence[str], cpus: list[list[int]], rounds: int,
+              parse: Callable[[str], list[dict[str, Any]]]) -> dict[str, Any]:
+    """k ``taskset -c CPUS llama-bench ...`` slots, each restarting its run until every slot has ``rounds``
+    runs that started after the common start; then the running ones are stopped (not counted)."""
+    slots: list[dict[str, Any]] = [{"cpus": one, "done": [], "proc": None} for one in cpus]
+
+    def launch(slot: dict[str, Any]) -> None:
+        out = tempfile.TemporaryFile()
+        slot["out"], slot["began"] = out, time.monotonic()
+        slot["proc"] = subprocess.Popen(["taskset", "-c", cpulist(slot["cpus"]), *argv], stdout=out,
+                                        stderr=subprocess.DEVNULL)
+
+    start = time.monotonic()
+    for slot in slots:
+        launch(slot)
+    sampler = MemorySampler([])
+    failure = None
+    next_sample = start + SAMPLE_S
+    while failure is None and any(len(slot["done"]) < rounds for slot in slots):
+        time.sleep(0.02)
+        for slot in slots:
+            code = slot["proc"].poll()
+            if code is None:
+                continue
+            slot["out"].seek(0)
+            text = slot["out"].read().decode(errors="replace")
+            slot["out"].close()
+            if code != 0:
+                failure = f"failed: taskset/llama-bench exited {code}"
+                break
+            try:
+                (test,) = parse(text)
+            except ValueError as error:
+                failure = f"failed: {error}"
+                break
+            slot["done"].append(test["avg_ts"])
+            launch(slot)
+        if time.monotonic() >= next_sample and failure is None:
+            sampler.pids = [slot["proc"].pid for slot in slots]
+            sampler.sample()
+            next_sample = time.monotonic() + SAMPLE_S
+    window = time.monotonic() - start
+    for slot in slots:
+        if slot["proc"].poll() is None:
+            slot["proc"].terminate()
+            slot["proc"].wait()
+            slot["out"].close()
+    if failure:
+        return {"status": failure}
+    return {"status": "ok", "cpus": cpus, "decode_rounds": [slot["done"] for slot in slots], "window_s": window,
+            **sampler.result()}
+
+
+# -- the summary -------------------------------------------------------------------------------------
+def combine(windows: Sequence[dict[str, Any]], median: Callable[[Sequence[float]], Optional[float]],
+            **extra: Any) -> dict[str, Any]:
+    """A route's windows: each window's aggregate (the sum of the copies' median rounds), and over the
+    windows the median aggregate, each copy's median, and the median memory sums."""
+    done = []
+    for window in windows:
+        each = [median(rounds) for rounds in window["decode_rounds"]]
+        done.append({**window, "decode_tps_each": each, "decode_tps": sum(v for v in each if v is not None)})
+    copies = len(done[0]["decode_tps_each"])
+    out = {"status": "ok", **extra, "windows": done,
+           "decode_tps": median([w["decode_tps"] for w in done]),
+           "decode_tps_each": [median([w["decode_tps_each"][i] for w in done]) for i in range(copies)]}
+    for key in ("pss_sum_mib", "rss_sum_mib"):
+        values = [w[key] for w in done if key in w]
+        out[key] = median(values) if values else None
+    for key in ("mapped_rss_each_mib", "mapped_pss_each_mib"):
+        if key in done[-1]:
+            out[key] = done[-1][key]
+    return out
+
+
+def paired(row: dict[str, Any], peer: dict[str, Any], median: Callable) -> Optional[float]:
+    """The median over windows of the row's aggregate over the peer's in the same window (pairs, not runs apart)."""
+    ratios = [ours["decode_tps"] / theirs["decode_tps"] for ours, theirs in zip(row.get("windows", []), peer.get("windows", []))
+              if theirs["decode_tps"]]
+    return median(ratios) if ratios else None
+
+
+def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
+    return ours / theirs if ours is not None and theirs else None
+
+
+def table(instances: int, threads: int, rows: dict[str, dict[str, Any]], peers: dict[str, str],
+          single: dict[str, dict[str, Any]]) -> str:
+    """One row per route: aggregate decode tokens/s, memory sums, the ratios to llama.cpp, and to one instance."""
+    def number(value: Optional[float], form: str) -> str:
+        return "" if value is None else format(value, form)
+
+    lines = [f"| route ({instances} x {threads} thread{'s' if threads > 1 else ''}) | decode tok/s, sum | per instance "
+             "| vs llama.cpp | PSS sum MiB | RSS sum MiB | PSS vs llama.cpp | PSS vs 1 instance |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for name, row in rows.items():
+        if row.get("status") != "ok":
+            lines.append(f"| {name} | {row.get('status', '').splitlines()[0]} | | | | | | |")
+            continue
+        peer = rows.get(peers.get(name, ""), {})
+        one = single.get(name, {})
+        lines.append(
+            f"| {name} | {row['decode_tps']:.1f} | {' + '.join(number(v, '.1f') for v in row['decode_tps_each'])} "
+            f"| {number(row.get('decode_vs_llamacpp'), '.2f')} "
+            f"| {number(row.get('pss_sum_mib'), '.0f')} | {number(row.get('rss_sum_mib'), '.0f')} "
+            f"| {number(ratio(row.get('pss_sum_mib'), peer.get('pss_sum_mib')), '.2f')} "
+            f"| {number(ratio(row.get('pss_sum_mib'), one.get('pss_sum_mib')), '.2f')} |")
+    return "\n".join(lines)
+
+
+# -- the run -----------------------------------------------------------------------------------------
+def worker_program(script: str, packed: Path, args: Any) -> Callable[[Path], list[str]]:
+    """The instance's program and arguments, given its sync folder."""
+    return lambda sync: [script, "--instance-worker", "--packed", str(packed), "--sync", str(sync),
+                         "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)]
+
+
+def plans(args: Any, script: str, env: dict[str, str]) -> dict[tuple[int, int], list[list[int]]]:
+    """Each (k, threads)'s CPU sets from xlaunch's dry run; :class:`PlanError` on the first refused."""
+    program = worker_program(script, Path("packed.xlp"), args)(Path("sync"))
+    return {(k, threads): plan(k, threads, program, env) for threads in args.threads for k in args.instances}
+
+
+def pack_all(routes: Sequence[str], model: Any, script: str, env: dict[str, str]) -> dict[str, Optional[Path]]:
+    """Each xlaunch route's packed file under ``model.packed_dir``, written once by one subprocess (torch);
+    None for a route whose file could not be written."""
+    wanted = [route for route in routes if route.startswith("xlaunch-")]
+    files = {route: model.packed_dir / f"{route}.xlp" for route in wanted}
+    if not wanted:
+        return {}
+    print(f"packed files (written once, then mapped by every instance) under {model.packed_dir}", flush=True)
+    model.packed_dir.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, script, "--pack", ",".join(wanted), "--model-dir", str(model.folder),
+                           "--packed", str(model.packed_dir)], capture_output=True, text=True, env=env)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    for route, path in files.items():
+        if proc.returncode != 0 or not path.exists():
+            print(f"  {route}: unavailable: {lines[-1] if lines else f'exit status {proc.returncode}'}", flush=True)
+            files[route] = None
+        else:
+            print(f"  {route}: {path.name} ({path.stat().st_size / 2**20:.0f} MiB)", flush=True)
+    print(f"  ({time.monotonic() - began:.0f} s)", flush=True)
+    return dict(files)
+
+
+def run(args: Any, packed_files: dict[str, Optional[Path]], llama: Optional[tuple[Path, dict[str, Path]]],
+        cpu_plans: dict[tuple[int, int], Any], script: str, env: dict[str, str], median: Callable,
+        llamacpp: Any, pairs: dict[str, str]) -> dict[str, Any]:
+    """Every (threads, k) and route pair: the xlaunch instances started once, then ``args.rounds`` windows,
+    each the xlaunch copies' window and llama.cpp's (order reversed every other window), one round a copy."""
+    results: dict[str, Any] = {}
+    for threads in args.threads:
+        for k in args.instances:
+            cpus = cpu_plans[(k, threads)]
+            print(f"\n== {k} instance(s) x {threads} thread(s) on CPUs {' | '.join(cpulist(c) for c in cpus)}", flush=True)
+            rows: dict[str, Any] = {}
+            for ours, theirs in pairs.items():
+                rows.update(run_pair(args, ours if ours in args.route_names else None,
+                                     theirs if theirs in args.route_names else None, packed_files, llama, k, threads,
+                                     cpus, script, env, median, llamacpp))
+            results[f"{k}x{threads}"] = rows
+    return results
+
+
+def run_pair(args: Any, ours: Optional[str], theirs: Optional[str], packed_files: dict[str, Optional[Path]],
+             llama: Optional[tuple[Path, dict[str, Path]]], k: int, threads: int, cpus: list[list[int]], script: str,
+             env: dict[str, str], median: Callable, llamacpp: Any) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    instances, windows = None, {ours: [], theirs: []}
+    if ours and packed_files.get(ours) is None:
+        rows[ours] = {"status": "unavailable: no packed file"}
+    elif ours:
+        print(f"  {ours}: starting {k} instance(s) ...", flush=True)
+        try:
+            instances = XlaunchInstances(ours, packed_files[ours], k, threads, cpus,
+                                         worker_program(script, packed_files[ours], args), env)
+        except RouteFailed as error:
+            rows[ours] = {"status": str(error)}
+    if theirs and llama is None:
+        rows[theirs] = {"status": "unavailable: llama.cpp skipped"}
+    argv = llamacpp.llama_bench_argv(llama[0], llama[1][theirs.removeprefix("llamacpp-")], threads, "decode",
+                                     args.new_tokens - 1, args.prompt + 1, 2) if theirs and llama else None
+    for index in range(args.rounds):
+        order = [ours, theirs] if index % 2 == 0 else [theirs, ours]
+        for name in order:
+            if name is None or name in rows:
+                continue
+            try:
+                got = instances.window(1) if name == ours else run_llama(argv, cpus, 1, llamacpp.parse_llama_bench)
+            except RouteFailed as error:          # only the xlaunch side raises it, its instances closed
+                rows[name], instances = {"status": str(error)}, None
+                continue
+            if got.get("status", "ok") != "ok":
+                rows[name] = got
+                continue
+            windows[name].append(got)
+            print(f"    {name}: {' + '.join(f'{median(r) or 0:.1f}' for r in got['decode_rounds'])} tok/s "
+                  f"({got['window_s']:.1f} s window); PSS sum {got.get('pss_sum_mib', 0):.0f} MiB, RSS sum "
+                  f"{got.get('rss_sum_mib', 0):.0f} MiB", flush=True)
+    extra: dict[str, Any] = {}
+    if instances is not None:
+        try:
+            extra = instances.close()
+        except RouteFailed as error:
+            rows[ours] = {"status": str(error)}
+    for name in (ours, theirs):
+        if name and name not in rows:
+            rows[name] = combine(windows[name], median, cpus=cpus, **(extra if name == ours else {}))
+    if ours and theirs and rows[ours]["status"] == "ok" == rows[theirs]["status"]:
+        rows[ours]["decode_vs_llamacpp"] = paired(rows[ours], rows[theirs], median)
+    for name in (ours, theirs):
+        row = rows.get(name) if name else None
+        if row is None:
+            continue
+        if row["status"] != "ok":
+            print(f"  {name}: {row['status']}", flush=True)
+            continue
+        mapped = ""
+        if row.get("mapped_rss_each_mib"):
+            mapped = "; packed file mapped: " + ", ".join(
+                f"Rss {r:.0f} Pss {p:.0f}" for r, p in zip(row["mapped_rss_each_mib"], row["mapped_pss_each_mib"]))
+        print(f"  {name}: {row['decode_tps']:.1f} tok/s over {len(row['windows'])} window(s); PSS sum "
+              f"{row['pss_sum_mib'] or 0:.0f} MiB, RSS sum {row['rss_sum_mib'] or 0:.0f} MiB{mapped}", flush=True)
+    return rows
+
+
+def tables(args: Any, results: dict[str, Any], peers: dict[str, str]) -> str:
+    out = []
+    for threads in args.threads:
+        single = results.get(f"1x{threads}", {})
+        for k in args.instances:
+            out.append(table(k, threads, results[f"{k}x{threads}"], peers, single) + "\n")
+    return "\n".join(out)
