@@ -46,8 +46,15 @@ def test_without_the_variable_the_narrowed_main_thread_is_widened():
     assert decide(at_import=cpus(6, 7), main=cpus(6, 7), places=cpus(6, 7, 9)) == (6, 7)
 
 
+# Each chooses its OpenMP runtime itself (LD_PRELOAD dropped, then set per case): test_runtime_iomp.py's
+# second run of this folder under a preloaded libiomp5 would run the very same processes again.
+CHOOSES_ITS_RUNTIME = pytest.mark.skipif(os.environ.get("XLAUNCH_TEST_OMP_KIND") == "iomp",
+                                         reason="chooses its OpenMP runtime itself: the [intel] case ran already")
+
+
 @live
 @pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed CPUs")
+@CHOOSES_ITS_RUNTIME
 @pytest.mark.parametrize("omp", ["gnu", "intel"])
 def test_default_pool_after_openmp_bound_the_main_thread(omp, iomp_path):
     """Outside xlaunch, with the user's own OpenMP binding: torch first, then xlaunch."""
@@ -94,6 +101,7 @@ print("pool", list(CPUPool().cpus), "thread", seen[0], "main", status_cpus(os.ge
 
 @live
 @pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed CPUs")
+@CHOOSES_ITS_RUNTIME
 @pytest.mark.parametrize("omp", ["default", "intel"])
 def test_inside_a_two_cpu_instance_after_torch_ran(omp, tmp_path, iomp_path):
     pytest.importorskip("torch")
