@@ -101,9 +101,15 @@ def test_static_mode_quantizes_every_linear(static_mlp: tuple) -> None:
 
 
 def test_save_then_load_in_a_fresh_process(tmp_path, static_mlp: tuple, auto_results: dict) -> None:
+    """Static, auto and the encoder quantized weight-only (attention kept fp32), loaded in one fresh
+    process (each process imports torch and torchao: seconds)."""
     model, example, _, quantized = static_mlp
+    encoder, encoder_x, _ = make("encoder")
+    with pytest.warns(QuantizeWarning, match="stay fp32"):
+        weight_only = quantize(encoder, encoder_x, mode="weight_only")
     save_then_load(tmp_path, {"static": (quantized, example),
-                              "auto_cnn": (auto_results["cnn"][3], auto_results["cnn"][1])})
+                              "auto_cnn": (auto_results["cnn"][3], auto_results["cnn"][1]),
+                              "weight_only_encoder": (weight_only, encoder_x)})
 
 
 def test_load_rejects_a_plain_exported_program(tmp_path) -> None:

@@ -1,6 +1,6 @@
 """quantize() on a transformer encoder: every INT8 route, auto, weight-only (attention stays
-fp32), save and load in a fresh process. Apart from test_quantize.py so that another test worker
-compiles these graphs while that file compiles the CNN's and the MLP's."""
+fp32; saved and loaded in test_quantize.py's fresh process). Apart from test_quantize.py so that
+another test worker compiles these graphs while that file compiles the CNN's and the MLP's."""
 from __future__ import annotations
 
 import warnings
@@ -17,7 +17,7 @@ except ImportError:
     pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
 from quantize_models import (  # noqa: E402
-    MAX_ERROR, auto_quantized, check_auto, check_progress, check_route, make, save_then_load)
+    MAX_ERROR, auto_quantized, check_auto, check_progress, check_route, make)
 
 from xlaunch.kernels.quantize import policy  # noqa: E402
 from xlaunch.kernels.quantize.api import QuantizeWarning, quantize  # noqa: E402
@@ -61,8 +61,3 @@ def test_weight_only_reports_what_stays_fp32(weight_only_encoder: tuple) -> None
     assert report.quantized == ["encoder.layers.0.linear1", "encoder.layers.0.linear2", "head"]
     assert "MultiheadAttention" in report.kept_fp32["encoder.layers.0.self_attn"]
     assert report.rel_error <= MAX_ERROR["weight_only"]
-
-
-def test_weight_only_encoder_saved_then_loaded_in_a_fresh_process(tmp_path, weight_only_encoder: tuple) -> None:
-    _, enc_x, weight_only, _ = weight_only_encoder
-    save_then_load(tmp_path, {"weight_only": (weight_only, enc_x)})
