@@ -1,7 +1,9 @@
 """``xlaunch --auto-optimize``: real launches of unmodified scripts."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -61,13 +63,6 @@ def payload(result: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[0].split("] ", 1)[1] if lines[0].startswith("[") else lines[0])
 
 
-def plain(script: Path, env: dict | None = None) -> dict:
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, **(env or {})})
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -86,11 +81,15 @@ def script(tmp_path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """MODEL_SCRIPT's output without xlaunch (one plain run serves every comparison)."""
-    path = tmp_path_factory.mktemp("reference") / "model_script.py"
-    path.write_text(MODEL_SCRIPT)
-    return plain(path)
+def reference() -> dict:
+    """MODEL_SCRIPT's output without xlaunch: plain torch, run in this process (no hooks are installed
+    here; a process of its own would only import torch once more), the global RNG left as it was."""
+    import torch
+
+    out = io.StringIO()
+    with torch.random.fork_rng(), contextlib.redirect_stdout(out):
+        exec(compile(MODEL_SCRIPT, "model_script.py", "exec"), {"__name__": "__main__"})
+    return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 def instance_payloads(result: subprocess.CompletedProcess) -> dict[str, dict]:
