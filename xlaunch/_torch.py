@@ -80,12 +80,13 @@ def quiet_import_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def import_quietly(*modules: str) -> None:
+def import_quietly(*modules: str, chain: bool = False) -> None:
     """Import each of ``modules`` that is installed, within :func:`quiet_import_logs`.
 
     transformers imports torchao when it is installed (its torchao quantizer, on the first model
     built): importing those modules first keeps a decoding run's output free of torchao's lines.
-    A module that fails to import is left for its own caller to report.
+    A module that fails to import is left for its own caller to report; with ``chain``, the ones
+    after it are not imported either (torchao costs seconds, and is only noise through transformers).
     """
     import importlib.util
 
@@ -94,5 +95,8 @@ def import_quietly(*modules: str) -> None:
             try:
                 if importlib.util.find_spec(module.partition(".")[0]) is not None:
                     importlib.import_module(module)
+                    continue
             except Exception:   # noqa: BLE001  (a broken optional package is its importer's to report)
                 pass
+            if chain:
+                return

@@ -222,8 +222,10 @@ def test_without_transformers_the_message_names_the_extra(tmp_path):
     (tmp_path / "transformers" / "__init__.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'transformers'\", name='transformers')\n")
     code = ("import xlaunch.llm as llm\n"
-            "try:\n    llm.optimize\nexcept ImportError as exc:\n    print(exc.name, '|', exc)\n")
+            "try:\n    llm.optimize\nexcept ImportError as exc:\n    print(exc.name, '|', exc)\n"
+            "import sys\nprint('torchao imported:', 'torchao' in sys.modules)\n")   # seconds of import, for nothing
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == 'transformers | xlaunch.llm needs transformers: pip install "xlaunch[llm]"'
+    assert done.stdout.strip().splitlines() == ['transformers | xlaunch.llm needs transformers: pip install "xlaunch[llm]"',
+                                                 "torchao imported: False"]

@@ -19,7 +19,7 @@ with needs_torch(__name__):
     import torch
 
 # transformers' torchao quantizer imports torchao, whose import logs CUDA-only misses: import it quietly first
-import_quietly("torchao.quantization", "transformers.quantizers.auto")
+import_quietly("transformers.quantizers.auto", "torchao.quantization", chain=True)   # no transformers: no torchao
 
 from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
 from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, make_forward  # noqa: E402
