@@ -531,12 +531,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"threads {args.threads}; {args.rounds} rounds; prompt {args.prompt}, new tokens {args.new_tokens}; "
           f"lock {args.lock or 'none'}", flush=True)
     folder = model_dir(model)
-    llama = None
-    if kinds:
-        try:
-            llama = prepare_llamacpp(kinds, model)
-        except Exception as error:       # no compiler, no network: the torch rows still run
-            print(f"llama.cpp unavailable: {type(error).__name__}: {error}", flush=True)
+    llama = llamacpp_if_possible(kinds, model)
     results = {}
     for threads in args.threads:
         results[str(threads)] = summarize(run_threads(threads, args, folder, llama))
@@ -551,6 +546,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "rounds": args.rounds, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
         "results": results})
     return 0
+
+
+def llamacpp_if_possible(kinds: Sequence[str], model: _llm_model.BenchModel) -> Any:
+    """llama.cpp built and the model's GGUF files made for ``kinds``; None (with one line) when it cannot
+    be: no compiler, no network. The torch rows still run."""
+    if not kinds:
+        return None
+    try:
+        return prepare_llamacpp(kinds, model)
+    except Exception as error:
+        print(f"llama.cpp unavailable: {type(error).__name__}: {error}", flush=True)
+        return None
 
 
 def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds: Sequence[str]) -> int:
@@ -568,12 +575,7 @@ def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds
           f"instances {args.instances}; threads {args.threads}; {args.rounds} rounds per instance; prompt {args.prompt}, "
           f"new tokens {args.new_tokens}", flush=True)
     model_dir(model)
-    llama = None
-    if kinds:
-        try:
-            llama = prepare_llamacpp(kinds, model)
-        except Exception as error:       # no compiler, no network: the xlaunch rows still run
-            print(f"llama.cpp unavailable: {type(error).__name__}: {error}", flush=True)
+    llama = llamacpp_if_possible(kinds, model)
     packed = _llm_instances.pack_all(args.route_names, model, __file__, env)
     with bench_lock(args.lock):
         results = _llm_instances.run(args, packed, llama, cpu_plans, __file__, env, median, _llamacpp, INSTANCE_PAIRS)

@@ -3,7 +3,6 @@ loading torch), llama-bench's JSON as it parses it, the command lines it runs, a
 ratios to llama.cpp at the same precision."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,17 +11,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def load(name: str):
-    if f"bench_{name}" in sys.modules:
-        return sys.modules[f"bench_{name}"]
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module       # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from bench_modules import BENCH, load
 
 
 # llama-bench -o json, one decode test (-p 0 -n 23 -d 33 -r 2), as this build prints it (trimmed of

@@ -2,7 +2,6 @@
 the argument errors, and (live, tiny model) two xlaunch instances sharing one packed file's pages."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,21 +9,10 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_modules import BENCH, load
 REPO = BENCH.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 USABLE = len(os.sched_getaffinity(0))
-
-
-def load(name: str):
-    """bench/<name>.py as module ``bench_<name>`` (tests/test_bench_llm.py loads them the same way)."""
-    if f"bench_{name}" in sys.modules:
-        return sys.modules[f"bench_{name}"]
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module       # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def planned_cores() -> int:
