@@ -190,12 +190,11 @@ def _layers(model: nn.Module) -> tuple[bool, bool]:
 
 
 def _machine_traits() -> policy.IsaTraits:
+    from xlaunch.kernels.native_dtypes import isa_flags
     from xlaunch.machine import current_machine
 
-    from xlaunch.machine.isa import onednn_flags
-
-    isa = current_machine().isa   # what oneDNN may use: ONEDNN_MAX_CPU_ISA caps it
-    return policy.isa_traits(onednn_flags(isa.flags), isa.amx_permitted)
+    # the flags oneDNN may use (ONEDNN_MAX_CPU_ISA caps them), as for the bf16 choice
+    return policy.isa_traits(isa_flags(), current_machine().isa.amx_permitted)
 
 
 def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[list[tuple]],

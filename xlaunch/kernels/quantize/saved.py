@@ -176,7 +176,7 @@ def _torch_model(program: torch.export.ExportedProgram, mode: str,
                  how: Optional[str] = None) -> tuple[Callable[..., Any], torch.nn.Module]:
     module = program.module()
     if mode in ("static", "dynamic"):   # compiled as the saved model was (one compile, not a failed one first)
-        return routes.FrozenCompiled(module, how if how in routes.COMPILE_MODES else None), module
+        return routes.FrozenCompiled(module, how), module   # (FrozenCompiled ignores a how it does not know)
 
     def runner(*args: Any) -> Any:
         with torch.no_grad():

@@ -56,14 +56,10 @@ MAX_REMEASURES = 3
 
 
 def _isa() -> str:
-    try:
-        from xlaunch.machine import current_machine
-        from xlaunch.machine.isa import onednn_flags
+    from xlaunch.kernels.native_dtypes import isa_flags
 
-        # under ONEDNN_MAX_CPU_ISA the engines run other kernels: cached apart
-        return " ".join(sorted(onednn_flags(current_machine().isa.flags)))
-    except Exception:
-        return ""
+    # the flags oneDNN may use: under ONEDNN_MAX_CPU_ISA the engines run other kernels, cached apart
+    return " ".join(sorted(isa_flags()))
 
 
 def attach(model: nn.Module, report: EngineReport) -> None:
