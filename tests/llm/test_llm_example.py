@@ -1,11 +1,13 @@
-"""examples/llm.py end to end: alone on a user's checkpoint (--model), and under xlaunch with one instance per CPU and --auto-optimize
-applying xlaunch.llm.optimize to the unmodified script's model."""
+"""examples/llm.py end to end: on a user's checkpoint (--model; its main() in this process), and under xlaunch
+with one instance per CPU and --auto-optimize applying xlaunch.llm.optimize to the unmodified script's model."""
 from __future__ import annotations
 
-import os
+import importlib.util
+import logging
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,22 +26,69 @@ def rates(text: str) -> dict[str, float]:
     return {name: float(value) for name, value in re.findall(r"^(prefill|decode): ([0-9.]+) tokens/s$", text, re.M)}
 
 
-def test_the_example_optimizes_a_users_checkpoint_and_reports_both_rates(tmp_path):
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(f"{record.name}: {record.getMessage()}")
+
+
+def run_in_this_process(argv: list[str], capfd) -> tuple[str, list[str]]:
+    """examples/llm.py's main(argv) here (torch and transformers are imported already: a fresh process would
+    spend ~11 s of CPU on imports): its stdout, and what it would have printed to stderr besides, as a program:
+    warnings that Python's default filters show and log records of WARNING and up (transformers' loggers do
+    not propagate: they get the handler too). The run under xlaunch below checks a fresh process's stderr."""
+    spec = importlib.util.spec_from_file_location("xlaunch_llm_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    loggers = [logging.getLogger(name) for name in ("", "transformers", "torch", "torchao", "xlaunch")]
+    records = Records()
+    for logger in loggers:
+        logger.addHandler(records)
+    capfd.readouterr()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert example.main(argv) == 0
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+    out, err = capfd.readouterr()
+    assert err == "", err[-3000:]
+    quiet = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)  # ignored by default
+    return out, [f"{Path(w.filename).name}: {w.message}" for w in caught if not issubclass(w.category, quiet)] + records.seen
+
+
+def test_the_example_optimizes_a_users_checkpoint_and_reports_both_rates(tmp_path, capfd, one_torch_thread):
     from llm_models import tiny
 
     tiny("qwen2", seed=4).save_pretrained(tmp_path / "qwen")        # --model: a Hugging Face checkpoint
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, EXAMPLE, *SHORT[1:], "--model", str(tmp_path / "qwen"), "--weights", "int8",
-                           "--batch", "2"], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr == ""   # the default dtype follows the CPU: no bf16 warning on a CPU without native bf16
+    out, warned = run_in_this_process([*SHORT[1:], "--model", str(tmp_path / "qwen"), "--weights", "int8",
+                                       "--batch", "2"], capfd)
+    assert warned == []   # the default dtype follows the CPU: no bf16 warning on a CPU without native bf16
     from xlaunch.llm import api
 
     ran = "bfloat16" if api.native_bf16() else "float32"
-    assert f"optimized ({ran}, weights int8) in " in proc.stdout
-    assert proc.stdout.splitlines()[0].endswith(f" s: {tmp_path / 'qwen'}")
-    found = rates(proc.stdout)
+    assert f"optimized ({ran}, weights int8) in " in out
+    assert out.splitlines()[0].endswith(f" s: {tmp_path / 'qwen'}")
+    assert " threads 1 batch 2" in out
+    found = rates(out)
     assert set(found) == {"prefill", "decode"} and min(found.values()) > 0
+
+
+def test_bf16_asked_of_a_cpu_without_native_bf16_is_one_warning_at_the_callers_line(tmp_path, capfd, monkeypatch,
+                                                                                   one_torch_thread):
+    from llm_models import tiny
+
+    from xlaunch.llm import api
+
+    tiny("llama", seed=5).save_pretrained(tmp_path / "llama")
+    monkeypatch.setattr(api, "native_bf16", lambda: False)
+    out, warned = run_in_this_process([*SHORT[1:], "--model", str(tmp_path / "llama"), "--dtype", "bfloat16"], capfd)
+    assert len(warned) == 1 and warned[0].startswith("llm.py: xlaunch.llm.from_pretrained: this CPU has neither"), warned
+    assert "optimized (bfloat16, weights none) in " in out
 
 
 def test_xlaunch_runs_one_copy_per_cpu_and_auto_optimize_packs_the_decoder(tmp_path):

@@ -1,5 +1,5 @@
 """xlaunch.llm.save_packed and from_pretrained of the packed file: identical logits in a fresh process, two
-processes sharing the mapped pages (smaps), and stale, truncated or malformed files refused with one line."""
+processes (that one and this) sharing the mapped pages (smaps), and stale, truncated or malformed files refused with one line."""
 from __future__ import annotations
 
 import json
@@ -60,22 +60,26 @@ def _mapping(pid: int, path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def children(packed, tmp_path_factory):
-    """Two fresh processes that mapped the packed file and ran it: their logits and their smaps of it."""
+    """A fresh process that mapped the packed file and ran it, and this process with the file mapped too: the
+    child's logits, and both processes' smaps of the file while both hold it (one fresh process is enough to
+    prove a fresh load; this one is the second sharer, and spares a second import of torch and transformers)."""
     _, path, _ = packed
-    root = tmp_path_factory.mktemp("children")
+    out = tmp_path_factory.mktemp("children") / "logits.pt"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    outs = [root / f"logits{i}.pt" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(out)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for out in outs]
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(out)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        for proc in procs:
-            line = proc.stdout.readline()
-            assert line.strip() == "ready", proc.stderr.read()[-3000:] if proc.poll() is not None else line
-        maps = [_mapping(proc.pid, path) for proc in procs]
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", proc.stderr.read()[-3000:] if proc.poll() is not None else line
+        here = llm.from_pretrained(path)
+        with torch.no_grad():
+            here(torch.tensor(IDS))          # reads every weight, as the child did
+        maps = [_mapping(proc.pid, path), _mapping(os.getpid(), path)]
+        del here
     finally:
-        for proc in procs:
-            proc.communicate(timeout=60)
-    return [torch.load(out) for out in outs], maps
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    return [torch.load(out)], maps
 
 
 def test_a_fresh_process_gets_identical_logits_from_the_packed_file(packed, children):

@@ -24,7 +24,7 @@ def test_trials_carry_what_their_kernels_ran(tmp_path: Path, iomp_path: str) -> 
     (tmp_path / "program.py").write_text(PROGRAM)
     (tmp_path / "space.toml").write_text('[space]\nomp-runtime = ["default", "intel"]\n')
     done = subprocess.run([sys.executable, "-m", "xlaunch.tune", "--space", "space.toml", "--metric", r"score: (\d+)",
-                           "--final-rounds", "1", "--output-dir", "out", "--kernel-report", "--ninstances", "1",
+                           "--final-rounds", "1", "--output-dir", "out", "--no-plot", "--kernel-report", "--ninstances", "1",
                            "--ncores-per-instance", "1", "program.py"],
                           cwd=tmp_path, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert done.returncode == 0, done.stderr

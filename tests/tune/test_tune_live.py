@@ -87,7 +87,7 @@ def test_sampling_strategies_find_the_known_best(tmp_path: Path, strategy: str, 
 def test_resume_continues_without_rerunning(tmp_path: Path, iomp_path: str) -> None:
     (tmp_path / "space.toml").write_text("[space]\nninstances = [1, 2]\n")
     common = ["--space", "space.toml", "--metric", METRIC, "--final-rounds", "0", "--omp-runtime", "intel",
-              "--output-dir", "grid"]
+              "--output-dir", "grid", "--no-plot"]       # the grid test checks tune.png
     first = tune(tmp_path, *common, "--trials", "1", SYNTHETIC)
     assert first.returncode == 0, first.stderr
     assert [t["config"] for t in load(tmp_path / "grid")["trials"]] == [{"ninstances": 1}]
@@ -100,12 +100,13 @@ def test_resume_continues_without_rerunning(tmp_path: Path, iomp_path: str) -> N
     doc = load(tmp_path / "grid")
     assert [t["config"] for t in doc["trials"]] == [{"ninstances": 1}, {"ninstances": 2}]
     assert sorted(os.listdir(tmp_path / "grid" / "runs")) == ["0001-r1", "0002-r1"]   # #1 not run again
+    assert not (tmp_path / "grid" / "tune.png").exists()                                # --no-plot
     assert doc["best"] == 2
 
     # TPE resumes its Optuna study from the SQLite file
     (tmp_path / "space8.toml").write_text(SPACE)
     common = ["--space", "space8.toml", "--metric", METRIC, "--final-rounds", "0", "--strategy", "tpe",
-              "--seed", "1", "--output-dir", "tpe"]
+              "--seed", "1", "--output-dir", "tpe", "--no-plot"]
     first = tune(tmp_path, *common, "--trials", "2", SYNTHETIC)
     assert first.returncode in (0, 1), first.stderr
     import optuna
@@ -141,7 +142,7 @@ def test_a_hanging_trial_is_killed_at_the_timeout(tmp_path: Path) -> None:
     (tmp_path / "space.toml").write_text("[space]\nninstances = [2]\n")
     token = f"xlaunch-tune-hang-{os.getpid()}"
     done = tune(tmp_path, "--space", "space.toml", "--metric", METRIC, "--timeout", "1.5", "--grace-period", "0.5",
-                "--output-dir", "out", SYNTHETIC, "--hang", token)
+                "--output-dir", "out", "--no-plot", SYNTHETIC, "--hang", token)
     assert done.returncode == 1, done.stderr             # nothing succeeded
     doc = load(tmp_path / "out")
     assert [(t["status"], t["reason"]) for t in doc["trials"]] == [("failed", "timeout after 1.5s")]

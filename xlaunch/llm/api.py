@@ -114,6 +114,14 @@ def _install_generate_hook(model: Any, runtime: DecoderRuntime) -> None:
     model._prepare_cache_for_generation = types.MethodType(prepare_cache, model)
 
 
+def warn_if_bf16_is_slow(dtype: Any, caller: str, stacklevel: int = 2) -> None:
+    """One warning when bf16 activations are asked for on a CPU without native bf16 dot products."""
+    if dtype == torch.bfloat16 and not native_bf16():
+        warnings.warn(f"{caller}: this CPU has neither AVX512_BF16 nor AMX_BF16, so bf16 activations are widened "
+                      "to fp32 for every product and decode slower than dtype=torch.float32 (the default here)",
+                      UserWarning, stacklevel=stacklevel + 1)
+
+
 def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128) -> Any:
     """Optimize a Hugging Face Llama, Mistral or Qwen2 causal LM for CPU decoding, in place; returns it.
 
@@ -132,10 +140,7 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
             return model
         warnings.warn(f"xlaunch.llm.optimize: {spec}; the model is returned unchanged", UserWarning, stacklevel=2)
         return model
-    if dtype == torch.bfloat16 and not native_bf16():
-        warnings.warn("xlaunch.llm.optimize: this CPU has neither AVX512_BF16 nor AMX_BF16, so bf16 activations "
-                      "are widened to fp32 for every product and decode slower than dtype=torch.float32 "
-                      "(the default here)", UserWarning, stacklevel=2)
+    warn_if_bf16_is_slow(dtype, "xlaunch.llm.optimize", stacklevel=3)
     model.eval()
     inner = model.model
     rotary = copy.deepcopy(inner.rotary_emb).float()

@@ -22,7 +22,7 @@ with needs_torch(__name__):
     import torch
 
 from xlaunch.llm import native  # noqa: E402
-from xlaunch.llm.api import _check, default_dtype  # noqa: E402
+from xlaunch.llm.api import _check, default_dtype, warn_if_bf16_is_slow  # noqa: E402
 from xlaunch.llm.assemble import Parts, huge_empty, install, skeleton  # noqa: E402
 from xlaunch.llm.linear import (BLOCK, PackedLinear, pack_bf16, pack_channels, pack_int4, pack_int8,  # noqa: E402
                                 quantize_int4, quantize_int8)
@@ -246,9 +246,11 @@ def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None,
     processes (``private=True`` copies it into this process's 2 MiB pages instead). With ``source``
     (a checkpoint directory), ``path`` is the packed file of that source: written when missing,
     rewritten when stale (another source, kernel level, layout or precision), then mapped.
+    A bf16 ``dtype`` on a CPU without native bf16 gets one warning, as in :func:`xlaunch.llm.optimize`.
     """
     from xlaunch.llm import packed_file
 
+    warn_if_bf16_is_slow(dtype, "xlaunch.llm.from_pretrained", stacklevel=2)
     if source is not None:
         if dtype is None:
             dtype = default_dtype()

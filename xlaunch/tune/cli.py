@@ -72,6 +72,7 @@ def _tune_options(function: Any) -> Any:
         click.option("--output-dir", metavar="DIR", help="Write trials.csv, trials.json, best.toml, tune.png and "
                      "every run's logs here."),
         click.option("--resume", is_flag=True, help="Continue the session in --output-dir (same space and program)."),
+        click.option("--no-plot", is_flag=True, help="Write no tune.png in --output-dir (matplotlib is not imported)."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
     ]
     for option in reversed(options):
@@ -104,6 +105,7 @@ class Settings:
     output_dir: Optional[str]
     resume: bool
     as_json: bool
+    plot: bool = True
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -246,6 +248,7 @@ def _settings(params: Mapping[str, Any], strategy: str, size: int) -> Settings:
         output_dir=output_dir,
         resume=bool(params["resume"]),
         as_json=bool(params["as_json"]),
+        plot=not params["no_plot"],
     )
 
 
@@ -329,7 +332,7 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
         finally:
             bar.close()
             _restore_signals(saved)
-        written = _write_outputs(out, tuner, outcome, sig, program) if out is not None else []
+        written = _write_outputs(out, tuner, outcome, sig, program, settings.plot) if out is not None else []
         if settings.as_json:
             doc = records.document(tuner, sig, outcome)
             doc["files"] = written
@@ -392,11 +395,12 @@ def _save(path: str, write: Any) -> Optional[str]:
         return None
 
 
-def _write_outputs(out: str, tuner: Any, outcome: Any, sig: dict, program: Any) -> list[str]:
+def _write_outputs(out: str, tuner: Any, outcome: Any, sig: dict, program: Any, plotted: bool) -> list[str]:
     from xlaunch.tune import records
-    from xlaunch.tune.plot import save_plot
 
     def plot() -> Optional[str]:
+        from xlaunch.tune.plot import save_plot
+
         title = f"xlaunch-tune: {shlex.join(program.command)}"
         png = save_plot(os.path.join(out, "tune.png"), tuner, outcome, title=title[:100])
         if png is None:
@@ -408,5 +412,6 @@ def _write_outputs(out: str, tuner: Any, outcome: Any, sig: dict, program: Any) 
     if outcome.best is not None:
         writes.append((records.BEST_TOML, lambda: records.save_best(
             out, outcome.best, list(program.command), tuner.objective.label, outcome.final)))
-    writes.append(("tune.png", plot))
+    if plotted:
+        writes.append(("tune.png", plot))
     return [path for path in (_save(os.path.join(out, name), write) for name, write in writes) if path]
