@@ -372,7 +372,7 @@ def test_slower_rewrite_is_undone(monkeypatch: pytest.MonkeyPatch, image: torch.
 
 
 DDP_WORKER = textwrap.dedent('''
-    import json, os
+    import json, os, sys
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -387,56 +387,66 @@ DDP_WORKER = textwrap.dedent('''
         gen = torch.Generator().manual_seed(100 + rank)
         return [(torch.randn(4, 3, 8, 8, generator=gen), torch.randn(4, 4, generator=gen)) for _ in range(3)]
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = make().train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = optimize(model, optimizer, progress=False)   # before DDP, as ipex asks (stderr: empty)
-    ddp = DDP(model)
-    for x, y in batches(rank):
-        optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        optimizer.step()
-    result = {"rank": rank, "optimizer": type(optimizer).__name__,
-              "params": [p.detach().flatten().tolist() for p in model.parameters()]}
-    if rank == 0:   # the same steps in one process on both ranks' data, plain torch
-        ref = make().train()
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-        for steps in zip(*(batches(r) for r in range(world))):
-            ref_opt.zero_grad()
-            (sum(nn.functional.mse_loss(ref(x), y) for x, y in steps) / world).backward()
-            ref_opt.step()
-        result["reference"] = [p.detach().flatten().tolist() for p in ref.parameters()]
-    dist.destroy_process_group()
-    print(json.dumps(result))
+    def run(rank, world, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            model = make().train()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            model, optimizer = optimize(model, optimizer, progress=False)   # before DDP, as ipex asks
+            ddp = DDP(model)
+            for x, y in batches(rank):
+                optimizer.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                optimizer.step()
+        finally:
+            dist.destroy_process_group()
+        result = {"rank": rank, "optimizer": type(optimizer).__name__,
+                  "params": [p.detach().flatten().tolist() for p in model.parameters()]}
+        if rank == 0:   # the same steps in one process on both ranks' data, plain torch
+            ref = make().train()
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+            for steps in zip(*(batches(r) for r in range(world))):
+                ref_opt.zero_grad()
+                (sum(nn.functional.mse_loss(ref(x), y) for x, y in steps) / world).backward()
+                ref_opt.step()
+            result["reference"] = [p.detach().flatten().tolist() for p in ref.parameters()]
+        return result
+
+    if __name__ == "__main__":
+        torch.set_num_threads(1)
+        print(json.dumps(run(int(sys.argv[1]), 2, sys.argv[2])))
 ''')
 
 
-def test_ddp_training_of_an_optimized_model_on_gloo(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_worker.py"
-    script.write_text(DDP_WORKER)
+def test_ddp_training_of_an_optimized_model_on_gloo(tmp_path: Path, capfd) -> None:
+    """Rank 1 in a fresh process (its stderr must stay empty), rank 0 in this one (one interpreter start,
+    not two: its warnings and stderr are checked here)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    results = []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-c", DDP_WORKER, "1", str(port)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    namespace: dict = {"__name__": "rank0"}
+    threads = torch.get_num_threads()
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0 and err == "", err
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        exec(DDP_WORKER, namespace)
+        torch.set_num_threads(1)
+        capfd.readouterr()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = namespace["run"](0, 2, port)
+        assert capfd.readouterr().err == ""
+        assert [str(w.message) for w in caught if not issubclass(w.category, DeprecationWarning)] == []
+        out, err = child.communicate(timeout=240)
+        assert child.returncode == 0 and err == "", err
+        second = json.loads(out.strip().splitlines()[-1])
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    first, second = sorted(results, key=lambda r: r["rank"])
+        torch.set_num_threads(threads)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert second["rank"] == 1
     assert first["optimizer"] == second["optimizer"] == "FusedSGD"
     flat = lambda params: torch.tensor([v for p in params for v in p])  # noqa: E731
     assert torch.allclose(flat(first["params"]), flat(second["params"]), atol=1e-6)   # ranks in sync
