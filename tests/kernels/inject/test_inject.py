@@ -199,41 +199,6 @@ def test_without_auto_optimize_nothing_is_injected(tmp_path) -> None:
     assert {DTYPE_ENV, VERBOSE_ENV, RECORD_ENV} & set(got["env"]) == set(), got   # (the test sets FREEZE and BACKEND)
 
 
-@pytest.fixture(scope="module")
-def module_with_user_site(tmp_path_factory) -> tuple[subprocess.CompletedProcess, tuple[str, str], Path, Path]:
-    """One ``--auto-optimize -m pkg.run`` launch, with the user's own sitecustomize on PYTHONPATH:
-    module mode and the shadowed sitecustomize share it (each launch imports torch: seconds)."""
-    root = tmp_path_factory.mktemp("module_mode")
-    package = root / "pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    run = package / "run.py"
-    run.write_text(MODEL_SCRIPT.replace('"optimizer":', '"site": __import__("os").environ.get('
-                                        '"USER_SITECUSTOMIZE_RAN"), "optimizer":'))
-    user_site = root / "usersite"
-    user_site.mkdir()
-    custom = user_site / "sitecustomize.py"
-    custom.write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
-    before = digest(custom), digest(run)
-    result = xlaunch("--auto-optimize", "-m", "pkg.run", env={"PYTHONPATH": os.pathsep.join([str(root), str(user_site)])})
-    return result, before, custom, run
-
-
-def test_module_mode(module_with_user_site, reference) -> None:
-    result = module_with_user_site[0]
-    got = payload(result)
-    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
-    assert close(got["out"], reference["out"])
-
-
-def test_existing_sitecustomize_still_runs_and_is_untouched(module_with_user_site) -> None:
-    result, before, custom, run = module_with_user_site
-    got = payload(result)
-    assert got["site"] == "yes"
-    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
-    assert (digest(custom), digest(run)) == before
-
-
 ENGINE_SCRIPT = """
 import json, torch
 from torch import nn
@@ -274,8 +239,8 @@ def test_two_instances_build_the_engine_once(tmp_path) -> None:
     assert sorted(found[0]["cache"] for found in engines) == ["hit", "miss"], engines
 
 
-# Small scenarios share a launch (each launch imports torch twice: ~4 s of CPU): one script per
-# freeze mode runs every scenario in its own function, and each test reads its own lines.
+# Small scenarios share a launch (each launch imports torch: ~4 s of CPU): one launch per freeze
+# mode runs MODEL_SCRIPT and every scenario in its own function, and each test reads its own lines.
 SCENARIOS = {
     # optimize() raises for this model (a bad flag forced through the environment would be
     # artificial); here the model's own deepcopy refuses, which optimize needs.
@@ -346,23 +311,71 @@ print('bn calls', len(calls))
 SCENARIOS_OF = {"none": ("odd", "grad", "hooks"), "jit": ("shapes", "values", "hooks")}
 
 
+def scenario_script(freeze: str, model_script: str) -> str:
+    """``model_script`` (its one JSON line) and that mode's scenarios, each in its own function."""
+    body = ["import torch", "from torch import nn"]
+    for name, text in (("model", model_script), *((name, SCENARIOS[name]) for name in SCENARIOS_OF[freeze])):
+        body.append(f"def scenario_{name}():" + text.replace("\n", "\n    "))
+        body.append(f"scenario_{name}()")
+    return "\n".join(body) + "\n"
+
+
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
-    """``scenarios(freeze)``: the one verbose ``--auto-optimize`` launch of that mode's scenarios."""
-    done: dict[str, subprocess.CompletedProcess] = {}
+    """``scenarios(freeze)``: the one verbose ``--auto-optimize`` launch of that mode, which runs
+    MODEL_SCRIPT and the mode's scenarios. ``none`` is a script run with ``--dtype bfloat16`` (bf16
+    or the line saying why not, for the model; the scenarios' checks hold either way); ``jit`` is
+    module mode, ``-m pkg.run``, with the user's own sitecustomize on PYTHONPATH (returned too:
+    ``(sitecustomize, pkg/run.py, their digests before the launch)``)."""
+    done: dict[str, tuple] = {}
 
     def launch(freeze: str) -> subprocess.CompletedProcess:
-        if freeze not in done:
-            body = ["import torch", "from torch import nn"]
-            for name in SCENARIOS_OF[freeze]:
-                body.append(f"def scenario_{name}():" + SCENARIOS[name].replace("\n", "\n    "))
-                body.append(f"scenario_{name}()")
-            script = tmp_path_factory.mktemp(f"scenarios_{freeze}") / "scenarios.py"
-            script.write_text("\n".join(body) + "\n")
-            done[freeze] = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script), freeze=freeze)
-            assert done[freeze].returncode == 0, done[freeze].stderr + done[freeze].stdout
+        return launch_with_files(freeze)[0]
+
+    def launch_with_files(freeze: str) -> tuple:
+        if freeze in done:
+            return done[freeze]
+        root = tmp_path_factory.mktemp(f"scenarios_{freeze}")
+        if freeze == "none":
+            script = root / "scenarios.py"
+            script.write_text(scenario_script(freeze, MODEL_SCRIPT))
+            result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--dtype", "bfloat16", str(script),
+                             freeze=freeze)
+            files: tuple = ()
+        else:
+            package = root / "pkg"
+            package.mkdir()
+            (package / "__init__.py").write_text("")
+            run = package / "run.py"
+            run.write_text(scenario_script(freeze, MODEL_SCRIPT.replace(
+                '"optimizer":', '"site": __import__("os").environ.get("USER_SITECUSTOMIZE_RAN"), "optimizer":')))
+            user_site = root / "usersite"
+            user_site.mkdir()
+            custom = user_site / "sitecustomize.py"
+            custom.write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
+            files = (custom, run, (digest(custom), digest(run)))
+            result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "-m", "pkg.run", freeze=freeze,
+                             env={"PYTHONPATH": os.pathsep.join([str(root), str(user_site)])})
+        assert result.returncode == 0, result.stderr + result.stdout
+        done[freeze] = (result, files)
         return done[freeze]
+    launch.with_files = launch_with_files    # type: ignore[attr-defined]
     return launch
+
+
+def test_module_mode(scenarios, reference) -> None:
+    got = payload(scenarios("jit"))
+    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
+    assert close(got["out"], reference["out"])
+    assert close(got["changed"], reference["changed"])
+
+
+def test_existing_sitecustomize_still_runs_and_is_untouched(scenarios) -> None:
+    result, (custom, run, before) = scenarios.with_files("jit")
+    got = payload(result)
+    assert got["site"] == "yes"
+    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
+    assert (digest(custom), digest(run)) == before
 
 
 def test_a_model_the_library_cannot_handle_runs_unchanged_with_one_warning(scenarios) -> None:
@@ -387,14 +400,13 @@ def test_script_without_torch_never_imports_it(tmp_path) -> None:
     assert "torch loaded: False" in result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_bf16_follows_the_isa(script, reference, dtype) -> None:
+def test_bf16_follows_the_isa(scenarios, reference) -> None:
     """bf16 only where the CPU has AVX512_BF16/AMX; otherwise fp32 and a line saying why."""
     from xlaunch.machine import current_machine
 
     flags = current_machine().isa.flags
     native = bool({"avx512_bf16", "amx_bf16"} & flags)
-    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--dtype", dtype, str(script))
+    result = scenarios("none")      # launched with --dtype bfloat16
     got = payload(result)
     text = result.stdout + result.stderr
     if native:
