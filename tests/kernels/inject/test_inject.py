@@ -200,7 +200,7 @@ def test_without_auto_optimize_nothing_is_injected(tmp_path) -> None:
 
 
 ENGINE_SCRIPT = """
-import json, torch
+import json, sys, torch
 from torch import nn
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
@@ -209,7 +209,8 @@ reference = model(x).tolist()
 with torch.no_grad():
     out = [model(x) for _ in range(3)][-1]
     small = model(x[:2])
-print(json.dumps({"out": out.tolist(), "reference": reference, "small": small.tolist()}))
+print(json.dumps({"out": out.tolist(), "reference": reference, "small": small.tolist(),
+                  "dynamo": "torch._dynamo" in sys.modules}))
 """
 
 
@@ -232,6 +233,7 @@ def test_two_instances_build_the_engine_once(tmp_path) -> None:
     assert len(rows) == 2
     for row in rows:
         assert close(row["out"], row["reference"]) and close(row["small"], row["reference"][:2])
+        assert row["dynamo"] is False      # the hooks never import torch._dynamo (sympy...: seconds) themselves
     assert len(list((tmp_path / "cache" / "engines").glob("v*/*/model.onnx"))) == 1
     engines = [instance["engines"] for instance in json.loads(summary.read_text())["instances"]]   # named per instance
     assert all([e["module"] for e in found] == ["Sequential"] and found[0]["backend"] == "onnxruntime"
@@ -434,3 +436,23 @@ def test_value_dependent_control_flow_is_never_frozen(scenarios) -> None:
 @pytest.mark.parametrize("freeze", ["none", "jit"])
 def test_calls_go_to_the_optimized_copy_not_the_users_modules(scenarios, freeze) -> None:
     assert "bn calls 0" in scenarios(freeze).stdout
+
+
+def test_compiled_modules_are_left_to_torch_compile(monkeypatch) -> None:
+    """A ``torch.compile`` wrapper (known once torch._dynamo is imported) runs as it is, never
+    through the hooks; a plain module in eval mode under no_grad goes through them."""
+    torch = pytest.importorskip("torch")
+    from xlaunch.kernels.inject import hooks
+
+    asked = []
+    monkeypatch.setattr(hooks, "_optimized_for", lambda module, *rest: asked.append(type(module).__name__))
+    call = hooks._make_call(lambda module, *args, **kwargs: "original", torch)
+    plain = torch.nn.Linear(2, 2).eval()
+    with torch.no_grad():
+        assert call(plain, torch.ones(1, 2)) == "original" and asked == ["Linear"]
+        import torch._dynamo.eval_frame as eval_frame
+
+        assert hooks._compiled_module_type() is eval_frame.OptimizedModule
+        compiled = torch.compile(plain)          # compiles on its first call only: never called here
+        assert isinstance(compiled, eval_frame.OptimizedModule)
+        assert call(compiled, torch.ones(1, 2)) == "original" and asked == ["Linear"]
