@@ -162,10 +162,9 @@ def test_dry_run_shows_the_injection_without_importing_torch(script) -> None:
 
 # -- real launches --------------------------------------------------------------------------------
 
-def test_unmodified_script_is_optimized_in_every_instance_and_gives_the_same_results(script, reference) -> None:
-    before = digest(script)
-    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--ninstances", "2", "--ncores-per-instance", "1",
-                     str(script), freeze="jit")
+def test_unmodified_script_is_optimized_in_every_instance_and_gives_the_same_results(scenarios, reference) -> None:
+    """Two instances (the ``jit`` launch: ``-m pkg.run``, MODEL_SCRIPT first, then the scenarios)."""
+    result, (_custom, run, before) = scenarios.with_files("jit")
     rows = instance_payloads(result)
     assert sorted(rows) == ["[0]", "[1]"], result.stdout
     text = result.stderr + result.stdout
@@ -178,7 +177,7 @@ def test_unmodified_script_is_optimized_in_every_instance_and_gives_the_same_res
         assert got["module_types"] == reference["module_types"]   # the user's model object untouched
     for line in ("Sequential: frozen with jit for inputs [(2, 3, 16, 16)]", "weights changed since it was optimized"):
         assert {row[:3] for row in text.splitlines() if line in row} == {"[0]", "[1]"}, (line, text)
-    assert digest(script) == before
+    assert digest(run) == before[1]
 
 
 NO_INJECTION_PROBE = """
@@ -327,8 +326,8 @@ def scenarios(tmp_path_factory):
     """``scenarios(freeze)``: the one verbose ``--auto-optimize`` launch of that mode, which runs
     MODEL_SCRIPT and the mode's scenarios. ``none`` is a script run with ``--dtype bfloat16`` (bf16
     or the line saying why not, for the model; the scenarios' checks hold either way); ``jit`` is
-    module mode, ``-m pkg.run``, with the user's own sitecustomize on PYTHONPATH (returned too:
-    ``(sitecustomize, pkg/run.py, their digests before the launch)``)."""
+    two instances in module mode, ``-m pkg.run``, with the user's own sitecustomize on PYTHONPATH
+    (returned too: ``(sitecustomize, pkg/run.py, their digests before the launch)``)."""
     done: dict[str, tuple] = {}
 
     def launch(freeze: str) -> subprocess.CompletedProcess:
@@ -356,7 +355,8 @@ def scenarios(tmp_path_factory):
             custom = user_site / "sitecustomize.py"
             custom.write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
             files = (custom, run, (digest(custom), digest(run)))
-            result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "-m", "pkg.run", freeze=freeze,
+            result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--ninstances", "2", "--ncores-per-instance",
+                             "1", "-m", "pkg.run", freeze=freeze,
                              env={"PYTHONPATH": os.pathsep.join([str(root), str(user_site)])})
         assert result.returncode == 0, result.stderr + result.stdout
         done[freeze] = (result, files)
@@ -366,17 +366,20 @@ def scenarios(tmp_path_factory):
 
 
 def test_module_mode(scenarios, reference) -> None:
-    got = payload(scenarios("jit"))
-    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
-    assert close(got["out"], reference["out"])
-    assert close(got["changed"], reference["changed"])
+    rows = instance_payloads(scenarios("jit"))
+    assert sorted(rows) == ["[0]", "[1]"]
+    for got in rows.values():
+        assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
+        assert close(got["out"], reference["out"])
 
 
 def test_existing_sitecustomize_still_runs_and_is_untouched(scenarios) -> None:
     result, (custom, run, before) = scenarios.with_files("jit")
-    got = payload(result)
-    assert got["site"] == "yes"
-    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
+    rows = instance_payloads(result)
+    assert sorted(rows) == ["[0]", "[1]"]
+    for got in rows.values():
+        assert got["site"] == "yes"
+        assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
     assert (digest(custom), digest(run)) == before
 
 
