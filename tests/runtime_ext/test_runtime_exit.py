@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -72,17 +71,22 @@ def launcher_lines_removed(err: str) -> str:
     return "\n".join(line for line in err.splitlines() if not line.startswith("xlaunch:"))
 
 
-def check_all(runs: dict[str, tuple[subprocess.Popen, Optional[int]]]) -> None:
-    """Every process exits 0 with an empty stderr; a driver's ``expected`` children all exited 0."""
+def outcome(process: subprocess.Popen) -> tuple[int, str, list[int] | None]:
+    """``(status, stderr without xlaunch's lines, the driver's child codes or None)``."""
+    status, out, err = finish(process)
+    codes = child_codes(out) if status == 0 and '{"codes"' in out else None
+    return status, launcher_lines_removed(err), codes
+
+
+def check(results: dict[str, tuple[int, str, list[int] | None]], part: slice | None, expected: int) -> None:
+    """Every process exited 0 with an empty stderr; the ``part`` of a driver's children (``expected``
+    of them) all exited 0 (``part`` None: not a driver)."""
     failures = []
-    for name, (process, expected) in runs.items():
-        status, out, err = finish(process)
-        codes = child_codes(out) if status == 0 and expected is not None else []
-        expected = expected or 0
-        err = launcher_lines_removed(err)
-        bad = [c for c in codes if c]
-        if status != 0 or err or len(codes) != expected or bad:
-            failures.append(f"{name}: status {status}, {len(bad)}/{len(codes)} bad runs {bad[:5]}, stderr {err[-1500:]!r}")
+    for name, (status, err, codes) in results.items():
+        mine = [] if part is None else (codes or [])[part]
+        bad = [c for c in mine if c]
+        if status != 0 or err or len(mine) != (expected if part is not None else 0) or bad:
+            failures.append(f"{name}: status {status}, {len(bad)}/{len(mine)} bad runs {bad[:5]}, stderr {err[-1500:]!r}")
     assert not failures, "\n".join(failures)
 
 
@@ -95,23 +99,30 @@ def docs_example(tmp_path: Path) -> Path:
     return program
 
 
-def test_objects_left_at_exit_gnu_intel_and_under_xlaunch(iomp_path, tmp_path):
-    runs = 12   # before the fix ~1 run in 3 died (19 of 20 without the hook): 12 runs miss it with p < 0.01
-    leftovers, example = (PROGRAMS / "leftovers.py", runs), (docs_example(tmp_path), 1)
-    check_all(
-        {
-            "gnu": (start(driver(leftovers, example), environment()), runs + 1),
-            "intel": (start(driver(leftovers, example), environment(iomp_path)), runs + 1),
-            "issue program under xlaunch": (start(under_xlaunch([sys.executable, str(PROGRAMS / "issue.py")]), environment()), None),
-        }
-    )
+RUNS = 12   # before the fix ~1 run in 3 died (19 of 20 without the hook): 12 runs miss it with p < 0.01
+FORKS = 3
 
 
-def test_forked_child_leaves_the_parents_workers_alone(iomp_path):
-    forked = (PROGRAMS / "forked.py", 3)
-    check_all(
-        {
-            "gnu": (start(driver(forked), environment()), 3),
-            "intel": (start(driver(forked), environment(iomp_path)), 3),
-        }
-    )
+@pytest.fixture(scope="module")
+def exits(iomp_path, tmp_path_factory) -> dict[str, dict[str, tuple[int, str, list[int] | None]]]:
+    """One driver per OpenMP runtime runs every program (each driver imports torch once: seconds
+    of CPU), at the same time as the issue's program under xlaunch; each test reads its own runs."""
+    programs = ((PROGRAMS / "leftovers.py", RUNS), (docs_example(tmp_path_factory.mktemp("exit")), 1),
+                (PROGRAMS / "forked.py", FORKS))
+    started = {
+        "gnu": start(driver(*programs), environment()),
+        "intel": start(driver(*programs), environment(iomp_path)),
+        "issue program under xlaunch": start(under_xlaunch([sys.executable, str(PROGRAMS / "issue.py")]), environment()),
+    }
+    results = {name: outcome(process) for name, process in started.items()}
+    return {"drivers": {name: results[name] for name in ("gnu", "intel")},
+            "xlaunch": {name: results[name] for name in results if name not in ("gnu", "intel")}}
+
+
+def test_objects_left_at_exit_gnu_intel_and_under_xlaunch(exits):
+    check(exits["drivers"], slice(0, RUNS + 1), RUNS + 1)
+    check(exits["xlaunch"], None, 0)
+
+
+def test_forked_child_leaves_the_parents_workers_alone(exits):
+    check(exits["drivers"], slice(RUNS + 1, RUNS + 1 + FORKS), FORKS)

@@ -1,6 +1,6 @@
 """Pinning the OpenMP team, read back from /proc/self/task/<tid>/status.
 
-The whole runtime suite also runs under LD_PRELOAD=libiomp5 (test_runtime_iomp.py), where
+This file also runs under LD_PRELOAD=libiomp5 (test_runtime_iomp.py), where
 XLAUNCH_TEST_OMP_KIND=iomp says which runtime must be found.
 """
 from __future__ import annotations

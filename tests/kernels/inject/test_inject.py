@@ -162,10 +162,9 @@ def test_dry_run_shows_the_injection_without_importing_torch(script) -> None:
 
 # -- real launches --------------------------------------------------------------------------------
 
-def test_unmodified_script_is_optimized_in_every_instance_and_gives_the_same_results(script, reference) -> None:
-    before = digest(script)
-    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--ninstances", "2", "--ncores-per-instance", "1",
-                     str(script), freeze="jit")
+def test_unmodified_script_is_optimized_in_every_instance_and_gives_the_same_results(scenarios, reference) -> None:
+    """Two instances (the ``jit`` launch: ``-m pkg.run``, MODEL_SCRIPT first, then the scenarios)."""
+    result, (_custom, run, before) = scenarios.with_files("jit")
     rows = instance_payloads(result)
     assert sorted(rows) == ["[0]", "[1]"], result.stdout
     text = result.stderr + result.stdout
@@ -178,7 +177,7 @@ def test_unmodified_script_is_optimized_in_every_instance_and_gives_the_same_res
         assert got["module_types"] == reference["module_types"]   # the user's model object untouched
     for line in ("Sequential: frozen with jit for inputs [(2, 3, 16, 16)]", "weights changed since it was optimized"):
         assert {row[:3] for row in text.splitlines() if line in row} == {"[0]", "[1]"}, (line, text)
-    assert digest(script) == before
+    assert digest(run) == before[1]
 
 
 NO_INJECTION_PROBE = """
@@ -199,43 +198,8 @@ def test_without_auto_optimize_nothing_is_injected(tmp_path) -> None:
     assert {DTYPE_ENV, VERBOSE_ENV, RECORD_ENV} & set(got["env"]) == set(), got   # (the test sets FREEZE and BACKEND)
 
 
-@pytest.fixture(scope="module")
-def module_with_user_site(tmp_path_factory) -> tuple[subprocess.CompletedProcess, tuple[str, str], Path, Path]:
-    """One ``--auto-optimize -m pkg.run`` launch, with the user's own sitecustomize on PYTHONPATH:
-    module mode and the shadowed sitecustomize share it (each launch imports torch: seconds)."""
-    root = tmp_path_factory.mktemp("module_mode")
-    package = root / "pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    run = package / "run.py"
-    run.write_text(MODEL_SCRIPT.replace('"optimizer":', '"site": __import__("os").environ.get('
-                                        '"USER_SITECUSTOMIZE_RAN"), "optimizer":'))
-    user_site = root / "usersite"
-    user_site.mkdir()
-    custom = user_site / "sitecustomize.py"
-    custom.write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
-    before = digest(custom), digest(run)
-    result = xlaunch("--auto-optimize", "-m", "pkg.run", env={"PYTHONPATH": os.pathsep.join([str(root), str(user_site)])})
-    return result, before, custom, run
-
-
-def test_module_mode(module_with_user_site, reference) -> None:
-    result = module_with_user_site[0]
-    got = payload(result)
-    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
-    assert close(got["out"], reference["out"])
-
-
-def test_existing_sitecustomize_still_runs_and_is_untouched(module_with_user_site) -> None:
-    result, before, custom, run = module_with_user_site
-    got = payload(result)
-    assert got["site"] == "yes"
-    assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
-    assert (digest(custom), digest(run)) == before
-
-
 ENGINE_SCRIPT = """
-import json, torch
+import json, sys, torch
 from torch import nn
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
@@ -244,7 +208,8 @@ reference = model(x).tolist()
 with torch.no_grad():
     out = [model(x) for _ in range(3)][-1]
     small = model(x[:2])
-print(json.dumps({"out": out.tolist(), "reference": reference, "small": small.tolist()}))
+print(json.dumps({"out": out.tolist(), "reference": reference, "small": small.tolist(),
+                  "dynamo": "torch._dynamo" in sys.modules}))
 """
 
 
@@ -267,6 +232,7 @@ def test_two_instances_build_the_engine_once(tmp_path) -> None:
     assert len(rows) == 2
     for row in rows:
         assert close(row["out"], row["reference"]) and close(row["small"], row["reference"][:2])
+        assert row["dynamo"] is False      # the hooks never import torch._dynamo (sympy...: seconds) themselves
     assert len(list((tmp_path / "cache" / "engines").glob("v*/*/model.onnx"))) == 1
     engines = [instance["engines"] for instance in json.loads(summary.read_text())["instances"]]   # named per instance
     assert all([e["module"] for e in found] == ["Sequential"] and found[0]["backend"] == "onnxruntime"
@@ -274,8 +240,8 @@ def test_two_instances_build_the_engine_once(tmp_path) -> None:
     assert sorted(found[0]["cache"] for found in engines) == ["hit", "miss"], engines
 
 
-# Small scenarios share a launch (each launch imports torch twice: ~4 s of CPU): one script per
-# freeze mode runs every scenario in its own function, and each test reads its own lines.
+# Small scenarios share a launch (each launch imports torch: ~4 s of CPU): one launch per freeze
+# mode runs MODEL_SCRIPT and every scenario in its own function, and each test reads its own lines.
 SCENARIOS = {
     # optimize() raises for this model (a bad flag forced through the environment would be
     # artificial); here the model's own deepcopy refuses, which optimize needs.
@@ -342,27 +308,85 @@ with torch.no_grad():
     m(torch.randn(1, 3, 8, 8), scale=2.0)
 print('bn calls', len(calls))
 """,
+    # torch.compile's wrapper, where the hooks look for it (torch's optimizers have loaded torch._dynamo)
+    "compiled": """
+import torch._dynamo.eval_frame as eval_frame
+from xlaunch.kernels.inject import hooks
+print('compiled type', hooks._compiled_module_type() is eval_frame.OptimizedModule)
+""",
 }
-SCENARIOS_OF = {"none": ("odd", "grad", "hooks"), "jit": ("shapes", "values", "hooks")}
+SCENARIOS_OF = {"none": ("odd", "grad", "hooks", "compiled"), "jit": ("shapes", "values", "hooks")}
+
+
+def scenario_script(freeze: str, model_script: str) -> str:
+    """``model_script`` (its one JSON line) and that mode's scenarios, each in its own function."""
+    body = ["import torch", "from torch import nn"]
+    for name, text in (("model", model_script), *((name, SCENARIOS[name]) for name in SCENARIOS_OF[freeze])):
+        body.append(f"def scenario_{name}():" + text.replace("\n", "\n    "))
+        body.append(f"scenario_{name}()")
+    return "\n".join(body) + "\n"
 
 
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
-    """``scenarios(freeze)``: the one verbose ``--auto-optimize`` launch of that mode's scenarios."""
-    done: dict[str, subprocess.CompletedProcess] = {}
+    """``scenarios(freeze)``: the one verbose ``--auto-optimize`` launch of that mode, which runs
+    MODEL_SCRIPT and the mode's scenarios. ``none`` is a script run with ``--dtype bfloat16`` (bf16
+    or the line saying why not, for the model; the scenarios' checks hold either way); ``jit`` is
+    two instances in module mode, ``-m pkg.run``, with the user's own sitecustomize on PYTHONPATH
+    (returned too: ``(sitecustomize, pkg/run.py, their digests before the launch)``)."""
+    done: dict[str, tuple] = {}
 
     def launch(freeze: str) -> subprocess.CompletedProcess:
-        if freeze not in done:
-            body = ["import torch", "from torch import nn"]
-            for name in SCENARIOS_OF[freeze]:
-                body.append(f"def scenario_{name}():" + SCENARIOS[name].replace("\n", "\n    "))
-                body.append(f"scenario_{name}()")
-            script = tmp_path_factory.mktemp(f"scenarios_{freeze}") / "scenarios.py"
-            script.write_text("\n".join(body) + "\n")
-            done[freeze] = xlaunch("--auto-optimize", "--auto-optimize-verbose", str(script), freeze=freeze)
-            assert done[freeze].returncode == 0, done[freeze].stderr + done[freeze].stdout
+        return launch_with_files(freeze)[0]
+
+    def launch_with_files(freeze: str) -> tuple:
+        if freeze in done:
+            return done[freeze]
+        root = tmp_path_factory.mktemp(f"scenarios_{freeze}")
+        if freeze == "none":
+            script = root / "scenarios.py"
+            script.write_text(scenario_script(freeze, MODEL_SCRIPT))
+            result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--dtype", "bfloat16", str(script),
+                             freeze=freeze)
+            files: tuple = ()
+        else:
+            package = root / "pkg"
+            package.mkdir()
+            (package / "__init__.py").write_text("")
+            run = package / "run.py"
+            run.write_text(scenario_script(freeze, MODEL_SCRIPT.replace(
+                '"optimizer":', '"site": __import__("os").environ.get("USER_SITECUSTOMIZE_RAN"), "optimizer":')))
+            user_site = root / "usersite"
+            user_site.mkdir()
+            custom = user_site / "sitecustomize.py"
+            custom.write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
+            files = (custom, run, (digest(custom), digest(run)))
+            result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--ninstances", "2", "--ncores-per-instance",
+                             "1", "-m", "pkg.run", freeze=freeze,
+                             env={"PYTHONPATH": os.pathsep.join([str(root), str(user_site)])})
+        assert result.returncode == 0, result.stderr + result.stdout
+        done[freeze] = (result, files)
         return done[freeze]
+    launch.with_files = launch_with_files    # type: ignore[attr-defined]
     return launch
+
+
+def test_module_mode(scenarios, reference) -> None:
+    rows = instance_payloads(scenarios("jit"))
+    assert sorted(rows) == ["[0]", "[1]"]
+    for got in rows.values():
+        assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
+        assert close(got["out"], reference["out"])
+
+
+def test_existing_sitecustomize_still_runs_and_is_untouched(scenarios) -> None:
+    result, (custom, run, before) = scenarios.with_files("jit")
+    rows = instance_payloads(result)
+    assert sorted(rows) == ["[0]", "[1]"]
+    for got in rows.values():
+        assert got["site"] == "yes"
+        assert got["optimizer"] == "xlaunch.kernels.optim.fused.FusedAdamW"
+    assert (digest(custom), digest(run)) == before
 
 
 def test_a_model_the_library_cannot_handle_runs_unchanged_with_one_warning(scenarios) -> None:
@@ -387,14 +411,13 @@ def test_script_without_torch_never_imports_it(tmp_path) -> None:
     assert "torch loaded: False" in result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_bf16_follows_the_isa(script, reference, dtype) -> None:
+def test_bf16_follows_the_isa(scenarios, reference) -> None:
     """bf16 only where the CPU has AVX512_BF16/AMX; otherwise fp32 and a line saying why."""
     from xlaunch.machine import current_machine
 
     flags = current_machine().isa.flags
     native = bool({"avx512_bf16", "amx_bf16"} & flags)
-    result = xlaunch("--auto-optimize", "--auto-optimize-verbose", "--dtype", dtype, str(script))
+    result = scenarios("none")      # launched with --dtype bfloat16
     got = payload(result)
     text = result.stdout + result.stderr
     if native:
@@ -422,3 +445,32 @@ def test_value_dependent_control_flow_is_never_frozen(scenarios) -> None:
 @pytest.mark.parametrize("freeze", ["none", "jit"])
 def test_calls_go_to_the_optimized_copy_not_the_users_modules(scenarios, freeze) -> None:
     assert "bn calls 0" in scenarios(freeze).stdout
+
+
+def test_compiled_modules_are_left_to_torch_compile(monkeypatch) -> None:
+    """A ``torch.compile`` wrapper (known once torch._dynamo is loaded) runs as it is, never through
+    the hooks; a plain module in eval mode under no_grad goes through them. (torch's own wrapper
+    class, where the hooks look for it, is checked in the 'none' launch: importing torch._dynamo
+    here would cost seconds.)"""
+    torch = pytest.importorskip("torch")
+    from xlaunch.kernels.inject import hooks
+
+    class Compiled(torch.nn.Module):
+        pass
+
+    asked = []
+    monkeypatch.setattr(hooks, "_optimized_for", lambda module, *rest: asked.append(type(module).__name__))
+    call = hooks._make_call(lambda module, *args, **kwargs: "original", torch)
+    plain, compiled = torch.nn.Linear(2, 2).eval(), Compiled().eval()
+    with torch.no_grad():
+        monkeypatch.delitem(sys.modules, "torch._dynamo.eval_frame", raising=False)
+        assert hooks._compiled_module_type() is None
+        assert call(compiled, torch.ones(1, 2)) == "original" and asked == ["Compiled"]
+        monkeypatch.setitem(sys.modules, "torch._dynamo.eval_frame", type(sys)("eval_frame"))
+        sys.modules["torch._dynamo.eval_frame"].OptimizedModule = Compiled
+        assert call(compiled, torch.ones(1, 2)) == "original" and asked == ["Compiled"]
+        assert call(plain, torch.ones(1, 2)) == "original" and asked == ["Compiled", "Linear"]
+
+
+def test_the_hooks_know_torchs_compiled_module_type(scenarios) -> None:
+    assert "compiled type True" in scenarios("none").stdout

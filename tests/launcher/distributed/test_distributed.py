@@ -120,15 +120,34 @@ def check_ddp(output: str, ranks: list[dict], world: int = 2) -> None:
         assert fields["threads"] == str(len(planned["cpus"]))
 
 
-def test_front_trains_ddp_with_each_rank_on_its_slice() -> None:
-    port = str(free_port())
-    argv = ("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, TRAIN)
+# examples/train.py, started by a script that first sets its own MASTER_ADDR/MASTER_PORT as IPEX's DDP
+# test scripts do (after printing what the front gave it): under plain torchrun such a script waits
+# for the agent's store at its own port (30 min); under the front rank 0 hosts the store there.
+OWN_MASTER_TRAIN = """\
+import os, runpy, sys
+print(f"front gave {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", flush=True)
+os.environ["MASTER_ADDR"] = "127.0.0.1"
+os.environ["MASTER_PORT"] = sys.argv.pop(1)
+sys.argv[0] = sys.argv.pop(1)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_front_trains_ddp_with_each_rank_on_its_slice_and_the_scripts_own_master_address(tmp_path: Path) -> None:
+    """One DDP job (each rank imports torch: seconds of CPU) for both: the ranks train on their
+    slices, and the script's own MASTER_ADDR/MASTER_PORT (not the front's) is where they meet."""
+    program = tmp_path / "own_master_train.py"
+    program.write_text(OWN_MASTER_TRAIN)
+    port, own_port = str(free_port()), str(free_port())
+    argv = ("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, str(program))
     expected = planned_ranks(*argv)
     assert len(expected) == 2 and not set(expected[0]["cpus"]) & set(expected[1]["cpus"])
-    done = subprocess.run(xlaunch(*argv, "--ddp", "--steps", "2"), env=job_env(), cwd=REPO,
+    done = subprocess.run(xlaunch(*argv, own_port, TRAIN, "--ddp", "--steps", "2"), env=job_env(), cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     check_ddp(done.stdout, expected)
+    gave = sorted((index, text) for index, text in prefixed(done.stdout) if text.startswith("front gave "))
+    assert gave == [(0, f"front gave 127.0.0.1:{port}"), (1, f"front gave 127.0.0.1:{port}")], done.stdout
 
 
 def test_plain_torchrun_with_per_rank_ranks(tmp_path: Path) -> None:
@@ -297,29 +316,6 @@ def test_kill_9_of_the_front_leaves_nothing_running(tmp_path: Path) -> None:
         if job.poll() is None:
             job.kill()
             job.wait()
-
-
-IPEX_STYLE_DDP = """\
-import os, sys
-os.environ["MASTER_ADDR"] = "127.0.0.1"          # as IPEX's DDP test script does, before init
-os.environ["MASTER_PORT"] = sys.argv[1]
-import torch, torch.distributed as dist
-dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-total = torch.ones(1) * (dist.get_rank() + 1)
-dist.all_reduce(total)
-print(f"rank {dist.get_rank()} sum {total.item():g}", flush=True)
-dist.destroy_process_group()
-"""
-
-
-def test_script_setting_its_own_master_address_works_under_the_front(tmp_path: Path) -> None:
-    """Under plain torchrun such a script waits for the agent's store at its own port (30 min)."""
-    program = tmp_path / "ipex_style_ddp.py"
-    program.write_text(IPEX_STYLE_DDP)
-    done = subprocess.run(xlaunch("-q", "--nproc-per-node", "2", str(program), str(free_port())), env=job_env(),
-                          cwd=REPO, capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr
-    assert sorted(prefixed(done.stdout)) == [(0, "rank 0 sum 3"), (1, "rank 1 sum 3")], done.stdout
 
 
 def test_a_rendezvous_nobody_joins_fails_within_its_bound(tmp_path: Path) -> None:

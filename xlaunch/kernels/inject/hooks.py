@@ -149,14 +149,24 @@ def patch_torch(torch: Any) -> None:
 _local = threading.local()
 
 
+def _compiled_module_type() -> Any:
+    """``torch.compile``'s module wrapper once torch._dynamo is imported (a model can be one only
+    then), else None. Reading ``torch._dynamo`` would import it: sympy and more, ~2 s of CPU in
+    every process, whether the program compiles or not."""
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+
+
 def _make_call(original: Callable, torch: Any) -> Callable:
-    skip_types = tuple(t for t in (getattr(torch.jit, "ScriptModule", None),
-                                   getattr(getattr(torch, "_dynamo", None), "OptimizedModule", None)) if t)
+    script_types = tuple(t for t in (getattr(torch.jit, "ScriptModule", None),) if t)
     is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+    def skipped(module: Any) -> bool:
+        compiled = _compiled_module_type()
+        return isinstance(module, script_types) or (compiled is not None and isinstance(module, compiled))
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         depth = getattr(_local, "depth", 0)
-        if depth == 0 and not self.training and not isinstance(self, skip_types) and not is_compiling():
+        if depth == 0 and not self.training and not skipped(self) and not is_compiling():
             optimized = _optimized_for(self, args, kwargs, torch)
             if optimized is not None:
                 _local.depth = 1
