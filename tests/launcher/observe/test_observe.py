@@ -15,6 +15,7 @@ from xlaunch.launcher.observe.procfs import (
     library_kind,
     mapped_libraries,
     preload_kinds,
+    resolved,
     split_openmp,
 )
 
@@ -144,6 +145,19 @@ def test_preloaded_intel_openmp_shadows_torchs_libgomp():
 
 def test_preloaded_by_bare_file_name_matches_the_mapped_path():
     assert split_openmp([GOMP_LIB, IOMP_LIB], {"libiomp5.so": "iomp"}) == ([IOMP], [GOMP])
+
+
+def test_preloaded_through_a_symlink_matches_the_mapped_real_path(tmp_path):
+    """maps shows the resolved path; LD_PRELOAD may name it through a link (a symlinked venv, /lib)."""
+    real = tmp_path / "real" / "libiomp5.so"
+    real.parent.mkdir()
+    real.write_bytes(b"")
+    (tmp_path / "venv").symlink_to(tmp_path / "real")
+    preloaded = preload_kinds(str(tmp_path / "venv" / "libiomp5.so"))
+    mapped = [GOMP_LIB, ("iomp", str(real))]
+    assert split_openmp(mapped, preloaded) == ([GOMP, str(real)], [])      # unresolved: no match
+    assert split_openmp(mapped, resolved(preloaded)) == ([str(real)], [GOMP])
+    assert resolved({"libiomp5.so": "iomp"}) == {"libiomp5.so": "iomp"}
 
 
 def test_nothing_preloaded_leaves_every_runtime_active():

@@ -110,6 +110,12 @@ def preload_kinds(ld_preload: str) -> dict[str, str]:
     return out
 
 
+def resolved(preloaded: dict[str, str]) -> dict[str, str]:
+    """``preloaded`` with each path as /proc/PID/maps shows it: symbolic links resolved (a venv reached
+    through a link, ``/lib`` -> ``usr/lib``); bare file names as they are."""
+    return {os.path.realpath(path) if "/" in path else path: kind for path, kind in preloaded.items()}
+
+
 def split_openmp(libraries: Sequence[tuple[str, str]], preloaded: dict[str, str]) -> tuple[list[str], list[str]]:
     """``(active, shadowed)`` OpenMP library paths of one process.
 
@@ -193,7 +199,7 @@ def _read_process(pid: int, memory: bool, page_size: int,
                     env = psutil.Process(pid).environ()
                 except psutil.AccessDenied:
                     env = {}
-                preloaded = preload_cache[pid] = preload_kinds(env.get("LD_PRELOAD", ""))
+                preloaded = preload_cache[pid] = resolved(preload_kinds(env.get("LD_PRELOAD", "")))
             active, shadowed = split_openmp(libraries, preloaded)
         threads = []
         for tid in _list_ints(f"/proc/{pid}/task"):
