@@ -62,17 +62,27 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize("argv, tree, option, words", BAD_INPUT, ids=[" ".join(b[0]) for b in BAD_INPUT])
-def test_bad_input_is_one_line_exit_2_and_nothing_starts(argv, tree, option, words, marker_script, tmp_path) -> None:
+def test_bad_input_is_one_line_exit_2_and_nothing_starts(argv, tree, option, words, marker_script, tmp_path,
+                                                         monkeypatch, capsys) -> None:
+    """In-process: ``cli.run`` parses, plans and refuses (a plan that went on would start the marker
+    program from here). The real process's exit 2 and one stderr line: test_program_errors and
+    test_bad_fsroot_is_one_line."""
     script, marker = marker_script
     argv = [str(tmp_path / "bad.toml") if a == "BADTOML" else a for a in argv]
     (tmp_path / "bad.toml").write_text("ninstances = = 2\n")
-    result = xlaunch(*argv, str(script), fsroot=str(machine_tree(tree)) if tree else None)
-    lines = result.stderr.splitlines()
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1, result.stderr
+    monkeypatch.chdir(REPO)
+    if tree:
+        monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree(tree)))
+    else:
+        monkeypatch.delenv("XLAUNCH_FSROOT", raising=False)
+    code = cli.run([*argv, str(script)])
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
     assert lines[0].startswith(f"xlaunch: error: {option}: "), lines[0]
     assert words in lines[0]
-    assert result.stdout == ""
+    assert out == ""
     assert not marker.exists()
 
 
