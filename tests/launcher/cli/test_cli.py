@@ -200,20 +200,33 @@ def test_exit_status_of_a_failing_instance_is_returned() -> None:
     assert result.returncode == 3
 
 
-def test_machine_information_flags_dispatch_to_the_reports() -> None:
-    isa = xlaunch("--check-isa", "--json")
+def test_machine_information_flags_dispatch_to_the_reports(monkeypatch, capsys) -> None:
+    """In-process (``cli.run``, what ``python -m xlaunch`` runs): these print and return."""
+    def here(*argv: str, fsroot: str | None = None) -> subprocess.CompletedProcess:
+        with monkeypatch.context() as patch:
+            patch.chdir(REPO)
+            if fsroot:
+                patch.setenv("XLAUNCH_FSROOT", fsroot)
+            else:
+                patch.delenv("XLAUNCH_FSROOT", raising=False)
+            capsys.readouterr()
+            code = cli.run(list(argv))
+            out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    isa = here("--check-isa", "--json")
     assert isa.returncode == 0, isa.stderr
     flags = json.loads(isa.stdout)["isa"]
     cpuinfo = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
     assert flags["avx2"] == ("avx2" in cpuinfo) and flags["fma"] == ("fma" in cpuinfo)
-    topo = xlaunch("--show-topology", "--json", fsroot=str(machine_tree("container-cpuset")))
+    topo = here("--show-topology", "--json", fsroot=str(machine_tree("container-cpuset")))
     assert topo.returncode == 0, topo.stderr
     assert json.loads(topo.stdout)["allowed_cpulist"] == "4-7,36-39"
-    readable = xlaunch("--show-topology")
+    readable = here("--show-topology")
     assert readable.returncode == 0 and "NUMA" in readable.stdout
     for argv, option in ((["--check-isa", "prog.py"], "--check-isa"), (["--torch", "--show-topology"], "--torch"),
                          (["--check-isa", "--show-topology"], "--show-topology")):
-        bad = xlaunch(*argv)
+        bad = here(*argv)
         assert bad.returncode == 2 and bad.stderr.startswith(f"xlaunch: error: {option}: ")
 
 
