@@ -31,6 +31,24 @@ def xlaunch(*argv: str, fsroot: str | None = None, env: dict | None = None, cwd=
     )
 
 
+def in_process(monkeypatch, capsys):
+    """``xlaunch(...)`` as ``cli.run`` in this process (what ``python -m xlaunch`` runs, from the
+    repository root, without an inherited XLAUNCH_FSROOT), for what parses, plans and prints; a plan
+    that went on would start its program from here. Returns a CompletedProcess."""
+    def here(*argv: str, fsroot: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+        with monkeypatch.context() as patch:
+            patch.chdir(REPO)
+            patch.delenv("XLAUNCH_FSROOT", raising=False)
+            for key, value in {**(env or {}), **({"XLAUNCH_FSROOT": fsroot} if fsroot else {})}.items():
+                patch.setenv(key, value)
+            capsys.readouterr()
+            code = cli.run(list(argv))
+            out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    return here
+
+
 BAD_INPUT = [
     # (argv before PROGRAM, tree or None for this machine, option named, words in the problem)
     (["--cores-list", "999"], None, "--cores-list", "does not exist"),
@@ -136,8 +154,9 @@ def test_help_groups_options_like_the_docs() -> None:
         assert f"## {group}" in doc
 
 
-def test_dry_run_json_is_one_object_and_starts_nothing(marker_script) -> None:
+def test_dry_run_json_is_one_object_and_starts_nothing(marker_script, monkeypatch, capsys) -> None:
     script, marker = marker_script
+    xlaunch = in_process(monkeypatch, capsys)
     result = xlaunch("--dry-run", "--json", "--ninstances", "2", str(script), "a b", "$HOME",
                      fsroot=str(machine_tree("xeon-2s-amx")), env={"OMP_NUM_THREADS": "3"})
     assert result.returncode == 0, result.stderr
@@ -152,8 +171,8 @@ def test_dry_run_json_is_one_object_and_starts_nothing(marker_script) -> None:
     assert quiet.stderr == ""
 
 
-def test_readable_dry_run() -> None:
-    result = xlaunch("--dry-run", "--ninstances", "2", "--no-python", "true", fsroot=str(machine_tree("epyc-4node-nps4")))
+def test_readable_dry_run(monkeypatch, capsys) -> None:
+    result = in_process(monkeypatch, capsys)("--dry-run", "--ninstances", "2", "--no-python", "true", fsroot=str(machine_tree("epyc-4node-nps4")))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("xlaunch plan: 2 instances")
     assert "[0] cpus 0-31 (32)" in result.stdout and "[1] cpus 32-63 (32)" in result.stdout
@@ -202,17 +221,7 @@ def test_exit_status_of_a_failing_instance_is_returned() -> None:
 
 def test_machine_information_flags_dispatch_to_the_reports(monkeypatch, capsys) -> None:
     """In-process (``cli.run``, what ``python -m xlaunch`` runs): these print and return."""
-    def here(*argv: str, fsroot: str | None = None) -> subprocess.CompletedProcess:
-        with monkeypatch.context() as patch:
-            patch.chdir(REPO)
-            if fsroot:
-                patch.setenv("XLAUNCH_FSROOT", fsroot)
-            else:
-                patch.delenv("XLAUNCH_FSROOT", raising=False)
-            capsys.readouterr()
-            code = cli.run(list(argv))
-            out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(argv, code, out, err)
+    here = in_process(monkeypatch, capsys)
 
     isa = here("--check-isa", "--json")
     assert isa.returncode == 0, isa.stderr
