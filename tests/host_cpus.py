@@ -55,15 +55,31 @@ def need_cores(count: int) -> None:
 
 
 def plan_json(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
-    """xlaunch's ``--dry-run --json`` plan for ``argv`` (options, then the program) on this machine."""
+    """xlaunch's ``--dry-run --json`` plan for ``argv`` (options, then the program) on this machine.
+
+    In this process (``cli.run``, what ``python -m xlaunch`` runs), under ``env`` (default: this
+    environment) without ``XLAUNCH_FSROOT`` and from the repository root, as a child would be: the
+    launches a test compares with the plan are the real processes."""
+    import contextlib
+    import io
+
+    from xlaunch.launcher.cli.command import run
+
     environ = dict(os.environ if env is None else env)
     environ.pop("XLAUNCH_FSROOT", None)
-    done = subprocess.run([sys.executable, "-m", "xlaunch", "--dry-run", "--json", *argv], capture_output=True,
-                          text=True, cwd=REPO, env=environ, timeout=120)
-    if done.returncode == 2 and " need " in done.stderr and "available" in done.stderr:
-        pytest.skip(f"this machine is too small for the plan: {done.stderr.strip()}")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    saved, out, err = dict(os.environ), io.StringIO(), io.StringIO()
+    try:
+        os.environ.clear()
+        os.environ.update(environ)           # the machine model reads XLAUNCH_FSROOT from here
+        with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run(["--dry-run", "--json", *argv], environ)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    if code == 2 and " need " in err.getvalue() and "available" in err.getvalue():
+        pytest.skip(f"this machine is too small for the plan: {err.getvalue().strip()}")
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())
 
 
 def planned(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> list[dict[str, Any]]:

@@ -54,19 +54,33 @@ def clean_env(work: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def installed(built, tmp_path_factory) -> tuple[Path, Path, dict]:
-    """(wheel, venv, env without PYTHONPATH) with xlaunch installed from the wheel, without torch."""
-    wheel, work = built, tmp_path_factory.mktemp("venv")
+def venv(built, tmp_path_factory) -> tuple[Path, dict, str | None]:
+    """(venv, env without PYTHONPATH, why offline or None): one venv for the module, the wheel installed
+    into it without torch. Offline (pip cannot reach the registry for click, psutil and py-cpuinfo), the
+    wheel goes in without its dependencies: the prebuilt-kernel test still runs (this torch's
+    site-packages brings them), the torch-free ones skip."""
+    work = tmp_path_factory.mktemp("venv")
     venv = work / "venv"
     made = run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=work)
     assert made.returncode == 0, made.stderr
     env = clean_env(work)
-    install = run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q", wheel],
-                  cwd=work, env=env)
+    pip = [sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q"]
+    install = run([*pip, built], cwd=work, env=env)
+    offline = None
     if install.returncode != 0 and any(word in install.stderr for word in OFFLINE):
-        pytest.skip(f"pip cannot reach the package registry: {install.stderr.strip().splitlines()[-1]}")
+        offline = install.stderr.strip().splitlines()[-1]
+        install = run([*pip, "--no-deps", built], cwd=work, env=env)
     assert install.returncode == 0, install.stderr
-    return wheel, venv, env
+    return venv, env, offline
+
+
+@pytest.fixture(scope="module")
+def installed(built, venv) -> tuple[Path, Path, dict]:
+    """(wheel, venv, env without PYTHONPATH) with xlaunch installed from the wheel, without torch."""
+    venv, env, offline = venv
+    if offline:
+        pytest.skip(f"pip cannot reach the package registry: {offline}")
+    return built, venv, env
 
 
 def test_the_wheel_holds_the_data_files_and_both_commands(installed):
@@ -148,10 +162,13 @@ def test_the_wheel_carries_the_kernels_of_every_level_for_this_torch(built):
 
 
 KERNELS = r"""
-import shutil, torch
+import shutil, sys
+assert "torch" not in sys.modules and shutil.which("g++") is None and shutil.which("c++") is None
+sys.path.append(sys.argv[1])       # this torch beside the venv, as a .pth there would add it (last)
+import torch
 from xlaunch.nn import native as nn_native
 from xlaunch.llm import native as llm_native, fused
-assert shutil.which("g++") is None and shutil.which("c++") is None
+assert sys.modules["xlaunch"].__file__.startswith(sys.prefix), sys.modules["xlaunch"].__file__   # the wheel's
 for native in (nn_native, llm_native):
     assert "/prebuilt/" in str(native.LIBRARY.find(native.level())), native.LIBRARY.find(native.level())
     assert native.ops().compiled_isa() == native.level(), native.level()
@@ -163,21 +180,17 @@ print(nn_native.level(), llm_native.level())
 """
 
 
-def test_the_installed_wheel_runs_its_prebuilt_kernels_without_a_compiler(built, tmp_path):
-    """Installed beside this torch (a .pth; click, psutil and py-cpuinfo come with it), no g++ on PATH."""
+def test_the_installed_wheel_runs_its_prebuilt_kernels_without_a_compiler(venv, tmp_path):
+    """The module's venv, this torch added to its path (its site-packages brings click, psutil and
+    py-cpuinfo when the registry could not), no g++ on PATH. One venv for the module: a second venv
+    and install would prove nothing more (the torch-free tests run in a child without this path)."""
     torch = pytest.importorskip("torch")
     from xlaunch.llm import native as llm_native
 
-    wheel, env = built, clean_env(tmp_path)
-    venv = tmp_path / "venv"
-    assert run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path).returncode == 0
-    site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "torch_beside.pth").write_text(str(Path(torch.__file__).resolve().parents[1]) + "\n")
-    install = run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q", "--no-deps",
-                   wheel], cwd=tmp_path, env=env)
-    assert install.returncode == 0, install.stderr
+    venv, env, _ = venv
     no_compiler = {k: v for k, v in env.items() if not k.endswith(("_BUILD_DIR", "_NATIVE"))}
     no_compiler.update(PATH=str(venv / "bin"), CXX="")
-    done = run([venv / "bin" / "python", "-c", KERNELS], cwd=tmp_path, env=no_compiler)
+    torch_site = str(Path(torch.__file__).resolve().parents[1])
+    done = run([venv / "bin" / "python", "-c", KERNELS, torch_site], cwd=tmp_path, env=no_compiler)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[1] == llm_native.level()

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,11 +76,11 @@ def test_a_bad_entry_is_corrupt_never_followed(tmp_path: Path, how: str) -> None
 
 
 CACHE_SCRIPT = r"""
-import json, sys, time, warnings
-start = time.perf_counter()
+import json, sys, warnings
 import torch
 from torch import nn
 from xlaunch import optimize
+torch.set_num_threads(int(sys.argv[1]))    # the test process's: the thread count is part of the key
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
 x = torch.randn(6, 32)
@@ -87,34 +88,77 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     fast = optimize(model, sample_input=x, backend="onnxruntime", progress=False)
     with torch.no_grad():
-        first = fast(x)
-    ready = time.perf_counter() - start
-    with torch.no_grad():
         ok = all(torch.allclose(fast(v), model(v), atol=1e-5) for v in (x, torch.randn(3, 32)))
-print(json.dumps({"cache": fast.report.cache, "backend": fast.report.backend, "ok": ok, "ready_s": ready,
+print(json.dumps({"cache": fast.report.cache, "backend": fast.report.backend, "ok": ok,
                   "warnings": [str(w.message) for w in caught], "path": fast.report.cache_path}))
 """
 
 
-def start(cache: Path) -> subprocess.Popen:
-    env = {**os.environ, "XLAUNCH_CACHE_DIR": str(cache)}
-    return subprocess.Popen([sys.executable, "-c", CACHE_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=str(cache.parent))
+def ask_here() -> dict:
+    """CACHE_SCRIPT's request, made in the test process (torch and onnxruntime are loaded here already)."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from xlaunch import optimize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
+    x = torch.randn(6, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = optimize(model, sample_input=x, backend="onnxruntime", progress=False)
+        with torch.no_grad():
+            ok = all(torch.allclose(fast(v), model(v), atol=1e-5) for v in (x, torch.randn(3, 32)))
+    return {"cache": fast.report.cache, "backend": fast.report.backend, "ok": ok,
+            "warnings": [str(w.message) for w in caught], "path": fast.report.cache_path}
 
 
-def finish(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert err == "", err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+def lock_is_held(cache: Path) -> bool:
+    """Whether another process holds an entry's lock (a probe that gets it lets it go at once)."""
+    import fcntl
+
+    for path in cache.glob("engines/v*/*.lock"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+    return False
 
 
-def test_two_processes_asking_at_once_build_once_and_share_the_entry(tmp_path: Path) -> None:
+def test_two_processes_asking_at_once_build_once_and_share_the_entry(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other process builds; this one asks while it holds the entry's lock (seen from here), waits
+    for it and loads what it wrote: one build for both."""
     pytest.importorskip("onnxruntime")
+    import torch
+
     cache = tmp_path / "cache"
-    first, second = start(cache), start(cache)     # at once: one builds, the other waits and loads
-    results = [finish(first), finish(second)]
-    assert sorted(r["cache"] for r in results) == ["hit", "miss"], results
+    monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(cache))
+    other = subprocess.Popen([sys.executable, "-c", CACHE_SCRIPT, str(torch.get_num_threads())],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+                             cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 240
+        while not lock_is_held(cache):
+            assert other.poll() is None, f"it ended before this process saw its lock: {other.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the other process never took the entry's lock"
+            time.sleep(0.01)
+        here = ask_here()
+        out, err = other.communicate(timeout=300)
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+    assert other.returncode == 0, err[-3000:]
+    assert err == "", err[-3000:]                  # engines' and exporters' noise stays quiet
+    other_result = json.loads(out.strip().splitlines()[-1])
+    assert (other_result["cache"], here["cache"]) == ("miss", "hit"), (other_result, here)
+    results = [other_result, here]
     assert all(r["ok"] and r["backend"] == "onnxruntime" and r["warnings"] == [] for r in results)
     entry_dir = Path(results[0]["path"])
     assert results[1]["path"] == str(entry_dir)

@@ -49,7 +49,8 @@ def instance(index: int, argv: list[str], *, cpus: tuple[int, ...] | None = None
 
 
 def py(index: int, code: str, *args: str, **kwargs) -> Instance:
-    return instance(index, [PY, "-c", code, *args], **kwargs)
+    """A Python instance; ``-S``: its code needs the standard library only (no site-packages to scan)."""
+    return instance(index, [PY, "-S", "-c", code, *args], **kwargs)
 
 
 def start_launcher(tmp_path: Path, instances: list[Instance], **options) -> subprocess.Popen:
