@@ -27,7 +27,8 @@ from xlaunch.kernels.quantize.api import (  # noqa: E402
     QuantizeWarning, load_quantized, quantize)
 from xlaunch.kernels.quantize import policy as policy  # noqa: E402
 from quantize_models import (  # noqa: E402
-    MAX_ERROR, MLP, auto_quantized, check_auto, check_progress, check_route, make, save_then_load)
+    MAX_ERROR, MLP, auto_quantized, check_auto, check_progress, check_route, make, save_then_load,
+    saved_variants)
 
 pytestmark = pytest.mark.torch
 
@@ -101,15 +102,18 @@ def test_static_mode_quantizes_every_linear(static_mlp: tuple) -> None:
 
 
 def test_save_then_load_in_a_fresh_process(tmp_path, static_mlp: tuple, auto_results: dict) -> None:
-    """Static, auto and the encoder quantized weight-only (attention kept fp32), loaded in one fresh
-    process (each process imports torch and torchao: seconds)."""
+    """Static, auto and the encoder quantized weight-only (attention kept fp32), run compiled as
+    loaded, and every route's tiny MLP of test_quantize_saved.py (with each engine route first
+    loaded without its engine), all in one fresh process (each process imports torch and torchao:
+    seconds)."""
     model, example, _, quantized = static_mlp
     encoder, encoder_x, _ = make("encoder")
     with pytest.warns(QuantizeWarning, match="stay fp32"):
         weight_only = quantize(encoder, encoder_x, mode="weight_only")
     save_then_load(tmp_path, {"static": (quantized, example),
                               "auto_cnn": (auto_results["cnn"][3], auto_results["cnn"][1]),
-                              "weight_only_encoder": (weight_only, encoder_x)})
+                              "weight_only_encoder": (weight_only, encoder_x)},
+                   {route: value for route, value in saved_variants().items() if not isinstance(value, str)})
 
 
 def test_load_rejects_a_plain_exported_program(tmp_path) -> None:
@@ -187,15 +191,16 @@ def test_policy_routes_and_choice() -> None:
 def test_convolutions_an_unbacked_batch_breaks_compile_with_a_dynamic_batch_at_once() -> None:
     """An unbacked batch fails in inductor's lowering of a dynamically quantized (or fp32)
     convolution after a whole compile: such a program goes to a dynamic batch directly, a
-    statically quantized one stays unbacked (one compile serves batch 1 too), as does a program
-    without convolutions. (The auto fixtures compile and run both CNN routes.)"""
+    statically quantized one stays unbacked (one compile serves batch 1 too; its Flatten keeps the
+    batch apart), as does a program without convolutions. (The auto fixtures compile and run both
+    CNN routes; test_quantize_encoder.py has a view that folds the batch.)"""
     from xlaunch.kernels.quantize import routes
 
     model, example, calibration = make("cnn")
     for dynamic in (True, False):
         built = routes.build_pt2e(model, (example,), calibration, dynamic, True)
-        assert routes.unbacked_convolutions_fail(built.program_source) is dynamic
+        assert routes.unbacked_batch_fails(built.program_source) is dynamic
         assert built.runner.how == ("dynamic" if dynamic else "unbacked") and built.runner.calls == 0
     mlp, mlp_example, mlp_calibration = make("mlp")
     built = routes.build_pt2e(mlp, (mlp_example,), mlp_calibration, True, True)
-    assert not routes.unbacked_convolutions_fail(built.program_source) and built.runner.how == "unbacked"
+    assert not routes.unbacked_batch_fails(built.program_source) and built.runner.how == "unbacked"
