@@ -135,22 +135,34 @@ def auto_quantized(names: list[str]) -> dict:
     from xlaunch.kernels.quantize import api
 
     results = {}
-    for name in names:
-        model, example, calibration = make(name)
-        builds: dict = {}
-        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
-            warnings.simplefilter("ignore", QuantizeWarning)
-            patch.setattr(api, "FP32_BACKENDS", FIXTURE_FP32_BACKENDS)
-            if name not in FIXTURE_OPTIMIZE:   # fp32 eager is the float variant
-                patch.setattr(api, "_optimized", lambda *args, **kwargs: None)
-            build = api._build
-            patch.setattr(api, "_build", lambda route, *args: builds.setdefault(route, build(route, *args)))
-            stderr = TimedLines()
-            with contextlib.redirect_stderr(stderr):
-                quantized = quantize(model, (example,), calibration=calibration, consider=FIXTURE_ROUTES,
-                                     rounds=FIXTURE_ROUNDS)
-            results[name] = (model, example, calibration, quantized, stderr.lines, builds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as tests/conftest.py's one_torch_thread, for the module's fixtures
+    try:
+        for name in names:
+            results[name] = _auto_quantized(name, api, pytest)
+    finally:
+        torch.set_num_threads(threads)
     return results
+
+
+def _auto_quantized(name: str, api, pytest) -> tuple:
+    """One model's auto quantization, with one torch thread: auto's and optimize()'s timing runs
+    each variant for a set time, and on a shared 2-vCPU machine a second thread doubles the CPU
+    that costs (and waits on the first whenever another process takes a CPU)."""
+    model, example, calibration = make(name)
+    builds: dict = {}
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("ignore", QuantizeWarning)
+        patch.setattr(api, "FP32_BACKENDS", FIXTURE_FP32_BACKENDS)
+        if name not in FIXTURE_OPTIMIZE:   # fp32 eager is the float variant
+            patch.setattr(api, "_optimized", lambda *args, **kwargs: None)
+        build = api._build
+        patch.setattr(api, "_build", lambda route, *args: builds.setdefault(route, build(route, *args)))
+        stderr = TimedLines()
+        with contextlib.redirect_stderr(stderr):
+            quantized = quantize(model, (example,), calibration=calibration, consider=FIXTURE_ROUTES,
+                                 rounds=FIXTURE_ROUNDS)
+        return model, example, calibration, quantized, stderr.lines, builds
 
 
 def check_progress(quantized, lines: list[tuple[float, str]]) -> None:
