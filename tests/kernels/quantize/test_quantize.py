@@ -27,7 +27,8 @@ from xlaunch.kernels.quantize.api import (  # noqa: E402
     QuantizeWarning, load_quantized, quantize)
 from xlaunch.kernels.quantize import policy as policy  # noqa: E402
 from quantize_models import (  # noqa: E402
-    MAX_ERROR, MLP, auto_quantized, check_auto, check_progress, check_route, make, save_then_load)
+    MAX_ERROR, MLP, auto_quantized, check_auto, check_progress, check_route, make, save_then_load,
+    saved_variants)
 
 pytestmark = pytest.mark.torch
 
@@ -101,15 +102,18 @@ def test_static_mode_quantizes_every_linear(static_mlp: tuple) -> None:
 
 
 def test_save_then_load_in_a_fresh_process(tmp_path, static_mlp: tuple, auto_results: dict) -> None:
-    """Static, auto and the encoder quantized weight-only (attention kept fp32), loaded in one fresh
-    process (each process imports torch and torchao: seconds)."""
+    """Static, auto and the encoder quantized weight-only (attention kept fp32), run compiled as
+    loaded, and every route's tiny MLP of test_quantize_saved.py (with each engine route first
+    loaded without its engine), all in one fresh process (each process imports torch and torchao:
+    seconds)."""
     model, example, _, quantized = static_mlp
     encoder, encoder_x, _ = make("encoder")
     with pytest.warns(QuantizeWarning, match="stay fp32"):
         weight_only = quantize(encoder, encoder_x, mode="weight_only")
     save_then_load(tmp_path, {"static": (quantized, example),
                               "auto_cnn": (auto_results["cnn"][3], auto_results["cnn"][1]),
-                              "weight_only_encoder": (weight_only, encoder_x)})
+                              "weight_only_encoder": (weight_only, encoder_x)},
+                   {route: value for route, value in saved_variants().items() if not isinstance(value, str)})
 
 
 def test_load_rejects_a_plain_exported_program(tmp_path) -> None:
@@ -187,15 +191,50 @@ def test_policy_routes_and_choice() -> None:
 def test_convolutions_an_unbacked_batch_breaks_compile_with_a_dynamic_batch_at_once() -> None:
     """An unbacked batch fails in inductor's lowering of a dynamically quantized (or fp32)
     convolution after a whole compile: such a program goes to a dynamic batch directly, a
-    statically quantized one stays unbacked (one compile serves batch 1 too), as does a program
-    without convolutions. (The auto fixtures compile and run both CNN routes.)"""
+    statically quantized one stays unbacked (one compile serves batch 1 too; its Flatten keeps the
+    batch apart), as does a program without convolutions. (The auto fixtures compile and run both
+    CNN routes; test_quantize_encoder.py has a view that folds the batch.)"""
     from xlaunch.kernels.quantize import routes
 
     model, example, calibration = make("cnn")
     for dynamic in (True, False):
         built = routes.build_pt2e(model, (example,), calibration, dynamic, True)
-        assert routes.unbacked_convolutions_fail(built.program_source) is dynamic
+        assert routes.unbacked_batch_fails(built.program_source) is dynamic
         assert built.runner.how == ("dynamic" if dynamic else "unbacked") and built.runner.calls == 0
     mlp, mlp_example, mlp_calibration = make("mlp")
     built = routes.build_pt2e(mlp, (mlp_example,), mlp_calibration, True, True)
-    assert not routes.unbacked_convolutions_fail(built.program_source) and built.runner.how == "unbacked"
+    assert not routes.unbacked_batch_fails(built.program_source) and built.runner.how == "unbacked"
+
+
+class Narrow(nn.Module):
+    """A view only: inductor compiles it without a C++ kernel (no compiler run)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, 2:5]
+
+
+def test_an_unbacked_compile_that_fails_compiles_again_with_a_dynamic_batch(monkeypatch) -> None:
+    """What unbacked_batch_fails does not foresee still runs: the failed unbacked compile is
+    forgotten and the module compiles with a dynamic batch (the test CNN and encoder no longer
+    reach this path, being foreseen; the failure is raised here, where inductor's takes a whole
+    compile)."""
+    from xlaunch.kernels.optimize.engines.routes import inductor_route
+
+    tried, compile_call = [], inductor_route.FrozenDynamicBatch._compile_call
+
+    def fails_unbacked(self, args: tuple, how: str):
+        tried.append(how)
+        if how == "unbacked":
+            raise AssertionError("Guard failed on the same frame it was created")
+        return compile_call(self, args, how)
+
+    monkeypatch.setattr(inductor_route.FrozenDynamicBatch, "_compile_call", fails_unbacked)
+    model = Narrow().eval()
+    runner = quantize_routes.FrozenCompiled(model)
+    assert runner.how == "unbacked"
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), model(x))
+        assert tried == ["unbacked", "dynamic"] and runner.how == "dynamic" and runner.calls == 1
+        torch.testing.assert_close(runner(x[:3]), model(x[:3]))   # the dynamic graph serves batch 3
+    assert tried == ["unbacked", "dynamic"] and runner.calls == 2

@@ -43,6 +43,18 @@ def test_auto_progress_on_the_encoder_starts_within_a_second(auto_encoder: tuple
     check_progress(auto_encoder[3], auto_encoder[4])
 
 
+def test_the_encoder_compiles_with_a_dynamic_batch_the_first_time(auto_encoder: tuple) -> None:
+    """Attention folds the batch with the heads (a view to ``(S, B*H, E/H)``): with an unbacked
+    batch inductor's lowering of that view fails the compile after seconds of work. The graph
+    says so before the first call, so each PT2E route compiles once, with a dynamic batch (the
+    runner's ``how`` changes only when an unbacked compile fails)."""
+    builds = auto_encoder[5]
+    for route in ("static", "dynamic"):
+        assert quantize_routes.unbacked_batch_fails(builds[route].program_source), route
+        runner = builds[route].runner
+        assert runner.how == "dynamic" and runner.calls >= 1, (route, runner.how, runner.calls)
+
+
 @pytest.fixture(scope="module")
 def weight_only_encoder() -> tuple:
     """The encoder quantized weight-only, with the warnings that call gave (compiled once)."""

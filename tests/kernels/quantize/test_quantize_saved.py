@@ -1,11 +1,11 @@
-"""Every INT8 variant saves and loads: save -> load_quantized in a fresh process (no model class
-there) -> the same outputs, for each route this host can build; a missing engine, damaged and
-hostile files, and a save that would write through a symlink, each one clear error.
+"""Saved INT8 models: the manifest, damaged and hostile files, and a save that would write
+through a symlink, each one clear error.
 
-One tiny MLP, quantized once per route for the whole module (the fixture); the engine routes go
-through ``quantize(mode=...)`` (what a user runs), the PT2E routes are built without their
-compile (test_quantize.py loads a compiled static model in a subprocess already; here the
-program is compared eagerly, which is what the file carries)."""
+One tiny MLP, quantized once per route for the whole module (the fixture,
+``quantize_models.saved_variants``). Each of these routes saves and loads in a fresh process (no
+model class there), with a missing engine one clear ImportError, in test_quantize.py's
+``test_save_then_load_in_a_fresh_process``: one child process loads them with the compiled models
+of that file (each process imports torch and torchao: seconds)."""
 from __future__ import annotations
 
 import hashlib
@@ -13,9 +13,6 @@ import json
 import os
 import stat
 import struct
-import subprocess
-import sys
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -23,113 +20,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from quantize_models import make  # noqa: E402
+from quantize_models import saved_variants  # noqa: E402
 
-from xlaunch.kernels.quantize import engine_routes, engine_saved, routes, saved  # noqa: E402
-from xlaunch.kernels.quantize.api import (  # noqa: E402
-    QuantizedModule, QuantizeReport, QuantizeWarning, load_quantized, quantize)
+from xlaunch.kernels.quantize import engine_saved, saved  # noqa: E402
+from xlaunch.kernels.quantize.api import load_quantized  # noqa: E402
 
 pytestmark = pytest.mark.torch
 ENGINE_ROUTES = tuple(engine_saved.ENGINES)
-PT2E_ROUTES = ("static", "dynamic")
-ROUTES = (*PT2E_ROUTES, "weight_only", *ENGINE_ROUTES)
-
-
-def _pt2e(route: str, model: torch.nn.Module, example: torch.Tensor, calibration: list) -> QuantizedModule:
-    build = routes.build_pt2e(model, (example,), calibration if route == "static" else [(example,)],
-                              dynamic=route == "dynamic", reduce_range=True)
-    program = routes.export(build.program_source, (example,))
-    eager = program.module()
-    return QuantizedModule(lambda *args: eager(*args), program, route, QuantizeReport(mode=route, requested=route))
 
 
 @pytest.fixture(scope="module")
 def quantized() -> dict:
     """route -> (quantized model, input) or the reason it cannot be built here."""
-    model, example, calibration = make("mlp")
-    calibration = calibration[:2]
-    built: dict = {}
-    try:
-        routes.import_torchao()
-        torchao = None
-    except ImportError as exc:
-        torchao = str(exc)
-    for route in ROUTES:
-        missing = engine_routes.missing(route) if route in ENGINE_ROUTES else torchao
-        if missing is not None:
-            built[route] = missing
-        elif route in PT2E_ROUTES:
-            built[route] = (_pt2e(route, model, example, calibration), example)
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", QuantizeWarning)
-                built[route] = (quantize(model, (example,), calibration=calibration, mode=route), example)
-    return built
-
-
-def _get(quantized: dict, route: str) -> tuple:
-    if isinstance(quantized[route], str):
-        pytest.skip(f"{route} cannot be built here: {quantized[route]}")
-    return quantized[route]
-
-
-CHILD = r"""
-import json, sys, torch
-from xlaunch.kernels.quantize import engine_saved, load_quantized
-cases, engines = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-for path, mode in engines:   # the engine made unimportable first: one ImportError naming the extra
-    needs = engine_saved.NEEDS[engine_saved.ENGINES[mode]]
-    kept = {name: sys.modules.get(name) for name in needs}
-    sys.modules.update({name: None for name in needs})
-    try:
-        load_quantized(path)
-        raise SystemExit(f"{path}: loaded without its engine")
-    except ImportError as exc:
-        print("missing:", str(exc))
-    for name, module in kept.items():
-        if module is None:
-            del sys.modules[name]
-        else:
-            sys.modules[name] = module
-for path, io_path in cases:
-    x, expected, mode = torch.load(io_path)
-    model = load_quantized(path)
-    assert model.mode == mode, (model.mode, mode)
-    with torch.no_grad():
-        out = model(x) if mode not in ("static", "dynamic") else model.program.module()(x)
-        error = (out - expected).abs().max().item() / expected.abs().max().item()
-        assert error <= 1e-5, (mode, error)
-        if mode not in ("static", "dynamic"):
-            assert model(x[:3]).shape == (3, *expected.shape[1:]), mode   # another batch size
-    print("ok", mode, error)
-"""
-
-
-def test_each_route_saves_and_loads_in_a_fresh_process(tmp_path: Path, quantized: dict) -> None:
-    available = {route: value for route, value in quantized.items() if not isinstance(value, str)}
-    if not available:
-        pytest.skip("no INT8 route can be built here: " + "; ".join(quantized.values()))
-    cases, engines = [], []
-    for route, (q, x) in available.items():
-        path, io_path = tmp_path / f"{route}.xq", tmp_path / f"{route}.io"
-        q.save(str(path))
-        with torch.no_grad():
-            expected = q(x)
-        torch.save((x, expected, route), io_path)
-        cases.append((str(path), str(io_path)))
-        if route in ENGINE_ROUTES:
-            engines.append((str(path), route))
-    before = sorted(os.listdir(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases), json.dumps(engines)],
-                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert [line.split()[1] for line in lines if line.startswith("ok ")] == list(available)
-    missing = [line for line in lines if line.startswith("missing:")]
-    assert len(missing) == len(engines)
-    for line, (_, route) in zip(missing, engines):
-        assert f'pip install "xlaunch[{engine_saved.ENGINES[route]}]"' in line and route in line, line
-    assert sorted(os.listdir(tmp_path)) == before   # loading wrote nothing
+    return saved_variants()
 
 
 def _manifest(path: Path) -> dict:

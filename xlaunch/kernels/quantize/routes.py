@@ -89,25 +89,41 @@ def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProg
 # How FrozenCompiled may compile the batch dimension (a saved model records the one that worked).
 COMPILE_MODES = ("unbacked", "dynamic")
 _CONVOLUTIONS = ("aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution")
+_VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.unflatten", "aten.flatten")
 
 
-def unbacked_convolutions_fail(module: Any) -> bool:
-    """Whether the program has a convolution that inductor cannot compile with an unbacked batch:
-    one on fp32 weights (a ``get_attr``, where a quantized one reads a dequantize) or on
-    dynamically quantized activations (``dequantize_per_tensor.tensor``: the dynamic route's).
-    Their lowering asserts strides that an unbacked batch breaks, after seconds of work (3.9 s for
-    the test CNN's dynamic route on the AVX2 VM), and the compile is done again with a dynamic
-    batch: go there at once."""
+def _conv_fails(node: Any) -> bool:
+    """A convolution on fp32 weights (a ``get_attr``, where a quantized one reads a dequantize) or
+    on dynamically quantized activations (``dequantize_per_tensor.tensor``: the dynamic route's)."""
+    if not str(node.target).startswith(_CONVOLUTIONS) or len(node.args) < 2:
+        return False
+    activation, weight = node.args[0], node.args[1]
+    return (getattr(weight, "op", None) == "get_attr"
+            or str(getattr(activation, "target", "")).startswith("quantized_decomposed.dequantize_per_tensor.tensor"))
+
+
+def _folds_batch(node: Any) -> bool:
+    """A view whose input or output has a size that is the (symbolic) batch times another size:
+    attention's ``(S, B, E) -> (S, B*H, E/H)`` and back."""
+    if not str(node.target).startswith(_VIEWS):
+        return False
+    values = [node.meta.get("val"), *(getattr(a, "meta", {}).get("val") for a in node.args[:1])]
+    return any(isinstance(size, torch.SymInt) and not size.node.expr.is_Symbol
+               for value in values for size in getattr(value, "shape", ()))
+
+
+def unbacked_batch_fails(module: Any) -> bool:
+    """Whether inductor cannot compile the program with an unbacked batch, known from its graph:
+    a convolution on fp32 weights or dynamically quantized activations (its lowering asserts
+    strides that an unbacked batch breaks), or a view folding the batch with another dimension
+    (the reshape lowering cannot prove the sizes equal and adds a runtime assert ``batch == 1``
+    that fails the compile's own guards). Either fails only after a whole compile (3.9 s for the
+    test CNN's dynamic route, 10 s of CPU for the test encoder's, AVX2 VM), then compiles again with
+    a dynamic batch: go there at once. (A view that keeps the batch apart, as ``Flatten`` after
+    pooling, is fine.)"""
     graph = getattr(module, "graph", None)
-    for node in getattr(graph, "nodes", ()):
-        if node.op != "call_function" or not str(node.target).startswith(_CONVOLUTIONS) or len(node.args) < 2:
-            continue
-        activation, weight = node.args[0], node.args[1]
-        if getattr(weight, "op", None) == "get_attr":
-            return True
-        if str(getattr(activation, "target", "")).startswith("quantized_decomposed.dequantize_per_tensor.tensor"):
-            return True
-    return False
+    return any(node.op == "call_function" and (_conv_fails(node) or _folds_batch(node))
+               for node in getattr(graph, "nodes", ()))
 
 
 class FrozenCompiled:
@@ -121,7 +137,7 @@ class FrozenCompiled:
 
         self.module = module
         if how not in COMPILE_MODES:
-            how = "dynamic" if unbacked_convolutions_fail(module) else "unbacked"
+            how = "dynamic" if unbacked_batch_fails(module) else "unbacked"
         self._compiled = FrozenDynamicBatch(module, how=how, quiet=NOISE)
 
     @property
@@ -131,7 +147,7 @@ class FrozenCompiled:
     @property
     def how(self) -> str:
         """How the batch dimension is compiled: ``unbacked``, or ``dynamic`` where an unbacked
-        compile failed (known after the first call) or cannot work (:func:`unbacked_convolutions_fail`)."""
+        compile failed (known after the first call) or cannot work (:func:`unbacked_batch_fails`)."""
         return self._compiled.how
 
     def __call__(self, *args: Any) -> Any:
