@@ -213,6 +213,34 @@ class Narrow(nn.Module):
         return x[:, 2:5]
 
 
+def test_unbacked_compiles_neither_read_nor_write_the_on_disk_graph_caches(monkeypatch) -> None:
+    """A failed unbacked compile could leave a graph without its ``batch == 1`` assert in inductor's
+    or AOTAutograd's cache, and the next process would compile "unbacked" from it and return wrong
+    values for every batch but 1 (reproduced with torch 2.13, docs/quantization.md): both caches
+    are off while an unbacked batch compiles, untouched for a dynamic one. (The reproduction takes
+    ~20 s of compiles, so the test reads the configuration each compile ran under.)"""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from xlaunch.kernels.optimize.engines.routes import inductor_route
+
+    seen = []
+
+    def records(self, args: tuple, how: str):
+        seen.append((how, inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache))
+        if how == "unbacked":
+            raise AssertionError("Guard failed on the same frame it was created")
+        self.compiled = self.module
+        return self.module(*args)
+
+    monkeypatch.setattr(inductor_route.FrozenDynamicBatch, "_compile_call", records)
+    before = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
+    quantize_routes.FrozenCompiled(Narrow().eval())(torch.randn(4, 8))     # unbacked fails: the retry in that call
+    inductor_route.FrozenDynamicBatch(Narrow().eval(), how="dynamic")(torch.randn(4, 8))
+    assert seen == [("unbacked", False, False), ("dynamic", False, False), ("dynamic", *before)]
+    assert (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache) == before
+
+
 def test_an_unbacked_compile_that_fails_compiles_again_with_a_dynamic_batch(monkeypatch) -> None:
     """What unbacked_batch_fails does not foresee still runs: the failed unbacked compile is
     forgotten and the module compiles with a dynamic batch (the test CNN and encoder no longer

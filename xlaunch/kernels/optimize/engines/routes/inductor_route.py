@@ -16,10 +16,11 @@ on-disk caches warm.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from xlaunch._torch import needs_torch
 
@@ -41,6 +42,26 @@ def _mark(args: tuple, how: str) -> None:
                 decorators.mark_unbacked(arg, 0)
             elif arg.shape[0] > 1:   # a size-1 dimension cannot be marked dynamic
                 torch._dynamo.mark_dynamic(arg, 0)
+
+
+@contextlib.contextmanager
+def _uncached(unbacked: bool) -> Iterator[None]:
+    """Inductor's and AOTAutograd's on-disk graph caches off while compiling an unbacked batch.
+
+    An unbacked compile that fails (a view folding the batch: inductor adds ``batch == 1`` as a
+    runtime assert that fails the compile's own guards) can leave its graph in those caches without
+    the assert; the next process then compiles "unbacked" from the cache and returns wrong values
+    for every batch but 1 (seen with torch 2.13 on a weightless module that folds the batch). Frozen
+    INT8 graphs are not cached there anyway (mkldnn constants, freezing), so this costs them nothing.
+    """
+    if not unbacked:
+        yield
+        return
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
 
 
 class FrozenDynamicBatch:
@@ -68,7 +89,7 @@ class FrozenDynamicBatch:
     def __call__(self, *args: Any) -> Any:
         import torch._inductor.config as inductor_config
 
-        with torch.no_grad(), inductor_config.patch(freezing=True):
+        with torch.no_grad(), inductor_config.patch(freezing=True), _uncached(self.how == "unbacked"):
             if self.compiled is not None:
                 self.calls += 1
                 return self.compiled(*args)
