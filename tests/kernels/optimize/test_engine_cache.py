@@ -80,29 +80,8 @@ import json, sys, warnings
 import torch
 from torch import nn
 from xlaunch import optimize
-torch.set_num_threads(int(sys.argv[1]))    # the test process's: the thread count is part of the key
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
-x = torch.randn(6, 32)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    fast = optimize(model, sample_input=x, backend="onnxruntime", progress=False)
-    with torch.no_grad():
-        ok = all(torch.allclose(fast(v), model(v), atol=1e-5) for v in (x, torch.randn(3, 32)))
-print(json.dumps({"cache": fast.report.cache, "backend": fast.report.backend, "ok": ok,
-                  "warnings": [str(w.message) for w in caught], "path": fast.report.cache_path}))
-"""
 
-
-def ask_here() -> dict:
-    """CACHE_SCRIPT's request, made in the test process (torch and onnxruntime are loaded here already)."""
-    import warnings
-
-    import torch
-    from torch import nn
-
-    from xlaunch import optimize
-
+def ask():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
     x = torch.randn(6, 32)
@@ -113,6 +92,18 @@ def ask_here() -> dict:
             ok = all(torch.allclose(fast(v), model(v), atol=1e-5) for v in (x, torch.randn(3, 32)))
     return {"cache": fast.report.cache, "backend": fast.report.backend, "ok": ok,
             "warnings": [str(w.message) for w in caught], "path": fast.report.cache_path}
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(sys.argv[1]))    # the test process's: the thread count is part of the key
+    print(json.dumps(ask()))
+"""
+
+
+def ask_here() -> dict:
+    """CACHE_SCRIPT's request, made in the test process (torch and onnxruntime are loaded here already)."""
+    namespace: dict = {"__name__": "here"}
+    exec(CACHE_SCRIPT, namespace)
+    return namespace["ask"]()
 
 
 def lock_is_held(cache: Path) -> bool:
