@@ -109,7 +109,9 @@ def test_kv_cache_and_activation_formulas_by_hand():
 def test_refusal_names_the_shape_the_need_and_what_is_there(tmp_path):
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc" / "meminfo").write_text("MemTotal: 8000000 kB\nMemFree: 1 kB\nMemAvailable: 1048576 kB\n")
-    assert footprint.meminfo_available(str(tmp_path)) == 1 << 30
+    from xlaunch.machine import memory_available
+
+    assert memory_available(str(tmp_path)) == 1 << 30
     line = footprint.refusal("x", "big", footprint.Need(3 << 30, "the weights"), root=str(tmp_path))
     assert line == ("x: shape big needs about 3.0 GiB of memory (the weights), this machine has 1.0 GiB "
                     "available (MemAvailable); nothing was started")

@@ -97,20 +97,6 @@ def streamed_load_bytes(shape: Shape, dtype: str) -> int:
     return (stored * shape.vocab * shape.hidden if stored != BYTES[dtype] else 0) + 4 * LOAD_CHUNK_BYTES
 
 
-def meminfo_available(root: Optional[str] = None) -> Optional[int]:
-    """``MemAvailable`` in bytes from ``<root>/proc/meminfo`` (root: ``$XLAUNCH_FSROOT`` or ``/``); None if unreadable."""
-    root = root if root is not None else (os.environ.get("XLAUNCH_FSROOT") or "/")
-    try:
-        text = Path(root, "proc/meminfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
-            parts = line.split()
-            return int(parts[1]) * 1024 if len(parts) > 1 and parts[1].isdigit() else None
-    return None
-
-
 def disk_free(path: Any) -> Optional[int]:
     """Bytes free for this user on the filesystem that holds ``path`` (or its nearest existing parent)."""
     place = Path(path).absolute()
@@ -145,7 +131,9 @@ def peak(phases: Sequence[tuple[str, int]]) -> tuple[int, str]:
 
 def refusal(program: str, shape_name: str, need: Need, root: Optional[str] = None, hint: str = "") -> Optional[str]:
     """One line saying why ``need`` does not fit this machine (memory, then disk), or None when it fits."""
-    available = meminfo_available(root)
+    from xlaunch.machine import memory_available
+
+    available = memory_available(root)
     if available is not None and need.memory > available:
         return (f"{program}: shape {shape_name} needs about {gib(need.memory)} of memory ({need.memory_what}), "
                 f"this machine has {gib(available)} available (MemAvailable); nothing was started{hint}")

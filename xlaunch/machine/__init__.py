@@ -13,7 +13,7 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 if TYPE_CHECKING:
     from typing import Optional
 
-from xlaunch.machine._files import Notes
+from xlaunch.machine._files import Notes, join, read_text, status_fields
 from xlaunch.machine.host import read_host
 from xlaunch.machine.isa import ISA_FLAGS, read_isa
 from xlaunch.machine.libraries import find_libraries
@@ -38,7 +38,7 @@ FSROOT_ENV = "XLAUNCH_FSROOT"
 __all__ = [
     "EFFICIENCY", "FSROOT_ENV", "ISA_FLAGS", "PERFORMANCE", "UNKNOWN_KIND",
     "CacheDomain", "Core", "Cpu", "Host", "Isa", "Library", "Machine", "MachineRootError", "Node",
-    "current_machine", "load_machine", "recorded_root_problem", "resolve_root",
+    "current_machine", "load_machine", "memory_available", "recorded_root_problem", "resolve_root",
 ]
 
 
@@ -68,6 +68,17 @@ def resolve_root(root: Optional[str] = None) -> str:
             f"recorded sys/ and proc/, or its .tar.xz (unset it to read this machine)"
         )
     return root
+
+
+def memory_available(root: Optional[str] = None) -> Optional[int]:
+    """``MemAvailable`` of ``<root>/proc/meminfo`` in bytes (root as :func:`resolve_root`), read now
+    (a live value, not a fact of the model); None when the root or the field cannot be read."""
+    try:
+        text = read_text(join(resolve_root(root), "proc/meminfo"))
+    except MachineRootError:
+        return None
+    number = status_fields(text or "").get("MemAvailable", "").split()[:1]
+    return int(number[0]) * 1024 if number and number[0].isdigit() else None
 
 
 def recorded_root_problem(root: str) -> Optional[str]:
