@@ -18,9 +18,9 @@ def parse_rollup(text: str) -> dict[str, int]:
     return fields
 
 
-def mapping_kib(smaps_text: str, path: str) -> dict[str, int]:
-    """Rss and Pss (kB) summed over the entries of ``/proc/PID/smaps`` that map ``path``."""
-    total = {"Rss": 0, "Pss": 0}
+def mapping_kib(smaps_text: str, path: str, keys: Sequence[str] = ("Rss", "Pss")) -> dict[str, int]:
+    """``keys`` (kB; Rss and Pss by default) summed over the entries of ``/proc/PID/smaps`` that map ``path``."""
+    total = dict.fromkeys(keys, 0)
     inside = False
     for line in smaps_text.splitlines():
         head = line.split()

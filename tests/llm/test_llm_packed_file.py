@@ -46,16 +46,11 @@ def packed(tmp_path_factory):
 
 
 def _mapping(pid: int, path: Path) -> dict:
-    """Rss, Pss and shared pages (kB) of every mapping of ``path`` in process ``pid``."""
-    total, inside = {"Rss": 0, "Pss": 0, "Shared_Clean": 0, "Shared_Dirty": 0}, False
-    with open(f"/proc/{pid}/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
-                inside = len(fields) >= 6 and fields[5] == str(path)
-            elif inside and fields[0].rstrip(":") in total:
-                total[fields[0].rstrip(":")] += int(fields[1])
-    return total
+    """Rss, Pss and shared pages (kB) of every mapping of ``path`` in process ``pid`` (bench/_procmem's reader)."""
+    from bench_modules import load
+
+    smaps = Path(f"/proc/{pid}/smaps").read_text()
+    return load("_procmem").mapping_kib(smaps, str(path), keys=("Rss", "Pss", "Shared_Clean", "Shared_Dirty"))
 
 
 @pytest.fixture(scope="module")
