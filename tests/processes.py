@@ -2,10 +2,12 @@
 
 * :func:`leftovers`: live processes whose command line mentions a token (a job's marker);
 * :func:`running`: those of some pids that still exist and are not zombies;
-* :func:`wait_gone`: wait until none of some pids runs, up to a timeout; what still runs.
+* :func:`wait_gone`: wait until none of some pids runs, up to a timeout; what still runs;
+* :func:`free_port`: a TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous).
 """
 from __future__ import annotations
 
+import socket
 import time
 
 import psutil
@@ -41,3 +43,10 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     while running(pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return running(pids)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

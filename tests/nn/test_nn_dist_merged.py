@@ -4,11 +4,11 @@ the rows after two fused Adagrad steps."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from processes import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -81,12 +81,6 @@ if __name__ == "__main__":
     import sys
     print(run(int(sys.argv[1]), sys.argv[2]))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_gloo_ranks_equal_the_single_process_adagrad(tmp_path):

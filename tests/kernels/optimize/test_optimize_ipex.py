@@ -7,7 +7,6 @@ import io
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from processes import free_port
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -421,9 +421,7 @@ DDP_WORKER = textwrap.dedent('''
 def test_ddp_training_of_an_optimized_model_on_gloo(tmp_path: Path, capfd) -> None:
     """Rank 1 in a fresh process (its stderr must stay empty), rank 0 in this one (one interpreter start,
     not two: its warnings and stderr are checked here)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     child = subprocess.Popen([sys.executable, "-c", DDP_WORKER, "1", str(port)], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)

@@ -10,7 +10,6 @@ import os
 import re
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from processes import leftovers, running, wait_gone
+from processes import free_port, leftovers, running, wait_gone
 
 from xlaunch.cpulist import format_cpulist, parse_cpulist
 
@@ -55,12 +54,6 @@ if rank == int(sys.argv[1]):
     sys.exit(3)
 time.sleep(120)
 """
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def loopback() -> list[str]:
