@@ -31,24 +31,6 @@ def xlaunch(*argv: str, fsroot: str | None = None, env: dict | None = None, cwd=
     )
 
 
-def in_process(monkeypatch, capsys):
-    """``xlaunch(...)`` as ``cli.run`` in this process (what ``python -m xlaunch`` runs, from the
-    repository root, without an inherited XLAUNCH_FSROOT), for what parses, plans and prints; a plan
-    that went on would start its program from here. Returns a CompletedProcess."""
-    def here(*argv: str, fsroot: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-        with monkeypatch.context() as patch:
-            patch.chdir(REPO)
-            patch.delenv("XLAUNCH_FSROOT", raising=False)
-            for key, value in {**(env or {}), **({"XLAUNCH_FSROOT": fsroot} if fsroot else {})}.items():
-                patch.setenv(key, value)
-            capsys.readouterr()
-            code = cli.run(list(argv))
-            out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(argv, code, out, err)
-
-    return here
-
-
 BAD_INPUT = [
     # (argv before PROGRAM, tree or None for this machine, option named, words in the problem)
     (["--cores-list", "999"], None, "--cores-list", "does not exist"),
@@ -81,22 +63,17 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("argv, tree, option, words", BAD_INPUT, ids=[" ".join(b[0]) for b in BAD_INPUT])
 def test_bad_input_is_one_line_exit_2_and_nothing_starts(argv, tree, option, words, marker_script, tmp_path,
-                                                         monkeypatch, capsys) -> None:
+                                                         xlaunch_here) -> None:
     """In-process: ``cli.run`` parses, plans and refuses (a plan that went on would start the marker
     program from here). The real process's exit 2 and one stderr line: test_program_errors and
     test_bad_fsroot_is_one_line."""
     script, marker = marker_script
     argv = [str(tmp_path / "bad.toml") if a == "BADTOML" else a for a in argv]
     (tmp_path / "bad.toml").write_text("ninstances = = 2\n")
-    monkeypatch.chdir(REPO)
-    if tree:
-        monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree(tree)))
-    else:
-        monkeypatch.delenv("XLAUNCH_FSROOT", raising=False)
-    code = cli.run([*argv, str(script)])
-    out, err = capsys.readouterr()
+    result = xlaunch_here(*argv, str(script), fsroot=str(machine_tree(tree)) if tree else None)
+    out, err = result.stdout, result.stderr
     lines = err.splitlines()
-    assert code == 2, err
+    assert result.returncode == 2, err
     assert len(lines) == 1, err
     assert lines[0].startswith(f"xlaunch: error: {option}: "), lines[0]
     assert words in lines[0]
@@ -154,9 +131,9 @@ def test_help_groups_options_like_the_docs() -> None:
         assert f"## {group}" in doc
 
 
-def test_dry_run_json_is_one_object_and_starts_nothing(marker_script, monkeypatch, capsys) -> None:
+def test_dry_run_json_is_one_object_and_starts_nothing(marker_script, xlaunch_here) -> None:
     script, marker = marker_script
-    xlaunch = in_process(monkeypatch, capsys)
+    xlaunch = xlaunch_here
     result = xlaunch("--dry-run", "--json", "--ninstances", "2", str(script), "a b", "$HOME",
                      fsroot=str(machine_tree("xeon-2s-amx")), env={"OMP_NUM_THREADS": "3"})
     assert result.returncode == 0, result.stderr
@@ -171,8 +148,8 @@ def test_dry_run_json_is_one_object_and_starts_nothing(marker_script, monkeypatc
     assert quiet.stderr == ""
 
 
-def test_readable_dry_run(monkeypatch, capsys) -> None:
-    result = in_process(monkeypatch, capsys)("--dry-run", "--ninstances", "2", "--no-python", "true", fsroot=str(machine_tree("epyc-4node-nps4")))
+def test_readable_dry_run(xlaunch_here) -> None:
+    result = xlaunch_here("--dry-run", "--ninstances", "2", "--no-python", "true", fsroot=str(machine_tree("epyc-4node-nps4")))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("xlaunch plan: 2 instances")
     assert "[0] cpus 0-31 (32)" in result.stdout and "[1] cpus 32-63 (32)" in result.stdout
@@ -219,23 +196,21 @@ def test_exit_status_of_a_failing_instance_is_returned() -> None:
     assert result.returncode == 3
 
 
-def test_machine_information_flags_dispatch_to_the_reports(monkeypatch, capsys) -> None:
+def test_machine_information_flags_dispatch_to_the_reports(xlaunch_here) -> None:
     """In-process (``cli.run``, what ``python -m xlaunch`` runs): these print and return."""
-    here = in_process(monkeypatch, capsys)
-
-    isa = here("--check-isa", "--json")
+    isa = xlaunch_here("--check-isa", "--json")
     assert isa.returncode == 0, isa.stderr
     flags = json.loads(isa.stdout)["isa"]
     cpuinfo = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
     assert flags["avx2"] == ("avx2" in cpuinfo) and flags["fma"] == ("fma" in cpuinfo)
-    topo = here("--show-topology", "--json", fsroot=str(machine_tree("container-cpuset")))
+    topo = xlaunch_here("--show-topology", "--json", fsroot=str(machine_tree("container-cpuset")))
     assert topo.returncode == 0, topo.stderr
     assert json.loads(topo.stdout)["allowed_cpulist"] == "4-7,36-39"
-    readable = here("--show-topology")
+    readable = xlaunch_here("--show-topology")
     assert readable.returncode == 0 and "NUMA" in readable.stdout
     for argv, option in ((["--check-isa", "prog.py"], "--check-isa"), (["--torch", "--show-topology"], "--torch"),
                          (["--check-isa", "--show-topology"], "--show-topology")):
-        bad = here(*argv)
+        bad = xlaunch_here(*argv)
         assert bad.returncode == 2 and bad.stderr.startswith(f"xlaunch: error: {option}: ")
 
 

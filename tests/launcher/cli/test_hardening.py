@@ -27,27 +27,6 @@ def xlaunch(*argv: str, env: dict | None = None, memory_limit: int | None = None
                           cwd=cwd or REPO, timeout=60, preexec_fn=limit)
 
 
-@pytest.fixture
-def here(monkeypatch, capsys):
-    """``xlaunch(...)`` in this process (``cli.run``: what ``python -m xlaunch`` runs) for the checks
-    that parse or plan and refuse; a plan that went on would start the marker program from here.
-    The real process's exit status and one line: the other tests of this file."""
-    from xlaunch.launcher.cli import command as cli
-
-    def run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-        with monkeypatch.context() as patch:
-            patch.chdir(REPO)
-            patch.delenv("XLAUNCH_FSROOT", raising=False)
-            for key, value in (env or {}).items():
-                patch.setenv(key, value)
-            capsys.readouterr()
-            code = cli.run(list(argv))
-            out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["xlaunch", *argv], code, out, err)
-
-    return run
-
-
 def one_line_error(result: subprocess.CompletedProcess, option: str) -> str:
     lines = result.stderr.splitlines()
     assert result.returncode == 2, result.stderr
@@ -75,10 +54,10 @@ def test_huge_lists_are_refused_in_bounded_memory(argv, option, marker_script) -
 
 
 @pytest.mark.parametrize("value", ["²", "١", "٣-٤", "0-³", "𝟙"])
-def test_non_ascii_digits_are_malformed(value, marker_script, here) -> None:
+def test_non_ascii_digits_are_malformed(value, marker_script, xlaunch_here) -> None:
     script, marker = marker_script
-    assert "malformed" in one_line_error(here("--core-list", value, str(script)), "--core-list")
-    assert "integer" in one_line_error(here("--ninstances", value, str(script)), "--ninstances")
+    assert "malformed" in one_line_error(xlaunch_here("--core-list", value, str(script)), "--core-list")
+    assert "integer" in one_line_error(xlaunch_here("--ninstances", value, str(script)), "--ninstances")
     assert not marker.exists()
 
 
@@ -150,7 +129,7 @@ def test_log_files_never_follow_symlinks_and_keep_earlier_logs(tmp_path) -> None
     assert "earlier logs kept as" in result.stderr
 
 
-def test_empty_or_nonsense_fsroot_is_refused(tmp_path, marker_script, here) -> None:
+def test_empty_or_nonsense_fsroot_is_refused(tmp_path, marker_script, xlaunch_here) -> None:
     script, marker = marker_script
     (tmp_path / "nonsense" / "etc").mkdir(parents=True)
     (tmp_path / "nonsense" / "etc" / "motd").write_text("hi\n")
@@ -159,7 +138,7 @@ def test_empty_or_nonsense_fsroot_is_refused(tmp_path, marker_script, here) -> N
         (tmp_path / root).mkdir(exist_ok=True)
         for flag in ("--dry-run", "--show-topology"):
             args = [flag, str(script)] if flag == "--dry-run" else [flag]
-            result = here(*args, env={"XLAUNCH_FSROOT": str(tmp_path / root)})
+            result = xlaunch_here(*args, env={"XLAUNCH_FSROOT": str(tmp_path / root)})
             assert "not a recorded machine" in one_line_error(result, "XLAUNCH_FSROOT") or "lists no CPUs" in result.stderr
 
 
@@ -213,10 +192,10 @@ def test_missing_submodule_is_refused_and_present_one_is_found(tmp_path, marker_
     assert done.returncode == 0 and "ns ran" in done.stdout, done.stderr
 
 
-def test_summary_json_path_checked_before_start(tmp_path, marker_script, here) -> None:
+def test_summary_json_path_checked_before_start(tmp_path, marker_script, xlaunch_here) -> None:
     script, marker = marker_script
-    one_line_error(here("--summary-json", str(tmp_path / "nodir" / "s.json"), str(script)), "--summary-json")
-    one_line_error(here("--summary-json", str(tmp_path), str(script)), "--summary-json")
+    one_line_error(xlaunch_here("--summary-json", str(tmp_path / "nodir" / "s.json"), str(script)), "--summary-json")
+    one_line_error(xlaunch_here("--summary-json", str(tmp_path), str(script)), "--summary-json")
     assert not marker.exists()
 
 
