@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from xlaunch.cpulist import format_cpulist
+
 from _procmem import MemorySampler, mapping_kib, parse_rollup  # noqa: F401  (bench/ is on sys.path)
 
 SAMPLE_S = 0.2
@@ -66,10 +68,6 @@ def plan(instances: int, threads: int, program: Sequence[str], env: dict[str, st
         reason = lines[-1].removeprefix("xlaunch: error: ") if lines else f"exit status {proc.returncode}"
         raise PlanError(f"--instances {instances} with --threads {threads}: {reason}")
     return cpus_from_plan(json.loads(proc.stdout), instances)
-
-
-def cpulist(cpus: Sequence[int]) -> str:
-    return ",".join(str(cpu) for cpu in cpus)
 
 
 # -- one instance (runs under xlaunch) ---------------------------------------------------------------
@@ -236,7 +234,7 @@ def run_llama(argv: Sequence[str], cpus: list[list[int]], rounds: int,
     def launch(slot: dict[str, Any]) -> None:
         out = tempfile.TemporaryFile()
         slot["out"], slot["began"] = out, time.monotonic()
-        slot["proc"] = subprocess.Popen(["taskset", "-c", cpulist(slot["cpus"]), *argv], stdout=out,
+        slot["proc"] = subprocess.Popen(["taskset", "-c", format_cpulist(slot["cpus"]), *argv], stdout=out,
                                         stderr=subprocess.DEVNULL)
 
     start = time.monotonic()
@@ -382,7 +380,7 @@ def run(args: Any, packed_files: dict[str, Optional[Path]], llama: Optional[tupl
     for threads in args.threads:
         for k in args.instances:
             cpus = cpu_plans[(k, threads)]
-            print(f"\n== {k} instance(s) x {threads} thread(s) on CPUs {' | '.join(cpulist(c) for c in cpus)}", flush=True)
+            print(f"\n== {k} instance(s) x {threads} thread(s) on CPUs {' | '.join(format_cpulist(c) for c in cpus)}", flush=True)
             rows: dict[str, Any] = {}
             for ours, theirs in pairs.items():
                 rows.update(run_pair(args, ours if ours in args.route_names else None,

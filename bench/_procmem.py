@@ -4,6 +4,7 @@ Used by bench/llm.py ``--instances`` (bench/_llm_instances.py). No torch here.""
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median
 from typing import Any, Optional, Sequence
 
 
@@ -67,17 +68,12 @@ class MemorySampler:
         if not self.samples:
             return {"samples": 0}
 
-        def mid(values: Sequence[float]) -> float:
-            ordered = sorted(values)
-            half = len(ordered) // 2
-            return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
-
         def each(key: str) -> list[float]:
-            return [mid([s[key][i] for s in self.samples]) / 1024 for i in range(len(self.samples[0][key]))]
+            return [median([s[key][i] for s in self.samples]) / 1024 for i in range(len(self.samples[0][key]))]
 
         out = {"samples": len(self.samples),
-               "pss_sum_mib": mid([sum(s["pss_kib"]) for s in self.samples]) / 1024,
-               "rss_sum_mib": mid([sum(s["rss_kib"]) for s in self.samples]) / 1024,
+               "pss_sum_mib": median([sum(s["pss_kib"]) for s in self.samples]) / 1024,
+               "rss_sum_mib": median([sum(s["rss_kib"]) for s in self.samples]) / 1024,
                "pss_sum_max_mib": max(sum(s["pss_kib"]) for s in self.samples) / 1024,
                "rss_sum_max_mib": max(sum(s["rss_kib"]) for s in self.samples) / 1024,
                "pss_each_mib": each("pss_kib"), "rss_each_mib": each("rss_kib")}
