@@ -61,6 +61,26 @@ def test_bad_names_list_the_presets():
         shapes.preset("llama-4")
 
 
+def test_a_checkpoints_config_is_read_bounded_and_checked(tmp_path):
+    """--model's config.json: a regular file of at most 1 MiB holding a JSON object with a decoder's
+    sizes; anything else is one ShapeError naming the file (a FIFO is refused without being opened)."""
+    config = tmp_path / "config.json"
+    for make, words in ((lambda: os.mkfifo(config), "is a FIFO, not a regular file"),
+                        (lambda: config.write_text(" " * (1 << 20) + "{}"), "files over 1048576 bytes are not read"),
+                        (lambda: config.write_text("[1, 2]"), "holds no JSON object"),
+                        (lambda: config.write_text("{nope"), "cannot read"),
+                        (lambda: config.write_text("{}"), "lacks hidden_size")):
+        config.unlink(missing_ok=True)
+        make()
+        with pytest.raises(shapes.ShapeError, match=words) as info:
+            shapes.read_config(tmp_path)
+        assert str(info.value).startswith("--model: ") and str(config) in str(info.value)
+        assert "\n" not in str(info.value)
+    config.unlink()
+    config.write_text(json.dumps(shapes.preset("tiny")))
+    assert shapes.read_config(tmp_path)["hidden_size"] == shapes.preset("tiny")["hidden_size"]
+
+
 def test_written_checkpoint_loads_as_transformers_model(tmp_path, monkeypatch):
     # a Qwen2 (biases) scaled down from the 0.5B preset, written in slices of 16 KiB
     config = dict(shapes.preset("qwen2.5-0.5b"), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

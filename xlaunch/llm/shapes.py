@@ -84,11 +84,17 @@ def preset(name: str) -> dict[str, Any]:
 
 def read_config(folder: Any) -> dict[str, Any]:
     """A checkpoint directory's ``config.json`` (json only: no transformers), checked to have a decoder's sizes."""
+    from xlaunch.userfiles import UserFileError, read_user_text
+
     path = Path(folder) / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
+        config = json.loads(read_user_text(str(path)))   # a regular file of at most 1 MiB
+    except UserFileError as error:
+        raise ShapeError(f"--model: {error}") from None
+    except ValueError as error:
         raise ShapeError(f"--model: cannot read {path}: {error}") from None
+    if not isinstance(config, dict):
+        raise ShapeError(f"--model: {path} holds no JSON object (not a decoder's config)")
     missing = [key for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                "vocab_size") if not isinstance(config.get(key), int)]
     if missing:
