@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import xlaunch_here  # noqa: F401  (a fixture)
 from host_cpus import (ALLOWED, allowed_cores, heavy_imports, main_thread_cpus, need_cores, openmp_places, planned,
                        startup_modules)
 from machine_trees import machine_tree

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import xlaunch_here  # noqa: F401  (a fixture)
 from machine_trees import machine_tree
 
 REPO = Path(__file__).resolve().parents[3]

@@ -1,4 +1,4 @@
-"""``xlaunch_here``: ``xlaunch ARGV`` as ``cli.run`` in the test process (what ``python -m xlaunch``
+"""The ``xlaunch_here`` fixture (``from in_process import xlaunch_here``): ``xlaunch ARGV`` as ``cli.run`` in the test process (what ``python -m xlaunch``
 runs, from the repository root, without an inherited ``XLAUNCH_FSROOT``), for the checks that parse,
 plan and print or refuse; a plan that went on would start its program from here. The real process's
 exit status, its one stderr line and "nothing started" are each file's own subprocess tests."""
