@@ -31,19 +31,27 @@ if len(os.sched_getaffinity(0)) < 2:
 
 REPO = Path(__file__).resolve().parents[3]
 
-# a torch-free rank: rank 1 fails as told after a moment (the front has read both ranks' starts),
-# rank 0 (every rank with "wait") waits to be stopped; "grandchild" leaves a child of rank 1 holding its output pipe
+# a torch-free rank: rank 1 fails as told once rank 0 has printed its line (rank 0 marks it with a file
+# named after the job: on a loaded machine rank 0's Python may start later than rank 1's), and a moment
+# later (the front has read both lines); rank 0 (every rank with "wait") waits to be stopped;
+# "grandchild" leaves a child of rank 1 holding its output pipe
 RANK = """\
-import os, signal, subprocess, sys, time
+import os, pathlib, signal, subprocess, sys, time
 rank = int(os.environ["LOCAL_RANK"])
+how = sys.argv[1]
+printed = pathlib.Path(sys.argv[0]).with_name(f"rank0-printed-{how}")
 print(f"ready {rank} {os.getpid()}", flush=True)
-if rank != 1 or sys.argv[1] == "wait":
+if rank == 0:
+    printed.touch()
+if rank != 1 or how == "wait":
     try:
         time.sleep(60)
     except KeyboardInterrupt:
         sys.exit(130)
+deadline = time.monotonic() + 60
+while not printed.exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
 time.sleep(0.3)
-how = sys.argv[1]
 if how == "grandchild":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     print(f"grandchild {child.pid}", flush=True)
