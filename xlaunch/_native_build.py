@@ -6,6 +6,7 @@ sources write ``TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m)`` and ``-DXLAUNCH_OPS`` n
 loads only levels this CPU can execute; :meth:`Library.ops` returns the chosen level's namespace.
 A build is stored under a key of its sources, torch, flags and platform (not this CPU's flags):
 one made on any x86-64 machine serves every other. A wheel carries them in ``<package>/prebuilt``.
+Sources every library compiles (``compiled_isa()``) live once, in ``xlaunch/_csrc``.
 Each level parses the torch headers once (a precompiled header), then compiles its sources.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ from xlaunch import _isa_levels as isa
 
 FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
 _TORCH_INCLUDE = re.compile(r"^#include <((?:ATen|c10|torch)/[^>]+)>", re.M)
+SHARED_CSRC = Path(__file__).resolve().parent / "_csrc"
+SHARED_SOURCES = ("isa_level.cpp",)     # compiled into every library (its compiled_isa() operator)
 
 
 def cache_root() -> Path:
@@ -48,6 +51,11 @@ def level_flags(namespace: str, level: str) -> tuple[str, ...]:
     return (*FLAGS, *isa.MARCH[level], f"-DXLAUNCH_OPS={namespace}_{level}")
 
 
+def source_path(csrc: Path, name: str) -> Path:
+    """Where a library's file ``name`` is: its own ``csrc``, or the shared folder for :data:`SHARED_SOURCES`."""
+    return SHARED_CSRC / name if name in SHARED_SOURCES else csrc / name
+
+
 def build_key(csrc: Path, files: Sequence[str], flags: Sequence[str] = FLAGS) -> str:
     """Hash of everything a library depends on: its files, torch (version, C++ ABI), flags, platform."""
     import torch
@@ -55,7 +63,7 @@ def build_key(csrc: Path, files: Sequence[str], flags: Sequence[str] = FLAGS) ->
     digest = hashlib.sha256()
     for name in files:
         digest.update(name.encode())
-        digest.update((csrc / name).read_bytes())
+        digest.update(source_path(csrc, name).read_bytes())
     for part in (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), " ".join(flags), sys.platform):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:16]
@@ -92,7 +100,8 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
     cxx = cxx or compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    headers = sorted({name for source in sources for name in _TORCH_INCLUDE.findall((csrc / source).read_text())})
+    paths = [source_path(csrc, name) for name in sources]
+    headers = sorted({name for path in paths for name in _TORCH_INCLUDE.findall(path.read_text())})
     for path, _ in targets.values():
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.parent.is_symlink():
@@ -110,8 +119,8 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
             jobs.append((level, "torch headers", [cxx, *compile_flags, "-x", "c++-header", str(pch), "-o",
                                                   f"{pch}.gch"], None, ()))
             objects = [folder / f"{Path(name).stem}.o" for name in sources]
-            for name, obj in zip(sources, objects):
-                jobs.append((level, name, [cxx, *compile_flags, "-include", str(pch), "-c", str(csrc / name),
+            for name, source, obj in zip(sources, paths, objects):
+                jobs.append((level, name, [cxx, *compile_flags, "-include", str(pch), "-c", str(source),
                                            "-o", str(obj)], obj, (f"{pch}.gch",)))
             partial = folder / path.name
             jobs.append((level, "linking", [cxx, "-shared", *flags, *map(str, objects), *link_flags, "-o",

@@ -14,6 +14,8 @@ from conftest import require
 torch = pytest.importorskip("torch")
 
 from xlaunch import _isa_levels as isa  # noqa: E402
+from xlaunch import _native_build  # noqa: E402
+from xlaunch._native_build import SHARED_SOURCES  # noqa: E402
 from xlaunch.nn import native  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -29,13 +31,30 @@ def test_the_library_is_keyed_by_its_sources_under_the_cache_dir(monkeypatch, tm
     assert native.cache_dir() == tmp_path / "xdg" / "xlaunch" / "nn"
     changed = tmp_path / "csrc"
     changed.mkdir()
-    for name in (*native.SOURCES, *native.HEADERS):
+    own = [name for name in (*native.SOURCES, *native.HEADERS) if name not in SHARED_SOURCES]
+    for name in own:
         (changed / name).write_bytes((native.CSRC / name).read_bytes())
     monkeypatch.setattr(native.LIBRARY, "csrc", changed)
     same = native.build_key()
     (changed / native.SOURCES[0]).write_bytes((changed / native.SOURCES[0]).read_bytes() + b"\n// changed\n")
     assert native.build_key() != same
     assert len({native.build_key(level) for level in native.LEVELS}) == len(native.LEVELS)
+
+
+def test_the_shared_source_is_one_file_in_both_libraries_keys(monkeypatch, tmp_path):
+    from xlaunch.llm import native as llm_native
+
+    for library in (native.LIBRARY, llm_native.LIBRARY):
+        assert set(SHARED_SOURCES) <= set(library.sources())
+        assert not any((library.csrc / name).exists() for name in SHARED_SOURCES), "a shared source has a twin"
+    before = (native.build_key(), llm_native.LIBRARY.build_key())
+    shared = tmp_path / "_csrc"
+    shared.mkdir()
+    for name in SHARED_SOURCES:
+        (shared / name).write_bytes((_native_build.SHARED_CSRC / name).read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(_native_build, "SHARED_CSRC", shared)
+    after = (native.build_key(), llm_native.LIBRARY.build_key())
+    assert after[0] != before[0] and after[1] != before[1]
 
 
 def test_the_key_holds_no_cpu_flags(monkeypatch):

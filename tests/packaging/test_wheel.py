@@ -92,6 +92,7 @@ def test_the_wheel_holds_the_data_files_and_both_commands(installed):
         entry_points = archive.read(meta.replace("METADATA", "entry_points.txt")).decode()
     for path in ("xlaunch/py.typed", "xlaunch/configs/throughput.toml", "xlaunch/kernels/inject/site/sitecustomize.py",
                  "xlaunch/machine/record.py", "xlaunch/nn/csrc/bag_forward.cpp", "xlaunch/nn/csrc/roi_align.cpp",
+                 "xlaunch/_csrc/isa_level.cpp",
                  "xlaunch/nn/csrc/common.h"):
         assert path in names, path
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from xlaunch._isa_levels import LIBRARY_LEVELS
-from xlaunch._native_build import Library
+from xlaunch._native_build import SHARED_SOURCES, Library
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -29,8 +29,8 @@ BUILD_DIR_ENV = "XLAUNCH_LLM_BUILD_DIR"
 
 
 def sources() -> tuple[str, ...]:
-    """The C++ sources compiled into the library (every ``csrc/*.cpp``)."""
-    return tuple(sorted(path.name for path in CSRC.glob("*.cpp")))
+    """The C++ sources compiled into the library (every ``csrc/*.cpp``, and the shared ``isa_level.cpp``)."""
+    return tuple(sorted({*(path.name for path in CSRC.glob("*.cpp")), *SHARED_SOURCES}))
 
 
 def headers() -> tuple[str, ...]:
