@@ -34,6 +34,8 @@ def checkpoints(tmp_path_factory):
         extra = {"max_shard_size": shard} if shard else {}
         model.save_pretrained(root / name, safe_serialization=True, **extra)
         made[name] = root / name
+    tiny("llama", seed=4, tie_word_embeddings=True).to(torch.bfloat16).save_pretrained(root / "bf16")
+    made["bf16"] = root / "bf16"      # a bf16 checkpoint: its embedding stays bf16 under fp32 activations
     assert (made["qwen2"] / "model.safetensors.index.json").is_file()
     return made
 
@@ -44,6 +46,7 @@ def _ids():
 
 # every precision on the plain Llama; the tied and sharded Qwen2 checkpoints in bf16 and int4
 CASES = [("llama", *p) for p in PRECISIONS] + [(name, *p) for name in ("tied", "qwen2") for p in PRECISIONS[1::2]]
+CASES += [("bf16", torch.float32, "int8"), ("bf16", torch.float32, "int4")]
 
 
 @pytest.mark.parametrize("name,dtype,weights", CASES, ids=lambda v: str(v).removeprefix("torch."))
@@ -53,6 +56,9 @@ def test_streamed_model_matches_optimize_of_the_loaded_model(checkpoints, name, 
     ours = llm.from_pretrained(path, dtype=dtype, weights=weights)
     assert llm.is_optimized(ours) and type(ours) is type(reference)
     assert not any(t.is_meta for t in [*ours.parameters(), *ours.buffers()])
+    table = torch.bfloat16 if name == "bf16" else dtype
+    assert ours.model.embed_tokens.weight.dtype == reference.model.embed_tokens.weight.dtype == table
+    assert ours.dtype == reference.dtype == dtype
     ids = _ids()
     assert torch.equal(ours(ids).logits, reference(ids).logits)
     expected = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)

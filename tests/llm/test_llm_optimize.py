@@ -132,6 +132,35 @@ def _runtime_dtype(model):
     return model._xlaunch_llm.dtype
 
 
+def test_a_16_bit_embedding_stays_16_bit_under_fp32_activations_with_the_same_logits(llama, monkeypatch):
+    """Half the embedding's memory and nothing else changed: the rows a step looks up widen to the fp32
+    values they were. ``model.dtype`` stays fp32 (the table is a buffer); a table that is not exactly
+    16-bit stays fp32."""
+    from xlaunch.llm import api
+
+    exact = clone(llama)
+    with torch.no_grad():
+        exact.model.embed_tokens.weight.copy_(exact.model.embed_tokens.weight.to(torch.bfloat16).float())
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    ours = llm.optimize(clone(exact), dtype=torch.float32, weights="int8")
+    table = ours.model.embed_tokens.weight
+    assert table.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    assert all(parameter is not table for parameter in ours.parameters())
+    with torch.no_grad():
+        assert torch.equal(ours.model.embed_tokens(ids), exact.model.embed_tokens(ids))
+    monkeypatch.setattr(api, "embedding_table", lambda t, dtype: t.detach().to(dtype))
+    wide = llm.optimize(clone(exact), dtype=torch.float32, weights="int8")
+    assert wide.model.embed_tokens.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, wide(ids).logits)
+    assert torch.equal(ours.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
+                       wide.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    monkeypatch.undo()
+    assert llm.optimize(clone(llama), dtype=torch.float32).model.embed_tokens.weight.dtype == torch.float32
+    half = llm.optimize(clone(exact).to(torch.bfloat16), dtype=torch.bfloat16)
+    assert half.model.embed_tokens.weight.dtype == torch.bfloat16 and half.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-cpu", "avx2-cpu"])
 def test_the_default_dtype_follows_the_cpu(llama, monkeypatch, native_bf16):
     """A faked ISA: bf16 activations by default only where the CPU has native bf16; no warning either way."""

@@ -101,6 +101,16 @@ def test_a_loaded_file_is_mapped_not_copied(packed):
     assert _mapping(os.getpid(), path)["Rss"] > 0          # the weights were read where the file is mapped
 
 
+def test_a_16_bit_embedding_under_fp32_activations_round_trips(tmp_path):
+    tiny("llama", seed=5).to(torch.bfloat16).save_pretrained(tmp_path / "checkpoint", safe_serialization=True)
+    model = llm.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32, weights="int4", group_size=32)
+    path = llm.save_packed(model, tmp_path / "model.xlp")
+    again = llm.from_pretrained(path)
+    assert again.model.embed_tokens.weight.dtype == torch.bfloat16 and again.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(again(torch.tensor(IDS)).logits, model(torch.tensor(IDS)).logits)
+
+
 def _rewrite(source: Path, target: Path, change) -> Path:
     """A copy of a packed file with its manifest changed (the tensors stay where they were)."""
     data = bytearray(source.read_bytes())

@@ -103,11 +103,12 @@ def test_written_checkpoint_loads_as_transformers_model(tmp_path, monkeypatch):
     assert len(data) - 8 - int.from_bytes(data[:8], "little") == shapes.checkpoint_bytes(config)
 
 
-@pytest.mark.parametrize("dtype,weights", [("fp32", None), ("bf16", None), ("fp32", "int8"), ("bf16", "int4")])
-def test_packed_estimate_is_what_from_pretrained_holds(tmp_path, dtype, weights):
+@pytest.mark.parametrize("dtype,weights,checkpoint", [("fp32", None, "fp32"), ("bf16", None, "fp32"), ("fp32", "int8", "fp32"),
+                                                      ("bf16", "int4", "fp32"), ("fp32", "int8", "bf16")])
+def test_packed_estimate_is_what_from_pretrained_holds(tmp_path, dtype, weights, checkpoint):
     import xlaunch.llm as llm
 
-    model = tiny("qwen2", seed=2)
+    model = tiny("qwen2", seed=2).to({"fp32": torch.float32, "bf16": torch.bfloat16}[checkpoint])
     model.save_pretrained(tmp_path)
     loaded = llm.from_pretrained(tmp_path, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype],
                                  weights=weights, group_size=32)

@@ -2,7 +2,8 @@
 
 The model object itself is changed and returned, so ``model.generate(...)`` and ``model(...)``
 keep working: its q/k/v and gate/up linears become one :class:`~xlaunch.llm.linear.PackedLinear`
-each, o/down/lm_head are packed alone, embeddings and norms take the dtype, and ``model.forward``
+each, o/down/lm_head are packed alone, norms take the dtype, the embedding too (or stays 16-bit under fp32
+activations where its values are 16-bit: :func:`~xlaunch.llm.decoder.embedding_table`), and ``model.forward``
 runs :class:`~xlaunch.llm.decoder.DecoderRuntime` over a preallocated
 :class:`~xlaunch.llm.cache.KVCache` that ``generate`` sizes to its maximum length.
 """
@@ -22,7 +23,8 @@ with needs_torch(__name__):
 import_quietly("transformers.quantizers.auto", "torchao.quantization", chain=True)   # no transformers: no torchao
 
 from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
-from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, make_forward  # noqa: E402
+from xlaunch.llm.decoder import (DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding,  # noqa: E402
+                                 embedding_table, make_forward)
 from xlaunch.llm.linear import GROUP_SIZES, PackedLinear  # noqa: E402
 
 __all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "is_optimized"]
@@ -150,9 +152,9 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
                   for layer, window in zip(inner.layers, spec.windows)]
         head_kind = "int8" if kind == "int4" else kind
         model.lm_head = PackedLinear.from_linears([model.lm_head], kind=head_kind, dtype=dtype, group_size=group_size)
-        inner.embed_tokens.to(dtype)
+        inner.embed_tokens = TokenEmbedding(embedding_table(inner.embed_tokens.weight, dtype), dtype)
         inner.norm.to(dtype)
-    runtime = DecoderRuntime(spec, dtype, inner.embed_tokens.weight.detach(), layers, inner.norm.weight.detach(),
+    runtime = DecoderRuntime(spec, dtype, inner.embed_tokens.weight, layers, inner.norm.weight.detach(),
                              model.lm_head, RopeTable(rotary, spec.head_dim, dtype))
     object.__setattr__(model, MARK, runtime)      # plain attribute: not a submodule, not in the state dict
     model.forward = make_forward(runtime, model)

@@ -18,7 +18,7 @@ with needs_torch(__name__):
 
 from xlaunch.llm.api import MARK, _install_generate_hook, _Retired  # noqa: E402
 from xlaunch.llm.arch import DecoderSpec, describe  # noqa: E402
-from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, make_forward  # noqa: E402
+from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding, make_forward  # noqa: E402
 from xlaunch.llm.linear import PackedLinear  # noqa: E402
 
 LAYER_LINEARS = ("qkv", "out", "gate_up", "down")
@@ -86,7 +86,7 @@ def install(model: Any, spec: DecoderSpec, dtype: "torch.dtype", parts: Parts) -
                                    post_attention_norm=parts.post_attention_norms[index],
                                    qkv=linears["qkv"], out=linears["out"], gate_up=linears["gate_up"],
                                    down=linears["down"], window=window))
-    inner.embed_tokens.weight = _parameter(parts.embed)
+    inner.embed_tokens = TokenEmbedding(parts.embed, dtype)
     inner.norm.weight = _parameter(parts.final_norm)
     model.lm_head = parts.lm_head
     # the rotary module's inverse frequencies were made on the meta device: make them again, in fp32

@@ -40,6 +40,43 @@ class LayerWeights:
     window: Optional[int]
 
 
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def exact_in_bf16(table: "torch.Tensor", rows: int = 4096) -> bool:
+    """Whether every value of an fp32 ``table`` is a bf16 value (its low 16 bits zero); in slices of rows."""
+    bits = table.detach().contiguous().view(torch.int32)
+    return all(not bool((bits[start:start + rows] & 0xFFFF).any()) for start in range(0, bits.shape[0], rows))
+
+
+def embedding_table(table: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tensor":
+    """The token embedding as the runtime keeps it: in ``dtype``, except under fp32 activations, where a
+    table that is exactly 16-bit (bf16/fp16 in the checkpoint, or fp32 holding only bf16 values) stays
+    16-bit: half the memory, and the rows a step looks up widen to the same fp32 values."""
+    if dtype == torch.float32 and table.dtype in SIXTEEN_BIT:
+        return table.detach()
+    if dtype == torch.float32 and table.dtype == torch.float32 and exact_in_bf16(table):
+        return table.detach().to(torch.bfloat16)
+    return table.detach().to(dtype)
+
+
+class TokenEmbedding(torch.nn.Module):
+    """``model.model.embed_tokens`` of an optimized model: a lookup in the runtime's table (a buffer, not a
+    parameter, so ``model.dtype`` stays the activations' dtype), rows returned in the activations' dtype."""
+
+    def __init__(self, table: "torch.Tensor", dtype: "torch.dtype") -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.out_dtype = dtype
+        self.register_buffer("weight", table)
+
+    def forward(self, input_ids: "torch.Tensor") -> "torch.Tensor":
+        return torch.nn.functional.embedding(input_ids, self.weight).to(self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, stored {self.weight.dtype}, returns {self.out_dtype}"
+
+
 class RopeTable:
     """cos/sin of every position up to a length (grown by doubling), from the model's fp32 rotary module."""
 
@@ -115,7 +152,7 @@ class DecoderRuntime:
         spec = self.spec
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        hidden = (torch.nn.functional.embedding(input_ids, self.embed) if inputs_embeds is None
+        hidden = (torch.nn.functional.embedding(input_ids, self.embed).to(self.dtype) if inputs_embeds is None
                   else inputs_embeds.to(self.dtype).contiguous())
         batch, length = hidden.shape[:2]
         cache = self._cache_for(past_key_values if use_cache else None)

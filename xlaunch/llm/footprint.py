@@ -4,7 +4,7 @@ machine has: examples/llm.py and bench/llm.py check a shape before they start an
 The sizes follow what runs: :func:`packed_bytes` counts :class:`~xlaunch.llm.linear.PackedLinear`'s
 buffers (native layout: output channels padded to 64; INT8 one fp32 scale per channel; INT4 one per
 group and channel; lm_head INT8 under INT4; buffers from 2 MiB up rounded to 2 MiB pages), the
-embedding and norms in the activations' dtype; :func:`kv_cache_bytes` the preallocated cache;
+norms in the activations' dtype, the embedding too unless the checkpoint's is 16-bit (kept so); :func:`kv_cache_bytes` the preallocated cache;
 :func:`activation_bytes` a prefill's largest temporaries (the logits of every prompt token in fp32
 when the model is called on the whole prompt). :data:`TORCH_PROCESS_BYTES` is a Python process with
 torch and transformers imported. Available memory is ``MemAvailable`` of ``<root>/proc/meminfo``
@@ -61,8 +61,16 @@ def packed_bytes(shape: Shape, dtype: str, weights: Optional[str] = None, group_
     biases = (q[0] + k[0] + v[0]) * shape.qkv_bias + shape.hidden * shape.o_bias
     per_layer += size * (biases + 2 * shape.hidden)                       # biases and the two norms
     head = packed_linear_bytes(shape.vocab, shape.hidden, "int8" if kind == "int4" else kind, group_size)
-    embed = _buffer(size * shape.vocab * shape.hidden)
+    embed = _buffer(embedding_bytes(shape, dtype) * shape.vocab * shape.hidden)
     return shape.layers * per_layer + head + embed + size * shape.hidden
+
+
+def embedding_bytes(shape: Shape, dtype: str) -> int:
+    """Bytes per value of the embedding as the runtime keeps it: a 16-bit checkpoint's stays 16-bit under
+    fp32 activations (``xlaunch.llm.decoder.embedding_table``; an fp32 checkpoint is counted at 4)."""
+    from xlaunch.llm.shapes import DTYPE_BYTES
+
+    return min(BYTES[dtype], DTYPE_BYTES.get(shape.dtype, 4))
 
 
 def dense_bytes(shape: Shape, dtype: str) -> int:
@@ -90,11 +98,17 @@ def default_activations() -> str:
 
 def streamed_load_bytes(shape: Shape, dtype: str) -> int:
     """What ``xlaunch.llm.from_pretrained`` holds beyond the packed model while it loads: the embedding as
-    read from the checkpoint before its cast to ``dtype`` (none when they agree) and a chunk of rows."""
+    read from the checkpoint before its cast (none when it is kept as stored; under fp32 activations an fp32
+    checkpoint's may turn out to hold only bf16 values, and its 16-bit copy is made beside it) and a chunk
+    of rows."""
     from xlaunch.llm.shapes import DTYPE_BYTES
 
-    stored = DTYPE_BYTES.get(shape.dtype, 4)
-    return (stored * shape.vocab * shape.hidden if stored != BYTES[dtype] else 0) + 4 * LOAD_CHUNK_BYTES
+    stored, values = DTYPE_BYTES.get(shape.dtype, 4), shape.vocab * shape.hidden
+    if stored == embedding_bytes(shape, dtype):
+        held = 2 * values if stored == BYTES[dtype] == 4 else 0
+    else:
+        held = stored * values
+    return held + 4 * LOAD_CHUNK_BYTES
 
 
 def disk_free(path: Any) -> Optional[int]:

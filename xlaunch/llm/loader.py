@@ -24,6 +24,7 @@ with needs_torch(__name__):
 from xlaunch.llm import native  # noqa: E402
 from xlaunch.llm.api import _check, default_dtype, warn_if_bf16_is_slow  # noqa: E402
 from xlaunch.llm.assemble import Parts, huge_empty, install, skeleton  # noqa: E402
+from xlaunch.llm.decoder import embedding_table  # noqa: E402
 from xlaunch.llm.linear import (BLOCK, PackedLinear, pack_bf16, pack_channels, pack_int4, pack_int8,  # noqa: E402
                                 quantize_int4, quantize_int8)
 
@@ -230,7 +231,7 @@ def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", 
         raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks lm_head.weight and its embeddings are not tied")
     lm_head = stream_linear(checkpoint, ["lm_head"], "int8" if kind == "int4" else kind, dtype, group_size,
                             weight_names=[head])
-    parts = Parts(embed=checkpoint.tensor("model.embed_tokens.weight").to(dtype),
+    parts = Parts(embed=embedding_table(checkpoint.tensor("model.embed_tokens.weight"), dtype),
                   final_norm=checkpoint.tensor("model.norm.weight").to(dtype), lm_head=lm_head,
                   input_norms=input_norms, post_attention_norms=post_norms, linears=linears)
     return model, spec, parts

@@ -31,6 +31,7 @@ with needs_torch(__name__):
 from xlaunch.llm import native  # noqa: E402
 from xlaunch.llm.api import DTYPES  # noqa: E402
 from xlaunch.llm.assemble import HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of, skeleton  # noqa: E402
+from xlaunch.llm.decoder import SIXTEEN_BIT  # noqa: E402
 from xlaunch.llm.linear import BLOCK, GROUP_SIZES, KINDS, PackedLinear  # noqa: E402
 
 MAGIC = b"XLLMPACK"
@@ -38,8 +39,8 @@ FORMAT_VERSION = 1
 MAX_HEADER = 64 << 20
 PAGE = 4096
 SOURCE_ATTR = "_xlaunch_llm_source"
-TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8, "uint8": torch.uint8,
-                 "int32": torch.int32}
+TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8,
+                 "uint8": torch.uint8, "int32": torch.int32}
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10
 WEIGHT_DTYPES = {"fp32": ("float32",), "bf16": ("bfloat16",), "int8": ("int8",), "int4": ("uint8", "int32")}
 
@@ -354,7 +355,8 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
     for index in range(spec.num_layers):
         plain[f"layers.{index}.input_norm"] = plain[f"layers.{index}.post_attention_norm"] = [spec.hidden_size]
     for name, shape in plain.items():
-        if name not in tensors or tensors[name]["shape"] != shape or TENSOR_DTYPES[tensors[name]["dtype"]] != dtype:
+        allowed = {dtype, *(SIXTEEN_BIT if name == "embed" and dtype == torch.float32 else ())}
+        if name not in tensors or tensors[name]["shape"] != shape or TENSOR_DTYPES.get(tensors[name]["dtype"]) not in allowed:
             raise _fail(path, f"tensor {name!r} is missing or not {DTYPES[dtype]} of shape {shape}")
     get = {name: _tensor(area, tensors[name], private) for name in plain}
     layers = range(spec.num_layers)
