@@ -87,6 +87,29 @@ def test_each_kind_computes_x_times_its_dense_weight(layout, kind, n, k):
             assert max_error(y, ref) <= rounding * ref.abs().max() + 1e-4, (m, dtype)
 
 
+@pytest.mark.parametrize("kind, n, k", [("fp32", 70, 33), ("bf16", 70, 33), ("bf16", 130, 256), ("int8", 70, 33),
+                                        ("int8", 130, 96)])
+@pytest.mark.parametrize("packed", LAYOUTS)
+def test_rows_are_the_dense_weights_rows_in_every_layout(packed, kind, n, k):
+    """A tied embedding's lookup in its packed lm_head: exactly the rows of the weight the layer stands for
+    (the stored values for fp32/bf16, each int8 row times its channel's scale), last block's rows included."""
+    torch.manual_seed(n + k)
+    if kind == "fp32" and packed == "native":
+        pytest.skip("fp32 layers have one layout")
+    with native.prefer_native(False) if packed == "aten" else contextlib.nullcontext():
+        if packed == "native" and native.ops() is None:
+            pytest.skip("the xlaunch.llm kernels are not built (python -m xlaunch.llm.native)")
+        layer = PackedLinear(torch.randn(n, k), None, kind)
+    assert layer.layout == ("aten" if kind == "fp32" else packed)
+    ids = torch.tensor([[0, n - 1, 63 % n, 5], [n // 2, 1, n - 2, 0]])
+    rows = layer.rows(ids)
+    expected = torch.bfloat16 if kind == "bf16" else torch.float32
+    assert rows.shape == (2, 4, k) and rows.dtype == expected
+    assert torch.equal(rows.float(), layer.dense_weight()[ids])
+    with pytest.raises(ValueError, match="int4"):
+        PackedLinear(torch.randn(64, 64), None, "int4", group_size=32).rows(ids % 64)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 def test_the_kernels_agree_with_the_aten_paths_on_3d_input(kind, level):
     torch.manual_seed(1)

@@ -161,6 +161,32 @@ def test_a_16_bit_embedding_stays_16_bit_under_fp32_activations_with_the_same_lo
     assert half.model.embed_tokens.weight.dtype == torch.bfloat16 and half.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype,weights", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8"),
+                                           (torch.float32, "int4")])
+def test_a_tied_embedding_is_read_from_the_packed_lm_head(dtype, weights):
+    """One copy of a tied matrix: no embedding table is left in the model; the rows a step looks up are the
+    packed lm_head's (the weights themselves in fp32/bf16; INT8 rows, within 1% of them, under int8/int4)."""
+    hf = tiny("llama", seed=6, tie_word_embeddings=True, vocab_size=2048)    # the largest matrix by far
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf.model.embed_tokens(ids).to(dtype)
+    model = llm.optimize(clone(hf), dtype=dtype, weights=weights)
+    embedding = model.model.embed_tokens
+    assert embedding.weight is None and embedding.lm_head is model.lm_head and model.dtype == dtype
+    held = [*model.parameters(), *model.buffers()]
+    matrices = {t.data_ptr() for t in held if t.numel() >= hf.config.vocab_size * hf.config.hidden_size}
+    assert matrices == {model.lm_head.weight.data_ptr()}         # the vocabulary's matrix is held once
+    with torch.no_grad():
+        rows = embedding(ids)
+        assert rows.dtype == dtype and torch.equal(rows, model.lm_head.dense_weight()[ids].to(dtype))
+        if weights is None:
+            assert torch.equal(rows, expected)
+        else:
+            assert relative_error(rows, expected) < 0.01
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 14)
+
+
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-cpu", "avx2-cpu"])
 def test_the_default_dtype_follows_the_cpu(llama, monkeypatch, native_bf16):
     """A faked ISA: bf16 activations by default only where the CPU has native bf16; no warning either way."""

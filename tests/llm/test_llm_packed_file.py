@@ -101,21 +101,34 @@ def test_a_loaded_file_is_mapped_not_copied(packed):
     assert _mapping(os.getpid(), path)["Rss"] > 0          # the weights were read where the file is mapped
 
 
-def test_a_16_bit_embedding_under_fp32_activations_round_trips(tmp_path):
-    tiny("llama", seed=5).to(torch.bfloat16).save_pretrained(tmp_path / "checkpoint", safe_serialization=True)
+@pytest.mark.parametrize("tied", [False, True], ids=["16-bit-table", "tied"])
+def test_an_embedding_round_trips_as_a_16_bit_table_or_as_the_tied_lm_head(tmp_path, tied):
+    checkpoint = tiny("llama", seed=5, tie_word_embeddings=tied).to(torch.bfloat16)
+    checkpoint.save_pretrained(tmp_path / "checkpoint", safe_serialization=True)
     model = llm.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32, weights="int4", group_size=32)
     path = llm.save_packed(model, tmp_path / "model.xlp")
+    manifest = _manifest(path)
+    assert manifest["embedding"] == ("lm_head" if tied else "table") and ("embed" in manifest["tensors"]) != tied
     again = llm.from_pretrained(path)
-    assert again.model.embed_tokens.weight.dtype == torch.bfloat16 and again.dtype == torch.float32
+    if tied:
+        assert again.model.embed_tokens.weight is None and again.model.embed_tokens.lm_head is again.lm_head
+    else:
+        assert again.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert again.dtype == torch.float32
     with torch.no_grad():
         assert torch.equal(again(torch.tensor(IDS)).logits, model(torch.tensor(IDS)).logits)
+
+
+def _manifest(path: Path) -> dict:
+    data = path.read_bytes()
+    return json.loads(data[16:16 + struct.unpack("<Q", data[8:16])[0]])
 
 
 def _rewrite(source: Path, target: Path, change) -> Path:
     """A copy of a packed file with its manifest changed (the tensors stay where they were)."""
     data = bytearray(source.read_bytes())
     length = struct.unpack("<Q", data[8:16])[0]
-    manifest = json.loads(data[16:16 + length])
+    manifest = _manifest(source)
     first = min(entry["offset"] for entry in manifest["tensors"].values())
     change(manifest)
     header = json.dumps(manifest).encode()
@@ -177,4 +190,8 @@ def test_malformed_files_get_one_clear_error(packed, tmp_path):
     _refused(shape, "lm_head.weight")
     kind = _rewrite(path, tmp_path / "dtype.xlp", lambda m: m["tensors"]["lm_head.weight"].update(dtype="uint8"))
     _refused(kind, "'lm_head.weight' is uint8, not int8")
+    untied = _rewrite(path, tmp_path / "untied.xlp", lambda m: m.update(embedding="lm_head"))
+    _refused(untied, "neither a table nor a tied lm_head")      # the packed model's embeddings are not tied
+    no_table = _rewrite(path, tmp_path / "no-table.xlp", lambda m: m["tensors"].pop("embed"))
+    _refused(no_table, "tensor 'embed' is missing")
     _refused("/dev/null", "not a regular file")

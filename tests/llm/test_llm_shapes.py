@@ -103,12 +103,13 @@ def test_written_checkpoint_loads_as_transformers_model(tmp_path, monkeypatch):
     assert len(data) - 8 - int.from_bytes(data[:8], "little") == shapes.checkpoint_bytes(config)
 
 
-@pytest.mark.parametrize("dtype,weights,checkpoint", [("fp32", None, "fp32"), ("bf16", None, "fp32"), ("fp32", "int8", "fp32"),
-                                                      ("bf16", "int4", "fp32"), ("fp32", "int8", "bf16")])
-def test_packed_estimate_is_what_from_pretrained_holds(tmp_path, dtype, weights, checkpoint):
+@pytest.mark.parametrize("dtype,weights,checkpoint,tied", [("fp32", None, "fp32", False), ("bf16", None, "fp32", False),
+                                                           ("fp32", "int8", "fp32", False), ("bf16", "int4", "fp32", False),
+                                                           ("fp32", "int8", "bf16", False), ("fp32", "int4", "bf16", True)])
+def test_packed_estimate_is_what_from_pretrained_holds(tmp_path, dtype, weights, checkpoint, tied):
     import xlaunch.llm as llm
 
-    model = tiny("qwen2", seed=2).to({"fp32": torch.float32, "bf16": torch.bfloat16}[checkpoint])
+    model = tiny("qwen2", seed=2, tie_word_embeddings=tied).to({"fp32": torch.float32, "bf16": torch.bfloat16}[checkpoint])
     model.save_pretrained(tmp_path)
     loaded = llm.from_pretrained(tmp_path, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype],
                                  weights=weights, group_size=32)

@@ -3,7 +3,8 @@
 The model object itself is changed and returned, so ``model.generate(...)`` and ``model(...)``
 keep working: its q/k/v and gate/up linears become one :class:`~xlaunch.llm.linear.PackedLinear`
 each, o/down/lm_head are packed alone, norms take the dtype, the embedding too (or stays 16-bit under fp32
-activations where its values are 16-bit: :func:`~xlaunch.llm.decoder.embedding_table`), and ``model.forward``
+activations where its values are 16-bit: :func:`~xlaunch.llm.decoder.embedding_table`; a tied one reads
+the packed lm_head's rows: one copy), and ``model.forward``
 runs :class:`~xlaunch.llm.decoder.DecoderRuntime` over a preallocated
 :class:`~xlaunch.llm.cache.KVCache` that ``generate`` sizes to its maximum length.
 """
@@ -151,10 +152,12 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
         layers = [_pack_layer(layer, kind, dtype, group_size, window)
                   for layer, window in zip(inner.layers, spec.windows)]
         head_kind = "int8" if kind == "int4" else kind
+        tied = spec.tied_embeddings and model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
         model.lm_head = PackedLinear.from_linears([model.lm_head], kind=head_kind, dtype=dtype, group_size=group_size)
-        inner.embed_tokens = TokenEmbedding(embedding_table(inner.embed_tokens.weight, dtype), dtype)
+        table = None if tied else embedding_table(inner.embed_tokens.weight, dtype)
+        inner.embed_tokens = TokenEmbedding(table, dtype, model.lm_head)
         inner.norm.to(dtype)
-    runtime = DecoderRuntime(spec, dtype, inner.embed_tokens.weight, layers, inner.norm.weight.detach(),
+    runtime = DecoderRuntime(spec, dtype, table, layers, inner.norm.weight.detach(),
                              model.lm_head, RopeTable(rotary, spec.head_dim, dtype))
     object.__setattr__(model, MARK, runtime)      # plain attribute: not a submodule, not in the state dict
     model.forward = make_forward(runtime, model)

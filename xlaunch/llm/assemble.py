@@ -29,7 +29,7 @@ HUGE_PAGE = 2 << 20
 class Parts:
     """Everything an optimized decoder computes with, per layer and outside the layers."""
 
-    embed: "torch.Tensor"
+    embed: Optional["torch.Tensor"]             # None: tied, the rows are lm_head's
     final_norm: "torch.Tensor"
     lm_head: PackedLinear
     input_norms: list["torch.Tensor"]
@@ -86,7 +86,7 @@ def install(model: Any, spec: DecoderSpec, dtype: "torch.dtype", parts: Parts) -
                                    post_attention_norm=parts.post_attention_norms[index],
                                    qkv=linears["qkv"], out=linears["out"], gate_up=linears["gate_up"],
                                    down=linears["down"], window=window))
-    inner.embed_tokens = TokenEmbedding(parts.embed, dtype)
+    inner.embed_tokens = TokenEmbedding(parts.embed, dtype, parts.lm_head)
     inner.norm.weight = _parameter(parts.final_norm)
     model.lm_head = parts.lm_head
     # the rotary module's inverse frequencies were made on the meta device: make them again, in fp32

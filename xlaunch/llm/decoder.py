@@ -60,21 +60,32 @@ def embedding_table(table: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tenso
     return table.detach().to(dtype)
 
 
-class TokenEmbedding(torch.nn.Module):
-    """``model.model.embed_tokens`` of an optimized model: a lookup in the runtime's table (a buffer, not a
-    parameter, so ``model.dtype`` stays the activations' dtype), rows returned in the activations' dtype."""
+def embed_rows(table: Optional["torch.Tensor"], lm_head: PackedLinear, ids: "torch.Tensor",
+               dtype: "torch.dtype") -> "torch.Tensor":
+    """The embeddings of ``ids`` in ``dtype``: rows of ``table``, or of the packed ``lm_head`` when the
+    embedding is tied to it (``table`` None: one copy of the matrix, not two)."""
+    rows = lm_head.rows(ids) if table is None else torch.nn.functional.embedding(ids, table)
+    return rows.to(dtype)
 
-    def __init__(self, table: "torch.Tensor", dtype: "torch.dtype") -> None:
+
+class TokenEmbedding(torch.nn.Module):
+    """``model.model.embed_tokens`` of an optimized model: rows of the runtime's table (a buffer, not a
+    parameter, so ``model.dtype`` stays the activations' dtype), or of the packed lm_head a tied
+    embedding reads (``weight`` is None then), returned in the activations' dtype."""
+
+    def __init__(self, table: Optional["torch.Tensor"], dtype: "torch.dtype", lm_head: PackedLinear) -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim = table.shape
+        self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
         self.out_dtype = dtype
         self.register_buffer("weight", table)
+        object.__setattr__(self, "lm_head", lm_head)      # the model's own lm_head: not a second submodule
 
     def forward(self, input_ids: "torch.Tensor") -> "torch.Tensor":
-        return torch.nn.functional.embedding(input_ids, self.weight).to(self.out_dtype)
+        return embed_rows(self.weight, self.lm_head, input_ids, self.out_dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, stored {self.weight.dtype}, returns {self.out_dtype}"
+        stored = "the lm_head's rows" if self.weight is None else f"stored {self.weight.dtype}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {stored}, returns {self.out_dtype}"
 
 
 class RopeTable:
@@ -110,9 +121,10 @@ class Kernels:
 
 
 class DecoderRuntime:
-    """The packed weights, RoPE table and the forward of one optimized model."""
+    """The packed weights, RoPE table and the forward of one optimized model (``embed`` None: the
+    embedding is tied, its rows are the packed lm_head's)."""
 
-    def __init__(self, spec: DecoderSpec, dtype: "torch.dtype", embed: "torch.Tensor", layers: list[LayerWeights],
+    def __init__(self, spec: DecoderSpec, dtype: "torch.dtype", embed: Optional["torch.Tensor"], layers: list[LayerWeights],
                  final_norm: "torch.Tensor", lm_head: PackedLinear, rope: RopeTable) -> None:
         self.spec, self.dtype, self.embed, self.layers = spec, dtype, embed, layers
         self.final_norm, self.lm_head, self.rope = final_norm, lm_head, rope
@@ -152,7 +164,7 @@ class DecoderRuntime:
         spec = self.spec
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        hidden = (torch.nn.functional.embedding(input_ids, self.embed).to(self.dtype) if inputs_embeds is None
+        hidden = (embed_rows(self.embed, self.lm_head, input_ids, self.dtype) if inputs_embeds is None
                   else inputs_embeds.to(self.dtype).contiguous())
         batch, length = hidden.shape[:2]
         cache = self._cache_for(past_key_values if use_cache else None)

@@ -4,7 +4,8 @@ machine has: examples/llm.py and bench/llm.py check a shape before they start an
 The sizes follow what runs: :func:`packed_bytes` counts :class:`~xlaunch.llm.linear.PackedLinear`'s
 buffers (native layout: output channels padded to 64; INT8 one fp32 scale per channel; INT4 one per
 group and channel; lm_head INT8 under INT4; buffers from 2 MiB up rounded to 2 MiB pages), the
-norms in the activations' dtype, the embedding too unless the checkpoint's is 16-bit (kept so); :func:`kv_cache_bytes` the preallocated cache;
+norms in the activations' dtype, the embedding too unless the checkpoint's is 16-bit (kept so) or it is
+tied (the packed lm_head's rows: no table); :func:`kv_cache_bytes` the preallocated cache;
 :func:`activation_bytes` a prefill's largest temporaries (the logits of every prompt token in fp32
 when the model is called on the whole prompt). :data:`TORCH_PROCESS_BYTES` is a Python process with
 torch and transformers imported. Available memory is ``MemAvailable`` of ``<root>/proc/meminfo``
@@ -61,7 +62,7 @@ def packed_bytes(shape: Shape, dtype: str, weights: Optional[str] = None, group_
     biases = (q[0] + k[0] + v[0]) * shape.qkv_bias + shape.hidden * shape.o_bias
     per_layer += size * (biases + 2 * shape.hidden)                       # biases and the two norms
     head = packed_linear_bytes(shape.vocab, shape.hidden, "int8" if kind == "int4" else kind, group_size)
-    embed = _buffer(embedding_bytes(shape, dtype) * shape.vocab * shape.hidden)
+    embed = 0 if shape.tied else _buffer(embedding_bytes(shape, dtype) * shape.vocab * shape.hidden)
     return shape.layers * per_layer + head + embed + size * shape.hidden
 
 
@@ -104,7 +105,9 @@ def streamed_load_bytes(shape: Shape, dtype: str) -> int:
     from xlaunch.llm.shapes import DTYPE_BYTES
 
     stored, values = DTYPE_BYTES.get(shape.dtype, 4), shape.vocab * shape.hidden
-    if stored == embedding_bytes(shape, dtype):
+    if shape.tied:               # a tied embedding is the packed lm_head's rows: no table is read
+        held = 0
+    elif stored == embedding_bytes(shape, dtype):
         held = 2 * values if stored == BYTES[dtype] == 4 else 0
     else:
         held = stored * values

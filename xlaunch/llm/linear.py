@@ -246,6 +246,23 @@ class PackedLinear(nn.Module):
         values = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k), self.weight, self.group_size, unit)
         return values[:, :n].t().round().to(torch.int8), scales
 
+    def rows(self, ids: "torch.Tensor") -> "torch.Tensor":
+        """The rows ``W[ids]``, ``[*ids.shape, K]``: a tied embedding looked up in its packed lm_head. fp32
+        and bf16 rows are the stored values; int8 rows are dequantized (each times its channel's scale)."""
+        flat, k = ids.reshape(-1), self.in_features
+        native_layout = self.layout == "native"
+        if self.kind == "int8":
+            q = self.weight[flat // BLOCK, :, flat % BLOCK] if native_layout else self.weight[flat]
+            out = q.float() * self.scales.reshape(-1)[flat].unsqueeze(1)
+        elif self.kind == "bf16" and native_layout:   # [N/64, K/2, 64 x 2]: a channel's (k, k+1) pairs
+            pairs = self.weight.view(*self.weight.shape[:2], BLOCK, 2)[flat // BLOCK, :, flat % BLOCK]
+            out = pairs.reshape(flat.numel(), -1)[:, :k]
+        elif self.kind in ("fp32", "bf16"):
+            out = self.weight[flat]
+        else:
+            raise ValueError(f"rows of a {self.kind} layer are not looked up (a tied lm_head is int8 under int4)")
+        return out.reshape(*ids.shape, k)
+
     def dense_weight(self) -> "torch.Tensor":
         """The weight as an fp32 [N, K] tensor (dequantized)."""
         if self.kind == "fp32":

@@ -231,7 +231,8 @@ def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", 
         raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks lm_head.weight and its embeddings are not tied")
     lm_head = stream_linear(checkpoint, ["lm_head"], "int8" if kind == "int4" else kind, dtype, group_size,
                             weight_names=[head])
-    parts = Parts(embed=embedding_table(checkpoint.tensor("model.embed_tokens.weight"), dtype),
+    embed = None if spec.tied_embeddings else embedding_table(checkpoint.tensor("model.embed_tokens.weight"), dtype)
+    parts = Parts(embed=embed,
                   final_norm=checkpoint.tensor("model.norm.weight").to(dtype), lm_head=lm_head,
                   input_norms=input_norms, post_attention_norms=post_norms, linears=linears)
     return model, spec, parts

@@ -114,7 +114,9 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
     """
     spec, dtype, parts = parts_of(model)
     source = source if source is not None else getattr(model, SOURCE_ATTR, None)
-    tensors: dict[str, "torch.Tensor"] = {"embed": parts.embed, "final_norm": parts.final_norm}
+    tensors: dict[str, "torch.Tensor"] = {"final_norm": parts.final_norm}
+    if parts.embed is not None:          # else tied: the embedding is lm_head's rows
+        tensors["embed"] = parts.embed
     linears = {"lm_head": _linear_entries("lm_head", parts.lm_head, tensors)}
     for index, layer in enumerate(parts.linears):
         tensors[f"layers.{index}.input_norm"] = parts.input_norms[index]
@@ -128,7 +130,7 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
                     dtype=DTYPES[dtype], weights=first.kind, group_size=first.group_size,
                     kernel=dict(level=kernel_level(), layout=first.layout, fingerprint=layout_fingerprint()),
                     source=None if source is None else dict(path=str(source), digest=source_digest(source)),
-                    linears=linears, tensors={})
+                    embedding="table" if parts.embed is not None else "lm_head", linears=linears, tensors={})
     # offsets depend on the manifest's length: reserve room for the offsets' digits, then lay out
     entries = {name: dict(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
                           nbytes=t.numel() * t.element_size()) for name, t in tensors.items()}
@@ -351,7 +353,12 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
         raise _fail(path, "its linears do not match the model's config")
     built = {name: _linear(path, name, linears[name], shape, area, tensors, dtype, private)
              for name, shape in expected.items()}
-    plain = {"embed": [spec.vocab_size, spec.hidden_size], "final_norm": [spec.hidden_size]}
+    embedding = manifest.get("embedding", "table")
+    if embedding not in ("table", "lm_head") or (embedding == "lm_head" and not spec.tied_embeddings):
+        raise _fail(path, f"its embedding {embedding!r} is neither a table nor a tied lm_head")
+    plain = {"final_norm": [spec.hidden_size]}
+    if embedding == "table":
+        plain["embed"] = [spec.vocab_size, spec.hidden_size]
     for index in range(spec.num_layers):
         plain[f"layers.{index}.input_norm"] = plain[f"layers.{index}.post_attention_norm"] = [spec.hidden_size]
     for name, shape in plain.items():
@@ -360,7 +367,7 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
             raise _fail(path, f"tensor {name!r} is missing or not {DTYPES[dtype]} of shape {shape}")
     get = {name: _tensor(area, tensors[name], private) for name in plain}
     layers = range(spec.num_layers)
-    parts = Parts(embed=get["embed"], final_norm=get["final_norm"], lm_head=built["lm_head"],
+    parts = Parts(embed=get.get("embed"), final_norm=get["final_norm"], lm_head=built["lm_head"],
                   input_norms=[get[f"layers.{i}.input_norm"] for i in layers],
                   post_attention_norms=[get[f"layers.{i}.post_attention_norm"] for i in layers],
                   linears=[{name: built[f"layers.{i}.{name}"] for name in LAYER_LINEARS} for i in layers])
