@@ -1,5 +1,5 @@
 """llama.cpp as bench/llm.py's peer: its source (the tree vendored in the ``llama-cpp-python`` sdist),
-a native build of ``llama-bench`` and ``llama-quantize``, GGUF files converted from the bench's
+a native build of ``llama-bench``, ``llama-batched-bench`` and ``llama-quantize``, GGUF files converted from the bench's
 Hugging Face checkpoint, and ``llama-bench -o json`` runs parsed into tokens/s. No torch here.
 
 Cache layout (``$XLAUNCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/xlaunch``, else ``~/.cache/xlaunch``)::
@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 VERSION = "0.3.36"                       # llama-cpp-python's sdist (it pins one llama.cpp commit)
 GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_0")
 CONVERT_OUTTYPES = ("f32", "bf16", "q8_0")   # convert_hf_to_gguf.py writes these; q4_0 is llama-quantize's
-TARGETS = ("llama-bench", "llama-quantize")
+TARGETS = ("llama-bench", "llama-quantize", "llama-batched-bench")
 
 
 def cache_root() -> Path:
@@ -97,7 +97,7 @@ def source_dir(root: Optional[Path] = None) -> Path:
 
 
 def build(root: Optional[Path] = None) -> Path:
-    """The folder holding ``llama-bench`` and ``llama-quantize``, built once per version and CPU
+    """The folder holding ``llama-bench``, ``llama-batched-bench`` and ``llama-quantize``, built once per version and CPU
     (cmake + ninja, ``-DGGML_NATIVE=ON``, under ``nice -n 10``: about 4 min on 2 cores)."""
     root = root or cache_root()
     final = root / f"build-{VERSION}-{cpu_key()}"
@@ -193,8 +193,28 @@ def llama_bench_argv(bin_dir: Path, gguf: Path, threads: int, kind: str, tokens:
             "-r", str(repetitions), "-o", "json"]
 
 
-def run_llama_bench(argv: Sequence[str]) -> tuple[dict[str, Any], float]:
-    """Run one llama-bench test; its parsed result and the process's peak RSS in MiB (wait4)."""
+def batched_bench_argv(bin_dir: Path, gguf: Path, threads: int, prompt: int, new_tokens: int, batch: int) -> list[str]:
+    """``llama-batched-bench``: ``batch`` sequences of ``prompt`` tokens each (not shared) prefilled together,
+    then ``new_tokens`` steps of ``batch`` tokens; one JSON line."""
+    context = batch * (prompt + new_tokens) + 16
+    return [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+            "-c", str(context), "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(new_tokens),
+            "-npl", str(batch), "--output-format", "jsonl"]
+
+
+def parse_batched_bench(text: str) -> dict[str, Any]:
+    """The one result line of ``llama-batched-bench --output-format jsonl``: aggregate prefill and decode
+    tokens/s (``speed_pp``: batch x prompt / t_pp; ``speed_tg``: batch x new tokens / t_tg)."""
+    lines = [line for line in text.splitlines() if line.lstrip().startswith("{")]
+    if len(lines) != 1:
+        raise ValueError(f"expected one JSON line from llama-batched-bench, got {len(lines)}")
+    row = json.loads(lines[0])
+    return {"prefill_tps": float(row["speed_pp"]), "decode_tps": float(row["speed_tg"]), "batch": int(row["pl"]),
+            "prompt": int(row["pp"]), "new_tokens": int(row["tg"])}
+
+
+def run_measured(argv: Sequence[str], what: str) -> tuple[str, float]:
+    """Run a llama.cpp tool to the end: its stdout and its peak RSS in MiB (wait4); a failure raises."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         process = subprocess.Popen(list(argv), stdout=out, stderr=err)
         _, status, usage = os.wait4(process.pid, 0)
@@ -202,8 +222,14 @@ def run_llama_bench(argv: Sequence[str]) -> tuple[dict[str, Any], float]:
         out.seek(0)
         err.seek(0)
         if process.returncode != 0:
-            raise RuntimeError(f"llama-bench failed ({process.returncode}): {err.read().decode(errors='replace')[-800:]}")
-        tests = parse_llama_bench(out.read().decode())
+            raise RuntimeError(f"{what} failed ({process.returncode}): {err.read().decode(errors='replace')[-800:]}")
+        return out.read().decode(), usage.ru_maxrss / 1024
+
+
+def run_llama_bench(argv: Sequence[str]) -> tuple[dict[str, Any], float]:
+    """Run one llama-bench test; its parsed result and the process's peak RSS in MiB (wait4)."""
+    text, peak = run_measured(argv, "llama-bench")
+    tests = parse_llama_bench(text)
     if len(tests) != 1:
         raise ValueError(f"expected one llama-bench test, got {len(tests)}")
-    return tests[0], usage.ru_maxrss / 1024
+    return tests[0], peak

@@ -131,27 +131,29 @@ def gguf_bytes(shape: shapes.Shape, kind: str) -> int:
     return int((params - head) * 18 / 32 + head * 210 / 256)
 
 
-def route_bytes(route: str, shape: shapes.Shape, checkpoint: int, prompt: int, tokens: int) -> tuple[int, int]:
+def route_bytes(route: str, shape: shapes.Shape, checkpoint: int, prompt: int, tokens: int,
+                batch: int = 1) -> tuple[int, int]:
     """(steady, peak) resident bytes of one torch route's process: the model, its KV cache, a prefill's
     temporaries; the peak adds what loading holds (transformers maps the checkpoint; the streamed loader
     holds a chunk and the embedding before its cast)."""
-    activations = footprint.activation_bytes(shape, prompt)
+    activations = footprint.activation_bytes(shape, prompt, batch)
     base = footprint.TORCH_PROCESS_BYTES + activations
     if route.startswith("xlaunch-"):
         dtype = "bf16" if route == "xlaunch-bf16" else footprint.default_activations()
         weights = {"xlaunch-bf16": None, "xlaunch-int8": "int8", "xlaunch-int4": "int4"}[route]
-        steady = base + footprint.packed_bytes(shape, dtype, weights) + footprint.kv_cache_bytes(shape, tokens, 1, dtype)
+        steady = base + footprint.packed_bytes(shape, dtype, weights) + footprint.kv_cache_bytes(shape, tokens, batch, dtype)
         return steady, steady + footprint.streamed_load_bytes(shape, dtype)
     dtype = "fp32" if route == "hf-fp32" else "bf16"
-    steady = base + footprint.dense_bytes(shape, dtype) + footprint.kv_cache_bytes(shape, tokens, 1, dtype)
+    steady = base + footprint.dense_bytes(shape, dtype) + footprint.kv_cache_bytes(shape, tokens, batch, dtype)
     if route in ("hf-bf16-compiled", "torchao-int8"):
         steady += COMPILE_BYTES
     return steady, steady + checkpoint
 
 
-def llama_bytes(shape: shapes.Shape, kind: str, prompt: int, tokens: int) -> int:
-    """llama-bench: its mapped GGUF, an F16 KV cache of the context, the logits of a batch of prompt tokens."""
-    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * 2
+def llama_bytes(shape: shapes.Shape, kind: str, prompt: int, tokens: int, batch: int = 1) -> int:
+    """llama-bench (or llama-batched-bench): its mapped GGUF, an F16 KV cache of the context, the logits of a
+    batch of prompt tokens."""
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch * 2
     return gguf_bytes(shape, kind) + kv + 4 * shape.vocab * min(512, prompt) + LLAMA_PROCESS_BYTES
 
 
@@ -177,14 +179,14 @@ def _preparing(model: BenchModel, gguf_kinds: Sequence[str]) -> tuple[list[tuple
 
 
 def need(model: BenchModel, torch_routes: Sequence[str], gguf_kinds: Sequence[str], prompt: int,
-         new_tokens: int) -> footprint.Need:
+         new_tokens: int, batch: int = 1) -> footprint.Need:
     """The largest phase of a run (writing the checkpoint, converting to GGUF, the routes of one thread count
     side by side with one llama-bench) and the disk its files still need."""
     shape = model.shape
     phases, disk, checkpoint = _preparing(model, gguf_kinds)
     tokens = prompt + new_tokens + 1
-    sizes = [route_bytes(route, shape, checkpoint, prompt, tokens) for route in torch_routes]
-    llama = max((llama_bytes(shape, kind, prompt, tokens) for kind in gguf_kinds), default=0)
+    sizes = [route_bytes(route, shape, checkpoint, prompt, tokens, batch) for route in torch_routes]
+    llama = max((llama_bytes(shape, kind, prompt, tokens, batch) for kind in gguf_kinds), default=0)
     if sizes or llama:
         together = sum(steady for steady, _ in sizes) + max((p - s for s, p in sizes), default=0) + llama
         what = f"{len(sizes)} torch route(s) side by side" + (" and llama-bench" if llama else "")

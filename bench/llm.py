@@ -4,7 +4,7 @@
 
     .venv/bin/python bench/llm.py [--quick] [--threads 1,2] [--routes hf-fp32,llamacpp-bf16,...]
                                   [--shape llama-168m | --model PATH]
-                                  [--rounds 5] [--prompt 32] [--new-tokens 48] [--no-llamacpp]
+                                  [--rounds 5] [--prompt 32] [--new-tokens 48] [--batch 1] [--no-llamacpp]
                                   [--json PATH] [--lock PATH] [--list] [--instances 1,2]
 
 The model is a preset shape (``--shape``, default ``llama-168m``: the published configs of
@@ -19,7 +19,8 @@ MemAvailable and the free disk: a shape that does not fit is refused with one li
 Each torch route runs in its own process (its threads and its peak RSS are its own), set up and
 warmed once (a compiled route's first call takes about 30 s), then timed in interleaved rounds
 with the llama.cpp rows (order reversed every other round; each round holds the bench lock).
-Per round, a torch route times a forward over the prompt (prefill) and greedy ``generate`` of
+Per round, a torch route times a forward over the prompt (prefill; logits of the last position only,
+as ``generate``'s own prefill and llama-bench's ``-p`` compute) and greedy ``generate`` of
 1 and N new tokens: decode tokens/s = (N - 1) / (t_N - t_1), each t the fastest of 3 (t_1) or 2
 (t_N) runs in the round. The generation config has no EOS token, so every route makes exactly N
 tokens without an EOS check or a minimum-length logits processor (llama-bench runs neither; with
@@ -27,6 +28,10 @@ tokens without an EOS check or a minimum-length logits processor (llama-bench ru
 llama-bench times prefill (``-p P``) and decode (``-n N-1 -d P+1``: the same context lengths) as
 two runs. Reported: medians over rounds, and the median of the per-round ratios to llama.cpp at
 the same precision.
+
+``--batch B`` decodes B sequences of ``--prompt`` random tokens together: the torch routes in one
+``generate`` call of B rows, llama.cpp by ``llama-batched-bench -npp P -ntg N -npl B`` (prompts not
+shared); both report aggregate tokens/s (B x tokens / time), prefill and decode.
 
 ``--instances k`` (a list, e.g. ``1,2``) runs each xlaunch route as k instances of ``xlaunch --ninstances k``
 mapping one packed file, and k llama-bench processes pinned by ``taskset`` to the same cores (from
@@ -106,6 +111,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model", help="a Hugging Face checkpoint directory (config.json + *.safetensors) instead")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
     parser.add_argument("--new-tokens", type=int, help="generated tokens (default 48, --quick 24)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1): aggregate "
+                        "tokens/s, llama.cpp by llama-batched-bench when above 1")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp (no build, no GGUF)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--lock", default="/tmp/xlaunch-bench.lock" if os.path.exists("/tmp/xlaunch-bench.lock") else "",
@@ -127,6 +134,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.new_tokens = args.new_tokens or (24 if args.quick else 48)
     if args.new_tokens < 2 or args.prompt < 1 or args.rounds < 1:
         parser.error("--new-tokens must be at least 2, --prompt and --rounds at least 1")
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, not {args.batch}")
+    if args.batch > 1 and args.instances:
+        parser.error(f"--batch {args.batch} and --instances exclude each other (one batched process, or k copies "
+                     "at batch 1)")
     if args.shape and args.model:
         parser.error("--shape and --model exclude each other")
     if args.routes:
@@ -232,7 +244,7 @@ def prepare(route: str, folder: Path, packed: Optional[Path] = None) -> Any:
     return model
 
 
-def worker(route: str, folder: Path, prompt_len: int, new_tokens: int) -> None:
+def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: int = 1) -> None:
     """Set up ``route``, warm it, then answer ``round`` (timings) and ``quit`` (peak RSS) on stdin."""
     import logging
     import warnings
@@ -254,7 +266,7 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int) -> None:
     setup_s = time.perf_counter() - start
     model.generation_config.eos_token_id = None      # exactly N tokens, no per-step EOS work (see the top)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    prompt = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompt)
 
     def generate(count: int) -> float:
@@ -268,8 +280,8 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int) -> None:
 
     def prefill() -> float:
         begin = time.perf_counter()
-        model(input_ids=prompt, attention_mask=mask)
-        return time.perf_counter() - begin
+        model(input_ids=prompt, attention_mask=mask, logits_to_keep=1)    # the last position's logits, as
+        return time.perf_counter() - begin                                  # generate's prefill and llama-bench -p
 
     try:
         with torch.inference_mode():
@@ -303,7 +315,7 @@ class Worker:
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"xlaunch-bench-llm-{route}-", suffix=".log")
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--worker", route, "--model-dir", str(folder), "--prompt", str(args.prompt),
-             "--new-tokens", str(args.new_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+             "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
             stderr=self.log)
 
     def stderr_tail(self, lines: int = 12) -> str:
@@ -364,6 +376,11 @@ def prepare_llamacpp(kinds: Sequence[str], model: _llm_model.BenchModel) -> tupl
 
 
 def measure_llamacpp(bin_dir: Path, gguf: Path, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+    if args.batch > 1:
+        text, rss = _llamacpp.run_measured(_llamacpp.batched_bench_argv(bin_dir, gguf, threads, args.prompt,
+                                                                         args.new_tokens, args.batch), "llama-batched-bench")
+        got = _llamacpp.parse_batched_bench(text)
+        return {"prefill_tps": got["prefill_tps"], "decode_tps": got["decode_tps"], "peak_rss_mib": rss}
     prefill, rss_a = _llamacpp.run_llama_bench(
         _llamacpp.llama_bench_argv(bin_dir, gguf, threads, "prefill", args.prompt, 0, repetitions=3))
     decode, rss_b = _llamacpp.run_llama_bench(
@@ -427,8 +444,8 @@ def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
                         row["status"] = answer["unavailable"]
                         print(f"    {name}: {row['status']}\n{workers[name].stderr_tail()}", flush=True)
                         continue
-                    got = {"prefill_tps": args.prompt / answer["prefill_s"],
-                           "decode_tps": (args.new_tokens - 1) / max(answer["genN_s"] - answer["gen1_s"], 1e-9)}
+                    got = {"prefill_tps": args.batch * args.prompt / answer["prefill_s"],
+                           "decode_tps": args.batch * (args.new_tokens - 1) / max(answer["genN_s"] - answer["gen1_s"], 1e-9)}
                 row["prefill_tps"].append(got["prefill_tps"])
                 row["decode_tps"].append(got["decode_tps"])
         summary = "  ".join(f"{name} {rows[name]['decode_tps'][-1]:.1f}" for name in order
@@ -463,11 +480,12 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def table(threads: int, summary: dict[str, dict[str, Any]]) -> str:
+def table(threads: int, summary: dict[str, dict[str, Any]], batch: int = 1) -> str:
     def number(value: Optional[float], form: str) -> str:
         return "" if value is None else format(value, form)
 
-    lines = [f"| route ({threads} thread{'s' if threads > 1 else ''}) | decode tok/s | vs llama.cpp | prefill tok/s "
+    what = f"{threads} thread{'s' if threads > 1 else ''}" + (f", batch {batch}: aggregate" if batch > 1 else "")
+    lines = [f"| route ({what}) | decode tok/s | vs llama.cpp | prefill tok/s "
              "| vs llama.cpp | peak RSS MiB | RSS at end MiB | first call s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in summary.items():
         if row["status"] != "ok":
@@ -507,7 +525,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             prepare(route, Path(args.model_dir), Path(args.packed) / f"{route}.xlp")
         return 0
     if args.worker:
-        worker(args.worker, Path(args.model_dir), args.prompt, args.new_tokens)
+        worker(args.worker, Path(args.model_dir), args.prompt, args.new_tokens, args.batch)
         return 0
     kinds = sorted({ROUTES[name].precision for name in args.route_names if ROUTES[name].engine == "llamacpp"},
                    key=_llamacpp.GGUF_TYPES.index)
@@ -518,7 +536,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     torch_routes = [name for name in args.route_names if ROUTES[name].engine == "torch"]
     needed = (_llm_model.need_instances(model, torch_routes, kinds, max(args.instances), args.prompt, args.new_tokens)
-              if args.instances else _llm_model.need(model, torch_routes, kinds, args.prompt, args.new_tokens))
+              if args.instances else _llm_model.need(model, torch_routes, kinds, args.prompt, args.new_tokens, args.batch))
     refused = _llm_model.footprint.refusal("bench/llm.py", model.name, needed,
                                            hint=" (try fewer --routes or a smaller --shape)")
     if refused:
@@ -528,7 +546,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return main_instances(args, model, kinds)
     description = machine()
     print(f"model: {model.name} ({model.shape.parameters() / 1e6:.1f}M parameters); routes: {', '.join(args.route_names)}; "
-          f"threads {args.threads}; {args.rounds} rounds; prompt {args.prompt}, new tokens {args.new_tokens}; "
+          f"threads {args.threads}; {args.rounds} rounds; prompt {args.prompt}, new tokens {args.new_tokens}, "
+          f"batch {args.batch}; "
           f"lock {args.lock or 'none'}", flush=True)
     folder = model_dir(model)
     llama = llamacpp_if_possible(kinds, model)
@@ -537,12 +556,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results[str(threads)] = summarize(run_threads(threads, args, folder, llama))
     print()
     for threads in args.threads:
-        print(table(threads, results[str(threads)]) + "\n")
+        print(table(threads, results[str(threads)], args.batch) + "\n")
     description["load_average_end"] = list(os.getloadavg())
     from _machine_bench import write_results
 
     write_results(description, args.json, {
         "bench": "llm", "model": model.name, "config": model.config, "prompt": args.prompt, "new_tokens": args.new_tokens,
+        "batch": args.batch,
         "rounds": args.rounds, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
         "results": results})
     return 0

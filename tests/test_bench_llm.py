@@ -59,11 +59,12 @@ def test_arguments() -> None:
     full = llm.parse_args(["--threads", "2", "--rounds", "3"])
     assert full.route_names == list(llm.ROUTES) and (full.threads, full.rounds, full.new_tokens) == ([2], 3, 48)
     chosen = llm.parse_args(["--routes", "hf-bf16,llamacpp-bf16", "--no-llamacpp", "--lock", ""])
-    assert chosen.route_names == ["hf-bf16"] and chosen.lock == ""
+    assert chosen.route_names == ["hf-bf16"] and chosen.lock == "" and chosen.batch == 1
+    assert llm.parse_args(["--batch", "4"]).batch == 4
 
 
 @pytest.mark.parametrize("argv", [["--routes", "hf-bf16,nope"], ["--threads", "0"], ["--threads", "1,x"],
-                                  ["--new-tokens", "1"]])
+                                  ["--new-tokens", "1"], ["--batch", "0"], ["--batch", "4", "--instances", "2"]])
 def test_bad_arguments_stop_with_a_message(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as stop:
         load("llm").parse_args(argv)
@@ -91,6 +92,26 @@ def test_llama_bench_command_lines_match_the_torch_measurement() -> None:
                       "-r", "2", "-o", "json"]
     prefill = llamacpp.llama_bench_argv(Path("/b"), Path("/m.gguf"), 1, "prefill", 32, 0, 3)
     assert prefill[5:11] == ["-p", "32", "-n", "0", "-d", "0"]
+
+
+BATCHED_JSONL = ('{"n_kv_max": 336, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, '
+                 '"n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 32, "tg": 48, "pl": 4, "n_kv": 320, '
+                 '"t_pp": 0.512, "speed_pp": 250.0, "t_tg": 2.4, "speed_tg": 80.0, "t": 2.912, "speed": 109.9}')
+
+
+def test_llama_batched_bench_line_and_command() -> None:
+    llamacpp = load("_llamacpp")
+    got = llamacpp.parse_batched_bench("main: loading\n" + BATCHED_JSONL + "\n")
+    assert got == {"prefill_tps": 250.0, "decode_tps": 80.0, "batch": 4, "prompt": 32, "new_tokens": 48}
+    with pytest.raises(ValueError, match="one JSON line"):
+        llamacpp.parse_batched_bench("error: failed to load model")
+    with pytest.raises(ValueError, match="got 2"):
+        llamacpp.parse_batched_bench(BATCHED_JSONL + "\n" + BATCHED_JSONL)
+    argv = llamacpp.batched_bench_argv(Path("/b"), Path("/m.gguf"), 2, 32, 48, 4)
+    assert argv[0] == "/b/llama-batched-bench" and "-pps" not in argv      # each sequence its own prompt
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    assert flags["-npp"] == "32" and flags["-ntg"] == "48" and flags["-npl"] == "4" and flags["-t"] == flags["-tb"] == "2"
+    assert int(flags["-c"]) >= 4 * (32 + 48) and flags["--output-format"] == "jsonl"
 
 
 def test_cpu_key_follows_the_flags_not_their_order() -> None:
