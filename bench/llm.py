@@ -22,7 +22,7 @@ with the llama.cpp rows (order reversed every other round; each round holds the 
 Per round, a torch route times a forward over the prompt (prefill; logits of the last position only,
 as ``generate``'s own prefill and llama-bench's ``-p`` compute) and greedy ``generate`` of
 1 and N new tokens: decode tokens/s = (N - 1) / (t_N - t_1), each t the fastest of 3 (t_1) or 2
-(t_N) runs in the round. The generation config has no EOS token, so every route makes exactly N
+(t_N) runs in the round (one of each, and one llama-bench repetition, from 1024 prompt tokens in all). The generation config has no EOS token, so every route makes exactly N
 tokens without an EOS check or a minimum-length logits processor (llama-bench runs neither; with
 ``min_new_tokens`` each step paid a ``torch.isin`` over the vocabulary).
 llama-bench times prefill (``-p P``) and decode (``-n N-1 -d P+1``: the same context lengths) as
@@ -288,16 +288,19 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
             slow = route in COMPILED
             with heartbeat("compiling") if slow else contextlib.nullcontext():
                 first_s = generate(new_tokens)       # the longest first: a static cache is sized once
-            generate(1)
-            prefill()
+            if not long_prompt(prompt_len, batch):   # a long prompt's first call has warmed every kernel
+                generate(1)
+                prefill()
             reply({"ready": True, "setup_s": setup_s, "first_call_s": first_s})
+            repeat = 1 if long_prompt(prompt_len, batch) else 3      # a long prefill is its own average
             for line in sys.stdin:
                 if line.strip() != "round":
                     break
-                prefill_s = median(prefill() for _ in range(3))
+                prefill_s = median(prefill() for _ in range(repeat))
                 # the fastest of a few runs each: one stall in a single t_1 or t_N would skew (N-1)/(t_N-t_1)
-                gen1_s = min(generate(1) for _ in range(3))
-                reply({"prefill_s": prefill_s, "gen1_s": gen1_s, "genN_s": min(generate(new_tokens) for _ in range(2))})
+                gen1_s = min(generate(1) for _ in range(repeat))
+                reply({"prefill_s": prefill_s, "gen1_s": gen1_s,
+                       "genN_s": min(generate(new_tokens) for _ in range(min(repeat, 2)))})
     except Exception as error:       # a route that breaks mid-way is reported, not fatal to the bench
         reply({"unavailable": f"failed: {type(error).__name__}: {str(error)[:300]}"})
         return
@@ -375,16 +378,22 @@ def prepare_llamacpp(kinds: Sequence[str], model: _llm_model.BenchModel) -> tupl
                      for kind in kinds}
 
 
+def long_prompt(prompt: int, batch: int) -> bool:
+    """From 1024 prompt tokens in all, a round times each prefill (and generate) once, not 3 times."""
+    return prompt * batch >= 1024
+
+
 def measure_llamacpp(bin_dir: Path, gguf: Path, threads: int, args: argparse.Namespace) -> dict[str, Any]:
     if args.batch > 1:
         text, rss = _llamacpp.run_measured(_llamacpp.batched_bench_argv(bin_dir, gguf, threads, args.prompt,
                                                                          args.new_tokens, args.batch), "llama-batched-bench")
         got = _llamacpp.parse_batched_bench(text)
         return {"prefill_tps": got["prefill_tps"], "decode_tps": got["decode_tps"], "peak_rss_mib": rss}
+    repeat = 1 if long_prompt(args.prompt, args.batch) else 3
     prefill, rss_a = _llamacpp.run_llama_bench(
-        _llamacpp.llama_bench_argv(bin_dir, gguf, threads, "prefill", args.prompt, 0, repetitions=3))
+        _llamacpp.llama_bench_argv(bin_dir, gguf, threads, "prefill", args.prompt, 0, repetitions=repeat))
     decode, rss_b = _llamacpp.run_llama_bench(
-        _llamacpp.llama_bench_argv(bin_dir, gguf, threads, "decode", args.new_tokens - 1, args.prompt + 1, 2))
+        _llamacpp.llama_bench_argv(bin_dir, gguf, threads, "decode", args.new_tokens - 1, args.prompt + 1, min(repeat, 2)))
     return {"prefill_tps": prefill["avg_ts"], "decode_tps": decode["avg_ts"], "peak_rss_mib": max(rss_a, rss_b)}
 
 
