@@ -122,7 +122,55 @@ inline V16 operator*(V16 a, V16 b) { XLAUNCH_LLM_EACH(a.v[i] * b.v[i]); }
 inline V16 operator/(V16 a, V16 b) { XLAUNCH_LLM_EACH(a.v[i] / b.v[i]); }
 inline V16 fma(V16 a, V16 b, V16 c) { XLAUNCH_LLM_EACH(a.v[i] * b.v[i] + c.v[i]); }
 inline V16 vmax(V16 a, V16 b) { XLAUNCH_LLM_EACH(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
-inline V16 vexp(V16 a) { XLAUNCH_LLM_EACH(std::exp(a.v[i])); }
+// exp(x): the AVX-512 path's method in GCC's generic vectors, which every level compiles to its own
+// vector instructions (std::exp per lane stays a scalar libm call, and a loop over lanes with the
+// selects below is not vectorized). 2^k * p(r); k rounded to nearest by adding 1.5 * 2^23 (no
+// SSE4.1 round needed); 2^k built in the exponent bits (k = 128 as 2 * 2^127). NaN and x < -87.3
+// give 0, x above 88.7 exp(88.7), as on AVX-512.
+#if defined(__AVX__)
+constexpr int kExpLanes = 8;              // one ymm register: wider generic vectors are split lane by lane
+#else
+constexpr int kExpLanes = 4;              // one xmm register (SSE2, every x86-64)
+#endif
+typedef float Floats __attribute__((vector_size(4 * kExpLanes)));
+typedef int32_t Ints __attribute__((vector_size(4 * kExpLanes)));
+
+// mask ? a : b per lane, as bit operations (GCC splits a vector ?: into scalar selects).
+inline Floats select(Ints mask, Floats a, Floats b) { return (Floats)(((Ints)a & mask) | ((Ints)b & ~mask)); }
+
+inline Floats exp_lanes(Floats x) {
+  const Floats zero = {}, low = zero - 88.0f, high = zero + 88.7f;
+  Floats a = select(x >= low, x, low);                     // NaN compares false: -88
+  a = select(a > high, high, a);
+  const Floats shifter = zero + 12582912.0f;               // 1.5 * 2^23
+  const Floats k = (a * 1.44269504089f + shifter) - shifter;
+  Floats r = a - k * 0.693145751953125f;
+  r = r - k * 1.428606765330187e-06f;
+  Floats p = zero + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  Ints exponent = __builtin_convertvector(k, Ints);
+  const Ints over = exponent > 127;                         // -1 where k = 128: 2 * 2^127
+  p = p * (__builtin_convertvector(over & 1, Floats) + 1.0f);
+  exponent = exponent + over;
+  const Floats scale = (Floats)((exponent + 127) << 23);
+  return select(x >= zero - 87.3f, p * scale, zero);
+}
+
+inline V16 vexp(V16 in) {
+  V16 out;
+  for (int i = 0; i < 16; i += kExpLanes) {
+    Floats x;
+    std::memcpy(&x, in.v + i, sizeof x);
+    const Floats e = exp_lanes(x);
+    std::memcpy(out.v + i, &e, sizeof e);
+  }
+  return out;
+}
 inline float hsum(V16 a) {   // pairwise, halving: vector adds, not 16 dependent scalar ones
   for (int width = 8; width > 0; width /= 2)
     for (int i = 0; i < width; ++i) a.v[i] += a.v[i + width];
