@@ -98,6 +98,16 @@ def test_silu_mul(path, dtype):
     close(out, g * torch.sigmoid(g) * u, dtype)
 
 
+def test_silu_mul_across_exps_whole_range(path):
+    """The kernels' own exp (one polynomial on every level) over the range it is defined on, [-88, 88.7]:
+    underflow to 0 below -87.3 included, in fp32 against float64; a NaN gate stays NaN."""
+    gate = torch.cat([torch.linspace(-88, 88.6, 4001), torch.tensor([-87.3, -87.2, 0.0, 1e-30, -1e-30])])
+    up = torch.linspace(-3, 3, gate.numel())
+    out = fused.silu_mul(torch.cat([gate, up])[None])
+    close(out[0], gate.double() * torch.sigmoid(gate.double()) * up.double(), torch.float32)
+    assert fused.silu_mul(torch.tensor([[float("nan"), 1.0]]))[0, 0].isnan()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 def test_rope_in_place_on_a_view_of_fused_qkv(path, dtype, d):
