@@ -124,8 +124,8 @@ class DecoderRuntime:
     """The packed weights, RoPE table and the forward of one optimized model (``embed`` None: the
     embedding is tied, its rows are the packed lm_head's)."""
 
-    def __init__(self, spec: DecoderSpec, dtype: "torch.dtype", embed: Optional["torch.Tensor"], layers: list[LayerWeights],
-                 final_norm: "torch.Tensor", lm_head: PackedLinear, rope: RopeTable) -> None:
+    def __init__(self, spec: DecoderSpec, dtype: "torch.dtype", embed: Optional["torch.Tensor"],
+                 layers: list[LayerWeights], final_norm: "torch.Tensor", lm_head: PackedLinear, rope: RopeTable) -> None:
         self.spec, self.dtype, self.embed, self.layers = spec, dtype, embed, layers
         self.final_norm, self.lm_head, self.rope = final_norm, lm_head, rope
         self.scale = spec.head_dim ** -0.5
