@@ -88,6 +88,20 @@ def test_rms_norm_and_the_residual_add(path, dtype):
     close(out, formula(new_res), dtype)
 
 
+def test_a_level_runs_its_own_kernels_after_another_level_ran():
+    """The operators are looked up per level: the first level a process used stayed in use for every
+    later one (the level tests then ran one level's code under another's name)."""
+    levels = [level for level in RUNNABLE if native.available(level)]
+    if len(levels) < 2:
+        pytest.skip(f"needs two built levels this CPU runs (has {', '.join(levels) or 'none'})")
+    x = torch.randn(1, 2, 2, 64)
+    cos, sin = tables(1, 2, 64, 0)
+    for level in (levels[0], levels[-1], levels[0]):
+        with native.prefer_native(level):
+            fused.rope_(x.clone(), cos, sin)
+            assert fused._kernel("rope_") is native.ops_at(level).rope_.default
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(path, dtype):
     torch.manual_seed(1)

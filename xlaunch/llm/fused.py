@@ -22,17 +22,19 @@ with needs_torch(__name__):
 
 from xlaunch.llm.native import ops  # noqa: E402
 
-_kernels: dict[str, object] = {}
+_kernels: dict[tuple[int, str], object] = {}
 
 
 def _kernel(name: str) -> Optional[object]:
-    """The compiled operator ``name`` (its OpOverload, looked up once), or None for the torch path."""
+    """The compiled operator ``name`` of the level in use (its OpOverload, looked up once per level), or
+    None for the torch path."""
     library = ops()
     if library is None:
         return None
-    kernel = _kernels.get(name)
+    key = (id(library), name)       # a process may run several levels (prefer_native, XLAUNCH_CPU_ISA)
+    kernel = _kernels.get(key)
     if kernel is None:
-        kernel = _kernels[name] = getattr(library, name).default
+        kernel = _kernels[key] = getattr(library, name).default
     return kernel
 
 
