@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace xlaunch_llm {
 namespace {
@@ -117,34 +118,50 @@ void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* sc
 inline __m256 even_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline __m256 odd_half(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u)))); }
 
-// One pass over K for R rows and C vectors of 8 channels from channel c0 (R * C accumulators: 8 for one row,
-// so that the FMA latency is hidden; 64 channels a pass for one row, 32 for two, 16 from three).
+// One pass over K for R rows (fp32, widened once per tile) and C vectors of 8 channels from channel c0:
+// R * C accumulators (8 for one row, so that the FMA latency is hidden; 64 channels a pass for one row,
+// 32 for two, 16 from three). Each weight vector is widened once per pass and serves every row; a row's
+// pair of activations is two broadcasts from memory.
 template <int R, int C>
-void bf16_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, int c0, float* out) {
+void bf16_pass(const float* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, int c0, float* out) {
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < k_pairs; ++kp) {
     const uint16_t* wp = w + kp * 2 * kBlock + 2 * c0;
-    __m256 xe[R], xo[R];
-    for (int r = 0; r < R; ++r) {
-      xe[r] = _mm256_set1_ps(bf16_bits_to_float(x[r * ldx + 2 * kp]));
-      xo[r] = _mm256_set1_ps(bf16_bits_to_float(x[r * ldx + 2 * kp + 1]));
-    }
+    __m256 e[C], o[C];
     for (int j = 0; j < C; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
-      const __m256 e = even_half(v), o = odd_half(v);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(o, xo[r], _mm256_fmadd_ps(e, xe[r], acc[r][j]));
+      e[j] = even_half(v);
+      o[j] = odd_half(v);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * kp), xo = _mm256_broadcast_ss(x + r * ldx + 2 * kp + 1);
+      for (int j = 0; j < C; ++j) acc[r][j] = _mm256_fmadd_ps(o[j], xo, _mm256_fmadd_ps(e[j], xe, acc[r][j]));
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) _mm256_storeu_ps(out + r * kBlock + c0 + 8 * j, acc[r][j]);
 }
 
+// The tile's bf16 rows widened to fp32 once (a broadcast from fp32 memory is one instruction; from a
+// bf16 value it is four, and with several rows those outnumbered the FMAs: 4 rows cost 3.5x one).
 template <int R>
 void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
   constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;
-  for (int c0 = 0; c0 < kBlock; c0 += 8 * C) bf16_pass<R, C>(x, ldx, w, k_pairs, c0, out);
+  const int64_t k = 2 * k_pairs;
+  thread_local std::vector<float> rows;
+  rows.resize(size_t(R) * k);
+  for (int r = 0; r < R; ++r) {
+    const uint16_t* src = x + r * ldx;
+    float* dst = rows.data() + r * k;
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
+    for (; i < k; ++i) dst[i] = bf16_bits_to_float(src[i]);
+  }
+  for (int c0 = 0; c0 < kBlock; c0 += 8 * C) bf16_pass<R, C>(rows.data(), k, w, k_pairs, c0, out);
 }
 
 // The weights bytes past p, one block of K later: a core streaming the weights from memory waits on each
