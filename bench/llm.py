@@ -22,7 +22,9 @@ with the llama.cpp rows (order reversed every other round; each round holds the 
 Per round, a torch route times a forward over the prompt (prefill; logits of the last position only,
 as ``generate``'s own prefill and llama-bench's ``-p`` compute) and greedy ``generate`` of
 1 and N new tokens: decode tokens/s = (N - 1) / (t_N - t_1), each t the fastest of 3 (t_1) or 2
-(t_N) runs in the round (one of each, and one llama-bench repetition, from 1024 prompt tokens in all). The generation config has no EOS token, so every route makes exactly N
+(t_N) runs in the round. From 1024 prompt tokens in all (prompt x batch), one ``generate`` a round instead,
+its tokens time-stamped by a streamer: prefill = start to first token, decode = first to last token (two
+long prefills differ by more than the N tokens take), and one llama-bench repetition. The generation config has no EOS token, so every route makes exactly N
 tokens without an EOS check or a minimum-length logits processor (llama-bench runs neither; with
 ``min_new_tokens`` each step paid a ``torch.isin`` over the vocabulary).
 llama-bench times prefill (``-p P``) and decode (``-n N-1 -d P+1``: the same context lengths) as
@@ -252,6 +254,7 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
     import torch
 
     import transformers
+    from transformers.generation.streamers import BaseStreamer
 
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -278,6 +281,26 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
             raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, not {count}")
         return seconds
 
+    def timed_generate(count: int) -> tuple[float, float]:
+        """One ``generate`` with a time stamp per token (a streamer): (start -> first token: the prefill,
+        first -> last token: N - 1 decode steps). A long prompt's prefill varies by more than N tokens
+        take, so t_N - t_1 of two separate runs would measure that variance, not the decode."""
+        stamps: list[float] = []
+
+        class Stamps(BaseStreamer):
+            def put(self, value: Any) -> None:
+                stamps.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        begin = time.perf_counter()
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=count, do_sample=False, pad_token_id=0,
+                             streamer=Stamps())
+        if out.shape[1] != prompt_len + count or len(stamps) != count + 1:    # the prompt's put, then a token's
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, not {count}")
+        return stamps[1] - begin, stamps[-1] - stamps[1]
+
     def prefill() -> float:
         begin = time.perf_counter()
         model(input_ids=prompt, attention_mask=mask, logits_to_keep=1)    # the last position's logits, as
@@ -292,15 +315,18 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
                 generate(1)
                 prefill()
             reply({"ready": True, "setup_s": setup_s, "first_call_s": first_s})
-            repeat = 1 if long_prompt(prompt_len, batch) else 3      # a long prefill is its own average
+            long = long_prompt(prompt_len, batch)
             for line in sys.stdin:
                 if line.strip() != "round":
                     break
-                prefill_s = median(prefill() for _ in range(repeat))
+                if long:      # one generate: its prefill, and its decode steps timed token by token
+                    prefill_s, decode_s = timed_generate(new_tokens)
+                    reply({"prefill_s": prefill_s, "decode_s": decode_s})
+                    continue
+                prefill_s = median(prefill() for _ in range(3))
                 # the fastest of a few runs each: one stall in a single t_1 or t_N would skew (N-1)/(t_N-t_1)
-                gen1_s = min(generate(1) for _ in range(repeat))
-                reply({"prefill_s": prefill_s, "gen1_s": gen1_s,
-                       "genN_s": min(generate(new_tokens) for _ in range(min(repeat, 2)))})
+                gen1_s = min(generate(1) for _ in range(3))
+                reply({"prefill_s": prefill_s, "gen1_s": gen1_s, "genN_s": min(generate(new_tokens) for _ in range(2))})
     except Exception as error:       # a route that breaks mid-way is reported, not fatal to the bench
         reply({"unavailable": f"failed: {type(error).__name__}: {str(error)[:300]}"})
         return
@@ -453,8 +479,9 @@ def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
                         row["status"] = answer["unavailable"]
                         print(f"    {name}: {row['status']}\n{workers[name].stderr_tail()}", flush=True)
                         continue
+                    decode_s = answer["decode_s"] if "decode_s" in answer else answer["genN_s"] - answer["gen1_s"]
                     got = {"prefill_tps": args.batch * args.prompt / answer["prefill_s"],
-                           "decode_tps": args.batch * (args.new_tokens - 1) / max(answer["genN_s"] - answer["gen1_s"], 1e-9)}
+                           "decode_tps": args.batch * (args.new_tokens - 1) / max(decode_s, 1e-9)}
                 row["prefill_tps"].append(got["prefill_tps"])
                 row["decode_tps"].append(got["decode_tps"])
         summary = "  ".join(f"{name} {rows[name]['decode_tps'][-1]:.1f}" for name in order
