@@ -182,7 +182,8 @@ def test_cache_attention(path, dtype, d, s, start, padded):
 def test_a_prefill_runs_attention_by_sdpa_and_a_few_rows_by_the_kernel(path, padded):
     """From fused.SDPA_ROWS query rows ATen's SDPA computes the attention (5x faster at 1024 rows here),
     below it the level's kernel: both against the formula, and the runtime's binding chooses the same."""
-    from xlaunch.llm.decoder import _prefill_by_sdpa
+    from xlaunch.llm.decoder import Kernels
+    from xlaunch.llm.linear import PackedLinear
 
     torch.manual_seed(7)
     b, h, g, d, start = 2, 4, 2, 64, 3
@@ -201,7 +202,7 @@ def test_a_prefill_runs_attention_by_sdpa_and_a_few_rows_by_the_kernel(path, pad
         elif path:
             assert torch.equal(out, native.ops().cache_attention(q, kc, vc, start, pad, 0.125))
         if path:
-            bound = _prefill_by_sdpa(native.ops().cache_attention)
+            bound = Kernels(native.ops(), [], PackedLinear(torch.randn(64, 64), None, "bf16")).cache_attention
             assert torch.equal(bound(q, kc, vc, start, pad, 0.125), out)
 
 

@@ -7,6 +7,7 @@ residual add and norm. About a dozen calls per layer and no allocation that grow
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -117,19 +118,8 @@ class Kernels:
         source = ops if ops is not None else fused
         self.rms_norm, self.add_rms_norm = source.rms_norm, source.add_rms_norm
         self.silu_mul, self.rope_write_cache_ = source.silu_mul, source.rope_write_cache_
-        self.cache_attention = fused.cache_attention if ops is None else _prefill_by_sdpa(ops.cache_attention)
-
-
-def _prefill_by_sdpa(native_attention: Any) -> Any:
-    """The cache kernel for a few query rows, ATen's SDPA from :data:`~xlaunch.llm.fused.SDPA_ROWS` (a prefill)."""
-    sdpa, rows = fused._torch_cache_attention, fused.SDPA_ROWS
-
-    def cache_attention(q: "torch.Tensor", keys: "torch.Tensor", values: "torch.Tensor", start: int,
-                        padding: Optional["torch.Tensor"], scale: float) -> "torch.Tensor":
-        attention = native_attention if q.shape[1] < rows else sdpa
-        return attention(q, keys, values, start, padding, scale)
-
-    return cache_attention
+        # the level's cache kernel for a few query rows, ATen's SDPA for a prefill (fused.SDPA_ROWS)
+        self.cache_attention = functools.partial(fused.attention_by_rows, None if ops is None else ops.cache_attention)
 
 
 class DecoderRuntime:

@@ -148,7 +148,13 @@ def cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.
             return cache_attention(q, k_cache[:, :, first:], v_cache[:, :, first:], start - first,
                                    None if key_padding is None else key_padding[:, first:], scale)
         return _torch_cache_attention(q, k_cache, v_cache, start, key_padding, scale, window)
-    native = _kernel("cache_attention")
+    return attention_by_rows(_kernel("cache_attention"), q, k_cache, v_cache, start, key_padding, scale)
+
+
+def attention_by_rows(native: Optional[object], q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor",
+                      start: int, key_padding: Optional["torch.Tensor"], scale: float) -> "torch.Tensor":
+    """:func:`cache_attention` without a window: the cache kernel ``native`` for fewer than :data:`SDPA_ROWS`
+    query rows, ATen's SDPA from there (and without a kernel). The decoder binds its level's kernel here."""
     if native is not None and q.shape[1] < SDPA_ROWS:
         return native(q, k_cache, v_cache, start, key_padding, scale)
     return _torch_cache_attention(q, k_cache, v_cache, start, key_padding, scale)
