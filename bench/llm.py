@@ -22,10 +22,11 @@ with the llama.cpp rows (order reversed every other round; each round holds the 
 Per round, a torch route times a forward over the prompt (prefill; logits of the last position only,
 as ``generate``'s own prefill and llama-bench's ``-p`` compute) and greedy ``generate`` of
 1 and N new tokens: decode tokens/s = (N - 1) / (t_N - t_1), each t the fastest of 3 (t_1) or 2
-(t_N) runs in the round. From 1024 prompt tokens in all (prompt x batch), one ``generate`` a round instead,
-its tokens time-stamped by a streamer: prefill = start to first token, decode = first to last token (two
-long prefills differ by more than the N tokens take), and one llama-bench repetition. The generation config has no EOS token, so every route makes exactly N
-tokens without an EOS check or a minimum-length logits processor (llama-bench runs neither; with
+(t_N) runs in the round. From 1024 prompt tokens in all (prompt x batch), one ``generate`` a round
+instead, its tokens time-stamped by a streamer: prefill = start to first token, decode = first to last
+token (two long prefills differ by more than the N tokens take), and one llama-bench repetition. The
+generation config has no EOS token, so every route makes exactly N tokens without an EOS check or a
+minimum-length logits processor (llama-bench runs neither; with
 ``min_new_tokens`` each step paid a ``torch.isin`` over the vocabulary).
 llama-bench times prefill (``-p P``) and decode (``-n N-1 -d P+1``: the same context lengths) as
 two runs. Reported: medians over rounds, and the median of the per-round ratios to llama.cpp at
@@ -272,10 +273,10 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
     prompt = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompt)
 
-    def generate(count: int) -> float:
+    def generate(count: int, streamer: Any = None) -> float:
         begin = time.perf_counter()
         out = model.generate(prompt, attention_mask=mask, max_new_tokens=count,
-                             do_sample=False, pad_token_id=0)
+                             do_sample=False, pad_token_id=0, streamer=streamer)
         seconds = time.perf_counter() - begin
         if out.shape[1] != prompt_len + count:
             raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, not {count}")
@@ -295,10 +296,9 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
                 pass
 
         begin = time.perf_counter()
-        out = model.generate(prompt, attention_mask=mask, max_new_tokens=count, do_sample=False, pad_token_id=0,
-                             streamer=Stamps())
-        if out.shape[1] != prompt_len + count or len(stamps) != count + 1:    # the prompt's put, then a token's
-            raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, not {count}")
+        generate(count, Stamps())
+        if len(stamps) != count + 1:              # the prompt's put, then one a token
+            raise RuntimeError(f"generate's streamer saw {len(stamps) - 1} new tokens, not {count}")
         return stamps[1] - begin, stamps[-1] - stamps[1]
 
     def prefill() -> float:
@@ -306,16 +306,16 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
         model(input_ids=prompt, attention_mask=mask, logits_to_keep=1)    # the last position's logits, as
         return time.perf_counter() - begin                                  # generate's prefill and llama-bench -p
 
+    long = long_prompt(prompt_len, batch)
     try:
         with torch.inference_mode():
             slow = route in COMPILED
             with heartbeat("compiling") if slow else contextlib.nullcontext():
                 first_s = generate(new_tokens)       # the longest first: a static cache is sized once
-            if not long_prompt(prompt_len, batch):   # a long prompt's first call has warmed every kernel
+            if not long:                             # a long prompt's first call has warmed every kernel
                 generate(1)
                 prefill()
             reply({"ready": True, "setup_s": setup_s, "first_call_s": first_s})
-            long = long_prompt(prompt_len, batch)
             for line in sys.stdin:
                 if line.strip() != "round":
                     break
@@ -344,8 +344,8 @@ class Worker:
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"xlaunch-bench-llm-{route}-", suffix=".log")
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--worker", route, "--model-dir", str(folder), "--prompt", str(args.prompt),
-             "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-            stderr=self.log)
+             "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, stderr=self.log)
 
     def stderr_tail(self, lines: int = 12) -> str:
         """The end of the worker's stderr (library warnings go there, shown when a route fails)."""

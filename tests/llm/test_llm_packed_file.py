@@ -1,5 +1,6 @@
 """xlaunch.llm.save_packed and from_pretrained of the packed file: identical logits in a fresh process, two
-processes (that one and this) sharing the mapped pages (smaps), and stale, truncated or malformed files refused with one line."""
+processes (that one and this) sharing the mapped pages (smaps), and stale, truncated or malformed files
+refused with one line."""
 from __future__ import annotations
 
 import json
@@ -128,7 +129,7 @@ def _rewrite(source: Path, target: Path, change) -> Path:
     """A copy of a packed file with its manifest changed (the tensors stay where they were)."""
     data = bytearray(source.read_bytes())
     length = struct.unpack("<Q", data[8:16])[0]
-    manifest = _manifest(source)
+    manifest = json.loads(data[16:16 + length])
     first = min(entry["offset"] for entry in manifest["tensors"].values())
     change(manifest)
     header = json.dumps(manifest).encode()
