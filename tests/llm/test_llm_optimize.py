@@ -161,6 +161,32 @@ def test_a_16_bit_embedding_stays_16_bit_under_fp32_activations_with_the_same_lo
     assert half.model.embed_tokens.weight.dtype == torch.bfloat16 and half.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_device_and_dtype_come_from_the_first_module(llama, dtype):
+    """Hugging Face answers ``model.device`` and ``model.dtype`` from the first parameter, and ``generate``
+    asks for ``device`` twice a token: the model's first parameter is the embedding's (empty, in the
+    activations' dtype), three modules in, not the first layer's norm after every retired projection."""
+    model = llm.optimize(clone(llama).to(torch.bfloat16), dtype=dtype, weights="int8")
+    visited = []
+
+    def walk(module, prefix=""):
+        visited.append(prefix)
+        for name, parameter in module.named_parameters(recurse=False):
+            return f"{prefix}.{name}".lstrip("."), parameter
+        for name, child in module.named_children():
+            found = walk(child, f"{prefix}.{name}")
+            if found:
+                return found
+        return None
+
+    name, first = walk(model)
+    assert name == "model.embed_tokens.activations" and len(visited) == 3
+    assert first.numel() == 0 and first.dtype == dtype and not first.requires_grad
+    assert model.dtype == dtype and model.device == torch.device("cpu")
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16       # the table: 16-bit, a buffer
+    assert next(model.parameters()) is first
+
+
 @pytest.mark.parametrize("dtype,weights", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8"),
                                            (torch.float32, "int4")])
 def test_a_tied_embedding_is_read_from_the_packed_lm_head(dtype, weights):

@@ -118,31 +118,60 @@ void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* sc
 inline __m256 even_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline __m256 odd_half(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u)))); }
 
-// One pass over K for R rows (fp32, widened once per tile) and C vectors of 8 channels from channel c0:
-// R * C accumulators (8 for one row, so that the FMA latency is hidden; 64 channels a pass for one row,
-// 32 for two, 16 from three). Each weight vector is widened once per pass and serves every row; a row's
-// pair of activations is two broadcasts from memory.
-template <int R, int C>
-void bf16_pass(const float* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, int c0, float* out) {
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+// The weights bytes past p, one block of K later: a core streaming the weights from memory waits on each
+// line otherwise (measured on a Zen 3 VM, 1 thread: INT4 decode linears about 15% faster; the hardware
+// prefetcher alone runs too short a way ahead of these kernels). Past the end of the weights it reads
+// nothing (a prefetch never faults).
+constexpr int64_t kPrefetchBytes = 8192;
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
+}
+
+// One pass over the pairs [kp0, kp1) for R rows (fp32, widened once per tile) and C vectors of 8 channels
+// from channel c0: R * C accumulators (8 for one row, so that the FMA latency is hidden; 64 channels a pass
+// for one row, 32 for two, 16 from three), added to out unless first. Each weight vector is widened once
+// per pass and serves every row; a row's pair of activations is two broadcasts from memory. Each pass asks
+// for its own channels' bytes Ahead bytes on (the next chunk's, when a tile takes several passes), so the
+// weights arrive while all the passes compute, not only the first. (A 2-D accumulator array was kept in
+// registers and also stored to the stack every step by GCC 12; the flat one with unrolled loops is not.)
+template <int R, int C, int64_t Ahead>
+void bf16_pass(const float* x, int64_t ldx, const uint16_t* w, int64_t kp0, int64_t kp1, int c0, float* out,
+               bool first) {
+  __m256 acc[R * C];
+#pragma GCC unroll 32
+  for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
     const uint16_t* wp = w + kp * 2 * kBlock + 2 * c0;
+#pragma GCC unroll 8
+    for (int line = 0; line < C; line += 2)   // two vectors of 16 bf16 a 64-byte line
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + Ahead + 32 * line, _MM_HINT_T0);
     __m256 e[C], o[C];
+#pragma GCC unroll 8
     for (int j = 0; j < C; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
       e[j] = even_half(v);
       o[j] = odd_half(v);
     }
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * kp), xo = _mm256_broadcast_ss(x + r * ldx + 2 * kp + 1);
-      for (int j = 0; j < C; ++j) acc[r][j] = _mm256_fmadd_ps(o[j], xo, _mm256_fmadd_ps(e[j], xe, acc[r][j]));
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) acc[r * C + j] = _mm256_fmadd_ps(o[j], xo, _mm256_fmadd_ps(e[j], xe, acc[r * C + j]));
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) _mm256_storeu_ps(out + r * kBlock + c0 + 8 * j, acc[r][j]);
+#pragma GCC unroll 32
+  for (int i = 0; i < R * C; ++i) {
+    float* at = out + (i / C) * kBlock + c0 + 8 * (i % C);
+    _mm256_storeu_ps(at, first ? acc[i] : _mm256_add_ps(acc[i], _mm256_loadu_ps(at)));
+  }
 }
+
+// Pairs of K per chunk when a tile takes several passes (two rows or more): 64 steps of a block's 256 bytes,
+// 16 KiB, in L1 for every pass over it. Passes over the whole of K (before) each read one line of every
+// four from memory, and the weights came in only as fast as one pass asked: on the AVX2 VM (1 thread,
+// 8192 x 2048) 4 rows took 12.7 ms against 3.8 for one row, 2 rows 7.1.
+constexpr int64_t kPassChunkPairs = 64;
 
 // The tile's bf16 rows widened to fp32 once (a broadcast from fp32 memory is one instruction; from a
 // bf16 value it is four, and with several rows those outnumbered the FMAs: 4 rows cost 3.5x one).
@@ -161,18 +190,17 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
           _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
     for (; i < k; ++i) dst[i] = bf16_bits_to_float(src[i]);
   }
-  for (int c0 = 0; c0 < kBlock; c0 += 8 * C) bf16_pass<R, C>(rows.data(), k, w, k_pairs, c0, out);
+  if (8 * C == kBlock) {   // one pass over K
+    bf16_pass<R, C, kPrefetchBytes>(rows.data(), k, w, 0, k_pairs, 0, out, true);
+    return;
+  }
+  for (int64_t kp0 = 0; kp0 < k_pairs || kp0 == 0; kp0 += kPassChunkPairs) {
+    const int64_t kp1 = std::min(k_pairs, kp0 + kPassChunkPairs);
+    for (int c0 = 0; c0 < kBlock; c0 += 8 * C)
+      bf16_pass<R, C, kPassChunkPairs * 2 * kBlock * sizeof(uint16_t)>(rows.data(), k, w, kp0, kp1, c0, out, kp0 == 0);
+  }
 }
 
-// The weights bytes past p, one block of K later: a core streaming the weights from memory waits on each
-// line otherwise (measured on a Zen 3 VM, 1 thread: INT4 decode linears about 15% faster; the hardware
-// prefetcher alone runs too short a way ahead of these kernels). Past the end of the weights it reads
-// nothing (a prefetch never faults).
-constexpr int64_t kPrefetchBytes = 8192;
-inline void prefetch_ahead(const void* p, int64_t bytes) {
-  const char* at = static_cast<const char*>(p) + kPrefetchBytes;
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
-}
 
 // Four k-rows of 32 int8 channels ([k][64] layout) regrouped so that each 32-bit lane holds one channel's
 // w[k..k+3]: out[j] holds channels 4j..4j+3 in its low 128 bits and 16+4j..16+4j+3 in its high ones.
