@@ -93,8 +93,8 @@ warm.generate(ids, max_new_tokens=4, do_sample=False)
 del warm
 gc.collect()
 baseline = hwm()
-if route == "stream":
-    model = llm.from_pretrained(big, dtype=torch.bfloat16)   # the packed bytes are the checkpoint's
+if route == "stream":   # INT8: chunks quantized and packed, the temporaries glibc would keep
+    model = llm.from_pretrained(big, dtype=torch.bfloat16, weights="int8")
 else:
     model = llm.optimize(AutoModelForCausalLM.from_pretrained(big), dtype=torch.bfloat16)
 out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
@@ -149,8 +149,9 @@ def test_streamed_load_peaks_near_the_packed_weights_plus_the_kv_cache(checkpoin
     # logs misses of CUDA-only libraries and pytree deprecations; xlaunch.llm imports it quietly first
     assert "Failed to load" not in done.stderr and "register_constant" not in done.stderr, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found["packed"] >= 0.95 * size          # bf16 packs to its own size (plus row padding)
+    assert 0.5 * size <= found["packed"] <= 0.6 * size    # bf16 to INT8: half, plus the scales
     growth = found["peak"] - found["baseline"]
-    # 1.15x, plus what glibc keeps of the freed 1 MiB read/pack chunks (its mmap threshold rises as they are
-    # freed); a mapped checkpoint (safe_open: +125 MB of file pages) or a full-precision copy breaks it
-    assert growth <= 1.15 * (found["packed"] + found["kv"]) + (24 << 20), (found, growth / found["packed"])
+    # 1.15x, plus 4 MiB: the loader gives glibc's heap back after each linear (release_free_heap); without
+    # that the freed 1 MiB read/pack chunks stayed resident, 9.5 MiB past 1.15x here (90 MiB for a 1B
+    # model); a mapped checkpoint (safe_open: +125 MB of file pages) or a full-precision copy breaks it
+    assert growth <= 1.15 * (found["packed"] + found["kv"]) + (4 << 20), (found, growth / found["packed"])

@@ -7,9 +7,11 @@ gives it the same runtime and forward as :func:`xlaunch.llm.optimize`.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from xlaunch._torch import needs_torch
 
@@ -61,6 +63,27 @@ def huge_empty(shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
     if hasattr(area, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         area.madvise(mmap.MADV_HUGEPAGE, start, rounded)
     return base[start:start + nbytes].view(dtype).reshape(tuple(shape))
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):       # not glibc (musl, macOS): nothing to call
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; elsewhere nothing).
+
+    Streaming a checkpoint frees thousands of 1 MiB temporaries; once glibc's mmap threshold has risen
+    they come from its heap, and the pages it keeps stay resident: about 90 MiB after Llama-3.2-1B's
+    shape in INT8 on the AVX2 VM (peak RSS 1700 MiB, 1608 after a trim)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _parameter(tensor: "torch.Tensor") -> "torch.nn.Parameter":

@@ -192,7 +192,7 @@ class DecoderRuntime:
         x = rms_norm(residual, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
             qkv_proj, out_proj, gate_up_proj, down_proj = kernels.linears[index]
-            q, k, v = qkv_proj(x).view(batch, length, heads + 2 * groups, dim).split(head_split, dim=2)
+            q, k, v = qkv_proj(x).view(batch, length, heads + 2 * groups, dim).split_with_sizes(head_split, dim=2)
             rope_write_cache_(q, k, v, cos, sin, cache.keys[index], cache.values[index], start)
             attended = self._attention(kernels, q, index, cache, start, padding, layer.window)
             x = add_rms_norm(out_proj(attended), residual, layer.post_attention_norm, eps)

@@ -23,7 +23,7 @@ with needs_torch(__name__):
 
 from xlaunch.llm import native  # noqa: E402
 from xlaunch.llm.api import _check, default_dtype, warn_if_bf16_is_slow  # noqa: E402
-from xlaunch.llm.assemble import Parts, huge_empty, install, skeleton  # noqa: E402
+from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
 from xlaunch.llm.decoder import embedding_table  # noqa: E402
 from xlaunch.llm.linear import (BLOCK, PackedLinear, pack_bf16, pack_channels, pack_int4, pack_int8,  # noqa: E402
                                 quantize_int4, quantize_int8)
@@ -184,6 +184,7 @@ def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dt
             else:
                 weight[where] = pack_int8(q) if kind == "int8" else pack_int4(q)
                 scales[where] = pack_channels(scale)
+    release_free_heap()     # this layer's chunks, before the next one's
     return PackedLinear.from_packed(weight, scales, bias, kind, dtype, group_size, n, k, layout)
 
 
