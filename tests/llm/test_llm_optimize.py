@@ -167,20 +167,10 @@ def test_model_device_and_dtype_come_from_the_first_module(llama, dtype):
     asks for ``device`` twice a token: the model's first parameter is the embedding's (empty, in the
     activations' dtype), three modules in, not the first layer's norm after every retired projection."""
     model = llm.optimize(clone(llama).to(torch.bfloat16), dtype=dtype, weights="int8")
-    visited = []
-
-    def walk(module, prefix=""):
-        visited.append(prefix)
-        for name, parameter in module.named_parameters(recurse=False):
-            return f"{prefix}.{name}".lstrip("."), parameter
-        for name, child in module.named_children():
-            found = walk(child, f"{prefix}.{name}")
-            if found:
-                return found
-        return None
-
-    name, first = walk(model)
-    assert name == "model.embed_tokens.activations" and len(visited) == 3
+    name, first = next(iter(model.named_parameters()))
+    owner = name.rpartition(".")[0]
+    assert name == "model.embed_tokens.activations"
+    assert [module for module, _ in model.named_modules()].index(owner) == 2    # the third module visited
     assert first.numel() == 0 and first.dtype == dtype and not first.requires_grad
     assert model.dtype == dtype and model.device == torch.device("cpu")
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16       # the table: 16-bit, a buffer
