@@ -143,20 +143,61 @@ def test_front_trains_ddp_with_each_rank_on_its_slice_and_the_scripts_own_master
     assert gave == [(0, f"front gave 127.0.0.1:{port}"), (1, f"front gave 127.0.0.1:{port}")], done.stdout
 
 
+# A torch-free rank for the plain torchrun: what ``xlaunch --per-rank`` left it (its CPUs, threads, the
+# variables the process group is made from, its parent), in one write (ranks share torchrun's pipe).
+# The DDP training itself is the front's test above: under --per-rank each rank is torchrun's own
+# worker, exec'd, with torchrun's variables passed through.
+PER_RANK_PROGRAM = """\
+import os
+cpus = [l.split(":", 1)[1].strip() for l in open("/proc/self/status") if l.startswith("Cpus_allowed_list")][0]
+e = os.environ
+os.write(1, (f"per-rank local_rank {e['LOCAL_RANK']} rank {e['RANK']} world {e['WORLD_SIZE']} cpus {cpus} "
+             f"omp {e.get('OMP_NUM_THREADS')} master {e.get('MASTER_ADDR')}:{e.get('MASTER_PORT')} "
+             f"run {e.get('TORCHELASTIC_RUN_ID')} ppid {os.getppid()} pid {os.getpid()}\\n").encode())
+"""
+PER_RANK_LINE = re.compile(r"per-rank local_rank (\d+) rank (\d+) world (\d+) cpus (\S+) omp (\S+) master (\S+) "
+                           r"run (\S+) ppid (\d+) pid (\d+)\n")
+
+
 def test_plain_torchrun_with_per_rank_ranks(tmp_path: Path) -> None:
+    """``torchrun --no-python xlaunch --per-rank PROGRAM``: each of torchrun's workers becomes PROGRAM
+    (exec'd: torchrun's agent is its parent) on its own slice of the front's plan, with one thread per
+    CPU of it (torchrun's default of 1 dropped) and torchrun's process-group variables as they were."""
     # an ``xlaunch`` console script of this checkout, found on PATH as a user's would be
     script = tmp_path / "xlaunch"
     script.write_text(f"#!{sys.executable}\nimport sys\nfrom xlaunch.launcher.cli.command import main\nsys.exit(main())\n")
     script.chmod(0o755)
+    program = tmp_path / "rank.py"
+    program.write_text(PER_RANK_PROGRAM)
     env = job_env()
     env["PATH"] = f"{tmp_path}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
-    expected = planned_ranks("--nproc-per-node", "2", TRAIN)
+    expected = planned_ranks("--nproc-per-node", "2", str(program))
+    assert len(expected) == 2 and not set(expected[0]["cpus"]) & set(expected[1]["cpus"])
+    port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--no-python", "xlaunch", "--per-rank",
-               TRAIN, "--ddp", "--steps", "2"]
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    check_ddp(done.stdout, expected)
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--no-python", "xlaunch", "--per-rank",
+               str(program)]
+    torchrun = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = torchrun.communicate(timeout=120)
+    finally:
+        if torchrun.poll() is None:
+            torchrun.kill()
+            torchrun.wait()
+    assert torchrun.returncode == 0, err
+    names = ("local_rank", "rank", "world", "cpus", "omp", "master", "run", "ppid", "pid")
+    ranks = {int(m.group(1)): dict(zip(names, m.groups())) for m in PER_RANK_LINE.finditer(out)}
+    assert sorted(ranks) == [0, 1], out
+    for local, fields in ranks.items():
+        planned = expected[local]
+        assert fields["rank"] == str(local) and fields["world"] == "2", fields
+        assert fields["cpus"] == format_cpulist(planned["cpus"]), (fields, planned["cpus"])
+        assert fields["omp"] == str(len(planned["cpus"])), fields        # not torchrun's 1
+    # one rendezvous for both (where DDP's process group would meet), and both are torchrun's own workers
+    assert len({(f["master"], f["run"]) for f in ranks.values()}) == 1, ranks
+    assert ranks[0]["master"].rsplit(":", 1)[1].isdigit() and ranks[0]["run"] != "None", ranks
+    assert {int(f["ppid"]) for f in ranks.values()} == {torchrun.pid}, ranks     # exec'd, no process between
+    assert wait_gone([int(f["pid"]) for f in ranks.values()], 2.0) == []
 
 
 def prefixed(output: str) -> list[tuple[int, str]]:
