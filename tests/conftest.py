@@ -34,6 +34,10 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # and tests/nn/test_nn_merged took 186 s (100 s of CPU) with the default policy, 22 s (20 s) with
 # PASSIVE. A test that wants another policy sets its own (children inherit this one).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# xlaunch.llm's measured kernel choice would time kernels against ATen's GEMM in any test that runs
+# 16 rows or more on a CPU with native bf16, and then test ATen's path instead of the kernels: the
+# kernels always run in tests (and their children); tests/llm/test_llm_kernel_choice.py opts in.
+os.environ.setdefault("XLAUNCH_LLM_DENSE_ROWS", "off")
 
 VENV_PREFIX = Path(sys.prefix)
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -9,6 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kernel_levels import use_level  # noqa: E402
+
 from xlaunch.llm import native  # noqa: E402
 from xlaunch.llm.linear import (PackedLinear, activation_block, dequantize, quantize_int4,  # noqa: E402
                                 quantize_int8, round_activations)
@@ -16,16 +18,6 @@ from xlaunch.llm.linear import (PackedLinear, activation_block, dequantize, quan
 pytestmark = pytest.mark.torch
 F = torch.nn.functional
 LAYOUTS = ("native", "aten")
-
-
-def use_level(level: str):
-    """Within the block the kernels of ``level`` run (skipped: this CPU cannot, or not built)."""
-    if level not in native.runnable_levels():
-        pytest.skip(f"this CPU cannot execute the {level} kernels")
-    if native.ops_at(level) is None:
-        pytest.skip(f"the xlaunch.llm {level} kernels are not built (python -m xlaunch.llm.native)")
-    assert native.ops_at(level).compiled_isa() == level
-    return native.prefer_native(level)
 
 
 @pytest.fixture(params=native.LEVELS)

@@ -23,6 +23,7 @@ with needs_torch(__name__):
 # transformers' torchao quantizer imports torchao, whose import logs CUDA-only misses: import it quietly first
 import_quietly("transformers.quantizers.auto", "torchao.quantization", chain=True)   # no transformers: no torchao
 
+from xlaunch.llm import footprint  # noqa: E402
 from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
 from xlaunch.llm.decoder import (DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding,  # noqa: E402
                                  embedding_table, make_forward)
@@ -33,7 +34,7 @@ __all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "is_optimized"]
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 WEIGHTS = (None, "int8", "int4")
 MARK = "_xlaunch_llm"
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")   # the CPU flags of native bf16 dot products
+BF16_FLAGS = footprint.BF16_FLAGS
 
 
 def native_bf16() -> bool:
@@ -42,9 +43,7 @@ def native_bf16() -> bool:
     Without them bf16 activations are the slowest route (every product widened to fp32 first), so
     :func:`optimize` defaults to fp32 activations there and warns when bf16 is asked for.
     """
-    from xlaunch.machine import current_machine
-
-    return any(flag in current_machine().isa.flags for flag in BF16_FLAGS)
+    return footprint.native_bf16()
 
 
 def default_dtype() -> Any:

@@ -25,7 +25,7 @@ HUGE_PAGE = 2 * MiB
 BLOCK = 64                                # output channels per native block (xlaunch/llm/linear.py)
 TORCH_PROCESS_BYTES = 450 * MiB           # python + torch + transformers imported, before any model
 BYTES = {"fp32": 4, "bf16": 2}
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # as xlaunch.llm.api.BF16_FLAGS (that module imports torch)
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU flags of native bf16 dot products
 LOAD_CHUNK_BYTES = 1 << 20                # xlaunch.llm.loader.CHUNK_BYTES
 
 
@@ -90,11 +90,16 @@ def activation_bytes(shape: Shape, tokens: int, batch: int = 1) -> int:
     return 4 * batch * tokens * (shape.vocab + width)
 
 
-def default_activations() -> str:
-    """``xlaunch.llm.default_dtype()`` without torch: "bf16" where the CPU has native bf16 dot products, else "fp32"."""
+def native_bf16() -> bool:
+    """Whether this CPU has native bf16 dot products (AVX512_BF16 or AMX_BF16), from the machine model."""
     from xlaunch.machine import current_machine
 
-    return "bf16" if any(flag in current_machine().isa.flags for flag in BF16_FLAGS) else "fp32"
+    return any(flag in current_machine().isa.flags for flag in BF16_FLAGS)
+
+
+def default_activations() -> str:
+    """``xlaunch.llm.default_dtype()`` without torch: "bf16" where the CPU has native bf16 dot products, else "fp32"."""
+    return "bf16" if native_bf16() else "fp32"
 
 
 def streamed_load_bytes(shape: Shape, dtype: str) -> int:

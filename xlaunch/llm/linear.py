@@ -25,6 +25,7 @@ from bf16 activations (8 rows or more) stays exact.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional, Sequence
 
 from xlaunch._torch import needs_torch
@@ -33,7 +34,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
-from xlaunch.llm import native  # noqa: E402
+from xlaunch.llm import kernel_choice, native  # noqa: E402
 
 KINDS = ("fp32", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -148,6 +149,21 @@ def unpack_channels(packed: "torch.Tensor", n: int) -> "torch.Tensor":
     if packed.dim() == 2:
         return packed.reshape(-1)[:n]
     return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+
+
+_widening = threading.local()
+
+
+def reused_buffer(n: int, k: int, dtype: "torch.dtype") -> "torch.Tensor":
+    """This thread's ``[n, k]`` buffer of ``dtype`` for a widened weight: one per thread and dtype, grown to the
+    largest asked and kept (the 1B shape's gate/up: 64 MiB in bf16). A fresh tensor each call would cost
+    more in first-touch page faults than the widening itself (a new 32 MiB took 37 ms to fill on the AVX2
+    VM, one thread; a reused one is written at memory speed)."""
+    buffers = _widening.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < n * k:
+        buffer = buffers[dtype] = torch.empty(n * k, dtype=dtype)
+    return buffer[:n * k].view(n, k)
 
 
 class PackedLinear(nn.Module):
@@ -287,20 +303,47 @@ class PackedLinear(nn.Module):
     def bound(self, ops: Optional[object]) -> Callable[["torch.Tensor"], "torch.Tensor"]:
         """A function computing :meth:`forward` for inputs in ``self.dtype``, with the checks done now.
 
-        With the kernels (``ops``, from :func:`xlaunch.llm.native.ops`) and the native layout it is
-        the operator itself with the weights bound; else :meth:`forward`.
+        With the kernels (``ops``, from :func:`xlaunch.llm.native.ops`) and the native layout it is the
+        operator with the weights bound, routed by :func:`xlaunch.llm.kernel_choice.routed` (calls of many
+        rows to ATen's GEMM where that measured faster); else :meth:`forward`.
         """
         if ops is None or self.layout != "native" or self.kind == "fp32":
             return self.forward
         weight, scales, bias, n = self.weight, self.scales, self.bias, self.out_features
         if self.kind == "bf16":
             bf16_linear = ops.bf16_linear
-            return lambda x: bf16_linear(x, weight, bias, n)
-        if self.kind == "int8":
+            kernel = lambda x: bf16_linear(x, weight, bias, n)   # noqa: E731
+        elif self.kind == "int8":
             int8_linear = ops.int8_linear
-            return lambda x: int8_linear(x, weight, scales, bias, n)
-        int4_linear, group = ops.int4_linear, self.group_size
-        return lambda x: int4_linear(x, weight, scales, bias, n, group)
+            kernel = lambda x: int8_linear(x, weight, scales, bias, n)   # noqa: E731
+        else:
+            int4_linear, group = ops.int4_linear, self.group_size
+            kernel = lambda x: int4_linear(x, weight, scales, bias, n, group)   # noqa: E731
+        return kernel_choice.routed(self.kind, n, self.in_features, self.group_size, kernel, self.dense_forward)
+
+    def widened_weight(self, dtype: "torch.dtype", reuse: bool = False) -> "torch.Tensor":
+        """The weight as a dense ``[N, K]`` tensor in ``dtype``: bf16 weights as stored, int8/int4 ones as their
+        integers times their scales (in fp32, rounded once to ``dtype``: :meth:`dense_weight` in ``dtype``).
+        A native layer is widened by the kernels' ``widen_weight_`` (parallel over its blocks) when loaded;
+        ``reuse``: into this thread's :func:`reused_buffer` (valid until its next widening), else a new tensor."""
+        n, k = self.out_features, self.in_features
+        if self.kind == "fp32" or (self.kind == "bf16" and self.layout == "aten"):
+            return self.weight.to(dtype)
+        ops = native.ops()
+        if self.layout == "native" and dtype in (torch.bfloat16, torch.float32) and hasattr(ops, "widen_weight_"):
+            out = reused_buffer(n, k, dtype) if reuse else torch.empty(n, k, dtype=dtype)
+            ops.widen_weight_(out, self.weight, self.scales, self.group_size)
+            return out
+        if self.kind == "bf16":
+            return unpack_bf16(self.weight, n, k).to(dtype).contiguous()
+        return dequantize(*self.quantized()).to(dtype)
+
+    def dense_forward(self, x: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tensor":
+        """``x @ W.T + b`` by ATen's GEMM in ``dtype`` on :meth:`widened_weight` (widened for this call into
+        this thread's reused buffer), returned in ``x``'s dtype: :mod:`xlaunch.llm.kernel_choice`'s route
+        for many rows."""
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(x.to(dtype), self.widened_weight(dtype, reuse=True), bias).to(x.dtype)
 
     def _native(self, ops: object, x: "torch.Tensor") -> "torch.Tensor":
         """The kernels on ``x`` of any float dtype: bf16 weights take bf16, the others bf16 or fp32."""
