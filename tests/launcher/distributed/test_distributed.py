@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from host_cpus import need_cpus
 from processes import free_port, leftovers, running, wait_gone
 
 from xlaunch.cpulist import format_cpulist, parse_cpulist
@@ -171,6 +172,7 @@ def test_plain_torchrun_with_per_rank_ranks(tmp_path: Path) -> None:
     program.write_text(PER_RANK_PROGRAM)
     env = job_env()
     env["PATH"] = f"{tmp_path}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
+    need_cpus(2)                                # a slice of its own for each rank
     expected = planned_ranks("--nproc-per-node", "2", str(program))
     assert len(expected) == 2 and not set(expected[0]["cpus"]) & set(expected[1]["cpus"])
     port = free_port()
