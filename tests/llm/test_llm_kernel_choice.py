@@ -21,10 +21,10 @@ ENV = kernel_choice.ENV
 @pytest.fixture(autouse=True)
 def isolated(monkeypatch, tmp_path):
     """A cache file of the test's own, nothing remembered from other tests, the choice automatic."""
-    monkeypatch.setattr(kernel_choice, "cache_file", lambda: tmp_path / "choice" / "machine.json")
+    monkeypatch.setattr(kernel_choice, "cache_file", lambda level: tmp_path / "choice" / f"{level}.json")
     monkeypatch.setenv(ENV, "auto")
     kernel_choice.forget()
-    yield tmp_path / "choice" / "machine.json"
+    yield tmp_path / "choice" / "avx2.json"
     kernel_choice.forget()
 
 
@@ -82,7 +82,7 @@ def test_a_forced_row_count_routes_by_rows_on_any_cpu(monkeypatch):
     monkeypatch.setenv(ENV, "24")
     monkeypatch.setattr(footprint, "native_bf16", lambda: False)
     kernel, dense, calls = routes()
-    linear = kernel_choice.routed("int8", 32, 8, 0, kernel, dense)
+    linear = kernel_choice.routed("avx2", "int8", 32, 8, 0, kernel, dense)
     linear(torch.zeros(23, 8))
     linear(torch.zeros(2, 12, 8))           # 24 rows in a batch of 2
     linear(torch.zeros(30, 8, dtype=torch.bfloat16))
@@ -94,24 +94,24 @@ def test_bf16_activations_multiply_in_bf16_only_where_the_cpu_has_native_bf16(mo
     for native_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(footprint, "native_bf16", lambda: native_bf16)
         kernel, dense, calls = routes()
-        kernel_choice.routed("bf16", 32, 8, 0, kernel, dense)(torch.zeros(4, 8, dtype=torch.bfloat16))
+        kernel_choice.routed("avx2", "bf16", 32, 8, 0, kernel, dense)(torch.zeros(4, 8, dtype=torch.bfloat16))
         assert calls == [("dense", 4, expected)]
 
 
 def test_off_and_a_cpu_without_native_bf16_keep_the_kernel_itself(monkeypatch):
     kernel, dense, _ = routes()
     monkeypatch.setattr(footprint, "native_bf16", lambda: False)
-    assert kernel_choice.routed("bf16", 32, 8, 0, kernel, dense) is kernel        # auto: nothing to measure
+    assert kernel_choice.routed("avx2", "bf16", 32, 8, 0, kernel, dense) is kernel        # auto: nothing to measure
     monkeypatch.setattr(footprint, "native_bf16", lambda: True)
     monkeypatch.setenv(ENV, "off")
-    assert kernel_choice.routed("bf16", 32, 8, 0, kernel, dense) is kernel
+    assert kernel_choice.routed("avx2", "bf16", 32, 8, 0, kernel, dense) is kernel
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "fast", "1.5"])
 def test_a_bad_setting_names_the_variable(monkeypatch, value):
     monkeypatch.setenv(ENV, value)
     with pytest.raises(ValueError, match=f"^{ENV}=.*expected auto, off or a positive row count"):
-        kernel_choice.routed("bf16", 32, 8, 0, *routes()[:2])
+        kernel_choice.routed("avx2", "bf16", 32, 8, 0, *routes()[:2])
 
 
 def test_one_measurement_per_shape_then_the_cache_file(monkeypatch, isolated):
@@ -124,7 +124,7 @@ def test_one_measurement_per_shape_then_the_cache_file(monkeypatch, isolated):
 
     monkeypatch.setattr(kernel_choice, "measure", measure)
     kernel, dense, calls = routes()
-    linear = kernel_choice.routed("int4", 48, 8, 32, kernel, dense)
+    linear = kernel_choice.routed("avx2", "int4", 48, 8, 32, kernel, dense)
     for rows in (8, 15, 16, 40, 31, 32, 40):          # below 16: no measurement; then one for the shape
         linear(torch.zeros(rows, 8, dtype=torch.bfloat16))
     assert measured == [(48, 8, torch.bfloat16)]
@@ -136,8 +136,23 @@ def test_one_measurement_per_shape_then_the_cache_file(monkeypatch, isolated):
     kernel_choice.forget()                             # a new process: the file answers, nothing is timed
     monkeypatch.setattr(kernel_choice, "measure", lambda *a, **k: pytest.fail("measured again"))
     kernel, dense, calls = routes()
-    kernel_choice.routed("int4", 48, 8, 32, kernel, dense)(torch.zeros(33, 8, dtype=torch.bfloat16))
+    kernel_choice.routed("avx2", "int4", 48, 8, 32, kernel, dense)(torch.zeros(33, 8, dtype=torch.bfloat16))
     assert calls == [("dense", 33, torch.bfloat16)]
+
+
+def test_each_kernel_level_is_measured_for_itself(monkeypatch, isolated):
+    """A threshold measured with one level's kernels (and kept in that level's file) is not another's."""
+    monkeypatch.setattr(footprint, "native_bf16", lambda: True)
+    answers = iter([32, None])
+    monkeypatch.setattr(kernel_choice, "measure", lambda *a, **k: next(answers))
+    taken = []
+    for level in ("avx2", "baseline"):
+        kernel, dense, calls = routes()
+        kernel_choice.routed(level, "bf16", 16, 8, 0, kernel, dense)(torch.zeros(40, 8, dtype=torch.bfloat16))
+        taken.append(calls[0][0])
+    assert taken == ["dense", "kernel"]
+    assert [list(json.loads((isolated.parent / f"{level}.json").read_text()).values()) for level in ("avx2", "baseline")] \
+        == [[32], [None]]
 
 
 @pytest.mark.parametrize("content", [b"not json", b"[1, 2]", b'{"a": "x", "b": -4}', b"\xff" * 10])
@@ -147,7 +162,7 @@ def test_a_malformed_cache_file_is_measured_again_and_rewritten(monkeypatch, iso
     isolated.write_bytes(content)
     monkeypatch.setattr(kernel_choice, "measure", lambda *a, **k: None)
     kernel, dense, calls = routes()
-    kernel_choice.routed("bf16", 16, 8, 0, kernel, dense)(torch.zeros(20, 8, dtype=torch.bfloat16))
+    kernel_choice.routed("avx2", "bf16", 16, 8, 0, kernel, dense)(torch.zeros(20, 8, dtype=torch.bfloat16))
     assert calls == [("kernel", 20)]
     assert list(json.loads(isolated.read_text()).values()) == [None]
 
@@ -158,16 +173,16 @@ def test_a_special_file_or_a_symlinked_folder_is_never_written_through(monkeypat
     isolated.parent.mkdir(parents=True)
     os.mkfifo(isolated)
     kernel, dense, calls = routes()
-    kernel_choice.routed("bf16", 16, 8, 0, kernel, dense)(torch.zeros(20, 8, dtype=torch.bfloat16))
+    kernel_choice.routed("avx2", "bf16", 16, 8, 0, kernel, dense)(torch.zeros(20, 8, dtype=torch.bfloat16))
     assert calls == [("dense", 20, torch.bfloat16)] and not isolated.is_file()      # the FIFO stays as it was
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     linked = tmp_path / "linked"
     linked.symlink_to(elsewhere)
-    monkeypatch.setattr(kernel_choice, "cache_file", lambda: linked / "machine.json")
+    monkeypatch.setattr(kernel_choice, "cache_file", lambda level: linked / f"{level}.json")
     kernel_choice.forget()
-    kernel_choice.routed("bf16", 16, 8, 0, *routes()[:2])(torch.zeros(20, 8, dtype=torch.bfloat16))
+    kernel_choice.routed("avx2", "bf16", 16, 8, 0, *routes()[:2])(torch.zeros(20, 8, dtype=torch.bfloat16))
     assert list(elsewhere.iterdir()) == []
 
 
@@ -180,7 +195,8 @@ def test_a_real_measurement_picks_a_route_and_keeps_it(monkeypatch, isolated):
     linear = layer.bound(native.ops())
     y = linear(torch.randn(20, 64, dtype=torch.bfloat16))
     assert y.shape == (20, 64)
-    (key, found), = json.loads(isolated.read_text()).items()
+    cache = isolated.parent / f"{native.ops().compiled_isa()}.json"      # the level this CPU runs
+    (key, found), = json.loads(cache.read_text()).items()
     assert key.startswith("bf16:64x64:g0:bfloat16:") and found in (None, *kernel_choice.PROBE_ROWS)
 
 

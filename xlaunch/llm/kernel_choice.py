@@ -24,6 +24,7 @@ unmeasured, on any CPU).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -55,8 +56,8 @@ Dense = Callable[["torch.Tensor", "torch.dtype"], "torch.Tensor"]
 Timer = Callable[[Linear, "torch.Tensor"], float]
 
 _lock = threading.Lock()
-_known: dict[str, Optional[int]] = {}     # shape key -> threshold (None: never dense)
-_loaded: set[str] = set()                 # cache files read into _known
+_known: dict[str, dict[str, Optional[int]]] = {}   # kernel level -> shape key -> threshold (None: never)
+_loaded: set[str] = set()                          # levels whose cache file was read into _known
 
 
 def mode() -> Union[str, int]:
@@ -73,19 +74,20 @@ def shape_key(kind: str, n: int, k: int, group_size: int, dtype: "torch.dtype", 
     return f"{kind}:{n}x{k}:g{group_size if kind == 'int4' else 0}:{str(dtype).removeprefix('torch.')}:t{threads}"
 
 
-def fingerprint() -> str:
-    """What a measurement holds for: the CPU (model and flags), the kernels' level and build, torch."""
+@functools.lru_cache(maxsize=None)
+def fingerprint(level: str) -> str:
+    """What a measurement holds for: the CPU (model and flags), the kernels' ``level`` and its build, torch."""
     from xlaunch.machine import current_machine
 
     isa = current_machine().isa
-    level = native.level() or "none"
-    build = native.LIBRARY.build_key(level) if level != "none" else "-"
-    text = "\0".join([isa.model_name or "", " ".join(sorted(isa.flags)), level, build, torch.__version__])
+    text = "\0".join([isa.model_name or "", " ".join(sorted(isa.flags)), level, native.LIBRARY.build_key(level),
+                      torch.__version__])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def cache_file() -> Path:
-    return cache_root() / CACHE_SUBDIR / f"{fingerprint()}.json"
+def cache_file(level: str) -> Path:
+    """The cache of the thresholds measured with ``level``'s kernels on this machine."""
+    return cache_root() / CACHE_SUBDIR / f"{fingerprint(level)}.json"
 
 
 def _read_cache(path: Path) -> dict[str, Optional[int]]:
@@ -142,34 +144,37 @@ def measure(kernel: Linear, dense: Linear, n: int, k: int, dtype: "torch.dtype",
     return found
 
 
-def threshold(key: str, kernel: Linear, dense: Linear, n: int, k: int, dtype: "torch.dtype") -> Optional[int]:
-    """The dense route's row threshold for ``key``: forced, known, cached on disk, or measured now."""
+def threshold(level: str, key: str, kernel: Linear, dense: Linear, n: int, k: int,
+              dtype: "torch.dtype") -> Optional[int]:
+    """The dense route's row threshold for ``key`` with ``level``'s kernels: forced, known, cached on disk,
+    or measured now."""
     forced = mode()
     if forced == "off":
         return None
     if isinstance(forced, int):
         return forced
-    if key in _known:
-        return _known[key]
+    known = _known.setdefault(level, {})
+    if key in known:
+        return known[key]
     with _lock:
-        if key in _known:
-            return _known[key]
-        path = cache_file()
-        if str(path) not in _loaded:
-            _known.update(_read_cache(path))
-            _loaded.add(str(path))
-            if key in _known:
-                return _known[key]
-        print(f"xlaunch.llm: timing the packed kernel against ATen's GEMM for {key} (once on this machine)",
+        if key in known:
+            return known[key]
+        path = cache_file(level)
+        if level not in _loaded:
+            known.update(_read_cache(path))
+            _loaded.add(level)
+            if key in known:
+                return known[key]
+        print(f"xlaunch.llm: timing the {level} kernel against ATen's GEMM for {key} (once on this machine)",
               file=sys.stderr, flush=True)
         found = measure(kernel, dense, n, k, dtype)
-        _known[key] = found
+        known[key] = found
         _write_cache(path, {key: found})
         return found
 
 
-def routed(kind: str, n: int, k: int, group_size: int, kernel: Linear, dense: Dense) -> Linear:
-    """A function sending calls of enough rows to ``dense`` (given the dtype to multiply in: bf16 for bf16
+def routed(level: str, kind: str, n: int, k: int, group_size: int, kernel: Linear, dense: Dense) -> Linear:
+    """For ``kernel`` of ``level``: a function sending calls of enough rows to ``dense`` (given the dtype to multiply in: bf16 for bf16
     activations where the CPU has native bf16, else fp32) once the measured or forced threshold says so,
     the others to ``kernel``; ``kernel`` itself when nothing is to choose (no extra call): the choice is off,
     or automatic on a CPU without native bf16."""
@@ -186,7 +191,7 @@ def routed(kind: str, n: int, k: int, group_size: int, kernel: Linear, dense: De
         count = x.numel() // k
         if count >= least:
             key = shape_key(kind, n, k, group_size, x.dtype, torch.get_num_threads())
-            rows = threshold(key, kernel, by_gemm, n, k, x.dtype)
+            rows = threshold(level, key, kernel, by_gemm, n, k, x.dtype)
             if rows is not None and count >= rows:
                 return by_gemm(x)
         return kernel(x)

@@ -319,7 +319,8 @@ class PackedLinear(nn.Module):
         else:
             int4_linear, group = ops.int4_linear, self.group_size
             kernel = lambda x: int4_linear(x, weight, scales, bias, n, group)   # noqa: E731
-        return kernel_choice.routed(self.kind, n, self.in_features, self.group_size, kernel, self.dense_forward)
+        level = str(ops.compiled_isa()) if hasattr(ops, "compiled_isa") else "unknown"
+        return kernel_choice.routed(level, self.kind, n, self.in_features, self.group_size, kernel, self.dense_forward)
 
     def widened_weight(self, dtype: "torch.dtype", reuse: bool = False) -> "torch.Tensor":
         """The weight as a dense ``[N, K]`` tensor in ``dtype``: bf16 weights as stored, int8/int4 ones as their
