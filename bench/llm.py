@@ -315,7 +315,9 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
             if not long:                             # a long prompt's first call has warmed every kernel
                 generate(1)
                 prefill()
-            reply({"ready": True, "setup_s": setup_s, "first_call_s": first_s})
+            choice = sys.modules.get("xlaunch.llm.kernel_choice")     # an xlaunch route's measured choice
+            reply({"ready": True, "setup_s": setup_s, "first_call_s": first_s,
+                   "dense_rows": choice.thresholds() if choice else {}})
             for line in sys.stdin:
                 if line.strip() != "round":
                     break
@@ -333,6 +335,14 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
     status = Path("/proc/self/status").read_text()
     fields = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))}
     reply({"peak_rss_mib": fields.get("VmHWM", 0) / 1024, "rss_mib": fields.get("VmRSS", 0) / 1024})
+
+
+def dense_rows_lines(dense_rows: dict[str, dict[str, Optional[int]]]) -> list[str]:
+    """One line per kernel level of what xlaunch.llm.kernel_choice chose in a worker: per weight shape,
+    the row count from which ATen's GEMM ran (or never)."""
+    return [f"ATen's GEMM against the {level} kernels: " + ", ".join(
+        f"{key.split(':')[1]} {'never' if rows is None else f'from {rows} rows'}" for key, rows in sorted(known.items()))
+        for level, known in sorted(dense_rows.items())]
 
 
 # -- the orchestrator ------------------------------------------------------------------------------
@@ -445,9 +455,11 @@ def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
             continue
         print(f"      ready: load+optimize {ready['setup_s']:.1f} s, first generate {ready['first_call_s']:.1f} s",
               flush=True)
+        for line in dense_rows_lines(ready.get("dense_rows", {})):
+            print(f"      {line}", flush=True)
         workers[name] = worker_
         rows[name] = {"status": "ok", "setup_s": ready["setup_s"], "first_call_s": ready["first_call_s"],
-                      "prefill_tps": [], "decode_tps": [], "peak_rss_mib": 0.0}
+                      "dense_rows": ready.get("dense_rows", {}), "prefill_tps": [], "decode_tps": [], "peak_rss_mib": 0.0}
     for name in args.route_names:
         if ROUTES[name].engine == "llamacpp":
             rows[name] = ({"status": "ok", "prefill_tps": [], "decode_tps": [], "peak_rss_mib": 0.0} if llama
@@ -510,7 +522,7 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "decode_vs_llamacpp": paired_ratio(row["decode_tps"], peer["decode_tps"]) if peer_ok else None,
             "prefill_vs_llamacpp": paired_ratio(row["prefill_tps"], peer["prefill_tps"]) if peer_ok else None,
             "peak_rss_mib": row["peak_rss_mib"],
-            **{key: row[key] for key in ("end_rss_mib", "setup_s", "first_call_s") if key in row},
+            **{key: row[key] for key in ("end_rss_mib", "setup_s", "first_call_s", "dense_rows") if key in row},
             "decode_rounds": row["decode_tps"], "prefill_rounds": row["prefill_tps"],
         }
     return out

@@ -125,7 +125,8 @@ def test_summary_ratios_pair_rounds_with_the_same_precision() -> None:
     llm = load("llm")
     rows = {
         "hf-bf16": {"status": "ok", "decode_tps": [50.0, 40.0, 60.0], "prefill_tps": [400.0, 300.0, 500.0],
-                    "peak_rss_mib": 900.0, "end_rss_mib": 700.0, "first_call_s": 1.0},
+                    "peak_rss_mib": 900.0, "end_rss_mib": 700.0, "first_call_s": 1.0,
+                    "dense_rows": {"amx": {"bf16:2048x2048:g0:bfloat16:t16": 128, "bf16:8192x2048:g0:bfloat16:t16": None}}},
         "torchao-int8": {"status": "ok", "decode_tps": [70.0, 70.0, 70.0], "prefill_tps": [100.0] * 3,
                          "peak_rss_mib": 1200.0},
         "xlaunch-int8": {"status": "unavailable: not there"},
@@ -142,6 +143,10 @@ def test_summary_ratios_pair_rounds_with_the_same_precision() -> None:
     assert "| hf-bf16 | 50.0 | 0.50 | 400 | 0.50 | 900 | 700 | 1.0 |" in text
     assert "| llamacpp-bf16 | 100.0 |  | 800 |  | 400 |  |  |" in text
     assert "| xlaunch-int8 | unavailable: not there |" in text
+    assert summary["hf-bf16"]["dense_rows"] == rows["hf-bf16"]["dense_rows"]       # into --json as measured
+    assert llm.dense_rows_lines(summary["hf-bf16"]["dense_rows"]) == [
+        "ATen's GEMM against the amx kernels: 2048x2048 from 128 rows, 8192x2048 never"]
+    assert llm.dense_rows_lines({}) == []
 
 
 def test_a_bad_or_too_big_shape_is_refused_in_one_line_before_anything_starts(tmp_path: Path) -> None:

@@ -151,6 +151,8 @@ def test_each_kernel_level_is_measured_for_itself(monkeypatch, isolated):
         kernel_choice.routed(level, "bf16", 16, 8, 0, kernel, dense)(torch.zeros(40, 8, dtype=torch.bfloat16))
         taken.append(calls[0][0])
     assert taken == ["dense", "kernel"]
+    key = kernel_choice.shape_key("bf16", 16, 8, 0, torch.bfloat16, torch.get_num_threads())
+    assert kernel_choice.thresholds() == {"avx2": {key: 32}, "baseline": {key: None}}
     assert [list(json.loads((isolated.parent / f"{level}.json").read_text()).values()) for level in ("avx2", "baseline")] \
         == [[32], [None]]
 

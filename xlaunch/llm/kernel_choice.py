@@ -199,6 +199,12 @@ def routed(level: str, kind: str, n: int, k: int, group_size: int, kernel: Linea
     return linear
 
 
+def thresholds() -> dict[str, dict[str, Optional[int]]]:
+    """What this process uses: per kernel level, each shape key's row threshold (None: the kernels always)."""
+    with _lock:
+        return {level: dict(known) for level, known in _known.items() if known}
+
+
 def forget() -> None:
     """Drop what this process measured or read (tests; a changed thread count keys itself)."""
     with _lock:
