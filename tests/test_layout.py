@@ -105,6 +105,7 @@ OLD_PATHS = {
     "xlaunch.kernels.fold": "xlaunch.kernels.optimize.fold",
     "xlaunch.kernels.splitbf16": "xlaunch.kernels.optim.splitbf16",
     "xlaunch.kernels.quantize_policy": "xlaunch.kernels.quantize.policy",
+    "xlaunch.llm.arch": "xlaunch.llm.shapes",
 }
 
 

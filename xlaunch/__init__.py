@@ -28,7 +28,7 @@ _MOVED_TOP = frozenset((
     "machine", "report", "cli_click", "cli_parse", "cli_spec", "compat", "options", "environment", "which",
     "binding", "runner", "spawning", "watchdog", "logfiles", "output", "summary", "probe", "ranks",
     "autooptimize", "_inject", "splitbf16", "splitstate", "quantize_routes", "quantize_policy",
-    "compare", "dispatch", "fold", "freeze", "layout", "measure", "notes", "precision",
+    "compare", "dispatch", "fold", "freeze", "layout", "measure", "notes", "precision", "arch",
 ))
 
 
@@ -38,7 +38,7 @@ class _MovedModules:
     @staticmethod
     def find_spec(name, path=None, target=None):
         parts = name.split(".", 3)
-        if len(parts) < 3 or parts[0] != "xlaunch" or parts[1] not in ("launcher", "kernels") \
+        if len(parts) < 3 or parts[0] != "xlaunch" or parts[1] not in ("launcher", "kernels", "llm") \
                 or parts[2] not in _MOVED_TOP:
             return None
         from xlaunch._moved import find_spec

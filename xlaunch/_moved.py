@@ -31,6 +31,7 @@ MOVED = {
     f"{_K}.splitstate": f"{_K}.optim.splitstate",
     f"{_K}.quantize_routes": f"{_K}.quantize.routes",
     f"{_K}.quantize_policy": f"{_K}.quantize.policy",
+    "xlaunch.llm.arch": "xlaunch.llm.shapes",
     **{f"{_K}.{name}": f"{_K}.optimize.{name}"
        for name in ("compare", "dispatch", "fold", "freeze", "layout", "measure", "notes", "precision")},
 }

@@ -24,7 +24,7 @@ with needs_torch(__name__):
 import_quietly("transformers.quantizers.auto", "torchao.quantization", chain=True)   # no transformers: no torchao
 
 from xlaunch.llm import footprint  # noqa: E402
-from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
+from xlaunch.llm.shapes import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
 from xlaunch.llm.decoder import (DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding,  # noqa: E402
                                  embedding_table, make_forward)
 from xlaunch.llm.linear import GROUP_SIZES, PackedLinear  # noqa: E402

@@ -19,7 +19,7 @@ with needs_torch(__name__):
     import torch
 
 from xlaunch.llm.api import MARK, _install_generate_hook, _Retired  # noqa: E402
-from xlaunch.llm.arch import DecoderSpec, describe  # noqa: E402
+from xlaunch.llm.shapes import DecoderSpec, describe  # noqa: E402
 from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding, make_forward  # noqa: E402
 from xlaunch.llm.linear import PackedLinear  # noqa: E402
 

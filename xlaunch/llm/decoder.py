@@ -17,7 +17,7 @@ with needs_torch(__name__):
     import torch
 
 from xlaunch.llm import fused, native  # noqa: E402
-from xlaunch.llm.arch import DecoderSpec  # noqa: E402
+from xlaunch.llm.shapes import DecoderSpec  # noqa: E402
 from xlaunch.llm.cache import KVCache, needs_transformers  # noqa: E402
 from xlaunch.llm.linear import PackedLinear  # noqa: E402
 

@@ -247,7 +247,7 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
 
 def _is_llm_decoder(module: Any) -> bool:
     """A Hugging Face causal LM of an architecture :mod:`xlaunch.llm` optimizes."""
-    from xlaunch.llm.arch import SUPPORTED_ARCHITECTURES
+    from xlaunch.llm.shapes import SUPPORTED_ARCHITECTURES
 
     kind = type(module)
     return kind.__name__ in SUPPORTED_ARCHITECTURES and kind.__module__.startswith("transformers.")
