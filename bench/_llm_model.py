@@ -134,14 +134,15 @@ def gguf_bytes(shape: shapes.Shape, kind: str) -> int:
 def route_bytes(route: str, shape: shapes.Shape, checkpoint: int, prompt: int, tokens: int,
                 batch: int = 1) -> tuple[int, int]:
     """(steady, peak) resident bytes of one torch route's process: the model, its KV cache, a prefill's
-    temporaries; the peak adds what loading holds (transformers maps the checkpoint; the streamed loader
+    temporaries (and xlaunch's widening buffer where its kernel choice measures); the peak adds what loading holds (transformers maps the checkpoint; the streamed loader
     holds a chunk and the embedding before its cast)."""
     activations = footprint.activation_bytes(shape, prompt, batch)
     base = footprint.TORCH_PROCESS_BYTES + activations
     if route.startswith("xlaunch-"):
         dtype = "bf16" if route == "xlaunch-bf16" else footprint.default_activations()
         weights = {"xlaunch-bf16": None, "xlaunch-int8": "int8", "xlaunch-int4": "int4"}[route]
-        steady = base + footprint.packed_bytes(shape, dtype, weights) + footprint.kv_cache_bytes(shape, tokens, batch, dtype)
+        steady = (base + footprint.packed_bytes(shape, dtype, weights) + footprint.kv_cache_bytes(shape, tokens, batch, dtype)
+                  + footprint.widening_buffer_bytes(shape, dtype))
         return steady, steady + footprint.streamed_load_bytes(shape, dtype)
     dtype = "fp32" if route == "hf-fp32" else "bf16"
     steady = base + footprint.dense_bytes(shape, dtype) + footprint.kv_cache_bytes(shape, tokens, batch, dtype)

@@ -143,6 +143,16 @@ def test_refusal_names_the_shape_the_need_and_what_is_there(tmp_path):
     assert disk.startswith("x: shape small needs 1073741824.0 GiB of disk under ") and "\n" not in disk
 
 
+def test_the_widening_buffer_is_counted_only_where_the_kernel_choice_measures(monkeypatch):
+    """Llama-3.2-1B: gate/up (2 x 8192 x 2048) is its largest linear, 64 MiB in bf16."""
+    shape = shapes.Shape(shapes.preset("llama-3.2-1b"))
+    monkeypatch.setattr(footprint, "native_bf16", lambda: True)
+    assert footprint.widening_buffer_bytes(shape, "bf16") == 64 << 20
+    assert footprint.widening_buffer_bytes(shape, "fp32") == 0
+    monkeypatch.setattr(footprint, "native_bf16", lambda: False)
+    assert footprint.widening_buffer_bytes(shape, "bf16") == 0
+
+
 def test_default_activations_follow_the_same_flags_as_optimize():
     from xlaunch.llm import api
 

@@ -102,6 +102,16 @@ def default_activations() -> str:
     return "bf16" if native_bf16() else "fp32"
 
 
+def widening_buffer_bytes(shape: Shape, dtype: str) -> int:
+    """The buffer :mod:`xlaunch.llm.kernel_choice`'s dense route keeps per thread: a layer's largest linear
+    (q/k/v, o, gate/up, down) widened to bf16, where the choice measures (bf16 activations on a CPU with
+    native bf16); 0 elsewhere."""
+    if dtype != "bf16" or not native_bf16():
+        return 0
+    attention = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    return BYTES["bf16"] * shape.hidden * max(attention, shape.heads * shape.head_dim, 2 * shape.intermediate)
+
+
 def streamed_load_bytes(shape: Shape, dtype: str) -> int:
     """What ``xlaunch.llm.from_pretrained`` holds beyond the packed model while it loads: the embedding as
     read from the checkpoint before its cast (none when it is kept as stored; under fp32 activations an fp32
