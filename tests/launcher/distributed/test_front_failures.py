@@ -178,8 +178,9 @@ def test_sigint_while_the_agent_starts_is_one_clean_line(tmp_path: Path) -> None
 
 
 def test_the_root_cause_is_the_rank_that_failed_on_its_own(tmp_path: Path) -> None:
-    """torch's own choice on a tie (same second) is the lowest rank, here one stopped by SIGTERM;
-    the agent's is the rank the front noted, unless that one was itself killed by SIGTERM."""
+    """torch's own choice on a tie (same second) is the lowest rank, here one stopped by SIGTERM (or by
+    SIGKILL after ignoring it); the agent's is the rank the front noted, unless that one was itself
+    killed by SIGTERM, else one that failed on its own."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from xlaunch.launcher.distributed.agent import root_cause
@@ -201,6 +202,13 @@ def test_the_root_cause_is_the_rank_that_failed_on_its_own(tmp_path: Path) -> No
     stopped.failures[1].timestamp = stopped.failures[0].timestamp = stopped.failures[2].timestamp
     assert stopped.get_first_failure()[0] == 0                 # torch's own pick
     assert [first(stopped, noted) for noted in (None, 0, 1, 2)] == [1, 1, 1, 1]
+    # rank 0 ignored the SIGTERM and was killed after the grace period, in the second rank 1 exited 3
+    escalated = ChildFailedError("job", {0: failure(0, -signal.SIGKILL), 1: failure(1, 3)})
+    escalated.failures[1].timestamp = escalated.failures[0].timestamp
+    assert escalated.get_first_failure()[0] == 0 and [first(escalated, noted) for noted in (None, 1)] == [1, 1]
+    oom = ChildFailedError("job", {0: failure(0, -signal.SIGTERM), 1: failure(1, -signal.SIGKILL)})
+    oom.failures[1].timestamp = oom.failures[0].timestamp
+    assert first(oom, None) == 1                                # a SIGKILL alone (OOM) is still the cause
     both = ChildFailedError("job", {0: failure(0, 2), 1: failure(1, -signal.SIGSEGV)})
     both.failures[1].timestamp = both.failures[0].timestamp
     assert [first(both, noted) for noted in (None, 0, 1)] == [0, 0, 1]

@@ -84,12 +84,14 @@ def is_rendezvous_failure(error: BaseException) -> bool:
 def root_cause(failed: Any, note_path: Optional[str]) -> Any:
     """``failed`` (torch's ``ChildFailedError``) with its root cause (its first failure) set to the
     rank that failed on its own: the one the front noted as failing first, else the first (by
-    torch's order) not killed by SIGTERM. torch takes the smallest timestamp, in whole seconds, and
-    the lowest rank on a tie: often a rank that it, or the front, had just stopped with SIGTERM."""
+    torch's order) not killed by SIGTERM or SIGKILL, else the first killed by SIGKILL. torch takes the
+    smallest timestamp, in whole seconds, and the lowest rank on a tie: often a rank that it, or the
+    front, had just stopped with SIGTERM, or with SIGKILL when the rank ignored SIGTERM for the grace
+    period (seen under load: the job ended 137 where rank 1's own exit 3 came first)."""
     import signal
 
     failures = failed.failures
-    stopped = -int(signal.SIGTERM)
+    stopped, killed = -int(signal.SIGTERM), -int(signal.SIGKILL)
     try:
         with open(note_path or "", encoding="utf-8") as note:
             pid = int(json.load(note)["pid"])
@@ -97,8 +99,9 @@ def root_cause(failed: Any, note_path: Optional[str]) -> Any:
         pid = None
     noted = [r for r, f in failures.items() if f.pid == pid and f.exitcode != stopped]
     ordered = sorted(failures, key=lambda r: failures[r].timestamp)    # stable: torch's order on ties
-    own = [r for r in ordered if failures[r].exitcode != stopped]
-    rank = (noted or own or ordered)[0]
+    own = [r for r in ordered if failures[r].exitcode not in (stopped, killed)]
+    escalated = [r for r in ordered if failures[r].exitcode == killed]   # SIGKILL: a stop that waited, or OOM
+    rank = (noted or own or escalated or ordered)[0]
     if rank == failed.get_first_failure()[0]:
         return failed
     root = failures[rank]
