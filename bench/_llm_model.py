@@ -134,8 +134,9 @@ def gguf_bytes(shape: shapes.Shape, kind: str) -> int:
 def route_bytes(route: str, shape: shapes.Shape, checkpoint: int, prompt: int, tokens: int,
                 batch: int = 1) -> tuple[int, int]:
     """(steady, peak) resident bytes of one torch route's process: the model, its KV cache, a prefill's
-    temporaries (and xlaunch's widening buffer where its kernel choice measures); the peak adds what loading holds (transformers maps the checkpoint; the streamed loader
-    holds a chunk and the embedding before its cast)."""
+    temporaries (and xlaunch's widening buffer where its kernel choice measures); the peak adds what
+    loading holds (transformers maps the checkpoint; the streamed loader holds a chunk and the embedding
+    before its cast)."""
     activations = footprint.activation_bytes(shape, prompt, batch)
     base = footprint.TORCH_PROCESS_BYTES + activations
     if route.startswith("xlaunch-"):

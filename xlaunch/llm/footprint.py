@@ -48,18 +48,22 @@ def packed_linear_bytes(n: int, k: int, kind: str, group_size: int = 128) -> int
     raise ValueError(f"unknown weight kind {kind!r}")
 
 
+def packed_linears(shape: Shape) -> list[tuple[int, int]]:
+    """A layer's packed linears as (outputs, inputs): q/k/v together, o, gate/up together, down."""
+    linears = shape.linears()
+    qkv = sum(linears[f"self_attn.{p}_proj"][0] for p in "qkv")
+    gate_up = linears["mlp.gate_proj"][0] + linears["mlp.up_proj"][0]
+    return [(qkv, shape.hidden), linears["self_attn.o_proj"], (gate_up, shape.hidden), linears["mlp.down_proj"]]
+
+
 def packed_bytes(shape: Shape, dtype: str, weights: Optional[str] = None, group_size: int = 128) -> int:
     """The weights of ``xlaunch.llm.optimize`` / ``from_pretrained`` of ``shape``: activations ``dtype``
     ("fp32" or "bf16"), ``weights`` None (the dtype), "int8" or "int4"."""
     kind = weights or dtype
     size = BYTES[dtype]
-    linears = shape.linears()
-    q, k, v = (linears[f"self_attn.{p}_proj"] for p in "qkv")
-    gate, up = linears["mlp.gate_proj"], linears["mlp.up_proj"]
-    groups = [(q[0] + k[0] + v[0], shape.hidden), linears["self_attn.o_proj"], (gate[0] + up[0], shape.hidden),
-              linears["mlp.down_proj"]]
+    groups = packed_linears(shape)
     per_layer = sum(packed_linear_bytes(n, k_, kind, group_size) for n, k_ in groups)
-    biases = (q[0] + k[0] + v[0]) * shape.qkv_bias + shape.hidden * shape.o_bias
+    biases = groups[0][0] * shape.qkv_bias + shape.hidden * shape.o_bias
     per_layer += size * (biases + 2 * shape.hidden)                       # biases and the two norms
     head = packed_linear_bytes(shape.vocab, shape.hidden, "int8" if kind == "int4" else kind, group_size)
     embed = 0 if shape.tied else _buffer(embedding_bytes(shape, dtype) * shape.vocab * shape.hidden)
@@ -108,8 +112,7 @@ def widening_buffer_bytes(shape: Shape, dtype: str) -> int:
     native bf16); 0 elsewhere."""
     if dtype != "bf16" or not native_bf16():
         return 0
-    attention = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-    return BYTES["bf16"] * shape.hidden * max(attention, shape.heads * shape.head_dim, 2 * shape.intermediate)
+    return BYTES["bf16"] * max(n * k for n, k in packed_linears(shape))
 
 
 def streamed_load_bytes(shape: Shape, dtype: str) -> int:

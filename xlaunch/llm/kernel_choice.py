@@ -4,8 +4,8 @@ by ATen's dense GEMM.
 ATen's ``F.linear`` runs oneDNN's or MKL's GEMM, which outruns the packed kernels once enough rows
 share each weight (a long prompt's prefill, a large batch): in bf16 where the CPU has native bf16
 (AVX512_BF16; AMX tiles on an AMX CPU), in fp32 elsewhere. The dense route widens the packed weight to
-a dense ``[N, K]`` tensor in that dtype for the one call (a transient the size of the widened weight;
-nothing is kept) and lets ATen multiply.
+a dense ``[N, K]`` tensor in that dtype (into a buffer per thread, kept for the next call:
+:func:`xlaunch.llm.linear.reused_buffer`) and lets ATen multiply.
 
 Which route runs is measured, never assumed. The first time a layer of a shape (weights kind, N, K,
 group size, activation dtype, threads) sees :data:`PROBE_ROWS`\\[0] rows or more, both routes are
@@ -146,13 +146,8 @@ def measure(kernel: Linear, dense: Linear, n: int, k: int, dtype: "torch.dtype",
 
 def threshold(level: str, key: str, kernel: Linear, dense: Linear, n: int, k: int,
               dtype: "torch.dtype") -> Optional[int]:
-    """The dense route's row threshold for ``key`` with ``level``'s kernels: forced, known, cached on disk,
-    or measured now."""
-    forced = mode()
-    if forced == "off":
-        return None
-    if isinstance(forced, int):
-        return forced
+    """The measured row threshold of the dense route for ``key`` with ``level``'s kernels: known in this
+    process, cached on disk, or measured now."""
     known = _known.setdefault(level, {})
     if key in known:
         return known[key]
@@ -174,10 +169,11 @@ def threshold(level: str, key: str, kernel: Linear, dense: Linear, n: int, k: in
 
 
 def routed(level: str, kind: str, n: int, k: int, group_size: int, kernel: Linear, dense: Dense) -> Linear:
-    """For ``kernel`` of ``level``: a function sending calls of enough rows to ``dense`` (given the dtype to multiply in: bf16 for bf16
-    activations where the CPU has native bf16, else fp32) once the measured or forced threshold says so,
-    the others to ``kernel``; ``kernel`` itself when nothing is to choose (no extra call): the choice is off,
-    or automatic on a CPU without native bf16."""
+    """For ``kernel`` of ``level``: a function sending calls of enough rows to ``dense`` (given the dtype to
+    multiply in: bf16 for bf16 activations where the CPU has native bf16, else fp32) once the forced or
+    measured threshold says so, the others to ``kernel``; ``kernel`` itself when nothing is to choose (no
+    extra call): the choice is off, or automatic on a CPU without native bf16. ``$XLAUNCH_LLM_DENSE_ROWS``
+    is read here, once per binding."""
     current = mode()
     bf16_native = footprint.native_bf16()
     if current == "off" or (current == "auto" and not bf16_native):
@@ -190,10 +186,12 @@ def routed(level: str, kind: str, n: int, k: int, group_size: int, kernel: Linea
     def linear(x: "torch.Tensor") -> "torch.Tensor":
         count = x.numel() // k
         if count >= least:
-            key = shape_key(kind, n, k, group_size, x.dtype, torch.get_num_threads())
-            rows = threshold(level, key, kernel, by_gemm, n, k, x.dtype)
-            if rows is not None and count >= rows:
-                return by_gemm(x)
+            if current == "auto":
+                key = shape_key(kind, n, k, group_size, x.dtype, torch.get_num_threads())
+                rows = threshold(level, key, kernel, by_gemm, n, k, x.dtype)
+                if rows is None or count < rows:
+                    return kernel(x)
+            return by_gemm(x)
         return kernel(x)
 
     return linear

@@ -319,25 +319,21 @@ class PackedLinear(nn.Module):
         else:
             int4_linear, group = ops.int4_linear, self.group_size
             kernel = lambda x: int4_linear(x, weight, scales, bias, n, group)   # noqa: E731
-        level = str(ops.compiled_isa()) if hasattr(ops, "compiled_isa") else "unknown"
-        return kernel_choice.routed(level, self.kind, n, self.in_features, self.group_size, kernel, self.dense_forward)
+        return kernel_choice.routed(str(ops.compiled_isa()), self.kind, n, self.in_features, self.group_size, kernel,
+                                    self.dense_forward)
 
     def widened_weight(self, dtype: "torch.dtype", reuse: bool = False) -> "torch.Tensor":
         """The weight as a dense ``[N, K]`` tensor in ``dtype``: bf16 weights as stored, int8/int4 ones as their
         integers times their scales (in fp32, rounded once to ``dtype``: :meth:`dense_weight` in ``dtype``).
         A native layer is widened by the kernels' ``widen_weight_`` (parallel over its blocks) when loaded;
         ``reuse``: into this thread's :func:`reused_buffer` (valid until its next widening), else a new tensor."""
-        n, k = self.out_features, self.in_features
-        if self.kind == "fp32" or (self.kind == "bf16" and self.layout == "aten"):
-            return self.weight.to(dtype)
         ops = native.ops()
         if self.layout == "native" and dtype in (torch.bfloat16, torch.float32) and hasattr(ops, "widen_weight_"):
+            n, k = self.out_features, self.in_features
             out = reused_buffer(n, k, dtype) if reuse else torch.empty(n, k, dtype=dtype)
             ops.widen_weight_(out, self.weight, self.scales, self.group_size)
             return out
-        if self.kind == "bf16":
-            return unpack_bf16(self.weight, n, k).to(dtype).contiguous()
-        return dequantize(*self.quantized()).to(dtype)
+        return self.dense_weight().to(dtype)
 
     def dense_forward(self, x: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tensor":
         """``x @ W.T + b`` by ATen's GEMM in ``dtype`` on :meth:`widened_weight` (widened for this call into
