@@ -82,6 +82,22 @@ def _write(path: Path, payload: dict[str, Any]) -> None:
     _write_text(path, json.dumps(payload))
 
 
+def process_cpus() -> list[int]:
+    """The CPUs this process's threads may run on, together: the union over ``/proc/self/task``. The main
+    thread's own mask is not the instance's: an OpenMP runtime binds it to one place of the team."""
+    cpus = set(os.sched_getaffinity(0))
+    try:
+        tids = [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:
+        return sorted(cpus)
+    for tid in tids:
+        try:
+            cpus |= os.sched_getaffinity(tid)
+        except OSError:          # the thread ended since the listing
+            pass
+    return sorted(cpus)
+
+
 def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int) -> None:
     """Map the packed file, warm up, say ``ready-<index>.json``; from ``go``'s instant decode rounds (t_1 the
     fastest of 3 ``generate(1)``, t_N of 2 ``generate(N)``) into ``rounds-<index>.jsonl`` until ``stop``."""
@@ -111,7 +127,7 @@ def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int) 
     with torch.inference_mode():
         generate(new_tokens)
         generate(1)
-        _write(sync / f"ready-{index}.json", {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)),
+        _write(sync / f"ready-{index}.json", {"pid": os.getpid(), "cpus": process_cpus(),
                                               "threads": torch.get_num_threads(), "setup_s": time.perf_counter() - start})
         window = 0
         while True:          # window w: from go-w's instant, rounds until stop-w; then idle-<index>-w
@@ -156,7 +172,7 @@ class XlaunchInstances:
 
     def __init__(self, route: str, packed: Path, instances: int, threads: int, cpus: list[list[int]],
                  program: Callable[[Path], list[str]], env: dict[str, str]) -> None:
-        self.cpus, self.instances = cpus, instances
+        self.cpus, self.instances, self.setup_s = cpus, instances, []
         self.sync = Path(tempfile.mkdtemp(prefix=f"xlaunch-bench-{route}-x{instances}-"))
         self.summary, self.log = self.sync / "summary.json", self.sync / "xlaunch.log"
         with open(self.log, "w") as log:
@@ -178,7 +194,8 @@ class XlaunchInstances:
             str(packed), 0
 
     def fail(self, status: str, tail: bool = True) -> None:
-        self.close()
+        """Stop the instances and raise ``status`` (the first failure, not what closing then finds)."""
+        self.quit()
         raise RouteFailed(status + ("\n" + _tail(self.log) if tail else ""))
 
     def window(self, rounds: int) -> dict[str, Any]:
@@ -206,14 +223,18 @@ class XlaunchInstances:
         return {"decode_rounds": [[row["decode_tps"] for row in _read_rounds(path, start, stop_at)] for path in files],
                 "window_s": stop_at - start, **sampler.result()}
 
-    def close(self) -> dict[str, Any]:
-        """Quit the instances; xlaunch's summary checked against the plan (:class:`RouteFailed` when it differs)."""
+    def quit(self) -> None:
+        """Tell the instances to exit and wait for xlaunch (terminated after 10 minutes)."""
         (self.sync / "quit").write_text("")
         try:
             self.proc.wait(timeout=600)
         except subprocess.TimeoutExpired:
             self.proc.terminate()
             self.proc.wait()
+
+    def close(self) -> dict[str, Any]:
+        """Quit the instances; xlaunch's summary checked against the plan (:class:`RouteFailed` when it differs)."""
+        self.quit()
         launched = json.loads(self.summary.read_text()) if self.summary.exists() else {}
         seen = [i.get("cpus") for i in launched.get("instances", [])]
         if launched.get("exit_status") != 0 or seen != self.cpus:

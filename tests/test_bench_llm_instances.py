@@ -212,6 +212,55 @@ def test_two_xlaunch_instances_share_a_mapped_files_pages(tmp_path: Path) -> Non
     assert got["pss_sum_mib"] < got["rss_sum_mib"]
 
 
+PINNED_THREADS = """
+import json, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import _llm_instances
+first, second = int(sys.argv[2]), int(sys.argv[3])
+os.sched_setaffinity(0, {first})            # the main thread, as an OpenMP runtime binds it to one place
+pinned, done = threading.Event(), threading.Event()
+def member():
+    os.sched_setaffinity(0, {second})       # a team member bound to another place
+    pinned.set()
+    done.wait()
+worker = threading.Thread(target=member)
+worker.start()
+pinned.wait()
+print(json.dumps({"main": sorted(os.sched_getaffinity(0)), "process": _llm_instances.process_cpus()}))
+done.set()
+worker.join()
+"""
+
+
+def test_an_instances_cpus_are_its_threads_together_not_its_main_threads() -> None:
+    """On the 16-core Xeon an instance of 4 threads reported its main thread's one CPU (GNU OpenMP binds it to
+    the team's first place) where the plan said four, and the bench stopped: the check reads every thread."""
+    if USABLE < 2:
+        pytest.skip(f"two threads on two CPUs need 2 usable CPUs, {USABLE} here")
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    out = subprocess.run([sys.executable, "-c", PINNED_THREADS, str(BENCH), str(first), str(second)],
+                         capture_output=True, text=True, timeout=60, env=ENV, check=True)
+    got = __import__("json").loads(out.stdout)
+    assert got == {"main": [first], "process": [first, second]}, got
+
+
+@pytest.mark.live
+def test_a_failed_start_check_raises_its_own_reason(tmp_path: Path) -> None:
+    """Instances that ran elsewhere than planned stop with that reason (it raised AttributeError before,
+    from the summary check of a half-made object)."""
+    inst = instances()
+    mapped = tmp_path / "weights.bin"
+    mapped.write_bytes(os.urandom(1 << 20))
+    worker = tmp_path / "worker.py"
+    worker.write_text(MAPPING_WORKER)
+    (planned,) = inst.plan(1, 1, [str(worker)], ENV)
+    elsewhere = [[cpu + 1 for cpu in planned]]
+    with pytest.raises(inst.RouteFailed) as failed:
+        inst.XlaunchInstances("mapping", mapped, 1, 1, elsewhere, lambda sync: [str(worker), str(mapped), str(sync)],
+                              ENV)
+    assert str(failed.value) == f"failed: the instances ran on {[planned]}, the plan said {elsewhere}"
+
+
 def test_the_memory_check_counts_the_packed_file_once_and_the_process_per_instance(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path))
