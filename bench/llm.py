@@ -339,9 +339,11 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
 
 def dense_rows_lines(dense_rows: dict[str, dict[str, Optional[int]]]) -> list[str]:
     """One line per kernel level of what xlaunch.llm.kernel_choice chose in a worker: per weight shape,
-    the row count from which ATen's GEMM ran (or never)."""
+    the row count from which ATen's GEMM ran (or never), named by weight kind and shape (the cache holds every
+    route's that ran on this level)."""
     return [f"ATen's GEMM against the {level} kernels: " + ", ".join(
-        f"{key.split(':')[1]} {'never' if rows is None else f'from {rows} rows'}" for key, rows in sorted(known.items()))
+        f"{' '.join(key.split(':')[:2])} {'never' if rows is None else f'from {rows} rows'}"
+        for key, rows in sorted(known.items()))
         for level, known in sorted(dense_rows.items())]
 
 

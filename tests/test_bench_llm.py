@@ -145,7 +145,7 @@ def test_summary_ratios_pair_rounds_with_the_same_precision() -> None:
     assert "| xlaunch-int8 | unavailable: not there |" in text
     assert summary["hf-bf16"]["dense_rows"] == rows["hf-bf16"]["dense_rows"]       # into --json as measured
     assert llm.dense_rows_lines(summary["hf-bf16"]["dense_rows"]) == [
-        "ATen's GEMM against the amx kernels: 2048x2048 from 128 rows, 8192x2048 never"]
+        "ATen's GEMM against the amx kernels: bf16 2048x2048 from 128 rows, bf16 8192x2048 never"]
     assert llm.dense_rows_lines({}) == []
 
 
