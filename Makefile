@@ -14,7 +14,9 @@ demo: setup
 	$(PY) bench/throughput.py --quick --only 'plain python' --only 'xlaunch 2x1' --only 'run_cpu 2x1'
 
 # lint-imports: the layers (pyproject.toml). compileall: the bytecode every test subprocess would
-# otherwise compile again (PYTHONDONTWRITEBYTECODE is common on CI). Two workers, one file each.
+# otherwise compile again (PYTHONDONTWRITEBYTECODE is common on CI); scripts/rewrite_tests.py: pytest's
+# assertion-rewritten test modules, which every worker would rewrite (3 s once against 12 s a worker).
+# Two workers, one file each.
 # --no-loadscope-reorder: files in the order tests/conftest.py gives (slowest first), not by test count.
 # The live tests whose expectations depend on how many CPUs there are (pinning, OpenMP places,
 # pools, ranks), once more under a 1-CPU mask: the last allowed CPU (not CPU 0). About 20 s of
@@ -33,6 +35,7 @@ ONE_CPU_TESTS := tests/runtime_ext/test_runtime_pool.py tests/runtime_ext/test_r
 test: setup
 	.venv/bin/lint-imports --no-cache
 	$(PY) -m compileall -q xlaunch tests examples >/dev/null
+	$(PY) scripts/rewrite_tests.py tests
 	@one_cpu_log=$$(mktemp); \
 	cpu=$$($(PY) -c 'import os; print(max(os.sched_getaffinity(0)))'); \
 	( start=$$(date +%s); taskset -c $$cpu $(PY) -m pytest -q -p no:cacheprovider -k 'not recorded_machines' \
