@@ -394,20 +394,23 @@ def pack_all(routes: Sequence[str], model: Any, script: str, env: dict[str, str]
 
 def run(args: Any, packed_files: dict[str, Optional[Path]], llama: Optional[tuple[Path, dict[str, Path]]],
         cpu_plans: dict[tuple[int, int], Any], script: str, env: dict[str, str], median: Callable,
-        llamacpp: Any, pairs: dict[str, str]) -> dict[str, Any]:
+        llamacpp: Any, pairs: dict[str, str],
+        checkpoint: Callable[[dict[str, Any]], None] = lambda results: None) -> dict[str, Any]:
     """Every (threads, k) and route pair: the xlaunch instances started once, then ``args.rounds`` windows,
-    each the xlaunch copies' window and llama.cpp's (order reversed every other window), one round a copy."""
+    each the xlaunch copies' window and llama.cpp's (order reversed every other window), one round a copy.
+    ``checkpoint`` gets the results so far after each pair (the bench writes its JSON then)."""
     results: dict[str, Any] = {}
     for threads in args.threads:
         for k in args.instances:
             cpus = cpu_plans[(k, threads)]
             print(f"\n== {k} instance(s) x {threads} thread(s) on CPUs {' | '.join(format_cpulist(c) for c in cpus)}", flush=True)
             rows: dict[str, Any] = {}
+            results[f"{k}x{threads}"] = rows
             for ours, theirs in pairs.items():
                 rows.update(run_pair(args, ours if ours in args.route_names else None,
                                      theirs if theirs in args.route_names else None, packed_files, llama, k, threads,
                                      cpus, script, env, median, llamacpp))
-            results[f"{k}x{threads}"] = rows
+                checkpoint(results)
     return results
 
 

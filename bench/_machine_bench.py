@@ -110,13 +110,26 @@ def paired_ratio(ours: Sequence[Optional[float]], theirs: Sequence[Optional[floa
     return median(ratios)
 
 
-def write_results(description: dict[str, Any], json_path: Optional[str], payload: dict[str, Any]) -> None:
-    """The load-average line, and ``{"machine": description, **payload}`` as JSON at ``json_path``."""
-    print(f"load average {description['load_average'][0]:.2f} at start, "
-          f"{description['load_average_end'][0]:.2f} at the end")
-    if json_path:
-        with open(json_path, "w") as handle:
-            json.dump({"machine": description, **payload}, handle, indent=1)
+def write_results(description: dict[str, Any], json_path: Optional[str], payload: dict[str, Any],
+                  final: bool = True) -> None:
+    """The load-average line, and ``{"machine": description, **payload, "complete": final}`` as JSON at
+    ``json_path``, replaced whole (never written through a symlink there). A bench writes it with ``final``
+    False after each finished part, so a run stopped by a time limit still leaves what it measured. A
+    failed write (full disk, no such folder) is one line on stderr; the bench goes on."""
+    from xlaunch.userfiles import UserFileError, write_atomically
+
+    if final:
+        print(f"load average {description['load_average'][0]:.2f} at start, "
+              f"{description['load_average_end'][0]:.2f} at the end")
+    if not json_path:
+        return
+    doc = {"machine": description, **payload, "complete": final}
+    try:
+        write_atomically(json_path, (json.dumps(doc, indent=1) + "\n").encode())
+    except (OSError, UserFileError) as error:
+        print(f"could not write {json_path}: {error}", file=sys.stderr, flush=True)
+        return
+    if final:
         print(f"wrote {json_path}")
 
 

@@ -601,20 +601,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"lock {args.lock or 'none'}", flush=True)
     folder = model_dir(model)
     llama = llamacpp_if_possible(kinds, model)
-    results = {}
+    from _machine_bench import write_results
+
+    def save(final: bool) -> None:
+        description["load_average_end"] = list(os.getloadavg())
+        write_results(description, args.json, {
+            "bench": "llm", "model": model.name, "config": model.config, "prompt": args.prompt,
+            "new_tokens": args.new_tokens, "batch": args.batch, "rounds": args.rounds,
+            "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()}, "results": results}, final)
+
+    results: dict[str, Any] = {}
     for threads in args.threads:
         results[str(threads)] = summarize(run_threads(threads, args, folder, llama))
+        save(final=False)
     print()
     for threads in args.threads:
         print(table(threads, results[str(threads)], args.batch) + "\n")
-    description["load_average_end"] = list(os.getloadavg())
-    from _machine_bench import write_results
-
-    write_results(description, args.json, {
-        "bench": "llm", "model": model.name, "config": model.config, "prompt": args.prompt, "new_tokens": args.new_tokens,
-        "batch": args.batch,
-        "rounds": args.rounds, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
-        "results": results})
+    save(final=True)
     return 0
 
 
@@ -647,16 +650,20 @@ def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds
     model_dir(model)
     llama = llamacpp_if_possible(kinds, model)
     packed = _llm_instances.pack_all(args.route_names, model, __file__, env)
-    with bench_lock(args.lock):
-        results = _llm_instances.run(args, packed, llama, cpu_plans, __file__, env, median, _llamacpp, INSTANCE_PAIRS)
-    print("\n" + _llm_instances.tables(args, results, INSTANCE_PAIRS))
-    description["load_average_end"] = list(os.getloadavg())
     from _machine_bench import write_results
 
-    write_results(description, args.json, {
-        "bench": "llm-instances", "model": model.name, "config": model.config, "prompt": args.prompt,
-        "new_tokens": args.new_tokens, "rounds": args.rounds, "instances": args.instances, "threads": args.threads,
-        "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()}, "results": results})
+    def save(results: dict[str, Any], final: bool) -> None:
+        description["load_average_end"] = list(os.getloadavg())
+        write_results(description, args.json, {
+            "bench": "llm-instances", "model": model.name, "config": model.config, "prompt": args.prompt,
+            "new_tokens": args.new_tokens, "rounds": args.rounds, "instances": args.instances, "threads": args.threads,
+            "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()}, "results": results}, final)
+
+    with bench_lock(args.lock):
+        results = _llm_instances.run(args, packed, llama, cpu_plans, __file__, env, median, _llamacpp, INSTANCE_PAIRS,
+                                     checkpoint=lambda done: save(done, final=False))
+    print("\n" + _llm_instances.tables(args, results, INSTANCE_PAIRS))
+    save(results, final=True)
     return 0
 
 

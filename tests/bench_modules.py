@@ -12,6 +12,8 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 def load(name: str):
     if f"bench_{name}" in sys.modules:
         return sys.modules[f"bench_{name}"]
+    if str(BENCH) not in sys.path:        # bench modules import their siblings (_llamacpp, _procmem, ...)
+        sys.path.append(str(BENCH))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module       # dataclasses look their module up

@@ -203,3 +203,26 @@ def test_model_takes_a_checkpoint_folder_and_keeps_its_gguf_out_of_it(tmp_path: 
         model_.resolve(None, str(folder))
     with pytest.raises(SystemExit):
         load("llm").parse_args(["--shape", "tiny", "--model", str(folder)])
+
+
+def test_results_are_written_whole_after_each_part_and_a_failed_write_is_one_line(tmp_path: Path, capsys) -> None:
+    """A run stopped by a time limit keeps what it measured: each part is written with complete false,
+    the end with true; the file is replaced, never written through a symlink; a write that fails (no
+    such folder, full disk) is one line on stderr, not the end of the bench."""
+    load("llm")
+    common = load("_machine_bench")
+    description = {"load_average": [1.0, 1.0, 1.0], "load_average_end": [2.0, 2.0, 2.0]}
+    target, elsewhere = tmp_path / "out.json", tmp_path / "elsewhere.json"
+    elsewhere.write_text("kept\n")
+    target.symlink_to(elsewhere)
+    common.write_results(description, str(target), {"results": {"1": "part"}}, final=False)
+    assert not target.is_symlink() and elsewhere.read_text() == "kept\n"
+    assert json.loads(target.read_text())["complete"] is False and capsys.readouterr().out == ""
+    common.write_results(description, str(target), {"results": {"1": "all"}})
+    doc = json.loads(target.read_text())
+    assert doc["complete"] is True and doc["results"] == {"1": "all"} and doc["machine"] == description
+    assert capsys.readouterr().out.splitlines() == ["load average 1.00 at start, 2.00 at the end", f"wrote {target}"]
+    common.write_results(description, str(tmp_path / "missing" / "out.json"), {"results": {}})
+    out, err = capsys.readouterr()
+    assert "wrote" not in out and err.startswith(f"could not write {tmp_path / 'missing' / 'out.json'}: ")
+    assert len(err.splitlines()) == 1

@@ -273,3 +273,26 @@ def test_the_memory_check_counts_the_packed_file_once_and_the_process_per_instan
     assert "50 instance(s) of xlaunch-int8" in many[0].memory_what
     assert many[1].memory - many[0].memory == steady - packed          # one more process, not one more copy
     assert many[0].disk == model_.shapes.checkpoint_bytes(tiny.config) + packed     # the packed file, once
+
+
+def test_each_finished_pair_is_handed_to_the_checkpoint(monkeypatch) -> None:
+    """bench/llm.py writes its --json after each pair: a run cut by a time limit keeps the pairs it finished
+    (the first run on the AMX Xeon lost every finished pair to its limit)."""
+    import json
+    from types import SimpleNamespace
+
+    inst = instances()
+    pairs = {"xlaunch-bf16": "llamacpp-bf16", "xlaunch-int8": "llamacpp-q8_0"}
+    monkeypatch.setattr(inst, "run_pair", lambda args, ours, theirs, *rest: {ours: {"k": rest[2]}, theirs: {"k": rest[2]}})
+    args = SimpleNamespace(threads=[1], instances=[1, 2], route_names=[*pairs, *pairs.values()])
+    seen: list[str] = []
+    results = inst.run(args, {}, None, {(1, 1): [[0]], (2, 1): [[0], [1]]}, "llm.py", {}, None, None, pairs,
+                       checkpoint=lambda done: seen.append(json.dumps(done, sort_keys=True)))
+    assert [sorted((key, sorted(rows)) for key, rows in json.loads(s).items()) for s in seen] == [
+        [("1x1", ["llamacpp-bf16", "xlaunch-bf16"])],
+        [("1x1", ["llamacpp-bf16", "llamacpp-q8_0", "xlaunch-bf16", "xlaunch-int8"])],
+        [("1x1", ["llamacpp-bf16", "llamacpp-q8_0", "xlaunch-bf16", "xlaunch-int8"]),
+         ("2x1", ["llamacpp-bf16", "xlaunch-bf16"])],
+        [("1x1", ["llamacpp-bf16", "llamacpp-q8_0", "xlaunch-bf16", "xlaunch-int8"]),
+         ("2x1", ["llamacpp-bf16", "llamacpp-q8_0", "xlaunch-bf16", "xlaunch-int8"])]]
+    assert json.loads(seen[-1]) == results and results["2x1"]["xlaunch-int8"] == {"k": 2}
