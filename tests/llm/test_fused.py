@@ -20,7 +20,8 @@ PATHS = [*(pytest.param(level, id=f"native-{level}", marks=[
     pytest.mark.skipif(level not in RUNNABLE, reason=f"this CPU cannot execute the {level} kernels"),
     pytest.mark.skipif(not native.available(level), reason=f"the {level} kernels are not built")])
     for level in native.LEVELS), pytest.param(False, id="torch")]
-TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=4e-3, atol=4e-3)}
 
 
 @pytest.fixture(params=PATHS)
@@ -86,6 +87,37 @@ def test_rms_norm_and_the_residual_add(path, dtype):
     assert res is kept
     assert torch.equal(res, new_res)                                     # rounded once, in place
     close(out, formula(new_res), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [5, 197, 203])
+def test_widths_past_whole_vectors_and_fp16(path, dtype, width):
+    """Rows whose width leaves a partial vector of 16 (the kernels' masked loads and stores: 5, 197 and
+    203 leave 5, 5 and 11 values) in each storage dtype, fp16 included, against float64."""
+    torch.manual_seed(7)
+    x, res = torch.randn(3, width, dtype=dtype), torch.randn(3, width, dtype=dtype)
+    w = (torch.rand(width) + 0.5).to(dtype)
+    t = (res.double() + x.double()).to(dtype).double()
+    expected = w.double() * (t / (t.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt())
+    close(fused.add_rms_norm(x, res, w, 1e-6), expected, dtype)
+    assert torch.equal(res, t.to(dtype))
+    gate_up = torch.randn(2, 2 * width, dtype=dtype) * 3
+    g, u = gate_up.double().chunk(2, dim=-1)
+    close(fused.silu_mul(gate_up), g * torch.sigmoid(g) * u, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [40, 72])
+def test_cache_attention_of_heads_past_whole_vectors(path, dtype, d):
+    """Head sizes of 40 and 72 (a partial vector of 8 at the end of each row), decode and a few rows."""
+    torch.manual_seed(8)
+    b, h, g, length = 2, 4, 2, 70
+    for s, start in ((1, 66), (3, 20)):
+        q = torch.randn(b, s, h, d, dtype=dtype)
+        kc, vc = torch.randn(b, g, length, d, dtype=dtype), torch.randn(b, g, length, d, dtype=dtype)
+        out = fused.cache_attention(q, kc, vc, start, None, 1 / math.sqrt(d))
+        assert out.dtype == dtype
+        close(out, attention_formula(q, kc, vc, start, None, 1 / math.sqrt(d)), dtype)
 
 
 def test_a_level_runs_its_own_kernels_after_another_level_ran():
