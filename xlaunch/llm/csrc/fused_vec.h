@@ -7,7 +7,6 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -138,14 +137,14 @@ inline float hmax(V16 a) {
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 }
-inline __m256i tail_mask8(int n) {   // lanes below n set (n in [0, 8])
+inline __m256i tail_mask8(int n) {   // lanes below n set: none for n <= 0, all 8 for n >= 8
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 inline V16 vload(const float* p, int n = 16) {
   if (n >= 16) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
-  return {_mm256_maskload_ps(p, tail_mask8(std::max(0, std::min(n, 8)))),
-          _mm256_maskload_ps(p + 8, tail_mask8(std::max(0, std::min(n - 8, 8))))};
+  return {_mm256_maskload_ps(p, tail_mask8(n)),
+          _mm256_maskload_ps(p + 8, tail_mask8(n - 8))};
 }
 // 16 values of 16 bits: the whole chunk, or the tail copied into zeros (no read past p + n).
 inline __m256i load_halves(const void* p, int n) {
@@ -170,8 +169,8 @@ inline void vstore(float* p, V16 a, int n = 16) {
     _mm256_storeu_ps(p + 8, a.hi);
     return;
   }
-  _mm256_maskstore_ps(p, tail_mask8(std::max(0, std::min(n, 8))), a.lo);
-  _mm256_maskstore_ps(p + 8, tail_mask8(std::max(0, std::min(n - 8, 8))), a.hi);
+  _mm256_maskstore_ps(p, tail_mask8(n), a.lo);
+  _mm256_maskstore_ps(p + 8, tail_mask8(n - 8), a.hi);
 }
 inline void store_halves(void* p, __m256i h, int n) {
   if (n >= 16) {
