@@ -9,26 +9,29 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kernel_levels import use_level  # noqa: E402
+
 from xlaunch.llm import fused, native  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 NATIVE = native.available()
 RUNNABLE = native.runnable_levels()
-# Each compiled ISA level this CPU executes (the others skipped, with the reason), then the torch path.
-PATHS = [*(pytest.param(level, id=f"native-{level}", marks=[
-    pytest.mark.skipif(level not in RUNNABLE, reason=f"this CPU cannot execute the {level} kernels"),
-    pytest.mark.skipif(not native.available(level), reason=f"the {level} kernels are not built")])
-    for level in native.LEVELS), pytest.param(False, id="torch")]
+# Each compiled ISA level (skipped by kernel_levels.use_level where this CPU cannot run it or it is not
+# built), then the torch path.
+PATHS = [*(pytest.param(level, id=f"native-{level}") for level in native.LEVELS), pytest.param(False, id="torch")]
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
        torch.float16: dict(rtol=4e-3, atol=4e-3)}
 
 
 @pytest.fixture(params=PATHS)
 def path(request):
-    with native.prefer_native(request.param):
-        if request.param:
-            assert native.ops().compiled_isa() == request.param
+    if not request.param:
+        with native.prefer_native(False):
+            yield False
+        return
+    with use_level(request.param):
+        assert native.ops().compiled_isa() == request.param
         yield request.param
 
 
