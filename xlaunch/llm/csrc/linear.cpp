@@ -20,12 +20,10 @@ std::vector<int64_t> output_sizes(const at::Tensor& x, int64_t n) {
   return sizes;
 }
 
-void check_input(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+void check_input(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1, "xlaunch_llm linear: the input needs at least one dimension");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "xlaunch_llm linear: activations must be bfloat16 or float32, not ", x.scalar_type());
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (n + kBlock - 1) / kBlock,
-              "xlaunch_llm linear: the packed weight does not match (repack it with PackedLinear)");
 }
 
 // The rows of x as a contiguous [M, width] tensor of dtype, zero-padded past K.
@@ -107,9 +105,8 @@ Epilogue epilogue_for(const at::Tensor& out, const at::Tensor& bias, const float
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                        int64_t n) {
   const int64_t k = x.size(-1), k_pairs = packed.size(1);
-  check_input(x, packed, n);
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.size(1) == (k + 1) / 2 && packed.size(2) == 2 * kBlock,
-              "xlaunch_llm bf16_linear: the packed weight must be bfloat16 [N/64, K/2, 128]");
+  check_input(x);
+  check_packed("bf16_linear", packed, at::kBFloat16, nullptr, n, k, 0);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "xlaunch_llm bf16_linear: activations must be bfloat16");
   at::Tensor rows = rows_of(x, at::kBFloat16, 2 * k_pairs);
   const int64_t m = rows.size(0);
@@ -158,11 +155,8 @@ void widen_int8_block(const int8_t* w, int64_t k, int64_t k_pairs, std::vector<u
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t n) {
   const int64_t k = x.size(-1);
-  check_input(x, packed, n);
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.size(1) == k && packed.size(2) == kBlock,
-              "xlaunch_llm int8_linear: the packed weight must be int8 [N/64, K, 64]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == packed.size(0) * kBlock,
-              "xlaunch_llm int8_linear: scales must be float32, one per packed channel");
+  check_input(x);
+  check_packed("int8_linear", packed, at::kChar, &scales, n, k, 0);
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t m_all = x.numel() / std::max<int64_t>(1, k);
   if (x.scalar_type() == at::kBFloat16 && m_all >= kPanelRows) {
@@ -204,15 +198,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
   const int64_t k = x.size(-1);
-  check_input(x, packed, n);
-  TORCH_CHECK(group_size % 4 == 0 && group_size > 0 && k % group_size == 0,
-              "xlaunch_llm int4_linear: in_features ", k, " is not a multiple of the group size ", group_size);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(1) * 4 == k && packed.size(2) == 2 * kBlock,
-              "xlaunch_llm int4_linear: the packed weight must be uint8 [N/64, K/4, 128]");
+  check_input(x);
+  check_packed("int4_linear", packed, at::kByte, &scales, n, k, group_size);
   const int64_t groups = k / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-              scales.numel() == packed.size(0) * groups * kBlock,
-              "xlaunch_llm int4_linear: scales must be float32 [N/64, K/group, 64]");
   if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2)
     TORCH_CHECK(group_size % kQuantBlock == 0, "xlaunch_llm int4_linear: the group size ", group_size,
                 " is not a multiple of ", kQuantBlock, " (the activations' block)");
@@ -263,6 +251,32 @@ at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 }
 
 }  // namespace
+
+void check_packed(const char* op, const at::Tensor& packed, at::ScalarType type, const at::Tensor* scales,
+                  int64_t n, int64_t k, int64_t group_size) {
+  const char* kind = type == at::kBFloat16 ? "bf16" : type == at::kChar ? "int8" : "int4";
+  TORCH_CHECK(packed.scalar_type() == type && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (n + kBlock - 1) / kBlock,
+              "xlaunch_llm ", op, ": the packed weight is not ", kind, " weights of [", n, ", ", k,
+              "] packed by PackedLinear");
+  if (type == at::kBFloat16) {
+    TORCH_CHECK(packed.size(1) == (k + 1) / 2 && packed.size(2) == 2 * kBlock,
+                "xlaunch_llm ", op, ": the packed weight must be bfloat16 [N/64, K/2, 128]");
+    return;
+  }
+  if (type == at::kByte)
+    TORCH_CHECK(group_size % 4 == 0 && group_size > 0 && k % group_size == 0,
+                "xlaunch_llm ", op, ": in_features ", k, " is not a multiple of the group size ", group_size);
+  TORCH_CHECK(type == at::kChar ? packed.size(1) == k && packed.size(2) == kBlock
+                                : packed.size(1) * 4 == k && packed.size(2) == 2 * kBlock,
+              "xlaunch_llm ", op, type == at::kChar ? ": the packed weight must be int8 [N/64, K, 64]"
+                                                    : ": the packed weight must be uint8 [N/64, K/4, 128]");
+  const int64_t groups = type == at::kChar ? 1 : k / group_size;
+  TORCH_CHECK(scales != nullptr && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                  scales->numel() == packed.size(0) * groups * kBlock,
+              "xlaunch_llm ", op, ": scales must be float32 [N/64, K/group, 64] (one per packed channel for int8)");
+}
+
 }  // namespace xlaunch_llm
 
 TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {

@@ -49,6 +49,11 @@ void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, 
 // kernels do that, 0 when they take the activations as they are (exact up to fp32 rounding).
 constexpr int64_t kQuantBlock = 32;
 int64_t quantized_activation_block();
+
+// Throws unless packed is a weight of dtype type (bf16, int8 or uint8 for int4) laid out as above for an
+// [n, k] layer (group_size: int4's group), with its float32 scales for int8/int4; op names the caller.
+void check_packed(const char* op, const at::Tensor& packed, at::ScalarType type, const at::Tensor* scales,
+                  int64_t n, int64_t k, int64_t group_size);
 // Rows [rows][k] of fp32 x -> q [rows][ldq] (zero past k; ldq a multiple of kQuantBlock), d [rows][ldq / 32],
 // qsum [rows][ldq / 32] (the sum of each block's q).
 void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, int8_t* q, int64_t ldq, float* d,

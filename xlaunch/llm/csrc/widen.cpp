@@ -80,24 +80,9 @@ void widen_weight_(at::Tensor& out, const at::Tensor& packed, const std::optiona
               "float32 or bfloat16 [N, K] tensor");
   const int64_t n = out.size(0), k = out.size(1);
   const auto type = packed.scalar_type();
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (n + kBlock - 1) / kBlock &&
-                  packed.size(2) == (type == at::kChar ? kBlock : 2 * kBlock),
-              "xlaunch_llm widen_weight_: the packed weight does not match [", n, ", ", k, "]");
-  if (type == at::kBFloat16) {
-    TORCH_CHECK(packed.size(1) == (k + 1) / 2, "xlaunch_llm widen_weight_: a bf16 weight of K ", k, " has K/2 pairs");
-  } else {
-    TORCH_CHECK(type == at::kChar || type == at::kByte, "xlaunch_llm widen_weight_: bf16, int8 or uint8 (int4) "
-                "weights, not ", type);
-    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat && scales->is_contiguous(),
-                "xlaunch_llm widen_weight_: a quantized weight needs its float32 scales");
-    TORCH_CHECK(type == at::kChar ? packed.size(1) == k
-                                  : (group_size > 0 && group_size % 4 == 0 && k % group_size == 0 &&
-                                     packed.size(1) * 4 == k),
-                "xlaunch_llm widen_weight_: the quantized weight does not match K ", k);
-    const int64_t groups = type == at::kChar ? 1 : k / group_size;
-    TORCH_CHECK(scales->numel() == packed.size(0) * groups * kBlock, "xlaunch_llm widen_weight_: scales of ",
-                scales->numel(), " values do not match the weight");
-  }
+  TORCH_CHECK(type == at::kBFloat16 || type == at::kChar || type == at::kByte,
+              "xlaunch_llm widen_weight_: bf16, int8 or uint8 (int4) weights, not ", type);
+  check_packed("widen_weight_", packed, type, scales.has_value() ? &*scales : nullptr, n, k, group_size);
   const bool bf16_out = out.scalar_type() == at::kBFloat16;
   const float* s = type == at::kBFloat16 ? nullptr : scales->data_ptr<float>();
   void* o = out.data_ptr();
