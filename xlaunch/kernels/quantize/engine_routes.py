@@ -79,12 +79,12 @@ def build_openvino(model: nn.Module, example: tuple, calibration: list[tuple], t
 
     sample = Sample(model, example)
     ov_model = openvino_route.convert(model, sample)
-    import nncf
+    nncf = openvino_route.import_nncf()
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
 
     fix = OverflowFix.ENABLE if overflow_fix else OverflowFix.DISABLE
     dataset = nncf.Dataset(calibration, lambda batch: [t.detach().numpy() for t in sample.tensors(batch)])
-    with quiet():
+    with quiet(), openvino_route.telemetry_off():
         quantized = nncf.quantize(ov_model, dataset, subset_size=len(calibration),
                                   advanced_parameters=AdvancedQuantizationParameters(overflow_fix=fix))
     config = {"INFERENCE_NUM_THREADS": max(1, threads), "PERFORMANCE_HINT": "LATENCY"}   # default precision

@@ -240,8 +240,7 @@ def load(name: str, mode: str, manifest: dict[str, Any], files: dict[str, bytes]
         else:
             from xlaunch.kernels.optimize.engines.routes import openvino_route
 
-            openvino_route.avoid_deepbind_crash()
-            import openvino as ov
+            ov = openvino_route.import_openvino()
 
             ov_model = ov.Core().read_model(model=files["model.xml"], weights=files["model.bin"])
             # as engine_routes.build_openvino compiles it: the threads, the latency hint, the

@@ -15,13 +15,26 @@ oneTBB loads its hwloc binding with ``RTLD_DEEPBIND``, so hwloc frees with glibc
 libc allocated through the preloaded ``malloc`` (oneTBB #1645, OpenVINO #29025). oneTBB's own
 switch ``TBB_ENABLE_SANITIZERS=1`` drops that flag; it is set (unless the user set it) before
 OpenVINO is first used in such a process.
+
+OpenVINO (at ``import openvino`` and in every ``convert_model``) and NNCF (in ``nncf.quantize``) send
+usage telemetry to Google Analytics and write a client ID under ``~/intel`` unless the user opted out
+or a CI variable is set: every event forks this (multi-threaded, often multi-GB) process and waits up
+to 3 s for the send (OpenVINO 2026.4: 0.6 s per conversion of a small model on an AVX2 VM without
+internet, 0.04 s without). xlaunch sends none: it imports both with the ``openvino_telemetry`` package
+hidden (:func:`import_openvino`, :func:`import_nncf`), so that they take the path they take without it
+(OpenVINO's converter stub, NNCF's ``NNCFTelemetryStub``) for this process; where the user imported them
+first, xlaunch's own calls run with their telemetry silenced (:func:`telemetry_off`) and the user's are
+left alone.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
+import sys
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from xlaunch._torch import needs_torch
 
@@ -36,6 +49,7 @@ from xlaunch.kernels.optimize.engines.sample import FlatOutputs, Sample, tracing
 XML, WEIGHTS = "model.xml", "model.bin"
 DEEPBIND_SWITCH = "TBB_ENABLE_SANITIZERS"
 ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "tbbmalloc_proxy")
+TELEMETRY_PACKAGE = "openvino_telemetry"   # OpenVINO's and NNCF's usage telemetry
 
 
 def allocator_preloaded() -> bool:
@@ -56,22 +70,107 @@ def avoid_deepbind_crash() -> None:
         os.environ[DEEPBIND_SWITCH] = "1"
 
 
+class _Silent:
+    """A telemetry object whose every method sends nothing (``Telemetry()`` of it is itself)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Silent":
+        return self
+
+    def __getattr__(self, name: str) -> "_Silent":
+        return self
+
+
+_SILENT = _Silent()
+_ABSENT = object()
+_telemetry_lock = threading.Lock()
+_telemetry_depth = 0
+_telemetry_saved: list[tuple[Any, str, Any]] = []
+
+
+def _telemetry_hooks() -> list[tuple[Any, str]]:
+    """(object, attribute) through which OpenVINO's converter and NNCF reach their telemetry, as far as
+    they are imported: the converter modules' ``tm`` (the ``openvino_telemetry`` module; the stub
+    OpenVINO falls back to without it is :class:`_Silent`'s equal) and NNCF's ``telemetry._impl``."""
+    hooks: list[tuple[Any, str]] = []
+    for name in ("openvino.tools.ovc.convert_impl", "openvino.tools.ovc.telemetry_utils"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "tm"):
+            hooks.append((module, "tm"))
+    wrapper = sys.modules.get("nncf.telemetry.wrapper")
+    telemetry = getattr(wrapper, "telemetry", None)
+    if telemetry is not None and hasattr(telemetry, "_impl"):
+        hooks.append((telemetry, "_impl"))
+    return hooks
+
+
+def _import_without_telemetry(name: str) -> Any:
+    """``name`` imported; when this imports it first, with :data:`TELEMETRY_PACKAGE` unimportable meanwhile."""
+    if name not in sys.modules:
+        with _telemetry_lock:
+            if name not in sys.modules:
+                hidden = sys.modules.get(TELEMETRY_PACKAGE, _ABSENT)
+                sys.modules[TELEMETRY_PACKAGE] = None   # type: ignore[assignment] - importing it raises ImportError
+                try:
+                    importlib.import_module(name)
+                finally:
+                    if hidden is _ABSENT:
+                        sys.modules.pop(TELEMETRY_PACKAGE, None)
+                    else:
+                        sys.modules[TELEMETRY_PACKAGE] = hidden
+    return sys.modules[name]
+
+
+def import_openvino() -> Any:
+    """``openvino``, ready for this process (:func:`avoid_deepbind_crash`), its telemetry off when first imported here."""
+    avoid_deepbind_crash()
+    return _import_without_telemetry("openvino")
+
+
+def import_nncf() -> Any:
+    """``nncf``, its telemetry off when first imported here (OpenVINO's first, as NNCF imports it)."""
+    import_openvino()
+    return _import_without_telemetry("nncf")
+
+
+@contextlib.contextmanager
+def telemetry_off() -> Iterator[None]:
+    """OpenVINO's and NNCF's usage telemetry silenced inside (reentrant, across threads: the first
+    to enter silences, the last to leave restores what was there)."""
+    global _telemetry_depth
+    with contextlib.suppress(ImportError):
+        _import_without_telemetry("openvino.tools.ovc.convert_impl")   # imported, so that its hook is found
+    with _telemetry_lock:
+        if _telemetry_depth == 0:
+            _telemetry_saved[:] = [(owner, attribute, getattr(owner, attribute)) for owner, attribute in _telemetry_hooks()]
+            for owner, attribute, _ in _telemetry_saved:
+                setattr(owner, attribute, _SILENT)
+        _telemetry_depth += 1
+    try:
+        yield
+    finally:
+        with _telemetry_lock:
+            _telemetry_depth -= 1
+            if _telemetry_depth == 0:
+                for owner, attribute, value in reversed(_telemetry_saved):
+                    setattr(owner, attribute, value)
+                _telemetry_saved.clear()
+
+
 def convert(model: nn.Module, sample: Sample) -> Any:
     """The model as an ``openvino.Model``, every batched input's dimension 0 dynamic."""
-    avoid_deepbind_crash()
-    import openvino as ov
+    ov = import_openvino()
 
     flat = FlatOutputs(model, sample).eval()
     tensors = tuple(sample.tensors(sample.args))
     batched = [sample.batched[i] for i in sample.tensor_positions]
     shapes = [[-1, *t.shape[1:]] if is_batched else list(t.shape) for t, is_batched in zip(tensors, batched)]
-    with tracing_for_export():
+    with tracing_for_export(), telemetry_off():
         return ov.convert_model(flat, example_input=tensors, input=shapes)
 
 
 def serialize(ov_model: Any) -> dict[str, bytes]:
     """The IR files' bytes (written to a private temporary folder, read back, removed)."""
-    import openvino as ov
+    ov = import_openvino()
 
     with tempfile.TemporaryDirectory(prefix="xlaunch-ov-") as folder:
         xml = os.path.join(folder, XML)
@@ -95,8 +194,7 @@ class CompiledRunner:
 
     def __init__(self, ov_model: Any, sample: Sample, threads: int, dtype: Any = None,
                  config: Any = None) -> None:
-        avoid_deepbind_crash()
-        import openvino as ov
+        ov = import_openvino()
 
         config = compile_config(threads, dtype) if config is None else config
         self.compiled = ov.Core().compile_model(ov_model, "CPU", config)
@@ -130,8 +228,7 @@ class OpenVinoRoute(Route):
 
 def load_runner(xml: bytes, weights: bytes, sample: Any, threads: int, dtype: Any = None) -> CompiledRunner:
     """A runner from the IR's bytes (the cache's or a saved model's, already checked)."""
-    avoid_deepbind_crash()
-    import openvino as ov
+    ov = import_openvino()
 
     ov_model = ov.Core().read_model(model=xml, weights=weights)
     return CompiledRunner(ov_model, sample, threads, dtype)
