@@ -90,9 +90,10 @@ _telemetry_saved: list[tuple[Any, str, Any]] = []
 def _telemetry_hooks() -> list[tuple[Any, str]]:
     """(object, attribute) through which OpenVINO's converter and NNCF reach their telemetry, as far as
     they are imported: the converter modules' ``tm`` (the ``openvino_telemetry`` module; the stub
-    OpenVINO falls back to without it is :class:`_Silent`'s equal) and NNCF's ``telemetry._impl``."""
+    OpenVINO falls back to without it is :class:`_Silent`'s equal; ``utils`` sends conversion errors'
+    FAQ numbers) and NNCF's ``telemetry._impl``."""
     hooks: list[tuple[Any, str]] = []
-    for name in ("openvino.tools.ovc.convert_impl", "openvino.tools.ovc.telemetry_utils"):
+    for name in ("openvino.tools.ovc.convert_impl", "openvino.tools.ovc.telemetry_utils", "openvino.tools.ovc.utils"):
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "tm"):
             hooks.append((module, "tm"))
