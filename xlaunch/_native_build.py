@@ -151,6 +151,15 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
                 process.wait()
 
 
+def _users_stacklevel() -> int:
+    """For a warning its caller issues: the stacklevel of the first frame outside xlaunch and torch, the
+    user's line however deep the call came from (a model's forward through ``nn.Module.__call__``, a loader)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("xlaunch", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class Library:
     """One operator library: its levels, where each is built, building them, loading them once.
 
@@ -298,12 +307,13 @@ class Library:
                 return getattr(torch.ops, f"{self.namespace}_{level}")
             except (OSError, RuntimeError) as exc:
                 warnings.warn(f"{self.label}: the native kernels at {path} do not load ({exc}); "
-                              "using the pure-torch paths", RuntimeWarning, stacklevel=5)
+                              "using the pure-torch paths", RuntimeWarning, stacklevel=_users_stacklevel())
                 return None
         if not self.warned and self.sources():
             self.warned = True
             warnings.warn(f"{self.label}: native kernels not built here; using the slower pure-torch paths "
-                          f"(build them with `python -m {self.label}.native`)", RuntimeWarning, stacklevel=5)
+                          f"(build them with `python -m {self.label}.native`)", RuntimeWarning,
+                          stacklevel=_users_stacklevel())
         return None
 
     def main(self, argv: Optional[list[str]] = None) -> int:

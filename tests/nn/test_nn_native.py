@@ -131,8 +131,9 @@ def test_missing_or_disabled_kernels_mean_the_torch_paths(monkeypatch, tmp_path)
     monkeypatch.setattr(native.LIBRARY, "loaded_levels", {})
     monkeypatch.setattr(native.LIBRARY, "warned", False)
     monkeypatch.setenv(native.BUILD_DIR_ENV, str(tmp_path))              # nothing built there
-    with pytest.warns(RuntimeWarning, match="native kernels not built here"):
-        assert native.ops() is None
+    with pytest.warns(RuntimeWarning, match="native kernels not built here") as said:
+        assert native.LIBRARY.ops() is None          # one xlaunch frame fewer than native.ops()
+    assert said[0].filename == __file__, said[0]    # the warning points at the caller's line, not xlaunch's
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                     # said once per process
         assert native.ops() is None
