@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 from xlaunch import _isa_levels as isa
+from xlaunch._callers import stacklevel_outside
 
 FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
 _TORCH_INCLUDE = re.compile(r"^#include <((?:ATen|c10|torch)/[^>]+)>", re.M)
@@ -149,15 +150,6 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
             for _, process in running:
                 process.kill()
                 process.wait()
-
-
-def _users_stacklevel() -> int:
-    """For a warning its caller issues: the stacklevel of the first frame outside xlaunch and torch, the
-    user's line however deep the call came from (a model's forward through ``nn.Module.__call__``, a loader)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("xlaunch", "torch"):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class Library:
@@ -307,13 +299,14 @@ class Library:
                 return getattr(torch.ops, f"{self.namespace}_{level}")
             except (OSError, RuntimeError) as exc:
                 warnings.warn(f"{self.label}: the native kernels at {path} do not load ({exc}); "
-                              "using the pure-torch paths", RuntimeWarning, stacklevel=_users_stacklevel())
+                              "using the pure-torch paths", RuntimeWarning,
+                              stacklevel=stacklevel_outside("xlaunch", "torch"))
                 return None
         if not self.warned and self.sources():
             self.warned = True
             warnings.warn(f"{self.label}: native kernels not built here; using the slower pure-torch paths "
                           f"(build them with `python -m {self.label}.native`)", RuntimeWarning,
-                          stacklevel=_users_stacklevel())
+                          stacklevel=stacklevel_outside("xlaunch", "torch"))
         return None
 
     def main(self, argv: Optional[list[str]] = None) -> int:

@@ -8,8 +8,9 @@ twice. What went as planned (a graph frozen, the faster variant kept) is an INFO
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
+
+from xlaunch._callers import stacklevel_outside
 
 logger = logging.getLogger("xlaunch.optimize")
 # A library logger: records reach the handlers the program configured (e.g. logging.basicConfig);
@@ -21,17 +22,9 @@ class OptimizeWarning(UserWarning):
     """Something asked for was not done (or was undone); the message says why."""
 
 
-def caller_stacklevel() -> int:
-    """The stacklevel of the first frame outside xlaunch.kernels (so warnings point at the user)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("xlaunch.kernels"):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def warn(message: str) -> None:
     """``message`` as an OptimizeWarning pointing at the user's call."""
-    warnings.warn(f"xlaunch.optimize: {message}", OptimizeWarning, stacklevel=caller_stacklevel())
+    warnings.warn(f"xlaunch.optimize: {message}", OptimizeWarning, stacklevel=stacklevel_outside("xlaunch.kernels"))
 
 
 def info(message: str) -> None:

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
+from xlaunch._callers import stacklevel_outside
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -235,10 +235,7 @@ def _build_and_check(route: str, fp32: nn.Module, example: tuple, batches: Optio
 
 def _warn(report: QuantizeReport, message: str) -> None:
     report.warnings.append(message)
-    frame, level = sys._getframe(1), 2   # point the warning at the first frame outside xlaunch
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("xlaunch.kernels"):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(f"xlaunch.quantize: {message}", QuantizeWarning, stacklevel=level)
+    warnings.warn(f"xlaunch.quantize: {message}", QuantizeWarning, stacklevel=stacklevel_outside("xlaunch.kernels"))
 
 
 @marked("quantize")

@@ -135,11 +135,10 @@ def import_nncf() -> Any:
 
 @contextlib.contextmanager
 def telemetry_off() -> Iterator[None]:
-    """OpenVINO's and NNCF's usage telemetry silenced inside (reentrant, across threads: the first
-    to enter silences, the last to leave restores what was there)."""
+    """The usage telemetry of OpenVINO and NNCF as imported (:func:`import_openvino`, :func:`import_nncf`)
+    silenced inside (reentrant, across threads: the first to enter silences, the last to leave restores
+    what was there)."""
     global _telemetry_depth
-    with contextlib.suppress(ImportError):
-        _import_without_telemetry("openvino.tools.ovc.convert_impl")   # imported, so that its hook is found
     with _telemetry_lock:
         if _telemetry_depth == 0:
             _telemetry_saved[:] = [(owner, attribute, getattr(owner, attribute)) for owner, attribute in _telemetry_hooks()]
