@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+import xlaunch  # noqa: E402
 import xlaunch.kernels  # noqa: E402
 from xlaunch.kernels.optimize import precision  # noqa: E402
 from xlaunch.kernels.optimize import dispatch, fold
@@ -280,8 +281,9 @@ def test_cpuinfo_flags_and_bf16_decision(tmp_path: Path) -> None:
 def test_bf16_request_without_native_support_keeps_fp32(monkeypatch: pytest.MonkeyPatch, image: torch.Tensor) -> None:
     monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"avx2"}))
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
-    with pytest.warns(OptimizeWarning, match="bf16 not used"):
-        optimized = optimize(model, dtype=torch.bfloat16, **EAGER)
+    with pytest.warns(OptimizeWarning, match="bf16 not used") as said:
+        optimized = xlaunch.optimize(model, dtype=torch.bfloat16, **EAGER)   # the public export (xlaunch._lazy)
+    assert said[0].filename == __file__, said[0]   # the warning points at this line, not into xlaunch
     assert optimized[0].weight.dtype == torch.float32
     assert "forward" not in optimized.__dict__
 

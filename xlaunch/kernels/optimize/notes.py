@@ -24,7 +24,7 @@ class OptimizeWarning(UserWarning):
 
 def warn(message: str) -> None:
     """``message`` as an OptimizeWarning pointing at the user's call."""
-    warnings.warn(f"xlaunch.optimize: {message}", OptimizeWarning, stacklevel=stacklevel_outside("xlaunch.kernels"))
+    warnings.warn(f"xlaunch.optimize: {message}", OptimizeWarning, stacklevel=stacklevel_outside("xlaunch"))
 
 
 def info(message: str) -> None:

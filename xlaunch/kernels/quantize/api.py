@@ -235,7 +235,7 @@ def _build_and_check(route: str, fp32: nn.Module, example: tuple, batches: Optio
 
 def _warn(report: QuantizeReport, message: str) -> None:
     report.warnings.append(message)
-    warnings.warn(f"xlaunch.quantize: {message}", QuantizeWarning, stacklevel=stacklevel_outside("xlaunch.kernels"))
+    warnings.warn(f"xlaunch.quantize: {message}", QuantizeWarning, stacklevel=stacklevel_outside("xlaunch"))
 
 
 @marked("quantize")
