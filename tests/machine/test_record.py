@@ -77,6 +77,19 @@ def test_archive_round_trip_and_fsroot_takes_the_archive(tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path / "cache" / "xlaunch" / "machines")) == 1
 
 
+def test_unpacking_completes_writes_that_stop_short(tmp_path, monkeypatch):
+    """A write may take fewer bytes than asked (a signal mid-write, a nearly full disk): every file
+    still arrives whole (the unpacker once counted a short write as complete)."""
+    tree = machine_tree("vm-adjacent-smt")
+    write_archive(str(tree), str(tmp_path / "box.tar.xz"))
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+    unpack_archive(str(tmp_path / "box.tar.xz"), str(tmp_path / "unpacked"))
+    monkeypatch.undo()
+    files = sorted(p.relative_to(tree) for p in tree.rglob("*") if p.is_file())
+    assert files and all((tmp_path / "unpacked" / f).read_bytes() == (tree / f).read_bytes() for f in files)
+
+
 def test_the_cli_dry_runs_on_an_archive(tmp_path):
     archive = ARCHIVES / "hybrid-laptop.tar.xz"
     env = {**os.environ, "XLAUNCH_FSROOT": str(archive), "XDG_CACHE_HOME": str(tmp_path)}

@@ -116,7 +116,9 @@ def _extract(tar: tarfile.TarFile, archive: str, dest: str) -> None:
                 block = source.read(min(1 << 20, member.size - written))
                 if not block:
                     raise ValueError(f"{archive}: truncated at {member.name!r}")
-                os.write(fd, block)
+                view = memoryview(block)
+                while view:            # a write to a file may stop short (a signal, a full disk)
+                    view = view[os.write(fd, view):]
                 written += len(block)
         finally:
             os.close(fd)
