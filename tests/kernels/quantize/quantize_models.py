@@ -129,7 +129,7 @@ class TimedLines(io.TextIOBase):
 def auto_quantized(names: list[str]) -> dict:
     """One auto quantization per named model: builds every torch INT8 route and times them with
     fp32. Each result: (model, example, calibration, quantized, progress lines with their times,
-    {route: the routes.Built that auto built})."""
+    {route: the routes.Built that auto built}, how many times auto exported the float model)."""
     import pytest
 
     from xlaunch.kernels.quantize import api
@@ -149,9 +149,14 @@ def _auto_quantized(name: str, api, pytest) -> tuple:
     """One model's auto quantization, with one torch thread: auto's and optimize()'s timing runs
     each variant for a set time, and on a shared 2-vCPU machine a second thread doubles the CPU
     that costs (and waits on the first whenever another process takes a CPU)."""
+    from xlaunch.kernels.quantize import routes
+
     model, example, calibration = make(name)
     builds: dict = {}
+    exports: list = []
+    export = routes.export
     with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(routes, "export", lambda *args: exports.append(args) or export(*args))
         warnings.simplefilter("ignore", QuantizeWarning)
         patch.setattr(api, "FP32_BACKENDS", FIXTURE_FP32_BACKENDS)
         if name not in FIXTURE_OPTIMIZE:   # fp32 eager is the float variant
@@ -162,7 +167,7 @@ def _auto_quantized(name: str, api, pytest) -> tuple:
         with contextlib.redirect_stderr(stderr):
             quantized = quantize(model, (example,), calibration=calibration, consider=FIXTURE_ROUTES,
                                  rounds=FIXTURE_ROUNDS)
-        return model, example, calibration, quantized, stderr.lines, builds
+        return model, example, calibration, quantized, stderr.lines, builds, len(exports)
 
 
 def check_progress(quantized, lines: list[tuple[float, str]]) -> None:

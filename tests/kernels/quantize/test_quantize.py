@@ -52,6 +52,13 @@ def test_auto_is_never_slower_than_fp32_eager(auto_results: dict, name: str) -> 
     check_auto(*auto_results[name])
 
 
+def test_auto_exports_the_float_model_once_for_both_pt2e_routes(auto_results: dict) -> None:
+    """Static and dynamic are prepared from one export (each from its own graph module of it)."""
+    for name in NAMES:
+        assert {"static", "dynamic"} <= set(auto_results[name][5]), name
+        assert auto_results[name][6] == 1, (name, auto_results[name][6])
+
+
 def test_auto_progress_starts_within_a_second(auto_results: dict) -> None:
     for name in NAMES:
         check_progress(auto_results[name][3], auto_results[name][4])

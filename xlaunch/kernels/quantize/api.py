@@ -198,12 +198,14 @@ def _machine_traits() -> policy.IsaTraits:
 
 
 def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[list[tuple]],
-           reduce_range: bool) -> routes.Built:
+           reduce_range: bool, program: Optional[routes.FloatProgram] = None) -> routes.Built:
     if route == "static":
         assert calibration is not None
-        return routes.build_pt2e(model, example, calibration, dynamic=False, reduce_range=reduce_range)
+        return routes.build_pt2e(model, example, calibration, dynamic=False, reduce_range=reduce_range,
+                                 program=program)
     if route == "dynamic":
-        return routes.build_pt2e(model, example, [example], dynamic=True, reduce_range=reduce_range)
+        return routes.build_pt2e(model, example, [example], dynamic=True, reduce_range=reduce_range,
+                                 program=program)
     if route in policy.ENGINE_INT8_ROUTES:
         assert calibration is not None
         return engine_routes.build(route, model, example, calibration, seven_bit=reduce_range)
@@ -212,11 +214,11 @@ def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[l
 
 def _build_and_check(route: str, fp32: nn.Module, example: tuple, batches: Optional[list[tuple]],
                      checks: list[tuple], traits: policy.IsaTraits, mode: str, report: QuantizeReport,
-                     model: nn.Module) -> Optional[tuple[routes.Built, list[Any]]]:
+                     model: nn.Module, program: routes.FloatProgram) -> Optional[tuple[routes.Built, list[Any]]]:
     """The route built and its outputs on ``checks``; None (recorded as skipped) when it fails or
     quantizes nothing under ``auto``, one ValueError for an explicit mode."""
     try:
-        build = _build(route, fp32, example, batches, traits.reduce_range)
+        build = _build(route, fp32, example, batches, traits.reduce_range, program)
         outputs = [build.runner(*batch) for batch in checks]
     except Exception as exc:
         if mode != "auto":
@@ -298,6 +300,7 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
         wanted = {mode: None}
 
     built: dict[str, routes.Built] = {}
+    program = routes.FloatProgram(fp32, example)     # exported at the first PT2E route, once
     for route, skip in wanted.items():
         if skip is None and route in policy.ENGINE_INT8_ROUTES:
             skip = engine_routes.missing(route)
@@ -309,7 +312,7 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
                 show.line(f"{route}: skipped ({skip})")
             continue
         with show.step(f"building {route} INT8") as step:
-            done = _build_and_check(route, fp32, example, batches, checks, traits, mode, report, model)
+            done = _build_and_check(route, fp32, example, batches, checks, traits, mode, report, model, program)
             if done is None:
                 step.done(f"skipped: {report.routes[route].skipped}")
                 continue

@@ -86,6 +86,23 @@ def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProg
         return torch.export.export(model, example_inputs)
 
 
+class FloatProgram:
+    """The float model, exported once for every PT2E route of one quantize() call (``auto`` builds
+    static and dynamic from the same program: an export is 0.1-1 s on the test models here, seconds
+    on a ResNet or an encoder stack). Each route prepares its own copy."""
+
+    def __init__(self, model: nn.Module, example_inputs: tuple) -> None:
+        self._model, self._example = model, example_inputs
+        self._program: Optional[torch.export.ExportedProgram] = None
+
+    def graph(self) -> Any:
+        """A fresh graph module of the exported program (prepare and convert replace its attributes,
+        never the program's tensors: tests/kernels/quantize/test_quantize.py checks both routes)."""
+        if self._program is None:
+            self._program = export(self._model, self._example)
+        return self._program.module()
+
+
 # How FrozenCompiled may compile the batch dimension (a saved model records the one that worked).
 COMPILE_MODES = ("unbacked", "dynamic")
 _CONVOLUTIONS = ("aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution")
@@ -229,7 +246,8 @@ def restore_module_stacks(originals: dict[Any, dict]) -> None:
 
 
 def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tuple], dynamic: bool,
-               reduce_range: bool) -> Built:
+               reduce_range: bool, program: Optional[FloatProgram] = None) -> Built:
+    """A PT2E route (static or dynamic) of ``model``; ``program``: its export, shared with the other route."""
     import_torchao()
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
@@ -238,7 +256,7 @@ def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tu
     quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(
         is_dynamic=dynamic, reduce_range=reduce_range))
     with torch.no_grad():
-        graph = export(model, example_inputs).module()
+        graph = (program or FloatProgram(model, example_inputs)).graph()
         originals = split_reused_modules(graph)
         prepared = prepare_pt2e(graph, quantizer)
         restore_module_stacks(originals)
