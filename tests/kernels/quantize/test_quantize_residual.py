@@ -45,3 +45,20 @@ def test_reused_module_paths_are_split_then_restored() -> None:
     assert paths == ["1.relu", "1.relu@1", "1.relu@2", "2.relu", "2.relu@1", "2.relu@2"], paths
     routes.restore_module_stacks(originals)
     assert all(node.meta.get("nn_module_stack") == stack for node, stack in before.items())
+
+
+def test_both_routes_from_one_export_equal_their_own_exports() -> None:
+    """quantize(auto) prepares static and dynamic from one FloatProgram: each route's program is the
+    one its own export gives, and neither touches the shared program's tensors (batch norms fold here)."""
+    model, example, calibration = residual_blocks()
+    shared = routes.FloatProgram(model, (example,))
+    shared.graph()
+    state = {name: tensor.clone() for name, tensor in shared._program.state_dict.items()}
+    for dynamic in (False, True):
+        batches = [(example,)] if dynamic else calibration
+        one = routes.build_pt2e(model, (example,), batches, dynamic, reduce_range=True, program=shared)
+        own = routes.build_pt2e(model, (example,), batches, dynamic, reduce_range=True)
+        with torch.no_grad():
+            assert torch.equal(one.program_source(example), own.program_source(example)), dynamic
+    assert state.keys() == shared._program.state_dict.keys()
+    assert all(torch.equal(tensor, shared._program.state_dict[name]) for name, tensor in state.items())

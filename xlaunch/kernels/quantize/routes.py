@@ -97,7 +97,7 @@ class FloatProgram:
 
     def graph(self) -> Any:
         """A fresh graph module of the exported program (prepare and convert replace its attributes,
-        never the program's tensors: tests/kernels/quantize/test_quantize.py checks both routes)."""
+        never the program's tensors: tests/kernels/quantize/test_quantize_residual.py checks it)."""
         if self._program is None:
             self._program = export(self._model, self._example)
         return self._program.module()
