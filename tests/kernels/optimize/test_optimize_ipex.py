@@ -263,8 +263,6 @@ def test_script_module_is_returned_as_given(image: torch.Tensor) -> None:
         assert optimize(scripted) is scripted
 
 
-@pytest.mark.skipif(precision.bf16_unsupported_reason(precision.isa_flags()) is None,
-                    reason="this CPU computes bf16 natively")
 class Records(logging.Handler):
     """The records a logger emits (pytest's logging plugin is off: pyproject.toml's addopts)."""
 
@@ -276,6 +274,8 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
+@pytest.mark.skipif(precision.bf16_unsupported_reason(precision.isa_flags()) is None,
+                    reason="this CPU computes bf16 natively")
 def test_bf16_refused_on_this_cpu_through_warnings_only(image: torch.Tensor) -> None:
     logger, records = logging.getLogger("xlaunch.optimize"), Records()
     level = logger.level
