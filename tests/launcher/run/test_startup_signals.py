@@ -61,6 +61,13 @@ def traceback_in_xlaunch(err: str) -> bool:
     return "Traceback" in err and f"{REPO / 'xlaunch'}{os.sep}" in err
 
 
+def python_still_starting(err: str) -> bool:
+    """The signal landed while the interpreter itself was starting, before any of xlaunch ran: Python's
+    own report, status 1 (a Traceback, or "Could not import runpy module" when it lands in ``-m``'s own
+    import, seen in CI)."""
+    return "Traceback" in err or err.startswith("Could not import runpy module")
+
+
 def cleanup(pids: list[int]) -> None:
     for pid in running(pids):
         try:
@@ -156,9 +163,7 @@ def test_signals_at_random_moments_of_startup_never_hang(tmp_path) -> None:
         leftovers += wait_gone(pids, 1.0)
         cleanup(pids)
         assert not traceback_in_xlaunch(err), err
-        # the interpreter was still starting, before any of xlaunch ran: Python's own report, status 1
-        # ("Could not import runpy module" when the signal lands in `-m`'s own import, seen in CI)
-        if "Traceback" in err or err.startswith("Could not import runpy module"):
+        if python_still_starting(err):
             continue
         assert proc.returncode in (128 + number, -number), (trial, proc.returncode, err)
     assert leftovers == []
@@ -245,9 +250,7 @@ def test_ctrl_c_before_the_runner_is_exit_130_without_traceback(tmp_path) -> Non
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=20)
         assert not traceback_in_xlaunch(err), err
-        # the interpreter was still starting, before any of xlaunch ran: Python's own report, status 1
-        # ("Could not import runpy module" when the signal lands in `-m`'s own import, seen in CI)
-        if "Traceback" in err or err.startswith("Could not import runpy module"):
+        if python_still_starting(err):
             continue
         assert proc.returncode in (0, 130, -signal.SIGINT), err   # 0: the program had already finished
 
