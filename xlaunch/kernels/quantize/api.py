@@ -198,7 +198,7 @@ def _machine_traits() -> policy.IsaTraits:
 
 
 def _build(route: str, model: nn.Module, example: tuple, calibration: Optional[list[tuple]],
-           reduce_range: bool, program: Optional[routes.FloatProgram] = None) -> routes.Built:
+           reduce_range: bool, program: routes.FloatProgram) -> routes.Built:
     if route == "static":
         assert calibration is not None
         return routes.build_pt2e(model, example, calibration, dynamic=False, reduce_range=reduce_range,
