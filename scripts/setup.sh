@@ -1,27 +1,21 @@
 #!/usr/bin/env bash
-# Idempotent set-up: venv, torch 2.13.0 (CPU build), torchao 0.18.0, xlaunch with dev, tune and engine
-# (onnxruntime, openvino) extras, the Debian allocator/numactl packages when they are missing and we
-# are root, and xlaunch.nn's compiled kernels.
+# Idempotent set-up: venv (on Debian's python3.11 when there is one), torch 2.13.0 (CPU build),
+# torchao 0.18.0, xlaunch with dev, tune and engine (onnxruntime, openvino) extras, the Debian
+# allocator/numactl (and python3.11-venv) packages when they are missing and we are root, and
+# xlaunch.nn's and xlaunch.llm's compiled kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-# The venv's interpreter: $PYTHON, else Debian's own Python 3.11 when it is there with its venv module,
-# else python3. Debian builds its interpreter with profile-guided and link-time optimisation; a Python
-# built by pyenv (as on the AVX2 VM) has neither unless asked. The same suite, same day, AVX2 VM: 281 s
-# with Debian's 3.11.2 against 325-345 s with pyenv's 3.11.7 (`import torch` 2.5 against 3.0 s of CPU).
-DEBIAN_PY=/usr/bin/python3.11
-if [ -n "${PYTHON:-}" ]; then
-  PY=$PYTHON
-elif "$DEBIAN_PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
-  PY=$DEBIAN_PY
-else
-  PY=python3
-fi
-
 need_apt=()
 [ -e /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] || ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1 || need_apt+=(libjemalloc2)
 ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || need_apt+=(libtcmalloc-minimal4)
 command -v numactl >/dev/null 2>&1 || need_apt+=(numactl)
+# Debian's Python 3.11 without its venv module (a slim image): the package that holds it (below).
+DEBIAN_PY=/usr/bin/python3.11
+has_venv() { "$1" -c 'import ensurepip, venv' >/dev/null 2>&1; }
+if [ -z "${PYTHON:-}" ] && [ ! -x "$VENV/bin/python" ] && [ -x "$DEBIAN_PY" ] && ! has_venv "$DEBIAN_PY"; then
+  need_apt+=(python3.11-venv)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing ${need_apt[*]}"
@@ -32,6 +26,17 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   fi
 fi
 
+# The venv's interpreter: $PYTHON, else Debian's own Python 3.11 when it is there with its venv module,
+# else python3. Debian builds its interpreter with profile-guided and link-time optimisation; a Python
+# built by pyenv (as on the AVX2 VM) has neither unless asked. The same suite, same day, AVX2 VM: 281 s
+# with Debian's 3.11.2 against 325-345 s with pyenv's 3.11.7 (`import torch` 2.5 against 3.0 s of CPU).
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif has_venv "$DEBIAN_PY"; then
+  PY=$DEBIAN_PY
+else
+  PY=python3
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV with $PY ($("$PY" -V 2>&1))"
   "$PY" -m venv "$VENV"
