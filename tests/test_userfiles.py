@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from xlaunch.configs import MAX_NESTING, nesting_depth, parse_toml
-from xlaunch.userfiles import UserFileError, check_writable_dir, read_user_file, read_user_text, write_atomically
+from xlaunch.userfiles import (UserFileError, check_writable_dir, read_user_file, read_user_text, write_all,
+                               write_atomically)
 
 
 def test_reads_a_regular_file_and_a_symlink_to_one(tmp_path: Path) -> None:
@@ -103,3 +104,16 @@ def test_nesting_is_capped_before_the_toml_reader_recurses() -> None:
         parse_toml("a = " + "[" * 5000 + "\n")
     with pytest.raises(ValueError, match="nested"):
         parse_toml("a = " + "{b = " * 40 + "1" + "}" * 40 + "\n")
+
+
+def test_write_all_follows_a_short_write_with_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = bytes(range(256)) * 41
+    real_write, sizes = os.write, []
+    monkeypatch.setattr(os, "write", lambda fd, view: sizes.append(real_write(fd, bytes(view[:1000]))) or sizes[-1])
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    assert (tmp_path / "out").read_bytes() == data and len(sizes) == 11 and sizes[-1] == len(data) - 10000

@@ -15,6 +15,8 @@ The policy (docs/runner.md, "Hostile files, full disks, closed streams"), writte
   A FIFO, device, socket or directory at the target is refused rather than replaced (as root,
   ``/dev/null`` would otherwise become a regular file). On any error (a full disk) the
   temporary file is removed and the error raised: the caller decides to warn and go on.
+* :func:`write_all` writes a whole buffer to a descriptor: a write that stops short (a signal,
+  a nearly full disk) is followed by the rest.
 
 Light on purpose (``os`` and ``stat`` only): the launcher reads ``--config`` with it.
 """
@@ -120,6 +122,14 @@ def new_file(directory: str, name: str, mode: int = 0o644) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(f"no free temporary name in {directory!r}")
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``: a write to a file may take fewer bytes than asked (a signal
+    mid-write, a nearly full disk), and the rest follows until none is left or one raises."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def write_atomically(path: str, data: bytes, mode: int = 0o644) -> str:

@@ -88,6 +88,8 @@ def unpack_archive(archive: str, dest: str) -> None:
 
 
 def _extract(tar: tarfile.TarFile, archive: str, dest: str) -> None:
+    from xlaunch.userfiles import write_all
+
     made = {dest}
     for count, member in enumerate(tar, 1):
         if count > MAX_MEMBERS:
@@ -116,9 +118,7 @@ def _extract(tar: tarfile.TarFile, archive: str, dest: str) -> None:
                 block = source.read(min(1 << 20, member.size - written))
                 if not block:
                     raise ValueError(f"{archive}: truncated at {member.name!r}")
-                view = memoryview(block)
-                while view:            # a write to a file may stop short (a signal, a full disk)
-                    view = view[os.write(fd, view):]
+                write_all(fd, block)
                 written += len(block)
         finally:
             os.close(fd)

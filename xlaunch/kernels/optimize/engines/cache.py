@@ -410,12 +410,11 @@ def _read_file(dir_fd: int, name: str, limit: int) -> bytes:
 
 
 def _write_new(path: str, data: bytes) -> None:
+    from xlaunch.userfiles import write_all
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
+        write_all(fd, data)
     finally:
         os.close(fd)
 
