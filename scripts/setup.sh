@@ -10,6 +10,8 @@ need_apt=()
 [ -e /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] || ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1 || need_apt+=(libjemalloc2)
 ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || need_apt+=(libtcmalloc-minimal4)
 command -v numactl >/dev/null 2>&1 || need_apt+=(numactl)
+# SIMDe's portable AVX-512 (headers only): tests/llm runs the AVX-512 VNNI kernels with it on any x86 CPU.
+[ -e /usr/include/simde/x86/avx512.h ] || need_apt+=(libsimde-dev)
 # Debian's Python 3.11 without its venv module (a slim image): the package that holds it (below).
 DEBIAN_PY=/usr/bin/python3.11
 has_venv() { "$1" -c 'import ensurepip, venv' >/dev/null 2>&1; }

@@ -15,13 +15,14 @@ Layouts (``PackedLinear.layout``), chosen once when the layer is built:
 * ``"aten"``: the layouts of ATen's own CPU kernels: ``F.linear`` (bf16), ``torch._weight_int8pack_mm``
   (int8) and ``aten._weight_int4pack_mm_for_cpu`` (int4, unsigned nibbles ``q + 8`` with zero points 0).
 Both compute the same products (the quantized integers times fp32 scales) up to fp rounding; the native
-INT4 kernel rounds fp32 activations to bf16 (INT8 keeps them fp32). A native
+INT4 kernel at the baseline level rounds fp32 activations to bf16 (INT8 keeps them fp32). A native
 layer asked to run without the kernels (``prefer_native(False)``) dequantizes and multiplies (slow).
 
-Where the kernels run integer dot products (the AVX2 build, :func:`activation_block` 32), INT8 and INT4
-layers first round each activation row per block of 32 values to ``q * d`` (``d = max|x| / 127``,
-``q = round(x / d)``, as llama.cpp's Q8_0): :func:`round_activations` is that rounding. INT8 prefill
-from bf16 activations (8 rows or more) stays exact.
+Where the kernels run integer dot products (every level but baseline: AVX2's ``vpmaddubsw``, AVX-512
+VNNI's ``vpdpbusd``; :func:`activation_block` 32), INT8 and INT4 layers first round each activation row
+per block of 32 values to ``q * d`` (``d = max|x| / 127``, ``q = round(x / d)``, as llama.cpp's Q8_0):
+:func:`round_activations` is that rounding. INT8 prefill from bf16 activations (8 rows or more) stays
+exact.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
 
 def activation_block() -> int:
     """32 when the loaded kernels' INT8/INT4 layers quantize activations per row in blocks of 32 values
-    (integer dot products: the AVX2 build), 0 when they take them as they are (or no kernels are loaded)."""
+    (integer dot products: every level but baseline), 0 when they take them as they are (or no kernels are
+    loaded)."""
     ops = native.ops()
     if ops is None or not hasattr(ops, "linear_activation_block"):
         return 0

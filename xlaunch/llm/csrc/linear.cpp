@@ -180,11 +180,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor b = float_bias(bias, n);
   const float* xp = rows.data_ptr<float>();
-  if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2)
+  if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2, VNNI)
     const QuantizedRows qx(xp, m, k);
     run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
                [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
-                 int8q_block(qx.q(m0), qx.d(m0), qx.ldq, r, wp + blk * k * kBlock, k, acc);
+                 int8q_block(qx.q(m0), qx.d(m0), qx.qsum(m0), qx.ldq, r, wp + blk * k * kBlock, k, acc);
                });
     return out.view(output_sizes(x, n));
   }
@@ -201,7 +201,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_input(x);
   check_packed("int4_linear", packed, at::kByte, &scales, n, k, group_size);
   const int64_t groups = k / group_size;
-  if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2)
+  if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2, VNNI)
     TORCH_CHECK(group_size % kQuantBlock == 0, "xlaunch_llm int4_linear: the group size ", group_size,
                 " is not a multiple of ", kQuantBlock, " (the activations' block)");
     at::Tensor rows = rows_of(x, at::kFloat, k);
@@ -241,7 +241,7 @@ at::Tensor int8_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Te
                             const std::optional<at::Tensor>&, int64_t n) {
   return at::empty(output_sizes(x, n), x.options());
 }
-// 32 when this build's INT8/INT4 kernels quantize the activations (integer dot products, AVX2), 0 when
+// 32 when this build's INT8/INT4 kernels quantize the activations (integer dot products: AVX2, VNNI), 0 when
 // they take them as they are.
 int64_t activation_block() { return quantized_activation_block(); }
 

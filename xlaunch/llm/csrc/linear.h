@@ -10,6 +10,8 @@
 // Every kernel accumulates in fp32; y = x @ W.T (* scale) + bias, in the activations' dtype.
 #pragma once
 
+#include "linear_layout.h"
+
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -17,8 +19,6 @@
 
 namespace xlaunch_llm {
 
-constexpr int64_t kBlock = 64;    // output channels per packed block
-constexpr int64_t kRowTile = 4;   // activation rows one pass over a block serves
 
 inline float bf16_bits_to_float(uint16_t half) {
   const uint32_t bits = uint32_t(half) << 16;
@@ -43,11 +43,10 @@ void int8_block(const float* x, int64_t ldx, int64_t rows, const int8_t* w, int6
 void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, const float* scales,
                 const float* group_sums, int64_t groups, int64_t group_size, float* acc);
 
-// Integer dot products (the AVX2 path, as llama.cpp's Q8_0/Q4_0 on AVX2): the INT8 and INT4 kernels take
-// activations quantized per row in blocks of kQuantBlock values, d = max|x| / 127, q = round(x / d)
-// (half to even), so y is exact for the rounded activations, not for x. kQuantBlock when this build's
-// kernels do that, 0 when they take the activations as they are (exact up to fp32 rounding).
-constexpr int64_t kQuantBlock = 32;
+// Integer dot products (the AVX2 and AVX-512 VNNI paths, as llama.cpp's Q8_0/Q4_0 there): the INT8 and INT4
+// kernels take activations quantized per row in blocks of kQuantBlock values, d = max|x| / 127,
+// q = round(x / d) (half to even), so y is exact for the rounded activations, not for x. kQuantBlock when
+// this build's kernels do that, 0 when they take the activations as they are (exact up to fp32 rounding).
 int64_t quantized_activation_block();
 
 // Throws unless packed is a weight of dtype type (bf16, int8 or uint8 for int4) laid out as above for an
@@ -58,8 +57,10 @@ void check_packed(const char* op, const at::Tensor& packed, at::ScalarType type,
 // qsum [rows][ldq / 32] (the sum of each block's q).
 void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, int8_t* q, int64_t ldq, float* d,
                           int32_t* qsum);
-// acc[r * kBlock + c] = sum over blocks b of d[r][b] * (sum_k q[r][k] w[k][c]) (int8 block [K][64]).
-void int8q_block(const int8_t* q, const float* d, int64_t ldq, int64_t rows, const int8_t* w, int64_t k, float* acc);
+// acc[r * kBlock + c] = sum over blocks b of d[r][b] * (sum_k q[r][k] w[k][c]) (int8 block [K][64]); qsum as
+// quantize_activations writes it.
+void int8q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const int8_t* w,
+                 int64_t k, float* acc);
 // acc[r * kBlock + c] = sum over groups g of scale[g][c] * sum_b d[r][b] * sum_k q[r][k] (u[k][c] - 8).
 void int4q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
                  const float* scales, int64_t groups, int64_t group_size, float* acc);

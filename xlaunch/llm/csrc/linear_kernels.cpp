@@ -1,9 +1,13 @@
 // The inner loops of xlaunch.llm's packed linear layers: one block of 64 output channels against up to
-// kRowTile activation rows. Chosen at compile time (the library is built with -march=native):
-// AVX512_BF16 (vdpbf16ps), AVX2 + FMA, or plain C++.
+// kRowTile activation rows. Chosen at compile time (the library is built once per ISA level):
+// AVX512_BF16 (vdpbf16ps) with VNNI's integer dot products (int_dot_avx512.h), AVX2 + FMA, or plain C++.
 #include "linear.h"
 
 #include <immintrin.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#include "int_dot_avx512.h"
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +35,12 @@ inline int16_t load_int16(const int8_t* p) {   // two int8 values as one 16-bit 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
+#define XLAUNCH_LLM_INT_DOT 1   // INT8/INT4 take quantized activations (linear.h: kQuantBlock)
+#define XLAUNCH_LLM_INT_DOT_ROWS 4
+using int_dot_avx512::int4q_tile;
+using int_dot_avx512::int8q_tile;
+#endif
 
 template <int R>
 void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
@@ -113,16 +123,14 @@ void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* sc
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define XLAUNCH_LLM_INT_DOT 1   // INT8/INT4 take quantized activations (linear.h: kQuantBlock)
+#define XLAUNCH_LLM_INT_DOT_ROWS 2   // four rows' accumulators would not fit AVX2's 16 registers
 
 // AVX2: a bf16 pair (k, k+1) in a 32-bit lane widens to two fp32 by a shift (k) and a mask (k + 1).
 inline __m256 even_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline __m256 odd_half(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u)))); }
 
-// The weights bytes past p, one block of K later: a core streaming the weights from memory waits on each
-// line otherwise (measured on a Zen 3 VM, 1 thread: INT4 decode linears about 15% faster; the hardware
-// prefetcher alone runs too short a way ahead of these kernels). Past the end of the weights it reads
+// The weights bytes past p, kPrefetchBytes (linear_layout.h) on. Past the end of the weights it reads
 // nothing (a prefetch never faults).
-constexpr int64_t kPrefetchBytes = 8192;
 inline void prefetch_ahead(const void* p, int64_t bytes) {
   const char* at = static_cast<const char*>(p) + kPrefetchBytes;
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
@@ -229,7 +237,7 @@ inline __m256i load_row(const int8_t* w, int64_t kk, int64_t k, int64_t c0) {
 // (vpsignb), vpmaddubsw (two products, at most 2 * 127 * 127: no saturation), vpmaddwd into int32; each
 // block of kQuantBlock k scaled by its d into fp32. R <= 2 rows, 32 channels a pass.
 template <int R>
-void int8q_tile(const int8_t* q, const float* d, int64_t ldq, const int8_t* w, int64_t k, float* out) {
+void int8q_tile(const int8_t* q, const float* d, const int32_t*, int64_t ldq, const int8_t* w, int64_t k, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks = (k + kQuantBlock - 1) / kQuantBlock;
   for (int r = 0; r < R; ++r)
@@ -551,31 +559,47 @@ void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, 
 #undef CALL
 }
 
-// Rows two at a time (four rows' accumulators would not fit AVX2's 16 registers).
-void int8q_block(const int8_t* q, const float* d, int64_t ldq, int64_t rows, const int8_t* w, int64_t k, float* acc) {
-  const int64_t ldd = ldq / kQuantBlock;
-  for (int64_t r = 0; r < rows; r += 2) {
 #if defined(XLAUNCH_LLM_INT_DOT)
-    if (rows - r >= 2) int8q_tile<2>(q + r * ldq, d + r * ldd, ldq, w, k, acc + r * kBlock);
-    else int8q_tile<1>(q + r * ldq, d + r * ldd, ldq, w, k, acc + r * kBlock);
-#else
-    int8q_scalar(q + r * ldq, d + r * ldd, ldq, std::min<int64_t>(2, rows - r), w, k, acc + r * kBlock);
-#endif
+// Up to XLAUNCH_LLM_INT_DOT_ROWS rows a pass over the block (the registers the accumulators take).
+#define XLAUNCH_LLM_INT_ROWS(CALL)                                        \
+  for (int64_t r = 0; r < rows;) {                                         \
+    const int64_t n = std::min<int64_t>(rows - r, XLAUNCH_LLM_INT_DOT_ROWS); \
+    switch (n) {                                                           \
+      case 1: CALL(1); break;                                              \
+      case 2: CALL(2); break;                                              \
+      case 3: CALL(3); break;                                              \
+      default: CALL(4); break;                                             \
+    }                                                                      \
+    r += n;                                                                \
   }
+#else
+#define XLAUNCH_LLM_INT_ROWS(CALL) CALL(rows);
+#endif
+
+void int8q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const int8_t* w,
+                 int64_t k, float* acc) {
+  const int64_t ldd = ldq / kQuantBlock;
+#if defined(XLAUNCH_LLM_INT_DOT)
+#define CALL(R) int8q_tile<R>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, k, acc + r * kBlock)
+#else
+#define CALL(R) int8q_scalar(q, d, ldq, R, w, k, acc)
+#endif
+  XLAUNCH_LLM_INT_ROWS(CALL)
+#undef CALL
+  (void)ldd, (void)qsum;
 }
 
 void int4q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
                  const float* scales, int64_t groups, int64_t group_size, float* acc) {
   const int64_t ldd = ldq / kQuantBlock, k = groups * group_size;
-  for (int64_t r = 0; r < rows; r += 2) {
 #if defined(XLAUNCH_LLM_INT_DOT)
-    if (rows - r >= 2) int4q_tile<2>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock);
-    else int4q_tile<1>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock);
+#define CALL(R) int4q_tile<R>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock)
 #else
-    int4q_scalar(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, std::min<int64_t>(2, rows - r), w, scales, group_size,
-                 k, acc + r * kBlock);
+#define CALL(R) int4q_scalar(q, d, qsum, ldq, R, w, scales, group_size, k, acc)
 #endif
-  }
+  XLAUNCH_LLM_INT_ROWS(CALL)
+#undef CALL
+  (void)ldd;
 }
 
 }  // namespace xlaunch_llm

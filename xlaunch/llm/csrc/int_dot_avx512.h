@@ -1,0 +1,163 @@
+// The INT8 and INT4 layers' integer dot products at the AVX-512 levels with VNNI (vpdpbusd: four u8 x s8
+// products summed into each int32 lane, 64 an instruction), as llama.cpp's Q8_0/Q4_0 on such CPUs.
+// The activations come quantized per row in blocks of kQuantBlock (linear.h: quantize_activations).
+//
+// The includer provides the _mm512 intrinsics (<immintrin.h> in the library; SIMDe's portable ones in
+// tests/llm/test_int_dot_emulated.py, which runs these kernels on a CPU without AVX-512) and, before this
+// header, the constants of linear_layout.h. Up to four rows share each pass over the weights.
+#pragma once
+
+#include "linear_layout.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace xlaunch_llm {
+namespace int_dot_avx512 {
+
+inline int32_t load_four(const int8_t* p) {   // four int8 values as one 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The weights' bytes one block of K later, asked for now (the hardware prefetcher alone runs too short a way
+// ahead of a kernel streaming the weights); past the end of the weights a prefetch reads nothing.
+inline void prefetch_next(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
+}
+
+inline __m512i int8_row(const int8_t* w, int64_t kk, int64_t k) {   // row kk of a [K][64] block; zero past K
+  return kk < k ? _mm512_loadu_si512(w + kk * kBlock) : _mm512_setzero_si512();
+}
+
+// Four K-rows of a block's 64 int8 channels regrouped so that each int32 lane holds one channel's
+// w[k..k+3], flipped to unsigned (w + 128 in [1, 255]: vpdpbusd's unsigned side). out[j], 128-bit lane L,
+// lane i is channel 16 L + 4 j + i.
+inline void regroup_unsigned(__m512i r0, __m512i r1, __m512i r2, __m512i r3, __m512i out[4]) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  r0 = _mm512_xor_si512(r0, flip), r1 = _mm512_xor_si512(r1, flip);
+  r2 = _mm512_xor_si512(r2, flip), r3 = _mm512_xor_si512(r3, flip);
+  const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+  out[0] = _mm512_unpacklo_epi16(a, c);
+  out[1] = _mm512_unpackhi_epi16(a, c);
+  out[2] = _mm512_unpacklo_epi16(b, d);
+  out[3] = _mm512_unpackhi_epi16(b, d);
+}
+
+// out[r * kBlock + c] = sum over blocks b of d[r][b] * sum_k q[r][k] w[k][c], for an int8 block [K][64].
+// sum (w + 128) q = sum w q + 128 qsum: the flip is taken off once per block of K. Per block of K the int32
+// sums stay below 32 * 255 * 128.
+template <int R>
+void int8q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, const int8_t* w, int64_t k,
+                float* out) {
+  const int64_t blocks = (k + kQuantBlock - 1) / kQuantBlock, ldb = ldq / kQuantBlock;
+  alignas(64) float acc[R * kBlock];   // regroup_unsigned's channel order: vector j at 16 j
+  for (int i = 0; i < R * kBlock; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k0 = b * kQuantBlock, k1 = std::min(k0 + kQuantBlock, k);
+    prefetch_next(w + k0 * kBlock, kQuantBlock * kBlock);
+    __m512i dot[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) dot[r][j] = _mm512_setzero_si512();
+    for (int64_t kk = k0; kk < k1; kk += 4) {
+      __m512i wv[4];
+      if (kk + 4 <= k) {
+        const int8_t* wp = w + kk * kBlock;
+        regroup_unsigned(_mm512_loadu_si512(wp), _mm512_loadu_si512(wp + kBlock), _mm512_loadu_si512(wp + 2 * kBlock),
+                         _mm512_loadu_si512(wp + 3 * kBlock), wv);
+      } else {   // the last rows of K: past them the weights are zero (and so are the activations)
+        regroup_unsigned(int8_row(w, kk, k), int8_row(w, kk + 1, k), int8_row(w, kk + 2, k), int8_row(w, kk + 3, k), wv);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(load_four(q + r * ldq + kk));
+        for (int j = 0; j < 4; ++j) dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], wv[j], xv);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i flip = _mm512_set1_epi32(128 * qsum[r * ldb + b]);
+      const __m512 scale = _mm512_set1_ps(d[r * ldb + b]);
+      for (int j = 0; j < 4; ++j) {
+        float* at = acc + r * kBlock + 16 * j;
+        _mm512_store_ps(at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][j], flip)), scale,
+                                            _mm512_load_ps(at)));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)   // back to channel order
+    for (int j = 0; j < 4; ++j)
+      for (int lane = 0; lane < 4; ++lane)
+        for (int i = 0; i < 4; ++i) out[r * kBlock + 16 * lane + 4 * j + i] = acc[r * kBlock + 16 * j + 4 * lane + i];
+}
+
+// One step of four K of an int4 block (linear.h: channel n's bytes 2n and 2n + 1 hold u[k], u[k+1] in their
+// low nibbles and u[k+2], u[k+3] in their high ones), as four vectors whose int32 lanes hold one channel's
+// u[k..k+3] in order: for half h (channels 32 h to 32 h + 31), vector 2 h holds channel 32 h + 8 L + i in
+// 128-bit lane L, lane i, and vector 2 h + 1 channel 32 h + 8 L + 4 + i.
+inline void int4_step(const uint8_t* wp, __m512i out[4]) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_loadu_si512(wp + 64 * h);
+    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    out[2 * h] = _mm512_unpacklo_epi16(lo, hi);
+    out[2 * h + 1] = _mm512_unpackhi_epi16(lo, hi);
+  }
+}
+
+// out[r * kBlock + c] = sum over groups g of scale[g][c] * sum_b d[r][b] * sum_k q[r][k] (u[k][c] - 8): the
+// nibbles u = q + 8 are the unsigned side, the activations the signed one, and 8 qsum comes off per block.
+// group_size is a multiple of kQuantBlock, so is K.
+template <int R>
+void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, const uint8_t* w,
+                const float* scales, int64_t group_size, int64_t k, float* out) {
+  const int64_t blocks = k / kQuantBlock, ldb = ldq / kQuantBlock, per_group = group_size / kQuantBlock;
+  // The group's scales in int4_step's channel order, from the natural order's vectors of 16.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(4));
+  alignas(64) float acc[R * kBlock];   // int4_step's channel order: vector v at 16 v
+  for (int i = 0; i < R * kBlock; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+  __m512 sv[4];
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b % per_group == 0) {
+      const float* sg = scales + (b / per_group) * kBlock;
+      for (int h = 0; h < 2; ++h) {
+        const __m512 s0 = _mm512_loadu_ps(sg + 32 * h), s1 = _mm512_loadu_ps(sg + 32 * h + 16);
+        sv[2 * h] = _mm512_permutex2var_ps(s0, first, s1);
+        sv[2 * h + 1] = _mm512_permutex2var_ps(s0, second, s1);
+      }
+    }
+    const uint8_t* wb = w + b * (kQuantBlock / 4) * 2 * kBlock;
+    prefetch_next(wb, kQuantBlock / 2 * kBlock);
+    __m512i dot[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) dot[r][v] = _mm512_setzero_si512();
+    for (int64_t t = 0; t < kQuantBlock; t += 4) {
+      __m512i wv[4];
+      int4_step(wb + (t / 4) * 2 * kBlock, wv);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(load_four(q + r * ldq + b * kQuantBlock + t));
+        for (int v = 0; v < 4; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv[v], xv);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(8 * qsum[r * ldb + b]);
+      const __m512 scale = _mm512_set1_ps(d[r * ldb + b]);
+      for (int v = 0; v < 4; ++v) {
+        float* at = acc + r * kBlock + 16 * v;
+        const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v], offset)), scale);
+        _mm512_store_ps(at, _mm512_fmadd_ps(sum, sv[v], _mm512_load_ps(at)));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)   // back to channel order
+    for (int v = 0; v < 4; ++v)
+      for (int lane = 0; lane < 4; ++lane)
+        for (int i = 0; i < 4; ++i)
+          out[r * kBlock + 32 * (v / 2) + 8 * lane + 4 * (v % 2) + i] = acc[r * kBlock + 16 * v + 4 * lane + i];
+}
+
+}  // namespace int_dot_avx512
+}  // namespace xlaunch_llm
