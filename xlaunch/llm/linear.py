@@ -21,8 +21,8 @@ layer asked to run without the kernels (``prefer_native(False)``) dequantizes an
 Where the kernels run integer dot products (every level but baseline: AVX2's ``vpmaddubsw``, AVX-512
 VNNI's ``vpdpbusd``; :func:`activation_block` 32), INT8 and INT4 layers first round each activation row
 per block of 32 values to ``q * d`` (``d = max|x| / 127``, ``q = round(x / d)``, as llama.cpp's Q8_0):
-:func:`round_activations` is that rounding. INT8 prefill from bf16 activations (8 rows or more) stays
-exact.
+:func:`round_activations` is that rounding, prefill included (at the baseline level an INT8 prefill of 8
+rows or more widens each block to bf16 instead, exact).
 """
 from __future__ import annotations
 
