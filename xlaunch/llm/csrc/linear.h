@@ -38,8 +38,10 @@ inline uint16_t float_to_bf16_bits(float value) {
 
 // The fp32 sums of rows [m0, m0 + rows) against one block: acc[r * kBlock + c], c < kBlock.
 void bf16_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t k_pairs, float* acc);
+// INT8 and INT4 with the activations as they are: the baseline level's kernels (every other level runs
+// int8q_block and int4q_block below). int4 applies its group scales itself: group_sums[r * groups + g] =
+// sum of row r's (bf16) x over group g.
 void int8_block(const float* x, int64_t ldx, int64_t rows, const int8_t* w, int64_t k, float* acc);
-// int4 applies its group scales itself: group_sums[r * groups + g] = sum of row r's (bf16) x over group g.
 void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, const float* scales,
                 const float* group_sums, int64_t groups, int64_t group_size, float* acc);
 

@@ -60,67 +60,6 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlock + 16 * j, acc[r][j]);
 }
 
-template <int R>
-void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t k, float* out) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const int8_t* wp = w + kk * kBlock;
-    __m512 wv[4];
-    for (int j = 0; j < 4; ++j)
-      wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * j))));
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + kk]);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xv, acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlock + 16 * j, acc[r][j]);
-}
-
-// u | 0x4300 is the bf16 of 128 + u (u < 128), so the products sum (128 + u) x = sum q x + 136 sum x.
-template <int R>
-void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* scales, const float* sums,
-               int64_t groups, int64_t group_size, float* out) {
-  const __m512i low = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t quads = group_size / 4;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 part[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) part[r][j] = _mm512_setzero_ps();
-    for (int64_t q = 0; q < quads; ++q) {
-      const int64_t k = (g * quads + q) * 4;
-      const uint8_t* wp = w + (g * quads + q) * 2 * kBlock;
-      __m512bh lo[4], hi[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * j)));
-        lo[j] = (__m512bh)_mm512_ternarylogic_epi32(b, low, magic, 0xEA);   // (b & low) | magic
-        hi[j] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 4), magic);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512bh x01 = (__m512bh)_mm512_set1_epi32(load_pair(x + r * ldx + k));
-        const __m512bh x23 = (__m512bh)_mm512_set1_epi32(load_pair(x + r * ldx + k + 2));
-        for (int j = 0; j < 4; ++j) {
-          part[r][j] = _mm512_dpbf16_ps(part[r][j], lo[j], x01);
-          part[r][j] = _mm512_dpbf16_ps(part[r][j], hi[j], x23);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 offset = _mm512_set1_ps(136.0f * sums[r * groups + g]);
-      for (int j = 0; j < 4; ++j)
-        acc[r][j] = _mm512_fmadd_ps(_mm512_sub_ps(part[r][j], offset),
-                                    _mm512_loadu_ps(scales + g * kBlock + 16 * j), acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlock + 16 * j, acc[r][j]);
-}
-
 #elif defined(__AVX2__) && defined(__FMA__)
 #define XLAUNCH_LLM_INT_DOT 1   // INT8/INT4 take quantized activations (linear.h: kQuantBlock)
 #define XLAUNCH_LLM_INT_DOT_ROWS 2   // four rows' accumulators would not fit AVX2's 16 registers
@@ -335,63 +274,6 @@ void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
   }
 }
 
-template <int R>
-void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t k, float* out) {
-  for (int s = 0; s < 4; ++s) {
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t kk = 0; kk < k; ++kk) {
-      const int8_t* wp = w + kk * kBlock + 16 * s;
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_set1_ps(x[r * ldx + kk]);
-        acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out + r * kBlock + 16 * s, acc[r][0]);
-      _mm256_storeu_ps(out + r * kBlock + 16 * s + 8, acc[r][1]);
-    }
-  }
-}
-
-template <int R>
-void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* scales, const float* sums,
-               int64_t groups, int64_t group_size, float* out) {
-  const __m256i low = _mm256_set1_epi16(0x000f), magic = _mm256_set1_epi16(0x4300);
-  const int64_t quads = group_size / 4;
-  for (int s = 0; s < 8; ++s) {   // eight slices of 8 channels
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 part[R];
-      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
-      for (int64_t q = 0; q < quads; ++q) {
-        const int64_t k = (g * quads + q) * 4;
-        const uint8_t* wp = w + (g * quads + q) * 2 * kBlock + 16 * s;
-        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
-        const __m256i lo = _mm256_or_si256(_mm256_and_si256(b, low), magic);
-        const __m256i hi = _mm256_or_si256(_mm256_srli_epi16(b, 4), magic);
-        const __m256 w0 = even_half(lo), w1 = odd_half(lo), w2 = even_half(hi), w3 = odd_half(hi);
-        for (int r = 0; r < R; ++r) {
-          const uint16_t* xr = x + r * ldx + k;
-          part[r] = _mm256_fmadd_ps(w0, _mm256_set1_ps(bf16_bits_to_float(xr[0])), part[r]);
-          part[r] = _mm256_fmadd_ps(w1, _mm256_set1_ps(bf16_bits_to_float(xr[1])), part[r]);
-          part[r] = _mm256_fmadd_ps(w2, _mm256_set1_ps(bf16_bits_to_float(xr[2])), part[r]);
-          part[r] = _mm256_fmadd_ps(w3, _mm256_set1_ps(bf16_bits_to_float(xr[3])), part[r]);
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_sub_ps(part[r], _mm256_set1_ps(136.0f * sums[r * groups + g])),
-                                 _mm256_loadu_ps(scales + g * kBlock + 8 * s), acc[r]);
-    }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kBlock + 8 * s, acc[r]);
-  }
-}
-
 #else
 
 template <int R>
@@ -406,6 +288,10 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
   std::memcpy(out, acc, sizeof acc);
 }
 
+#endif
+
+// The INT8/INT4 kernels of the baseline level, where activations are taken as they are (fp32 for INT8,
+// bf16 for INT4); every other level runs the integer kernels (int8q_block, int4q_block) instead.
 template <int R>
 void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t k, float* out) {
   float acc[R][kBlock] = {};
@@ -437,8 +323,6 @@ void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* sc
   (void)sums;
   std::memcpy(out, acc, sizeof acc);
 }
-
-#endif
 
 // The integer kernels' meaning, value by value (the builds whose INT8/INT4 kernels take activations as
 // they are never call these: quantized_activation_block() is 0 there).
