@@ -104,7 +104,8 @@ def test_int4_block_is_the_sum_of_the_quantized_products_times_group_scales(emul
 
 
 def test_every_channel_lands_in_its_own_output(emulated):
-    """One weight channel at a time non-zero: the kernels' regrouped channel orders are undone exactly."""
+    """One weight channel at a time non-zero: each lands in its own output (INT4's interleaved channel order
+    is undone exactly)."""
     k = 64
     q, d, qsum, ldq = activations(1, k)
     for channel in (0, 3, 4, 15, 16, 21, 37, 63):

@@ -42,7 +42,7 @@ def packed_linear_bytes(n: int, k: int, kind: str, group_size: int = 128) -> int
     if kind == "bf16":
         return _buffer(2 * padded * k)
     if kind == "int8":
-        return _buffer(padded * k) + 4 * padded
+        return _buffer(padded * -(-k // 4) * 4) + 4 * padded
     if kind == "int4":
         return _buffer(padded * k // 2) + 4 * padded * (k // group_size)
     raise ValueError(f"unknown weight kind {kind!r}")

@@ -114,13 +114,17 @@ def unpack_bf16(packed: "torch.Tensor", n: int, k: int) -> "torch.Tensor":
 
 
 def pack_int8(q: "torch.Tensor") -> "torch.Tensor":
-    """int8 [N, K] -> [N/64, K, 64]: per block, the 64 channels of each k together."""
+    """int8 [N, K] -> [N/64, K4, 256], K4 = ceil(K / 4): byte 4c + t of step j holds q[c, 4j + t] of the
+    block's channel c (zero past K), so each channel's four values of K lie in one 32-bit word."""
     w = _pad_rows(q, BLOCK)
-    return w.reshape(-1, BLOCK, w.shape[1]).permute(0, 2, 1).contiguous()
+    w = torch.nn.functional.pad(w, (0, -w.shape[1] % 4))
+    blocks, k4 = w.shape[0] // BLOCK, w.shape[1] // 4
+    return w.reshape(blocks, BLOCK, k4, 4).permute(0, 2, 1, 3).reshape(blocks, k4, 4 * BLOCK).contiguous()
 
 
-def unpack_int8(packed: "torch.Tensor", n: int) -> "torch.Tensor":
-    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+def unpack_int8(packed: "torch.Tensor", n: int, k: int) -> "torch.Tensor":
+    blocks, k4, _ = packed.shape
+    return packed.reshape(blocks, k4, BLOCK, 4).permute(0, 2, 1, 3).reshape(blocks * BLOCK, 4 * k4)[:n, :k]
 
 
 def pack_int4(q: "torch.Tensor") -> "torch.Tensor":
@@ -251,7 +255,7 @@ class PackedLinear(nn.Module):
         n, k = self.out_features, self.in_features
         if self.kind == "int8":
             if self.layout == "native":
-                return unpack_int8(self.weight, n), unpack_channels(self.scales, n)
+                return unpack_int8(self.weight, n, k), unpack_channels(self.scales, n)
             return self.weight, self.scales
         if self.kind != "int4":
             raise ValueError(f"a {self.kind} layer is not quantized")
@@ -270,7 +274,11 @@ class PackedLinear(nn.Module):
         flat, k = ids.reshape(-1), self.in_features
         native_layout = self.layout == "native"
         if self.kind == "int8":
-            q = self.weight[flat // BLOCK, :, flat % BLOCK] if native_layout else self.weight[flat]
+            if native_layout:   # [N/64, K4, 64 x 4]: a channel's four values of K together
+                quads = self.weight.view(*self.weight.shape[:2], BLOCK, 4)[flat // BLOCK, :, flat % BLOCK]
+                q = quads.reshape(flat.numel(), -1)[:, :k]
+            else:
+                q = self.weight[flat]
             out = q.float() * self.scales.reshape(-1)[flat].unsqueeze(1)
         elif self.kind == "bf16" and native_layout:   # [N/64, K/2, 64 x 2]: a channel's (k, k+1) pairs
             pairs = self.weight.view(*self.weight.shape[:2], BLOCK, 2)[flat // BLOCK, :, flat % BLOCK]

@@ -162,7 +162,7 @@ def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dt
     blocks = -(-n // BLOCK)
     if layout == "native":
         shapes = {"bf16": ((blocks, -(-k // 2), 2 * BLOCK), torch.bfloat16, None),
-                  "int8": ((blocks, k, BLOCK), torch.int8, (blocks, BLOCK)),
+                  "int8": ((blocks, -(-k // 4), 4 * BLOCK), torch.int8, (blocks, BLOCK)),
                   "int4": ((blocks, k // 4, 2 * BLOCK), torch.uint8, (blocks, k // group_size, BLOCK))}
     else:
         shapes = {"bf16": ((n, k), torch.bfloat16, None), "int8": ((n, k), torch.int8, (n,))}

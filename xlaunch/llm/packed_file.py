@@ -35,7 +35,7 @@ from xlaunch.llm.decoder import SIXTEEN_BIT  # noqa: E402
 from xlaunch.llm.linear import BLOCK, GROUP_SIZES, KINDS, PackedLinear  # noqa: E402
 
 MAGIC = b"XLLMPACK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: INT8 weights [N/64, K/4, 64 x 4] (was [N/64, K, 64])
 MAX_HEADER = 64 << 20
 PAGE = 4096
 SOURCE_ATTR = "_xlaunch_llm_source"
@@ -223,7 +223,7 @@ def _packed_shapes(kind: str, layout: str, n: int, k: int, group: int) -> dict:
     blocks = -(-n // BLOCK)
     if layout == "native":
         return {"bf16": {"weight": [blocks, -(-k // 2), 2 * BLOCK]},
-                "int8": {"weight": [blocks, k, BLOCK], "scales": [blocks, BLOCK]},
+                "int8": {"weight": [blocks, -(-k // 4), 4 * BLOCK], "scales": [blocks, BLOCK]},
                 "int4": {"weight": [blocks, k // 4, 2 * BLOCK], "scales": [blocks, k // group, BLOCK]}}.get(kind, {})
     n16 = -(-n // 16) * 16
     return {"fp32": {"weight": [n, k]}, "bf16": {"weight": [n, k]}, "int8": {"weight": [n, k], "scales": [n]},

@@ -29,68 +29,42 @@ inline void prefetch_next(const void* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
 }
 
-inline __m512i int8_row(const int8_t* w, int64_t kk, int64_t k) {   // row kk of a [K][64] block; zero past K
-  return kk < k ? _mm512_loadu_si512(w + kk * kBlock) : _mm512_setzero_si512();
-}
-
-// Four K-rows of a block's 64 int8 channels regrouped so that each int32 lane holds one channel's
-// w[k..k+3], flipped to unsigned (w + 128 in [1, 255]: vpdpbusd's unsigned side). out[j], 128-bit lane L,
-// lane i is channel 16 L + 4 j + i.
-inline void regroup_unsigned(__m512i r0, __m512i r1, __m512i r2, __m512i r3, __m512i out[4]) {
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
-  r0 = _mm512_xor_si512(r0, flip), r1 = _mm512_xor_si512(r1, flip);
-  r2 = _mm512_xor_si512(r2, flip), r3 = _mm512_xor_si512(r3, flip);
-  const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
-  const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
-  out[0] = _mm512_unpacklo_epi16(a, c);
-  out[1] = _mm512_unpackhi_epi16(a, c);
-  out[2] = _mm512_unpacklo_epi16(b, d);
-  out[3] = _mm512_unpackhi_epi16(b, d);
-}
-
-// out[r * kBlock + c] = sum over blocks b of d[r][b] * sum_k q[r][k] w[k][c], for an int8 block [K][64].
+// out[r * kBlock + c] = sum over blocks b of d[r][b] * sum_k q[r][k] w[k][c], for an int8 block [K/4][64][4]
+// (each channel's four steps of K in one 32-bit word: a 64-byte load is 16 channels, ready for vpdpbusd).
+// The weights are flipped to unsigned (w + 128 in [1, 255]: vpdpbusd's unsigned side), and
 // sum (w + 128) q = sum w q + 128 qsum: the flip is taken off once per block of K. Per block of K the int32
 // sums stay below 32 * 255 * 128.
 template <int R>
 void int8q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, const int8_t* w, int64_t k,
                 float* out) {
-  const int64_t blocks = (k + kQuantBlock - 1) / kQuantBlock, ldb = ldq / kQuantBlock;
-  alignas(64) float acc[R * kBlock];   // regroup_unsigned's channel order: vector j at 16 j
-  for (int i = 0; i < R * kBlock; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const int64_t steps = (k + 3) / 4, blocks = (k + kQuantBlock - 1) / kQuantBlock, ldb = ldq / kQuantBlock;
+  for (int i = 0; i < R * kBlock; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());   // fp32 sums
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t k0 = b * kQuantBlock, k1 = std::min(k0 + kQuantBlock, k);
-    prefetch_next(w + k0 * kBlock, kQuantBlock * kBlock);
+    const int64_t s0 = b * (kQuantBlock / 4), s1 = std::min(steps, s0 + kQuantBlock / 4);
+    prefetch_next(w + s0 * 4 * kBlock, kQuantBlock * kBlock);
     __m512i dot[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) dot[r][j] = _mm512_setzero_si512();
-    for (int64_t kk = k0; kk < k1; kk += 4) {
+    for (int64_t step = s0; step < s1; ++step) {   // past K the weights are zero (and so are the activations)
+      const int8_t* wp = w + step * 4 * kBlock;
       __m512i wv[4];
-      if (kk + 4 <= k) {
-        const int8_t* wp = w + kk * kBlock;
-        regroup_unsigned(_mm512_loadu_si512(wp), _mm512_loadu_si512(wp + kBlock), _mm512_loadu_si512(wp + 2 * kBlock),
-                         _mm512_loadu_si512(wp + 3 * kBlock), wv);
-      } else {   // the last rows of K: past them the weights are zero (and so are the activations)
-        regroup_unsigned(int8_row(w, kk, k), int8_row(w, kk + 1, k), int8_row(w, kk + 2, k), int8_row(w, kk + 3, k), wv);
-      }
+      for (int j = 0; j < 4; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * j), flip);
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_set1_epi32(load_four(q + r * ldq + kk));
+        const __m512i xv = _mm512_set1_epi32(load_four(q + r * ldq + 4 * step));
         for (int j = 0; j < 4; ++j) dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], wv[j], xv);
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512i flip = _mm512_set1_epi32(128 * qsum[r * ldb + b]);
+      const __m512i offset = _mm512_set1_epi32(128 * qsum[r * ldb + b]);
       const __m512 scale = _mm512_set1_ps(d[r * ldb + b]);
       for (int j = 0; j < 4; ++j) {
-        float* at = acc + r * kBlock + 16 * j;
-        _mm512_store_ps(at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][j], flip)), scale,
-                                            _mm512_load_ps(at)));
+        float* at = out + r * kBlock + 16 * j;
+        _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][j], offset)), scale,
+                                             _mm512_loadu_ps(at)));
       }
     }
   }
-  for (int r = 0; r < R; ++r)   // back to channel order
-    for (int j = 0; j < 4; ++j)
-      for (int lane = 0; lane < 4; ++lane)
-        for (int i = 0; i < 4; ++i) out[r * kBlock + 16 * lane + 4 * j + i] = acc[r * kBlock + 16 * j + 4 * lane + i];
 }
 
 // One step of four K of an int4 block (linear.h: channel n's bytes 2n and 2n + 1 hold u[k], u[k+1] in their

@@ -126,31 +126,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
 // and 2048 x 8192, 8-64 rows, 1 and 2 threads), 2.3-3.1x with VNNI on the 16-core AMX Xeon (32 rows, 4 and 16 threads).
 constexpr int64_t kPanelRows = 8;
 
-// One int8 block [K][64] as the bf16 kernel's layout [K/2][64][2] (K padded to even with zeros): a
+// One int8 block [K/4][64][4] as the bf16 kernel's layout [K/2][64][2] (K padded to even with zeros): a
 // channel's pair is one 32-bit word, bf16 of row 2kp in the low half, of row 2kp+1 in the high half
-// (an int8 value's fp32 has a zero low half, so its top 16 bits are its exact bf16).
+// (an int8 value is exact in bf16). The baseline level's prefill only: the other levels run the integer kernels.
 void widen_int8_block(const int8_t* w, int64_t k, int64_t k_pairs, std::vector<uint16_t>& panel) {
   panel.resize(size_t(k_pairs) * 2 * kBlock);
+  auto value = [&](int64_t kk, int64_t c) -> uint32_t {
+    return kk < k ? uint32_t(float_to_bf16_bits(float(w[(kk / 4) * 4 * kBlock + 4 * c + kk % 4]))) : 0u;
+  };
   for (int64_t kp = 0; kp < k_pairs; ++kp) {
-    const int8_t* even = w + 2 * kp * kBlock;
-    const int8_t* odd = 2 * kp + 1 < k ? even + kBlock : nullptr;
     auto* dst = reinterpret_cast<uint32_t*>(panel.data() + kp * 2 * kBlock);
-#if defined(__AVX512F__)
-    for (int64_t c = 0; c < kBlock; c += 16) {
-      const __m512i lo = _mm512_castps_si512(_mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(even + c)))));
-      const __m512i hi = odd ? _mm512_castps_si512(_mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(odd + c))))) : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + c, _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(int(0xFFFF0000u))),
-                                                   _mm512_srli_epi32(lo, 16)));
-    }
-#else
-    for (int64_t c = 0; c < kBlock; ++c) {
-      const uint32_t lo = uint32_t(float_to_bf16_bits(float(even[c])));
-      const uint32_t hi = odd ? uint32_t(float_to_bf16_bits(float(odd[c]))) : 0u;
-      dst[c] = (hi << 16) | lo;
-    }
-#endif
+    for (int64_t c = 0; c < kBlock; ++c) dst[c] = (value(2 * kp + 1, c) << 16) | value(2 * kp, c);
   }
 }
 
@@ -172,7 +158,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     run_blocks(m_all, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
                [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
                  thread_local std::vector<uint16_t> panel;
-                 if (m0 == 0) widen_int8_block(wp + blk * k * kBlock, k, k_pairs, panel);   // the first tile of a block
+                 if (m0 == 0) widen_int8_block(wp + blk * int8_block_bytes(k), k, k_pairs, panel);   // the first tile of a block
                  bf16_block(xp + m0 * 2 * k_pairs, 2 * k_pairs, r, panel.data(), k_pairs, acc);
                });
     return out.view(output_sizes(x, n));
@@ -186,13 +172,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     const QuantizedRows qx(xp, m, k);
     run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
                [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
-                 int8q_block(qx.q(m0), qx.d(m0), qx.qsum(m0), qx.ldq, r, wp + blk * k * kBlock, k, acc);
+                 int8q_block(qx.q(m0), qx.d(m0), qx.qsum(m0), qx.ldq, r, wp + blk * int8_block_bytes(k), k, acc);
                });
     return out.view(output_sizes(x, n));
   }
   run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
              [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
-               int8_block(xp + m0 * k, k, r, wp + blk * k * kBlock, k, acc);
+               int8_block(xp + m0 * k, k, r, wp + blk * int8_block_bytes(k), k, acc);
              });
   return out.view(output_sizes(x, n));
 }
@@ -269,9 +255,9 @@ void check_packed(const char* op, const at::Tensor& packed, at::ScalarType type,
   if (type == at::kByte)
     TORCH_CHECK(group_size % 4 == 0 && group_size > 0 && k % group_size == 0,
                 "xlaunch_llm ", op, ": in_features ", k, " is not a multiple of the group size ", group_size);
-  TORCH_CHECK(type == at::kChar ? packed.size(1) == k && packed.size(2) == kBlock
+  TORCH_CHECK(type == at::kChar ? packed.size(1) == (k + 3) / 4 && packed.size(2) == 4 * kBlock
                                 : packed.size(1) * 4 == k && packed.size(2) == 2 * kBlock,
-              "xlaunch_llm ", op, type == at::kChar ? ": the packed weight must be int8 [N/64, K, 64]"
+              "xlaunch_llm ", op, type == at::kChar ? ": the packed weight must be int8 [N/64, K/4, 256]"
                                                     : ": the packed weight must be uint8 [N/64, K/4, 128]");
   const int64_t groups = type == at::kChar ? 1 : k / group_size;
   TORCH_CHECK(scales != nullptr && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&

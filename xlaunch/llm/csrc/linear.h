@@ -3,7 +3,9 @@
 // Weights are cut into blocks of kBlock = 64 output channels (the last block zero-padded); inside a block
 // the weights of one step along K lie together, so one pass over a block streams one contiguous range:
 //   bf16: [N/64][K/2][64][2]  bf16 pairs (k, k+1) of each output, as vdpbf16ps reads them (K padded to even)
-//   int8: [N/64][K][64]       int8, symmetric per output channel, fp32 scales [N/64][64]
+//   int8: [N/64][K/4][64][4]  int8, each output's four steps of K in one 32-bit word, as vpdpbusd and
+//         vpmaddubsw read them (K padded to a multiple of 4 with zeros); symmetric per output channel,
+//         fp32 scales [N/64][64]
 //   int4: [N/64][K/4][4][16][2] bytes; byte (16 * j + i) * 2 + t of step k holds u[n][k + t] in its low
 //         nibble and u[n][k + 2 + t] in its high one, n = 64 * block + 16 * j + i, u = q + 8 in [0, 15];
 //         fp32 scales [N/64][K/group][64]
@@ -59,7 +61,7 @@ void check_packed(const char* op, const at::Tensor& packed, at::ScalarType type,
 // qsum [rows][ldq / 32] (the sum of each block's q).
 void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, int8_t* q, int64_t ldq, float* d,
                           int32_t* qsum);
-// acc[r * kBlock + c] = sum over blocks b of d[r][b] * (sum_k q[r][k] w[k][c]) (int8 block [K][64]); qsum as
+// acc[r * kBlock + c] = sum over blocks b of d[r][b] * (sum_k q[r][k] w[k][c]) (int8 block [K/4][64][4]); qsum as
 // quantize_activations writes it.
 void int8q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const int8_t* w,
                  int64_t k, float* acc);

@@ -149,67 +149,42 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
 }
 
 
-// Four k-rows of 32 int8 channels ([k][64] layout) regrouped so that each 32-bit lane holds one channel's
-// w[k..k+3]: out[j] holds channels 4j..4j+3 in its low 128 bits and 16+4j..16+4j+3 in its high ones.
-inline void regroup(__m256i r0, __m256i r1, __m256i r2, __m256i r3, __m256i out[4]) {
-  const __m256i a = _mm256_unpacklo_epi8(r0, r1), b = _mm256_unpackhi_epi8(r0, r1);
-  const __m256i c = _mm256_unpacklo_epi8(r2, r3), d = _mm256_unpackhi_epi8(r2, r3);
-  out[0] = _mm256_unpacklo_epi16(a, c);
-  out[1] = _mm256_unpackhi_epi16(a, c);
-  out[2] = _mm256_unpacklo_epi16(b, d);
-  out[3] = _mm256_unpackhi_epi16(b, d);
-}
-
-// out[c0 + 0..31] += d * v (v: four int32 vectors in regroup's channel order).
-inline void flush_regrouped(const __m256i v[4], __m256 d, float* out) {
-  const __m256i natural[4] = {_mm256_permute2x128_si256(v[0], v[1], 0x20), _mm256_permute2x128_si256(v[2], v[3], 0x20),
-                              _mm256_permute2x128_si256(v[0], v[1], 0x31), _mm256_permute2x128_si256(v[2], v[3], 0x31)};
-  for (int i = 0; i < 4; ++i)
-    _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(natural[i]), d, _mm256_loadu_ps(out + 8 * i)));
-}
-
-inline __m256i load_row(const int8_t* w, int64_t kk, int64_t k, int64_t c0) {
-  return kk < k ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * kBlock + c0)) : _mm256_setzero_si256();
-}
-
 // INT8 x quantized activations, llama.cpp's AVX2 Q8_0 dot product: |x| (unsigned) times w with x's sign
 // (vpsignb), vpmaddubsw (two products, at most 2 * 127 * 127: no saturation), vpmaddwd into int32; each
-// block of kQuantBlock k scaled by its d into fp32. R <= 2 rows, 32 channels a pass.
+// block of kQuantBlock k scaled by its d into fp32. The layout holds each channel's four steps of K in one
+// 32-bit word, so a load of 32 bytes is 8 channels ready for the four activations broadcast to every word.
+// R <= 2 rows, 32 channels a pass.
 template <int R>
 void int8q_tile(const int8_t* q, const float* d, const int32_t*, int64_t ldq, const int8_t* w, int64_t k, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t blocks = (k + kQuantBlock - 1) / kQuantBlock;
+  const int64_t steps = (k + 3) / 4, blocks = (k + kQuantBlock - 1) / kQuantBlock, ldb = ldq / kQuantBlock;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kBlock; c += 8) _mm256_storeu_ps(out + r * kBlock + c, _mm256_setzero_ps());
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t k0 = b * kQuantBlock, k1 = std::min(k0 + kQuantBlock, k);
-    prefetch_ahead(w + k0 * kBlock, kQuantBlock * kBlock);
+    const int64_t s0 = b * (kQuantBlock / 4), s1 = std::min(steps, s0 + kQuantBlock / 4);
+    prefetch_ahead(w + s0 * 4 * kBlock, kQuantBlock * kBlock);
     for (int64_t c0 = 0; c0 < kBlock; c0 += 32) {
-      __m256i acc[R][4];
+      __m256i acc[R][4];   // int32, channels c0 + 8j + i
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_si256();
-      for (int64_t kk = k0; kk < k1; kk += 4) {
+      for (int64_t step = s0; step < s1; ++step) {
+        const int8_t* wp = w + step * 4 * kBlock + 4 * c0;
         __m256i wv[4];
-        if (kk + 4 <= k) {
-          const int8_t* wp = w + kk * kBlock + c0;
-          regroup(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)),
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kBlock)),
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 2 * kBlock)),
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 3 * kBlock)), wv);
-        } else {   // the last rows of K: past them the weights are zero
-          regroup(load_row(w, kk, k, c0), load_row(w, kk + 1, k, c0), load_row(w, kk + 2, k, c0),
-                  load_row(w, kk + 3, k, c0), wv);
-        }
+        for (int j = 0; j < 4; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * j));
         for (int r = 0; r < R; ++r) {
-          const __m256i xv = _mm256_set1_epi32(load_pair_of_pairs(q + r * ldq + kk));
+          const __m256i xv = _mm256_set1_epi32(load_pair_of_pairs(q + r * ldq + 4 * step));
           const __m256i ax = _mm256_sign_epi8(xv, xv);
           for (int j = 0; j < 4; ++j)
             acc[r][j] = _mm256_add_epi32(acc[r][j],
                 _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xv)), ones));
         }
       }
-      for (int r = 0; r < R; ++r) flush_regrouped(acc[r], _mm256_set1_ps(d[r * (ldq / kQuantBlock) + b]),
-                                                  out + r * kBlock + c0);
+      for (int r = 0; r < R; ++r) {
+        const __m256 scale = _mm256_set1_ps(d[r * ldb + b]);
+        float* o = out + r * kBlock + c0;
+        for (int j = 0; j < 4; ++j)
+          _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][j]), scale, _mm256_loadu_ps(o + 8 * j)));
+      }
     }
   }
 }
@@ -297,7 +272,7 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t k, float* o
   float acc[R][kBlock] = {};
   for (int64_t kk = 0; kk < k; ++kk)
     for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < kBlock; ++c) acc[r][c] += float(w[kk * kBlock + c]) * x[r * ldx + kk];
+      for (int64_t c = 0; c < kBlock; ++c) acc[r][c] += float(w[(kk / 4) * 4 * kBlock + 4 * c + kk % 4]) * x[r * ldx + kk];
   std::memcpy(out, acc, sizeof acc);
 }
 
@@ -333,7 +308,7 @@ void int8q_scalar(const int8_t* q, const float* d, int64_t ldq, int64_t rows, co
       for (int64_t b = 0; b * kQuantBlock < k; ++b) {
         int32_t dot = 0;
         for (int64_t kk = b * kQuantBlock; kk < std::min(k, (b + 1) * kQuantBlock); ++kk)
-          dot += int32_t(q[r * ldq + kk]) * w[kk * kBlock + c];
+          dot += int32_t(q[r * ldq + kk]) * w[(kk / 4) * 4 * kBlock + 4 * c + kk % 4];
         sum += float(dot) * d[r * (ldq / kQuantBlock) + b];
       }
       out[r * kBlock + c] = sum;

@@ -10,6 +10,9 @@ constexpr int64_t kBlock = 64;         // output channels per packed block
 constexpr int64_t kRowTile = 4;        // activation rows one pass over a block serves
 constexpr int64_t kQuantBlock = 32;    // activation values per quantized block (the integer kernels)
 
+// Bytes of one packed int8 block (linear.h): K rounded up to a multiple of 4, times the block's channels.
+constexpr int64_t int8_block_bytes(int64_t k) { return (k + 3) / 4 * 4 * kBlock; }
+
 // How far ahead of the weights they read the integer kernels ask for the weights' bytes (into L1): a core
 // streaming the weights from memory waits on each line otherwise. Measured on a Zen 3 VM, 1 thread: INT4
 // decode linears about 15% faster. On the 16-core AMX Xeon (48 layers of 8192 x 2048 streamed from memory,

@@ -42,13 +42,14 @@ void widen_block(const at::Tensor& packed, const float* scales, int64_t block, i
           else static_cast<float*>(out)[(c0 + c) * k + kk] = bf16_bits_to_float(bits);
         }
     }
-  } else if (packed.scalar_type() == at::kChar) {      // [N/64, K, 64]; scales [N/64, 64]
-    const int8_t* w = packed.data_ptr<int8_t>() + block * k * kBlock;
+  } else if (packed.scalar_type() == at::kChar) {      // [N/64, K/4, 64 x 4]; scales [N/64, 64]
+    const int8_t* w = packed.data_ptr<int8_t>() + block * int8_block_bytes(k);
     for (int64_t k0 = 0; k0 < k; k0 += kTile) {
       const int64_t k1 = std::min(k, k0 + kTile);
       for (int64_t c = 0; c < width; ++c) {
         const float scale = scales[c0 + c];
-        for (int64_t kk = k0; kk < k1; ++kk) put<Bf16Out>(out, (c0 + c) * k + kk, float(w[kk * kBlock + c]) * scale);
+        for (int64_t kk = k0; kk < k1; ++kk)
+          put<Bf16Out>(out, (c0 + c) * k + kk, float(w[(kk / 4) * 4 * kBlock + 4 * c + kk % 4]) * scale);
       }
     }
   } else {                                              // uint8 [N/64, K/4, 64 x 2]; scales [N/64, G, 64]
