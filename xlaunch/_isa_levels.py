@@ -20,28 +20,30 @@ if TYPE_CHECKING:
 CAP_ENV = "XLAUNCH_CPU_ISA"
 
 # Lowest first. The flags are /proc/cpuinfo's spelling of what the -march level may emit.
-LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
+LEVELS = ("baseline", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 REQUIRES = {
     "baseline": (),
     "avx2": ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"),          # x86-64-v3
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"),          # x86-64-v4
-    "avx512_bf16": ("avx512_bf16", "avx512_vnni"),
+    "avx512_vnni": ("avx512_vnni",),                                                # Cascade Lake, Ice Lake
+    "avx512_bf16": ("avx512_bf16",),                                                # Cooper Lake, Zen 4, SPR
     "amx": ("amx_tile", "amx_bf16", "amx_int8"),
 }
 MARCH = {
     "baseline": ("-march=x86-64", "-mtune=generic"),
     "avx2": ("-march=x86-64-v3", "-mtune=generic"),
     "avx512": ("-march=x86-64-v4", "-mtune=generic"),
+    "avx512_vnni": ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"),
     "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"),
     "amx": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8",
             "-mtune=generic"),
 }
 
 # The levels each library is compiled at (a higher CPU level runs the best of them):
-# xlaunch.nn has no bf16- or AMX-specific code; no xlaunch.llm kernel uses AMX yet.
+# xlaunch.nn has no VNNI-, bf16- or AMX-specific code; no xlaunch.llm kernel uses AMX yet.
 LIBRARY_LEVELS = {
     "xlaunch.nn": ("baseline", "avx2", "avx512"),
-    "xlaunch.llm": ("baseline", "avx2", "avx512", "avx512_bf16"),
+    "xlaunch.llm": ("baseline", "avx2", "avx512", "avx512_vnni", "avx512_bf16"),
 }
 
 

@@ -1,7 +1,7 @@
 """The AVX-512 VNNI integer kernels (xlaunch/llm/csrc/int_dot_avx512.h) on any x86 CPU: compiled against
 SIMDe's portable AVX-512 and run on one packed block, against a float64 reference built from the packed
 layouts' own packers. On an AVX-512 VNNI CPU the same kernels also run natively (test_linear.py's
-avx512_bf16 level); here they run where that level cannot, such as the AVX2 VM."""
+avx512_vnni and avx512_bf16 levels); here they run where those levels cannot, such as the AVX2 VM."""
 from __future__ import annotations
 
 import ctypes

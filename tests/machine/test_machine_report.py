@@ -135,6 +135,15 @@ def test_check_isa_says_which_level_the_kernels_run_at(monkeypatch, cap, level, 
     assert f"xlaunch kernels: {level} level (xlaunch.nn {nn}, xlaunch.llm {llm}; " in format_isa(report)
 
 
+def test_check_isa_on_cascade_lake_runs_llm_vnni_kernels(monkeypatch):
+    """A VNNI CPU without AVX512_BF16 (the recorded Cascade Lake VM): xlaunch.llm's avx512_vnni level, whose
+    INT8/INT4 kernels use vpdpbusd; xlaunch.nn has nothing VNNI-specific and runs avx512."""
+    monkeypatch.delenv("XLAUNCH_CPU_ISA", raising=False)
+    report = isa_report(load("vm-adjacent-smt"))
+    assert report["kernels"] == {"level": "avx512_vnni", "cap": None, "error": None,
+                                 "libraries": {"xlaunch.nn": "avx512", "xlaunch.llm": "avx512_vnni"}}
+
+
 def test_check_isa_names_a_cap_above_the_cpu_in_one_line(monkeypatch):
     m = load("xeon-2s-amx")
     no_avx512 = replace(m, isa=replace(m.isa, flags=frozenset(f for f in m.isa.flags if not f.startswith("avx512"))))

@@ -17,6 +17,7 @@ from xlaunch import _isa_levels as isa  # noqa: E402
 from xlaunch import _native_build  # noqa: E402
 from xlaunch._native_build import SHARED_SOURCES  # noqa: E402
 from xlaunch.nn import native  # noqa: E402
+from xlaunch.llm import native as llm_native  # noqa: E402
 
 pytestmark = pytest.mark.torch
 REPO = Path(__file__).resolve().parents[2]
@@ -73,6 +74,7 @@ SPR = [*SKX, "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"]
     (["sse2"], ("baseline",)), (ZEN3, ("baseline", "avx2")), (["avx512f", "avx512bw", "avx512vl", "avx512dq",
                                                              "avx512cd"], ("baseline",)),
     (SKX, ("baseline", "avx2", "avx512")), (SPR, isa.LEVELS), ([*SKX, "avx512_bf16"], ("baseline", "avx2", "avx512")),
+    ([*SKX, "avx512_vnni"], ("baseline", "avx2", "avx512", "avx512_vnni")),   # Cascade Lake, Ice Lake
 ])
 def test_the_levels_a_cpu_runs_need_every_level_below(flags, levels):
     assert isa.host_levels(flags) == levels
@@ -83,11 +85,13 @@ def test_the_cap_picks_a_level_and_says_what_is_wrong_in_one_line():
     assert isa.chosen_level(SPR, "AVX2") == "avx2"
     assert isa.library_level("amx", native.LEVELS) == "avx512"
     assert isa.library_level("avx512_bf16", ("baseline", "avx2", "avx512", "avx512_bf16")) == "avx512_bf16"
+    assert isa.library_level("avx512_vnni", llm_native.LEVELS) == "avx512_vnni"
+    assert isa.library_level("avx512_vnni", native.LEVELS) == "avx512"
     with pytest.raises(ValueError, match=r"^XLAUNCH_CPU_ISA=avx512: this CPU cannot execute it; it runs: baseline, "
                                          r"avx2$"):
         isa.chosen_level(ZEN3, "avx512")
     with pytest.raises(ValueError, match=r"^XLAUNCH_CPU_ISA=sse9: unknown ISA level; valid: baseline, avx2, avx512, "
-                                         r"avx512_bf16, amx$"):
+                                         r"avx512_vnni, avx512_bf16, amx$"):
         isa.chosen_level(ZEN3, "sse9")
 
 

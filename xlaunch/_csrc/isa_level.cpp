@@ -12,6 +12,8 @@ std::string compiled_isa() {
   return "amx";
 #elif defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return "avx512_bf16";
+#elif defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  return "avx512_vnni";
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
   return "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)

@@ -2,7 +2,7 @@
 
 ``make setup`` (or ``python -m xlaunch.llm.native``) compiles every ``xlaunch/llm/csrc/*.cpp``
 against the installed torch once per ISA level (``baseline``, ``avx2``, ``avx512``,
-``avx512_bf16``), each into a library registering ``torch.ops.xlaunch_llm_<level>``, kept under
+``avx512_vnni``, ``avx512_bf16``), each into a library registering ``torch.ops.xlaunch_llm_<level>``, kept under
 ``$XLAUNCH_LLM_BUILD_DIR`` (else ``~/.cache/xlaunch/llm``; a wheel's in ``xlaunch/llm/prebuilt``)
 by a key of the sources, torch and flags. A process loads the best level its CPU executes, capped
 by ``XLAUNCH_CPU_ISA``.

@@ -1,11 +1,11 @@
 // The inner loops of xlaunch.llm's packed linear layers: one block of 64 output channels against up to
-// kRowTile activation rows. Chosen at compile time (the library is built once per ISA level):
-// AVX512_BF16 (vdpbf16ps) with VNNI's integer dot products (int_dot_avx512.h), AVX2 + FMA, or plain C++.
+// kRowTile activation rows. Chosen at compile time (the library is built once per ISA level): bf16 by
+// vdpbf16ps, AVX2 + FMA or plain C++; INT8/INT4 by AVX-512 VNNI (int_dot_avx512.h), AVX2 or plain C++.
 #include "linear.h"
 
 #include <immintrin.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "int_dot_avx512.h"
 #endif
 
@@ -34,13 +34,15 @@ inline int16_t load_int16(const int8_t* p) {   // two int8 values as one 16-bit 
   return v;
 }
 
+// The weights bytes past p, kPrefetchBytes (linear_layout.h) on. Past the end of the weights it reads
+// nothing (a prefetch never faults).
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
+}
+
+// The bf16 kernels: vdpbf16ps, AVX2 + FMA, or plain C++.
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#if defined(__AVX512VNNI__)
-#define XLAUNCH_LLM_INT_DOT 1   // INT8/INT4 take quantized activations (linear.h: kQuantBlock)
-#define XLAUNCH_LLM_INT_DOT_ROWS 4
-using int_dot_avx512::int4q_tile;
-using int_dot_avx512::int8q_tile;
-#endif
 
 template <int R>
 void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
@@ -61,19 +63,10 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-#define XLAUNCH_LLM_INT_DOT 1   // INT8/INT4 take quantized activations (linear.h: kQuantBlock)
-#define XLAUNCH_LLM_INT_DOT_ROWS 2   // four rows' accumulators would not fit AVX2's 16 registers
 
 // AVX2: a bf16 pair (k, k+1) in a 32-bit lane widens to two fp32 by a shift (k) and a mask (k + 1).
 inline __m256 even_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline __m256 odd_half(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u)))); }
-
-// The weights bytes past p, kPrefetchBytes (linear_layout.h) on. Past the end of the weights it reads
-// nothing (a prefetch never faults).
-inline void prefetch_ahead(const void* p, int64_t bytes) {
-  const char* at = static_cast<const char*>(p) + kPrefetchBytes;
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
-}
 
 // One pass over the pairs [kp0, kp1) for R rows (fp32, widened once per tile) and C vectors of 8 channels
 // from channel c0: R * C accumulators (8 for one row, so that the FMA latency is hidden; 64 channels a pass
@@ -148,6 +141,33 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
   }
 }
 
+
+#else
+
+template <int R>
+void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
+  float acc[R][kBlock] = {};
+  for (int64_t kp = 0; kp < k_pairs; ++kp)
+    for (int r = 0; r < R; ++r) {
+      const float xe = bf16_bits_to_float(x[r * ldx + 2 * kp]), xo = bf16_bits_to_float(x[r * ldx + 2 * kp + 1]);
+      for (int64_t c = 0; c < kBlock; ++c)
+        acc[r][c] += bf16_bits_to_float(w[(kp * kBlock + c) * 2]) * xe + bf16_bits_to_float(w[(kp * kBlock + c) * 2 + 1]) * xo;
+    }
+  std::memcpy(out, acc, sizeof acc);
+}
+
+#endif
+
+// The integer kernels (INT8/INT4 over quantized activations, linear.h: kQuantBlock): AVX-512 VNNI
+// (int_dot_avx512.h, at the avx512_vnni level and above) or AVX2; the baseline level has none.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define XLAUNCH_LLM_INT_DOT 1
+#define XLAUNCH_LLM_INT_DOT_ROWS 4
+using int_dot_avx512::int4q_tile;
+using int_dot_avx512::int8q_tile;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define XLAUNCH_LLM_INT_DOT 1
+#define XLAUNCH_LLM_INT_DOT_ROWS 2   // four rows' accumulators would not fit AVX2's 16 registers
 
 // INT8 x quantized activations, llama.cpp's AVX2 Q8_0 dot product: |x| (unsigned) times w with x's sign
 // (vpsignb), vpmaddubsw (two products, at most 2 * 127 * 127: no saturation), vpmaddwd into int32; each
@@ -247,20 +267,6 @@ void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
     }
     if (++in_group == per_group) in_group = 0, sg += kBlock;
   }
-}
-
-#else
-
-template <int R>
-void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
-  float acc[R][kBlock] = {};
-  for (int64_t kp = 0; kp < k_pairs; ++kp)
-    for (int r = 0; r < R; ++r) {
-      const float xe = bf16_bits_to_float(x[r * ldx + 2 * kp]), xo = bf16_bits_to_float(x[r * ldx + 2 * kp + 1]);
-      for (int64_t c = 0; c < kBlock; ++c)
-        acc[r][c] += bf16_bits_to_float(w[(kp * kBlock + c) * 2]) * xe + bf16_bits_to_float(w[(kp * kBlock + c) * 2 + 1]) * xo;
-    }
-  std::memcpy(out, acc, sizeof acc);
 }
 
 #endif
