@@ -11,23 +11,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 namespace xlaunch_llm {
 namespace int_dot_avx512 {
-
-inline int32_t load_four(const int8_t* p) {   // four int8 values as one 32-bit lane
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// The weights' bytes one block of K later, asked for now (the hardware prefetcher alone runs too short a way
-// ahead of a kernel streaming the weights); past the end of the weights a prefetch reads nothing.
-inline void prefetch_next(const void* p, int64_t bytes) {
-  const char* at = static_cast<const char*>(p) + kPrefetchBytes;
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
-}
 
 // out[r * kBlock + c] = sum over blocks b of d[r][b] * sum_k q[r][k] w[k][c], for an int8 block [K/4][64][4]
 // (each channel's four steps of K in one 32-bit word: a 64-byte load is 16 channels, ready for vpdpbusd).
@@ -42,7 +28,7 @@ void int8q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
   for (int i = 0; i < R * kBlock; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());   // fp32 sums
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t s0 = b * (kQuantBlock / 4), s1 = std::min(steps, s0 + kQuantBlock / 4);
-    prefetch_next(w + s0 * 4 * kBlock, kQuantBlock * kBlock);
+    prefetch_ahead(w + s0 * 4 * kBlock, kQuantBlock * kBlock);
     __m512i dot[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) dot[r][j] = _mm512_setzero_si512();
@@ -104,7 +90,7 @@ void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
       }
     }
     const uint8_t* wb = w + b * (kQuantBlock / 4) * 2 * kBlock;
-    prefetch_next(wb, kQuantBlock / 2 * kBlock);
+    prefetch_ahead(wb, kQuantBlock / 2 * kBlock);
     __m512i dot[R][4];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) dot[r][v] = _mm512_setzero_si512();

@@ -22,23 +22,10 @@ inline int32_t load_pair(const uint16_t* p) {
   return v;
 }
 
-inline int32_t load_pair_of_pairs(const int8_t* p) {   // four int8 values as one 32-bit word
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 inline int16_t load_int16(const int8_t* p) {   // two int8 values as one 16-bit word
   int16_t v;
   std::memcpy(&v, p, sizeof v);
   return v;
-}
-
-// The weights bytes past p, kPrefetchBytes (linear_layout.h) on. Past the end of the weights it reads
-// nothing (a prefetch never faults).
-inline void prefetch_ahead(const void* p, int64_t bytes) {
-  const char* at = static_cast<const char*>(p) + kPrefetchBytes;
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
 }
 
 // The bf16 kernels: vdpbf16ps, AVX2 + FMA, or plain C++.
@@ -192,7 +179,7 @@ void int8q_tile(const int8_t* q, const float* d, const int32_t*, int64_t ldq, co
         __m256i wv[4];
         for (int j = 0; j < 4; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * j));
         for (int r = 0; r < R; ++r) {
-          const __m256i xv = _mm256_set1_epi32(load_pair_of_pairs(q + r * ldq + 4 * step));
+          const __m256i xv = _mm256_set1_epi32(load_four(q + r * ldq + 4 * step));
           const __m256i ax = _mm256_sign_epi8(xv, xv);
           for (int j = 0; j < 4; ++j)
             acc[r][j] = _mm256_add_epi32(acc[r][j],

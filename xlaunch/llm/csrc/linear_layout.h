@@ -1,8 +1,12 @@
-// The packed layouts' sizes (linear.h describes the layouts), without ATen: the kernels' headers that
-// tests also compile on their own (int_dot_avx512.h) need these and nothing else.
+// The packed layouts' sizes (linear.h describes the layouts) and the helpers every level's kernels share,
+// without ATen: the kernels' headers that tests also compile on their own (int_dot_avx512.h) need these
+// and nothing else.
 #pragma once
 
+#include <xmmintrin.h>   // _mm_prefetch (SSE: every x86-64)
+
 #include <cstdint>
+#include <cstring>
 
 namespace xlaunch_llm {
 
@@ -18,5 +22,18 @@ constexpr int64_t int8_block_bytes(int64_t k) { return (k + 3) / 4 * 4 * kBlock;
 // decode linears about 15% faster. On the 16-core AMX Xeon (48 layers of 8192 x 2048 streamed from memory,
 // 1-16 threads) no prefetch was 10-25% slower; into L2 (prefetcht1), or 16 KiB ahead, within the noise.
 constexpr int64_t kPrefetchBytes = 8192;
+
+// Asks for the weights' bytes [p + kPrefetchBytes, p + kPrefetchBytes + bytes). Past the end of the weights
+// it reads nothing (a prefetch never faults).
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
+}
+
+inline int32_t load_four(const int8_t* p) {   // four int8 values as one 32-bit word
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 
 }  // namespace xlaunch_llm
