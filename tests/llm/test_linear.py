@@ -49,10 +49,9 @@ def max_error(y, ref) -> float:
     return (y.float() - ref).abs().max().item()
 
 
-def rounds_activations(layer: PackedLinear, x) -> bool:
-    """Whether this layer's kernel takes x rounded per block of 32 (integer dot products: every level but
-    baseline), at every row count."""
-    del x
+def rounds_activations(layer: PackedLinear) -> bool:
+    """Whether this layer's kernel takes its activations rounded per block of 32 (integer dot products: every
+    level but baseline), at every row count."""
     return layer.layout == "native" and layer.kind in ("int8", "int4") and bool(activation_block())
 
 
@@ -71,7 +70,7 @@ def test_each_kind_computes_x_times_its_dense_weight(layout, kind, n, k):
             x = torch.randn(m, k).to(dtype)
             y = layer(x)
             assert y.shape == (m, n) and y.dtype == dtype
-            rounded = rounds_activations(layer, x)   # then exact for the rounded activations
+            rounded = rounds_activations(layer)   # then exact for the rounded activations
             ref = F.linear(round_activations(x) if rounded else x.float(), dense, layer.bias.float())
             exact = dtype == torch.float32 and (rounded or kind == "int8" or (kind == "int4" and layout == "aten"))
             rounding = 1e-5 if exact else 2 ** -7   # bf16 outputs, or activations rounded to bf16
@@ -141,7 +140,7 @@ def test_quantized_error_stays_within_1_5x_of_dequantize_then_bf16(layout, kind)
     q, scale = quantize_int8(weight) if kind == "int8" else quantize_int4(weight, 32)
     reference = F.linear(x, dequantize(q, scale).to(torch.bfloat16)).float()
     layer = build(layout, weight, None, kind, group_size=32)
-    if rounds_activations(layer, x):   # the outlier's block of 32 is rounded on its scale: compare like with like
+    if rounds_activations(layer):   # the outlier's block of 32 is rounded on its scale: compare like with like
         reference = F.linear(round_activations(x), dequantize(q, scale).to(torch.bfloat16).float())
     assert max_error(layer(x), exact) <= 1.5 * max_error(reference, exact)
 
@@ -163,7 +162,7 @@ def test_integer_kernels_stay_within_the_activation_rounding_bound_of_float64(ki
     exact = x.double() @ dense.T
     slack = 1e-5 * exact.abs().max().item() + 1e-5
     y = layer(x).double()
-    if rounds_activations(layer, x):
+    if rounds_activations(layer):
         blocks = x.float().abs().reshape(rows, -1).new_zeros(rows, -(-k // 32) * 32)
         blocks[:, :k] = x.float().abs()
         d = blocks.reshape(rows, -1, 32).amax(-1) / 127.0

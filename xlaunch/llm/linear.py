@@ -157,6 +157,13 @@ def unpack_channels(packed: "torch.Tensor", n: int) -> "torch.Tensor":
     return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
 
 
+def _native_rows(packed: "torch.Tensor", channels: "torch.Tensor", per_word: int, k: int) -> "torch.Tensor":
+    """The rows ``channels`` of a native ``[N/64, steps, 64 x per_word]`` weight (bf16: pairs of K, int8:
+    fours), ``[len(channels), k]``, in its dtype."""
+    words = packed.view(*packed.shape[:2], BLOCK, per_word)[channels // BLOCK, :, channels % BLOCK]
+    return words.reshape(channels.numel(), -1)[:, :k]
+
+
 _widening = threading.local()
 
 
@@ -274,15 +281,10 @@ class PackedLinear(nn.Module):
         flat, k = ids.reshape(-1), self.in_features
         native_layout = self.layout == "native"
         if self.kind == "int8":
-            if native_layout:   # [N/64, K4, 64 x 4]: a channel's four values of K together
-                quads = self.weight.view(*self.weight.shape[:2], BLOCK, 4)[flat // BLOCK, :, flat % BLOCK]
-                q = quads.reshape(flat.numel(), -1)[:, :k]
-            else:
-                q = self.weight[flat]
+            q = _native_rows(self.weight, flat, 4, k) if native_layout else self.weight[flat]
             out = q.float() * self.scales.reshape(-1)[flat].unsqueeze(1)
-        elif self.kind == "bf16" and native_layout:   # [N/64, K/2, 64 x 2]: a channel's (k, k+1) pairs
-            pairs = self.weight.view(*self.weight.shape[:2], BLOCK, 2)[flat // BLOCK, :, flat % BLOCK]
-            out = pairs.reshape(flat.numel(), -1)[:, :k]
+        elif self.kind == "bf16" and native_layout:
+            out = _native_rows(self.weight, flat, 2, k)
         elif self.kind in ("fp32", "bf16"):
             out = self.weight[flat]
         else:

@@ -132,7 +132,7 @@ constexpr int64_t kPanelRows = 8;
 void widen_int8_block(const int8_t* w, int64_t k, int64_t k_pairs, std::vector<uint16_t>& panel) {
   panel.resize(size_t(k_pairs) * 2 * kBlock);
   auto value = [&](int64_t kk, int64_t c) -> uint32_t {
-    return kk < k ? uint32_t(float_to_bf16_bits(float(w[(kk / 4) * 4 * kBlock + 4 * c + kk % 4]))) : 0u;
+    return kk < k ? uint32_t(float_to_bf16_bits(float(w[int8_offset(kk, c)]))) : 0u;
   };
   for (int64_t kp = 0; kp < k_pairs; ++kp) {
     auto* dst = reinterpret_cast<uint32_t*>(panel.data() + kp * 2 * kBlock);

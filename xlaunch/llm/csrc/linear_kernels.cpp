@@ -265,7 +265,7 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t k, float* o
   float acc[R][kBlock] = {};
   for (int64_t kk = 0; kk < k; ++kk)
     for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < kBlock; ++c) acc[r][c] += float(w[(kk / 4) * 4 * kBlock + 4 * c + kk % 4]) * x[r * ldx + kk];
+      for (int64_t c = 0; c < kBlock; ++c) acc[r][c] += float(w[int8_offset(kk, c)]) * x[r * ldx + kk];
   std::memcpy(out, acc, sizeof acc);
 }
 
@@ -301,7 +301,7 @@ void int8q_scalar(const int8_t* q, const float* d, int64_t ldq, int64_t rows, co
       for (int64_t b = 0; b * kQuantBlock < k; ++b) {
         int32_t dot = 0;
         for (int64_t kk = b * kQuantBlock; kk < std::min(k, (b + 1) * kQuantBlock); ++kk)
-          dot += int32_t(q[r * ldq + kk]) * w[(kk / 4) * 4 * kBlock + 4 * c + kk % 4];
+          dot += int32_t(q[r * ldq + kk]) * w[int8_offset(kk, c)];
         sum += float(dot) * d[r * (ldq / kQuantBlock) + b];
       }
       out[r * kBlock + c] = sum;

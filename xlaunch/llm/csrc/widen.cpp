@@ -49,7 +49,7 @@ void widen_block(const at::Tensor& packed, const float* scales, int64_t block, i
       for (int64_t c = 0; c < width; ++c) {
         const float scale = scales[c0 + c];
         for (int64_t kk = k0; kk < k1; ++kk)
-          put<Bf16Out>(out, (c0 + c) * k + kk, float(w[(kk / 4) * 4 * kBlock + 4 * c + kk % 4]) * scale);
+          put<Bf16Out>(out, (c0 + c) * k + kk, float(w[int8_offset(kk, c)]) * scale);
       }
     }
   } else {                                              // uint8 [N/64, K/4, 64 x 2]; scales [N/64, G, 64]
