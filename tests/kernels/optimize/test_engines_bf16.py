@@ -93,10 +93,20 @@ def test_follow_eager_dtypes_learns_the_autocast_dtype_once() -> None:
     assert calls == [1]
 
 
-def test_openvino_pins_f32_for_fp32_and_bf16_for_bf16() -> None:
+@pytest.mark.parametrize("flags, bf16_hint", [(("avx2", "fma", "avx512f", "avx512_bf16"), "bf16"),
+                                               (("avx2", "fma", "avx512f", "amx_bf16"), "bf16"),
+                                               (("avx2", "fma"), "f32"), (("avx2", "fma", "avx512f"), "f32")])
+def test_openvino_pins_f32_for_fp32_and_bf16_for_bf16_where_native(
+        monkeypatch: pytest.MonkeyPatch, flags: tuple, bf16_hint: str) -> None:
+    """The CPU's flags are faked. Without native bf16 (a real AVX2 CPU, or ``ONEDNN_MAX_CPU_ISA``
+    below bf16) the hint is f32: under that ceiling OpenVINO's bf16 returned empty outputs."""
+    from xlaunch.kernels import native_dtypes
+
+    monkeypatch.setattr(native_dtypes, "isa_flags", lambda: frozenset(flags))
     assert compile_config(2)["INFERENCE_PRECISION_HINT"] == "f32"   # its default here may be bf16
     assert compile_config(2, torch.float32)["INFERENCE_PRECISION_HINT"] == "f32"
-    assert compile_config(2, torch.bfloat16)["INFERENCE_PRECISION_HINT"] == "bf16"
+    assert compile_config(2, torch.bfloat16)["INFERENCE_PRECISION_HINT"] == bf16_hint
+    assert compile_config(2, torch.float16)["INFERENCE_PRECISION_HINT"] == "f32"   # no avx512_fp16
     assert compile_config(0)["INFERENCE_NUM_THREADS"] == 1
 
 

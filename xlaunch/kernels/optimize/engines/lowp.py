@@ -11,7 +11,11 @@ that precision and is checked against fp32 eager with that precision's tolerance
     not enough: ``nn.TransformerEncoder``'s fused fast path has no autocast rule, and dynamo takes
     it under autocast where eager does not, so the compiled encoder ran fp32 (error 0.0 vs fp32);
   * ``openvino``: ``INFERENCE_PRECISION_HINT`` ``bf16``/``f16`` (fp32 pins ``f32``: OpenVINO's
-    default on a CPU with native bf16 is bf16);
+    default on a CPU with native bf16 is bf16). Where oneDNN may not compute that precision
+    natively (:func:`xlaunch.kernels.native_dtypes.isa_flags`, ``ONEDNN_MAX_CPU_ISA`` included) the
+    hint is ``f32``, what OpenVINO runs on such a CPU anyway: OpenVINO 2026.4 reads the CPU's own
+    flags for the precision and obeys the ceiling in its kernels, so a ``bf16`` hint under
+    ``ONEDNN_MAX_CPU_ISA=AVX2`` on a bf16 CPU returned empty outputs (measured on a Zen 5);
   * ``onnxruntime``: skipped. Its CPU provider has no bf16 MatMul or Conv kernel on x86 (measured
     on 1.32: "Could not find an implementation for MatMul(13)"; its bf16 fast-math GEMM is an
     arm64 session option), and its fp16 CPU kernels cover a few operators only.
@@ -45,8 +49,16 @@ def name(dtype: Any) -> str:
 
 
 def openvino_hint(dtype: Any) -> str:
-    """OpenVINO's ``INFERENCE_PRECISION_HINT`` for ``dtype`` (``f32`` for fp32: pinned)."""
-    return OPENVINO_HINTS.get(dtype or torch.float32, "f32")
+    """OpenVINO's ``INFERENCE_PRECISION_HINT`` for ``dtype``: ``f32`` for fp32 (pinned) and for a
+    low precision that oneDNN may not compute natively here."""
+    from xlaunch.kernels import native_dtypes
+
+    dtype = dtype or torch.float32
+    unsupported = {torch.bfloat16: native_dtypes.bf16_unsupported_reason,
+                   torch.float16: native_dtypes.fp16_unsupported_reason}.get(dtype)
+    if unsupported is not None and unsupported(native_dtypes.isa_flags()) is not None:
+        return "f32"
+    return OPENVINO_HINTS.get(dtype, "f32")
 
 
 def unsupported(route: str, dtype: Any) -> Optional[str]:
