@@ -92,8 +92,21 @@ def source_dir(root: Optional[Path] = None) -> Path:
             shutil.move(str(next(Path(scratch).glob("*.tar.gz"))), archive)
     print(f"  unpacking {archive.name}", flush=True)
     with tarfile.open(archive) as bundle:
-        bundle.extractall(root / "src", filter="data")
+        if hasattr(tarfile, "data_filter"):
+            bundle.extractall(root / "src", filter="data")
+        else:   # Python before 3.11.4 (Debian 12's 3.11.2): no extraction filters
+            bundle.extractall(root / "src", members=_plain_members(bundle))
     return vendored
+
+
+def _plain_members(bundle: tarfile.TarFile) -> Any:
+    """The archive's regular files and folders with relative paths inside it; links, devices and
+    paths that climb out (``..``, absolute) are left out, as the ``data`` filter would refuse them."""
+    for member in bundle:
+        parts = Path(member.name).parts
+        if (member.isfile() or member.isdir()) and parts and not Path(member.name).is_absolute() and ".." not in parts:
+            member.mode &= 0o755
+            yield member
 
 
 def build(root: Optional[Path] = None) -> Path:

@@ -121,6 +121,31 @@ def test_cpu_key_follows_the_flags_not_their_order() -> None:
     assert key(base) != key(base.replace(" avx512_bf16", "")) != key(base.replace("fpu ", ""))
 
 
+def test_the_sdist_unpacks_only_plain_members_inside_its_folder(tmp_path: Path) -> None:
+    """Where Python has no extraction filters (Debian 12's 3.11.2), the llama.cpp sdist's links,
+    devices and paths that climb out are left out, and modes lose setuid/world-write."""
+    import io
+    import tarfile
+
+    llamacpp = load("_llamacpp")
+    archive = tmp_path / "sdist.tar.gz"
+    with tarfile.open(archive, "w:gz") as bundle:
+        def add(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"x", mode: int = 0o644, link: str = "") -> None:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.linkname, info.size = kind, mode, link, len(data) if kind == tarfile.REGTYPE else 0
+            bundle.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+        add("pkg", tarfile.DIRTYPE, mode=0o755)
+        add("pkg/CMakeLists.txt", mode=0o4777)
+        add("pkg/../escaped.txt")
+        add("/tmp/absolute.txt")
+        add("pkg/link", tarfile.SYMTYPE, link="/etc/passwd")
+        add("pkg/hard", tarfile.LNKTYPE, link="pkg/CMakeLists.txt")
+        add("pkg/fifo", tarfile.FIFOTYPE)
+    with tarfile.open(archive) as bundle:
+        kept = [(member.name, member.mode) for member in llamacpp._plain_members(bundle)]
+    assert kept == [("pkg", 0o755), ("pkg/CMakeLists.txt", 0o755)]
+
+
 def test_summary_ratios_pair_rounds_with_the_same_precision() -> None:
     llm = load("llm")
     rows = {
