@@ -317,7 +317,7 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
                 prefill()
             choice = sys.modules.get("xlaunch.llm.kernel_choice")     # an xlaunch route's measured choice
             reply({"ready": True, "setup_s": setup_s, "first_call_s": first_s,
-                   "dense_rows": choice.thresholds() if choice else {}})
+                   "dense_rows": own_threads(choice.thresholds(), torch.get_num_threads()) if choice else {}})
             for line in sys.stdin:
                 if line.strip() != "round":
                     break
@@ -335,6 +335,12 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
     status = Path("/proc/self/status").read_text()
     fields = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))}
     reply({"peak_rss_mib": fields.get("VmHWM", 0) / 1024, "rss_mib": fields.get("VmRSS", 0) / 1024})
+
+
+def own_threads(dense_rows: dict[str, dict[str, Optional[int]]], threads: int) -> dict[str, dict[str, Optional[int]]]:
+    """The choices measured at ``threads`` (the per-machine cache also holds other thread counts' shapes)."""
+    return {level: {key: rows for key, rows in known.items() if key.endswith(f":t{threads}")}
+            for level, known in dense_rows.items()}
 
 
 def dense_rows_lines(dense_rows: dict[str, dict[str, Optional[int]]]) -> list[str]:

@@ -172,6 +172,9 @@ def test_summary_ratios_pair_rounds_with_the_same_precision() -> None:
     assert llm.dense_rows_lines(summary["hf-bf16"]["dense_rows"]) == [
         "ATen's GEMM against the amx kernels: bf16 2048x2048 from 128 rows, bf16 8192x2048 never"]
     assert llm.dense_rows_lines({}) == []
+    both = {"amx": {"bf16:2048x2048:g0:bfloat16:t1": None, "bf16:2048x2048:g0:bfloat16:t16": 128}}
+    assert llm.dense_rows_lines(llm.own_threads(both, 16)) == [
+        "ATen's GEMM against the amx kernels: bf16 2048x2048 from 128 rows"]
 
 
 def test_a_bad_or_too_big_shape_is_refused_in_one_line_before_anything_starts(tmp_path: Path) -> None:
