@@ -256,7 +256,7 @@ def test_widen_weight_refuses_a_weight_that_does_not_match():
 def test_the_reused_buffer_is_per_thread_and_grows():
     import threading
 
-    from xlaunch.llm.linear import reused_buffer
+    from xlaunch.llm.kernel_choice import reused_buffer
 
     first = reused_buffer(4, 8, torch.float32)
     assert first.shape == (4, 8) and reused_buffer(2, 8, torch.float32).data_ptr() == first.data_ptr()
@@ -268,3 +268,24 @@ def test_the_reused_buffer_is_per_thread_and_grows():
     thread.start()
     thread.join()
     assert other and other[0] != grown.data_ptr()
+
+
+@pytest.mark.parametrize("found", [None, 32])
+def test_a_measurement_the_kernels_win_keeps_no_widened_weight(monkeypatch, found):
+    """The dense probes widen into this thread's buffer; when the answer is "never" the buffer is dropped
+    (no 64 MiB kept for a route that will not run), else kept for the calls the dense route will take."""
+    from xlaunch.llm.kernel_choice import reused_buffer
+
+    monkeypatch.setattr(footprint, "native_bf16", lambda: True)
+
+    def measure(kernel, dense, n, k, dtype, timer=None):
+        reused_buffer(n, k, dtype).fill_(1)
+        return found
+
+    monkeypatch.setattr(kernel_choice, "measure", measure)
+    kernel, dense, calls = routes()
+    kernel_choice.release_reused_buffers()
+    kernel_choice.routed("avx2", "int8", 256, 64, 0, kernel, dense)(torch.zeros(40, 64, dtype=torch.bfloat16))
+    buffers = kernel_choice._widening.__dict__.get("buffers", {})
+    assert (torch.bfloat16 in buffers) is (found is not None)
+    assert [call[0] for call in calls] == ["kernel" if found is None else "dense"]

@@ -5,7 +5,9 @@ ATen's ``F.linear`` runs oneDNN's or MKL's GEMM, which outruns the packed kernel
 share each weight (a long prompt's prefill, a large batch): in bf16 where the CPU has native bf16
 (AVX512_BF16; AMX tiles on an AMX CPU), in fp32 elsewhere. The dense route widens the packed weight to
 a dense ``[N, K]`` tensor in that dtype (into a buffer per thread, kept for the next call:
-:func:`xlaunch.llm.linear.reused_buffer`) and lets ATen multiply.
+:func:`reused_buffer`) and lets ATen multiply. A measurement the kernels win at every count drops that
+buffer again: a process whose answers are all "never" keeps no widened weight (the 1B shape's gate/up:
+64 MiB of bf16 per thread that measured).
 
 Which route runs is measured, never assumed. The first time a layer of a shape (weights kind, N, K,
 group size, activation dtype, threads) sees :data:`PROBE_ROWS`\\[0] rows or more, both routes are
@@ -114,6 +116,26 @@ def _write_cache(path: Path, known: dict[str, Optional[int]]) -> None:
         pass
 
 
+_widening = threading.local()
+
+
+def reused_buffer(n: int, k: int, dtype: "torch.dtype") -> "torch.Tensor":
+    """This thread's ``[n, k]`` buffer of ``dtype`` for a widened weight: one per thread and dtype, grown to the
+    largest asked and kept (the 1B shape's gate/up: 64 MiB in bf16). A fresh tensor each call would cost
+    more in first-touch page faults than the widening itself (a new 32 MiB took 37 ms to fill on the AVX2
+    VM, one thread; a reused one is written at memory speed)."""
+    buffers = _widening.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < n * k:
+        buffer = buffers[dtype] = torch.empty(n * k, dtype=dtype)
+    return buffer[:n * k].view(n, k)
+
+
+def release_reused_buffers() -> None:
+    """Drop this thread's widening buffers (the next dense call allocates again)."""
+    _widening.__dict__.pop("buffers", None)
+
+
 def median_seconds(fn: Linear, x: "torch.Tensor") -> float:
     """Median wall time of ``fn(x)`` over :data:`REPEATS` calls, after one untimed call."""
     fn(x)
@@ -163,6 +185,8 @@ def threshold(level: str, key: str, kernel: Linear, dense: Linear, n: int, k: in
         print(f"xlaunch.llm: timing the {level} kernel against ATen's GEMM for {key} (once on this machine)",
               file=sys.stderr, flush=True)
         found = measure(kernel, dense, n, k, dtype)
+        if found is None:          # the dense route will not run for this shape: keep no widened weight for it
+            release_reused_buffers()
         known[key] = found
         _write_cache(path, {key: found})
         return found

@@ -26,7 +26,6 @@ rows or more widens each block to bf16 instead, exact).
 """
 from __future__ import annotations
 
-import threading
 from typing import Callable, Optional, Sequence
 
 from xlaunch._torch import needs_torch
@@ -162,21 +161,6 @@ def _native_rows(packed: "torch.Tensor", channels: "torch.Tensor", per_word: int
     fours), ``[len(channels), k]``, in its dtype."""
     words = packed.view(*packed.shape[:2], BLOCK, per_word)[channels // BLOCK, :, channels % BLOCK]
     return words.reshape(channels.numel(), -1)[:, :k]
-
-
-_widening = threading.local()
-
-
-def reused_buffer(n: int, k: int, dtype: "torch.dtype") -> "torch.Tensor":
-    """This thread's ``[n, k]`` buffer of ``dtype`` for a widened weight: one per thread and dtype, grown to the
-    largest asked and kept (the 1B shape's gate/up: 64 MiB in bf16). A fresh tensor each call would cost
-    more in first-touch page faults than the widening itself (a new 32 MiB took 37 ms to fill on the AVX2
-    VM, one thread; a reused one is written at memory speed)."""
-    buffers = _widening.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(dtype)
-    if buffer is None or buffer.numel() < n * k:
-        buffer = buffers[dtype] = torch.empty(n * k, dtype=dtype)
-    return buffer[:n * k].view(n, k)
 
 
 class PackedLinear(nn.Module):
@@ -338,11 +322,11 @@ class PackedLinear(nn.Module):
         """The weight as a dense ``[N, K]`` tensor in ``dtype``: bf16 weights as stored, int8/int4 ones as their
         integers times their scales (in fp32, rounded once to ``dtype``: :meth:`dense_weight` in ``dtype``).
         A native layer is widened by the kernels' ``widen_weight_`` (parallel over its blocks) when loaded;
-        ``reuse``: into this thread's :func:`reused_buffer` (valid until its next widening), else a new tensor."""
+        ``reuse``: into this thread's :func:`xlaunch.llm.kernel_choice.reused_buffer` (valid until its next widening), else a new tensor."""
         ops = native.ops()
         if self.layout == "native" and dtype in (torch.bfloat16, torch.float32) and hasattr(ops, "widen_weight_"):
             n, k = self.out_features, self.in_features
-            out = reused_buffer(n, k, dtype) if reuse else torch.empty(n, k, dtype=dtype)
+            out = kernel_choice.reused_buffer(n, k, dtype) if reuse else torch.empty(n, k, dtype=dtype)
             ops.widen_weight_(out, self.weight, self.scales, self.group_size)
             return out
         return self.dense_weight().to(dtype)
