@@ -202,12 +202,18 @@ def test_a_real_measurement_picks_a_route_and_keeps_it(monkeypatch, isolated):
     assert key.startswith("bf16:64x64:g0:bfloat16:") and found in (None, *kernel_choice.PROBE_ROWS)
 
 
+@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("level", native.LEVELS)
-def test_the_dense_route_computes_the_layer_at_every_level(monkeypatch, level, kind):
+def test_the_dense_route_computes_the_layer_at_every_level(monkeypatch, level, kind, sliced):
     """Forced from 16 rows: 20 rows go through ATen's GEMM on the widened weight, 8 through the level's
-    kernel; both match the float reference of the packed weight, in bf16 and fp32 activations."""
+    kernel; both match the float reference of the packed weight, in bf16 and fp32 activations. ``sliced``:
+    a widening budget of one block of 64 channels, so the 72 channels are widened and multiplied in two
+    slices (64 + a partial block), into a buffer that never holds more than one."""
     monkeypatch.setenv(ENV, "16")
+    if sliced:
+        monkeypatch.setattr(footprint, "WIDEN_SLICE_BYTES", 64 * 256 * 2)
+        kernel_choice.release_reused_buffers()         # none left by an earlier test
     generator = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(72, 256, generator=generator), torch.randn(72, generator=generator)
     with use_level(level):
@@ -224,6 +230,8 @@ def test_the_dense_route_computes_the_layer_at_every_level(monkeypatch, level, k
                 error = ((y.float() - reference).norm() / reference.norm()).item()
                 assert y.dtype == dtype and error < (0.01 if dtype == torch.bfloat16 or kind != "bf16" else 1e-5)
     assert taken == [20] * (1 if kind == "bf16" else 2)
+    if sliced:
+        assert max(buffer.numel() for buffer in kernel_choice._widening.buffers.values()) == 64 * 256
 
 
 @pytest.mark.parametrize("level", [*native.LEVELS, "torch"])
@@ -239,6 +247,10 @@ def test_widened_weights_are_the_packed_values(level):
             assert expected.shape == (n, k)
             assert torch.equal(layer.widened_weight(torch.float32), expected)
             assert torch.equal(layer.widened_weight(torch.bfloat16), expected.to(torch.bfloat16))
+            for start, end in ((0, 64), (64, n), (0, n)) if n > 64 else ():   # whole blocks, the last one partial
+                assert torch.equal(layer.widened_weight(torch.float32, channels=(start, end)), expected[start:end])
+            with pytest.raises(ValueError, match="multiple of 64"):
+                layer.widened_weight(torch.float32, channels=(10, n))
 
 
 def test_widen_weight_refuses_a_weight_that_does_not_match():

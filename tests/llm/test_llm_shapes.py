@@ -144,10 +144,17 @@ def test_refusal_names_the_shape_the_need_and_what_is_there(tmp_path):
 
 
 def test_the_widening_buffer_is_counted_only_where_the_kernel_choice_measures(monkeypatch):
-    """Llama-3.2-1B: gate/up (2 x 8192 x 2048) is its largest linear, 64 MiB in bf16."""
+    """Llama-3.2-1B: gate/up (2 x 8192 x 2048, 64 MiB in bf16) and the 128k lm_head (501 MiB) are widened
+    32 MiB at a time (8192 channels of 2048); Qwen2.5-0.5B's 151936 x 896 lm_head in slices of 18688
+    channels (whole blocks of 64 under 32 MiB)."""
     shape = shapes.Shape(shapes.preset("llama-3.2-1b"))
     monkeypatch.setattr(footprint, "native_bf16", lambda: True)
-    assert footprint.widening_buffer_bytes(shape, "bf16") == 64 << 20
+    assert footprint.widening_buffer_bytes(shape, "bf16") == 32 << 20
+    assert footprint.widened_slice_channels(16384, 2048, 2) == 8192
+    assert footprint.widened_slice_channels(128256, 2048, 2) == 8192
+    assert footprint.widened_slice_channels(1000, 10 << 20, 2) == 64      # one block, whatever its size
+    small = shapes.Shape(shapes.preset("qwen2.5-0.5b"))
+    assert footprint.widening_buffer_bytes(small, "bf16") == 18688 * 896 * 2
     assert footprint.widening_buffer_bytes(shape, "fp32") == 0
     monkeypatch.setattr(footprint, "native_bf16", lambda: False)
     assert footprint.widening_buffer_bytes(shape, "bf16") == 0

@@ -27,6 +27,7 @@ TORCH_PROCESS_BYTES = 450 * MiB           # python + torch + transformers import
 BYTES = {"fp32": 4, "bf16": 2}
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU flags of native bf16 dot products
 LOAD_CHUNK_BYTES = 1 << 20                # xlaunch.llm.loader.CHUNK_BYTES
+WIDEN_SLICE_BYTES = 32 * MiB              # the most of a weight the dense route widens at once (per thread)
 
 
 def _buffer(nbytes: int) -> int:
@@ -106,13 +107,22 @@ def default_activations() -> str:
     return "bf16" if native_bf16() else "fp32"
 
 
+def widened_slice_channels(n: int, k: int, itemsize: int) -> int:
+    """How many of an ``[n, k]`` weight's output channels the dense route widens at once: all of them when they
+    fit in :data:`WIDEN_SLICE_BYTES`, else the most whole blocks of 64 that do (at least one block)."""
+    if n * k * itemsize <= WIDEN_SLICE_BYTES:
+        return n
+    return max(BLOCK, WIDEN_SLICE_BYTES // (k * itemsize) // BLOCK * BLOCK)
+
+
 def widening_buffer_bytes(shape: Shape, dtype: str) -> int:
-    """The buffer :mod:`xlaunch.llm.kernel_choice`'s dense route keeps per thread: a layer's largest linear
-    (q/k/v, o, gate/up, down) widened to bf16, where the choice measures (bf16 activations on a CPU with
-    native bf16); 0 elsewhere."""
+    """The buffer :mod:`xlaunch.llm.kernel_choice`'s dense route keeps per thread: the largest slice of a
+    linear (q/k/v, o, gate/up, down, lm_head) it widens to bf16 at once, where the choice measures (bf16
+    activations on a CPU with native bf16); 0 elsewhere."""
     if dtype != "bf16" or not native_bf16():
         return 0
-    return BYTES["bf16"] * max(n * k for n, k in packed_linears(shape))
+    linears = [*packed_linears(shape), (shape.vocab, shape.hidden)]
+    return BYTES["bf16"] * max(widened_slice_channels(n, k, BYTES["bf16"]) * k for n, k in linears)
 
 
 def streamed_load_bytes(shape: Shape, dtype: str) -> int:

@@ -34,7 +34,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
-from xlaunch.llm import kernel_choice, native  # noqa: E402
+from xlaunch.llm import footprint, kernel_choice, native  # noqa: E402
 
 KINDS = ("fp32", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -318,25 +318,43 @@ class PackedLinear(nn.Module):
         return kernel_choice.routed(str(ops.compiled_isa()), self.kind, n, self.in_features, self.group_size, kernel,
                                     self.dense_forward)
 
-    def widened_weight(self, dtype: "torch.dtype", reuse: bool = False) -> "torch.Tensor":
+    def widened_weight(self, dtype: "torch.dtype", reuse: bool = False,
+                       channels: Optional[tuple[int, int]] = None) -> "torch.Tensor":
         """The weight as a dense ``[N, K]`` tensor in ``dtype``: bf16 weights as stored, int8/int4 ones as their
         integers times their scales (in fp32, rounded once to ``dtype``: :meth:`dense_weight` in ``dtype``).
-        A native layer is widened by the kernels' ``widen_weight_`` (parallel over its blocks) when loaded;
-        ``reuse``: into this thread's :func:`xlaunch.llm.kernel_choice.reused_buffer` (valid until its next widening), else a new tensor."""
+        ``channels`` (start, end): only those output channels (start a multiple of 64). A native layer is
+        widened by the kernels' ``widen_weight_`` (parallel over its blocks); ``reuse``: into this thread's
+        :func:`xlaunch.llm.kernel_choice.reused_buffer` (valid until its next widening), else a new tensor."""
+        n, k = self.out_features, self.in_features
+        start, end = channels or (0, n)
+        if start % BLOCK or not 0 <= start < end <= n:
+            raise ValueError(f"channels {start}:{end} of {n}: the start must be a multiple of {BLOCK}, within the layer")
         ops = native.ops()
         if self.layout == "native" and dtype in (torch.bfloat16, torch.float32) and hasattr(ops, "widen_weight_"):
-            n, k = self.out_features, self.in_features
-            out = kernel_choice.reused_buffer(n, k, dtype) if reuse else torch.empty(n, k, dtype=dtype)
-            ops.widen_weight_(out, self.weight, self.scales, self.group_size)
+            out = kernel_choice.reused_buffer(end - start, k, dtype) if reuse else torch.empty(end - start, k, dtype=dtype)
+            blocks = slice(start // BLOCK, (end + BLOCK - 1) // BLOCK)
+            scales = None if self.scales is None else self.scales[blocks]
+            ops.widen_weight_(out, self.weight[blocks], scales, self.group_size)
             return out
-        return self.dense_weight().to(dtype)
+        return self.dense_weight()[start:end].to(dtype)
 
     def dense_forward(self, x: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tensor":
-        """``x @ W.T + b`` by ATen's GEMM in ``dtype`` on :meth:`widened_weight` (widened for this call into
-        this thread's reused buffer), returned in ``x``'s dtype: :mod:`xlaunch.llm.kernel_choice`'s route
-        for many rows."""
+        """``x @ W.T + b`` by ATen's GEMM in ``dtype`` on :meth:`widened_weight`, returned in ``x``'s dtype:
+        :mod:`xlaunch.llm.kernel_choice`'s route for many rows. The weight is widened into this thread's
+        reused buffer a slice of channels at a time (:func:`xlaunch.llm.footprint.widened_slice_channels`,
+        at most 32 MiB: the 1B shape's 128k x 2048 lm_head would take 501 MiB whole), each slice multiplied
+        as it is widened."""
+        n, k = self.out_features, self.in_features
+        act = x.to(dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
-        return torch.nn.functional.linear(x.to(dtype), self.widened_weight(dtype, reuse=True), bias).to(x.dtype)
+        step = footprint.widened_slice_channels(n, k, act.element_size())
+        if step >= n:
+            return torch.nn.functional.linear(act, self.widened_weight(dtype, reuse=True), bias).to(x.dtype)
+        parts = []
+        for start in range(0, n, step):       # each slice multiplied before the next overwrites the buffer
+            weight = self.widened_weight(dtype, reuse=True, channels=(start, min(n, start + step)))
+            parts.append(torch.nn.functional.linear(act, weight, None if bias is None else bias[start:start + step]))
+        return torch.cat(parts, dim=-1).to(x.dtype)
 
     def _native(self, ops: object, x: "torch.Tensor") -> "torch.Tensor":
         """The kernels on ``x`` of any float dtype: bf16 weights take bf16, the others bf16 or fp32."""
