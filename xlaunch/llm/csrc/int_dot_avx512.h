@@ -60,7 +60,7 @@ void int8q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
 inline void int4_step(const uint8_t* wp, __m512i out[4]) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int h = 0; h < 2; ++h) {
-    const __m512i v = _mm512_loadu_si512(wp + 64 * h);
+    const __m512i v = in_register(_mm512_loadu_si512(wp + 64 * h));
     const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     out[2 * h] = _mm512_unpacklo_epi16(lo, hi);
     out[2 * h + 1] = _mm512_unpackhi_epi16(lo, hi);
