@@ -6,8 +6,8 @@ share each weight (a long prompt's prefill, a large batch): in bf16 where the CP
 (AVX512_BF16; AMX tiles on an AMX CPU), in fp32 elsewhere. The dense route widens the packed weight to
 a dense ``[N, K]`` tensor in that dtype (into a buffer per thread, kept for the next call:
 :func:`reused_buffer`) and lets ATen multiply. A measurement the kernels win at every count drops that
-buffer again: a process whose answers are all "never" keeps no widened weight (the 1B shape's gate/up:
-64 MiB of bf16 per thread that measured).
+buffer again: a process whose answers are all "never" keeps no widened weight (up to 32 MiB of bf16,
+:data:`xlaunch.llm.footprint.WIDEN_SLICE_BYTES`, per thread that measured).
 
 Which route runs is measured, never assumed. The first time a layer of a shape (weights kind, N, K,
 group size, activation dtype, threads) sees :data:`PROBE_ROWS`\\[0] rows or more, both routes are
@@ -121,7 +121,7 @@ _widening = threading.local()
 
 def reused_buffer(n: int, k: int, dtype: "torch.dtype") -> "torch.Tensor":
     """This thread's ``[n, k]`` buffer of ``dtype`` for a widened weight: one per thread and dtype, grown to the
-    largest asked and kept (the 1B shape's gate/up: 64 MiB in bf16). A fresh tensor each call would cost
+    largest asked and kept (the dense route asks for at most a 32 MiB slice). A fresh tensor each call would cost
     more in first-touch page faults than the widening itself (a new 32 MiB took 37 ms to fill on the AVX2
     VM, one thread; a reused one is written at memory speed)."""
     buffers = _widening.__dict__.setdefault("buffers", {})
