@@ -244,8 +244,9 @@ def test_a_prefill_runs_attention_by_sdpa_and_a_few_rows_by_the_kernel(path, pad
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])
 def test_a_whole_prompt_takes_sdpas_causal_path_and_the_rest_a_mask(monkeypatch, dtype, heads, kv_heads):
-    """No cached slot before it, no padding, no window: SDPA's own causal path (no mask made, K/V heads shared);
-    a continued prompt, a padded one or a windowed one: the explicit mask. Each against the formula."""
+    """No cached slot before it and no window: SDPA's own causal path (no mask made, K/V heads shared), once,
+    or once per row after each row's left padding (a padding row attends nothing: zeros). A continued prompt,
+    padding that is not a prefix, or a window: the explicit mask. Each against the formula."""
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -255,26 +256,27 @@ def test_a_whole_prompt_takes_sdpas_causal_path_and_the_rest_a_mask(monkeypatch,
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     torch.manual_seed(11)
-    b, s, d = 2, fused.SDPA_ROWS + 9, 64
-    for start, padded, window, whole in ((0, False, None, True), (3, False, None, False), (0, True, None, False),
-                                         (0, False, s - 5, False)):
+    b, s, d = 3, fused.SDPA_ROWS + 9, 64
+    causal, masked = (True, True), (False, False)
+    for start, padding, window, expected in ((0, None, None, [causal]), (0, (0, 5, s), None, [causal] * 2),
+                                             (3, None, None, [masked]), (0, (0, 5, 0), None, [causal] * 3),
+                                             (0, "middle", None, [masked]), (0, None, s - 5, [masked])):
         q = torch.randn(b, s, heads, d).to(dtype)
         kc, vc = torch.randn(b, kv_heads, start + s + 4, d).to(dtype), torch.randn(b, kv_heads, start + s + 4, d).to(dtype)
         pad = None
-        if padded:
+        if padding == "middle":
             pad = torch.zeros(b, start + s, dtype=torch.bool)
-            pad[1, :5] = True
+            pad[1, 7] = True
+        elif padding is not None:          # each row's count of left padding slots (s: all of it)
+            pad = torch.arange(start + s)[None, :] < torch.tensor(padding)[:, None]
         calls.clear()
         out = fused._torch_cache_attention(q, kc, vc, start, pad, 0.125, window)
-        assert calls == [(whole, whole)], (start, padded, window)
-        assert out.shape == (b, s, heads * d) and out.dtype == dtype
+        assert calls == expected, (start, padding, window)
+        assert out.shape == (b, s, heads * d) and out.dtype == dtype and not out.isnan().any()
         if window is None:
             close(out, attention_formula(q, kc, vc, start, pad, 0.125), dtype)
-        if whole:   # the same numbers as the masked path it replaced
-            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
-            padding = torch.zeros(b, s, dtype=torch.bool)       # a mask of no padding: the masked path
-            close(out, fused._torch_cache_attention(q, kc, vc, 0, padding, 0.125), dtype)
-            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        if padding is not None and padding != "middle" and padding[2] == s:
+            assert not out[2].any()        # a row of padding only: zeros, as the masked path gives
 
 
 def test_attention_of_a_row_whose_keys_are_all_padding_but_itself(path):

@@ -160,6 +160,23 @@ def attention_by_rows(native: Optional[object], q: "torch.Tensor", k_cache: "tor
     return _torch_cache_attention(q, k_cache, v_cache, start, key_padding, scale)
 
 
+def _causal_attention(q: "torch.Tensor", keys: "torch.Tensor", values: "torch.Tensor", scale: float) -> "torch.Tensor":
+    """A whole prompt's attention, q [B, S, H, D] over keys/values [B, G, S, D]: SDPA's causal path, the KV
+    heads shared (no mask made, the masked half skipped). Returns [B, S, H * D]."""
+    b, s, h, d = q.shape
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, scale=scale,
+                                         enable_gqa=h != keys.shape[1])
+    return out.transpose(1, 2).reshape(b, s, h * d)
+
+
+def _left_padding(key_padding: "torch.Tensor") -> Optional[list[int]]:
+    """Each row's count of padding slots when every row's padding is a prefix of it (``generate``'s left
+    padding), else None."""
+    lead = key_padding.sum(dim=1)
+    prefix = torch.arange(key_padding.shape[1], device=key_padding.device)[None, :] < lead[:, None]
+    return [int(count) for count in lead] if torch.equal(prefix, key_padding.bool()) else None
+
+
 def _torch_cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", start: int,
                            key_padding: Optional["torch.Tensor"], scale: float,
                            window: Optional[int] = None) -> "torch.Tensor":
@@ -169,7 +186,8 @@ def _torch_cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: 
     there); more tokens: ``scaled_dot_product_attention`` with the causal (and window) and padding mask. A
     whole prompt (no cached slot before it, no padding, no window) takes SDPA's own causal path with the KV
     heads shared (``is_causal``, ``enable_gqa``), which skips the masked half: on the Zen 5 VM (2 threads,
-    32 heads on 8, d 64) 1024 tokens 55 -> 37 ms a layer, 2048 226 -> 125, 4096 871 -> 424, equal to 512."""
+    32 heads on 8, d 64) 1024 tokens 55 -> 37 ms a layer, 2048 226 -> 125, 4096 871 -> 424, equal to 512.
+    Left-padded prompts (a batch of unequal lengths) take it row by row, after each row's padding."""
     b, s, h, d = q.shape
     g = k_cache.shape[1]
     n, total = h // g, start + s
@@ -183,10 +201,17 @@ def _torch_cache_attention(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: 
         if keep is not None:
             probs = probs.nan_to_num(0.0)
         return torch.matmul(probs.to(values.dtype), values).reshape(b, 1, h * d)
-    if start == 0 and keep is None and window is None:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, scale=scale,
-                                             enable_gqa=n > 1)
-        return out.transpose(1, 2).reshape(b, s, h * d)
+    if start == 0 and window is None:
+        if keep is None:
+            return _causal_attention(q, keys, values, scale)
+        lead = _left_padding(key_padding[:, :total])
+        if lead is not None:      # each row's prompt after its padding, causal; a padding row attends nothing
+            out = q.new_zeros(b, s, h * d)
+            for row, pad in enumerate(lead):
+                if pad < s:
+                    out[row, pad:] = _causal_attention(q[row:row + 1, pad:], keys[row:row + 1, :, pad:],
+                                                       values[row:row + 1, :, pad:], scale)[0]
+            return out
     rows = q.reshape(b, s, g, n, d).permute(0, 2, 3, 1, 4).reshape(b, g, n * s, d)   # rows: (head, token)
     key_slots, query_slots = torch.arange(total, device=q.device), (start + torch.arange(s, device=q.device))[:, None]
     causal = key_slots <= query_slots
