@@ -205,3 +205,21 @@ def test_the_operators_have_shapes_for_fake_tensors():
     x = torch.empty(2, 3, 64, dtype=torch.bfloat16, device="meta")
     y = ops.int4_linear(x, meta(layer.weight), meta(layer.scales), None, 100, 32)
     assert y.shape == (2, 3, 100) and y.device.type == "meta" and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_bf16_activations_quantize_to_what_their_fp32_values_do_on_every_thread(kind, level):
+    """The integer kernels quantize bf16 rows without an fp32 copy of the input, rows shared between the
+    threads: the outputs are those of the same values given in fp32 (rounded to bf16), bit for bit, for one
+    row, a few, and more rows than one thread takes (70 rows of 2048: 32 a thread at least)."""
+    if native.ops() is None or native.ops().linear_activation_block() == 0:
+        pytest.skip("this level multiplies the activations as they are (no quantization)")
+    layer = PackedLinear(torch.randn(96, 2048) * 0.02, torch.randn(96), kind, group_size=32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, 2048).to(torch.bfloat16)
+            assert torch.equal(layer(x), layer(x.float()).to(torch.bfloat16)), rows
+    finally:
+        torch.set_num_threads(threads)

@@ -56,17 +56,39 @@ struct Epilogue {
   }
 };
 
-// Activation rows quantized once per call for the integer kernels (linear.h: quantize_activations).
+// Activation rows quantized once per call for the integer kernels (linear.h: quantize_activations), from a
+// contiguous [m, k] float32 or bfloat16 tensor: bf16 rows are widened one row at a time (exact), not into an
+// fp32 copy of the whole input (a 2048-token prefill's down projection: 64 MiB), and the rows are shared
+// between the threads (they were quantized on one). Zen 5 VM, 2 threads, 1B shape, 2048-token prefill:
+// 1.5-3.5% faster, peak RSS 25 MiB lower; the serial share grows with the thread count.
 struct QuantizedRows {
   int64_t ldq;
   at::Tensor values, scales, sums;
 
-  QuantizedRows(const float* x, int64_t m, int64_t k)
+  QuantizedRows(const at::Tensor& x, int64_t m, int64_t k)
       : ldq((k + kQuantBlock - 1) / kQuantBlock * kQuantBlock),
         values(at::empty({m, ldq}, at::kChar)),
         scales(at::empty({m, ldq / kQuantBlock}, at::kFloat)),
         sums(at::empty({m, ldq / kQuantBlock}, at::kInt)) {
-    quantize_activations(x, k, m, k, values.data_ptr<int8_t>(), ldq, scales.data_ptr<float>(), sums.data_ptr<int32_t>());
+    int8_t* q = values.data_ptr<int8_t>();
+    float* d = scales.data_ptr<float>();
+    int32_t* qsum = sums.data_ptr<int32_t>();
+    const int64_t ldd = ldq / kQuantBlock, grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, k));
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const void* xp = x.data_ptr();
+    at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
+      if (!bf16) {
+        quantize_activations(static_cast<const float*>(xp) + begin * k, k, end - begin, k, q + begin * ldq, ldq,
+                             d + begin * ldd, qsum + begin * ldd);
+        return;
+      }
+      std::vector<float> row(k);
+      for (int64_t r = begin; r < end; ++r) {
+        const uint16_t* bits = static_cast<const uint16_t*>(xp) + r * k;
+        for (int64_t i = 0; i < k; ++i) row[i] = bf16_bits_to_float(bits[i]);
+        quantize_activations(row.data(), k, 1, k, q + r * ldq, ldq, d + r * ldd, qsum + r * ldd);
+      }
+    });
   }
   const int8_t* q(int64_t row) const { return values.data_ptr<int8_t>() + row * ldq; }
   const float* d(int64_t row) const { return scales.data_ptr<float>() + row * (ldq / kQuantBlock); }
@@ -163,19 +185,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                });
     return out.view(output_sizes(x, n));
   }
-  at::Tensor rows = rows_of(x, at::kFloat, k);
-  const int64_t m = rows.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
-  at::Tensor b = float_bias(bias, n);
-  const float* xp = rows.data_ptr<float>();
   if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2, VNNI)
-    const QuantizedRows qx(xp, m, k);
+    at::Tensor rows = rows_of(x, x.scalar_type(), k);
+    const int64_t m = rows.size(0);
+    at::Tensor out = at::empty({m, n}, x.options());
+    at::Tensor b = float_bias(bias, n);
+    const QuantizedRows qx(rows, m, k);
     run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
                [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
                  int8q_block(qx.q(m0), qx.d(m0), qx.qsum(m0), qx.ldq, r, wp + blk * int8_block_bytes(k), k, acc);
                });
     return out.view(output_sizes(x, n));
   }
+  at::Tensor rows = rows_of(x, at::kFloat, k);
+  const int64_t m = rows.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor b = float_bias(bias, n);
+  const float* xp = rows.data_ptr<float>();
   run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
              [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
                int8_block(xp + m0 * k, k, r, wp + blk * int8_block_bytes(k), k, acc);
@@ -192,11 +218,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2, VNNI)
     TORCH_CHECK(group_size % kQuantBlock == 0, "xlaunch_llm int4_linear: the group size ", group_size,
                 " is not a multiple of ", kQuantBlock, " (the activations' block)");
-    at::Tensor rows = rows_of(x, at::kFloat, k);
+    at::Tensor rows = rows_of(x, x.scalar_type(), k);
     const int64_t m = rows.size(0);
     at::Tensor out = at::empty({m, n}, x.options());
     at::Tensor b = float_bias(bias, n);
-    const QuantizedRows qx(rows.data_ptr<float>(), m, k);
+    const QuantizedRows qx(rows, m, k);
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     const float* sp = scales.data_ptr<float>();
     run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
