@@ -300,3 +300,26 @@ def test_without_transformers_the_message_names_the_extra(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines() == ['transformers | xlaunch.llm needs transformers: pip install "xlaunch[llm]"',
                                                  "torchao imported: False"]
+
+
+@pytest.mark.parametrize("weights", [None, "int8", "int4"])
+def test_a_long_prompts_mlp_in_row_chunks_gives_the_same_logits(llama, monkeypatch, weights):
+    """decoder.MLP_ROWS rows of the MLP at a time (here 7, so 2 x 30 rows take 9 chunks, the last short):
+    every row is computed on its own, so the logits are those of one pass, bit for bit."""
+    from xlaunch.llm import decoder
+
+    monkeypatch.setenv("XLAUNCH_LLM_DENSE_ROWS", "off")
+    model = llm.optimize(clone(llama), dtype=torch.float32, weights=weights)
+    ids = torch.randint(1, VOCAB, (2, 30), generator=torch.Generator().manual_seed(3))
+    whole = model(ids).logits
+    chunks = []
+    mlp = decoder._mlp
+
+    def counted(x, gate_up, silu_mul, down):
+        return mlp(x, lambda rows: chunks.append(rows.shape[0]) or gate_up(rows), silu_mul, down)
+
+    monkeypatch.setattr(decoder, "MLP_ROWS", 7)
+    monkeypatch.setattr(decoder, "_mlp", counted)
+    assert torch.equal(model(ids).logits, whole)
+    layers = len(llama.model.layers)
+    assert chunks == ([7] * 8 + [4]) * layers
