@@ -348,13 +348,11 @@ class PackedLinear(nn.Module):
         act = x.to(dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         step = footprint.widened_slice_channels(n, k, act.element_size())
-        if step >= n:
-            return torch.nn.functional.linear(act, self.widened_weight(dtype, reuse=True), bias).to(x.dtype)
         parts = []
         for start in range(0, n, step):       # each slice multiplied before the next overwrites the buffer
             weight = self.widened_weight(dtype, reuse=True, channels=(start, min(n, start + step)))
             parts.append(torch.nn.functional.linear(act, weight, None if bias is None else bias[start:start + step]))
-        return torch.cat(parts, dim=-1).to(x.dtype)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
 
     def _native(self, ops: object, x: "torch.Tensor") -> "torch.Tensor":
         """The kernels on ``x`` of any float dtype: bf16 weights take bf16, the others bf16 or fp32."""

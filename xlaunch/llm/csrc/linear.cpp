@@ -65,11 +65,12 @@ struct QuantizedRows {
   int64_t ldq;
   at::Tensor values, scales, sums;
 
-  QuantizedRows(const at::Tensor& x, int64_t m, int64_t k)
-      : ldq((k + kQuantBlock - 1) / kQuantBlock * kQuantBlock),
-        values(at::empty({m, ldq}, at::kChar)),
-        scales(at::empty({m, ldq / kQuantBlock}, at::kFloat)),
-        sums(at::empty({m, ldq / kQuantBlock}, at::kInt)) {
+  explicit QuantizedRows(const at::Tensor& x)
+      : ldq((x.size(1) + kQuantBlock - 1) / kQuantBlock * kQuantBlock),
+        values(at::empty({x.size(0), ldq}, at::kChar)),
+        scales(at::empty({x.size(0), ldq / kQuantBlock}, at::kFloat)),
+        sums(at::empty({x.size(0), ldq / kQuantBlock}, at::kInt)) {
+    const int64_t m = x.size(0), k = x.size(1);
     int8_t* q = values.data_ptr<int8_t>();
     float* d = scales.data_ptr<float>();
     int32_t* qsum = sums.data_ptr<int32_t>();
@@ -185,22 +186,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                });
     return out.view(output_sizes(x, n));
   }
-  if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2, VNNI)
-    at::Tensor rows = rows_of(x, x.scalar_type(), k);
-    const int64_t m = rows.size(0);
-    at::Tensor out = at::empty({m, n}, x.options());
-    at::Tensor b = float_bias(bias, n);
-    const QuantizedRows qx(rows, m, k);
+  // integer dot products over quantized activations (AVX2, VNNI) from x as it is; else fp32 activations
+  const bool quantized = quantized_activation_block() > 0;
+  at::Tensor rows = rows_of(x, quantized ? x.scalar_type() : at::kFloat, k);
+  const int64_t m = rows.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor b = float_bias(bias, n);
+  if (quantized) {
+    const QuantizedRows qx(rows);
     run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
                [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
                  int8q_block(qx.q(m0), qx.d(m0), qx.qsum(m0), qx.ldq, r, wp + blk * int8_block_bytes(k), k, acc);
                });
     return out.view(output_sizes(x, n));
   }
-  at::Tensor rows = rows_of(x, at::kFloat, k);
-  const int64_t m = rows.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
-  at::Tensor b = float_bias(bias, n);
   const float* xp = rows.data_ptr<float>();
   run_blocks(m, k, packed.size(0), epilogue_for(out, b, scales.data_ptr<float>(), n),
              [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
@@ -215,30 +214,26 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_input(x);
   check_packed("int4_linear", packed, at::kByte, &scales, n, k, group_size);
   const int64_t groups = k / group_size;
-  if (quantized_activation_block() > 0) {   // integer dot products over quantized activations (AVX2, VNNI)
-    TORCH_CHECK(group_size % kQuantBlock == 0, "xlaunch_llm int4_linear: the group size ", group_size,
-                " is not a multiple of ", kQuantBlock, " (the activations' block)");
-    at::Tensor rows = rows_of(x, x.scalar_type(), k);
-    const int64_t m = rows.size(0);
-    at::Tensor out = at::empty({m, n}, x.options());
-    at::Tensor b = float_bias(bias, n);
-    const QuantizedRows qx(rows, m, k);
-    const uint8_t* wp = packed.data_ptr<uint8_t>();
-    const float* sp = scales.data_ptr<float>();
+  // integer dot products over quantized activations (AVX2, VNNI) from x as it is; else bf16 activations
+  const bool quantized = quantized_activation_block() > 0;
+  TORCH_CHECK(!quantized || group_size % kQuantBlock == 0, "xlaunch_llm int4_linear: the group size ", group_size,
+              " is not a multiple of ", kQuantBlock, " (the activations' block)");
+  at::Tensor rows = rows_of(x, quantized ? x.scalar_type() : at::kBFloat16, k);
+  const int64_t m = rows.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor b = float_bias(bias, n);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  if (quantized) {
+    const QuantizedRows qx(rows);
     run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
       int4q_block(qx.q(m0), qx.d(m0), qx.qsum(m0), qx.ldq, r, wp + blk * (k / 2) * kBlock, sp + blk * groups * kBlock,
                   groups, group_size, acc);
     });
     return out.view(output_sizes(x, n));
   }
-  at::Tensor rows = rows_of(x, at::kBFloat16, k);
-  const int64_t m = rows.size(0);
   at::Tensor sums = rows.to(at::kFloat).view({m, groups, group_size}).sum(-1).contiguous();
-  at::Tensor out = at::empty({m, n}, x.options());
-  at::Tensor b = float_bias(bias, n);
   const auto* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr());
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
   const float* gp = sums.data_ptr<float>();
   run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
     int4_block(xp + m0 * k, k, r, wp + blk * (k / 2) * kBlock, sp + blk * groups * kBlock, gp + m0 * groups,
