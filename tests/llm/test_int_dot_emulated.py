@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from conftest import require  # noqa: E402
 
-from xlaunch.llm.linear import pack_channels, pack_int4, pack_int8  # noqa: E402
+from xlaunch.llm.linear import pack_channels, pack_int4, pack_int6, pack_int8  # noqa: E402
 
 pytestmark = pytest.mark.torch
 HERE = Path(__file__).resolve().parent
@@ -40,6 +40,7 @@ def emulated(tmp_path_factory):
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.int8q.argtypes = [pointer, pointer, pointer, size, size, pointer, size, pointer]
     library.int4q.argtypes = [pointer, pointer, pointer, size, size, pointer, pointer, size, size, pointer]
+    library.int6q.argtypes = library.int4q.argtypes
     return library
 
 
@@ -103,6 +104,24 @@ def test_int4_block_is_the_sum_of_the_quantized_products_times_group_scales(emul
     assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k, group_size", [(64, 32), (256, 64), (512, 128)])
+def test_int6_block_is_the_sum_of_the_quantized_products_times_group_scales(emulated, rows, k, group_size):
+    """INT6 (the INT4 route's lm_head): the nibbles as INT4's plus each value's top two bits from the step's
+    high-bit bytes; every value of [-32, 31] occurs, the extremes included."""
+    torch.manual_seed(rows * 1000 + k + group_size + 6)
+    q, d, qsum, ldq = activations(rows, k)
+    values = torch.randint(-32, 32, (64, k), dtype=torch.int8)
+    values[0, :8] = torch.tensor([-32, 31, -32, 31, 31, -32, 31, -32], dtype=torch.int8)
+    scales = (torch.rand(64, k // group_size) + 0.05).float()
+    packed, packed_scales, out = pack_int6(values), pack_channels(scales), torch.full((rows, 64), float("nan"))
+    assert emulated.int6q(ptr(q), ptr(d), ptr(qsum), ldq, rows, ptr(packed), ptr(packed_scales), group_size, k,
+                          ptr(out)) == 0
+    dense = (values.double().reshape(64, -1, group_size) * scales.double()[:, :, None]).reshape(64, k)
+    expected = dequantized_rows(q, d, k) @ dense.T
+    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
 def test_every_channel_lands_in_its_own_output(emulated):
     """One weight channel at a time non-zero: each lands in its own output (INT4's interleaved channel order
     is undone exactly)."""
@@ -121,3 +140,8 @@ def test_every_channel_lands_in_its_own_output(emulated):
         emulated.int4q(ptr(q), ptr(d), ptr(qsum), ldq, 1, ptr(packed), ptr(packed_scales), k, k, ptr(out))
         assert out[0].nonzero().flatten().tolist() in ([channel], [])
         assert torch.allclose(out[0, channel].double(), 7 * dequantized_rows(q, d, k).sum(), rtol=1e-5)
+        values[channel] = -29
+        packed = pack_int6(values)
+        emulated.int6q(ptr(q), ptr(d), ptr(qsum), ldq, 1, ptr(packed), ptr(packed_scales), k, k, ptr(out))
+        assert out[0].nonzero().flatten().tolist() in ([channel], [])
+        assert torch.allclose(out[0, channel].double(), -29 * dequantized_rows(q, d, k).sum(), rtol=1e-5)

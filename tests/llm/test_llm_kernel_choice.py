@@ -240,7 +240,8 @@ def test_widened_weights_are_the_packed_values(level):
     values, as fp32 and as bf16 rounded once; odd N and K, a last partial block, every kind."""
     generator = torch.Generator().manual_seed(5)
     with use_level(level) if level != "torch" else native.prefer_native(False):
-        for kind, (n, k) in (("bf16", (70, 129)), ("bf16", (64, 128)), ("int8", (70, 96)), ("int4", (130, 128))):
+        for kind, (n, k) in (("bf16", (70, 129)), ("bf16", (64, 128)), ("int8", (70, 96)), ("int4", (130, 128)),
+                             ("int6", (130, 128))):
             with native.prefer_native(level if level != "torch" else True):
                 layer = PackedLinear(torch.randn(n, k, generator=generator), None, kind, group_size=32)
             expected = layer.dense_weight()

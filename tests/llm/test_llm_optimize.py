@@ -181,7 +181,8 @@ def test_model_device_and_dtype_come_from_the_first_module(llama, dtype):
                                            (torch.float32, "int4")])
 def test_a_tied_embedding_is_read_from_the_packed_lm_head(dtype, weights):
     """One copy of a tied matrix: no embedding table is left in the model; the rows a step looks up are the
-    packed lm_head's (the weights themselves in fp32/bf16; INT8 rows, within 1% of them, under int8/int4)."""
+    packed lm_head's (the weights themselves in fp32/bf16; INT8 rows, within 1% of them, under int8; INT6 rows
+    in groups of 64, within 2%, under int4 where the kernels run)."""
     hf = tiny("llama", seed=6, tie_word_embeddings=True, vocab_size=2048)    # the largest matrix by far
     ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -190,7 +191,8 @@ def test_a_tied_embedding_is_read_from_the_packed_lm_head(dtype, weights):
     embedding = model.model.embed_tokens
     assert embedding.weight is None and embedding.lm_head is model.lm_head and model.dtype == dtype
     held = [*model.parameters(), *model.buffers()]
-    matrices = {t.data_ptr() for t in held if t.numel() >= hf.config.vocab_size * hf.config.hidden_size}
+    packed_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()   # a copy in any dtype: as large
+    matrices = {t.data_ptr() for t in held if t.numel() * t.element_size() >= packed_bytes}
     assert matrices == {model.lm_head.weight.data_ptr()}         # the vocabulary's matrix is held once
     with torch.no_grad():
         rows = embedding(ids)
@@ -198,7 +200,7 @@ def test_a_tied_embedding_is_read_from_the_packed_lm_head(dtype, weights):
         if weights is None:
             assert torch.equal(rows, expected)
         else:
-            assert relative_error(rows, expected) < 0.01
+            assert relative_error(rows, expected) < (0.02 if model.lm_head.kind == "int6" else 0.01)
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 14)
 
@@ -281,7 +283,11 @@ def test_the_pure_torch_fallback_gives_the_kernels_results(llama, teacher, weigh
     kernels = model(ids).logits.float()
     if native.ops() is not None:
         assert model.lm_head.layout == "native"
-    assert relative_error(kernels, aten_logits) < 2e-2
+    # under int4 the kernels' lm_head is INT6 (groups of 64), the ATen fallback's INT8: they differ by that rounding
+    six = weights == "int4" and native.ops() is not None
+    assert aten.lm_head.kind == ("int8" if weights == "int4" else weights or "bf16")
+    assert model.lm_head.kind == ("int6" if six else aten.lm_head.kind)
+    assert relative_error(kernels, aten_logits) < (5e-2 if six else 2e-2)
     assert relative_error(kernels, switched_off) < 2e-2
 
 

@@ -119,11 +119,25 @@ def test_packed_estimate_is_what_from_pretrained_holds(tmp_path, dtype, weights,
     assert footprint.packed_bytes(shape, dtype, weights, group_size=32) == sum(held.values())
 
 
+def test_the_int4_routes_lm_head_is_6_bit_where_the_kernels_run_it():
+    """INT6 in groups of 64 under INT4 layers (Q6_K's place in llama.cpp's Q4_0 files); INT8 without the kernels
+    or when the inputs are no multiple of 64; every other precision keeps its own kind."""
+    assert footprint.lm_head_kind("int4", 2048) == "int6"
+    assert footprint.lm_head_kind("int4", 2048, kernels=False) == "int8"
+    assert footprint.lm_head_kind("int4", 2080) == "int8"
+    assert [footprint.lm_head_kind(kind, 2048) for kind in ("int8", "bf16", "fp32")] == ["int8", "bf16", "fp32"]
+    shape = shapes.Shape(shapes.preset("llama-3.2-1b"))
+    six = footprint.packed_linear_bytes(shape.vocab, shape.hidden, "int6", 64)
+    eight = footprint.packed_linear_bytes(shape.vocab, shape.hidden, "int8")
+    assert 0.8 < six / eight < 0.83        # 6.5 bits a value against 8 (and a scale per channel)
+
+
 def test_kv_cache_and_activation_formulas_by_hand():
     shape = shapes.Shape(shapes.preset("tiny"))      # 2 layers, 2 KV heads of 32, vocabulary 512
     assert footprint.kv_cache_bytes(shape, 100, 3, "bf16") == 2 * 2 * 2 * 32 * 100 * 3 * 2
     assert footprint.activation_bytes(shape, 10) == 4 * 10 * (512 + 2 * 256 + (4 + 4) * 32 + 4 * 128)
     assert footprint.packed_linear_bytes(96, 256, "int4", 128) == 128 * 256 // 2 + 4 * 128 * 2   # padded to 128
+    assert footprint.packed_linear_bytes(96, 256, "int6", 64) == 128 * 256 * 3 // 4 + 4 * 128 * 4
     assert footprint.packed_linear_bytes(4096, 4096, "bf16") == 32 << 20                          # 2 MiB pages
     assert footprint.packed_linear_bytes(4097, 1024, "int8") == (6 << 20) + 4 * 4160
 

@@ -23,7 +23,7 @@ with needs_torch(__name__):
 # transformers' torchao quantizer imports torchao, whose import logs CUDA-only misses: import it quietly first
 import_quietly("transformers.quantizers.auto", "torchao.quantization", chain=True)   # no transformers: no torchao
 
-from xlaunch.llm import footprint  # noqa: E402
+from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.shapes import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
 from xlaunch.llm.decoder import (DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding,  # noqa: E402
                                  embedding_table, make_forward)
@@ -124,6 +124,12 @@ def warn_if_bf16_is_slow(dtype: Any, caller: str, stacklevel: int = 2) -> None:
                       UserWarning, stacklevel=stacklevel + 1)
 
 
+def lm_head_packing(kind: str, in_features: int, group_size: int) -> tuple[str, int]:
+    """(kind, group size) of lm_head under the layers' ``kind`` (:func:`xlaunch.llm.footprint.lm_head_kind`)."""
+    head = footprint.lm_head_kind(kind, in_features, kernels=native.ops() is not None)
+    return head, footprint.HEAD_GROUP if head == "int6" else group_size
+
+
 def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128) -> Any:
     """Optimize a Hugging Face Llama, Mistral or Qwen2 causal LM for CPU decoding, in place; returns it.
 
@@ -131,7 +137,8 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
     ``torch.float32``; by default bf16 where the CPU has native bf16 (AVX512_BF16 or AMX), else fp32
     (a bf16 request there gets one warning). ``weights``: ``None`` keeps weights in ``dtype``; ``"int8"`` quantizes every
     linear (lm_head included) per output channel; ``"int4"`` quantizes the decoder layers' linears
-    per group of ``group_size`` inputs (32, 64 or 128) and lm_head to INT8. Inference only.
+    per group of ``group_size`` inputs (32, 64 or 128) and lm_head to 6 bits in groups of 64 (INT8 without the
+    compiled kernels, or when its inputs are no multiple of 64: ``footprint.lm_head_kind``). Inference only.
     An architecture it does not know gets one warning and comes back unchanged.
     """
     dtype = default_dtype() if dtype is None else dtype
@@ -150,9 +157,9 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
     with torch.no_grad():
         layers = [_pack_layer(layer, kind, dtype, group_size, window)
                   for layer, window in zip(inner.layers, spec.windows)]
-        head_kind = "int8" if kind == "int4" else kind
+        head_kind, head_group = lm_head_packing(kind, model.lm_head.in_features, group_size)
         tied = spec.tied_embeddings and model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
-        model.lm_head = PackedLinear.from_linears([model.lm_head], kind=head_kind, dtype=dtype, group_size=group_size)
+        model.lm_head = PackedLinear.from_linears([model.lm_head], kind=head_kind, dtype=dtype, group_size=head_group)
         table = None if tied else embedding_table(inner.embed_tokens.weight, dtype)
         inner.embed_tokens = TokenEmbedding(table, dtype, model.lm_head)
         inner.norm.to(dtype)

@@ -3,7 +3,7 @@ machine has: examples/llm.py and bench/llm.py check a shape before they start an
 
 The sizes follow what runs: :func:`packed_bytes` counts :class:`~xlaunch.llm.linear.PackedLinear`'s
 buffers (native layout: output channels padded to 64; INT8 one fp32 scale per channel; INT4 one per
-group and channel; lm_head INT8 under INT4; buffers from 2 MiB up rounded to 2 MiB pages), the
+group and channel; lm_head INT6 under INT4, :func:`lm_head_kind`; buffers from 2 MiB up rounded to 2 MiB pages), the
 norms in the activations' dtype, the embedding too unless the checkpoint's is 16-bit (kept so) or it is
 tied (the packed lm_head's rows: no table); :func:`kv_cache_bytes` the preallocated cache;
 :func:`activation_bytes` a prefill's largest temporaries (the logits of every prompt token in fp32
@@ -28,6 +28,18 @@ BYTES = {"fp32": 4, "bf16": 2}
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU flags of native bf16 dot products
 LOAD_CHUNK_BYTES = 1 << 20                # xlaunch.llm.loader.CHUNK_BYTES
 WIDEN_SLICE_BYTES = 32 * MiB              # the most of a weight the dense route widens at once (per thread)
+HEAD_GROUP = 64                           # the INT6 lm_head's group of inputs under INT4 weights
+
+
+def lm_head_kind(weights: str, in_features: int, kernels: bool = True) -> str:
+    """The packed kind of lm_head under the layers' ``weights`` kind: INT4 layers get a 6-bit lm_head in groups
+    of :data:`HEAD_GROUP` (llama.cpp's Q4_0 files keep theirs at Q6_K, 6.56 bits a weight; this one is 6.5),
+    where the compiled kernels run it (``kernels``) and ``in_features`` is a multiple of the group; else INT8.
+    lm_head is read whole every token: on Llama-3.2-1B's shape (128k x 2048) INT8 is 250 MiB a token of the
+    INT4 model's 745, INT6 204."""
+    if weights != "int4":
+        return weights
+    return "int6" if kernels and in_features % HEAD_GROUP == 0 else "int8"
 
 
 def _buffer(nbytes: int) -> int:
@@ -46,6 +58,8 @@ def packed_linear_bytes(n: int, k: int, kind: str, group_size: int = 128) -> int
         return _buffer(padded * -(-k // 4) * 4) + 4 * padded
     if kind == "int4":
         return _buffer(padded * k // 2) + 4 * padded * (k // group_size)
+    if kind == "int6":
+        return _buffer(padded * k // 4 * 3) + 4 * padded * (k // group_size)
     raise ValueError(f"unknown weight kind {kind!r}")
 
 
@@ -66,7 +80,8 @@ def packed_bytes(shape: Shape, dtype: str, weights: Optional[str] = None, group_
     per_layer = sum(packed_linear_bytes(n, k_, kind, group_size) for n, k_ in groups)
     biases = groups[0][0] * shape.qkv_bias + shape.hidden * shape.o_bias
     per_layer += size * (biases + 2 * shape.hidden)                       # biases and the two norms
-    head = packed_linear_bytes(shape.vocab, shape.hidden, "int8" if kind == "int4" else kind, group_size)
+    head_kind = lm_head_kind(kind, shape.hidden)
+    head = packed_linear_bytes(shape.vocab, shape.hidden, head_kind, HEAD_GROUP if head_kind == "int6" else group_size)
     embed = 0 if shape.tied else _buffer(embedding_bytes(shape, dtype) * shape.vocab * shape.hidden)
     return shape.layers * per_layer + head + embed + size * shape.hidden
 

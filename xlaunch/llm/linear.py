@@ -1,4 +1,4 @@
-"""Linear layers with packed weights: bf16, fp32, weight-only INT8 (per output channel) and INT4 (group-wise).
+"""Linear layers with packed weights: bf16, fp32, weight-only INT8 (per output channel), INT4 and INT6 (group-wise).
 
 :class:`PackedLinear` holds one weight in the layout its kernel reads and computes
 ``y = x @ W.T + b`` in the activation dtype (fp32 accumulation). Several ``nn.Linear`` of one input
@@ -8,12 +8,15 @@ Quantization (round to nearest):
 * ``int8``: symmetric per output channel, ``scale[n] = max|W[n, :]| / 127``, ``q = round(W / scale)``.
 * ``int4``: symmetric per group of ``group_size`` inputs, ``scale[n, g] = max|W[n, g]| / 7``,
   ``q = clamp(round(W / scale), -8, 7)``.
+* ``int6``: as int4 with ``max|W[n, g]| / 31`` and ``q`` in [-32, 31]: the INT4 route's lm_head (llama.cpp
+  keeps its output layer at 6 bits, Q6_K, under Q4_0), native layout only.
 
 Layouts (``PackedLinear.layout``), chosen once when the layer is built:
 * ``"native"``: blocks of 64 output channels for ``torch.ops.xlaunch_llm`` (xlaunch/llm/csrc/linear.h);
   used when the compiled kernels are loaded (:func:`xlaunch.llm.native.ops`).
 * ``"aten"``: the layouts of ATen's own CPU kernels: ``F.linear`` (bf16), ``torch._weight_int8pack_mm``
-  (int8) and ``aten._weight_int4pack_mm_for_cpu`` (int4, unsigned nibbles ``q + 8`` with zero points 0).
+  (int8) and ``aten._weight_int4pack_mm_for_cpu`` (int4, unsigned nibbles ``q + 8`` with zero points 0);
+  int6 (ATen has no kernel) keeps its values as int8 ``[N, K]`` and is dequantized to multiply (slow).
 Both compute the same products (the quantized integers times fp32 scales) up to fp rounding; the native
 INT4 kernel at the baseline level rounds fp32 activations to bf16 (INT8 keeps them fp32). A native
 layer asked to run without the kernels (``prefer_native(False)``) dequantizes and multiplies (slow).
@@ -36,10 +39,12 @@ with needs_torch(__name__):
 
 from xlaunch.llm import footprint, kernel_choice, native  # noqa: E402
 
-KINDS = ("fp32", "bf16", "int8", "int4")
+KINDS = ("fp32", "bf16", "int8", "int4", "int6")
+GROUPED = ("int4", "int6")   # the kinds quantized per group of ``group_size`` inputs
 GROUP_SIZES = (32, 64, 128)
 BLOCK = 64           # output channels per native block (csrc/linear.h: kBlock)
 INT4_ZERO = 8        # int4 values are stored unsigned, q + 8
+INT6_ZERO = 32       # int6 values, q + 32
 
 
 def quantize_int8(weight: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -50,15 +55,22 @@ def quantize_int8(weight: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor
     return q, scale
 
 
-def quantize_int4(weight: "torch.Tensor", group_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """(int8 values in [-8, 7] of shape [N, K], fp32 scales [N, K // group_size]), symmetric per group."""
+def quantize_int4(weight: "torch.Tensor", group_size: int, bits: int = 4) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(int8 values in [-8, 7] of shape [N, K], fp32 scales [N, K // group_size]), symmetric per group; ``bits``
+    6: values in [-32, 31] (int6)."""
     n, k = weight.shape
     if k % group_size:
-        raise ValueError(f"in_features {k} is not a multiple of the INT4 group size {group_size}")
+        raise ValueError(f"in_features {k} is not a multiple of the INT{bits} group size {group_size}")
+    top = (1 << (bits - 1)) - 1
     w = weight.detach().float().reshape(n, k // group_size, group_size)
-    scale = w.abs().amax(dim=2).clamp(min=1e-12) / 7.0
-    q = torch.round(w / scale[:, :, None]).clamp(-8, 7).to(torch.int8)
+    scale = w.abs().amax(dim=2).clamp(min=1e-12) / float(top)
+    q = torch.round(w / scale[:, :, None]).clamp(-top - 1, top).to(torch.int8)
     return q.reshape(n, k), scale
+
+
+def quantize_int6(weight: "torch.Tensor", group_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(int8 values in [-32, 31] of shape [N, K], fp32 scales [N, K // group_size]), symmetric per group."""
+    return quantize_int4(weight, group_size, bits=6)
 
 
 def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
@@ -126,21 +138,60 @@ def unpack_int8(packed: "torch.Tensor", n: int, k: int) -> "torch.Tensor":
     return packed.reshape(blocks, k4, BLOCK, 4).permute(0, 2, 1, 3).reshape(blocks * BLOCK, 4 * k4)[:n, :k]
 
 
+def _nibble_bytes(u: "torch.Tensor", shift: int) -> "torch.Tensor":
+    """Unsigned values [N/64 * 64, K] -> uint8 [N/64, K/4, 128]: byte 2c + t of step k holds u[c, k+t] and,
+    ``shift`` bits up, u[c, k+2+t] of the block's channel c."""
+    blocks, k = u.shape[0] // BLOCK, u.shape[1]
+    u = u.reshape(blocks, BLOCK, k // 4, 2, 2)
+    packed = (u[:, :, :, 0, :] | (u[:, :, :, 1, :] << shift)).to(torch.uint8)
+    return packed.permute(0, 2, 1, 3).reshape(blocks, k // 4, 2 * BLOCK)
+
+
+def _nibble_values(packed: "torch.Tensor", n: int, shift: int) -> "torch.Tensor":
+    """:func:`_nibble_bytes` undone: int16 [n, K]."""
+    blocks, quads, _ = packed.shape
+    b = packed.reshape(blocks, quads, BLOCK, 2).permute(0, 2, 1, 3).to(torch.int16)
+    u = torch.stack([b & ((1 << shift) - 1), b >> shift], dim=3)   # [blocks, 64, quads, 2 (nibble), 2 (t)]
+    return u.reshape(blocks * BLOCK, quads * 4)[:n]
+
+
 def pack_int4(q: "torch.Tensor") -> "torch.Tensor":
     """int4 values [N, K] -> uint8 [N/64, K/4, 128]: byte 2c + t of step k holds q[c, k+t] + 8 (low nibble)
     and q[c, k+2+t] + 8 (high nibble) of the block's channel c."""
-    u = _pad_rows(q.to(torch.int16) + INT4_ZERO, BLOCK, INT4_ZERO)
-    blocks, k = u.shape[0] // BLOCK, u.shape[1]
-    u = u.reshape(blocks, BLOCK, k // 4, 2, 2)
-    packed = (u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)).to(torch.uint8)
-    return packed.permute(0, 2, 1, 3).reshape(blocks, k // 4, 2 * BLOCK).contiguous()
+    return _nibble_bytes(_pad_rows(q.to(torch.int16) + INT4_ZERO, BLOCK, INT4_ZERO), 4).contiguous()
 
 
 def unpack_int4(packed: "torch.Tensor", n: int) -> "torch.Tensor":
-    blocks, quads, _ = packed.shape
-    b = packed.reshape(blocks, quads, BLOCK, 2).permute(0, 2, 1, 3).to(torch.int16)
-    u = torch.stack([b & 15, b >> 4], dim=3)   # [blocks, 64, quads, 2 (nibble), 2 (t)]
-    return (u.reshape(blocks * BLOCK, quads * 4)[:n] - INT4_ZERO).to(torch.int8)
+    return (_nibble_values(packed, n, 4) - INT4_ZERO).to(torch.int8)
+
+
+def pack_int6(q: "torch.Tensor") -> "torch.Tensor":
+    """int6 values [N, K] -> uint8 [N/64, K/4, 192]: per step, :func:`pack_int4`'s 128 bytes of u & 15
+    (u = q + 32), then 64 bytes of u >> 4: byte p holds nibble byte p's two (bits 0-1 and 2-3) in its low
+    nibble and nibble byte p + 64's in its high one (csrc/linear.h)."""
+    u = _pad_rows(q.to(torch.int16) + INT6_ZERO, BLOCK, INT6_ZERO)
+    high = _nibble_bytes(u >> 4, 2)
+    plane = high[..., :BLOCK] | (high[..., BLOCK:] << 4)
+    return torch.cat([_nibble_bytes(u & 15, 4), plane], dim=-1).contiguous()
+
+
+def unpack_int6(packed: "torch.Tensor", n: int) -> "torch.Tensor":
+    nibbles, plane = packed[..., :2 * BLOCK], packed[..., 2 * BLOCK:]
+    high = torch.cat([plane & 15, plane >> 4], dim=-1)
+    u = _nibble_values(nibbles, n, 4) | (_nibble_values(high, n, 2) << 4)
+    return (u - INT6_ZERO).to(torch.int8)
+
+
+def _int6_rows(packed: "torch.Tensor", channels: "torch.Tensor", k: int) -> "torch.Tensor":
+    """The int6 values of rows ``channels`` of a native int6 weight, int16 ``[len(channels), k]``."""
+    blocks, steps = packed.shape[:2]
+    block, c = channels // BLOCK, channels % BLOCK
+    nibbles = packed[..., :2 * BLOCK].reshape(blocks, steps, BLOCK, 2)[block, :, c].to(torch.int16)
+    high = packed[..., 2 * BLOCK:].reshape(blocks, steps, BLOCK // 2, 2)[block, :, c % (BLOCK // 2)].to(torch.int16)
+    high = (high >> (4 * (c >= BLOCK // 2)).to(torch.int16).reshape(-1, 1, 1)) & 15   # [m, steps, 2 (t)]
+    low = (nibbles & 15) | ((high & 3) << 4)
+    top = (nibbles >> 4) | ((high >> 2) << 4)
+    return (torch.stack([low, top], dim=2).reshape(channels.numel(), -1) - INT6_ZERO)[:, :k]
 
 
 def pack_channels(scale: "torch.Tensor") -> "torch.Tensor":
@@ -171,7 +222,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"weights must be one of {', '.join(KINDS)}, not {kind!r}")
-        if kind == "int4" and group_size not in GROUP_SIZES:
+        if kind in GROUPED and group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {GROUP_SIZES}, not {group_size}")
         if weight.dim() != 2:
             raise ValueError(f"the weight must be 2-D [out_features, in_features], not {tuple(weight.shape)}")
@@ -193,6 +244,12 @@ class PackedLinear(nn.Module):
             if self.layout == "native":
                 weight_buf, scales = pack_int8(q), pack_channels(scale)
             else:
+                weight_buf, scales = q.contiguous(), scale
+        elif self.kind == "int6":
+            q, scale = quantize_int6(weight, self.group_size)
+            if self.layout == "native":
+                weight_buf, scales = pack_int6(q), pack_channels(scale)
+            else:   # no ATen kernel: the values, dequantized to multiply
                 weight_buf, scales = q.contiguous(), scale
         else:
             q, scale = quantize_int4(weight, self.group_size)
@@ -237,16 +294,20 @@ class PackedLinear(nn.Module):
         return layer
 
     def extra_repr(self) -> str:
-        extra = f", group_size={self.group_size}" if self.kind == "int4" else ""
+        extra = f", group_size={self.group_size}" if self.kind in GROUPED else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, weights={self.kind}, "
                 f"dtype={self.dtype}{extra}, bias={self.bias is not None}, layout={self.layout}")
 
     def quantized(self) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """(int8 values [N, K], fp32 scales [N] or [N, K // group_size]) of an int8 or int4 layer."""
+        """(int8 values [N, K], fp32 scales [N] or [N, K // group_size]) of an int8, int4 or int6 layer."""
         n, k = self.out_features, self.in_features
         if self.kind == "int8":
             if self.layout == "native":
                 return unpack_int8(self.weight, n, k), unpack_channels(self.scales, n)
+            return self.weight, self.scales
+        if self.kind == "int6":
+            if self.layout == "native":
+                return unpack_int6(self.weight, n), unpack_channels(self.scales, n)
             return self.weight, self.scales
         if self.kind != "int4":
             raise ValueError(f"a {self.kind} layer is not quantized")
@@ -261,18 +322,23 @@ class PackedLinear(nn.Module):
 
     def rows(self, ids: "torch.Tensor") -> "torch.Tensor":
         """The rows ``W[ids]``, ``[*ids.shape, K]``: a tied embedding looked up in its packed lm_head. fp32
-        and bf16 rows are the stored values; int8 rows are dequantized (each times its channel's scale)."""
+        and bf16 rows are the stored values; int8 and int6 rows are dequantized (each times its channel's scale,
+        or its groups')."""
         flat, k = ids.reshape(-1), self.in_features
         native_layout = self.layout == "native"
         if self.kind == "int8":
             q = _native_rows(self.weight, flat, 4, k) if native_layout else self.weight[flat]
             out = q.float() * self.scales.reshape(-1)[flat].unsqueeze(1)
+        elif self.kind == "int6":
+            q = _int6_rows(self.weight, flat, k) if native_layout else self.weight[flat]
+            scales = self.scales[flat // BLOCK, :, flat % BLOCK] if native_layout else self.scales[flat]
+            out = (q.float().reshape(flat.numel(), -1, self.group_size) * scales.float().unsqueeze(2)).reshape(-1, k)
         elif self.kind == "bf16" and native_layout:
             out = _native_rows(self.weight, flat, 2, k)
         elif self.kind in ("fp32", "bf16"):
             out = self.weight[flat]
         else:
-            raise ValueError(f"rows of a {self.kind} layer are not looked up (a tied lm_head is int8 under int4)")
+            raise ValueError(f"rows of a {self.kind} layer are not looked up (a tied lm_head is int6 or int8 under int4)")
         return out.reshape(*ids.shape, k)
 
     def dense_weight(self) -> "torch.Tensor":
@@ -313,8 +379,8 @@ class PackedLinear(nn.Module):
             int8_linear = ops.int8_linear
             kernel = lambda x: int8_linear(x, weight, scales, bias, n)   # noqa: E731
         else:
-            int4_linear, group = ops.int4_linear, self.group_size
-            kernel = lambda x: int4_linear(x, weight, scales, bias, n, group)   # noqa: E731
+            nibble_linear, group = ops.int6_linear if self.kind == "int6" else ops.int4_linear, self.group_size
+            kernel = lambda x: nibble_linear(x, weight, scales, bias, n, group)   # noqa: E731
         return kernel_choice.routed(str(ops.compiled_isa()), self.kind, n, self.in_features, self.group_size, kernel,
                                     self.dense_forward)
 
@@ -367,6 +433,9 @@ class PackedLinear(nn.Module):
             return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
         act = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(self.dtype)
         flat = act.reshape(-1, self.in_features)
+        if self.kind == "int6":
+            y = torch.nn.functional.linear(flat, self.dense_weight().to(flat.dtype))
+            return self._add_bias(y).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.kind == "int8":
             if flat.dtype != torch.float32 and self.in_features % 16:
                 flat = flat.float()   # torch 2.13's bf16 kernel reads out of bounds when K % 16 != 0

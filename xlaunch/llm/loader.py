@@ -22,11 +22,11 @@ with needs_torch(__name__):
     import torch
 
 from xlaunch.llm import native  # noqa: E402
-from xlaunch.llm.api import _check, default_dtype, warn_if_bf16_is_slow  # noqa: E402
+from xlaunch.llm.api import _check, default_dtype, lm_head_packing, warn_if_bf16_is_slow  # noqa: E402
 from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
 from xlaunch.llm.decoder import embedding_table  # noqa: E402
-from xlaunch.llm.linear import (BLOCK, PackedLinear, pack_bf16, pack_channels, pack_int4, pack_int8,  # noqa: E402
-                                quantize_int4, quantize_int8)
+from xlaunch.llm.linear import (BLOCK, GROUPED, PackedLinear, pack_bf16, pack_channels, pack_int4,  # noqa: E402
+                                pack_int6, pack_int8, quantize_int4, quantize_int6, quantize_int8)
 
 CHUNK_BYTES = 1 << 20         # fp32 bytes of source rows packed at a time (small: glibc keeps freed chunks)
 INDEX = "model.safetensors.index.json"
@@ -150,20 +150,17 @@ def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dt
     k = checkpoint.shape(names[0])[1]
     bias = _bias(checkpoint, prefixes, dtype)
     layout = "native" if kind != "fp32" and native.ops() is not None else "aten"
-    if kind == "fp32" or (layout == "aten" and kind == "int4"):      # packed whole, as optimize does
-        weight = _rows(checkpoint, names, 0, n)
-        if kind == "int4" and k % group_size:
-            raise ValueError(f"xlaunch.llm.from_pretrained: in_features {k} of {prefixes[0]} is not a multiple "
-                             f"of the INT4 group size {group_size}")
-        return PackedLinear(weight, bias, kind, dtype=dtype, group_size=group_size)
-    if kind == "int4" and k % group_size:
+    if kind in GROUPED and k % group_size:
         raise ValueError(f"xlaunch.llm.from_pretrained: in_features {k} of {prefixes[0]} is not a multiple of "
-                         f"the INT4 group size {group_size}")
+                         f"the {kind.upper()} group size {group_size}")
+    if kind == "fp32" or (layout == "aten" and kind in GROUPED):      # packed whole, as optimize does
+        return PackedLinear(_rows(checkpoint, names, 0, n), bias, kind, dtype=dtype, group_size=group_size)
     blocks = -(-n // BLOCK)
     if layout == "native":
         shapes = {"bf16": ((blocks, -(-k // 2), 2 * BLOCK), torch.bfloat16, None),
                   "int8": ((blocks, -(-k // 4), 4 * BLOCK), torch.int8, (blocks, BLOCK)),
-                  "int4": ((blocks, k // 4, 2 * BLOCK), torch.uint8, (blocks, k // group_size, BLOCK))}
+                  "int4": ((blocks, k // 4, 2 * BLOCK), torch.uint8, (blocks, k // group_size, BLOCK)),
+                  "int6": ((blocks, k // 4, 3 * BLOCK), torch.uint8, (blocks, k // group_size, BLOCK))}
     else:
         shapes = {"bf16": ((n, k), torch.bfloat16, None), "int8": ((n, k), torch.int8, (n,))}
     weight_shape, weight_dtype, scales_shape = shapes[kind]
@@ -178,11 +175,14 @@ def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dt
             if kind == "bf16":
                 weight[where] = pack_bf16(rows) if layout == "native" else rows.to(torch.bfloat16)
                 continue
-            q, scale = quantize_int8(rows) if kind == "int8" else quantize_int4(rows, group_size)
+            quantize, pack = {"int8": (lambda w: quantize_int8(w), pack_int8),
+                              "int4": (lambda w: quantize_int4(w, group_size), pack_int4),
+                              "int6": (lambda w: quantize_int6(w, group_size), pack_int6)}[kind]
+            q, scale = quantize(rows)
             if layout == "aten":
                 weight[where], scales[where] = q, scale
             else:
-                weight[where] = pack_int8(q) if kind == "int8" else pack_int4(q)
+                weight[where] = pack(q)
                 scales[where] = pack_channels(scale)
     release_free_heap()     # this layer's chunks, before the next one's
     return PackedLinear.from_packed(weight, scales, bias, kind, dtype, group_size, n, k, layout)
@@ -230,8 +230,8 @@ def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", 
     head = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
     if head != "lm_head.weight" and not spec.tied_embeddings:
         raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks lm_head.weight and its embeddings are not tied")
-    lm_head = stream_linear(checkpoint, ["lm_head"], "int8" if kind == "int4" else kind, dtype, group_size,
-                            weight_names=[head])
+    head_kind, head_group = lm_head_packing(kind, checkpoint.shape(head)[1], group_size)
+    lm_head = stream_linear(checkpoint, ["lm_head"], head_kind, dtype, head_group, weight_names=[head])
     embed = None if spec.tied_embeddings else embedding_table(checkpoint.tensor("model.embed_tokens.weight"), dtype)
     parts = Parts(embed=embed,
                   final_norm=checkpoint.tensor("model.norm.weight").to(dtype), lm_head=lm_head,

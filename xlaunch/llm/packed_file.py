@@ -32,7 +32,7 @@ from xlaunch.llm import native  # noqa: E402
 from xlaunch.llm.api import DTYPES  # noqa: E402
 from xlaunch.llm.assemble import HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of, skeleton  # noqa: E402
 from xlaunch.llm.decoder import SIXTEEN_BIT  # noqa: E402
-from xlaunch.llm.linear import BLOCK, GROUP_SIZES, KINDS, PackedLinear  # noqa: E402
+from xlaunch.llm.linear import BLOCK, GROUP_SIZES, GROUPED, KINDS, PackedLinear  # noqa: E402
 
 MAGIC = b"XLLMPACK"
 FORMAT_VERSION = 2   # 2: INT8 weights [N/64, K/4, 64 x 4] (was [N/64, K, 64])
@@ -42,7 +42,8 @@ SOURCE_ATTR = "_xlaunch_llm_source"
 TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8,
                  "uint8": torch.uint8, "int32": torch.int32}
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10
-WEIGHT_DTYPES = {"fp32": ("float32",), "bf16": ("bfloat16",), "int8": ("int8",), "int4": ("uint8", "int32")}
+WEIGHT_DTYPES = {"fp32": ("float32",), "bf16": ("bfloat16",), "int8": ("int8",), "int4": ("uint8", "int32"),
+                 "int6": ("uint8", "int8")}
 
 
 class PackedFileError(ValueError):
@@ -64,7 +65,7 @@ def layout_fingerprint() -> str:
     """A hash of how this machine packs a fixed probe weight in every precision: changes with the layout."""
     probe = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
     digest = hashlib.sha256()
-    for kind, group in (("fp32", 128), ("bf16", 128), ("int8", 128), ("int4", 32)):
+    for kind, group in (("fp32", 128), ("bf16", 128), ("int8", 128), ("int4", 32), ("int6", 64)):
         layer = PackedLinear(probe, None, kind, dtype=torch.bfloat16, group_size=group)
         for tensor in (layer.weight, layer.scales):
             if tensor is not None:
@@ -224,10 +225,12 @@ def _packed_shapes(kind: str, layout: str, n: int, k: int, group: int) -> dict:
     if layout == "native":
         return {"bf16": {"weight": [blocks, -(-k // 2), 2 * BLOCK]},
                 "int8": {"weight": [blocks, -(-k // 4), 4 * BLOCK], "scales": [blocks, BLOCK]},
-                "int4": {"weight": [blocks, k // 4, 2 * BLOCK], "scales": [blocks, k // group, BLOCK]}}.get(kind, {})
+                "int4": {"weight": [blocks, k // 4, 2 * BLOCK], "scales": [blocks, k // group, BLOCK]},
+                "int6": {"weight": [blocks, k // 4, 3 * BLOCK], "scales": [blocks, k // group, BLOCK]}}.get(kind, {})
     n16 = -(-n // 16) * 16
     return {"fp32": {"weight": [n, k]}, "bf16": {"weight": [n, k]}, "int8": {"weight": [n, k], "scales": [n]},
-            "int4": {"weight": None, "scales": [k // max(group, 1), n16, 2]}}[kind]
+            "int4": {"weight": None, "scales": [k // max(group, 1), n16, 2]},
+            "int6": {"weight": [n, k], "scales": [n, k // max(group, 1)]}}[kind]
 
 
 def _expected_linears(spec: Any) -> dict:
@@ -262,14 +265,14 @@ def _linear(path: Any, name: str, entry: Any, shape: tuple, area: mmap.mmap, ten
     except (KeyError, TypeError):
         raise _fail(path, f"malformed manifest entry for the linear {name!r}") from None
     if (kind not in KINDS or layout not in ("native", "aten") or (n, k) != shape or type(group) is not int
-            or (kind == "int4" and (group not in GROUP_SIZES or k % group))):
+            or (kind in GROUPED and (group not in GROUP_SIZES or k % group))):
         raise _fail(path, f"the linear {name!r} does not match the model's config")
     wanted = dict(_packed_shapes(kind, layout, n, k, group), bias=[n])
     dtypes = {"weight": WEIGHT_DTYPES[kind], "scales": ("float32",), "bias": (str(dtype).removeprefix("torch."),)}
     found = {}
     for part, tensor_name in parts.items():
         if tensor_name is None:
-            if part == "weight" or (part == "scales" and kind in ("int8", "int4")):
+            if part == "weight" or (part == "scales" and kind in ("int8", *GROUPED)):
                 raise _fail(path, f"the linear {name!r} has no {part}")
             found[part] = None
             continue

@@ -1,4 +1,4 @@
-// The INT8 and INT4 layers' integer dot products at the AVX-512 levels with VNNI (vpdpbusd: four u8 x s8
+// The INT8, INT4 and INT6 layers' integer dot products at the AVX-512 levels with VNNI (vpdpbusd: four u8 x s8
 // products summed into each int32 lane, 64 an instruction), as llama.cpp's Q8_0/Q4_0 on such CPUs.
 // The activations come quantized per row in blocks of kQuantBlock (linear.h: quantize_activations).
 //
@@ -56,12 +56,23 @@ void int8q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
 // One step of four K of an int4 block (linear.h: channel n's bytes 2n and 2n + 1 hold u[k], u[k+1] in their
 // low nibbles and u[k+2], u[k+3] in their high ones), as four vectors whose int32 lanes hold one channel's
 // u[k..k+3] in order: for half h (channels 32 h to 32 h + 31), vector 2 h holds channel 32 h + 8 L + i in
-// 128-bit lane L, lane i, and vector 2 h + 1 channel 32 h + 8 L + 4 + i.
+// 128-bit lane L, lane i, and vector 2 h + 1 channel 32 h + 8 L + 4 + i. Bits 6: an int6 block's step, whose
+// 64 bytes of high bits after the nibbles put each value's top two bits at bits 4-5 (u in [0, 63]): byte p
+// of them serves nibble byte p of half 0 in its low nibble and of half 1 in its high one.
+template <int Bits = 4>
 inline void int4_step(const uint8_t* wp, __m512i out[4]) {
   const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512i high = _mm512_setzero_si512();
+  if constexpr (Bits == 6) high = in_register(_mm512_loadu_si512(wp + 2 * kBlock));
   for (int h = 0; h < 2; ++h) {
     const __m512i v = in_register(_mm512_loadu_si512(wp + 64 * h));
-    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if constexpr (Bits == 6) {
+      const __m512i top = _mm512_set1_epi8(0x30);
+      const __m512i g = h == 0 ? high : _mm512_srli_epi16(high, 4);   // each byte's bits 0-3: this half's
+      lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(g, 4), top));
+      hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(g, 2), top));
+    }
     out[2 * h] = _mm512_unpacklo_epi16(lo, hi);
     out[2 * h + 1] = _mm512_unpackhi_epi16(lo, hi);
   }
@@ -69,8 +80,8 @@ inline void int4_step(const uint8_t* wp, __m512i out[4]) {
 
 // out[r * kBlock + c] = sum over groups g of scale[g][c] * sum_b d[r][b] * sum_k q[r][k] (u[k][c] - 8): the
 // nibbles u = q + 8 are the unsigned side, the activations the signed one, and 8 qsum comes off per block.
-// group_size is a multiple of kQuantBlock, so is K.
-template <int R>
+// group_size is a multiple of kQuantBlock, so is K. Bits 6: an int6 block (u = q + 32, 32 qsum off).
+template <int R, int Bits = 4>
 void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, const uint8_t* w,
                 const float* scales, int64_t group_size, int64_t k, float* out) {
   const int64_t blocks = k / kQuantBlock, ldb = ldq / kQuantBlock, per_group = group_size / kQuantBlock;
@@ -89,21 +100,22 @@ void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
         sv[2 * h + 1] = _mm512_permutex2var_ps(s0, second, s1);
       }
     }
-    const uint8_t* wb = w + b * (kQuantBlock / 4) * 2 * kBlock;
-    prefetch_ahead(wb, kQuantBlock / 2 * kBlock);
+    constexpr int64_t step_bytes = nibble_step_bytes(Bits);
+    const uint8_t* wb = w + b * (kQuantBlock / 4) * step_bytes;
+    prefetch_ahead(wb, kQuantBlock / 4 * step_bytes);
     __m512i dot[R][4];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) dot[r][v] = _mm512_setzero_si512();
     for (int64_t t = 0; t < kQuantBlock; t += 4) {
       __m512i wv[4];
-      int4_step(wb + (t / 4) * 2 * kBlock, wv);
+      int4_step<Bits>(wb + (t / 4) * step_bytes, wv);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = _mm512_set1_epi32(load_four(q + r * ldq + b * kQuantBlock + t));
         for (int v = 0; v < 4; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv[v], xv);
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512i offset = _mm512_set1_epi32(8 * qsum[r * ldb + b]);
+      const __m512i offset = _mm512_set1_epi32((1 << (Bits - 1)) * qsum[r * ldb + b]);
       const __m512 scale = _mm512_set1_ps(d[r * ldb + b]);
       for (int v = 0; v < 4; ++v) {
         float* at = acc + r * kBlock + 16 * v;

@@ -1,4 +1,4 @@
-// torch.ops.xlaunch_llm.{bf16,int8,int4}_linear: y = x @ W.T (* scales) + bias over weights packed by
+// torch.ops.xlaunch_llm.{bf16,int8,int4,int6}_linear: y = x @ W.T (* scales) + bias over weights packed by
 // xlaunch/llm/linear.py (layouts in linear.h). Parallel over blocks of 64 output channels
 // (at::parallel_for, so torch.get_num_threads() threads); each block is streamed once per kRowTile rows.
 #include "linear.h"
@@ -208,15 +208,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return out.view(output_sizes(x, n));
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+// INT4 (bits 4) and INT6 (bits 6) layers: the same group scales and nibble layout, INT6 with each step's
+// high bits after its nibbles (linear.h).
+at::Tensor nibble_linear(const char* op, int bits, const at::Tensor& x, const at::Tensor& packed,
+                         const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
   const int64_t k = x.size(-1);
   check_input(x);
-  check_packed("int4_linear", packed, at::kByte, &scales, n, k, group_size);
-  const int64_t groups = k / group_size;
+  check_packed(op, packed, at::kByte, &scales, n, k, group_size, bits);
+  const int64_t groups = k / group_size, block_bytes = (k / 4) * nibble_step_bytes(bits);
   // integer dot products over quantized activations (AVX2, VNNI) from x as it is; else bf16 activations
   const bool quantized = quantized_activation_block() > 0;
-  TORCH_CHECK(!quantized || group_size % kQuantBlock == 0, "xlaunch_llm int4_linear: the group size ", group_size,
+  TORCH_CHECK(!quantized || group_size % kQuantBlock == 0, "xlaunch_llm ", op, ": the group size ", group_size,
               " is not a multiple of ", kQuantBlock, " (the activations' block)");
   at::Tensor rows = rows_of(x, quantized ? x.scalar_type() : at::kBFloat16, k);
   const int64_t m = rows.size(0);
@@ -227,8 +229,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (quantized) {
     const QuantizedRows qx(rows);
     run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
-      int4q_block(qx.q(m0), qx.d(m0), qx.qsum(m0), qx.ldq, r, wp + blk * (k / 2) * kBlock, sp + blk * groups * kBlock,
-                  groups, group_size, acc);
+      int4q_block(qx.q(m0), qx.d(m0), qx.qsum(m0), qx.ldq, r, wp + blk * block_bytes, sp + blk * groups * kBlock,
+                  groups, group_size, acc, bits);
     });
     return out.view(output_sizes(x, n));
   }
@@ -236,10 +238,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const auto* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr());
   const float* gp = sums.data_ptr<float>();
   run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
-    int4_block(xp + m0 * k, k, r, wp + blk * (k / 2) * kBlock, sp + blk * groups * kBlock, gp + m0 * groups,
-               groups, group_size, acc);
+    int4_block(xp + m0 * k, k, r, wp + blk * block_bytes, sp + blk * groups * kBlock, gp + m0 * groups,
+               groups, group_size, acc, bits);
   });
   return out.view(output_sizes(x, n));
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  return nibble_linear("int4_linear", 4, x, packed, scales, bias, n, group_size);
+}
+
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  return nibble_linear("int6_linear", 6, x, packed, scales, bias, n, group_size);
 }
 
 // Shapes only, for torch.compile's fake tensors.
@@ -262,8 +274,8 @@ at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 }  // namespace
 
 void check_packed(const char* op, const at::Tensor& packed, at::ScalarType type, const at::Tensor* scales,
-                  int64_t n, int64_t k, int64_t group_size) {
-  const char* kind = type == at::kBFloat16 ? "bf16" : type == at::kChar ? "int8" : "int4";
+                  int64_t n, int64_t k, int64_t group_size, int bits) {
+  const char* kind = type == at::kBFloat16 ? "bf16" : type == at::kChar ? "int8" : bits == 6 ? "int6" : "int4";
   TORCH_CHECK(packed.scalar_type() == type && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == (n + kBlock - 1) / kBlock,
               "xlaunch_llm ", op, ": the packed weight is not ", kind, " weights of [", n, ", ", k,
@@ -277,8 +289,9 @@ void check_packed(const char* op, const at::Tensor& packed, at::ScalarType type,
     TORCH_CHECK(group_size % 4 == 0 && group_size > 0 && k % group_size == 0,
                 "xlaunch_llm ", op, ": in_features ", k, " is not a multiple of the group size ", group_size);
   TORCH_CHECK(type == at::kChar ? packed.size(1) == (k + 3) / 4 && packed.size(2) == 4 * kBlock
-                                : packed.size(1) * 4 == k && packed.size(2) == 2 * kBlock,
+                                : packed.size(1) * 4 == k && packed.size(2) == nibble_step_bytes(bits),
               "xlaunch_llm ", op, type == at::kChar ? ": the packed weight must be int8 [N/64, K/4, 256]"
+                                  : bits == 6       ? ": the packed weight must be uint8 [N/64, K/4, 192]"
                                                     : ": the packed weight must be uint8 [N/64, K/4, 128]");
   const int64_t groups = type == at::kChar ? 1 : k / group_size;
   TORCH_CHECK(scales != nullptr && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
@@ -292,6 +305,7 @@ TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features, int group_size) -> Tensor");
+  m.def("int6_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features, int group_size) -> Tensor");
   m.def("linear_activation_block() -> int", &xlaunch_llm::activation_block);
 }
 
@@ -299,10 +313,12 @@ TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CPU, m) {
   m.impl("bf16_linear", &xlaunch_llm::bf16_linear);
   m.impl("int8_linear", &xlaunch_llm::int8_linear);
   m.impl("int4_linear", &xlaunch_llm::int4_linear);
+  m.impl("int6_linear", &xlaunch_llm::int6_linear);
 }
 
 TORCH_LIBRARY_IMPL(XLAUNCH_OPS, Meta, m) {
   m.impl("bf16_linear", &xlaunch_llm::bf16_linear_meta);
   m.impl("int8_linear", &xlaunch_llm::int8_linear_meta);
   m.impl("int4_linear", &xlaunch_llm::int4_linear_meta);
+  m.impl("int6_linear", &xlaunch_llm::int4_linear_meta);
 }

@@ -9,6 +9,10 @@
 //   int4: [N/64][K/4][4][16][2] bytes; byte (16 * j + i) * 2 + t of step k holds u[n][k + t] in its low
 //         nibble and u[n][k + 2 + t] in its high one, n = 64 * block + 16 * j + i, u = q + 8 in [0, 15];
 //         fp32 scales [N/64][K/group][64]
+//   int6: [N/64][K/4][192] bytes: per step, the int4 layout's 128 bytes of low nibbles (u & 15), then 64 bytes
+//         of high bits (u >> 4): byte p holds those of nibble byte p's two values (bits 0-1: its low nibble's,
+//         bits 2-3: its high nibble's) in its low nibble and those of nibble byte p + 64 in its high nibble;
+//         u = q + 32 in [0, 63]; fp32 scales [N/64][K/group][64] (linear_layout.h: nibble_value)
 // Every kernel accumulates in fp32; y = x @ W.T (* scale) + bias, in the activations' dtype.
 #pragma once
 
@@ -45,7 +49,7 @@ void bf16_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w,
 // sum of row r's (bf16) x over group g.
 void int8_block(const float* x, int64_t ldx, int64_t rows, const int8_t* w, int64_t k, float* acc);
 void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, const float* scales,
-                const float* group_sums, int64_t groups, int64_t group_size, float* acc);
+                const float* group_sums, int64_t groups, int64_t group_size, float* acc, int bits = 4);
 
 // Integer dot products (the AVX2 and AVX-512 VNNI paths, as llama.cpp's Q8_0/Q4_0 there): the INT8 and INT4
 // kernels take activations quantized per row in blocks of kQuantBlock values, d = max|x| / 127,
@@ -53,10 +57,11 @@ void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, 
 // this build's kernels do that, 0 when they take the activations as they are (exact up to fp32 rounding).
 int64_t quantized_activation_block();
 
-// Throws unless packed is a weight of dtype type (bf16, int8 or uint8 for int4) laid out as above for an
-// [n, k] layer (group_size: int4's group), with its float32 scales for int8/int4; op names the caller.
+// Throws unless packed is a weight of dtype type (bf16, int8 or uint8 for int4 and int6) laid out as above for
+// an [n, k] layer (group_size: int4's and int6's group; bits: 6 for int6), with its float32 scales for the
+// quantized kinds; op names the caller.
 void check_packed(const char* op, const at::Tensor& packed, at::ScalarType type, const at::Tensor* scales,
-                  int64_t n, int64_t k, int64_t group_size);
+                  int64_t n, int64_t k, int64_t group_size, int bits = 4);
 // Rows [rows][k] of fp32 x -> q [rows][ldq] (zero past k; ldq a multiple of kQuantBlock), d [rows][ldq / 32],
 // qsum [rows][ldq / 32] (the sum of each block's q).
 void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, int8_t* q, int64_t ldq, float* d,
@@ -65,8 +70,9 @@ void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, 
 // quantize_activations writes it.
 void int8q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const int8_t* w,
                  int64_t k, float* acc);
-// acc[r * kBlock + c] = sum over groups g of scale[g][c] * sum_b d[r][b] * sum_k q[r][k] (u[k][c] - 8).
+// acc[r * kBlock + c] = sum over groups g of scale[g][c] * sum_b d[r][b] * sum_k q[r][k] (u[k][c] - 8); with
+// bits 6 an int6 block, u - 32. (int4_block's bits likewise.)
 void int4q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
-                 const float* scales, int64_t groups, int64_t group_size, float* acc);
+                 const float* scales, int64_t groups, int64_t group_size, float* acc, int bits = 4);
 
 }  // namespace xlaunch_llm

@@ -1,6 +1,6 @@
 // The inner loops of xlaunch.llm's packed linear layers: one block of 64 output channels against up to
 // kRowTile activation rows. Chosen at compile time (the library is built once per ISA level): bf16 by
-// vdpbf16ps, AVX2 + FMA or plain C++; INT8/INT4 by AVX-512 VNNI (int_dot_avx512.h), AVX2 or plain C++.
+// vdpbf16ps, AVX2 + FMA or plain C++; INT8/INT4/INT6 by AVX-512 VNNI (int_dot_avx512.h), AVX2 or plain C++.
 #include "linear.h"
 
 #include <immintrin.h>
@@ -199,8 +199,10 @@ void int8q_tile(const int8_t* q, const float* d, const int32_t*, int64_t ldq, co
 // INT4 x quantized activations (llama.cpp's AVX2 Q4_0 dot product): the nibbles u = q + 8 in [0, 15] are the
 // unsigned side of vpmaddubsw, with the activation pair (k, k+1) or (k+2, k+3) as the signed side; four
 // steps of K sum in int16 (at most 4 * 4 * 15 * 127 = 30480), then widen to int32. Per block of kQuantBlock,
-// (sum u q - 8 sum q) * d * scale[group][c]. R <= 2 rows, 32 channels a pass.
-template <int R>
+// (sum u q - 8 sum q) * d * scale[group][c]. R <= 2 rows, 32 channels a pass. Bits 6: an int6 block, each
+// value's top two bits from the step's high-bit bytes (linear.h), u = q + 32 in [0, 63]; four products of
+// one step reach 4 * 63 * 127 = 32004, so the int16 sums widen to int32 every step, not every four.
+template <int R, int Bits = 4>
 void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, const uint8_t* w,
                 const float* scales, int64_t group_size, int64_t k, float* out) {
   const __m256i low = _mm256_set1_epi8(0x0f);
@@ -209,23 +211,32 @@ void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
     for (int c = 0; c < kBlock; c += 8) _mm256_storeu_ps(out + r * kBlock + c, _mm256_setzero_ps());
   const int64_t per_group = group_size / kQuantBlock;   // group_size is a multiple of kQuantBlock here
   const float* sg = scales;
+  constexpr int64_t step_bytes = nibble_step_bytes(Bits), int16_steps = Bits == 4 ? 4 : 1;
   for (int64_t b = 0, in_group = 0; b < blocks; ++b) {
-    prefetch_ahead(w + b * (kQuantBlock / 4) * 2 * kBlock, kQuantBlock / 2 * kBlock);
+    prefetch_ahead(w + b * (kQuantBlock / 4) * step_bytes, kQuantBlock / 4 * step_bytes);
     for (int64_t c0 = 0; c0 < kBlock; c0 += 32) {
       __m256i acc[R][4];   // int32, channels c0 + 8i
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_si256();
-      for (int64_t k4 = 0; k4 < kQuantBlock; k4 += 16) {
+      for (int64_t k4 = 0; k4 < kQuantBlock; k4 += 4 * int16_steps) {
         __m256i part[R][2];   // int16, channels c0 + 16j + i
         for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_si256();
-        for (int64_t t = 0; t < 16; t += 4) {
+        for (int64_t t = 0; t < 4 * int16_steps; t += 4) {
           const int64_t kk = b * kQuantBlock + k4 + t;
-          const uint8_t* wp = w + (kk / 4) * 2 * kBlock + 2 * c0;
+          const uint8_t* step = w + (kk / 4) * step_bytes;
+          const uint8_t* wp = step + 2 * c0;
           __m256i lo[2], hi[2];
           for (int j = 0; j < 2; ++j) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * j));
             lo[j] = _mm256_and_si256(v, low);
             hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if constexpr (Bits == 6) {   // nibble bytes 2 c0 + 32 j: high-bit bytes 32 j, nibble c0 / 32 of each
+              const __m256i top = _mm256_set1_epi8(0x30);
+              const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 2 * kBlock + 32 * j));
+              const __m256i g = c0 == 0 ? h : _mm256_srli_epi16(h, 4);
+              lo[j] = _mm256_or_si256(lo[j], _mm256_and_si256(_mm256_slli_epi16(g, 4), top));
+              hi[j] = _mm256_or_si256(hi[j], _mm256_and_si256(_mm256_slli_epi16(g, 2), top));
+            }
           }
           for (int r = 0; r < R; ++r) {
             const int8_t* xr = q + r * ldq + kk;
@@ -242,7 +253,7 @@ void int4q_tile(const int8_t* q, const float* d, const int32_t* qsum, int64_t ld
           }
       }
       for (int r = 0; r < R; ++r) {
-        const __m256i offset = _mm256_set1_epi32(8 * qsum[r * ldb + b]);
+        const __m256i offset = _mm256_set1_epi32((1 << (Bits - 1)) * qsum[r * ldb + b]);
         const __m256 scale = _mm256_set1_ps(d[r * ldb + b]);
         float* o = out + r * kBlock + c0;
         for (int i = 0; i < 4; ++i) {
@@ -269,22 +280,20 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t k, float* o
   std::memcpy(out, acc, sizeof acc);
 }
 
-template <int R>
+template <int R, int Bits>
 void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* scales, const float* sums,
                int64_t groups, int64_t group_size, float* out) {
   float acc[R][kBlock] = {};
-  const int64_t quads = group_size / 4;
+  const int64_t quads = group_size / 4, zero = 1 << (Bits - 1);
   for (int64_t g = 0; g < groups; ++g)
     for (int r = 0; r < R; ++r)
       for (int64_t c = 0; c < kBlock; ++c) {
         float part = 0.0f;
         for (int64_t q = 0; q < quads; ++q) {
           const int64_t k = (g * quads + q) * 4;
-          const uint8_t* wp = w + (g * quads + q) * 2 * kBlock + 2 * c;
-          for (int t = 0; t < 2; ++t) {
-            part += float(int(wp[t] & 15) - 8) * bf16_bits_to_float(x[r * ldx + k + t]);
-            part += float(int(wp[t] >> 4) - 8) * bf16_bits_to_float(x[r * ldx + k + 2 + t]);
-          }
+          const uint8_t* step = w + (g * quads + q) * nibble_step_bytes(Bits);
+          for (int t = 0; t < 4; ++t)
+            part += float(nibble_value<Bits>(step, c, t) - zero) * bf16_bits_to_float(x[r * ldx + k + t]);
         }
         acc[r][c] += part * scales[g * kBlock + c];
       }
@@ -308,6 +317,7 @@ void int8q_scalar(const int8_t* q, const float* d, int64_t ldq, int64_t rows, co
     }
 }
 
+template <int Bits>
 void int4q_scalar(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
                   const float* scales, int64_t group_size, int64_t k, float* out) {
   for (int64_t r = 0; r < rows; ++r)
@@ -315,11 +325,9 @@ void int4q_scalar(const int8_t* q, const float* d, const int32_t* qsum, int64_t 
       float sum = 0.0f;
       for (int64_t b = 0; b < k / kQuantBlock; ++b) {
         int32_t dot = 0;
-        for (int64_t kk = b * kQuantBlock; kk < (b + 1) * kQuantBlock; ++kk) {
-          const uint8_t byte = w[(kk / 4) * 2 * kBlock + 2 * c + (kk % 2)];
-          dot += int32_t(q[r * ldq + kk]) * int32_t(kk % 4 < 2 ? byte & 15 : byte >> 4);
-        }
-        dot -= 8 * qsum[r * (ldq / kQuantBlock) + b];
+        for (int64_t kk = b * kQuantBlock; kk < (b + 1) * kQuantBlock; ++kk)
+          dot += int32_t(q[r * ldq + kk]) * nibble_value<Bits>(w + (kk / 4) * nibble_step_bytes(Bits), c, int(kk % 4));
+        dot -= (1 << (Bits - 1)) * qsum[r * (ldq / kQuantBlock) + b];
         sum += float(dot) * d[r * (ldq / kQuantBlock) + b] * scales[(b * kQuantBlock / group_size) * kBlock + c];
       }
       out[r * kBlock + c] = sum;
@@ -405,8 +413,10 @@ void int8_block(const float* x, int64_t ldx, int64_t rows, const int8_t* w, int6
 }
 
 void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, const float* scales,
-                const float* group_sums, int64_t groups, int64_t group_size, float* acc) {
-#define CALL(R) int4_tile<R>(x, ldx, w, scales, group_sums, groups, group_size, acc)
+                const float* group_sums, int64_t groups, int64_t group_size, float* acc, int bits) {
+#define CALL(R)                                                                                 \
+  bits == 6 ? int4_tile<R, 6>(x, ldx, w, scales, group_sums, groups, group_size, acc)        \
+            : int4_tile<R, 4>(x, ldx, w, scales, group_sums, groups, group_size, acc)
   XLAUNCH_LLM_ROWS(CALL)
 #undef CALL
 }
@@ -442,12 +452,16 @@ void int8q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t l
 }
 
 void int4q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
-                 const float* scales, int64_t groups, int64_t group_size, float* acc) {
+                 const float* scales, int64_t groups, int64_t group_size, float* acc, int bits) {
   const int64_t ldd = ldq / kQuantBlock, k = groups * group_size;
 #if defined(XLAUNCH_LLM_INT_DOT)
-#define CALL(R) int4q_tile<R>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock)
+#define CALL(R)                                                                                                     \
+  bits == 6 ? int4q_tile<R, 6>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock) \
+            : int4q_tile<R, 4>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock)
 #else
-#define CALL(R) int4q_scalar(q, d, qsum, ldq, R, w, scales, group_size, k, acc)
+#define CALL(R)                                                              \
+  bits == 6 ? int4q_scalar<6>(q, d, qsum, ldq, R, w, scales, group_size, k, acc) \
+            : int4q_scalar<4>(q, d, qsum, ldq, R, w, scales, group_size, k, acc)
 #endif
   XLAUNCH_LLM_INT_ROWS(CALL)
 #undef CALL

@@ -19,6 +19,25 @@ constexpr int64_t int8_block_bytes(int64_t k) { return (k + 3) / 4 * 4 * kBlock;
 // Where value (k, c) of a packed int8 block lies: channel c's word of step k / 4, byte k % 4.
 constexpr int64_t int8_offset(int64_t k, int64_t c) { return (k / 4) * 4 * kBlock + 4 * c + k % 4; }
 
+// Bytes of one step of four K of a packed int4 block (64 channels x 4 nibbles) and of an int6 one: the same
+// 128 nibble bytes followed by 64 bytes of high bits (linear.h).
+constexpr int64_t nibble_step_bytes(int bits) { return bits == 6 ? 3 * kBlock : 2 * kBlock; }
+
+// The unsigned value u of channel c's t-th of four K (t < 4) in one step of a packed int4 (u in [0, 15]) or
+// int6 (u in [0, 63]) block: nibble byte 2c + t % 2 holds it in its low nibble (t < 2) or high one; for int6,
+// high-bit byte p % 64 (p the nibble byte) holds its top two bits, in its low nibble for p < 64, else its high
+// one, bits 0-1 for the low nibble's value and bits 2-3 for the high one's.
+template <int Bits>
+inline int nibble_value(const uint8_t* step, int64_t c, int t) {
+  const int64_t p = 2 * c + (t & 1);
+  int u = t < 2 ? step[p] & 15 : step[p] >> 4;
+  if constexpr (Bits == 6) {
+    const int g = (step[2 * kBlock + (p & 63)] >> (p < 64 ? 0 : 4)) & 15;
+    u |= ((t < 2 ? g : g >> 2) & 3) << 4;
+  }
+  return u;
+}
+
 // How far ahead of the weights they read the integer kernels ask for the weights' bytes (into L1): a core
 // streaming the weights from memory waits on each line otherwise. Measured on a Zen 3 VM, 1 thread: INT4
 // decode linears about 15% faster. On the 16-core AMX Xeon (48 layers of 8192 x 2048 streamed from memory,
