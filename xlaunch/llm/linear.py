@@ -12,20 +12,20 @@ Quantization (round to nearest):
   keeps its output layer at 6 bits, Q6_K, under Q4_0), native layout only.
 
 Layouts (``PackedLinear.layout``), chosen once when the layer is built:
-* ``"native"``: blocks of 64 output channels for ``torch.ops.xlaunch_llm`` (xlaunch/llm/csrc/linear.h);
-  used when the compiled kernels are loaded (:func:`xlaunch.llm.native.ops`).
-* ``"aten"``: the layouts of ATen's own CPU kernels: ``F.linear`` (bf16), ``torch._weight_int8pack_mm``
-  (int8) and ``aten._weight_int4pack_mm_for_cpu`` (int4, unsigned nibbles ``q + 8`` with zero points 0);
-  int6 (ATen has no kernel) keeps its values as int8 ``[N, K]`` and is dequantized to multiply (slow).
-Both compute the same products (the quantized integers times fp32 scales) up to fp rounding; the native
-INT4 kernel at the baseline level rounds fp32 activations to bf16 (INT8 keeps them fp32). A native
-layer asked to run without the kernels (``prefer_native(False)``) dequantizes and multiplies (slow).
+* ``"native"``: blocks of 64 output channels for ``torch.ops.xlaunch_llm`` (xlaunch/llm/csrc/linear.h), used
+  when the compiled kernels are loaded (:func:`xlaunch.llm.native.ops`).
+* ``"aten"``: the layouts of ATen's own CPU kernels: ``F.linear`` (bf16), ``torch._weight_int8pack_mm`` (int8)
+  and ``aten._weight_int4pack_mm_for_cpu`` (int4, unsigned nibbles ``q + 8`` with zero points 0); int6 (no
+  ATen kernel) keeps its values as int8 ``[N, K]`` and is dequantized to multiply (slow).
+Both compute the same products (the quantized integers times fp32 scales) up to fp rounding; the native INT4
+and INT6 kernels at the baseline level round fp32 activations to bf16 (INT8 keeps them fp32). A native layer
+asked to run without the kernels (``prefer_native(False)``) dequantizes and multiplies (slow).
 
-Where the kernels run integer dot products (every level but baseline: AVX2's ``vpmaddubsw``, AVX-512
-VNNI's ``vpdpbusd``; :func:`activation_block` 32), INT8 and INT4 layers first round each activation row
-per block of 32 values to ``q * d`` (``d = max|x| / 127``, ``q = round(x / d)``, as llama.cpp's Q8_0):
-:func:`round_activations` is that rounding, prefill included (at the baseline level an INT8 prefill of 8
-rows or more widens each block to bf16 instead, exact).
+Where the kernels run integer dot products (every level but baseline: AVX2's ``vpmaddubsw``, AVX-512 VNNI's
+``vpdpbusd``; :func:`activation_block` 32), INT8, INT4 and INT6 layers first round each activation row per
+block of 32 values to ``q * d`` (``d = max|x| / 127``, ``q = round(x / d)``, as llama.cpp's Q8_0):
+:func:`round_activations` is that rounding, prefill included (at the baseline level an INT8 prefill of 8 rows
+or more widens each block to bf16 instead, exact).
 """
 from __future__ import annotations
 
@@ -69,8 +69,7 @@ def quantize_int4(weight: "torch.Tensor", group_size: int, bits: int = 4) -> tup
 
 
 def quantize_int6(weight: "torch.Tensor", group_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """(int8 values in [-32, 31] of shape [N, K], fp32 scales [N, K // group_size]), symmetric per group."""
-    return quantize_int4(weight, group_size, bits=6)
+    return quantize_int4(weight, group_size, bits=6)      # values in [-32, 31]
 
 
 def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
@@ -176,10 +175,9 @@ def pack_int6(q: "torch.Tensor") -> "torch.Tensor":
 
 
 def unpack_int6(packed: "torch.Tensor", n: int) -> "torch.Tensor":
-    nibbles, plane = packed[..., :2 * BLOCK], packed[..., 2 * BLOCK:]
-    high = torch.cat([plane & 15, plane >> 4], dim=-1)
-    u = _nibble_values(nibbles, n, 4) | (_nibble_values(high, n, 2) << 4)
-    return (u - INT6_ZERO).to(torch.int8)
+    plane = packed[..., 2 * BLOCK:]
+    high = _nibble_values(torch.cat([plane & 15, plane >> 4], dim=-1), n, 2)
+    return ((_nibble_values(packed[..., :2 * BLOCK], n, 4) | (high << 4)) - INT6_ZERO).to(torch.int8)
 
 
 def _int6_rows(packed: "torch.Tensor", channels: "torch.Tensor", k: int) -> "torch.Tensor":
@@ -189,9 +187,8 @@ def _int6_rows(packed: "torch.Tensor", channels: "torch.Tensor", k: int) -> "tor
     nibbles = packed[..., :2 * BLOCK].reshape(blocks, steps, BLOCK, 2)[block, :, c].to(torch.int16)
     high = packed[..., 2 * BLOCK:].reshape(blocks, steps, BLOCK // 2, 2)[block, :, c % (BLOCK // 2)].to(torch.int16)
     high = (high >> (4 * (c >= BLOCK // 2)).to(torch.int16).reshape(-1, 1, 1)) & 15   # [m, steps, 2 (t)]
-    low = (nibbles & 15) | ((high & 3) << 4)
-    top = (nibbles >> 4) | ((high >> 2) << 4)
-    return (torch.stack([low, top], dim=2).reshape(channels.numel(), -1) - INT6_ZERO)[:, :k]
+    values = torch.stack([(nibbles & 15) | ((high & 3) << 4), (nibbles >> 4) | ((high >> 2) << 4)], dim=2)
+    return (values.reshape(channels.numel(), -1) - INT6_ZERO)[:, :k]
 
 
 def pack_channels(scale: "torch.Tensor") -> "torch.Tensor":
@@ -321,9 +318,8 @@ class PackedLinear(nn.Module):
         return values[:, :n].t().round().to(torch.int8), scales
 
     def rows(self, ids: "torch.Tensor") -> "torch.Tensor":
-        """The rows ``W[ids]``, ``[*ids.shape, K]``: a tied embedding looked up in its packed lm_head. fp32
-        and bf16 rows are the stored values; int8 and int6 rows are dequantized (each times its channel's scale,
-        or its groups')."""
+        """The rows ``W[ids]``, ``[*ids.shape, K]``: a tied embedding looked up in its packed lm_head. fp32 and
+        bf16 rows are the stored values; int8 and int6 rows are dequantized (times their channel's or groups' scales)."""
         flat, k = ids.reshape(-1), self.in_features
         native_layout = self.layout == "native"
         if self.kind == "int8":
@@ -435,8 +431,7 @@ class PackedLinear(nn.Module):
         flat = act.reshape(-1, self.in_features)
         if self.kind == "int6":
             y = torch.nn.functional.linear(flat, self.dense_weight().to(flat.dtype))
-            return self._add_bias(y).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        if self.kind == "int8":
+        elif self.kind == "int8":
             if flat.dtype != torch.float32 and self.in_features % 16:
                 flat = flat.float()   # torch 2.13's bf16 kernel reads out of bounds when K % 16 != 0
             y = torch._weight_int8pack_mm(flat, self.weight, self.scales.to(flat.dtype))
