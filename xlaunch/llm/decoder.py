@@ -212,6 +212,46 @@ class DecoderRuntime:
         return logits, (cache if use_cache else None)
 
 
+    @torch.no_grad()
+    def greedy(self, ids: "torch.Tensor", attention_mask: Optional["torch.Tensor"], new_tokens: int,
+               min_new_tokens: int, eos: Optional["torch.Tensor"], pad: Optional[int], streamer: Any) -> "torch.Tensor":
+        """``ids`` [B, S] and ``new_tokens`` more, chosen greedily, as Hugging Face's ``generate`` chooses them
+        (do_sample False, one beam; its loop's work without its per-step bookkeeping): logits in fp32; ``eos``
+        (ids) banned until ``min_new_tokens`` are out; a row that produced one of ``eos`` is finished and gets
+        ``pad`` from then on; stops when every row is finished. Positions follow ``attention_mask`` (left
+        padding) as generate's do; ``streamer`` gets the prompt, then each step's tokens, then ``end()``."""
+        batch, length = ids.shape
+        cache = self.new_cache(capacity=length + new_tokens)
+        mask = attention_mask
+        positions = None if mask is None else (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        unfinished = torch.ones(batch, dtype=torch.bool)
+        out = [ids]
+        if streamer is not None:
+            streamer.put(ids.cpu())
+        step_input = ids
+        for step in range(new_tokens):
+            logits, cache = self.forward(step_input, mask, positions, cache, None, True, 1)
+            scores = logits[:, -1, :].float()
+            if eos is not None and step < min_new_tokens:
+                scores[:, eos] = -float("inf")
+            chosen = scores.argmax(dim=-1)
+            if eos is not None:
+                chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad))
+                unfinished &= ~torch.isin(chosen, eos)
+            out.append(chosen[:, None])
+            if streamer is not None:
+                streamer.put(chosen.cpu())
+            if eos is not None and not bool(unfinished.any()):
+                break
+            step_input = chosen[:, None]
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
+                positions = positions[:, -1:] + 1
+        if streamer is not None:
+            streamer.end()
+        return torch.cat(out, dim=-1)
+
+
 def _mlp(x: "torch.Tensor", gate_up: Any, silu_mul: Any, down: Any) -> "torch.Tensor":
     """``down(silu_mul(gate_up(x)))``, :data:`MLP_ROWS` rows of ``x`` at a time when it has more."""
     rows = x.reshape(-1, x.shape[-1])

@@ -1,0 +1,119 @@
+"""``generate`` of an optimized model: plain greedy calls run xlaunch.llm's own loop
+(``DecoderRuntime.greedy``) and give Hugging Face's tokens exactly; every other call is Hugging Face's."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from llm_models import VOCAB, clone, prompts, tiny  # noqa: E402
+
+import xlaunch.llm as llm  # noqa: E402
+from xlaunch.llm.decoder import DecoderRuntime  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llm.optimize(clone(tiny("llama", seed=3)), dtype=torch.float32)
+
+
+@pytest.fixture
+def greedy_calls(monkeypatch):
+    """How many generate calls the greedy loop ran."""
+    calls = []
+    original = DecoderRuntime.greedy
+
+    def counted(self, *args):
+        calls.append(args)
+        return original(self, *args)
+
+    monkeypatch.setattr(DecoderRuntime, "greedy", counted)
+    return calls
+
+
+def hugging_face(model, *args, **kwargs):
+    """Hugging Face's own generate on the same optimized model (the class's method, not the instance's)."""
+    return type(model).generate(model, *args, **kwargs)
+
+
+class Recorder:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = 0
+
+    def put(self, value) -> None:
+        self.puts.append(value.flatten().tolist())
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+@pytest.mark.parametrize("batch,length", [(1, 1), (1, 20), (3, 20)])
+def test_plain_greedy_calls_give_hugging_faces_tokens(model, greedy_calls, batch, length):
+    ids, mask = prompts(batch, length, seed=batch + length)
+    for kwargs in (dict(attention_mask=mask), dict(attention_mask=mask, eos_token_id=None)):
+        got = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, **kwargs)
+        assert torch.equal(got, hugging_face(model, ids, max_new_tokens=10, do_sample=False, pad_token_id=0, **kwargs))
+    assert len(greedy_calls) == 2
+    if batch == 1:    # no mask at all, the input given by keyword
+        got = model.generate(input_ids=ids, max_new_tokens=5, pad_token_id=0)
+        assert torch.equal(got, hugging_face(model, input_ids=ids, max_new_tokens=5, pad_token_id=0))
+        assert len(greedy_calls) == 3
+
+
+def test_end_of_sequence_padding_and_min_new_tokens_follow_hugging_face(model, greedy_calls):
+    """A row that produces the end-of-sequence id is finished: pad from then on, and the call stops when every
+    row is; min_new_tokens keeps that id out until then. The id is one the model really produces."""
+    ids, mask = prompts(3, 12, seed=7)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    eos = int(free[0, 12 + 3])                       # row 0's fourth new token
+    for extra in (dict(), dict(min_new_tokens=6), dict(eos_token_id=[eos, int(free[1, 12 + 5])])):
+        kwargs = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=eos) | extra
+        got = model.generate(ids, **kwargs)
+        assert torch.equal(got, hugging_face(model, ids, **kwargs)), extra
+    assert len(greedy_calls) == 4
+    ended = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=12, eos_token_id=eos)   # no pad id
+    assert ended.shape == (1, 12 + 4) and int(ended[0, -1]) == eos      # stopped at the end-of-sequence id
+    assert torch.equal(ended, hugging_face(model, ids[:1], attention_mask=mask[:1], max_new_tokens=12, eos_token_id=eos))
+    assert len(greedy_calls) == 5
+
+
+def test_a_streamer_and_a_generation_config_are_honoured(model, greedy_calls):
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    ours, theirs = Recorder(), Recorder()
+    config = type(model.generation_config)(max_new_tokens=7, do_sample=False, pad_token_id=0)
+    got = model.generate(ids, generation_config=config, streamer=ours)
+    assert torch.equal(got, hugging_face(model, ids, generation_config=config, streamer=theirs))
+    assert ours.puts == theirs.puts and ours.ended == theirs.ended == 1 and len(ours.puts) == 8
+    assert len(greedy_calls) == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(do_sample=True, top_k=5), dict(num_beams=2), dict(return_dict_in_generate=True), dict(output_scores=True),
+    dict(repetition_penalty=1.3), dict(max_length=12), dict(max_new_tokens=None), dict(use_cache=False),
+    dict(logits_processor=None), dict(num_return_sequences=2, do_sample=True),
+])
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
+def test_every_other_call_is_hugging_faces_own(model, greedy_calls, kwargs):
+    ids, mask = prompts(2, 8, seed=4)
+    call = dict(attention_mask=mask, max_new_tokens=5, pad_token_id=0) | kwargs
+    torch.manual_seed(0)
+    got = model.generate(ids, **call)
+    torch.manual_seed(0)
+    expected = hugging_face(model, ids, **call)
+    assert greedy_calls == []
+    sequences = (lambda out: out if isinstance(out, torch.Tensor) else out.sequences)
+    assert torch.equal(sequences(got), sequences(expected))
+
+
+def test_pads_without_a_mask_and_an_end_without_a_pad_id_go_to_hugging_face(model, greedy_calls):
+    """generate infers a mask from pad ids in the input, and picks (and announces) a pad id for the finished
+    rows of a batch with an end-of-sequence id and no pad id: both are Hugging Face's to do."""
+    ids, mask = prompts(2, 8, seed=5)              # row 1 starts with pad id 0
+    model.generate(ids, max_new_tokens=3, pad_token_id=0)
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=5, pad_token_id=None)
+    assert greedy_calls == []
