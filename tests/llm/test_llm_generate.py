@@ -117,3 +117,28 @@ def test_pads_without_a_mask_and_an_end_without_a_pad_id_go_to_hugging_face(mode
     model.generate(ids, max_new_tokens=3, pad_token_id=0)
     model.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=5, pad_token_id=None)
     assert greedy_calls == []
+
+
+def test_a_large_max_new_tokens_commits_only_the_slots_written(model):
+    """generate sizes the KV cache to its maximum length (here 2^20 tokens: 1 GiB of buffers); the buffers are
+    left uninitialized, so a reply that ends at its end-of-sequence id after a few tokens commits only the pages
+    it wrote. The resident size is read on every step (a streamer), not after the cache is gone."""
+    def resident_mib() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) // 1024
+
+    ids = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(8))
+    eos = int(model.generate(ids, max_new_tokens=3, pad_token_id=0)[0, -1])
+    seen = []
+
+    class Watch:
+        def put(self, value) -> None:
+            seen.append(resident_mib())
+
+        def end(self) -> None:
+            pass
+
+    before = resident_mib()
+    out = model.generate(ids, max_new_tokens=1 << 20, eos_token_id=eos, pad_token_id=0, streamer=Watch())
+    assert out.shape[1] <= 4 + 3 and int(out[0, -1]) == eos
+    assert max(seen) - before < 128, (before, seen)

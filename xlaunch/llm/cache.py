@@ -1,7 +1,8 @@
 """A preallocated KV cache that ``model.generate`` carries like its own caches.
 
 One buffer per layer and per K/V, ``[batch, kv_heads, capacity, head_dim]`` in the model's dtype,
-filled slot by slot: decoding writes one slot per token and never reallocates. The capacity is
+filled slot by slot: decoding writes one slot per token and never reallocates; the buffers are left
+uninitialized, so their pages are committed as slots are written. The capacity is
 ``generate``'s maximum length when :func:`xlaunch.llm.optimize` could read it; a direct call that
 outgrows it doubles the buffers (one copy, logged once per cache).
 
@@ -75,9 +76,11 @@ class KVCache(Cache):
             capacity = max(needed, self.capacity_hint)
         else:
             capacity = max(needed, MIN_CAPACITY, 2 * self.capacity)
+        # uninitialized: only the first ``length`` slots are ever read, and the pages of a large buffer are
+        # committed as decoding writes them (generate's maximum is a bound, not what a reply takes)
         shape = (batch, self.kv_heads, capacity, self.head_dim)
-        new_keys = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-        new_values = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        new_keys = [torch.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        new_values = [torch.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)]
         for old, new in zip(self.keys + self.values, new_keys + new_values):
             new[:, :, : self.length].copy_(old[:, :, : self.length])
         self.keys, self.values = new_keys, new_values
