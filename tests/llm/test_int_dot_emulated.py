@@ -89,34 +89,21 @@ def test_int8_extremes_do_not_overflow(emulated):
         assert torch.equal(out, torch.full((4, 64), float(127 * value * k)))
 
 
+@pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("k, group_size", [(64, 32), (256, 64), (512, 128)])
-def test_int4_block_is_the_sum_of_the_quantized_products_times_group_scales(emulated, rows, k, group_size):
-    torch.manual_seed(rows * 1000 + k + group_size)
+def test_nibble_blocks_are_the_sum_of_the_quantized_products_times_group_scales(emulated, bits, rows, k, group_size):
+    """INT4, and INT6 (the INT4 route's lm_head: INT4's nibbles plus each value's top two bits from the step's
+    high-bit bytes); every value of the range occurs, the extremes included."""
+    torch.manual_seed(rows * 1000 + k + group_size + bits)
     q, d, qsum, ldq = activations(rows, k)
-    values = torch.randint(-8, 8, (64, k), dtype=torch.int8)
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    values = torch.randint(low, high + 1, (64, k), dtype=torch.int8)
+    values[0, :8] = torch.tensor([low, high] * 4, dtype=torch.int8)
     scales = (torch.rand(64, k // group_size) + 0.05).float()
-    packed, packed_scales, out = pack_int4(values), pack_channels(scales), torch.full((rows, 64), float("nan"))
-    assert emulated.int4q(ptr(q), ptr(d), ptr(qsum), ldq, rows, ptr(packed), ptr(packed_scales), group_size, k,
-                          ptr(out)) == 0
-    dense = (values.double().reshape(64, -1, group_size) * scales.double()[:, :, None]).reshape(64, k)
-    expected = dequantized_rows(q, d, k) @ dense.T
-    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("k, group_size", [(64, 32), (256, 64), (512, 128)])
-def test_int6_block_is_the_sum_of_the_quantized_products_times_group_scales(emulated, rows, k, group_size):
-    """INT6 (the INT4 route's lm_head): the nibbles as INT4's plus each value's top two bits from the step's
-    high-bit bytes; every value of [-32, 31] occurs, the extremes included."""
-    torch.manual_seed(rows * 1000 + k + group_size + 6)
-    q, d, qsum, ldq = activations(rows, k)
-    values = torch.randint(-32, 32, (64, k), dtype=torch.int8)
-    values[0, :8] = torch.tensor([-32, 31, -32, 31, 31, -32, 31, -32], dtype=torch.int8)
-    scales = (torch.rand(64, k // group_size) + 0.05).float()
-    packed, packed_scales, out = pack_int6(values), pack_channels(scales), torch.full((rows, 64), float("nan"))
-    assert emulated.int6q(ptr(q), ptr(d), ptr(qsum), ldq, rows, ptr(packed), ptr(packed_scales), group_size, k,
-                          ptr(out)) == 0
+    pack, kernel = (pack_int4, emulated.int4q) if bits == 4 else (pack_int6, emulated.int6q)
+    packed, packed_scales, out = pack(values), pack_channels(scales), torch.full((rows, 64), float("nan"))
+    assert kernel(ptr(q), ptr(d), ptr(qsum), ldq, rows, ptr(packed), ptr(packed_scales), group_size, k, ptr(out)) == 0
     dense = (values.double().reshape(64, -1, group_size) * scales.double()[:, :, None]).reshape(64, k)
     expected = dequantized_rows(q, d, k) @ dense.T
     assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
