@@ -116,7 +116,9 @@ def main(argv: list[str]) -> int:
         model = xlaunch.llm.from_pretrained(folder, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
                                             weights=None if args.weights == "none" else args.weights)
         ran = str(model.config.dtype).removeprefix("torch.")
-        print(f"optimized ({ran}, weights {args.weights}) in {time.perf_counter() - started:.2f} s: {name}")
+        head = model.lm_head.kind if args.weights == "int4" else ""     # INT6 where the kernels run it, else INT8
+        print(f"optimized ({ran}, weights {args.weights}{f', lm_head {head}' if head else ''}) in "
+              f"{time.perf_counter() - started:.2f} s: {name}")
     scratch.cleanup()                  # the model no longer reads it
     config = model.config
     ids = torch.randint(1, config.vocab_size, (args.batch, args.prompt_tokens))
