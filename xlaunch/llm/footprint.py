@@ -63,6 +63,21 @@ def packed_linear_bytes(n: int, k: int, kind: str, group_size: int = 128) -> int
     raise ValueError(f"unknown weight kind {kind!r}")
 
 
+def packed_shapes(kind: str, layout: str, n: int, k: int, group_size: int) -> dict[str, Optional[list[int]]]:
+    """The shapes :class:`~xlaunch.llm.linear.PackedLinear` gives the "weight" and "scales" of one linear of
+    ``n`` outputs over ``k`` inputs: ``layout`` "native" (csrc/linear.h: blocks of 64 channels) or "aten"
+    (ATen's kernels'). A part the kind does not have is absent; None: not known ahead (ATen's opaque int4)."""
+    blocks, groups = -(-n // BLOCK), k // max(group_size, 1)
+    if layout == "native":
+        return {"bf16": {"weight": [blocks, -(-k // 2), 2 * BLOCK]},
+                "int8": {"weight": [blocks, -(-k // 4), 4 * BLOCK], "scales": [blocks, BLOCK]},
+                "int4": {"weight": [blocks, k // 4, 2 * BLOCK], "scales": [blocks, groups, BLOCK]},
+                "int6": {"weight": [blocks, k // 4, 3 * BLOCK], "scales": [blocks, groups, BLOCK]}}.get(kind, {})
+    return {"fp32": {"weight": [n, k]}, "bf16": {"weight": [n, k]}, "int8": {"weight": [n, k], "scales": [n]},
+            "int4": {"weight": None, "scales": [groups, -(-n // 16) * 16, 2]},
+            "int6": {"weight": [n, k], "scales": [n, groups]}}[kind]
+
+
 def packed_linears(shape: Shape) -> list[tuple[int, int]]:
     """A layer's packed linears as (outputs, inputs): q/k/v together, o, gate/up together, down."""
     linears = shape.linears()

@@ -21,13 +21,14 @@ from xlaunch._torch import needs_torch
 with needs_torch(__name__):
     import torch
 
-from xlaunch.llm import native  # noqa: E402
+from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.api import _check, default_dtype, lm_head_packing, warn_if_bf16_is_slow  # noqa: E402
 from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
 from xlaunch.llm.decoder import embedding_table  # noqa: E402
 from xlaunch.llm.linear import (BLOCK, GROUPED, PackedLinear, pack_bf16, pack_channels, pack_int4,  # noqa: E402
                                 pack_int6, pack_int8, quantize_int4, quantize_int6, quantize_int8)
 
+WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "int6": torch.uint8}
 CHUNK_BYTES = 1 << 20         # fp32 bytes of source rows packed at a time (small: glibc keeps freed chunks)
 INDEX = "model.safetensors.index.json"
 
@@ -155,17 +156,9 @@ def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dt
                          f"the {kind.upper()} group size {group_size}")
     if kind == "fp32" or (layout == "aten" and kind in GROUPED):      # packed whole, as optimize does
         return PackedLinear(_rows(checkpoint, names, 0, n), bias, kind, dtype=dtype, group_size=group_size)
-    blocks = -(-n // BLOCK)
-    if layout == "native":
-        shapes = {"bf16": ((blocks, -(-k // 2), 2 * BLOCK), torch.bfloat16, None),
-                  "int8": ((blocks, -(-k // 4), 4 * BLOCK), torch.int8, (blocks, BLOCK)),
-                  "int4": ((blocks, k // 4, 2 * BLOCK), torch.uint8, (blocks, k // group_size, BLOCK)),
-                  "int6": ((blocks, k // 4, 3 * BLOCK), torch.uint8, (blocks, k // group_size, BLOCK))}
-    else:
-        shapes = {"bf16": ((n, k), torch.bfloat16, None), "int8": ((n, k), torch.int8, (n,))}
-    weight_shape, weight_dtype, scales_shape = shapes[kind]
-    weight = huge_empty(weight_shape, weight_dtype)
-    scales = None if scales_shape is None else torch.empty(scales_shape, dtype=torch.float32)
+    shapes = footprint.packed_shapes(kind, layout, n, k, group_size)      # bf16 and int8 (aten), or any (native)
+    weight = huge_empty(shapes["weight"], WEIGHT_DTYPES[kind])
+    scales = torch.empty(shapes["scales"], dtype=torch.float32) if "scales" in shapes else None
     step = max(BLOCK, CHUNK_BYTES // (4 * k) // BLOCK * BLOCK)
     with torch.no_grad():
         for start in range(0, n, step):

@@ -28,11 +28,11 @@ from xlaunch._torch import needs_torch
 with needs_torch(__name__):
     import torch
 
-from xlaunch.llm import native  # noqa: E402
+from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.api import DTYPES  # noqa: E402
 from xlaunch.llm.assemble import HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of, skeleton  # noqa: E402
 from xlaunch.llm.decoder import SIXTEEN_BIT  # noqa: E402
-from xlaunch.llm.linear import BLOCK, GROUP_SIZES, GROUPED, KINDS, PackedLinear  # noqa: E402
+from xlaunch.llm.linear import GROUP_SIZES, GROUPED, KINDS, PackedLinear  # noqa: E402
 
 MAGIC = b"XLLMPACK"
 FORMAT_VERSION = 2   # 2: INT8 weights [N/64, K/4, 64 x 4] (was [N/64, K, 64])
@@ -219,20 +219,6 @@ def _check_tensors(path: Any, tensors: Any, data_start: int, size: int) -> None:
             raise _fail(path, f"truncated: tensor {name!r} ends at byte {offset + nbytes}, the file has {size}")
 
 
-def _packed_shapes(kind: str, layout: str, n: int, k: int, group: int) -> dict:
-    """The shapes :class:`PackedLinear` gives its weight and scales (None: not checked, ATen's opaque int4)."""
-    blocks = -(-n // BLOCK)
-    if layout == "native":
-        return {"bf16": {"weight": [blocks, -(-k // 2), 2 * BLOCK]},
-                "int8": {"weight": [blocks, -(-k // 4), 4 * BLOCK], "scales": [blocks, BLOCK]},
-                "int4": {"weight": [blocks, k // 4, 2 * BLOCK], "scales": [blocks, k // group, BLOCK]},
-                "int6": {"weight": [blocks, k // 4, 3 * BLOCK], "scales": [blocks, k // group, BLOCK]}}.get(kind, {})
-    n16 = -(-n // 16) * 16
-    return {"fp32": {"weight": [n, k]}, "bf16": {"weight": [n, k]}, "int8": {"weight": [n, k], "scales": [n]},
-            "int4": {"weight": None, "scales": [k // max(group, 1), n16, 2]},
-            "int6": {"weight": [n, k], "scales": [n, k // max(group, 1)]}}[kind]
-
-
 def _expected_linears(spec: Any) -> dict:
     heads, kv, dim, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
     per_layer = {"qkv": ((heads + 2 * kv) * dim, hidden), "out": (hidden, heads * dim),
@@ -267,7 +253,7 @@ def _linear(path: Any, name: str, entry: Any, shape: tuple, area: mmap.mmap, ten
     if (kind not in KINDS or layout not in ("native", "aten") or (n, k) != shape or type(group) is not int
             or (kind in GROUPED and (group not in GROUP_SIZES or k % group))):
         raise _fail(path, f"the linear {name!r} does not match the model's config")
-    wanted = dict(_packed_shapes(kind, layout, n, k, group), bias=[n])
+    wanted = dict(footprint.packed_shapes(kind, layout, n, k, group), bias=[n])
     dtypes = {"weight": WEIGHT_DTYPES[kind], "scales": ("float32",), "bias": (str(dtype).removeprefix("torch."),)}
     found = {}
     for part, tensor_name in parts.items():

@@ -301,39 +301,6 @@ void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* sc
   std::memcpy(out, acc, sizeof acc);
 }
 
-// The integer kernels' meaning, value by value (the builds whose INT8/INT4 kernels take activations as
-// they are never call these: quantized_activation_block() is 0 there).
-void int8q_scalar(const int8_t* q, const float* d, int64_t ldq, int64_t rows, const int8_t* w, int64_t k, float* out) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < kBlock; ++c) {
-      float sum = 0.0f;
-      for (int64_t b = 0; b * kQuantBlock < k; ++b) {
-        int32_t dot = 0;
-        for (int64_t kk = b * kQuantBlock; kk < std::min(k, (b + 1) * kQuantBlock); ++kk)
-          dot += int32_t(q[r * ldq + kk]) * w[int8_offset(kk, c)];
-        sum += float(dot) * d[r * (ldq / kQuantBlock) + b];
-      }
-      out[r * kBlock + c] = sum;
-    }
-}
-
-template <int Bits>
-void int4q_scalar(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
-                  const float* scales, int64_t group_size, int64_t k, float* out) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < kBlock; ++c) {
-      float sum = 0.0f;
-      for (int64_t b = 0; b < k / kQuantBlock; ++b) {
-        int32_t dot = 0;
-        for (int64_t kk = b * kQuantBlock; kk < (b + 1) * kQuantBlock; ++kk)
-          dot += int32_t(q[r * ldq + kk]) * nibble_value<Bits>(w + (kk / 4) * nibble_step_bytes(Bits), c, int(kk % 4));
-        dot -= (1 << (Bits - 1)) * qsum[r * (ldq / kQuantBlock) + b];
-        sum += float(dot) * d[r * (ldq / kQuantBlock) + b] * scales[(b * kQuantBlock / group_size) * kBlock + c];
-      }
-      out[r * kBlock + c] = sum;
-    }
-}
-
 }  // namespace
 
 int64_t quantized_activation_block() {
@@ -434,38 +401,38 @@ void int4_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint8_t* w, 
     }                                                                      \
     r += n;                                                                \
   }
-#else
-#define XLAUNCH_LLM_INT_ROWS(CALL) CALL(rows);
-#endif
 
 void int8q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const int8_t* w,
                  int64_t k, float* acc) {
   const int64_t ldd = ldq / kQuantBlock;
-#if defined(XLAUNCH_LLM_INT_DOT)
 #define CALL(R) int8q_tile<R>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, k, acc + r * kBlock)
-#else
-#define CALL(R) int8q_scalar(q, d, ldq, R, w, k, acc)
-#endif
   XLAUNCH_LLM_INT_ROWS(CALL)
 #undef CALL
-  (void)ldd, (void)qsum;
 }
 
 void int4q_block(const int8_t* q, const float* d, const int32_t* qsum, int64_t ldq, int64_t rows, const uint8_t* w,
                  const float* scales, int64_t groups, int64_t group_size, float* acc, int bits) {
   const int64_t ldd = ldq / kQuantBlock, k = groups * group_size;
-#if defined(XLAUNCH_LLM_INT_DOT)
 #define CALL(R)                                                                                                     \
   bits == 6 ? int4q_tile<R, 6>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock) \
             : int4q_tile<R, 4>(q + r * ldq, d + r * ldd, qsum + r * ldd, ldq, w, scales, group_size, k, acc + r * kBlock)
-#else
-#define CALL(R)                                                              \
-  bits == 6 ? int4q_scalar<6>(q, d, qsum, ldq, R, w, scales, group_size, k, acc) \
-            : int4q_scalar<4>(q, d, qsum, ldq, R, w, scales, group_size, k, acc)
-#endif
   XLAUNCH_LLM_INT_ROWS(CALL)
 #undef CALL
-  (void)ldd;
 }
+
+#else
+
+// The baseline level has no integer kernels: its INT8/INT4/INT6 layers take the activations as they are
+// (quantized_activation_block() is 0, and linear.cpp never calls these there).
+void int8q_block(const int8_t*, const float*, const int32_t*, int64_t, int64_t, const int8_t*, int64_t, float*) {
+  TORCH_CHECK(false, "xlaunch_llm: this build's level has no integer kernels (quantized activations)");
+}
+
+void int4q_block(const int8_t*, const float*, const int32_t*, int64_t, int64_t, const uint8_t*, const float*, int64_t,
+                 int64_t, float*, int) {
+  TORCH_CHECK(false, "xlaunch_llm: this build's level has no integer kernels (quantized activations)");
+}
+
+#endif
 
 }  // namespace xlaunch_llm
