@@ -1,5 +1,6 @@
-"""``generate`` of an optimized model: plain greedy calls run xlaunch.llm's own loop
-(``DecoderRuntime.greedy``) and give Hugging Face's tokens exactly; every other call is Hugging Face's."""
+"""``generate`` of an optimized model: one-beam greedy and plain sampling calls run xlaunch.llm's own loop
+(``DecoderRuntime.generate_tokens``) and give Hugging Face's tokens exactly (sampling: for the same seed); every
+other call is Hugging Face's."""
 from __future__ import annotations
 
 import pytest
@@ -21,15 +22,15 @@ def model():
 
 @pytest.fixture
 def greedy_calls(monkeypatch):
-    """How many generate calls the greedy loop ran."""
+    """The generate calls the runtime's loop ran."""
     calls = []
-    original = DecoderRuntime.greedy
+    original = DecoderRuntime.generate_tokens
 
     def counted(self, *args):
         calls.append(args)
         return original(self, *args)
 
-    monkeypatch.setattr(DecoderRuntime, "greedy", counted)
+    monkeypatch.setattr(DecoderRuntime, "generate_tokens", counted)
     return calls
 
 
@@ -93,9 +94,9 @@ def test_a_streamer_and_a_generation_config_are_honoured(model, greedy_calls):
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(do_sample=True, top_k=5), dict(num_beams=2), dict(return_dict_in_generate=True), dict(output_scores=True),
-    dict(repetition_penalty=1.3), dict(max_length=12), dict(max_new_tokens=None), dict(use_cache=False),
-    dict(logits_processor=None), dict(num_return_sequences=2, do_sample=True),
+    dict(num_beams=2), dict(return_dict_in_generate=True), dict(output_scores=True), dict(repetition_penalty=1.3),
+    dict(max_length=12), dict(max_new_tokens=None), dict(use_cache=False), dict(logits_processor=None),
+    dict(num_return_sequences=2, do_sample=True), dict(do_sample=True, typical_p=0.9), dict(temperature=0.7),
 ])
 @pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
 def test_every_other_call_is_hugging_faces_own(model, greedy_calls, kwargs):
@@ -108,6 +109,31 @@ def test_every_other_call_is_hugging_faces_own(model, greedy_calls, kwargs):
     assert greedy_calls == []
     sequences = (lambda out: out if isinstance(out, torch.Tensor) else out.sequences)
     assert torch.equal(sequences(got), sequences(expected))
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(), dict(temperature=0.7), dict(top_k=5), dict(top_k=0, top_p=0.8), dict(temperature=1.3, top_k=20, top_p=0.9),
+    dict(min_p=0.05), dict(top_k=0, temperature=0.5, min_p=0.1),
+])
+def test_sampling_gives_hugging_faces_tokens_for_the_same_seed(model, greedy_calls, sampling):
+    """do_sample with temperature, top-k (generate's default 50 when unset), top-p and min-p: Hugging Face's own
+    warpers in its order, then ``torch.multinomial``; a left-padded batch with an end-of-sequence id, and the
+    config's own sampling fields (an instruct checkpoint's generation_config) as well as call arguments."""
+    ids, mask = prompts(3, 10, seed=9)
+    call = dict(attention_mask=mask, max_new_tokens=9, pad_token_id=0, eos_token_id=7, do_sample=True) | sampling
+    outputs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        outputs.append(model.generate(ids, **call))
+        torch.manual_seed(seed)
+        assert torch.equal(outputs[-1], hugging_face(model, ids, **call)), (sampling, seed)
+    assert not torch.equal(*outputs)        # the tokens really are drawn: another seed, other tokens
+    config = type(model.generation_config)(do_sample=True, max_new_tokens=6, pad_token_id=0, **sampling)
+    torch.manual_seed(2)
+    got = model.generate(ids, attention_mask=mask, generation_config=config)
+    torch.manual_seed(2)
+    assert torch.equal(got, hugging_face(model, ids, attention_mask=mask, generation_config=config))
+    assert len(greedy_calls) == 3
 
 
 def test_pads_without_a_mask_and_an_end_without_a_pad_id_go_to_hugging_face(model, greedy_calls):

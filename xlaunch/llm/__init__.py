@@ -5,9 +5,11 @@ has native bf16, else fp32; :func:`default_dtype`) returns the
 same model object with its linear layers packed for the chosen precision (bf16, weight-only INT8
 per output channel, weight-only INT4 group-wise with a 6-bit lm_head), fused RMSNorm and RoPE, a
 preallocated KV cache and a forward that runs prefill and decode with few, fused calls per layer.
-``model.generate`` works unchanged (plain greedy calls by xlaunch's own loop: the same tokens). ``from_pretrained(path, ...)`` streams a safetensors checkpoint straight into
+``model.generate`` works unchanged (one-beam greedy and sampling calls by xlaunch's own loop: the same
+tokens). ``from_pretrained(path, ...)`` streams a safetensors checkpoint straight into
 that packed form, and ``save_packed(model, path)`` writes it as one file that ``from_pretrained``
-maps read-only, shared by every process that loads it. ``import xlaunch.llm`` stays light: torch and transformers load on first use.
+maps read-only, shared by every process that loads it. ``import xlaunch.llm`` stays light: torch and
+transformers load on first use.
 """
 from __future__ import annotations
 

@@ -116,16 +116,39 @@ def _install_generate_hook(model: Any, runtime: DecoderRuntime) -> None:
     model._prepare_cache_for_generation = types.MethodType(prepare_cache, model)
 
 
-# GenerationConfig fields the fast greedy loop honours (DecoderRuntime.greedy); any other one set sends a call to
-# Hugging Face's own generate, as do sampling, beams, logits processors, stopping criteria and returned dicts.
-GREEDY_FIELDS = {"max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "do_sample",
-                 "num_beams", "num_return_sequences", "use_cache", "transformers_version", "_from_model_config"}
+# GenerationConfig fields the runtime's loop honours (DecoderRuntime.generate_tokens); any other one set sends a
+# call to Hugging Face's own generate, as do beams, logits processors, stopping criteria and returned dicts.
+# SAMPLING_FIELDS only with do_sample (greedy with them set is generate's, which warns that they are unused).
+LOOP_FIELDS = {"max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "do_sample",
+               "num_beams", "num_return_sequences", "use_cache", "transformers_version", "_from_model_config"}
+SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "min_p"}
 OFF_FIELDS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}    # generate's own, when a config leaves them unset
 
 
-def _greedy_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
-    """(ids, mask, new, min_new, eos, pad, streamer) when a ``generate`` call is plain greedy decoding that
-    :meth:`DecoderRuntime.greedy` reproduces token for token; None sends it to Hugging Face's generate."""
+def _warpers(config: Any) -> list:
+    """Hugging Face's logits warpers of a sampling ``config`` (temperature, top-k, top-p, min-p), built as
+    ``generate`` builds them for one beam: the same classes, conditions and order."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    value = {name: getattr(config, name) if getattr(config, name) is not None else default
+             for name, default in SAMPLING_DEFAULTS.items()}
+    warpers = []
+    if value["temperature"] != 1.0:
+        warpers.append(TemperatureLogitsWarper(value["temperature"]))
+    if value["top_k"] != 0:
+        warpers.append(TopKLogitsWarper(top_k=value["top_k"], min_tokens_to_keep=1))
+    if value["top_p"] < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=value["top_p"], min_tokens_to_keep=1))
+    if config.min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
+    return warpers
+
+
+def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """(ids, mask, new, min_new, eos, pad, streamer, warpers) when a ``generate`` call is one-beam greedy or
+    sampling (temperature, top-k, top-p, min-p) that :meth:`DecoderRuntime.generate_tokens` reproduces token for
+    token (sampling: for the same seed); None sends it to Hugging Face's generate."""
     kwargs = dict(kwargs)
     ids = args[0] if args else kwargs.pop("inputs", None)
     ids = kwargs.pop("input_ids", None) if ids is None else ids
@@ -137,9 +160,10 @@ def _greedy_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
     config = copy.deepcopy(base)
     if config.update(**kwargs):      # model kwargs left (past_key_values, logits_processor...)
         return None
-    if not {name for name, value in config.to_diff_dict().items() if value or name not in OFF_FIELDS} <= GREEDY_FIELDS:
+    allowed = LOOP_FIELDS | (SAMPLING_FIELDS if config.do_sample else set())
+    if not {name for name, value in config.to_diff_dict().items() if value or name not in OFF_FIELDS} <= allowed:
         return None
-    if config.do_sample or (config.num_beams or 1) != 1 or (config.num_return_sequences or 1) != 1 \
+    if (config.num_beams or 1) != 1 or (config.num_return_sequences or 1) != 1 \
             or config.use_cache is False or not isinstance(config.max_new_tokens, int) or config.max_new_tokens < 1:
         return None
     eos = config.eos_token_id
@@ -153,20 +177,22 @@ def _greedy_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
         return None               # generate infers a mask from the pad ids
     if mask is not None and (mask.shape != ids.shape or not bool((mask == 1).logical_or(mask == 0).all())):
         return None
-    return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer
+    warpers = _warpers(config) if config.do_sample else None
+    return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer, warpers
 
 
-def _install_greedy_generate(model: Any, runtime: DecoderRuntime) -> None:
-    """``model.generate``: plain greedy calls (:func:`_greedy_plan`) run :meth:`DecoderRuntime.greedy`, the
-    same tokens without Hugging Face's per-step Python (a 168M INT4 model at 2 threads, Zen 5 VM: 3.16 -> 2.42 ms
-    a token); every other call goes to Hugging Face's ``generate`` unchanged."""
+def _install_loop_generate(model: Any, runtime: DecoderRuntime) -> None:
+    """``model.generate``: one-beam greedy and plain sampling calls (:func:`_loop_plan`) run
+    :meth:`DecoderRuntime.generate_tokens`, the same tokens without Hugging Face's per-step Python (a 168M INT4
+    model at 2 threads, Zen 5 VM: 3.16 -> 2.42 ms a token); every other call goes to Hugging Face's ``generate``
+    unchanged."""
     hf_generate = model.generate
 
     def generate(*args: Any, **kwargs: Any) -> Any:
-        plan = _greedy_plan(model, args, kwargs)
-        return hf_generate(*args, **kwargs) if plan is None else runtime.greedy(*plan)
+        plan = _loop_plan(model, args, kwargs)
+        return hf_generate(*args, **kwargs) if plan is None else runtime.generate_tokens(*plan)
 
-    generate.__doc__ = "Hugging Face's generate; plain greedy decoding by xlaunch.llm's own loop (same tokens)."
+    generate.__doc__ = "Hugging Face's generate; one-beam greedy and plain sampling by xlaunch.llm's own loop."
     model.generate = generate
 
 
@@ -222,7 +248,7 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
     object.__setattr__(model, MARK, runtime)      # plain attribute: not a submodule, not in the state dict
     model.forward = make_forward(runtime, model)
     _install_generate_hook(model, runtime)
-    _install_greedy_generate(model, runtime)
+    _install_loop_generate(model, runtime)
     if hasattr(model.config, "dtype"):
         model.config.dtype = dtype
     return model

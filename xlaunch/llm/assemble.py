@@ -18,7 +18,7 @@ from xlaunch._torch import needs_torch
 with needs_torch(__name__):
     import torch
 
-from xlaunch.llm.api import MARK, _install_generate_hook, _install_greedy_generate, _Retired  # noqa: E402
+from xlaunch.llm.api import MARK, _install_generate_hook, _install_loop_generate, _Retired  # noqa: E402
 from xlaunch.llm.shapes import DecoderSpec, describe  # noqa: E402
 from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding, make_forward  # noqa: E402
 from xlaunch.llm.linear import PackedLinear  # noqa: E402
@@ -126,7 +126,7 @@ def install(model: Any, spec: DecoderSpec, dtype: "torch.dtype", parts: Parts) -
     object.__setattr__(model, MARK, runtime)
     model.forward = make_forward(runtime, model)
     _install_generate_hook(model, runtime)
-    _install_greedy_generate(model, runtime)
+    _install_loop_generate(model, runtime)
     if hasattr(model.config, "dtype"):
         model.config.dtype = dtype
     return model

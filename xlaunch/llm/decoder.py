@@ -213,13 +213,16 @@ class DecoderRuntime:
 
 
     @torch.no_grad()
-    def greedy(self, ids: "torch.Tensor", attention_mask: Optional["torch.Tensor"], new_tokens: int,
-               min_new_tokens: int, eos: Optional["torch.Tensor"], pad: Optional[int], streamer: Any) -> "torch.Tensor":
-        """``ids`` [B, S] and ``new_tokens`` more, chosen greedily, as Hugging Face's ``generate`` chooses them
-        (do_sample False, one beam; its loop's work without its per-step bookkeeping): logits in fp32; ``eos``
-        (ids) banned until ``min_new_tokens`` are out; a row that produced one of ``eos`` is finished and gets
-        ``pad`` from then on; stops when every row is finished. Positions follow ``attention_mask`` (left
-        padding) as generate's do; ``streamer`` gets the prompt, then each step's tokens, then ``end()``."""
+    def generate_tokens(self, ids: "torch.Tensor", attention_mask: Optional["torch.Tensor"], new_tokens: int,
+                        min_new_tokens: int, eos: Optional["torch.Tensor"], pad: Optional[int], streamer: Any,
+                        warpers: Optional[list] = None) -> "torch.Tensor":
+        """``ids`` [B, S] and ``new_tokens`` more, as Hugging Face's ``generate`` chooses them with one beam (its
+        loop's work without its per-step bookkeeping): logits in fp32; ``eos`` (ids) banned until
+        ``min_new_tokens`` are out; then greedy (``warpers`` None), or sampled from the softmax of the scores
+        after ``warpers`` (Hugging Face's own logits warpers, in its order; ``torch.multinomial``, so a seed gives
+        generate's tokens); a row that produced one of ``eos`` is finished and gets ``pad`` from then on; stops
+        when every row is finished. Positions follow ``attention_mask`` (left padding) as generate's do;
+        ``streamer`` gets the prompt, then each step's tokens, then ``end()``."""
         batch, length = ids.shape
         cache = self.new_cache(capacity=length + new_tokens)
         mask = attention_mask
@@ -234,7 +237,13 @@ class DecoderRuntime:
             scores = logits[:, -1, :].float()
             if eos is not None and step < min_new_tokens:
                 scores[:, eos] = -float("inf")
-            chosen = scores.argmax(dim=-1)
+            if warpers is None:
+                chosen = scores.argmax(dim=-1)
+            else:
+                so_far = torch.cat(out, dim=-1)
+                for warp in warpers:
+                    scores = warp(so_far, scores)
+                chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
             if eos is not None:
                 chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad))
                 unfinished &= ~torch.isin(chosen, eos)
