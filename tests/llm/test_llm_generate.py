@@ -83,6 +83,27 @@ def test_end_of_sequence_padding_and_min_new_tokens_follow_hugging_face(model, g
     assert len(greedy_calls) == 5
 
 
+def test_a_given_generation_config_takes_its_unset_fields_from_the_models(model, greedy_calls):
+    """As generate merges them: a config without an end-of-sequence id gets the model's (which here ends the
+    reply early), and a call argument overrides both."""
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    free = model.generate(ids, max_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    own = model.generation_config
+    saved = own.eos_token_id
+    own.eos_token_id = int(free[0, 6 + 2])        # the model's own end-of-sequence id: the third new token
+    try:
+        config = type(own)(max_new_tokens=8, pad_token_id=0)
+        got = model.generate(ids, generation_config=config)
+        assert got.shape[1] <= 6 + 3 and int(got[0, -1]) == own.eos_token_id       # ended at the model's id
+        assert torch.equal(got, hugging_face(model, ids, generation_config=config))
+        got = model.generate(ids, generation_config=config, eos_token_id=None)
+        assert got.shape == (1, 6 + 8) and torch.equal(got, hugging_face(model, ids, generation_config=config,
+                                                                         eos_token_id=None))
+    finally:
+        own.eos_token_id = saved
+    assert len(greedy_calls) == 3        # the first call included
+
+
 def test_a_streamer_and_a_generation_config_are_honoured(model, greedy_calls):
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
     ours, theirs = Recorder(), Recorder()

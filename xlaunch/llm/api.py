@@ -153,11 +153,14 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
     ids = args[0] if args else kwargs.pop("inputs", None)
     ids = kwargs.pop("input_ids", None) if ids is None else ids
     streamer, mask = kwargs.pop("streamer", None), kwargs.pop("attention_mask", None)
-    base = kwargs.pop("generation_config", None) or getattr(model, "generation_config", None)
-    if len(args) > 1 or base is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] == 0 \
-            or ids.dtype not in (torch.long, torch.int32) or not isinstance(mask, (torch.Tensor, type(None))):
+    given, own = kwargs.pop("generation_config", None), getattr(model, "generation_config", None)
+    if len(args) > 1 or own is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] == 0 \
+            or ids.dtype not in (torch.long, torch.int32) or not isinstance(mask, (torch.Tensor, type(None))) \
+            or model.config._get_generation_parameters():     # generate refuses a config set the legacy way
         return None
-    config = copy.deepcopy(base)
+    # generate's merge: the given config (or a blank one), its unset fields from the model's, then the call's
+    config = copy.deepcopy(given) if given is not None else type(own)()
+    config.update(**own.to_dict(), defaults_only=True, allow_custom_entries=True)
     if config.update(**kwargs):      # model kwargs left (past_key_values, logits_processor...)
         return None
     allowed = LOOP_FIELDS | (SAMPLING_FIELDS if config.do_sample else set())
