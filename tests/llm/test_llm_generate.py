@@ -80,7 +80,10 @@ def test_end_of_sequence_padding_and_min_new_tokens_follow_hugging_face(model, g
     ended = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=12, eos_token_id=eos)   # no pad id
     assert ended.shape == (1, 12 + 4) and int(ended[0, -1]) == eos      # stopped at the end-of-sequence id
     assert torch.equal(ended, hugging_face(model, ids[:1], attention_mask=mask[:1], max_new_tokens=12, eos_token_id=eos))
-    assert len(greedy_calls) == 5
+    one = torch.cat([torch.zeros(1, 1, dtype=torch.long), ids[:1, 1:]], dim=1)   # holds id 0, no pad id, no mask
+    assert torch.equal(model.generate(one, max_new_tokens=12, eos_token_id=eos),
+                       hugging_face(model, one, max_new_tokens=12, eos_token_id=eos))
+    assert len(greedy_calls) == 6
 
 
 def test_a_given_generation_config_takes_its_unset_fields_from_the_models(model, greedy_calls):

@@ -156,7 +156,7 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
     given, own = kwargs.pop("generation_config", None), getattr(model, "generation_config", None)
     if len(args) > 1 or own is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] == 0 \
             or ids.dtype not in (torch.long, torch.int32) or not isinstance(mask, (torch.Tensor, type(None))) \
-            or model.config._get_generation_parameters():     # generate refuses a config set the legacy way
+            or getattr(model.config, "_get_generation_parameters", dict)():   # generate refuses the legacy way
         return None
     # generate's merge: the given config (or a blank one), its unset fields from the model's, then the call's
     config = copy.deepcopy(given) if given is not None else type(own)()
@@ -172,15 +172,14 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
     eos = config.eos_token_id
     eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
     pad = config.pad_token_id
-    if eos is not None and pad is None:
-        if ids.shape[0] > 1:
-            return None           # generate picks a pad id for finished rows and says so: let it
-        pad = 0                   # one row: it is never padded (its end-of-sequence id ends the call)
+    if eos is not None and pad is None and ids.shape[0] > 1:
+        return None               # generate picks a pad id for finished rows and says so: let it
     if mask is None and pad is not None and bool((ids == pad).any()):
         return None               # generate infers a mask from the pad ids
     if mask is not None and (mask.shape != ids.shape or not bool((mask == 1).logical_or(mask == 0).all())):
         return None
     warpers = _warpers(config) if config.do_sample else None
+    pad = 0 if pad is None else pad     # one row without a pad id: never padded (its end-of-sequence id ends it)
     return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer, warpers
 
 
