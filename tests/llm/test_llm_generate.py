@@ -117,8 +117,28 @@ def test_a_streamer_and_a_generation_config_are_honoured(model, greedy_calls):
     assert len(greedy_calls) == 1
 
 
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_repetition_penalty_gives_hugging_faces_tokens(model, greedy_calls, penalty, sample):
+    """Hugging Face's repetition penalty (Qwen2.5's instruct configs set 1.05) over prompt and reply, each row's
+    left padding left out as generate leaves it out; greedy and sampled, padded batch and one row."""
+    ids, mask = prompts(3, 10, seed=11)
+    for rows in (3, 1):
+        call = dict(attention_mask=mask[:rows], max_new_tokens=10, pad_token_id=0, repetition_penalty=penalty,
+                    do_sample=sample)
+        torch.manual_seed(5)
+        got = model.generate(ids[:rows], **call)
+        torch.manual_seed(5)
+        assert torch.equal(got, hugging_face(model, ids[:rows], **call)), rows
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0)
+    if not sample:      # the penalty changes what a greedy reply is
+        assert not torch.equal(plain, model.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0,
+                                                     repetition_penalty=penalty))
+    assert len(greedy_calls) == 3 + (0 if sample else 1)
+
+
 @pytest.mark.parametrize("kwargs", [
-    dict(num_beams=2), dict(return_dict_in_generate=True), dict(output_scores=True), dict(repetition_penalty=1.3),
+    dict(num_beams=2), dict(return_dict_in_generate=True), dict(output_scores=True), dict(no_repeat_ngram_size=2),
     dict(max_length=12), dict(max_new_tokens=None), dict(use_cache=False), dict(logits_processor=None),
     dict(num_return_sequences=2, do_sample=True), dict(do_sample=True, typical_p=0.9), dict(temperature=0.7),
 ])

@@ -120,7 +120,8 @@ def _install_generate_hook(model: Any, runtime: DecoderRuntime) -> None:
 # call to Hugging Face's own generate, as do beams, logits processors, stopping criteria and returned dicts.
 # SAMPLING_FIELDS only with do_sample (greedy with them set is generate's, which warns that they are unused).
 LOOP_FIELDS = {"max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "do_sample",
-               "num_beams", "num_return_sequences", "use_cache", "transformers_version", "_from_model_config"}
+               "num_beams", "num_return_sequences", "use_cache", "repetition_penalty", "transformers_version",
+               "_from_model_config"}
 SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "min_p"}
 OFF_FIELDS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}    # generate's own, when a config leaves them unset
@@ -146,9 +147,10 @@ def _warpers(config: Any) -> list:
 
 
 def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
-    """(ids, mask, new, min_new, eos, pad, streamer, warpers) when a ``generate`` call is one-beam greedy or
-    sampling (temperature, top-k, top-p, min-p) that :meth:`DecoderRuntime.generate_tokens` reproduces token for
-    token (sampling: for the same seed); None sends it to Hugging Face's generate."""
+    """(ids, mask, new, min_new, eos, pad, streamer, warpers, penalties) when a ``generate`` call is one-beam
+    greedy or sampling (temperature, top-k, top-p, min-p), with or without a repetition penalty, that
+    :meth:`DecoderRuntime.generate_tokens` reproduces token for token (sampling: for the same seed); None sends
+    it to Hugging Face's generate."""
     kwargs = dict(kwargs)
     ids = args[0] if args else kwargs.pop("inputs", None)
     ids = kwargs.pop("input_ids", None) if ids is None else ids
@@ -180,7 +182,21 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
         return None
     warpers = _warpers(config) if config.do_sample else None
     pad = 0 if pad is None else pad     # one row without a pad id: never padded (its end-of-sequence id ends it)
-    return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer, warpers
+    return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer, warpers, \
+        _penalties(config, mask)
+
+
+def _penalties(config: Any, mask: Optional["torch.Tensor"]) -> list:
+    """Hugging Face's repetition penalty as ``generate`` builds it: each row's left padding left out of it (the
+    mask's leading zeros; generate has dropped a mask of ones by then, so none)."""
+    penalty = config.repetition_penalty
+    if penalty is None or penalty == 1.0:
+        return []
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    padded = mask is not None and not bool((mask == 1).all())
+    return [RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=(mask != 0).int().argmax(dim=1)
+                                             if padded else None)]
 
 
 def _install_loop_generate(model: Any, runtime: DecoderRuntime) -> None:

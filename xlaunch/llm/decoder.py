@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from xlaunch._torch import needs_torch
 
@@ -215,10 +215,10 @@ class DecoderRuntime:
     @torch.no_grad()
     def generate_tokens(self, ids: "torch.Tensor", attention_mask: Optional["torch.Tensor"], new_tokens: int,
                         min_new_tokens: int, eos: Optional["torch.Tensor"], pad: Optional[int], streamer: Any,
-                        warpers: Optional[list] = None) -> "torch.Tensor":
+                        warpers: Optional[list] = None, penalties: Sequence[Any] = ()) -> "torch.Tensor":
         """``ids`` [B, S] and ``new_tokens`` more, as Hugging Face's ``generate`` chooses them with one beam (its
-        loop's work without its per-step bookkeeping): logits in fp32; ``eos`` (ids) banned until
-        ``min_new_tokens`` are out; then greedy (``warpers`` None), or sampled from the softmax of the scores
+        loop's work without its per-step bookkeeping): logits in fp32; ``penalties`` (Hugging Face's repetition
+        penalty) applied; ``eos`` (ids) banned until ``min_new_tokens`` are out; then greedy (``warpers`` None), or sampled from the softmax of the scores
         after ``warpers`` (Hugging Face's own logits warpers, in its order; ``torch.multinomial``, so a seed gives
         generate's tokens); a row that produced one of ``eos`` is finished and gets ``pad`` from then on; stops
         when every row is finished. Positions follow ``attention_mask`` (left padding) as generate's do;
@@ -235,12 +235,14 @@ class DecoderRuntime:
         for step in range(new_tokens):
             logits, cache = self.forward(step_input, mask, positions, cache, None, True, 1)
             scores = logits[:, -1, :].float()
+            so_far = torch.cat(out, dim=-1) if penalties or warpers is not None else ids
+            for penalty in penalties:
+                scores = penalty(so_far, scores)
             if eos is not None and step < min_new_tokens:
                 scores[:, eos] = -float("inf")
             if warpers is None:
                 chosen = scores.argmax(dim=-1)
             else:
-                so_far = torch.cat(out, dim=-1)
                 for warp in warpers:
                     scores = warp(so_far, scores)
                 chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
