@@ -224,8 +224,7 @@ def warn_if_bf16_is_slow(dtype: Any, caller: str, stacklevel: int = 2) -> None:
 
 def lm_head_packing(kind: str, in_features: int, group_size: int) -> tuple[str, int]:
     """(kind, group size) of lm_head under the layers' ``kind`` (:func:`xlaunch.llm.footprint.lm_head_kind`)."""
-    head = footprint.lm_head_kind(kind, in_features, kernels=native.ops() is not None)
-    return head, footprint.HEAD_GROUP if head == "int6" else group_size
+    return footprint.lm_head_packing(kind, in_features, group_size, kernels=native.ops() is not None)
 
 
 def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128) -> Any:

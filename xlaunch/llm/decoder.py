@@ -211,18 +211,18 @@ class DecoderRuntime:
         logits = kernels.lm_head(x)
         return logits, (cache if use_cache else None)
 
-
     @torch.no_grad()
     def generate_tokens(self, ids: "torch.Tensor", attention_mask: Optional["torch.Tensor"], new_tokens: int,
                         min_new_tokens: int, eos: Optional["torch.Tensor"], pad: Optional[int], streamer: Any,
                         warpers: Optional[list] = None, penalties: Sequence[Any] = ()) -> "torch.Tensor":
         """``ids`` [B, S] and ``new_tokens`` more, as Hugging Face's ``generate`` chooses them with one beam (its
         loop's work without its per-step bookkeeping): logits in fp32; ``penalties`` (Hugging Face's repetition
-        penalty) applied; ``eos`` (ids) banned until ``min_new_tokens`` are out; then greedy (``warpers`` None), or sampled from the softmax of the scores
-        after ``warpers`` (Hugging Face's own logits warpers, in its order; ``torch.multinomial``, so a seed gives
-        generate's tokens); a row that produced one of ``eos`` is finished and gets ``pad`` from then on; stops
-        when every row is finished. Positions follow ``attention_mask`` (left padding) as generate's do;
-        ``streamer`` gets the prompt, then each step's tokens, then ``end()``."""
+        penalty) applied; ``eos`` (ids) banned until ``min_new_tokens`` are out; then greedy (``warpers`` None),
+        or sampled from the softmax of the scores after ``warpers`` (Hugging Face's own logits warpers, in its
+        order; ``torch.multinomial``, so a seed gives generate's tokens); a row that produced one of ``eos`` is
+        finished and gets ``pad`` from then on; stops when every row is finished. Positions follow
+        ``attention_mask`` (left padding) as generate's do; ``streamer`` gets the prompt, then each step's
+        tokens, then ``end()``."""
         batch, length = ids.shape
         cache = self.new_cache(capacity=length + new_tokens)
         mask = attention_mask

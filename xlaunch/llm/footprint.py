@@ -29,6 +29,7 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU flags of native bf16 dot pro
 LOAD_CHUNK_BYTES = 1 << 20                # xlaunch.llm.loader.CHUNK_BYTES
 WIDEN_SLICE_BYTES = 32 * MiB              # the most of a weight the dense route widens at once (per thread)
 HEAD_GROUP = 64                           # the INT6 lm_head's group of inputs under INT4 weights
+GROUPED = ("int4", "int6")                # the weight kinds quantized per group of inputs
 
 
 def lm_head_kind(weights: str, in_features: int, kernels: bool = True) -> str:
@@ -40,6 +41,13 @@ def lm_head_kind(weights: str, in_features: int, kernels: bool = True) -> str:
     if weights != "int4":
         return weights
     return "int6" if kernels and in_features % HEAD_GROUP == 0 else "int8"
+
+
+def lm_head_packing(weights: str, in_features: int, group_size: int, kernels: bool = True) -> tuple[str, int]:
+    """(kind, group size) of lm_head under the layers' ``weights`` kind (:func:`lm_head_kind`): INT6 takes
+    :data:`HEAD_GROUP`, any other kind the layers' ``group_size``."""
+    kind = lm_head_kind(weights, in_features, kernels)
+    return kind, HEAD_GROUP if kind == "int6" else group_size
 
 
 def _buffer(nbytes: int) -> int:
@@ -95,8 +103,7 @@ def packed_bytes(shape: Shape, dtype: str, weights: Optional[str] = None, group_
     per_layer = sum(packed_linear_bytes(n, k_, kind, group_size) for n, k_ in groups)
     biases = groups[0][0] * shape.qkv_bias + shape.hidden * shape.o_bias
     per_layer += size * (biases + 2 * shape.hidden)                       # biases and the two norms
-    head_kind = lm_head_kind(kind, shape.hidden)
-    head = packed_linear_bytes(shape.vocab, shape.hidden, head_kind, HEAD_GROUP if head_kind == "int6" else group_size)
+    head = packed_linear_bytes(shape.vocab, shape.hidden, *lm_head_packing(kind, shape.hidden, group_size))
     embed = 0 if shape.tied else _buffer(embedding_bytes(shape, dtype) * shape.vocab * shape.hidden)
     return shape.layers * per_layer + head + embed + size * shape.hidden
 

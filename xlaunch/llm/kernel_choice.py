@@ -73,7 +73,7 @@ def mode() -> Union[str, int]:
 
 
 def shape_key(kind: str, n: int, k: int, group_size: int, dtype: "torch.dtype", threads: int) -> str:
-    return f"{kind}:{n}x{k}:g{group_size if kind in ('int4', 'int6') else 0}:{str(dtype).removeprefix('torch.')}:t{threads}"
+    return f"{kind}:{n}x{k}:g{group_size if kind in footprint.GROUPED else 0}:{str(dtype).removeprefix('torch.')}:t{threads}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,7 +40,7 @@ with needs_torch(__name__):
 from xlaunch.llm import footprint, kernel_choice, native  # noqa: E402
 
 KINDS = ("fp32", "bf16", "int8", "int4", "int6")
-GROUPED = ("int4", "int6")   # the kinds quantized per group of ``group_size`` inputs
+GROUPED = footprint.GROUPED   # the kinds quantized per group of ``group_size`` inputs
 GROUP_SIZES = (32, 64, 128)
 BLOCK = 64           # output channels per native block (csrc/linear.h: kBlock)
 INT4_ZERO = 8        # int4 values are stored unsigned, q + 8
@@ -70,6 +70,11 @@ def quantize_int4(weight: "torch.Tensor", group_size: int, bits: int = 4) -> tup
 
 def quantize_int6(weight: "torch.Tensor", group_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
     return quantize_int4(weight, group_size, bits=6)      # values in [-32, 31]
+
+
+def quantize(kind: str, weight: "torch.Tensor", group_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(values, scales) of ``weight`` quantized as ``kind`` ("int8", "int4" or "int6"; the last two per group)."""
+    return quantize_int8(weight) if kind == "int8" else quantize_int4(weight, group_size, 6 if kind == "int6" else 4)
 
 
 def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
@@ -180,6 +185,9 @@ def unpack_int6(packed: "torch.Tensor", n: int) -> "torch.Tensor":
     return ((_nibble_values(packed[..., :2 * BLOCK], n, 4) | (high << 4)) - INT6_ZERO).to(torch.int8)
 
 
+NATIVE_PACKERS = {"int8": pack_int8, "int4": pack_int4, "int6": pack_int6}   # values -> csrc/linear.h's layout
+
+
 def _int6_rows(packed: "torch.Tensor", channels: "torch.Tensor", k: int) -> "torch.Tensor":
     """The int6 values of rows ``channels`` of a native int6 weight, int16 ``[len(channels), k]``."""
     blocks, steps = packed.shape[:2]
@@ -236,22 +244,12 @@ class PackedLinear(nn.Module):
             weight_buf = weight.float().contiguous()
         elif self.kind == "bf16":
             weight_buf = pack_bf16(weight) if self.layout == "native" else weight.to(torch.bfloat16).contiguous()
-        elif self.kind == "int8":
-            q, scale = quantize_int8(weight)
-            if self.layout == "native":
-                weight_buf, scales = pack_int8(q), pack_channels(scale)
-            else:
-                weight_buf, scales = q.contiguous(), scale
-        elif self.kind == "int6":
-            q, scale = quantize_int6(weight, self.group_size)
-            if self.layout == "native":
-                weight_buf, scales = pack_int6(q), pack_channels(scale)
-            else:   # no ATen kernel: the values, dequantized to multiply
-                weight_buf, scales = q.contiguous(), scale
         else:
-            q, scale = quantize_int4(weight, self.group_size)
+            q, scale = quantize(self.kind, weight, self.group_size)
             if self.layout == "native":
-                weight_buf, scales = pack_int4(q), pack_channels(scale)
+                weight_buf, scales = NATIVE_PACKERS[self.kind](q), pack_channels(scale)
+            elif self.kind != "int4":   # int8: ATen's own layout; int6 (no ATen kernel): dequantized to multiply
+                weight_buf, scales = q.contiguous(), scale
             else:   # ATen wants N in multiples of 16; padded channels have scale 0
                 u = _pad_rows(q.to(torch.int32) + INT4_ZERO, 16, INT4_ZERO)
                 weight_buf = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)

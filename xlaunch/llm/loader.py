@@ -25,8 +25,8 @@ from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.api import _check, default_dtype, lm_head_packing, warn_if_bf16_is_slow  # noqa: E402
 from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
 from xlaunch.llm.decoder import embedding_table  # noqa: E402
-from xlaunch.llm.linear import (BLOCK, GROUPED, PackedLinear, pack_bf16, pack_channels, pack_int4,  # noqa: E402
-                                pack_int6, pack_int8, quantize_int4, quantize_int6, quantize_int8)
+from xlaunch.llm.linear import (BLOCK, GROUPED, NATIVE_PACKERS, PackedLinear, pack_bf16, pack_channels,  # noqa: E402
+                                quantize)
 
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "int6": torch.uint8}
 CHUNK_BYTES = 1 << 20         # fp32 bytes of source rows packed at a time (small: glibc keeps freed chunks)
@@ -168,14 +168,11 @@ def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dt
             if kind == "bf16":
                 weight[where] = pack_bf16(rows) if layout == "native" else rows.to(torch.bfloat16)
                 continue
-            quantize, pack = {"int8": (lambda w: quantize_int8(w), pack_int8),
-                              "int4": (lambda w: quantize_int4(w, group_size), pack_int4),
-                              "int6": (lambda w: quantize_int6(w, group_size), pack_int6)}[kind]
-            q, scale = quantize(rows)
+            q, scale = quantize(kind, rows, group_size)
             if layout == "aten":
                 weight[where], scales[where] = q, scale
             else:
-                weight[where] = pack(q)
+                weight[where] = NATIVE_PACKERS[kind](q)
                 scales[where] = pack_channels(scale)
     release_free_heap()     # this layer's chunks, before the next one's
     return PackedLinear.from_packed(weight, scales, bias, kind, dtype, group_size, n, k, layout)

@@ -45,10 +45,10 @@ void widen_nibbles(const at::Tensor& packed, const float* scales, int64_t block,
 }
 
 // One block's channels, kTile k values at a time: the tile's packed bytes are read once from L1 while
-// each channel's row of the output is written in runs of kTile.
+// each channel's row of the output is written in runs of kTile. bits: 6 for an int6 weight (uint8), else 4.
 template <bool Bf16Out>
 void widen_block(const at::Tensor& packed, const float* scales, int64_t block, int64_t n, int64_t k,
-                 int64_t group_size, void* out) {
+                 int64_t group_size, int bits, void* out) {
   const int64_t c0 = block * kBlock, width = std::min(kBlock, n - c0);
   if (packed.scalar_type() == at::kBFloat16) {          // [N/64, K2, 64 x 2]: channel c's (k, k+1) pairs
     const int64_t k2 = packed.size(1);
@@ -57,9 +57,9 @@ void widen_block(const at::Tensor& packed, const float* scales, int64_t block, i
       const int64_t k1 = std::min(k, k0 + kTile);
       for (int64_t c = 0; c < width; ++c)
         for (int64_t kk = k0; kk < k1; ++kk) {
-          const uint16_t bits = w[(kk >> 1) * 2 * kBlock + 2 * c + (kk & 1)];
-          if constexpr (Bf16Out) static_cast<uint16_t*>(out)[(c0 + c) * k + kk] = bits;
-          else static_cast<float*>(out)[(c0 + c) * k + kk] = bf16_bits_to_float(bits);
+          const uint16_t word = w[(kk >> 1) * 2 * kBlock + 2 * c + (kk & 1)];
+          if constexpr (Bf16Out) static_cast<uint16_t*>(out)[(c0 + c) * k + kk] = word;
+          else static_cast<float*>(out)[(c0 + c) * k + kk] = bf16_bits_to_float(word);
         }
     }
   } else if (packed.scalar_type() == at::kChar) {      // [N/64, K/4, 64 x 4]; scales [N/64, 64]
@@ -72,7 +72,7 @@ void widen_block(const at::Tensor& packed, const float* scales, int64_t block, i
           put<Bf16Out>(out, (c0 + c) * k + kk, float(w[int8_offset(kk, c)]) * scale);
       }
     }
-  } else if (packed.size(2) == nibble_step_bytes(6)) {   // int6: uint8 [N/64, K/4, 192]; scales [N/64, G, 64]
+  } else if (bits == 6) {                              // int6: uint8 [N/64, K/4, 192]; scales [N/64, G, 64]
     widen_nibbles<Bf16Out, 6>(packed, scales, block, n, k, group_size, out);
   } else {                                              // int4: uint8 [N/64, K/4, 64 x 2]; scales [N/64, G, 64]
     widen_nibbles<Bf16Out, 4>(packed, scales, block, n, k, group_size, out);
@@ -95,8 +95,8 @@ void widen_weight_(at::Tensor& out, const at::Tensor& packed, const std::optiona
   void* o = out.data_ptr();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      if (bf16_out) widen_block<true>(packed, s, block, n, k, group_size, o);
-      else widen_block<false>(packed, s, block, n, k, group_size, o);
+      if (bf16_out) widen_block<true>(packed, s, block, n, k, group_size, bits, o);
+      else widen_block<false>(packed, s, block, n, k, group_size, bits, o);
     }
   });
 }
