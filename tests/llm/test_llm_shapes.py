@@ -181,6 +181,25 @@ def test_default_activations_follow_the_same_flags_as_optimize():
     assert footprint.default_activations() == {torch.bfloat16: "bf16", torch.float32: "fp32"}[api.default_dtype()]
 
 
+@pytest.mark.parametrize("cap, native", [("", True), ("avx2", False), ("avx512", False), ("avx512_vnni", False),
+                                          ("avx512_bf16", True), ("amx", True)])
+def test_native_bf16_follows_the_kernels_cap(recorded_machine, monkeypatch, cap, native):
+    """On a recorded AMX Xeon: capped below ``avx512_bf16``, the kernels widen bf16 as on an AVX2 CPU, so bf16
+    is not native there and the defaults (fp32 activations, no widening buffer) follow the cap."""
+    from xlaunch.machine import clear_cache
+
+    monkeypatch.setenv("XLAUNCH_FSROOT", str(recorded_machine("xeon-2s-amx")))
+    monkeypatch.setenv("XLAUNCH_CPU_ISA", cap)
+    clear_cache()
+    try:
+        assert footprint.native_bf16() is native
+        assert footprint.default_activations() == ("bf16" if native else "fp32")
+        shape = shapes.Shape(shapes.preset("llama-3.2-1b"))
+        assert (footprint.widening_buffer_bytes(shape, "bf16") > 0) is native
+    finally:
+        clear_cache()
+
+
 @pytest.mark.live
 def test_example_refuses_a_shape_too_big_for_the_memory(tmp_path):
     (tmp_path / "proc").mkdir()
