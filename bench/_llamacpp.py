@@ -6,6 +6,7 @@ Cache layout (``$XLAUNCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/xlaunch``, else ``~
 
     llamacpp/src/llama_cpp_python-<version>/vendor/llama.cpp     the source
     llamacpp/build-<version>-<cpu key>/bin/llama-bench            the build (-DGGML_NATIVE=ON)
+    llamacpp/build-<version>-<ISA level>/bin/llama-bench          bench/llm.py --isa's build (that level only)
     llamacpp/tokenizer-spm32000-seed0/tokenizer.model             the presets' tokenizer
     llm-shapes/<shape>-seed0-<key>/{config.json,model.safetensors,tokenizer.model}   a preset's checkpoint
     llamacpp/gguf-<model key>/gguf-<version>/{f32,bf16,q8_0,q4_0}.gguf   (never in a user's --model folder)
@@ -109,23 +110,44 @@ def _plain_members(bundle: tarfile.TarFile) -> Any:
             yield member
 
 
-def build(root: Optional[Path] = None) -> Path:
+# ggml's CPU options for a build capped at one of xlaunch's ISA levels (bench/llm.py --isa): what each level's
+# ``-march`` may emit (xlaunch/_isa_levels.py), nothing above it: AVX-VNNI (Zen 4/5, Alder Lake) stays off at
+# ``avx2``, since x86-64-v3 CPUs such as Zen 3 and Haswell lack it.
+_X86_64_V3 = ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2")
+_ABOVE = ("AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16")
+_LEVEL_ON = {"avx2": (), "avx512": ("AVX512",), "avx512_vnni": ("AVX512", "AVX512_VNNI"),
+             "avx512_bf16": ("AVX512", "AVX512_VNNI", "AVX512_BF16")}
+ISA_OPTIONS = {level: tuple(f"-DGGML_{name}={'ON' if name in _X86_64_V3 + on else 'OFF'}" for name in _X86_64_V3 + _ABOVE)
+               for level, on in _LEVEL_ON.items()}
+
+
+def cmake_cpu_options(isa: Optional[str]) -> tuple[str, ...]:
+    """``-DGGML_NATIVE=ON`` for this CPU (``isa`` None), else ggml's options for that level, native off."""
+    if isa is None:
+        return ("-DGGML_NATIVE=ON",)
+    if isa not in ISA_OPTIONS:
+        raise ValueError(f"no llama.cpp build options for the ISA level {isa!r} (known: {', '.join(ISA_OPTIONS)})")
+    return ("-DGGML_NATIVE=OFF", *ISA_OPTIONS[isa])
+
+
+def build(root: Optional[Path] = None, isa: Optional[str] = None) -> Path:
     """The folder holding ``llama-bench``, ``llama-batched-bench`` and ``llama-quantize``, built once per version and CPU
-    (cmake + ninja, ``-DGGML_NATIVE=ON``, under ``nice -n 10``: about 4 min on 2 cores)."""
+    (cmake + ninja, ``-DGGML_NATIVE=ON``, under ``nice -n 10``: about 4 min on 2 cores); with ``isa`` (an xlaunch
+    level, :data:`ISA_OPTIONS`), once per version and level, for any CPU that runs the level."""
     root = root or cache_root()
-    final = root / f"build-{VERSION}-{cpu_key()}"
+    final = root / f"build-{VERSION}-{cpu_key() if isa is None else isa}"
     if all((final / "bin" / target).exists() for target in TARGETS):
         return final / "bin"
     source = source_dir(root)
     for tool in ("cmake", "ninja"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} is not on PATH (pip install cmake ninja, or the OS packages)")
-    staging = root / f"build-{VERSION}-{cpu_key()}.tmp"
+    staging = final.with_name(final.name + ".tmp")
     staging.mkdir(parents=True, exist_ok=True)
     log = staging / "build.log"
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     _run_logged([*nice, "cmake", "-S", str(source), "-B", str(staging), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                 "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                 *cmake_cpu_options(isa), "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
                 log, "configuring llama.cpp (cmake)")
     jobs = str(max(1, len(os.sched_getaffinity(0))))
     _run_logged([*nice, "cmake", "--build", str(staging), "--target", *TARGETS, "-j", jobs], log,

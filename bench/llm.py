@@ -5,7 +5,7 @@
     .venv/bin/python bench/llm.py [--quick] [--threads 1,2] [--routes hf-fp32,llamacpp-bf16,...]
                                   [--shape llama-168m | --model PATH]
                                   [--rounds 5] [--prompt 32] [--new-tokens 48] [--batch 1] [--no-llamacpp]
-                                  [--json PATH] [--lock PATH] [--list] [--instances 1,2]
+                                  [--json PATH] [--lock PATH] [--list] [--instances 1,2] [--isa avx2]
 
 The model is a preset shape (``--shape``, default ``llama-168m``: the published configs of
 Llama-3.2-1B/3B, Qwen2.5-0.5B/1.5B and Mistral-7B-v0.1 in xlaunch/llm/shapes.py) with random weights
@@ -40,6 +40,12 @@ shared); both report aggregate tokens/s (B x tokens / time), prefill and decode.
 mapping one packed file, and k llama-bench processes pinned by ``taskset`` to the same cores (from
 ``xlaunch --dry-run --json``); it reports aggregate decode tokens/s and the memory the k hold together
 (bench/_llm_instances.py).
+
+``--isa LEVEL`` (``avx2``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``) runs both sides as a CPU of that level
+would: the torch routes with ``XLAUNCH_CPU_ISA``, ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` capped
+there (xlaunch's defaults follow: fp32 activations below ``avx512_bf16``), llama.cpp built for that level
+with its native build off (AVX-VNNI off at ``avx2``). On a Zen 4 or 5, ``--isa avx2`` shows the code an AVX2
+machine runs; the ratios are this CPU's (its caches and memory), not that machine's.
 """
 from __future__ import annotations
 
@@ -88,6 +94,9 @@ ROUTES = {route.name: route for route in (
       for kind in _llamacpp.GGUF_TYPES),
 )}
 COMPILED = ("hf-bf16-compiled", "torchao-int8")
+# --isa: each level's caps for ATen's own kernels and oneDNN (xlaunch's kernels take the level's name)
+ISA_CAPS = {"avx2": ("avx2", "AVX2"), "avx512": ("avx512", "AVX512_CORE"),
+            "avx512_vnni": ("avx512", "AVX512_CORE_VNNI"), "avx512_bf16": ("avx512", "AVX512_CORE_BF16")}
 # --instances: xlaunch's routes, each beside the llama.cpp route of its precision
 INSTANCE_PAIRS = {"xlaunch-bf16": "llamacpp-bf16", "xlaunch-int8": "llamacpp-q8_0", "xlaunch-int4": "llamacpp-q4_0"}
 
@@ -124,6 +133,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--instances", type=int_list, help="run k copies at once, each on its own cores: xlaunch "
                         "routes through xlaunch --ninstances k (one shared packed file), llama.cpp pinned the same; "
                         "a list (1,2) runs each k")
+    parser.add_argument("--isa", choices=list(ISA_CAPS),
+                        help="run both sides at this ISA level, as a CPU of that level would (see the top)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)      # internal: one torch route's process
     parser.add_argument("--instance-worker", action="store_true", help=argparse.SUPPRESS)   # internal: one instance
     parser.add_argument("--pack", help=argparse.SUPPRESS)        # internal: write a route's packed file
@@ -144,6 +155,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      "at batch 1)")
     if args.shape and args.model:
         parser.error("--shape and --model exclude each other")
+    if args.isa and not (args.worker or args.instance_worker or args.pack):
+        from xlaunch._isa_levels import chosen_level
+
+        try:
+            chosen_level(cap=args.isa)
+        except ValueError as error:
+            parser.error(f"--isa {args.isa}: {str(error).split(': ', 1)[1]}")
     if args.routes:
         names = [name.strip() for name in args.routes.split(",") if name.strip()]
         unknown = [name for name in names if name not in ROUTES]
@@ -160,6 +178,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         names = [name for name in names if ROUTES[name].engine != "llamacpp"]
     args.route_names = names
     return args
+
+
+def isa_env(isa: Optional[str]) -> dict[str, str]:
+    """The environment that caps a torch process at ``isa`` (empty for the CPU's own level)."""
+    if isa is None:
+        return {}
+    aten, onednn = ISA_CAPS[isa]
+    return {"XLAUNCH_CPU_ISA": isa, "ATEN_CPU_CAPABILITY": aten, "ONEDNN_MAX_CPU_ISA": onednn}
 
 
 def list_routes() -> str:
@@ -358,7 +384,7 @@ class Worker:
     """One torch route in its own process, ``OMP_NUM_THREADS`` set before torch loads."""
 
     def __init__(self, route: str, folder: Path, threads: int, args: argparse.Namespace) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **isa_env(args.isa)}
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"xlaunch-bench-llm-{route}-", suffix=".log")
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--worker", route, "--model-dir", str(folder), "--prompt", str(args.prompt),
@@ -414,9 +440,11 @@ def bench_lock(path: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def prepare_llamacpp(kinds: Sequence[str], model: _llm_model.BenchModel) -> tuple[Path, dict[str, Path]]:
-    print("llama.cpp: build and GGUF files (cached under " f"{_llamacpp.cache_root()})", flush=True)
-    bin_dir = _llamacpp.build()
+def prepare_llamacpp(kinds: Sequence[str], model: _llm_model.BenchModel,
+                     isa: Optional[str] = None) -> tuple[Path, dict[str, Path]]:
+    print("llama.cpp: build" + (f" for the {isa} level" if isa else "") + " and GGUF files (cached under "
+          f"{_llamacpp.cache_root()})", flush=True)
+    bin_dir = _llamacpp.build(isa=isa)
     source = _llamacpp.source_dir()
     return bin_dir, {kind: _llamacpp.gguf_file(model.folder, kind, bin_dir, source, model.gguf_dir, model.q4_source())
                      for kind in kinds}
@@ -603,10 +631,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     description = machine()
     print(f"model: {model.name} ({model.shape.parameters() / 1e6:.1f}M parameters); routes: {', '.join(args.route_names)}; "
           f"threads {args.threads}; {args.rounds} rounds; prompt {args.prompt}, new tokens {args.new_tokens}, "
-          f"batch {args.batch}; "
+          f"batch {args.batch}; " + (f"ISA capped at {args.isa}; " if args.isa else "") +
           f"lock {args.lock or 'none'}", flush=True)
     folder = model_dir(model)
-    llama = llamacpp_if_possible(kinds, model)
+    llama = llamacpp_if_possible(kinds, model, args.isa)
     from _machine_bench import write_results
 
     def save(final: bool) -> None:
@@ -614,7 +642,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_results(description, args.json, {
             "bench": "llm", "model": model.name, "config": model.config, "prompt": args.prompt,
             "new_tokens": args.new_tokens, "batch": args.batch, "rounds": args.rounds,
-            "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()}, "results": results}, final)
+            "isa": args.isa, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key(), "isa": args.isa},
+            "results": results}, final)
 
     results: dict[str, Any] = {}
     for threads in args.threads:
@@ -627,13 +656,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def llamacpp_if_possible(kinds: Sequence[str], model: _llm_model.BenchModel) -> Any:
+def llamacpp_if_possible(kinds: Sequence[str], model: _llm_model.BenchModel, isa: Optional[str] = None) -> Any:
     """llama.cpp built and the model's GGUF files made for ``kinds``; None (with one line) when it cannot
     be: no compiler, no network. The torch rows still run."""
     if not kinds:
         return None
     try:
-        return prepare_llamacpp(kinds, model)
+        return prepare_llamacpp(kinds, model, isa)
     except Exception as error:
         print(f"llama.cpp unavailable: {type(error).__name__}: {error}", flush=True)
         return None
@@ -642,7 +671,7 @@ def llamacpp_if_possible(kinds: Sequence[str], model: _llm_model.BenchModel) -> 
 def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds: Sequence[str]) -> int:
     """``--instances``: plan every (k, threads) with xlaunch's dry run first (a refused one stops the run in
     one line), then pack, then each route's k copies at once."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **isa_env(args.isa),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     try:
         cpu_plans = _llm_instances.plans(args, __file__, env)
@@ -654,7 +683,7 @@ def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds
           f"instances {args.instances}; threads {args.threads}; {args.rounds} rounds per instance; prompt {args.prompt}, "
           f"new tokens {args.new_tokens}", flush=True)
     model_dir(model)
-    llama = llamacpp_if_possible(kinds, model)
+    llama = llamacpp_if_possible(kinds, model, args.isa)
     packed = _llm_instances.pack_all(args.route_names, model, __file__, env)
     from _machine_bench import write_results
 
@@ -663,7 +692,8 @@ def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds
         write_results(description, args.json, {
             "bench": "llm-instances", "model": model.name, "config": model.config, "prompt": args.prompt,
             "new_tokens": args.new_tokens, "rounds": args.rounds, "instances": args.instances, "threads": args.threads,
-            "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()}, "results": results}, final)
+            "isa": args.isa, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key(), "isa": args.isa},
+            "results": results}, final)
 
     with bench_lock(args.lock):
         results = _llm_instances.run(args, packed, llama, cpu_plans, __file__, env, median, _llamacpp, INSTANCE_PAIRS,

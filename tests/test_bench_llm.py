@@ -72,6 +72,46 @@ def test_bad_arguments_stop_with_a_message(argv: list[str], capsys: pytest.Captu
     assert argv[1].split(",")[-1] in capsys.readouterr().err
 
 
+def test_isa_caps_both_sides_at_one_level(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """--isa: the torch workers' caps (xlaunch, ATen, oneDNN), llama.cpp's cmake options with nothing above the
+    level (AVX-VNNI off at avx2: Zen 3 lacks it), a build folder per level, and a level above this CPU refused."""
+    llm, llamacpp = load("llm"), load("_llamacpp")
+    from xlaunch import _isa_levels
+
+    assert llm.isa_env(None) == {}
+    assert llm.isa_env("avx2") == {"XLAUNCH_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert llm.isa_env("avx512_bf16")["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+    assert set(llm.ISA_CAPS) == set(llamacpp.ISA_OPTIONS) <= set(_isa_levels.LEVELS)
+    assert llamacpp.cmake_cpu_options(None) == ("-DGGML_NATIVE=ON",)
+    avx2 = llamacpp.cmake_cpu_options("avx2")
+    assert avx2[0] == "-DGGML_NATIVE=OFF" and {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX_VNNI=OFF",
+                                                "-DGGML_AVX512=OFF"} <= set(avx2)
+    assert not [option for option in avx2 if "AVX512" in option and option.endswith("=ON")]
+    bf16 = llamacpp.cmake_cpu_options("avx512_bf16")
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_INT8=OFF"} <= set(bf16)
+    for isa in llamacpp.ISA_OPTIONS:          # each option once: a later -D would silently win
+        names = [option.split("=")[0] for option in llamacpp.cmake_cpu_options(isa)]
+        assert len(names) == len(set(names)), isa
+    with pytest.raises(ValueError, match="amx"):
+        llamacpp.cmake_cpu_options("amx")
+
+    monkeypatch.setitem(_isa_levels._host, "levels", ("baseline", "avx2"))     # an AVX2 CPU
+    assert llm.parse_args(["--isa", "avx2"]).isa == "avx2"
+    with pytest.raises(SystemExit) as stop:
+        llm.parse_args(["--isa", "avx512"])
+    assert stop.value.code == 2 and "--isa avx512: this CPU cannot execute it; it runs: baseline, avx2" in capsys.readouterr().err
+
+
+def test_an_isa_build_is_kept_apart_from_the_native_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llamacpp = load("_llamacpp")
+    for name in (f"build-{llamacpp.VERSION}-avx2", f"build-{llamacpp.VERSION}-{llamacpp.cpu_key()}"):
+        (tmp_path / name / "bin").mkdir(parents=True)
+        for target in llamacpp.TARGETS:
+            (tmp_path / name / "bin" / target).write_text("")
+    assert llamacpp.build(tmp_path, isa="avx2") == tmp_path / f"build-{llamacpp.VERSION}-avx2" / "bin"
+    assert llamacpp.build(tmp_path) == tmp_path / f"build-{llamacpp.VERSION}-{llamacpp.cpu_key()}" / "bin"
+
+
 def test_llama_bench_json() -> None:
     llamacpp = load("_llamacpp")
     (test,) = llamacpp.parse_llama_bench("build: 1 (unknown)\n" + DECODE_JSON)
