@@ -237,9 +237,12 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_once_and_runs_bf16(llama, monke
     assert caught == []
 
 
-def test_native_bf16_reads_this_cpus_flags():
+def test_native_bf16_reads_this_cpus_flags(monkeypatch):
+    """Uncapped (test_llm_shapes checks the cap on a recorded machine)."""
     from xlaunch.llm import api
     from xlaunch.machine import current_machine
+
+    monkeypatch.delenv("XLAUNCH_CPU_ISA", raising=False)
 
     flags = current_machine().isa.flags
     assert api.native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
