@@ -412,10 +412,11 @@ def test_script_without_torch_never_imports_it(tmp_path) -> None:
 
 
 def test_bf16_follows_the_isa(scenarios, reference) -> None:
-    """bf16 only where the CPU has AVX512_BF16/AMX; otherwise fp32 and a line saying why."""
-    from xlaunch.machine import current_machine
+    """bf16 only where the CPU has AVX512_BF16/AMX (under ``ONEDNN_MAX_CPU_ISA``'s ceiling, as oneDNN runs it);
+    otherwise fp32 and a line saying why."""
+    from xlaunch.kernels.native_dtypes import isa_flags
 
-    flags = current_machine().isa.flags
+    flags = isa_flags()
     native = bool({"avx512_bf16", "amx_bf16"} & flags)
     result = scenarios("none")      # launched with --dtype bfloat16
     got = payload(result)
