@@ -80,6 +80,23 @@ def quiet_import_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No automatic collector passes inside (the state before is restored after): while a large library
+    imports (transformers' model modules pull in torch._dynamo, torchao...), each full pass traverses every
+    object imported so far: importing Llama's modeling made 6 of them. Cycles made inside wait for the next
+    pass after it. ``from_pretrained`` of a packed 168M file, whole process: 2.68 -> 2.55 s (Zen 5 VM)."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def import_quietly(*modules: str, chain: bool = False) -> None:
     """Import each of ``modules`` that is installed, within :func:`quiet_import_logs`.
 
@@ -90,7 +107,7 @@ def import_quietly(*modules: str, chain: bool = False) -> None:
     """
     import importlib.util
 
-    with quiet_import_logs():
+    with quiet_import_logs(), paused_gc():
         for module in modules:
             try:
                 if importlib.util.find_spec(module.partition(".")[0]) is not None:

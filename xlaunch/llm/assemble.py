@@ -13,7 +13,7 @@ import mmap
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from xlaunch._torch import needs_torch
+from xlaunch._torch import needs_torch, paused_gc
 
 with needs_torch(__name__):
     import torch
@@ -43,7 +43,7 @@ def skeleton(config: Any) -> tuple[Any, DecoderSpec]:
     """(the causal LM of ``config`` on the meta device, its spec); a ValueError when not supported."""
     import transformers
 
-    with torch.device("meta"):
+    with paused_gc(), torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     spec = describe(model)
     if not isinstance(spec, DecoderSpec):
