@@ -67,13 +67,15 @@ def plan_json(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> d
 
     environ = dict(os.environ if env is None else env)
     environ.pop("XLAUNCH_FSROOT", None)
-    saved, out, err = dict(os.environ), io.StringIO(), io.StringIO()
+    saved, cwd, out, err = dict(os.environ), os.getcwd(), io.StringIO(), io.StringIO()
     try:
         os.environ.clear()
         os.environ.update(environ)           # the machine model reads XLAUNCH_FSROOT from here
-        with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        os.chdir(REPO)                       # (contextlib.chdir is Python 3.11+; the launcher runs on 3.9)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = run(["--dry-run", "--json", *argv], environ)
     finally:
+        os.chdir(cwd)
         os.environ.clear()
         os.environ.update(saved)
     if code == 2 and " need " in err.getvalue() and "available" in err.getvalue():
