@@ -216,12 +216,13 @@ def test_each_message_is_printed_once_with_logging_basicconfig() -> None:
     result = subprocess.run([sys.executable, "-c", ONCE], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = dict(part.split("\n", 1) for part in result.stderr.split("STEP ")[1:])
-    knob = [line for line in steps["knob"].splitlines() if "optimize_lstm" in line]
+    # (Python 3.13 prints a warning's source line under it, indented, for ``-c`` code too)
+    knob = [line for line in steps["knob"].splitlines() if "optimize_lstm" in line and not line.startswith(" ")]
     assert len(knob) == 1 and "OptimizeWarning" in knob[0] and not knob[0].startswith("LOG"), steps["knob"]
     kept = [line for line in steps["eager"].splitlines() if "kept" in line]
     assert kept == [line for line in kept if line.startswith("LOG INFO xlaunch.optimize")] and len(kept) == 1, steps["eager"]
     assert "Warning" not in steps["eager"]
-    captured = [line for line in steps["captured"].splitlines() if "deployment_mode" in line]
+    captured = [line for line in steps["captured"].splitlines() if "deployment_mode" in line and not line.startswith(" ")]
     assert len(captured) == 1 and captured[0].startswith("LOG WARNING py.warnings"), steps["captured"]
 
 
