@@ -155,3 +155,96 @@ def test_streamed_load_peaks_near_the_packed_weights_plus_the_kv_cache(checkpoin
     # that the freed 1 MiB read/pack chunks stayed resident, 9.5 MiB past 1.15x here (90 MiB for a 1B
     # model); a mapped checkpoint (safe_open: +125 MB of file pages) or a full-precision copy breaks it
     assert growth <= 1.15 * (found["packed"] + found["kv"]) + (4 << 20), (found, growth / found["packed"])
+
+
+# --- a checkpoint folder a user hands us: regular files inside it, headers that hold together -----------------
+def _copy(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def _rewrite_header(path: Path, change) -> None:
+    """Rewrite a safetensors file's header with ``change(header)`` applied (the data stays where it was)."""
+    import struct
+
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+
+
+def _one_line_error(path: Path, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        llm.from_pretrained(path, dtype=torch.float32)
+    assert "\n" not in str(info.value) and str(info.value).startswith("xlaunch.llm.from_pretrained: ")
+
+
+def test_a_fifo_or_a_device_named_like_a_shard_is_refused_without_blocking(checkpoints, tmp_path):
+    """Opened blocking, a FIFO with no writer hung from_pretrained for good: it runs in a child with a timeout."""
+    folder = _copy(checkpoints["llama"], tmp_path / "fifo")
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")
+    device = _copy(checkpoints["llama"], tmp_path / "device")
+    (device / "model.safetensors").unlink()
+    (device / "model.safetensors").symlink_to("/dev/zero")
+    program = ("import sys, torch, xlaunch.llm as llm\n"
+               "for folder in sys.argv[1:]:\n"
+               "    try:\n"
+               "        llm.from_pretrained(folder, dtype=torch.float32)\n"
+               "    except ValueError as error:\n"
+               "        print(error)\n")
+    done = subprocess.run([sys.executable, "-c", program, str(folder), str(device)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and "is a FIFO, not a regular file" in lines[0], lines
+    assert "is a character device, not a regular file" in lines[1], lines
+
+
+def test_an_index_naming_files_outside_the_folder_is_refused(checkpoints, tmp_path):
+    folder = _copy(checkpoints["qwen2"], tmp_path / "outside")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    for name in ("../outside.safetensors", "/etc/passwd", ".."):
+        index["weight_map"][first] = name
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        _one_line_error(folder, "names a file outside")
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": [1, 2]}')
+    _one_line_error(folder, "has no weight_map")
+    (folder / "model.safetensors.index.json").write_text("[" * 100000)
+    _one_line_error(folder, "has no weight_map")
+    (folder / "model.safetensors.index.json").write_bytes(b" " * (17 << 20))
+    _one_line_error(folder, "index.json")
+
+
+def test_a_header_whose_ranges_do_not_hold_its_shapes_is_refused(checkpoints, tmp_path):
+    """A shape larger than its bytes would read the next tensor's data as its own: refused, as is a range past
+    the file's end, a negative size or a header that is not an object."""
+    cases = {
+        "larger": (lambda h: h["model.norm.weight"].update(shape=[h["model.norm.weight"]["shape"][0] * 2]),
+                   "holds .* bytes, but its shape"),
+        "past the end": (lambda h: h["model.norm.weight"].update(data_offsets=[0, 1 << 40]), "outside the file's data"),
+        "negative": (lambda h: h["model.norm.weight"].update(shape=[-4]), "has no valid shape"),
+        "not an entry": (lambda h: h.update({"model.norm.weight": 3}), "is not a tensor entry"),
+    }
+    for label, (change, match) in cases.items():
+        folder = _copy(checkpoints["llama"], tmp_path / label.replace(" ", "-"))
+        _rewrite_header(folder / "model.safetensors", change)
+        _one_line_error(folder, match)
+
+
+def test_a_tensor_of_another_shape_than_the_config_is_refused(checkpoints, tmp_path):
+    """Both headers consistent, but o_proj's shape is not the config's: named, before anything is packed."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(checkpoints["llama"], tmp_path / "reshaped")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = tensors[name][:, :-8].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    _one_line_error(folder, f"{name} in .* is \\[.*\\], not the \\[.*\\] of its config.json")

@@ -196,3 +196,35 @@ def test_malformed_files_get_one_clear_error(packed, tmp_path):
     no_table = _rewrite(path, tmp_path / "no-table.xlp", lambda m: m["tensors"].pop("embed"))
     _refused(no_table, "tensor 'embed' is missing")
     _refused("/dev/null", "not a regular file")
+
+
+def test_a_fifo_in_the_source_is_refused_without_blocking(packed, tmp_path):
+    """The source's digest read every *.safetensors and config.json as they came: a FIFO with no writer blocked it for
+    good (a child, with a timeout)."""
+    import shutil
+
+    checkpoint, path, _ = packed
+    source = tmp_path / "source"
+    shutil.copytree(checkpoint, source)
+    os.mkfifo(source / "extra.safetensors")
+    program = ("import sys, xlaunch.llm as llm\n"
+               "try:\n"
+               "    llm.from_pretrained(sys.argv[1], source=sys.argv[2], weights='int8')\n"
+               "except ValueError as error:\n"
+               "    print(error)\n")
+    done = subprocess.run([sys.executable, "-c", program, str(path), str(source)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.count("\n") == 1 and "extra.safetensors is a FIFO, not a regular file" in done.stdout
+
+
+def test_save_packed_never_writes_through_a_link_planted_at_its_partial_file(packed, tmp_path):
+    checkpoint, path, logits = packed
+    model = llm.from_pretrained(path)
+    target, victim = tmp_path / "model.xlp", tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / f".model.xlp.{os.getpid()}.partial").symlink_to(victim)
+    llm.save_packed(model, target)
+    assert victim.read_text() == "keep me" and not os.path.lexists(tmp_path / f".model.xlp.{os.getpid()}.partial")
+    with torch.no_grad():
+        assert torch.equal(llm.from_pretrained(target)(torch.tensor(IDS)).logits, logits)

@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from xlaunch import userfiles
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -34,7 +35,12 @@ INDEX = "model.safetensors.index.json"
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# every dtype a safetensors header may name, by its element size: a tensor's byte range must match its shape
+SAFETENSORS_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+                     "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 MAX_SAFETENSORS_HEADER = 100 << 20
+MAX_SAFETENSORS_FILE = 1 << 50   # no real cap (shards are GBs): what is read is bounded by the header's ranges
+MAX_INDEX = 16 << 20             # model.safetensors.index.json: about 100 KB for a 70B model
 
 
 class SafetensorsFile:
@@ -43,15 +49,54 @@ class SafetensorsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        size = os.fstat(self.fd).st_size
+        try:   # a regular file only: a FIFO or a device is refused without blocking (xlaunch.userfiles)
+            self.fd = userfiles.open_user_file(str(path), limit=MAX_SAFETENSORS_FILE)
+        except userfiles.UserFileError as error:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {error}") from None
+        try:
+            self.size = os.fstat(self.fd).st_size
+            self.entries = self._header()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _header(self) -> dict:
+        """The header's entries, each checked: a byte range inside the data that its shape and dtype fill."""
         prefix = os.pread(self.fd, 8, 0)
         length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-        if not 0 < length <= min(MAX_SAFETENSORS_HEADER, size - 8):
-            raise ValueError(f"xlaunch.llm.from_pretrained: {path} is not a safetensors file")
-        header = json.loads(os.pread(self.fd, length, 8))
+        if not 0 < length <= min(MAX_SAFETENSORS_HEADER, self.size - 8):
+            raise ValueError(f"xlaunch.llm.from_pretrained: {self.path} is not a safetensors file")
+        try:
+            header = json.loads(os.pread(self.fd, length, 8))
+        except (ValueError, RecursionError):
+            header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"xlaunch.llm.from_pretrained: {self.path} is not a safetensors file (its header)")
         header.pop("__metadata__", None)
-        self.start, self.size, self.entries = 8 + length, size, header
+        self.start = 8 + length
+        for name, entry in header.items():
+            self._check_entry(name, entry)
+        return header
+
+    def _check_entry(self, name: str, entry: Any) -> None:
+        def bad(why: str) -> ValueError:
+            return ValueError(f"xlaunch.llm.from_pretrained: {name} in {self.path} {why}")
+
+        if not isinstance(entry, dict):
+            raise bad("is not a tensor entry")
+        shape, offsets, dtype = entry.get("shape"), entry.get("data_offsets"), entry.get("dtype")
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                  for n in shape):
+            raise bad(f"has no valid shape ({shape!r})")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= self.size - self.start):
+            raise bad(f"has data offsets {offsets!r} outside the file's data (truncated?)")
+        size = SAFETENSORS_SIZES.get(dtype)     # an unknown dtype is refused if the model reads it (rows)
+        numel = 1
+        for n in shape:
+            numel *= n
+        if size is not None and numel * size != offsets[1] - offsets[0]:
+            raise bad(f"holds {offsets[1] - offsets[0]} bytes, but its shape {shape} of {dtype} takes {numel * size}")
 
     def shape(self, name: str) -> list[int]:
         return list(self.entries[name]["shape"])
@@ -65,10 +110,10 @@ class SafetensorsFile:
                              f"not one of {', '.join(SAFETENSORS_DTYPES)}")
         shape = entry["shape"]
         row = int(torch.Size(shape[1:]).numel()) * torch.empty(0, dtype=dtype).element_size()
-        begin, end = entry["data_offsets"]
+        begin, _ = entry["data_offsets"]        # checked against the shape and the file (_check_entry)
         offset, nbytes = self.start + begin + start * row, (stop - start) * row
-        if not (0 <= start <= stop <= (shape[0] if shape else 1)) or self.start + end > self.size:
-            raise ValueError(f"xlaunch.llm.from_pretrained: {name} lies outside {self.path} (truncated?)")
+        if not 0 <= start <= stop <= (shape[0] if shape else 1):
+            raise ValueError(f"xlaunch.llm.from_pretrained: rows {start}:{stop} are outside {name} in {self.path}")
         data = bytearray(nbytes)
         view, done = memoryview(data), 0
         while done < nbytes:
@@ -88,14 +133,36 @@ class Checkpoint:
         self.path = path
         if not (path / "config.json").is_file():
             raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no config.json")
-        if (path / INDEX).is_file():
-            files = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in path.glob("*.safetensors"))
+        files = self._index_files() if os.path.lexists(path / INDEX) \
+            else sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no *.safetensors file")
-        self.files = {name: SafetensorsFile(path / name) for name in files}
+        self.files: dict[str, SafetensorsFile] = {}
+        try:
+            for name in files:
+                self.files[name] = SafetensorsFile(path / name)
+        except BaseException:
+            self.close()
+            raise
         self.weight_map = {key: name for name, handle in self.files.items() for key in handle.entries}
+
+    def _index_files(self) -> list[str]:
+        """The shard files ``model.safetensors.index.json`` names: plain names in this folder, nowhere else."""
+        where = self.path / INDEX
+        try:
+            index = json.loads(userfiles.read_user_text(str(where), limit=MAX_INDEX))
+        except userfiles.UserFileError as error:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {error}") from None
+        except (ValueError, RecursionError):
+            index = None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"xlaunch.llm.from_pretrained: {where} has no weight_map of tensor names to files")
+        files = sorted(set(weight_map.values()))
+        outside = [name for name in files if name in ("", ".", "..") or Path(name).name != name]
+        if outside:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {where} names a file outside {self.path}: {outside[0]!r}")
+        return files
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -191,10 +258,11 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
                                    group_size)
     finally:
         checkpoint.close()
-    try:
-        model.generation_config = transformers.GenerationConfig.from_pretrained(str(path))
-    except OSError:
-        pass
+    if (path / "generation_config.json").is_file():      # a regular file (a FIFO there would block the read)
+        try:
+            model.generation_config = transformers.GenerationConfig.from_pretrained(str(path))
+        except OSError:
+            pass
     model = install(model, spec, dtype, parts)
     object.__setattr__(model, "_xlaunch_llm_source", str(path))     # save_packed records its digest
     return model
@@ -204,6 +272,12 @@ def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", 
     """(meta model, spec, packed parts) of a checkpoint."""
     model, spec = skeleton(config)
     path = checkpoint.path
+    expected = {name: list(parameter.shape) for name, parameter in model.named_parameters()}     # meta: no memory
+    expected.setdefault("lm_head.weight", expected.get("model.embed_tokens.weight"))      # tied, stored anyway
+    for name, shape in expected.items():
+        if name in checkpoint and checkpoint.shape(name) != shape:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {name} in {path} is {checkpoint.shape(name)}, "
+                             f"not the {shape} of its config.json")
     linears, input_norms, post_norms = [], [], []
     for index in range(spec.num_layers):
         prefix = f"model.layers.{index}"

@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+from xlaunch import userfiles
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -75,18 +76,25 @@ def layout_fingerprint() -> str:
 
 
 def source_digest(path: Any) -> str:
-    """A digest of a checkpoint directory: config.json, every safetensors header and size, sampled bytes."""
+    """A digest of a checkpoint directory: config.json, every safetensors header and size, sampled bytes. Regular
+    files only (a FIFO or a device is one :class:`PackedFileError`, never a blocked read)."""
     path = Path(path)
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for file in sorted(path.glob("*.safetensors")):
-        size = file.stat().st_size
-        digest.update(f"{file.name}:{size}".encode())
-        with open(file, "rb") as handle:
-            head = handle.read(8)
-            digest.update(head + handle.read(min(struct.unpack("<Q", head)[0], MAX_HEADER) if len(head) == 8 else 0))
-            for i in range(SAMPLES):
-                handle.seek(size * i // SAMPLES)
-                digest.update(handle.read(SAMPLE_BYTES))
+    try:
+        digest = hashlib.sha256(userfiles.read_user_file(str(path / "config.json"), limit=MAX_HEADER))
+        for file in sorted(path.glob("*.safetensors")):
+            fd = userfiles.open_user_file(str(file), limit=1 << 50)
+            try:
+                size = os.fstat(fd).st_size
+                digest.update(f"{file.name}:{size}".encode())
+                head = os.pread(fd, 8, 0)
+                digest.update(head + (os.pread(fd, min(struct.unpack("<Q", head)[0], MAX_HEADER), 8)
+                                      if len(head) == 8 else b""))
+                for i in range(SAMPLES):
+                    digest.update(os.pread(fd, SAMPLE_BYTES, size * i // SAMPLES))
+            finally:
+                os.close(fd)
+    except userfiles.UserFileError as error:
+        raise PackedFileError(f"xlaunch.llm: the checkpoint {path}: {error}") from None
     return digest.hexdigest()
 
 
@@ -148,7 +156,10 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
         raise PackedFileError(f"xlaunch.llm.save_packed: {path} is a symlink; give the file's own path")
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        with open(partial, "wb") as handle:
+        if os.path.lexists(partial):      # a crashed writer's, or a link planted there: removed, never followed
+            partial.unlink()
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        with os.fdopen(fd, "wb") as handle:
             handle.write(MAGIC + struct.pack("<Q", len(header)) + header)
             for name, tensor in tensors.items():
                 handle.seek(manifest["tensors"][name]["offset"])
@@ -158,7 +169,7 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
             os.fsync(handle.fileno())
         os.replace(partial, path)
     finally:
-        if partial.exists():
+        if os.path.lexists(partial):
             partial.unlink()
     return path
 
