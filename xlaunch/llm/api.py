@@ -217,9 +217,9 @@ def _install_loop_generate(model: Any, runtime: DecoderRuntime) -> None:
 def warn_if_bf16_is_slow(dtype: Any, caller: str, stacklevel: int = 2) -> None:
     """One warning when bf16 activations are asked for on a CPU without native bf16 dot products."""
     if dtype == torch.bfloat16 and not native_bf16():
-        warnings.warn(f"{caller}: this CPU has neither AVX512_BF16 nor AMX_BF16, so bf16 activations are widened "
-                      "to fp32 for every product and decode slower than dtype=torch.float32 (the default here)",
-                      UserWarning, stacklevel=stacklevel + 1)
+        warnings.warn(f"{caller}: neither AVX512_BF16 nor AMX_BF16 at this CPU's kernel level, so bf16 activations "
+                      "are widened to fp32 for every product and each layer's output is rounded to bf16; "
+                      "dtype=torch.float32 is the default here", UserWarning, stacklevel=stacklevel + 1)
 
 
 def lm_head_packing(kind: str, in_features: int, group_size: int) -> tuple[str, int]:

@@ -1,6 +1,6 @@
 // The inner loops of xlaunch.llm's packed linear layers: one block of 64 output channels against up to
 // kRowTile activation rows. Chosen at compile time (the library is built once per ISA level): bf16 by
-// vdpbf16ps, AVX2 + FMA or plain C++; INT8/INT4/INT6 by AVX-512 VNNI (int_dot_avx512.h), AVX2 or plain C++.
+// vdpbf16ps, AVX-512F or AVX2 + FMA widening, or plain C++; INT8/INT4/INT6 by AVX-512 VNNI (int_dot_avx512.h), AVX2 or plain C++.
 #include "linear.h"
 
 #include <immintrin.h>
@@ -28,7 +28,7 @@ inline int16_t load_int16(const int8_t* p) {   // two int8 values as one 16-bit 
   return v;
 }
 
-// The bf16 kernels: vdpbf16ps, AVX2 + FMA, or plain C++.
+// The bf16 kernels: vdpbf16ps, AVX-512F or AVX2 + FMA widening, or plain C++.
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 template <int R>
@@ -51,46 +51,82 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
-// AVX2: a bf16 pair (k, k+1) in a 32-bit lane widens to two fp32 by a shift (k) and a mask (k + 1).
-inline __m256 even_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-inline __m256 odd_half(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u)))); }
+// Without vdpbf16ps a bf16 pair (k, k+1) in a 32-bit lane widens to two fp32 by a shift (k) and a mask
+// (k + 1), then FMA: 8 channels a vector with AVX2, 16 with AVX-512F (the avx512 and avx512_vnni levels:
+// Skylake-SP, Cascade Lake, Ice Lake).
+struct Avx2Lanes {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int kLanes = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static I load_bits(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F even(I v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static F odd(I v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u)))); }
+  static F broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static constexpr int vectors(int rows) { return rows == 1 ? 8 : rows == 2 ? 4 : 2; }   // 16 registers
+};
 
-// One pass over the pairs [kp0, kp1) for R rows (fp32, widened once per tile) and C vectors of 8 channels
-// from channel c0: R * C accumulators (8 for one row, so that the FMA latency is hidden; 64 channels a pass
-// for one row, 32 for two, 16 from three), added to out unless first. Each weight vector is widened once
-// per pass and serves every row; a row's pair of activations is two broadcasts from memory. Each pass asks
-// for its own channels' bytes Ahead bytes on (the next chunk's, when a tile takes several passes), so the
-// weights arrive while all the passes compute, not only the first. (A 2-D accumulator array was kept in
-// registers and also stored to the stack every step by GCC 12; the flat one with unrolled loops is not.)
-template <int R, int C, int64_t Ahead>
+#if defined(__AVX512F__)
+struct Avx512Lanes {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int kLanes = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static I load_bits(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static F even(I v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+  static F odd(I v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u)))); }
+  static F broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static constexpr int vectors(int rows) { return rows <= 2 ? 4 : 2; }   // 32 registers: 64 channels for 1-2 rows
+};
+using Bf16Lanes = Avx512Lanes;
+#else
+using Bf16Lanes = Avx2Lanes;
+#endif
+
+// One pass over the pairs [kp0, kp1) for R rows (fp32, widened once per tile) and C vectors of L::kLanes
+// channels from channel c0: R * C accumulators (at least 4 for one row, so that the FMA latency is hidden),
+// added to out unless first. Each weight vector is widened once per pass and serves every row; a row's pair of
+// activations is two broadcasts from memory. Each pass asks for its own channels' bytes Ahead bytes on (the
+// next chunk's, when a tile takes several passes), so the weights arrive while all the passes compute, not
+// only the first. (A 2-D accumulator array was kept in registers and also stored to the stack every step by
+// GCC 12; the flat one with unrolled loops is not.)
+template <class L, int R, int C, int64_t Ahead>
 void bf16_pass(const float* x, int64_t ldx, const uint16_t* w, int64_t kp0, int64_t kp1, int c0, float* out,
                bool first) {
-  __m256 acc[R * C];
+  typename L::F acc[R * C];
 #pragma GCC unroll 32
-  for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();
+  for (int i = 0; i < R * C; ++i) acc[i] = L::zero();
   for (int64_t kp = kp0; kp < kp1; ++kp) {
     const uint16_t* wp = w + kp * 2 * kBlock + 2 * c0;
 #pragma GCC unroll 8
-    for (int line = 0; line < C; line += 2)   // two vectors of 16 bf16 a 64-byte line
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + Ahead + 32 * line, _MM_HINT_T0);
-    __m256 e[C], o[C];
+    for (int line = 0; line < C * L::kLanes * 4; line += 64)   // the pass's channels: C * kLanes pairs of bf16
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + Ahead + line, _MM_HINT_T0);
+    typename L::F e[C], o[C];
 #pragma GCC unroll 8
     for (int j = 0; j < C; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
-      e[j] = even_half(v);
-      o[j] = odd_half(v);
+      const typename L::I v = L::load_bits(wp + 2 * L::kLanes * j);
+      e[j] = L::even(v);
+      o[j] = L::odd(v);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * kp), xo = _mm256_broadcast_ss(x + r * ldx + 2 * kp + 1);
+      const typename L::F xe = L::broadcast(x + r * ldx + 2 * kp), xo = L::broadcast(x + r * ldx + 2 * kp + 1);
 #pragma GCC unroll 8
-      for (int j = 0; j < C; ++j) acc[r * C + j] = _mm256_fmadd_ps(o[j], xo, _mm256_fmadd_ps(e[j], xe, acc[r * C + j]));
+      for (int j = 0; j < C; ++j) acc[r * C + j] = L::fma(o[j], xo, L::fma(e[j], xe, acc[r * C + j]));
     }
   }
 #pragma GCC unroll 32
   for (int i = 0; i < R * C; ++i) {
-    float* at = out + (i / C) * kBlock + c0 + 8 * (i % C);
-    _mm256_storeu_ps(at, first ? acc[i] : _mm256_add_ps(acc[i], _mm256_loadu_ps(at)));
+    float* at = out + (i / C) * kBlock + c0 + L::kLanes * (i % C);
+    L::store(at, first ? acc[i] : L::add(acc[i], L::load(at)));
   }
 }
 
@@ -104,7 +140,8 @@ constexpr int64_t kPassChunkPairs = 64;
 // bf16 value it is four, and with several rows those outnumbered the FMAs: 4 rows cost 3.5x one).
 template <int R>
 void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
-  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;
+  using L = Bf16Lanes;
+  constexpr int C = L::vectors(R);
   const int64_t k = 2 * k_pairs;
   thread_local std::vector<float> rows;
   rows.resize(size_t(R) * k);
@@ -117,14 +154,15 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
           _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
     for (; i < k; ++i) dst[i] = bf16_bits_to_float(src[i]);
   }
-  if (8 * C == kBlock) {   // one pass over K
-    bf16_pass<R, C, kPrefetchBytes>(rows.data(), k, w, 0, k_pairs, 0, out, true);
+  if (L::kLanes * C == kBlock) {   // one pass over K
+    bf16_pass<L, R, C, kPrefetchBytes>(rows.data(), k, w, 0, k_pairs, 0, out, true);
     return;
   }
   for (int64_t kp0 = 0; kp0 < k_pairs || kp0 == 0; kp0 += kPassChunkPairs) {
     const int64_t kp1 = std::min(k_pairs, kp0 + kPassChunkPairs);
-    for (int c0 = 0; c0 < kBlock; c0 += 8 * C)
-      bf16_pass<R, C, kPassChunkPairs * 2 * kBlock * sizeof(uint16_t)>(rows.data(), k, w, kp0, kp1, c0, out, kp0 == 0);
+    for (int c0 = 0; c0 < kBlock; c0 += L::kLanes * C)
+      bf16_pass<L, R, C, kPassChunkPairs * 2 * kBlock * sizeof(uint16_t)>(rows.data(), k, w, kp0, kp1, c0, out,
+                                                                           kp0 == 0);
   }
 }
 
