@@ -264,3 +264,26 @@ def test_int6_extremes_stay_exact_in_the_integer_sums(level):
         for sign in (1.0, -1.0):
             x = torch.full((2, k), sign)
             assert torch.equal(layer(x), torch.full((2, 64), sign * value * k)), (value, sign)
+
+
+@pytest.mark.parametrize("n, k", [(70, 33), (130, 256), (3, 1000)])
+def test_fp32_weights_take_the_kernels_for_a_few_rows_and_atens_gemm_for_more(level, n, k, monkeypatch):
+    """ATen's GEMV runs on one thread, so up to FP32_KERNEL_ROWS rows the kernels' fp32_linear computes an fp32
+    layer (its channels split between the threads), from there ATen's GEMM; both within fp32 rounding of float64."""
+    import xlaunch.llm.linear as linear
+
+    torch.manual_seed(n + k)
+    weight, bias = torch.randn(n, k), torch.randn(n)
+    layer = PackedLinear(weight, bias, "fp32", dtype=torch.float32)
+    aten_calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: aten_calls.append(a[0].shape) or real(*a))
+    for shape in ((1, k), (2, k), (3, k), (2, 2, k), (5, k), (17, k)):
+        x = torch.randn(*shape)
+        ref = (x.double() @ weight.double().T + bias.double()).float()
+        y = layer(x)
+        assert y.shape == (*shape[:-1], n) and y.dtype == torch.float32
+        assert (y - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-5, shape
+        rows = x.numel() // k
+        assert bool(aten_calls) == (rows > linear.FP32_KERNEL_ROWS), (shape, aten_calls)
+        aten_calls.clear()

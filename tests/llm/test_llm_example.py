@@ -87,7 +87,7 @@ def test_bf16_asked_of_a_cpu_without_native_bf16_is_one_warning_at_the_callers_l
     tiny("llama", seed=5).save_pretrained(tmp_path / "llama")
     monkeypatch.setattr(api, "native_bf16", lambda: False)
     out, warned = run_in_this_process([*SHORT[1:], "--model", str(tmp_path / "llama"), "--dtype", "bfloat16"], capfd)
-    assert len(warned) == 1 and warned[0].startswith("llm.py: xlaunch.llm.from_pretrained: this CPU has neither"), warned
+    assert len(warned) == 1 and warned[0].startswith("llm.py: xlaunch.llm.from_pretrained: neither AVX512_BF16 nor AMX_BF16"), warned
     assert "optimized (bfloat16, weights none) in " in out
 
 

@@ -45,6 +45,7 @@ GROUP_SIZES = (32, 64, 128)
 BLOCK = 64           # output channels per native block (csrc/linear.h: kBlock)
 INT4_ZERO = 8        # int4 values are stored unsigned, q + 8
 INT6_ZERO = 32       # int6 values, q + 32
+FP32_KERNEL_ROWS = 4  # fp32 weights: up to this many rows by the kernels' fp32_linear, more by ATen's GEMM
 
 
 def quantize_int8(weight: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -346,14 +347,15 @@ class PackedLinear(nn.Module):
         return dequantize(*self.quantized())
 
     def forward(self, x: "torch.Tensor") -> "torch.Tensor":
-        """``x @ W.T + b`` by the compiled kernels (native layout) or ATen's (aten layout)."""
+        """``x @ W.T + b`` by the compiled kernels (native layout; fp32 for up to :data:`FP32_KERNEL_ROWS` rows: ATen's
+        GEMV runs on one thread) or ATen's."""
+        ops = native.ops()
         if self.kind == "fp32":
+            if ops is not None and x.numel() <= FP32_KERNEL_ROWS * self.in_features:
+                return ops.fp32_linear(x, self.weight, self.bias).to(x.dtype)
             return self._add_bias(torch.nn.functional.linear(x.float(), self.weight)).to(x.dtype)
         if self.layout == "native":
-            ops = native.ops()
-            if ops is not None:
-                return self._native(ops, x)
-            return self._reference(x)
+            return self._native(ops, x) if ops is not None else self._reference(x)
         return self._aten(x)
 
     def bound(self, ops: Optional[object]) -> Callable[["torch.Tensor"], "torch.Tensor"]:

@@ -44,6 +44,10 @@ inline uint16_t float_to_bf16_bits(float value) {
 
 // The fp32 sums of rows [m0, m0 + rows) against one block: acc[r * kBlock + c], c < kBlock.
 void bf16_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t k_pairs, float* acc);
+// fp32 weights as ATen keeps them ([N, K] contiguous, no packing): out[r * ldo + c] = x[r] . w[c] for the
+// channels [c0, c1) and rows [0, rows) of x ([rows][k]). A few rows only (decode): ATen's GEMV runs on one thread.
+void fp32_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t c0, int64_t c1, float* out,
+               int64_t ldo);
 // INT8 and INT4 with the activations as they are: the baseline level's kernels (every other level runs
 // int8q_block and int4q_block below). int4 applies its group scales itself: group_sums[r * groups + g] =
 // sum of row r's (bf16) x over group g.

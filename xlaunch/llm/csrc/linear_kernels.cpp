@@ -397,6 +397,36 @@ void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, 
     }
 }
 
+// fp32 rows against fp32 weights in ATen's layout: per channel, R <= 4 dot products over one pass of its K
+// weights, two AVX2 accumulators a row (memory-bound: a 256-bit load is enough at every SIMD level).
+template <int R>
+void fp32_channel(const float* x, int64_t k, const float* wc, float* out, int64_t ldo) {
+  int64_t i = 0;
+  float sum[R];
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m256 w0 = _mm256_loadu_ps(wc + i), w1 = _mm256_loadu_ps(wc + i + 8);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * k + i), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * k + i + 8), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    sum[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+  }
+#else
+  for (int r = 0; r < R; ++r) sum[r] = 0.0f;
+#endif
+  for (; i < k; ++i)
+    for (int r = 0; r < R; ++r) sum[r] += wc[i] * x[r * k + i];
+  for (int r = 0; r < R; ++r) out[r * ldo] = sum[r];
+}
+
 #define XLAUNCH_LLM_ROWS(CALL) \
   switch (rows) {              \
     case 1: CALL(1); break;    \
@@ -404,6 +434,21 @@ void quantize_activations(const float* x, int64_t ldx, int64_t rows, int64_t k, 
     case 3: CALL(3); break;    \
     default: CALL(4); break;   \
   }
+
+void fp32_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t c0, int64_t c1, float* out,
+               int64_t ldo) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4)
+    for (int64_t c = c0; c < c1; ++c) {
+      const float* xr = x + r0 * k;
+      float* o = out + r0 * ldo + c;
+      switch (std::min<int64_t>(4, rows - r0)) {
+        case 1: fp32_channel<1>(xr, k, w + c * k, o, ldo); break;
+        case 2: fp32_channel<2>(xr, k, w + c * k, o, ldo); break;
+        case 3: fp32_channel<3>(xr, k, w + c * k, o, ldo); break;
+        default: fp32_channel<4>(xr, k, w + c * k, o, ldo); break;
+      }
+    }
+}
 
 void bf16_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t k_pairs, float* acc) {
 #define CALL(R) bf16_tile<R>(x, ldx, w, k_pairs, acc)
