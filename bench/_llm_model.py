@@ -131,6 +131,17 @@ def gguf_bytes(shape: shapes.Shape, kind: str) -> int:
     return int((params - head) * 18 / 32 + head * 210 / 256)
 
 
+# xlaunch's routes: (activations, weights); None activations: the CPU's default (footprint.default_activations)
+XLAUNCH_ROUTES = {"xlaunch-fp32": ("fp32", None), "xlaunch-bf16": ("bf16", None), "xlaunch-int8": (None, "int8"),
+                  "xlaunch-int4": (None, "int4")}
+
+
+def xlaunch_precision(route: str) -> tuple[str, Optional[str]]:
+    """(activations "fp32" or "bf16", weights None / "int8" / "int4") of an xlaunch route."""
+    activations, weights = XLAUNCH_ROUTES[route]
+    return activations or footprint.default_activations(), weights
+
+
 def route_bytes(route: str, shape: shapes.Shape, checkpoint: int, prompt: int, tokens: int,
                 batch: int = 1) -> tuple[int, int]:
     """(steady, peak) resident bytes of one torch route's process: the model, its KV cache, a prefill's
@@ -140,8 +151,7 @@ def route_bytes(route: str, shape: shapes.Shape, checkpoint: int, prompt: int, t
     activations = footprint.activation_bytes(shape, prompt, batch)
     base = footprint.TORCH_PROCESS_BYTES + activations
     if route.startswith("xlaunch-"):
-        dtype = "bf16" if route == "xlaunch-bf16" else footprint.default_activations()
-        weights = {"xlaunch-bf16": None, "xlaunch-int8": "int8", "xlaunch-int4": "int4"}[route]
+        dtype, weights = xlaunch_precision(route)
         steady = (base + footprint.packed_bytes(shape, dtype, weights) + footprint.kv_cache_bytes(shape, tokens, batch, dtype)
                   + footprint.widening_buffer_bytes(shape, dtype))
         return steady, steady + footprint.streamed_load_bytes(shape, dtype)
@@ -206,9 +216,7 @@ def need_instances(model: BenchModel, xlaunch_routes: Sequence[str], gguf_kinds:
     tokens = prompt + new_tokens + 1
     for route in xlaunch_routes:
         steady, peak = route_bytes(route, shape, checkpoint, prompt, tokens)
-        dtype = "bf16" if route == "xlaunch-bf16" else footprint.default_activations()
-        packed = footprint.packed_bytes(shape, dtype, {"xlaunch-bf16": None, "xlaunch-int8": "int8",
-                                                       "xlaunch-int4": "int4"}[route])
+        packed = footprint.packed_bytes(shape, *xlaunch_precision(route))
         phases.append((f"packing {route}", peak))
         phases.append((f"{instances} instance(s) of {route}", instances * (steady - packed) + packed))
         if not (model.packed_dir / f"{route}.xlp").exists():

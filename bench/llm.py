@@ -87,6 +87,8 @@ ROUTES = {route.name: route for route in (
     Route("hf-bf16", "torch", "bf16", "HF eager bf16, generate (dynamic cache)"),
     Route("hf-bf16-compiled", "torch", "bf16", "HF bf16, static cache + torch.compile", quick=False),
     Route("torchao-int8", "torch", "q8_0", "HF bf16 + torchao int8 weight-only, static cache + torch.compile"),
+    Route("xlaunch-fp32", "torch", "f32", "xlaunch.llm.optimize(model, dtype=float32): fp32 weights, the default "
+          "activations without native bf16", quick=False),
     Route("xlaunch-bf16", "torch", "bf16", "xlaunch.llm.optimize(model, dtype=bfloat16)"),
     Route("xlaunch-int8", "torch", "q8_0", 'xlaunch.llm.optimize(model, weights="int8"): the CPU\'s default dtype'),
     Route("xlaunch-int4", "torch", "q4_0", 'xlaunch.llm.optimize(model, weights="int4"): the CPU\'s default dtype'),
@@ -246,12 +248,12 @@ def prepare(route: str, folder: Path, packed: Optional[Path] = None) -> Any:
     from transformers import AutoModelForCausalLM
 
     if route.startswith("xlaunch-"):
-        weights = {"xlaunch-bf16": None, "xlaunch-int8": "int8", "xlaunch-int4": "int4"}[route]
+        activations, weights = _llm_model.XLAUNCH_ROUTES[route]
         load = xlaunch_from_pretrained()
         try:
-            # streamed into the packed form (no full-precision copy); bf16 weights need bf16 activations,
-            # INT8/INT4 take the CPU's default (bf16 with native bf16, else fp32)
-            dtype = torch.bfloat16 if weights is None else None
+            # streamed into the packed form (no full-precision copy); fp32 and bf16 weights in their own dtype,
+            # INT8/INT4 in the CPU's default activations (bf16 with native bf16, else fp32)
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[activations]
             if packed is not None:
                 return load(packed, source=folder, dtype=dtype, weights=weights)
             return load(folder, dtype=dtype, weights=weights)

@@ -222,7 +222,9 @@ def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dt
         raise ValueError(f"xlaunch.llm.from_pretrained: in_features {k} of {prefixes[0]} is not a multiple of "
                          f"the {kind.upper()} group size {group_size}")
     if kind == "fp32" or (layout == "aten" and kind in GROUPED):      # packed whole, as optimize does
-        return PackedLinear(_rows(checkpoint, names, 0, n), bias, kind, dtype=dtype, group_size=group_size)
+        layer = PackedLinear(_rows(checkpoint, names, 0, n), bias, kind, dtype=dtype, group_size=group_size)
+        release_free_heap()     # the whole weight's read and its copies
+        return layer
     shapes = footprint.packed_shapes(kind, layout, n, k, group_size)      # bf16 and int8 (aten), or any (native)
     weight = huge_empty(shapes["weight"], WEIGHT_DTYPES[kind])
     scales = torch.empty(shapes["scales"], dtype=torch.float32) if "scales" in shapes else None
@@ -297,6 +299,7 @@ def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", 
     head_kind, head_group = lm_head_packing(kind, checkpoint.shape(head)[1], group_size)
     lm_head = stream_linear(checkpoint, ["lm_head"], head_kind, dtype, head_group, weight_names=[head])
     embed = None if spec.tied_embeddings else embedding_table(checkpoint.tensor("model.embed_tokens.weight"), dtype)
+    release_free_heap()     # the embedding's read (and its cast)
     parts = Parts(embed=embed,
                   final_norm=checkpoint.tensor("model.norm.weight").to(dtype), lm_head=lm_head,
                   input_norms=input_norms, post_attention_norms=post_norms, linears=linears)
