@@ -287,3 +287,23 @@ def test_fp32_weights_take_the_kernels_for_a_few_rows_and_atens_gemm_for_more(le
         rows = x.numel() // k
         assert bool(aten_calls) == (rows > linear.FP32_KERNEL_ROWS), (shape, aten_calls)
         aten_calls.clear()
+
+
+@pytest.mark.parametrize("n, k", [(70, 33), (130, 290)])
+def test_an_fp32_layer_of_bf16_values_is_stored_as_bf16_and_multiplied_in_fp32(level, n, k):
+    """A bf16 checkpoint's weights in fp32 lose nothing as bf16: stored so (half the bytes a token reads), and
+    multiplied with the fp32 activations as they are, not rounded to bf16 (vdpbf16ps would round them)."""
+    torch.manual_seed(n + k)
+    weight, bias = torch.randn(n, k).to(torch.bfloat16).float(), torch.randn(n)
+    layer = PackedLinear(weight, bias, "fp32", dtype=torch.float32)
+    assert (layer.layout, layer.weight.dtype) == ("native", torch.bfloat16)
+    assert torch.equal(layer.dense_weight(), weight)
+    assert torch.equal(layer.rows(torch.tensor([[0, n - 1]])), weight[[0, n - 1]].unsqueeze(0))
+    for m in (1, 2, 3, 5, 17):
+        x = torch.randn(m, k)                       # not bf16 values: a rounding would show (2^-9 relative)
+        ref = (x.double() @ weight.double().T + bias.double()).float()
+        y = layer(x)
+        assert y.dtype == torch.float32 and (y - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-5, m
+    noisy = weight.clone()
+    noisy[0, 0] += 1e-4                             # one value that is not a bf16 value: fp32 as it is
+    assert PackedLinear(noisy, bias, "fp32", dtype=torch.float32).weight.dtype == torch.float32

@@ -46,7 +46,7 @@ def _ids():
 
 # every precision on the plain Llama; the tied and sharded Qwen2 checkpoints in bf16 and int4
 CASES = [("llama", *p) for p in PRECISIONS] + [(name, *p) for name in ("tied", "qwen2") for p in PRECISIONS[1::2]]
-CASES += [("bf16", torch.float32, "int8"), ("bf16", torch.float32, "int4")]
+CASES += [("bf16", torch.float32, "int8"), ("bf16", torch.float32, "int4"), ("bf16", torch.float32, None)]
 
 
 @pytest.mark.parametrize("name,dtype,weights", CASES, ids=lambda v: str(v).removeprefix("torch."))
@@ -63,6 +63,9 @@ def test_streamed_model_matches_optimize_of_the_loaded_model(checkpoints, name, 
         table = torch.bfloat16 if name == "bf16" else dtype
         assert ours.model.embed_tokens.weight.dtype == reference.model.embed_tokens.weight.dtype == table
     assert ours.dtype == reference.dtype == dtype
+    if (name, dtype, weights) == ("bf16", torch.float32, None):   # bf16 values in fp32: stored as bf16
+        assert all(m.weight.dtype == torch.bfloat16 for model in (ours, reference) for m in model.modules()
+                   if isinstance(m, llm.PackedLinear))
     ids = _ids()
     assert torch.equal(ours(ids).logits, reference(ids).logits)
     expected = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)

@@ -223,3 +223,13 @@ def test_save_packed_never_writes_through_a_link_planted_at_its_partial_file(pac
     assert victim.read_text() == "keep me" and not os.path.lexists(tmp_path / f".model.xlp.{os.getpid()}.partial")
     with torch.no_grad():
         assert torch.equal(llm.from_pretrained(target)(torch.tensor(IDS)).logits, logits)
+
+
+def test_an_fp32_model_of_bf16_values_round_trips_with_its_bf16_storage(tmp_path):
+    tiny("llama", seed=6).to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    model = llm.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.layout == "native"
+    loaded = llm.from_pretrained(llm.save_packed(model, tmp_path / "fp32.xlp"))
+    assert loaded.lm_head.weight.dtype == torch.bfloat16 and loaded.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(loaded(torch.tensor(IDS)).logits, model(torch.tensor(IDS)).logits)

@@ -77,7 +77,8 @@ def packed_shapes(kind: str, layout: str, n: int, k: int, group_size: int) -> di
     (ATen's kernels'). A part the kind does not have is absent; None: not known ahead (ATen's opaque int4)."""
     blocks, groups = -(-n // BLOCK), k // max(group_size, 1)
     if layout == "native":
-        return {"bf16": {"weight": [blocks, -(-k // 2), 2 * BLOCK]},
+        return {"fp32": {"weight": [blocks, -(-k // 2), 2 * BLOCK]},     # bf16-valued fp32 weights, stored as bf16
+                "bf16": {"weight": [blocks, -(-k // 2), 2 * BLOCK]},
                 "int8": {"weight": [blocks, -(-k // 4), 4 * BLOCK], "scales": [blocks, BLOCK]},
                 "int4": {"weight": [blocks, k // 4, 2 * BLOCK], "scales": [blocks, groups, BLOCK]},
                 "int6": {"weight": [blocks, k // 4, 3 * BLOCK], "scales": [blocks, groups, BLOCK]}}.get(kind, {})

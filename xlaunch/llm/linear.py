@@ -11,12 +11,11 @@ Quantization (round to nearest):
 * ``int6``: as int4 with ``max|W[n, g]| / 31`` and ``q`` in [-32, 31]: the INT4 route's lm_head (llama.cpp
   keeps its output layer at 6 bits, Q6_K, under Q4_0), native layout only.
 
-Layouts (``PackedLinear.layout``), chosen once when the layer is built:
-* ``"native"``: blocks of 64 output channels for ``torch.ops.xlaunch_llm`` (xlaunch/llm/csrc/linear.h), used
-  when the compiled kernels are loaded (:func:`xlaunch.llm.native.ops`).
-* ``"aten"``: the layouts of ATen's own CPU kernels: ``F.linear`` (bf16), ``torch._weight_int8pack_mm`` (int8)
-  and ``aten._weight_int4pack_mm_for_cpu`` (int4, unsigned nibbles ``q + 8`` with zero points 0); int6 (no
-  ATen kernel) keeps its values as int8 ``[N, K]`` and is dequantized to multiply (slow).
+Layouts (``PackedLinear.layout``), chosen once when the layer is built: ``"native"``, blocks of 64 output
+channels for ``torch.ops.xlaunch_llm`` (csrc/linear.h) when the kernels are loaded (:func:`native.ops`; an fp32
+weight too when its values are all bf16 values, a bf16 checkpoint's: stored as bf16, multiplied in fp32); else
+``"aten"``, ATen's own CPU kernels' layouts: ``F.linear`` (fp32, bf16), ``torch._weight_int8pack_mm`` (int8),
+``aten._weight_int4pack_mm_for_cpu`` (int4, nibbles ``q + 8``, zero points 0); int6 (no ATen kernel) as int8.
 Both compute the same products (the quantized integers times fp32 scales) up to fp rounding; the native INT4
 and INT6 kernels at the baseline level round fp32 activations to bf16 (INT8 keeps them fp32). A native layer
 asked to run without the kernels (``prefer_native(False)``) dequantizes and multiplies (slow).
@@ -109,9 +108,12 @@ def round_activations(x: "torch.Tensor", block: int = 32) -> "torch.Tensor":
 
 def _pad_rows(t: "torch.Tensor", multiple: int, value: float = 0) -> "torch.Tensor":
     extra = -t.shape[0] % multiple
-    if not extra:
-        return t
-    return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+    return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)]) if extra else t
+
+
+def bf16_valued(weight: "torch.Tensor") -> bool:
+    """Whether every value of ``weight`` is a bf16 value (a bf16 checkpoint's, widened to fp32 or not)."""
+    return weight.dtype == torch.bfloat16 or bool((weight.to(torch.bfloat16).to(weight.dtype) == weight).all())
 
 
 # Native layouts (csrc/linear.h) and back.
@@ -208,9 +210,7 @@ def pack_channels(scale: "torch.Tensor") -> "torch.Tensor":
 
 
 def unpack_channels(packed: "torch.Tensor", n: int) -> "torch.Tensor":
-    if packed.dim() == 2:
-        return packed.reshape(-1)[:n]
-    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+    return packed.reshape(-1)[:n] if packed.dim() == 2 else packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
 
 
 def _native_rows(packed: "torch.Tensor", channels: "torch.Tensor", per_word: int, k: int) -> "torch.Tensor":
@@ -235,15 +235,15 @@ class PackedLinear(nn.Module):
         self.kind, self.dtype, self.group_size = kind, dtype, group_size
         self.out_features, self.in_features = weight.shape
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).clone())
-        self.layout = "native" if kind != "fp32" and native.ops() is not None else "aten"
+        self.layout = "native" if native.ops() is not None and (kind != "fp32" or bf16_valued(weight)) else "aten"
         with torch.no_grad():
             self._pack(weight.detach())
 
     def _pack(self, weight: "torch.Tensor") -> None:
         weight_buf, scales = None, None
-        if self.kind == "fp32":
+        if self.kind == "fp32" and self.layout == "aten":
             weight_buf = weight.float().contiguous()
-        elif self.kind == "bf16":
+        elif self.kind in ("fp32", "bf16"):
             weight_buf = pack_bf16(weight) if self.layout == "native" else weight.to(torch.bfloat16).contiguous()
         else:
             q, scale = quantize(self.kind, weight, self.group_size)
@@ -328,8 +328,8 @@ class PackedLinear(nn.Module):
             q = _int6_rows(self.weight, flat, k) if native_layout else self.weight[flat]
             scales = self.scales[flat // BLOCK, :, flat % BLOCK] if native_layout else self.scales[flat]
             out = (q.float().reshape(flat.numel(), -1, self.group_size) * scales.float().unsqueeze(2)).reshape(-1, k)
-        elif self.kind == "bf16" and native_layout:
-            out = _native_rows(self.weight, flat, 2, k)
+        elif self.kind in ("fp32", "bf16") and native_layout:
+            out = _native_rows(self.weight, flat, 2, k).to(self.dtype if self.kind == "fp32" else torch.bfloat16)
         elif self.kind in ("fp32", "bf16"):
             out = self.weight[flat]
         else:
@@ -338,18 +338,20 @@ class PackedLinear(nn.Module):
 
     def dense_weight(self) -> "torch.Tensor":
         """The weight as an fp32 [N, K] tensor (dequantized)."""
-        if self.kind == "fp32":
+        if self.kind == "fp32" and self.layout == "aten":
             return self.weight
-        if self.kind == "bf16":
+        if self.kind in ("fp32", "bf16"):
             if self.layout == "native":
                 return unpack_bf16(self.weight, self.out_features, self.in_features).float()
             return self.weight.float()
         return dequantize(*self.quantized())
 
     def forward(self, x: "torch.Tensor") -> "torch.Tensor":
-        """``x @ W.T + b`` by the compiled kernels (native layout; fp32 for up to :data:`FP32_KERNEL_ROWS` rows: ATen's
-        GEMV runs on one thread) or ATen's."""
+        """``x @ W.T + b`` by the kernels (native layout; fp32 ones up to :data:`FP32_KERNEL_ROWS` rows) or ATen's."""
         ops = native.ops()
+        if self.kind == "fp32" and self.layout == "native":   # bf16-valued weights multiplied in fp32
+            return (ops.bf16_linear(x.float(), self.weight, self.bias, self.out_features) if ops is not None
+                    else self._reference(x.float())).to(x.dtype)
         if self.kind == "fp32":
             if ops is not None and x.numel() <= FP32_KERNEL_ROWS * self.in_features:
                 return ops.fp32_linear(x, self.weight, self.bias).to(x.dtype)
@@ -418,10 +420,8 @@ class PackedLinear(nn.Module):
 
     def _native(self, ops: object, x: "torch.Tensor") -> "torch.Tensor":
         """The kernels on ``x`` of any float dtype: bf16 weights take bf16, the others bf16 or fp32."""
-        if self.kind == "bf16":
-            act = x.to(torch.bfloat16)
-        else:
-            act = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(self.dtype)
+        act = x.to(torch.bfloat16) if self.kind == "bf16" else x if x.dtype in (torch.bfloat16, torch.float32) \
+            else x.to(self.dtype)
         return self.bound(ops)(act).to(x.dtype)
 
     def _aten(self, x: "torch.Tensor") -> "torch.Tensor":

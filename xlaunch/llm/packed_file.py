@@ -58,8 +58,11 @@ def kernel_level() -> str:
     return (native.LIBRARY.level() or "aten") if native.ops() is not None else "aten"
 
 
-def expected_layout(kind: str) -> str:
-    return "native" if kind != "fp32" and native.ops() is not None else "aten"
+def expected_layouts(kind: str) -> tuple[str, ...]:
+    """The layouts a model of ``kind`` has here: fp32 is native only where its values are bf16 values."""
+    if native.ops() is None:
+        return ("aten",)
+    return ("native", "aten") if kind == "fp32" else ("native",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,7 +269,8 @@ def _linear(path: Any, name: str, entry: Any, shape: tuple, area: mmap.mmap, ten
             or (kind in GROUPED and (group not in GROUP_SIZES or k % group))):
         raise _fail(path, f"the linear {name!r} does not match the model's config")
     wanted = dict(footprint.packed_shapes(kind, layout, n, k, group), bias=[n])
-    dtypes = {"weight": WEIGHT_DTYPES[kind], "scales": ("float32",), "bias": (str(dtype).removeprefix("torch."),)}
+    weight_dtypes = ("bfloat16",) if (kind, layout) == ("fp32", "native") else WEIGHT_DTYPES[kind]   # bf16-valued
+    dtypes = {"weight": weight_dtypes, "scales": ("float32",), "bias": (str(dtype).removeprefix("torch."),)}
     found = {}
     for part, tensor_name in parts.items():
         if tensor_name is None:
@@ -304,11 +308,11 @@ def stale_reason(path: Any, source: Any, dtype: Any, weights: Optional[str], gro
 
 def _check_kernel(path: Any, manifest: dict) -> None:
     kernel = manifest.get("kernel") or {}
-    here = dict(level=kernel_level(), layout=expected_layout(manifest.get("weights", "")),
-                fingerprint=layout_fingerprint())
+    here = dict(level=(kernel_level(),), layout=expected_layouts(manifest.get("weights", "")),
+                fingerprint=(layout_fingerprint(),))
     for key in ("level", "layout", "fingerprint"):
-        if kernel.get(key) != here[key]:
-            raise _fail(path, f"packed for kernel {key} {kernel.get(key)!r}, this machine uses {here[key]!r}; "
+        if kernel.get(key) not in here[key]:
+            raise _fail(path, f"packed for kernel {key} {kernel.get(key)!r}, this machine uses {here[key][0]!r}; "
                               "rebuild it: from_pretrained(path, source=CHECKPOINT)")
 
 

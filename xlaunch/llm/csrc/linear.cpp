@@ -131,15 +131,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   const int64_t k = x.size(-1), k_pairs = packed.size(1);
   check_input(x);
   check_packed("bf16_linear", packed, at::kBFloat16, nullptr, n, k, 0);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "xlaunch_llm bf16_linear: activations must be bfloat16");
-  at::Tensor rows = rows_of(x, at::kBFloat16, 2 * k_pairs);
+  const bool fp32 = x.scalar_type() == at::kFloat;   // fp32 activations: multiplied as they are, not rounded
+  at::Tensor rows = rows_of(x, fp32 ? at::kFloat : at::kBFloat16, 2 * k_pairs);
   const int64_t m = rows.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor b = float_bias(bias, n);
-  const auto* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
-    bf16_block(xp + m0 * 2 * k_pairs, 2 * k_pairs, r, wp + blk * k_pairs * 2 * kBlock, k_pairs, acc);
+    const uint16_t* block = wp + blk * k_pairs * 2 * kBlock;
+    if (fp32) bf16_f32_block(rows.data_ptr<float>() + m0 * 2 * k_pairs, 2 * k_pairs, r, block, k_pairs, acc);
+    else bf16_block(reinterpret_cast<const uint16_t*>(rows.data_ptr()) + m0 * 2 * k_pairs, 2 * k_pairs, r, block,
+                    k_pairs, acc);
   });
   return out.view(output_sizes(x, n));
 }

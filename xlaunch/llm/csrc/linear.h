@@ -44,6 +44,9 @@ inline uint16_t float_to_bf16_bits(float value) {
 
 // The fp32 sums of rows [m0, m0 + rows) against one block: acc[r * kBlock + c], c < kBlock.
 void bf16_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t k_pairs, float* acc);
+// The same with fp32 rows (zero past K up to 2 * k_pairs), not rounded to bf16: fp32 layers whose weights are
+// bf16 values, stored as bf16.
+void bf16_f32_block(const float* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t k_pairs, float* acc);
 // fp32 weights as ATen keeps them ([N, K] contiguous, no packing): out[r * ldo + c] = x[r] . w[c] for the
 // channels [c0, c1) and rows [0, rows) of x ([rows][k]). A few rows only (decode): ATen's GEMV runs on one thread.
 void fp32_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t c0, int64_t c1, float* out,

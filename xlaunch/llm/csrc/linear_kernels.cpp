@@ -28,30 +28,9 @@ inline int16_t load_int16(const int8_t* p) {   // two int8 values as one 16-bit 
   return v;
 }
 
-// The bf16 kernels: vdpbf16ps, AVX-512F or AVX2 + FMA widening, or plain C++.
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX2__) && defined(__FMA__)
 
-template <int R>
-void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < k_pairs; ++kp) {
-    const uint16_t* wp = w + kp * 2 * kBlock;
-    __m512bh wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_pair(x + r * ldx + 2 * kp));
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlock + 16 * j, acc[r][j]);
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)
-
-// Without vdpbf16ps a bf16 pair (k, k+1) in a 32-bit lane widens to two fp32 by a shift (k) and a mask
+// Without vdpbf16ps (and at every level for fp32 activations, which vdpbf16ps would round to bf16) a bf16 pair (k, k+1) in a 32-bit lane widens to two fp32 by a shift (k) and a mask
 // (k + 1), then FMA: 8 channels a vector with AVX2, 16 with AVX-512F (the avx512 and avx512_vnni levels:
 // Skylake-SP, Cascade Lake, Ice Lake).
 struct Avx2Lanes {
@@ -136,12 +115,51 @@ void bf16_pass(const float* x, int64_t ldx, const uint16_t* w, int64_t kp0, int6
 // 8192 x 2048) 4 rows took 12.7 ms against 3.8 for one row, 2 rows 7.1.
 constexpr int64_t kPassChunkPairs = 64;
 
+// R fp32 rows (ldx apart, zero past K up to 2 * k_pairs) against one bf16 block, by the passes above.
+template <int R>
+void widened_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
+  using L = Bf16Lanes;
+  constexpr int C = L::vectors(R);
+  if (L::kLanes * C == kBlock) {   // one pass over K
+    bf16_pass<L, R, C, kPrefetchBytes>(x, ldx, w, 0, k_pairs, 0, out, true);
+    return;
+  }
+  for (int64_t kp0 = 0; kp0 < k_pairs || kp0 == 0; kp0 += kPassChunkPairs) {
+    const int64_t kp1 = std::min(k_pairs, kp0 + kPassChunkPairs);
+    for (int c0 = 0; c0 < kBlock; c0 += L::kLanes * C)
+      bf16_pass<L, R, C, kPassChunkPairs * 2 * kBlock * sizeof(uint16_t)>(x, ldx, w, kp0, kp1, c0, out, kp0 == 0);
+  }
+}
+
+#endif
+
+// The bf16 kernels: vdpbf16ps, AVX-512F or AVX2 + FMA widening, or plain C++.
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+template <int R>
+void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    const uint16_t* wp = w + kp * 2 * kBlock;
+    __m512bh wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_pair(x + r * ldx + 2 * kp));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlock + 16 * j, acc[r][j]);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
 // The tile's bf16 rows widened to fp32 once (a broadcast from fp32 memory is one instruction; from a
 // bf16 value it is four, and with several rows those outnumbered the FMAs: 4 rows cost 3.5x one).
 template <int R>
 void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
-  using L = Bf16Lanes;
-  constexpr int C = L::vectors(R);
   const int64_t k = 2 * k_pairs;
   thread_local std::vector<float> rows;
   rows.resize(size_t(R) * k);
@@ -154,18 +172,8 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
           _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
     for (; i < k; ++i) dst[i] = bf16_bits_to_float(src[i]);
   }
-  if (L::kLanes * C == kBlock) {   // one pass over K
-    bf16_pass<L, R, C, kPrefetchBytes>(rows.data(), k, w, 0, k_pairs, 0, out, true);
-    return;
-  }
-  for (int64_t kp0 = 0; kp0 < k_pairs || kp0 == 0; kp0 += kPassChunkPairs) {
-    const int64_t kp1 = std::min(k_pairs, kp0 + kPassChunkPairs);
-    for (int c0 = 0; c0 < kBlock; c0 += L::kLanes * C)
-      bf16_pass<L, R, C, kPassChunkPairs * 2 * kBlock * sizeof(uint16_t)>(rows.data(), k, w, kp0, kp1, c0, out,
-                                                                           kp0 == 0);
-  }
+  widened_tile<R>(rows.data(), k, w, k_pairs, out);
 }
-
 
 #else
 
@@ -182,6 +190,23 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
 }
 
 #endif
+
+// fp32 activations against bf16 weights, not rounded: the widening passes at every SIMD level (vdpbf16ps would
+// round them), so a bf16-valued fp32 weight stored as bf16 gives the products fp32 weights give.
+template <int R>
+void bf16_f32_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  widened_tile<R>(x, ldx, w, k_pairs, out);
+#else
+  float acc[R][kBlock] = {};
+  for (int64_t kp = 0; kp < k_pairs; ++kp)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < kBlock; ++c)
+        acc[r][c] += bf16_bits_to_float(w[(kp * kBlock + c) * 2]) * x[r * ldx + 2 * kp] +
+                     bf16_bits_to_float(w[(kp * kBlock + c) * 2 + 1]) * x[r * ldx + 2 * kp + 1];
+  std::memcpy(out, acc, sizeof acc);
+#endif
+}
 
 // The integer kernels (INT8/INT4 over quantized activations, linear.h: kQuantBlock): AVX-512 VNNI
 // (int_dot_avx512.h, at the avx512_vnni level and above) or AVX2; the baseline level has none.
@@ -452,6 +477,12 @@ void fp32_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t 
 
 void bf16_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t k_pairs, float* acc) {
 #define CALL(R) bf16_tile<R>(x, ldx, w, k_pairs, acc)
+  XLAUNCH_LLM_ROWS(CALL)
+#undef CALL
+}
+
+void bf16_f32_block(const float* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t k_pairs, float* acc) {
+#define CALL(R) bf16_f32_tile<R>(x, ldx, w, k_pairs, acc)
   XLAUNCH_LLM_ROWS(CALL)
 #undef CALL
 }
