@@ -97,7 +97,8 @@ def packed_linears(shape: Shape) -> list[tuple[int, int]]:
 
 def packed_bytes(shape: Shape, dtype: str, weights: Optional[str] = None, group_size: int = 128) -> int:
     """The weights of ``xlaunch.llm.optimize`` / ``from_pretrained`` of ``shape``: activations ``dtype``
-    ("fp32" or "bf16"), ``weights`` None (the dtype), "int8" or "int4"."""
+    ("fp32" or "bf16"), ``weights`` None (the dtype), "int8" or "int4". fp32 weights count 4 bytes: a bound, since
+    a bf16 checkpoint's are kept as bf16 (:func:`xlaunch.llm.linear.bf16_valued`)."""
     kind = weights or dtype
     size = BYTES[dtype]
     groups = packed_linears(shape)
