@@ -213,6 +213,12 @@ def test_the_operators_have_shapes_for_fake_tensors():
     layer = PackedLinear(torch.randn(100, 64), None, "int6", group_size=32)
     y = ops.int6_linear(x, meta(layer.weight), meta(layer.scales), None, 100, 32)
     assert y.shape == (2, 3, 100) and y.device.type == "meta" and y.dtype == torch.bfloat16
+    x32 = torch.empty(2, 3, 64, device="meta")
+    y = ops.fp32_linear(x32, torch.empty(100, 64, device="meta"), None)
+    assert y.shape == (2, 3, 100) and y.device.type == "meta" and y.dtype == torch.float32
+    layer = PackedLinear(torch.randn(100, 64).to(torch.bfloat16).float(), None, "fp32", dtype=torch.float32)
+    y = ops.bf16_linear(x32, meta(layer.weight), None, 100)      # bf16-valued fp32 weights, fp32 activations
+    assert y.shape == (2, 3, 100) and y.device.type == "meta" and y.dtype == torch.float32
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "int6"])
