@@ -133,6 +133,8 @@ def test_check_isa_says_which_level_the_kernels_run_at(monkeypatch, cap, level, 
     assert report["kernels"] == {"level": level, "cap": cap or None, "error": None,
                                  "libraries": {"xlaunch.nn": nn, "xlaunch.llm": llm}}
     assert f"xlaunch kernels: {level} level (xlaunch.nn {nn}, xlaunch.llm {llm}; " in format_isa(report)
+    capped = "the capped kernels do not use it: xlaunch.llm widens bf16 to fp32 and defaults to fp32 activations"
+    assert (capped in format_isa(report)) is (cap in ("avx2", "baseline")), format_isa(report)
 
 
 def test_check_isa_on_cascade_lake_runs_llm_vnni_kernels(monkeypatch):
