@@ -1,5 +1,5 @@
 // torch.ops.xlaunch_llm.{bf16,int8,int4,int6}_linear: y = x @ W.T (* scales) + bias over weights packed by
-// xlaunch/llm/linear.py (layouts in linear.h), and fp32_linear over fp32 weights as ATen keeps them. Parallel
+// xlaunch/llm/linear/ (layouts in linear.h), and fp32_linear over fp32 weights as ATen keeps them. Parallel
 // over blocks of 64 output channels (at::parallel_for, so torch.get_num_threads() threads); each block is
 // streamed once per kRowTile rows.
 #include "linear.h"

@@ -1,4 +1,4 @@
-// Packed linear layers of xlaunch.llm (xlaunch/llm/linear.py packs the weights, these kernels read them).
+// Packed linear layers of xlaunch.llm (xlaunch/llm/linear/layouts.py packs the weights, these kernels read them).
 //
 // Weights are cut into blocks of kBlock = 64 output channels (the last block zero-padded); inside a block
 // the weights of one step along K lie together, so one pass over a block streams one contiguous range:
