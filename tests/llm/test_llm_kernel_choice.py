@@ -203,11 +203,12 @@ def test_a_real_measurement_picks_a_route_and_keeps_it(monkeypatch, isolated):
 
 
 @pytest.mark.parametrize("sliced", [False, True])
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("level", native.LEVELS)
 def test_the_dense_route_computes_the_layer_at_every_level(monkeypatch, level, kind, sliced):
     """Forced from 16 rows: 20 rows go through ATen's GEMM on the widened weight, 8 through the level's
-    kernel; both match the float reference of the packed weight, in bf16 and fp32 activations. ``sliced``:
+    kernel; both match the float reference of the packed weight, in bf16 and fp32 activations (fp32 layers of
+    bf16 values: fp32 only, multiplied exactly either way). ``sliced``:
     a widening budget of one block of 64 channels, so the 72 channels are widened and multiplied in two
     slices (64 + a partial block), into a buffer that never holds more than one."""
     monkeypatch.setenv(ENV, "16")
@@ -216,20 +217,23 @@ def test_the_dense_route_computes_the_layer_at_every_level(monkeypatch, level, k
         kernel_choice.release_reused_buffers()         # none left by an earlier test
     generator = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(72, 256, generator=generator), torch.randn(72, generator=generator)
+    if kind == "fp32":
+        weight = weight.to(torch.bfloat16).float()
     with use_level(level):
-        layer = PackedLinear(weight, bias, kind, group_size=64)
+        layer = PackedLinear(weight, bias, kind, dtype=torch.float32 if kind == "fp32" else torch.bfloat16, group_size=64)
         assert layer.layout == "native"
         taken = []
         dense_forward = layer.dense_forward
         layer.dense_forward = lambda x, dtype: taken.append(x.shape[0]) or dense_forward(x, dtype)
-        for dtype in ((torch.bfloat16,) if kind == "bf16" else (torch.bfloat16, torch.float32)):
+        for dtype in {"bf16": (torch.bfloat16,), "fp32": (torch.float32,)}.get(kind, (torch.bfloat16, torch.float32)):
             for rows in (20, 8):
                 x = torch.randn(rows, 256, generator=generator).to(dtype)
                 y = layer(x)
                 reference = torch.nn.functional.linear(x.float(), layer.dense_weight(), bias)
                 error = ((y.float() - reference).norm() / reference.norm()).item()
-                assert y.dtype == dtype and error < (0.01 if dtype == torch.bfloat16 or kind != "bf16" else 1e-5)
-    assert taken == [20] * (1 if kind == "bf16" else 2)
+                assert y.dtype == dtype and error < (0.01 if dtype == torch.bfloat16 or kind not in ("bf16", "fp32")
+                                                     else 1e-5)
+    assert taken == [20] * (1 if kind in ("bf16", "fp32") else 2)
     if sliced:
         assert max(buffer.numel() for buffer in kernel_choice._widening.buffers.values()) == 64 * 256
 

@@ -235,15 +235,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: "torch.Tensor") -> "torch.Tensor":
         """``x @ W.T + b`` by the kernels (native layout; fp32 ones up to :data:`FP32_KERNEL_ROWS` rows) or ATen's."""
         ops = native.ops()
-        if self.kind == "fp32" and self.layout == "native":   # bf16-valued weights multiplied in fp32
-            return (ops.bf16_linear(x.float(), self.weight, self.bias, self.out_features) if ops is not None
-                    else self._reference(x.float())).to(x.dtype)
+        if self.layout == "native":
+            return self._native(ops, x) if ops is not None else self._reference(x)
         if self.kind == "fp32":
             if ops is not None and x.numel() <= FP32_KERNEL_ROWS * self.in_features:
                 return ops.fp32_linear(x, self.weight, self.bias).to(x.dtype)
             return self._add_bias(torch.nn.functional.linear(x.float(), self.weight)).to(x.dtype)
-        if self.layout == "native":
-            return self._native(ops, x) if ops is not None else self._reference(x)
         return self._aten(x)
 
     def bound(self, ops: Optional[object]) -> Callable[["torch.Tensor"], "torch.Tensor"]:
@@ -253,10 +250,10 @@ class PackedLinear(nn.Module):
         operator with the weights bound, routed by :func:`xlaunch.llm.kernel_choice.routed` (calls of many
         rows to ATen's GEMM where that measured faster); else :meth:`forward`.
         """
-        if ops is None or self.layout != "native" or self.kind == "fp32":
+        if ops is None or self.layout != "native":
             return self.forward
         weight, scales, bias, n = self.weight, self.scales, self.bias, self.out_features
-        if self.kind == "bf16":
+        if self.kind in ("fp32", "bf16"):     # fp32: bf16-valued weights, fp32 activations multiplied unrounded
             bf16_linear = ops.bf16_linear
             kernel = lambda x: bf16_linear(x, weight, bias, n)   # noqa: E731
         elif self.kind == "int8":
@@ -305,9 +302,12 @@ class PackedLinear(nn.Module):
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
 
     def _native(self, ops: object, x: "torch.Tensor") -> "torch.Tensor":
-        """The kernels on ``x`` of any float dtype: bf16 weights take bf16, the others bf16 or fp32."""
-        act = x.to(torch.bfloat16) if self.kind == "bf16" else x if x.dtype in (torch.bfloat16, torch.float32) \
-            else x.to(self.dtype)
+        """The kernels on ``x`` of any float dtype: bf16 weights take bf16, fp32 (bf16-valued) ones fp32, the
+        others bf16 or fp32."""
+        if self.kind in ("fp32", "bf16"):
+            act = x.to(torch.float32 if self.kind == "fp32" else torch.bfloat16)
+        else:
+            act = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(self.dtype)
         return self.bound(ops)(act).to(x.dtype)
 
     def _aten(self, x: "torch.Tensor") -> "torch.Tensor":
@@ -328,7 +328,7 @@ class PackedLinear(nn.Module):
 
     def _reference(self, x: "torch.Tensor") -> "torch.Tensor":
         """Dequantize and multiply (a native layer without its kernels)."""
-        act = x.to(torch.bfloat16) if self.kind == "bf16" else x
+        act = x.to(torch.bfloat16) if self.kind == "bf16" else x.float() if self.kind == "fp32" else x
         weight = self.dense_weight().to(act.dtype if act.dtype in (torch.bfloat16, torch.float32) else self.dtype)
         return self._add_bias(torch.nn.functional.linear(act.to(weight.dtype), weight)).to(x.dtype)
 
