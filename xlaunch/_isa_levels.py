@@ -99,6 +99,12 @@ def chosen_level(flags: "Optional[Iterable[str]]" = None, cap: "Optional[str]" =
     return levels[-1] if levels else None
 
 
+def multiplies_bf16(level: str) -> bool:
+    """Whether kernels built for ``level`` multiply bf16 natively (``vdpbf16ps``: ``avx512_bf16`` and above); below,
+    they widen bf16 to fp32."""
+    return LEVELS.index(level) >= LEVELS.index("avx512_bf16")
+
+
 def library_level(level: str, compiled: "Iterable[str]") -> str:
     """The compiled level a library uses at ``level``: the best of ``compiled`` not above it."""
     compiled = tuple(compiled)

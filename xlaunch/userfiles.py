@@ -26,6 +26,7 @@ import os
 import stat
 
 DEFAULT_LIMIT = 1 << 20          # 1 MiB: configs and search spaces are a few hundred bytes
+UNCAPPED = 1 << 50               # files as big as they are (model shards): the reader bounds what it reads
 _CHUNK = 1 << 16
 
 

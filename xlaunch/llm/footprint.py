@@ -138,11 +138,11 @@ def native_bf16() -> bool:
     """Whether bf16 dot products are native here: the CPU has AVX512_BF16 or AMX_BF16 (the machine model), and
     ``$XLAUNCH_CPU_ISA`` does not cap the kernels below the ``avx512_bf16`` level (capped to ``avx2`` on a Zen 4,
     they widen bf16 to fp32 as on an AVX2 CPU, and the defaults follow: fp32 activations)."""
-    from xlaunch._isa_levels import CAP_ENV, LEVELS
+    from xlaunch._isa_levels import CAP_ENV, LEVELS, multiplies_bf16
     from xlaunch.machine import current_machine
 
     cap = os.environ.get(CAP_ENV, "").strip().lower()
-    if cap in LEVELS and LEVELS.index(cap) < LEVELS.index("avx512_bf16"):
+    if cap in LEVELS and not multiplies_bf16(cap):
         return False
     return any(flag in current_machine().isa.flags for flag in BF16_FLAGS)
 

@@ -39,7 +39,6 @@ SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch
 SAFETENSORS_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
                      "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 MAX_SAFETENSORS_HEADER = 100 << 20
-MAX_SAFETENSORS_FILE = 1 << 50   # no real cap (shards are GBs): what is read is bounded by the header's ranges
 MAX_INDEX = 16 << 20             # model.safetensors.index.json: about 100 KB for a 70B model
 
 
@@ -50,7 +49,7 @@ class SafetensorsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:   # a regular file only: a FIFO or a device is refused without blocking (xlaunch.userfiles)
-            self.fd = userfiles.open_user_file(str(path), limit=MAX_SAFETENSORS_FILE)
+            self.fd = userfiles.open_user_file(str(path), limit=userfiles.UNCAPPED)   # read: the header's ranges
         except userfiles.UserFileError as error:
             raise ValueError(f"xlaunch.llm.from_pretrained: {error}") from None
         try:

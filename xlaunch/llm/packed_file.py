@@ -43,7 +43,6 @@ SOURCE_ATTR = "_xlaunch_llm_source"
 TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8,
                  "uint8": torch.uint8, "int32": torch.int32}
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10
-SOURCE_FILE_LIMIT = 1 << 50    # a checkpoint's shard: no real cap (GBs); the digest reads its header and samples
 WEIGHT_DTYPES = {"fp32": ("float32",), "bf16": ("bfloat16",), "int8": ("int8",), "int4": ("uint8", "int32"),
                  "int6": ("uint8", "int8")}
 
@@ -86,7 +85,7 @@ def source_digest(path: Any) -> str:
     try:
         digest = hashlib.sha256(userfiles.read_user_file(str(path / "config.json"), limit=MAX_HEADER))
         for file in sorted(path.glob("*.safetensors")):
-            fd = userfiles.open_user_file(str(file), limit=SOURCE_FILE_LIMIT)
+            fd = userfiles.open_user_file(str(file), limit=userfiles.UNCAPPED)   # read: its header and samples
             try:
                 size = os.fstat(fd).st_size
                 digest.update(f"{file.name}:{size}".encode())

@@ -12,7 +12,7 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 if TYPE_CHECKING:
     from typing import Any, Optional
 
-from xlaunch._isa_levels import LEVELS, kernel_levels
+from xlaunch._isa_levels import kernel_levels, multiplies_bf16
 from xlaunch.cpulist import format_cpulist
 from xlaunch.machine.host import host_checks, host_json
 from xlaunch.machine.isa import ISA_FLAGS
@@ -240,8 +240,7 @@ def format_isa(report: dict[str, Any]) -> str:
         else:
             each = ", ".join(f"{name} {level}" for name, level in kernels["libraries"].items())
             out.append(f"xlaunch kernels: {kernels['level']} level ({each}; {cap})")
-            if any(flags.get(flag) for flag in ("avx512_bf16", "amx_bf16")) and \
-                    LEVELS.index(kernels["level"]) < LEVELS.index("avx512_bf16"):
+            if report["advice"]["bf16"]["fast"] and not multiplies_bf16(kernels["level"]):
                 out.append("  (the CPU has native bf16, the capped kernels do not use it: xlaunch.llm widens bf16 "
                            "to fp32 and defaults to fp32 activations)")
     out.append("")
