@@ -137,11 +137,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor b = float_bias(bias, n);
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* xf = fp32 ? rows.data_ptr<float>() : nullptr;
+  const auto* xb = fp32 ? nullptr : reinterpret_cast<const uint16_t*>(rows.data_ptr());
   run_blocks(m, k, packed.size(0), epilogue_for(out, b, nullptr, n), [&](int64_t blk, int64_t m0, int64_t r, float* acc) {
     const uint16_t* block = wp + blk * k_pairs * 2 * kBlock;
-    if (fp32) bf16_f32_block(rows.data_ptr<float>() + m0 * 2 * k_pairs, 2 * k_pairs, r, block, k_pairs, acc);
-    else bf16_block(reinterpret_cast<const uint16_t*>(rows.data_ptr()) + m0 * 2 * k_pairs, 2 * k_pairs, r, block,
-                    k_pairs, acc);
+    if (fp32) bf16_f32_block(xf + m0 * 2 * k_pairs, 2 * k_pairs, r, block, k_pairs, acc);
+    else bf16_block(xb + m0 * 2 * k_pairs, 2 * k_pairs, r, block, k_pairs, acc);
   });
   return out.view(output_sizes(x, n));
 }
@@ -155,7 +156,7 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const std:
               "xlaunch_llm fp32_linear: the weight must be a contiguous float32 [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.size(-1) == k, "xlaunch_llm fp32_linear: the input has ", x.size(-1), " features, the weight ", k);
-  at::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();
+  at::Tensor rows = rows_of(x, at::kFloat, k);
   const int64_t m = rows.size(0);
   at::Tensor out = at::empty({m, n}, rows.options());
   at::Tensor b = float_bias(bias, n);

@@ -1,6 +1,7 @@
 // The inner loops of xlaunch.llm's packed linear layers: one block of 64 output channels against up to
 // kRowTile activation rows. Chosen at compile time (the library is built once per ISA level): bf16 by
-// vdpbf16ps, AVX-512F or AVX2 + FMA widening, or plain C++; INT8/INT4/INT6 by AVX-512 VNNI (int_dot_avx512.h), AVX2 or plain C++.
+// vdpbf16ps, AVX-512F or AVX2 + FMA widening, or plain C++; INT8/INT4/INT6 by AVX-512 VNNI (int_dot_avx512.h),
+// AVX2 or plain C++.
 #include "linear.h"
 
 #include <immintrin.h>
@@ -28,11 +29,27 @@ inline int16_t load_int16(const int8_t* p) {   // two int8 values as one 16-bit 
   return v;
 }
 
+// The plain C++ bf16 kernel, for bf16 rows (the baseline level) or fp32 ones (fp32 layers of bf16 values).
+inline float as_float(uint16_t bf16_bits) { return bf16_bits_to_float(bf16_bits); }
+inline float as_float(float value) { return value; }
+
+template <int R, typename X>
+void bf16_tile_plain(const X* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
+  float acc[R][kBlock] = {};
+  for (int64_t kp = 0; kp < k_pairs; ++kp)
+    for (int r = 0; r < R; ++r) {
+      const float xe = as_float(x[r * ldx + 2 * kp]), xo = as_float(x[r * ldx + 2 * kp + 1]);
+      for (int64_t c = 0; c < kBlock; ++c)
+        acc[r][c] += bf16_bits_to_float(w[(kp * kBlock + c) * 2]) * xe + bf16_bits_to_float(w[(kp * kBlock + c) * 2 + 1]) * xo;
+    }
+  std::memcpy(out, acc, sizeof acc);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 
-// Without vdpbf16ps (and at every level for fp32 activations, which vdpbf16ps would round to bf16) a bf16 pair (k, k+1) in a 32-bit lane widens to two fp32 by a shift (k) and a mask
-// (k + 1), then FMA: 8 channels a vector with AVX2, 16 with AVX-512F (the avx512 and avx512_vnni levels:
-// Skylake-SP, Cascade Lake, Ice Lake).
+// Without vdpbf16ps (and at every level for fp32 activations, which vdpbf16ps would round to bf16) a bf16
+// pair (k, k+1) in a 32-bit lane widens to two fp32 by a shift (k) and a mask (k + 1), then FMA: 8 channels
+// a vector with AVX2, 16 with AVX-512F (the avx512 and avx512_vnni levels: Skylake-SP, Cascade Lake, Ice Lake).
 struct Avx2Lanes {
   using F = __m256;
   using I = __m256i;
@@ -179,14 +196,7 @@ void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pair
 
 template <int R>
 void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_pairs, float* out) {
-  float acc[R][kBlock] = {};
-  for (int64_t kp = 0; kp < k_pairs; ++kp)
-    for (int r = 0; r < R; ++r) {
-      const float xe = bf16_bits_to_float(x[r * ldx + 2 * kp]), xo = bf16_bits_to_float(x[r * ldx + 2 * kp + 1]);
-      for (int64_t c = 0; c < kBlock; ++c)
-        acc[r][c] += bf16_bits_to_float(w[(kp * kBlock + c) * 2]) * xe + bf16_bits_to_float(w[(kp * kBlock + c) * 2 + 1]) * xo;
-    }
-  std::memcpy(out, acc, sizeof acc);
+  bf16_tile_plain<R>(x, ldx, w, k_pairs, out);
 }
 
 #endif
@@ -198,13 +208,7 @@ void bf16_f32_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k_pai
 #if defined(__AVX2__) && defined(__FMA__)
   widened_tile<R>(x, ldx, w, k_pairs, out);
 #else
-  float acc[R][kBlock] = {};
-  for (int64_t kp = 0; kp < k_pairs; ++kp)
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < kBlock; ++c)
-        acc[r][c] += bf16_bits_to_float(w[(kp * kBlock + c) * 2]) * x[r * ldx + 2 * kp] +
-                     bf16_bits_to_float(w[(kp * kBlock + c) * 2 + 1]) * x[r * ldx + 2 * kp + 1];
-  std::memcpy(out, acc, sizeof acc);
+  bf16_tile_plain<R>(x, ldx, w, k_pairs, out);
 #endif
 }
 
