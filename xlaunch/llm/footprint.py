@@ -22,7 +22,7 @@ from xlaunch.llm.shapes import Shape
 
 MiB, GiB = 1 << 20, 1 << 30
 HUGE_PAGE = 2 * MiB
-BLOCK = 64                                # output channels per native block (xlaunch/llm/linear/layouts.py)
+BLOCK = 64                                # output channels per native block (csrc/linear.h: kBlock)
 TORCH_PROCESS_BYTES = 450 * MiB           # python + torch + transformers imported, before any model
 BYTES = {"fp32": 4, "bf16": 2}
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU flags of native bf16 dot products

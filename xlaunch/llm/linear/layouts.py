@@ -9,7 +9,8 @@ from xlaunch._torch import needs_torch
 with needs_torch(__name__):
     import torch
 
-BLOCK = 64           # output channels per native block (csrc/linear.h: kBlock)
+from xlaunch.llm.footprint import BLOCK  # noqa: E402  (output channels per native block, csrc/linear.h: kBlock)
+
 INT4_ZERO = 8        # int4 values are stored unsigned, q + 8
 INT6_ZERO = 32       # int6 values, q + 32
 
