@@ -644,7 +644,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_results(description, args.json, {
             "bench": "llm", "model": model.name, "config": model.config, "prompt": args.prompt,
             "new_tokens": args.new_tokens, "batch": args.batch, "rounds": args.rounds,
-            "isa": args.isa, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key(), "isa": args.isa},
+            "isa": args.isa, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
             "results": results}, final)
 
     results: dict[str, Any] = {}
@@ -694,7 +694,7 @@ def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds
         write_results(description, args.json, {
             "bench": "llm-instances", "model": model.name, "config": model.config, "prompt": args.prompt,
             "new_tokens": args.new_tokens, "rounds": args.rounds, "instances": args.instances, "threads": args.threads,
-            "isa": args.isa, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key(), "isa": args.isa},
+            "isa": args.isa, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
             "results": results}, final)
 
     with bench_lock(args.lock):
