@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from machine_trees import MACHINE_NAMES, machine_tree
 
+from xlaunch._torch import paused_gc
+
 REPO = Path(__file__).resolve().parent.parent
 
 # A shell starts a background job (`make test &`) with SIGINT ignored, and an ignored SIGINT is
@@ -66,11 +68,8 @@ def pytest_collection(session: pytest.Session):
     """No automatic collector passes while the test modules import torch, the engines and transformers: each
     full pass traverses everything imported so far, and collection made 16 of them (2.45 of its 6.4 s in each
     worker, Zen 5 VM, 2026-11-28). pytest_collection_finish collects once, then freezes."""
-    gc.disable()
-    try:
+    with paused_gc():
         yield
-    finally:
-        gc.enable()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
