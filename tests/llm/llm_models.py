@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+import json
+import struct
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +51,25 @@ def prompts(batch: int, length: int, seed: int = 1):
 def relative_error(logits, reference) -> float:
     """max |logits - reference| / max |reference| over every position and vocabulary entry."""
     return float((logits.float() - reference.float()).abs().max() / reference.float().abs().max())
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of a packed file."""
+    data = path.read_bytes()
+    return json.loads(data[16:16 + struct.unpack("<Q", data[8:16])[0]])
+
+
+def rewrite_manifest(source: Path, target: Path, change) -> Path:
+    """A copy of a packed file with its manifest changed (the tensors stay where they were)."""
+    data = bytearray(source.read_bytes())
+    length = struct.unpack("<Q", data[8:16])[0]
+    manifest = json.loads(data[16:16 + length])
+    first = min(entry["offset"] for entry in manifest["tensors"].values())
+    change(manifest)
+    header = json.dumps(manifest).encode()
+    assert 16 + len(header) <= first
+    data[16:16 + length] = b" " * length
+    data[8:16] = struct.pack("<Q", len(header))
+    data[16:16 + len(header)] = header
+    target.write_bytes(bytes(data))
+    return target

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llm_models import VOCAB, tiny  # noqa: E402
+from llm_models import VOCAB, read_manifest, rewrite_manifest, tiny  # noqa: E402
 
 import xlaunch.llm as llm  # noqa: E402
 from xlaunch.llm.packed_file import PackedFileError, kernel_level  # noqa: E402
@@ -108,7 +108,7 @@ def test_an_embedding_round_trips_as_a_16_bit_table_or_as_the_tied_lm_head(tmp_p
     checkpoint.save_pretrained(tmp_path / "checkpoint", safe_serialization=True)
     model = llm.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32, weights="int4", group_size=32)
     path = llm.save_packed(model, tmp_path / "model.xlp")
-    manifest = _manifest(path)
+    manifest = read_manifest(path)
     assert manifest["embedding"] == ("lm_head" if tied else "table") and ("embed" in manifest["tensors"]) != tied
     again = llm.from_pretrained(path)
     if tied:
@@ -118,27 +118,6 @@ def test_an_embedding_round_trips_as_a_16_bit_table_or_as_the_tied_lm_head(tmp_p
     assert again.dtype == torch.float32
     with torch.no_grad():
         assert torch.equal(again(torch.tensor(IDS)).logits, model(torch.tensor(IDS)).logits)
-
-
-def _manifest(path: Path) -> dict:
-    data = path.read_bytes()
-    return json.loads(data[16:16 + struct.unpack("<Q", data[8:16])[0]])
-
-
-def _rewrite(source: Path, target: Path, change) -> Path:
-    """A copy of a packed file with its manifest changed (the tensors stay where they were)."""
-    data = bytearray(source.read_bytes())
-    length = struct.unpack("<Q", data[8:16])[0]
-    manifest = json.loads(data[16:16 + length])
-    first = min(entry["offset"] for entry in manifest["tensors"].values())
-    change(manifest)
-    header = json.dumps(manifest).encode()
-    assert 16 + len(header) <= first
-    data[16:16 + length] = b" " * length
-    data[8:16] = struct.pack("<Q", len(header))
-    data[16:16 + len(header)] = header
-    target.write_bytes(bytes(data))
-    return target
 
 
 def _refused(path, match: str, **kwargs) -> str:
@@ -159,12 +138,12 @@ def test_a_truncated_file_is_refused_with_one_line(packed, tmp_path):
 def test_another_kernel_level_or_format_is_refused_then_rebuilt_from_the_source(packed, tmp_path):
     checkpoint, path, logits = packed
     other = "avx2" if kernel_level() != "avx2" else "avx512"
-    stale = _rewrite(path, tmp_path / "stale.xlp", lambda m: m["kernel"].update(level=other))
+    stale = rewrite_manifest(path, tmp_path / "stale.xlp", lambda m: m["kernel"].update(level=other))
     message = _refused(stale, "kernel level")
     assert other in message and kernel_level() in message
-    _refused(_rewrite(path, tmp_path / "layout.xlp", lambda m: m["kernel"].update(fingerprint="0" * 16)),
+    _refused(rewrite_manifest(path, tmp_path / "layout.xlp", lambda m: m["kernel"].update(fingerprint="0" * 16)),
              "kernel fingerprint")
-    _refused(_rewrite(path, tmp_path / "version.xlp", lambda m: m.update(version=99)), "format version 99")
+    _refused(rewrite_manifest(path, tmp_path / "version.xlp", lambda m: m.update(version=99)), "format version 99")
     rebuilt = llm.from_pretrained(stale, source=checkpoint, weights="int8")
     with torch.no_grad():
         assert torch.equal(rebuilt(torch.tensor(IDS)).logits, logits)
@@ -181,19 +160,19 @@ def test_malformed_files_get_one_clear_error(packed, tmp_path):
     _refused(tmp_path / "huge.xlp", "malformed")
     (tmp_path / "json.xlp").write_bytes(b"XLLMPACK" + struct.pack("<Q", 4) + b"{{{{")
     _refused(tmp_path / "json.xlp", "not valid JSON")
-    outside = _rewrite(path, tmp_path / "outside.xlp",
+    outside = rewrite_manifest(path, tmp_path / "outside.xlp",
                        lambda m: m["tensors"]["embed"].update(offset=m["tensors"]["embed"]["offset"] + (1 << 30)))
     _refused(outside, "truncated: tensor 'embed'")
-    header = _rewrite(path, tmp_path / "header.xlp", lambda m: m["tensors"]["embed"].update(offset=0))
+    header = rewrite_manifest(path, tmp_path / "header.xlp", lambda m: m["tensors"]["embed"].update(offset=0))
     _refused(header, "inside the header")
-    shape = _rewrite(path, tmp_path / "shape.xlp",
+    shape = rewrite_manifest(path, tmp_path / "shape.xlp",
                      lambda m: m["tensors"]["lm_head.weight"].update(shape=[1, 1], nbytes=1))
     _refused(shape, "lm_head.weight")
-    kind = _rewrite(path, tmp_path / "dtype.xlp", lambda m: m["tensors"]["lm_head.weight"].update(dtype="uint8"))
+    kind = rewrite_manifest(path, tmp_path / "dtype.xlp", lambda m: m["tensors"]["lm_head.weight"].update(dtype="uint8"))
     _refused(kind, "'lm_head.weight' is uint8, not int8")
-    untied = _rewrite(path, tmp_path / "untied.xlp", lambda m: m.update(embedding="lm_head"))
+    untied = rewrite_manifest(path, tmp_path / "untied.xlp", lambda m: m.update(embedding="lm_head"))
     _refused(untied, "neither a table nor a tied lm_head")      # the packed model's embeddings are not tied
-    no_table = _rewrite(path, tmp_path / "no-table.xlp", lambda m: m["tensors"].pop("embed"))
+    no_table = rewrite_manifest(path, tmp_path / "no-table.xlp", lambda m: m["tensors"].pop("embed"))
     _refused(no_table, "tensor 'embed' is missing")
     _refused("/dev/null", "not a regular file")
 

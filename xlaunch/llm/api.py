@@ -25,13 +25,17 @@ import_quietly("transformers.quantizers.auto", "torchao.quantization", chain=Tru
 
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.shapes import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
-from xlaunch.llm.decoder import (DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding,  # noqa: E402
-                                 embedding_table, make_forward)
+from xlaunch.llm.cache import hf_cache_class, needs_transformers  # noqa: E402
+from xlaunch.llm.decoder import (DTYPES, DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding,  # noqa: E402
+                                 embedding_table)
 from xlaunch.llm.linear import GROUP_SIZES, PackedLinear  # noqa: E402
+
+with needs_transformers("xlaunch.llm"):
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
 __all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "is_optimized"]
 
-DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 WEIGHTS = (None, "int8", "int4")
 MARK = "_xlaunch_llm"
 BF16_FLAGS = footprint.BF16_FLAGS
@@ -97,6 +101,32 @@ def _pack_layer(layer: Any, kind: str, dtype: Any, group_size: int, window: Opti
                         post_attention_norm=layer.post_attention_layernorm.weight.detach(),
                         qkv=attention.qkv_proj, out=attention.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
                         window=window)
+
+
+def make_forward(runtime: DecoderRuntime, model: Any):
+    """The ``forward`` installed on the model: Hugging Face's signature, the runtime's work."""
+
+    def forward(input_ids: Optional["torch.Tensor"] = None, attention_mask: Optional["torch.Tensor"] = None,
+                position_ids: Optional["torch.Tensor"] = None, past_key_values: Any = None,
+                inputs_embeds: Optional["torch.Tensor"] = None, labels: Optional["torch.Tensor"] = None,
+                use_cache: Optional[bool] = None, logits_to_keep: Any = 0, **kwargs: Any) -> Any:
+        for name in UNSUPPORTED_OUTPUTS:
+            if kwargs.get(name):
+                raise ValueError(f"xlaunch.llm: {name}=True is not supported by the optimized model")
+        return_dict = kwargs.get("return_dict")
+        if use_cache is None:
+            use_cache = bool(getattr(model.config, "use_cache", True))
+        logits, cache = runtime.forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                                        use_cache, logits_to_keep)
+        loss = None
+        if labels is not None:
+            loss = model.loss_function(logits=logits, labels=labels, vocab_size=runtime.spec.vocab_size)
+        if return_dict is False:
+            return tuple(item for item in (loss, logits, cache) if item is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+
+    forward.__doc__ = "Hugging Face's causal-LM forward, run by xlaunch.llm's optimized decoder."
+    return forward
 
 
 def _install_generate_hook(model: Any, runtime: DecoderRuntime) -> None:
@@ -249,8 +279,6 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
     warn_if_bf16_is_slow(dtype, "xlaunch.llm.optimize", stacklevel=3)
     model.eval()
     inner = model.model
-    rotary = copy.deepcopy(inner.rotary_emb).float()
-    rotary.inv_freq = rotary.original_inv_freq.float().clone() if hasattr(rotary, "original_inv_freq") else rotary.inv_freq
     with torch.no_grad():
         layers = [_pack_layer(layer, kind, dtype, group_size, window)
                   for layer, window in zip(inner.layers, spec.windows)]
@@ -261,11 +289,18 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
         inner.embed_tokens = TokenEmbedding(table, dtype, model.lm_head)
         inner.norm.to(dtype)
     runtime = DecoderRuntime(spec, dtype, table, layers, inner.norm.weight.detach(),
-                             model.lm_head, RopeTable(rotary, spec.head_dim, dtype))
+                             model.lm_head, RopeTable.of(inner.rotary_emb, spec.head_dim, dtype))
+    attach(model, runtime)
+    return model
+
+
+def attach(model: Any, runtime: DecoderRuntime) -> None:
+    """Make ``runtime`` the Hugging Face ``model``'s forward, its caches ``KVCache``, and its ``generate`` the
+    runtime's loop where that gives generate's tokens."""
+    runtime.cache_type = hf_cache_class()
     object.__setattr__(model, MARK, runtime)      # plain attribute: not a submodule, not in the state dict
     model.forward = make_forward(runtime, model)
     _install_generate_hook(model, runtime)
     _install_loop_generate(model, runtime)
     if hasattr(model.config, "dtype"):
-        model.config.dtype = dtype
-    return model
+        model.config.dtype = runtime.dtype

@@ -3,7 +3,9 @@
 :func:`skeleton` makes the Hugging Face model of a config on the meta device (no weights allocated);
 :func:`install` puts the packed linears, norms and embeddings (read from a checkpoint by
 :mod:`xlaunch.llm.loader` or mapped from a packed file by :mod:`xlaunch.llm.packed_file`) into it and
-gives it the same runtime and forward as :func:`xlaunch.llm.optimize`.
+gives it the same runtime and forward as :func:`xlaunch.llm.optimize`; :func:`runtime_of` makes the runtime
+alone (:mod:`xlaunch.llm.standalone`). Importing this module imports neither transformers nor the Hugging Face
+side of :mod:`xlaunch.llm`: those come with :func:`skeleton` and :func:`install`.
 """
 from __future__ import annotations
 
@@ -18,9 +20,8 @@ from xlaunch._torch import needs_torch, paused_gc
 with needs_torch(__name__):
     import torch
 
-from xlaunch.llm.api import MARK, _install_generate_hook, _install_loop_generate, _Retired  # noqa: E402
 from xlaunch.llm.shapes import DecoderSpec, describe  # noqa: E402
-from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding, make_forward  # noqa: E402
+from xlaunch.llm.decoder import DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding  # noqa: E402
 from xlaunch.llm.linear import PackedLinear  # noqa: E402
 
 LAYER_LINEARS = ("qkv", "out", "gate_up", "down")
@@ -90,11 +91,25 @@ def _parameter(tensor: "torch.Tensor") -> "torch.nn.Parameter":
     return torch.nn.Parameter(tensor, requires_grad=False)
 
 
+def layer_weights(spec: DecoderSpec, parts: Parts) -> list[LayerWeights]:
+    """What each layer computes with, from ``parts``."""
+    return [LayerWeights(input_norm=parts.input_norms[index], post_attention_norm=parts.post_attention_norms[index],
+                         qkv=linears["qkv"], out=linears["out"], gate_up=linears["gate_up"], down=linears["down"],
+                         window=window)
+            for index, (linears, window) in enumerate(zip(parts.linears, spec.windows))]
+
+
+def runtime_of(spec: DecoderSpec, dtype: "torch.dtype", parts: Parts, rope: RopeTable) -> DecoderRuntime:
+    """The runtime of ``parts`` alone, no Hugging Face model around it."""
+    return DecoderRuntime(spec, dtype, parts.embed, layer_weights(spec, parts), parts.final_norm, parts.lm_head, rope)
+
+
 def install(model: Any, spec: DecoderSpec, dtype: "torch.dtype", parts: Parts) -> Any:
     """Put ``parts`` into the meta ``model`` and give it :func:`~xlaunch.llm.optimize`'s runtime; returns it."""
+    from xlaunch.llm.api import _Retired, attach
+
     inner = model.model
-    layers = []
-    for index, (layer, window) in enumerate(zip(inner.layers, spec.windows)):
+    for index, layer in enumerate(inner.layers):
         linears = parts.linears[index]
         attention, mlp = layer.self_attn, layer.mlp
         attention.qkv_proj, attention.o_proj = linears["qkv"], linears["out"]
@@ -105,10 +120,6 @@ def install(model: Any, spec: DecoderSpec, dtype: "torch.dtype", parts: Parts) -
             setattr(mlp, name, _Retired("mlp.gate_up_proj"))
         layer.input_layernorm.weight = _parameter(parts.input_norms[index])
         layer.post_attention_layernorm.weight = _parameter(parts.post_attention_norms[index])
-        layers.append(LayerWeights(input_norm=parts.input_norms[index],
-                                   post_attention_norm=parts.post_attention_norms[index],
-                                   qkv=linears["qkv"], out=linears["out"], gate_up=linears["gate_up"],
-                                   down=linears["down"], window=window))
     inner.embed_tokens = TokenEmbedding(parts.embed, dtype, parts.lm_head)
     inner.norm.weight = _parameter(parts.final_norm)
     model.lm_head = parts.lm_head
@@ -121,24 +132,19 @@ def install(model: Any, spec: DecoderSpec, dtype: "torch.dtype", parts: Parts) -
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"xlaunch.llm.from_pretrained: no weights for {', '.join(left[:4])}")
-    runtime = DecoderRuntime(spec, dtype, parts.embed, layers, parts.final_norm, parts.lm_head,
-                             RopeTable(rotary, spec.head_dim, dtype))
-    object.__setattr__(model, MARK, runtime)
-    model.forward = make_forward(runtime, model)
-    _install_generate_hook(model, runtime)
-    _install_loop_generate(model, runtime)
-    if hasattr(model.config, "dtype"):
-        model.config.dtype = dtype
+    attach(model, runtime_of(spec, dtype, parts, RopeTable.of(rotary, spec.head_dim, dtype)))
     return model
 
 
-def parts_of(model: Any) -> tuple[DecoderSpec, "torch.dtype", Parts]:
-    """(spec, dtype, parts) of an optimized model (by :func:`~xlaunch.llm.optimize` or a loader)."""
+def parts_of(model: Any) -> tuple[DecoderRuntime, Parts]:
+    """(runtime, parts) of an optimized model (by :func:`~xlaunch.llm.optimize` or a loader)."""
+    from xlaunch.llm.api import MARK
+
     runtime: Optional[DecoderRuntime] = getattr(model, MARK, None)
     if runtime is None:
         raise ValueError("xlaunch.llm.save_packed: the model is not optimized (call xlaunch.llm.optimize first)")
     layers = runtime.layers
-    return runtime.spec, runtime.dtype, Parts(
+    return runtime, Parts(
         embed=runtime.embed, final_norm=runtime.final_norm, lm_head=runtime.lm_head,
         input_norms=[l.input_norm for l in layers], post_attention_norms=[l.post_attention_norm for l in layers],
         linears=[{"qkv": l.qkv, "out": l.out, "gate_up": l.gate_up, "down": l.down} for l in layers])

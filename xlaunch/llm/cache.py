@@ -6,13 +6,16 @@ uninitialized, so their pages are committed as slots are written. The capacity i
 ``generate``'s maximum length when :func:`xlaunch.llm.optimize` could read it; a direct call that
 outgrows it doubles the buffers (one copy, logged once per cache).
 
-It subclasses Hugging Face's ``Cache`` so ``generate`` treats it as a cache (sequence length,
-beam reordering, cropping) while the optimized forward reads the buffers directly.
+:class:`KVBuffers` is the cache itself and needs only torch (:mod:`xlaunch.llm.standalone` decodes with it,
+transformers never imported). :class:`KVCache` adds Hugging Face's ``Cache`` interface to it, so ``generate``
+treats it as a cache (sequence length, beam reordering, cropping) while the optimized forward reads the
+buffers directly; the class is made on first use, the first time transformers is needed.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+import functools
+from typing import Any, Iterator, Optional
 
 from xlaunch._torch import needs_torch
 
@@ -33,13 +36,10 @@ def needs_transformers(what: str) -> Iterator[None]:
         raise ImportError(f"{what} needs transformers: {LLM_EXTRA}", name="transformers") from exc
 
 
-with needs_transformers("xlaunch.llm"):
-    from transformers.cache_utils import Cache
-
 MIN_CAPACITY = 64
 
 
-class KVCache(Cache):
+class KVBuffers:
     """Static K/V buffers for every layer, filled to :attr:`length` slots.
 
     ``padding`` ([batch, length] bool, or None when no slot is padding) records which slots hold
@@ -48,7 +48,6 @@ class KVCache(Cache):
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: "torch.dtype",
                  capacity: int = 0) -> None:
-        super().__init__(layers=[])
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
         self.capacity_hint = max(int(capacity), 0)
         self.keys: list["torch.Tensor"] = []
@@ -95,39 +94,6 @@ class KVCache(Cache):
         self.padding = mask if bool(mask.any()) else None
         return self.padding
 
-    # --- Hugging Face's Cache interface ---------------------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return self.capacity
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    @property
-    def is_compileable(self) -> bool:     # generate must not compile or build 4-D masks for it
-        return False
-
-    @property
-    def is_initialized(self) -> bool:
-        return bool(self.keys)
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
-
-    @property
-    def batch_size(self) -> int:
-        return self.batch if self.keys else -1
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        raise RuntimeError("xlaunch.llm's KV cache is filled by the optimized forward only; "
-                           "call the optimized model itself, not its layers")
-
-    def reset(self) -> None:
-        self.length, self.padding = 0, None
-
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``tokens_to_remove`` slots (a negative number keeps that many instead)."""
         keep = self.length - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
@@ -135,24 +101,80 @@ class KVCache(Cache):
         if self.padding is not None:
             self.padding = self.padding[:, : self.length]
 
-    def _select_rows(self, index: "torch.Tensor") -> None:
-        self.keys = [k.index_select(0, index) for k in self.keys]
-        self.values = [v.index_select(0, index) for v in self.values]
-        if self.padding is not None:
-            self.padding = self.padding.index_select(0, index)
-
-    def reorder_cache(self, beam_idx: "torch.LongTensor") -> None:
-        if self.keys:
-            self._select_rows(beam_idx.to(torch.long))
-
-    def batch_select_indices(self, indices: "torch.Tensor") -> None:
-        if self.keys:
-            self._select_rows(indices.to(torch.long))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.keys:
-            self._select_rows(torch.arange(self.batch).repeat_interleave(repeats))
+    def reset(self) -> None:
+        self.length, self.padding = 0, None
 
     def __repr__(self) -> str:
-        return (f"KVCache(layers={self.num_layers}, batch={self.batch}, length={self.length}, "
+        return (f"{type(self).__name__}(layers={self.num_layers}, batch={self.batch}, length={self.length}, "
                 f"capacity={self.capacity}, dtype={self.dtype})")
+
+
+@functools.lru_cache(maxsize=1)
+def hf_cache_class() -> type:
+    """``KVCache``: :class:`KVBuffers` that is also Hugging Face's ``Cache`` (transformers imported here, once)."""
+    with needs_transformers("xlaunch.llm"):
+        from transformers.cache_utils import Cache
+
+    class KVCache(KVBuffers, Cache):
+        """xlaunch.llm's K/V buffers with Hugging Face's ``Cache`` interface, which ``generate`` carries."""
+
+        def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: "torch.dtype",
+                     capacity: int = 0) -> None:
+            Cache.__init__(self, layers=[])
+            KVBuffers.__init__(self, num_layers, kv_heads, head_dim, dtype, capacity)
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return self.length
+
+        def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+            return self.capacity
+
+        def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+            return self.length + query_length, 0
+
+        @property
+        def is_compileable(self) -> bool:     # generate must not compile or build 4-D masks for it
+            return False
+
+        @property
+        def is_initialized(self) -> bool:
+            return bool(self.keys)
+
+        @property
+        def is_croppable(self) -> bool:
+            return True
+
+        @property
+        def batch_size(self) -> int:
+            return self.batch if self.keys else -1
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            raise RuntimeError("xlaunch.llm's KV cache is filled by the optimized forward only; "
+                               "call the optimized model itself, not its layers")
+
+        def _select_rows(self, index: "torch.Tensor") -> None:
+            self.keys = [k.index_select(0, index) for k in self.keys]
+            self.values = [v.index_select(0, index) for v in self.values]
+            if self.padding is not None:
+                self.padding = self.padding.index_select(0, index)
+
+        def reorder_cache(self, beam_idx: "torch.LongTensor") -> None:
+            if self.keys:
+                self._select_rows(beam_idx.to(torch.long))
+
+        def batch_select_indices(self, indices: "torch.Tensor") -> None:
+            if self.keys:
+                self._select_rows(indices.to(torch.long))
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.keys:
+                self._select_rows(torch.arange(self.batch).repeat_interleave(repeats))
+
+    KVCache.__module__ = __name__
+    return KVCache
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVCache":
+        return hf_cache_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,10 @@
-"""The optimized forward of a supported decoder: prefill and decode over :class:`~xlaunch.llm.cache.KVCache`.
+"""The optimized forward of a supported decoder: prefill and decode over :class:`~xlaunch.llm.cache.KVBuffers`.
 
 Per layer: one packed q/k/v linear, RoPE on q and k in place, the new keys and values written into
 their cache slots, attention over the cache, the output linear, the residual add fused with the
 next RMSNorm, one packed gate/up linear, SiLU-and-multiply, the down linear, and again the fused
 residual add and norm. About a dozen calls per layer and no allocation that grows with the cache.
+Needs torch only: the Hugging Face model's ``forward`` around it is :func:`xlaunch.llm.api.make_forward`.
 """
 from __future__ import annotations
 
@@ -18,14 +19,10 @@ with needs_torch(__name__):
 
 from xlaunch.llm import fused, native  # noqa: E402
 from xlaunch.llm.shapes import DecoderSpec  # noqa: E402
-from xlaunch.llm.cache import KVCache, needs_transformers  # noqa: E402
+from xlaunch.llm.cache import KVBuffers  # noqa: E402
 from xlaunch.llm.linear import PackedLinear  # noqa: E402
 
-with needs_transformers("xlaunch.llm"):
-    from transformers.cache_utils import Cache
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
+DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}     # the activations' dtypes, by their names
 # A long prompt's MLP runs this many rows at a time: its gate/up output, the SiLU product and the down
 # projection's quantized input are the largest activations of a layer (1B shape, 2048 tokens: 64 + 32 + 16
 # MiB whole), and every row is computed on its own, so the chunks give the same values.
@@ -100,20 +97,35 @@ class TokenEmbedding(torch.nn.Module):
 
 
 class RopeTable:
-    """cos/sin of every position up to a length (grown by doubling), from the model's fp32 rotary module."""
+    """cos/sin of every position up to a length (grown by doubling), from the RoPE's fp32 inverse frequencies
+    and attention scaling, computed as Hugging Face's rotary modules compute them (the same values)."""
 
-    def __init__(self, rotary: Any, head_dim: int, dtype: "torch.dtype") -> None:
-        self.rotary, self.head_dim, self.dtype = rotary, head_dim, dtype
+    def __init__(self, inv_freq: "torch.Tensor", attention_scaling: float, head_dim: int, dtype: "torch.dtype") -> None:
+        if tuple(inv_freq.shape) != (head_dim // 2,):
+            raise ValueError(f"RoPE inverse frequencies of shape {tuple(inv_freq.shape)}, not ({head_dim // 2},)")
+        self.inv_freq, self.attention_scaling = inv_freq.float(), float(attention_scaling)
+        self.head_dim, self.dtype = head_dim, dtype
         self.cos = self.sin = torch.empty(0, head_dim)
+
+    @classmethod
+    def of(cls, rotary: Any, head_dim: int, dtype: "torch.dtype") -> "RopeTable":
+        """The table of a Hugging Face rotary module (its original frequencies: no length-dependent RoPE here)."""
+        inv_freq = getattr(rotary, "original_inv_freq", None)
+        inv_freq = rotary.inv_freq if inv_freq is None else inv_freq
+        return cls(inv_freq.detach().float().clone(), getattr(rotary, "attention_scaling", 1.0), head_dim, dtype)
+
+    def _table(self, length: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        positions = torch.arange(length)[None, None, :].float()
+        freqs = (self.inv_freq[None, :, None] @ positions).transpose(1, 2)     # as the rotary modules: one product each
+        angles = torch.cat((freqs, freqs), dim=-1)[0]
+        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
 
     def lookup(self, positions: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
         """(cos, sin) [B, S, D] for ``positions`` [B, S], in the model's dtype (as Hugging Face casts them)."""
         needed = int(positions.max()) + 1 if positions.numel() else 1
         if needed > self.cos.shape[0]:
-            length = max(needed, 2 * self.cos.shape[0], 256)
-            probe = torch.zeros(1, 1, self.head_dim, dtype=torch.float32)
-            cos, sin = self.rotary(probe, torch.arange(length)[None, :])
-            self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+            cos, sin = self._table(max(needed, 2 * self.cos.shape[0], 256))
+            self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
         return self.cos[positions], self.sin[positions]
 
 
@@ -142,6 +154,7 @@ class DecoderRuntime:
         self.final_norm, self.lm_head, self.rope = final_norm, lm_head, rope
         self.scale = spec.head_dim ** -0.5
         self._kernels: Optional[Kernels] = None
+        self.cache_type: type = KVBuffers     # a Hugging Face model's runtime makes KVCache (Cache as well)
 
     def kernels(self) -> Kernels:
         ops = native.ops()
@@ -149,19 +162,20 @@ class DecoderRuntime:
             self._kernels = Kernels(ops, self.layers, self.lm_head)
         return self._kernels
 
-    def new_cache(self, capacity: int = 0) -> KVCache:
+    def new_cache(self, capacity: int = 0) -> KVBuffers:
         spec = self.spec
-        return KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, capacity=capacity)
+        return self.cache_type(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, capacity=capacity)
 
-    def _cache_for(self, past: Any) -> KVCache:
-        if isinstance(past, KVCache):
+    def _cache_for(self, past: Any) -> KVBuffers:
+        if isinstance(past, KVBuffers):
             return past
-        if past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
+        length = getattr(past, "get_seq_length", None)      # another Cache: empty, generate made it before the hook
+        if past is None or (callable(length) and length() == 0):
             return self.new_cache()     # generate's own calls bring a KVCache sized by the hook in api.py
         raise ValueError(f"xlaunch.llm: past_key_values is a {type(past).__name__} holding tokens; an optimized "
                          "model continues only its own KVCache (pass the past_key_values it returned, or None)")
 
-    def _attention(self, kernels: Kernels, q: "torch.Tensor", index: int, cache: KVCache, start: int,
+    def _attention(self, kernels: Kernels, q: "torch.Tensor", index: int, cache: KVBuffers, start: int,
                    padding: Optional["torch.Tensor"], window: Optional[int]) -> "torch.Tensor":
         keys, values = cache.keys[index], cache.values[index]
         if window is None:
@@ -171,7 +185,7 @@ class DecoderRuntime:
     @torch.no_grad()
     def forward(self, input_ids: Optional["torch.Tensor"], attention_mask: Optional["torch.Tensor"],
                 position_ids: Optional["torch.Tensor"], past_key_values: Any, inputs_embeds: Optional["torch.Tensor"],
-                use_cache: bool, logits_to_keep: Any) -> tuple["torch.Tensor", Optional[KVCache]]:
+                use_cache: bool, logits_to_keep: Any) -> tuple["torch.Tensor", Optional[KVBuffers]]:
         """(logits, cache) for the new tokens; the cache advanced by them (None when ``use_cache`` is False)."""
         spec = self.spec
         if (input_ids is None) == (inputs_embeds is None):
@@ -270,29 +284,3 @@ def _mlp(x: "torch.Tensor", gate_up: Any, silu_mul: Any, down: Any) -> "torch.Te
         return down(silu_mul(gate_up(x)))
     parts = [down(silu_mul(gate_up(chunk))) for chunk in rows.split(MLP_ROWS)]
     return torch.cat(parts).view(*x.shape[:-1], -1)
-
-
-def make_forward(runtime: DecoderRuntime, model: Any):
-    """The ``forward`` installed on the model: Hugging Face's signature, the runtime's work."""
-
-    def forward(input_ids: Optional["torch.Tensor"] = None, attention_mask: Optional["torch.Tensor"] = None,
-                position_ids: Optional["torch.Tensor"] = None, past_key_values: Any = None,
-                inputs_embeds: Optional["torch.Tensor"] = None, labels: Optional["torch.Tensor"] = None,
-                use_cache: Optional[bool] = None, logits_to_keep: Any = 0, **kwargs: Any) -> Any:
-        for name in UNSUPPORTED_OUTPUTS:
-            if kwargs.get(name):
-                raise ValueError(f"xlaunch.llm: {name}=True is not supported by the optimized model")
-        return_dict = kwargs.get("return_dict")
-        if use_cache is None:
-            use_cache = bool(getattr(model.config, "use_cache", True))
-        logits, cache = runtime.forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
-                                        use_cache, logits_to_keep)
-        loss = None
-        if labels is not None:
-            loss = model.loss_function(logits=logits, labels=labels, vocab_size=runtime.spec.vocab_size)
-        if return_dict is False:
-            return tuple(item for item in (loss, logits, cache) if item is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
-
-    forward.__doc__ = "Hugging Face's causal-LM forward, run by xlaunch.llm's optimized decoder."
-    return forward

@@ -1,10 +1,13 @@
 """One file of packed weights, mapped read-only: :func:`save_packed` and :func:`load_packed`.
 
 Layout: ``XLLMPACK`` (8 bytes), the manifest's length (8 bytes, little endian), the manifest (JSON:
-format version, the model's config and generation config, precision, the kernel level and a
-fingerprint of the packed layout, the source checkpoint's digest, every packed linear and every
-tensor's dtype/shape/offset/length), then the tensors, each at an offset aligned to 4 KiB (2 MiB
-from 2 MiB up). Loading maps the file read-only (``mmap``) and wraps the tensors in place: no
+format version, the model's config and generation config, the decoder's shape and RoPE scaling,
+precision, the kernel level and a fingerprint of the packed layout, the source checkpoint's digest,
+every packed linear and every tensor's dtype/shape/offset/length), then the tensors, each at an
+offset aligned to 4 KiB (2 MiB from 2 MiB up), the RoPE's inverse frequencies among them.
+:func:`load_packed` gives the Hugging Face model back; :func:`load_runtime` the runtime alone, with
+neither transformers nor the config classes imported (files written before the decoder's shape was
+recorded load only the first way). Loading maps the file read-only (``mmap``) and wraps the tensors in place: no
 copy, so loading takes milliseconds and processes that map one file share one copy of its pages
 in the page cache. A file of another format version, kernel level or layout is refused with one
 line (``from_pretrained(path, source=CHECKPOINT)`` rewrites it instead); a malformed or truncated
@@ -12,9 +15,11 @@ file gets one error, and nothing outside the file is read.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
+import math
 import mmap
 import os
 import stat
@@ -30,10 +35,11 @@ with needs_torch(__name__):
     import torch
 
 from xlaunch.llm import footprint, native  # noqa: E402
-from xlaunch.llm.api import DTYPES  # noqa: E402
-from xlaunch.llm.assemble import HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of, skeleton  # noqa: E402
-from xlaunch.llm.decoder import SIXTEEN_BIT  # noqa: E402
+from xlaunch.llm.assemble import (HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of,  # noqa: E402
+                                  runtime_of, skeleton)
+from xlaunch.llm.decoder import DTYPES, SIXTEEN_BIT, DecoderRuntime, RopeTable  # noqa: E402
 from xlaunch.llm.linear import GROUP_SIZES, GROUPED, KINDS, PackedLinear  # noqa: E402
+from xlaunch.llm.shapes import LENGTH_DEPENDENT_ROPE, SUPPORTED_ARCHITECTURES, DecoderSpec  # noqa: E402
 
 MAGIC = b"XLLMPACK"
 FORMAT_VERSION = 2   # 2: INT8 weights [N/64, K/4, 64 x 4] (was [N/64, K, 64])
@@ -43,6 +49,7 @@ SOURCE_ATTR = "_xlaunch_llm_source"
 TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8,
                  "uint8": torch.uint8, "int32": torch.int32}
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10
+MAX_LAYERS = 4096
 WEIGHT_DTYPES = {"fp32": ("float32",), "bf16": ("bfloat16",), "int8": ("int8",), "int4": ("uint8", "int32"),
                  "int6": ("uint8", "int8")}
 
@@ -124,9 +131,10 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
     :func:`~xlaunch.llm.from_pretrained` loaded it from, if any); its digest is recorded, so
     ``from_pretrained(path, source=...)`` notices a changed checkpoint.
     """
-    spec, dtype, parts = parts_of(model)
+    runtime, parts = parts_of(model)
+    spec, dtype = runtime.spec, runtime.dtype
     source = source if source is not None else getattr(model, SOURCE_ATTR, None)
-    tensors: dict[str, "torch.Tensor"] = {"final_norm": parts.final_norm}
+    tensors: dict[str, "torch.Tensor"] = {"final_norm": parts.final_norm, "rope.inv_freq": runtime.rope.inv_freq}
     if parts.embed is not None:          # else tied: the embedding is lm_head's rows
         tensors["embed"] = parts.embed
     linears = {"lm_head": _linear_entries("lm_head", parts.lm_head, tensors)}
@@ -139,6 +147,7 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
     generation = getattr(model, "generation_config", None)
     manifest = dict(format="xlaunch.llm.packed", version=FORMAT_VERSION, architecture=spec.architecture,
                     config=model.config.to_dict(), generation_config=generation.to_dict() if generation else None,
+                    decoder=dataclasses.asdict(spec), rope=dict(attention_scaling=runtime.rope.attention_scaling),
                     dtype=DTYPES[dtype], weights=first.kind, group_size=first.group_size,
                     kernel=dict(level=kernel_level(), layout=first.layout, fingerprint=layout_fingerprint()),
                     source=None if source is None else dict(path=str(source), digest=source_digest(source)),
@@ -324,11 +333,8 @@ def _check_precision(path: Any, manifest: dict, dtype: Any, weights: Optional[st
             raise _fail(path, f"holds {key}={manifest.get(key)!r}, not the {value!r} asked for")
 
 
-def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: Optional[int] = None,
-                private: bool = False) -> Any:
-    """The optimized model in a packed file, its tensors mapped read-only (``private``: copied to 2 MiB pages)."""
-    import transformers
-
+def _open(path: Any, dtype: Any, weights: Optional[str], group_size: Optional[int]) -> tuple[dict, mmap.mmap, Any]:
+    """(manifest, the file mapped read-only, the activations' dtype) of a packed file usable here."""
     manifest, fd, _ = _read_manifest(path)
     try:
         _check_kernel(path, manifest)
@@ -342,13 +348,33 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
         except OSError:
             pass
     dtype = {name: d for d, name in DTYPES.items()}.get(manifest.get("dtype"))
-    config_dict = manifest.get("config")
-    if dtype is None or not isinstance(config_dict, dict) or "model_type" not in config_dict:
-        raise _fail(path, "the manifest lacks the model's dtype or config")
-    config = transformers.AutoConfig.for_model(config_dict["model_type"]).__class__.from_dict(config_dict)
-    model, spec = skeleton(config)
-    if manifest.get("generation_config"):
-        model.generation_config = transformers.GenerationConfig.from_dict(manifest["generation_config"])
+    if dtype is None:
+        raise _fail(path, "the manifest lacks the model's dtype")
+    return manifest, area, dtype
+
+
+def _spec(path: Any, recorded: Any) -> DecoderSpec:
+    """The decoder's shape as the manifest records it, every field checked."""
+    fields = {field.name for field in dataclasses.fields(DecoderSpec)}
+    if not isinstance(recorded, dict) or set(recorded) != fields:
+        raise _fail(path, "the manifest's decoder shape is malformed")
+    sizes = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
+    windows, eps = recorded["windows"], recorded["eps"]
+    ok = (recorded["architecture"] in SUPPORTED_ARCHITECTURES
+          and all(type(recorded[name]) is int and recorded[name] > 0 for name in sizes)
+          and recorded["num_layers"] <= MAX_LAYERS and recorded["num_heads"] % recorded["num_kv_heads"] == 0
+          and recorded["head_dim"] % 2 == 0 and type(eps) in (int, float) and math.isfinite(eps) and eps > 0
+          and isinstance(windows, list) and len(windows) == recorded["num_layers"]
+          and all(w is None or (type(w) is int and w > 0) for w in windows)
+          and isinstance(recorded["rope_type"], str) and recorded["rope_type"] not in LENGTH_DEPENDENT_ROPE
+          and type(recorded["tied_embeddings"]) is bool)
+    if not ok:
+        raise _fail(path, "the manifest's decoder shape is malformed")
+    return DecoderSpec(**dict(recorded, eps=float(eps), windows=tuple(windows)))
+
+
+def _parts(path: Any, manifest: dict, area: mmap.mmap, spec: DecoderSpec, dtype: Any, private: bool) -> Parts:
+    """Every packed linear, norm and embedding of the file, each checked against ``spec`` first."""
     tensors, linears = manifest["tensors"], manifest.get("linears")
     if not isinstance(linears, dict):
         raise _fail(path, "the manifest has no linear table")
@@ -371,12 +397,48 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
             raise _fail(path, f"tensor {name!r} is missing or not {DTYPES[dtype]} of shape {shape}")
     get = {name: _tensor(area, tensors[name], private) for name in plain}
     layers = range(spec.num_layers)
-    parts = Parts(embed=get.get("embed"), final_norm=get["final_norm"], lm_head=built["lm_head"],
-                  input_norms=[get[f"layers.{i}.input_norm"] for i in layers],
-                  post_attention_norms=[get[f"layers.{i}.post_attention_norm"] for i in layers],
-                  linears=[{name: built[f"layers.{i}.{name}"] for name in LAYER_LINEARS} for i in layers])
-    model = install(model, spec, dtype, parts)
+    return Parts(embed=get.get("embed"), final_norm=get["final_norm"], lm_head=built["lm_head"],
+                 input_norms=[get[f"layers.{i}.input_norm"] for i in layers],
+                 post_attention_norms=[get[f"layers.{i}.post_attention_norm"] for i in layers],
+                 linears=[{name: built[f"layers.{i}.{name}"] for name in LAYER_LINEARS} for i in layers])
+
+
+def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: Optional[int] = None,
+                private: bool = False) -> Any:
+    """The optimized model in a packed file, its tensors mapped read-only (``private``: copied to 2 MiB pages)."""
+    import transformers
+
+    manifest, area, dtype = _open(path, dtype, weights, group_size)
+    config_dict = manifest.get("config")
+    if not isinstance(config_dict, dict) or "model_type" not in config_dict:
+        raise _fail(path, "the manifest lacks the model's config")
+    config = transformers.AutoConfig.for_model(config_dict["model_type"]).__class__.from_dict(config_dict)
+    model, spec = skeleton(config)
+    if manifest.get("decoder") is not None and _spec(path, manifest["decoder"]) != spec:
+        raise _fail(path, "the decoder shape it records is not its config's")
+    if manifest.get("generation_config"):
+        model.generation_config = transformers.GenerationConfig.from_dict(manifest["generation_config"])
+    model = install(model, spec, dtype, _parts(path, manifest, area, spec, dtype, private))
     source = manifest.get("source") or {}
     if source.get("path"):
         object.__setattr__(model, SOURCE_ATTR, source["path"])
     return model
+
+
+def load_runtime(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: Optional[int] = None,
+                 private: bool = False) -> tuple[DecoderRuntime, dict]:
+    """(the runtime of a packed file, its manifest), built from the recorded decoder shape and RoPE: no
+    transformers. A file without them (written before they were recorded) is one :class:`PackedFileError`."""
+    manifest, area, dtype = _open(path, dtype, weights, group_size)
+    if manifest.get("decoder") is None or manifest.get("rope") is None:
+        raise _fail(path, "written before packed files recorded the decoder's shape; load it with "
+                          "xlaunch.llm.from_pretrained(path), or rebuild it: from_pretrained(path, source=CHECKPOINT)")
+    spec = _spec(path, manifest["decoder"])
+    rope, tensors = manifest["rope"], manifest["tensors"]
+    scaling = rope.get("attention_scaling") if isinstance(rope, dict) else None
+    entry = tensors.get("rope.inv_freq")
+    if (type(scaling) not in (int, float) or not math.isfinite(scaling) or not isinstance(entry, dict)
+            or entry["dtype"] != "float32" or entry["shape"] != [spec.head_dim // 2]):
+        raise _fail(path, "its RoPE record is malformed")
+    table = RopeTable(_tensor(area, entry, private=True), scaling, spec.head_dim, dtype)
+    return runtime_of(spec, dtype, _parts(path, manifest, area, spec, dtype, private), table), manifest
