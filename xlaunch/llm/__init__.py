@@ -8,15 +8,16 @@ preallocated KV cache and a forward that runs prefill and decode with few, fused
 ``model.generate`` works unchanged (one-beam greedy and sampling calls by xlaunch's own loop: the same
 tokens). ``from_pretrained(path, ...)`` streams a safetensors checkpoint straight into
 that packed form, and ``save_packed(model, path)`` writes it as one file that ``from_pretrained``
-maps read-only, shared by every process that loads it. ``import xlaunch.llm`` stays light: torch and
-transformers load on first use.
+maps read-only, shared by every process that loads it. ``load_decoder(path)`` decodes from such a file with
+torch alone (:mod:`xlaunch.llm.standalone`: no transformers, about 150 MiB less per process).
+``import xlaunch.llm`` stays light: torch and transformers load on first use.
 """
 from __future__ import annotations
 
 from typing import Any
 
 __all__ = ["optimize", "is_optimized", "default_dtype", "SUPPORTED_ARCHITECTURES", "PackedLinear", "from_pretrained",
-           "save_packed"]
+           "save_packed", "load_decoder", "Decoder"]
 
 
 def __getattr__(name: str) -> Any:
@@ -32,6 +33,10 @@ def __getattr__(name: str) -> Any:
         from xlaunch.llm.packed_file import save_packed
 
         return save_packed
+    if name in ("load_decoder", "Decoder"):
+        from xlaunch.llm import standalone
+
+        return getattr(standalone, name)
     if name == "PackedLinear":
         from xlaunch.llm.linear import PackedLinear
 
