@@ -98,9 +98,10 @@ def process_cpus() -> list[int]:
     return sorted(cpus)
 
 
-def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int) -> None:
-    """Map the packed file, warm up, say ``ready-<index>.json``; from ``go``'s instant decode rounds (t_1 the
-    fastest of 3 ``generate(1)``, t_N of 2 ``generate(N)``) into ``rounds-<index>.jsonl`` until ``stop``."""
+def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int, load: str = "packed") -> None:
+    """Map the packed file (``load`` "decoder": by ``load_decoder``, no transformers in the process), warm up, say
+    ``ready-<index>.json``; from ``go``'s instant decode rounds (t_1 the fastest of 3 ``generate(1)``, t_N of 2
+    ``generate(N)``) into ``rounds-<index>.jsonl`` until ``stop``."""
     import torch
 
     index = int(os.environ.get("XLAUNCH_INSTANCE_INDEX", "0"))
@@ -109,12 +110,17 @@ def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int) 
     try:
         import xlaunch.llm
 
-        model = xlaunch.llm.from_pretrained(packed)
+        model = xlaunch.llm.load_decoder(packed) if load == "decoder" else xlaunch.llm.from_pretrained(packed)
     except Exception as error:
         _write(sync / f"ready-{index}.json", {"unavailable": f"{type(error).__name__}: {str(error)[:300]}"})
         return
-    model.generation_config.eos_token_id = None          # exactly N tokens (bench/llm.py's worker does the same)
-    prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    if load == "decoder":
+        model.generation_config["eos_token_id"] = None
+        vocab = model.spec.vocab_size
+    else:
+        model.generation_config.eos_token_id = None          # exactly N tokens (bench/llm.py's worker does the same)
+        vocab = model.config.vocab_size
+    prompt = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompt)
 
     def generate(count: int) -> float:
@@ -360,7 +366,8 @@ def table(instances: int, threads: int, rows: dict[str, dict[str, Any]], peers: 
 def worker_program(script: str, packed: Path, args: Any) -> Callable[[Path], list[str]]:
     """The instance's program and arguments, given its sync folder."""
     return lambda sync: [script, "--instance-worker", "--packed", str(packed), "--sync", str(sync),
-                         "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)]
+                         "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+                         "--load", "decoder" if args.load == "decoder" else "packed"]
 
 
 def plans(args: Any, script: str, env: dict[str, str]) -> dict[tuple[int, int], list[list[int]]]:

@@ -100,6 +100,7 @@ COMPILED = ("hf-bf16-compiled", "torchao-int8")
 ISA_CAPS = {"avx2": ("avx2", "AVX2"), "avx512": ("avx512", "AVX512_CORE"),
             "avx512_vnni": ("avx512", "AVX512_CORE_VNNI"), "avx512_bf16": ("avx512", "AVX512_CORE_BF16")}
 # --instances: xlaunch's routes, each beside the llama.cpp route of its precision
+LOADS = ("checkpoint", "packed", "decoder")
 INSTANCE_PAIRS = {"xlaunch-bf16": "llamacpp-bf16", "xlaunch-int8": "llamacpp-q8_0", "xlaunch-int4": "llamacpp-q4_0"}
 
 
@@ -135,6 +136,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--instances", type=int_list, help="run k copies at once, each on its own cores: xlaunch "
                         "routes through xlaunch --ninstances k (one shared packed file), llama.cpp pinned the same; "
                         "a list (1,2) runs each k")
+    parser.add_argument("--load", choices=LOADS, default="checkpoint",
+                        help="how the xlaunch routes load (default checkpoint: from_pretrained streams the checkpoint; "
+                             "packed: from_pretrained maps a packed file written once; decoder: load_decoder maps it, "
+                             "no transformers in the process). With --instances, checkpoint means packed")
     parser.add_argument("--isa", choices=list(ISA_CAPS),
                         help="run both sides at this ISA level, as a CPU of that level would (see the top)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)      # internal: one torch route's process
@@ -241,10 +246,19 @@ def xlaunch_from_pretrained() -> Any:
     return found
 
 
-def prepare(route: str, folder: Path, packed: Optional[Path] = None) -> Any:
+def prepare(route: str, folder: Path, packed: Optional[Path] = None, load: str = "checkpoint") -> Any:
     """The route's model; raises ``LookupError(reason)`` when the route cannot run here. With ``packed`` (an
-    xlaunch route), the packed file of ``folder``: written when missing or stale, then mapped."""
+    xlaunch route), the packed file of ``folder``: written when missing or stale, then mapped (``load``
+    "decoder": by ``xlaunch.llm.load_decoder``, which imports no transformers)."""
     import torch
+
+    if route.startswith("xlaunch-") and load == "decoder":
+        try:
+            import xlaunch.llm
+
+            return xlaunch.llm.load_decoder(packed)
+        except Exception as error:
+            raise LookupError(f"load_decoder raised {type(error).__name__}: {error}") from None
     from transformers import AutoModelForCausalLM
 
     if route.startswith("xlaunch-"):
@@ -275,28 +289,34 @@ def prepare(route: str, folder: Path, packed: Optional[Path] = None) -> Any:
     return model
 
 
-def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: int = 1) -> None:
-    """Set up ``route``, warm it, then answer ``round`` (timings) and ``quit`` (peak RSS) on stdin."""
+def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: int = 1,
+           packed: Optional[Path] = None, load: str = "checkpoint") -> None:
+    """Set up ``route``, warm it, then answer ``round`` (timings) and ``quit`` (peak RSS) on stdin. ``packed``:
+    an xlaunch route's packed file, loaded as ``load`` says (the decoder's process never imports transformers)."""
     import logging
     import warnings
 
     import torch
 
-    import transformers
-    from transformers.generation.streamers import BaseStreamer
-
+    standalone = route.startswith("xlaunch-") and load == "decoder"
     warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    transformers.utils.logging.disable_progress_bar()
+    if not standalone:
+        import transformers
+
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     start = time.perf_counter()
     try:
-        model = prepare(route, folder)
+        model = prepare(route, folder, packed if route.startswith("xlaunch-") else None, load)
     except LookupError as error:
         reply({"unavailable": str(error)})
         return
     setup_s = time.perf_counter() - start
-    model.generation_config.eos_token_id = None      # exactly N tokens, no per-step EOS work (see the top)
+    if standalone:
+        model.generation_config["eos_token_id"] = None
+    else:
+        model.generation_config.eos_token_id = None      # exactly N tokens, no per-step EOS work (see the top)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompt = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompt)
@@ -316,7 +336,7 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
         take, so t_N - t_1 of two separate runs would measure that variance, not the decode."""
         stamps: list[float] = []
 
-        class Stamps(BaseStreamer):
+        class Stamps(streamer_base()):
             def put(self, value: Any) -> None:
                 stamps.append(time.perf_counter())
 
@@ -362,7 +382,17 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
         return
     status = Path("/proc/self/status").read_text()
     fields = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))}
-    reply({"peak_rss_mib": fields.get("VmHWM", 0) / 1024, "rss_mib": fields.get("VmRSS", 0) / 1024})
+    reply({"peak_rss_mib": fields.get("VmHWM", 0) / 1024, "rss_mib": fields.get("VmRSS", 0) / 1024,
+           "transformers_imported": "transformers" in sys.modules})
+
+
+def streamer_base() -> type:
+    """transformers' ``BaseStreamer`` where transformers is already imported (generate checks it), else object:
+    a standalone decoder's process stays without it."""
+    module = sys.modules.get("transformers.generation.streamers")
+    if module is None and "transformers" in sys.modules:
+        from transformers.generation import streamers as module
+    return object if module is None else module.BaseStreamer
 
 
 def own_threads(dense_rows: dict[str, dict[str, Optional[int]]], threads: int) -> dict[str, dict[str, Optional[int]]]:
@@ -385,12 +415,14 @@ def dense_rows_lines(dense_rows: dict[str, dict[str, Optional[int]]]) -> list[st
 class Worker:
     """One torch route in its own process, ``OMP_NUM_THREADS`` set before torch loads."""
 
-    def __init__(self, route: str, folder: Path, threads: int, args: argparse.Namespace) -> None:
+    def __init__(self, route: str, folder: Path, threads: int, args: argparse.Namespace,
+                 packed: Optional[Path] = None) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **isa_env(args.isa)}
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"xlaunch-bench-llm-{route}-", suffix=".log")
+        loading = ["--packed", str(packed), "--load", args.load] if packed is not None else []
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--worker", route, "--model-dir", str(folder), "--prompt", str(args.prompt),
-             "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)],
+             "--new-tokens", str(args.new_tokens), "--batch", str(args.batch), *loading],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, stderr=self.log)
 
     def stderr_tail(self, lines: int = 12) -> str:
@@ -472,8 +504,10 @@ def measure_llamacpp(bin_dir: Path, gguf: Path, threads: int, args: argparse.Nam
 
 
 def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
-                llama: Optional[tuple[Path, dict[str, Path]]]) -> dict[str, dict[str, Any]]:
-    """Every route at ``threads`` threads: set up the workers, then interleaved timed rounds."""
+                llama: Optional[tuple[Path, dict[str, Path]]],
+                packed: Optional[dict[str, Optional[Path]]] = None) -> dict[str, dict[str, Any]]:
+    """Every route at ``threads`` threads: set up the workers, then interleaved timed rounds (``packed``: the
+    xlaunch routes' packed files, with ``--load packed`` or ``decoder``)."""
     rows: dict[str, dict[str, Any]] = {}
     workers: dict[str, Worker] = {}
     torch_routes = [name for name in args.route_names if ROUTES[name].engine == "torch"]
@@ -482,7 +516,10 @@ def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
         note = " (torch.compile: about 30 s)" if name in COMPILED else ""
         print(f"  [{index}/{len(torch_routes)}] {name}{note} ...", flush=True)
         assert folder is not None
-        worker_ = Worker(name, folder, threads, args)
+        if packed is not None and name.startswith("xlaunch-") and packed.get(name) is None:
+            rows[name] = {"status": "unavailable: no packed file"}
+            continue
+        worker_ = Worker(name, folder, threads, args, None if packed is None else packed.get(name))
         ready = worker_.answer()
         if "unavailable" in ready:
             print(f"      unavailable: {ready['unavailable']}", flush=True)
@@ -541,6 +578,7 @@ def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
     for name, worker_ in workers.items():
         last = worker_.close()
         rows[name]["peak_rss_mib"], rows[name]["end_rss_mib"] = last.get("peak_rss_mib", 0.0), last.get("rss_mib")
+        rows[name]["transformers_imported"] = last.get("transformers_imported")
     return rows
 
 
@@ -560,7 +598,8 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "decode_vs_llamacpp": paired_ratio(row["decode_tps"], peer["decode_tps"]) if peer_ok else None,
             "prefill_vs_llamacpp": paired_ratio(row["prefill_tps"], peer["prefill_tps"]) if peer_ok else None,
             "peak_rss_mib": row["peak_rss_mib"],
-            **{key: row[key] for key in ("end_rss_mib", "setup_s", "first_call_s", "dense_rows") if key in row},
+            **{key: row[key] for key in ("end_rss_mib", "setup_s", "first_call_s", "dense_rows", "transformers_imported")
+               if key in row},
             "decode_rounds": row["decode_tps"], "prefill_rounds": row["prefill_tps"],
         }
     return out
@@ -604,14 +643,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _llm_model.make(args.make_model)
         return 0
     if args.instance_worker:
-        _llm_instances.instance_worker(Path(args.packed), Path(args.sync), args.prompt, args.new_tokens)
+        _llm_instances.instance_worker(Path(args.packed), Path(args.sync), args.prompt, args.new_tokens, args.load)
         return 0
     if args.pack:           # each route's packed file, <packed>/<route>.xlp: written when missing or stale
         for route in args.pack.split(","):
             prepare(route, Path(args.model_dir), Path(args.packed) / f"{route}.xlp")
         return 0
     if args.worker:
-        worker(args.worker, Path(args.model_dir), args.prompt, args.new_tokens, args.batch)
+        worker(args.worker, Path(args.model_dir), args.prompt, args.new_tokens, args.batch,
+               Path(args.packed) if args.packed else None, args.load)
         return 0
     kinds = sorted({ROUTES[name].precision for name in args.route_names if ROUTES[name].engine == "llamacpp"},
                    key=_llamacpp.GGUF_TYPES.index)
@@ -633,23 +673,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     description = machine()
     print(f"model: {model.name} ({model.shape.parameters() / 1e6:.1f}M parameters); routes: {', '.join(args.route_names)}; "
           f"threads {args.threads}; {args.rounds} rounds; prompt {args.prompt}, new tokens {args.new_tokens}, "
-          f"batch {args.batch}; " + (f"ISA capped at {args.isa}; " if args.isa else "") +
+          f"batch {args.batch}; xlaunch loads {args.load}; " + (f"ISA capped at {args.isa}; " if args.isa else "") +
           f"lock {args.lock or 'none'}", flush=True)
     folder = model_dir(model)
     llama = llamacpp_if_possible(kinds, model, args.isa)
+    packed = None
+    if args.load != "checkpoint":
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **isa_env(args.isa)}
+        packed = _llm_instances.pack_all(args.route_names, model, __file__, env)
     from _machine_bench import write_results
 
     def save(final: bool) -> None:
         description["load_average_end"] = list(os.getloadavg())
         write_results(description, args.json, {
             "bench": "llm", "model": model.name, "config": model.config, "prompt": args.prompt,
-            "new_tokens": args.new_tokens, "batch": args.batch, "rounds": args.rounds,
+            "new_tokens": args.new_tokens, "batch": args.batch, "rounds": args.rounds, "load": args.load,
             "isa": args.isa, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
             "results": results}, final)
 
     results: dict[str, Any] = {}
     for threads in args.threads:
-        results[str(threads)] = summarize(run_threads(threads, args, folder, llama))
+        results[str(threads)] = summarize(run_threads(threads, args, folder, llama, packed))
         save(final=False)
     print()
     for threads in args.threads:
@@ -694,6 +738,7 @@ def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds
         write_results(description, args.json, {
             "bench": "llm-instances", "model": model.name, "config": model.config, "prompt": args.prompt,
             "new_tokens": args.new_tokens, "rounds": args.rounds, "instances": args.instances, "threads": args.threads,
+            "load": "decoder" if args.load == "decoder" else "packed",
             "isa": args.isa, "llamacpp": {"version": _llamacpp.VERSION, "cpu_key": _llamacpp.cpu_key()},
             "results": results}, final)
 

@@ -61,10 +61,12 @@ def test_arguments() -> None:
     chosen = llm.parse_args(["--routes", "hf-bf16,llamacpp-bf16", "--no-llamacpp", "--lock", ""])
     assert chosen.route_names == ["hf-bf16"] and chosen.lock == "" and chosen.batch == 1
     assert llm.parse_args(["--batch", "4"]).batch == 4
+    assert full.load == "checkpoint" and llm.parse_args(["--load", "decoder"]).load == "decoder"
 
 
 @pytest.mark.parametrize("argv", [["--routes", "hf-bf16,nope"], ["--threads", "0"], ["--threads", "1,x"],
-                                  ["--new-tokens", "1"], ["--batch", "0"], ["--batch", "4", "--instances", "2"]])
+                                  ["--new-tokens", "1"], ["--batch", "0"], ["--batch", "4", "--instances", "2"],
+                                  ["--load", "mmap"]])
 def test_bad_arguments_stop_with_a_message(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as stop:
         load("llm").parse_args(argv)
@@ -294,3 +296,29 @@ def test_results_are_written_whole_after_each_part_and_a_failed_write_is_one_lin
     out, err = capsys.readouterr()
     assert "wrote" not in out and err.startswith(f"could not write {tmp_path / 'missing' / 'out.json'}: ")
     assert len(err.splitlines()) == 1
+
+
+def test_a_decoder_workers_rounds_and_memory_come_from_a_process_without_transformers(tmp_path: Path) -> None:
+    """``--load decoder``: the worker maps the route's packed file with ``xlaunch.llm.load_decoder``, answers its
+    rounds (prefill and t_1/t_N of greedy generate), then its peak RSS, and never imports transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import xlaunch.llm
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "checkpoint")
+    packed = xlaunch.llm.save_packed(xlaunch.llm.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32,
+                                                                 weights="int8"), tmp_path / "xlaunch-int8.xlp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(BENCH.parent))
+    worker = subprocess.run(
+        [sys.executable, str(BENCH / "llm.py"), "--worker", "xlaunch-int8", "--model-dir", str(tmp_path / "checkpoint"),
+         "--prompt", "8", "--new-tokens", "4", "--packed", str(packed), "--load", "decoder"],
+        input="round\nquit\n", capture_output=True, text=True, env=env, timeout=240)
+    assert worker.returncode == 0, worker.stderr[-2000:]
+    reply = load("llm").REPLY
+    replies = [json.loads(line[len(reply):]) for line in worker.stdout.splitlines() if line.startswith(reply)]
+    ready, timed, last = replies
+    assert ready["ready"] and timed["genN_s"] > timed["gen1_s"] > 0 and timed["prefill_s"] > 0
+    assert last["peak_rss_mib"] > 0 and last["transformers_imported"] is False
