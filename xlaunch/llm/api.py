@@ -23,7 +23,7 @@ with needs_torch(__name__):
 # transformers' torchao quantizer imports torchao, whose import logs CUDA-only misses: import it quietly first
 import_quietly("transformers.quantizers.auto", "torchao.quantization", chain=True)   # no transformers: no torchao
 
-from xlaunch.llm import footprint, native  # noqa: E402
+from xlaunch.llm import footprint, native, sampling  # noqa: E402
 from xlaunch.llm.shapes import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
 from xlaunch.llm.cache import hf_cache_class, needs_transformers  # noqa: E402
 from xlaunch.llm.decoder import (DTYPES, DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding,  # noqa: E402
@@ -154,26 +154,10 @@ LOOP_FIELDS = {"max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id
                "_from_model_config"}
 SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "min_p"}
 OFF_FIELDS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
-SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}    # generate's own, when a config leaves them unset
-
-
 def _warpers(config: Any) -> list:
-    """Hugging Face's logits warpers of a sampling ``config`` (temperature, top-k, top-p, min-p), built as
-    ``generate`` builds them for one beam: the same classes, conditions and order."""
-    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    value = {name: getattr(config, name) if getattr(config, name) is not None else default
-             for name, default in SAMPLING_DEFAULTS.items()}
-    warpers = []
-    if value["temperature"] != 1.0:
-        warpers.append(TemperatureLogitsWarper(value["temperature"]))
-    if value["top_k"] != 0:
-        warpers.append(TopKLogitsWarper(top_k=value["top_k"], min_tokens_to_keep=1))
-    if value["top_p"] < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=value["top_p"], min_tokens_to_keep=1))
-    if config.min_p is not None:
-        warpers.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
-    return warpers
+    """The logits warpers of a sampling ``config`` (temperature, top-k, top-p, min-p), as ``generate`` builds them
+    for one beam: the same conditions, order and values (:mod:`xlaunch.llm.sampling`)."""
+    return sampling.warpers(config.temperature, config.top_k, config.top_p, config.min_p)
 
 
 def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
@@ -217,16 +201,9 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
 
 
 def _penalties(config: Any, mask: Optional["torch.Tensor"]) -> list:
-    """Hugging Face's repetition penalty as ``generate`` builds it: each row's left padding left out of it (the
-    mask's leading zeros; generate has dropped a mask of ones by then, so none)."""
-    penalty = config.repetition_penalty
-    if penalty is None or penalty == 1.0:
-        return []
-    from transformers import RepetitionPenaltyLogitsProcessor
-
-    padded = mask is not None and not bool((mask == 1).all())
-    return [RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=(mask != 0).int().argmax(dim=1)
-                                             if padded else None)]
+    """The repetition penalty as ``generate`` applies it: each row's left padding left out of it (the mask's
+    leading zeros; generate has dropped a mask of ones by then, so none)."""
+    return sampling.repetition_penalty(config.repetition_penalty, mask)
 
 
 def _install_loop_generate(model: Any, runtime: DecoderRuntime) -> None:

@@ -10,20 +10,21 @@ defaults come from the file's manifest.
 
 ``Decoder.generate`` takes the arguments of Hugging Face's one-beam ``generate`` that the runtime's
 loop honours, merged as ``generate`` merges them over the checkpoint's generation config, and gives
-the same tokens as ``xlaunch.llm.from_pretrained(path).generate`` (sampling: for the same seed;
-the warpers below are Hugging Face's, written again).
+the same tokens as ``xlaunch.llm.from_pretrained(path).generate`` (sampling: for the same seed), with
+the same logits processing (:mod:`xlaunch.llm.sampling`).
 """
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
     import torch
 
+from xlaunch.llm import sampling  # noqa: E402
 from xlaunch.llm.cache import KVBuffers  # noqa: E402
 from xlaunch.llm.decoder import DecoderRuntime  # noqa: E402
 from xlaunch.llm.packed_file import load_runtime  # noqa: E402
@@ -40,52 +41,6 @@ NOT_APPLIED = dict(num_beams=(None, 1), num_beam_groups=(None, 1), penalty_alpha
                    begin_suppress_tokens=(None,), forced_bos_token_id=(None,), forced_eos_token_id=(None,),
                    sequence_bias=(None,), guidance_scale=(None, 1.0), top_h=(None,), renormalize_logits=(None, False),
                    exponential_decay_length_penalty=(None,), watermarking_config=(None,))
-Scores = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]      # (ids so far, scores) -> scores
-
-
-def _temperature(value: float) -> Scores:
-    return lambda ids, scores: scores / value
-
-
-def _top_k(k: int) -> Scores:
-    def warp(ids: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
-        kept = min(k, scores.size(-1))
-        return scores.masked_fill(scores < torch.topk(scores, kept)[0][..., -1, None], -float("inf"))
-    return warp
-
-
-def _top_p(p: float) -> Scores:
-    def warp(ids: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
-        ordered, order = torch.sort(scores, descending=False)
-        dropped = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - p)
-        dropped[..., -1:] = 0                  # the most likely token always stays
-        return scores.masked_fill(dropped.scatter(1, order, dropped), -float("inf"))
-    return warp
-
-
-def _min_p(p: float) -> Scores:
-    def warp(ids: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
-        probs = torch.softmax(scores, dim=-1)
-        dropped = probs < p * probs.amax(dim=-1, keepdim=True)
-        dropped.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
-        return scores.masked_fill(dropped, -float("inf"))
-    return warp
-
-
-def _repetition_penalty(penalty: float, prompt_start: Optional["torch.Tensor"]) -> Scores:
-    """Every token already in a row (its left padding left out: ``prompt_start``) made less likely."""
-    def apply(ids: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
-        vocab = scores.shape[-1]
-        if prompt_start is not None:
-            ids = ids.masked_fill(torch.arange(ids.shape[1])[None, :] < prompt_start[:, None], vocab)
-        ids = ids.clamp(max=vocab)
-        padded = torch.nn.functional.pad(scores, (0, 1))
-        seen = torch.gather(padded, 1, ids)
-        seen = torch.where(seen < 0, seen * penalty, seen / penalty)
-        return padded.scatter(1, ids, seen)[..., :vocab]
-    return apply
-
-
 def _number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low < value if low_open else low <= value) \
             or value > high:
@@ -192,10 +147,7 @@ class Decoder:
         warpers = self._warpers(do_sample, temperature, top_k, top_p, min_p)
         penalty = _number("repetition_penalty", self._setting("repetition_penalty", repetition_penalty),
                           0.0, float("inf"), low_open=True)
-        penalties = []
-        if penalty != 1.0:
-            padded = mask is not None and not bool((mask == 1).all())
-            penalties.append(_repetition_penalty(penalty, (mask != 0).int().argmax(dim=1) if padded else None))
+        penalties = sampling.repetition_penalty(penalty, mask)
         return self.runtime.generate_tokens(ids, mask, new, least, eos, pad, streamer, warpers, penalties)
 
     def _inputs(self, input_ids: Any, attention_mask: Any) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
@@ -219,22 +171,14 @@ class Decoder:
         """Hugging Face's warpers for one beam, in its order and on its conditions; None: greedy."""
         if not self._setting("do_sample", do_sample):
             return None
-        warpers = []
-        value = _number("temperature", self._setting("temperature", temperature), 0.0, float("inf"), low_open=True)
-        if value != 1.0:
-            warpers.append(_temperature(value))
         k = self._setting("top_k", top_k)
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"xlaunch.llm.Decoder.generate: top_k must be a count >= 0, not {k!r}")
-        if k != 0:
-            warpers.append(_top_k(k))
-        value = _number("top_p", self._setting("top_p", top_p), 0.0, 1.0)
-        if value < 1.0:
-            warpers.append(_top_p(value))
-        value = self._setting("min_p", min_p)
-        if value is not None:
-            warpers.append(_min_p(_number("min_p", value, 0.0, 1.0)))
-        return warpers
+        least = self._setting("min_p", min_p)
+        return sampling.warpers(
+            _number("temperature", self._setting("temperature", temperature), 0.0, float("inf"), low_open=True), k,
+            _number("top_p", self._setting("top_p", top_p), 0.0, 1.0),
+            None if least is None else _number("min_p", least, 0.0, 1.0))
 
 
 def load_decoder(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: Optional[int] = None,
