@@ -6,6 +6,7 @@
     python examples/llm.py --weights int8 --batch 4
     python examples/llm.py --tiny --no-optimize     # a 2-layer model in seconds; plain Hugging Face
     xlaunch --ninstances 2 examples/llm.py          # each instance its own copy on its own cores
+    xlaunch --ninstances 2 examples/llm.py --weights int8 --packed /tmp/m.xlp   # one mapped copy, no transformers
     xlaunch --auto-optimize --dtype bfloat16 examples/llm.py --no-optimize   # the launcher optimizes it
 
 A preset (``--shape``, xlaunch/llm/shapes.py) is written as a safetensors checkpoint of random
@@ -13,13 +14,19 @@ weights, one slice at a time (from 256 MiB up cached under ~/.cache/xlaunch/llm-
 temporary folder), then streamed into the packed form by ``xlaunch.llm.from_pretrained``
 (``--no-optimize``: loaded by transformers). Before that the memory it needs is compared with
 MemAvailable: a shape that does not fit is refused with one line, exit status 2.
+``--packed FILE`` decodes a packed file with ``xlaunch.llm.load_decoder`` instead: transformers is never
+imported by this process, and instances started by ``xlaunch --ninstances N`` map the one file. A missing
+or stale file (another checkpoint, precision or kernel level) is written first by a child process, under a
+lock next to it, so N instances write it once.
 Prints ``prefill: X tokens/s`` (the prompt's forward) and ``decode: Y tokens/s`` (tokens after the
 first, over ``generate``'s time after the prefill), per instance with its CPUs.
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +51,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--no-optimize", action="store_true", help="plain Hugging Face (in the dtype)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--packed", metavar="FILE", help="decode this packed file with xlaunch.llm.load_decoder "
+                        "(no transformers; written first when missing or stale)")
     args = parser.parse_args(argv)
+    if args.packed and args.no_optimize:
+        parser.error("--packed and --no-optimize exclude each other")
     for name in ("batch", "prompt_tokens", "new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -79,6 +90,41 @@ def need(args: argparse.Namespace, config: dict) -> footprint.Need:
     return footprint.Need(memory, what, disk, where)
 
 
+WRITE_PACKED = """
+import sys, torch, xlaunch.llm
+path, source, dtype, weights = sys.argv[1:]
+xlaunch.llm.from_pretrained(path, source=source, dtype=None if dtype == "auto" else getattr(torch, dtype),
+                            weights=None if weights == "none" else weights)
+"""
+
+
+def open_packed(args: argparse.Namespace, folder: Path, name: str):
+    """``--packed``: the file's decoder, the file written first (by a child process, under a lock beside it)
+    when it is missing or does not stand for ``folder`` at this precision and kernel level."""
+    import torch
+    from xlaunch.llm import packed_file, standalone
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    weights = None if args.weights == "none" else args.weights
+    path = Path(args.packed)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stale = packed_file.stale_reason(path, folder, dtype, weights, 128)
+        if stale is not None:
+            started = time.perf_counter()
+            written = subprocess.run([sys.executable, "-c", WRITE_PACKED, str(path), str(folder), args.dtype,
+                                      args.weights])
+            if written.returncode != 0:
+                raise SystemExit(f"examples/llm.py: writing {path} failed (exit status {written.returncode})")
+            print(f"packed file written ({stale.split(': ')[-1]}) in {time.perf_counter() - started:.2f} s: {path}")
+    started = time.perf_counter()
+    decoder = standalone.load_decoder(path, dtype=dtype, weights=weights)
+    held = "imported" if "transformers" in sys.modules else "not imported"
+    print(f"decoder ({str(decoder.dtype).removeprefix('torch.')}, weights {decoder.weights}) mapped in "
+          f"{time.perf_counter() - started:.2f} s: {path} from {name}; transformers {held}")
+    return decoder
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
@@ -96,11 +142,15 @@ def main(argv: list[str]) -> int:
     for noisy in ("torchao", "torch.utils._pytree"):   # transformers imports torchao, which logs CUDA-only misses
         logging.getLogger(noisy).setLevel(logging.ERROR)
     import torch
-    from transformers import AutoModelForCausalLM
 
     scratch = tempfile.TemporaryDirectory(prefix="xlaunch-llm-example-")
     folder = Path(args.model) if args.model else shapes.ensure_checkpoint(args.shape, args.seed, scratch.name)
-    if args.no_optimize:
+    if args.packed:
+        model = open_packed(args, folder, name)
+        vocab = model.spec.vocab_size
+    elif args.no_optimize:
+        from transformers import AutoModelForCausalLM
+
         if args.dtype == "auto":
             import xlaunch.llm
 
@@ -119,9 +169,10 @@ def main(argv: list[str]) -> int:
         head = model.lm_head.kind if args.weights == "int4" else ""     # INT6 where the kernels run it, else INT8
         print(f"optimized ({ran}, weights {args.weights}{f', lm_head {head}' if head else ''}) in "
               f"{time.perf_counter() - started:.2f} s: {name}")
+    if not args.packed:
+        vocab = model.config.vocab_size
     scratch.cleanup()                  # the model no longer reads it
-    config = model.config
-    ids = torch.randint(1, config.vocab_size, (args.batch, args.prompt_tokens))
+    ids = torch.randint(1, vocab, (args.batch, args.prompt_tokens))
     fixed = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
 
     def generate(tokens: int) -> float:

@@ -106,3 +106,19 @@ def test_xlaunch_runs_one_copy_per_cpu_and_auto_optimize_packs_the_decoder(tmp_p
     assert proc.stdout.count("LlamaForCausalLM optimized in place by xlaunch.llm float32") == instances
     assert "xlaunch.llm float32" in summary.read_text()
 
+
+
+def test_instances_decode_one_packed_file_written_once_without_transformers(tmp_path):
+    """--packed under xlaunch: the first instance to take the lock writes the missing file (a child process),
+    the others find it fresh; every instance maps it with load_decoder and never imports transformers."""
+    instances = 2 if len(ALLOWED) >= 2 else 1
+    packed = tmp_path / "tiny-int8.xlp"
+    proc = subprocess.run([sys.executable, "-m", "xlaunch", "--ninstances", str(instances), "--ncores-per-instance", "1",
+                           EXAMPLE, *SHORT, "--weights", "int8", "--packed", str(packed)],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("packed file written (missing) in ") == 1, proc.stdout
+    assert proc.stdout.count("weights int8) mapped in ") == instances
+    assert proc.stdout.count("; transformers not imported") == instances
+    assert proc.stdout.count("decode: ") == instances
+    assert [line for line in proc.stderr.splitlines() if not line.startswith("xlaunch: ")] == []
