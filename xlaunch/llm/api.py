@@ -23,11 +23,11 @@ with needs_torch(__name__):
 # transformers' torchao quantizer imports torchao, whose import logs CUDA-only misses: import it quietly first
 import_quietly("transformers.quantizers.auto", "torchao.quantization", chain=True)   # no transformers: no torchao
 
-from xlaunch.llm import footprint, native, sampling  # noqa: E402
+from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.shapes import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
 from xlaunch.llm.cache import hf_cache_class, needs_transformers  # noqa: E402
 from xlaunch.llm.decoder import (DTYPES, DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding,  # noqa: E402
-                                 embedding_table)
+                                 embedding_table, repetition_penalty, warpers)
 from xlaunch.llm.linear import GROUP_SIZES, PackedLinear  # noqa: E402
 
 with needs_transformers("xlaunch.llm"):
@@ -156,8 +156,8 @@ SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "min_p"}
 OFF_FIELDS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
 def _warpers(config: Any) -> list:
     """The logits warpers of a sampling ``config`` (temperature, top-k, top-p, min-p), as ``generate`` builds them
-    for one beam: the same conditions, order and values (:mod:`xlaunch.llm.sampling`)."""
-    return sampling.warpers(config.temperature, config.top_k, config.top_p, config.min_p)
+    for one beam: the same conditions, order and values (:func:`xlaunch.llm.decoder.warpers`)."""
+    return warpers(config.temperature, config.top_k, config.top_p, config.min_p)
 
 
 def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
@@ -203,7 +203,7 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
 def _penalties(config: Any, mask: Optional["torch.Tensor"]) -> list:
     """The repetition penalty as ``generate`` applies it: each row's left padding left out of it (the mask's
     leading zeros; generate has dropped a mask of ones by then, so none)."""
-    return sampling.repetition_penalty(config.repetition_penalty, mask)
+    return repetition_penalty(config.repetition_penalty, mask)
 
 
 def _install_loop_generate(model: Any, runtime: DecoderRuntime) -> None:

@@ -11,7 +11,7 @@ defaults come from the file's manifest.
 ``Decoder.generate`` takes the arguments of Hugging Face's one-beam ``generate`` that the runtime's
 loop honours, merged as ``generate`` merges them over the checkpoint's generation config, and gives
 the same tokens as ``xlaunch.llm.from_pretrained(path).generate`` (sampling: for the same seed), with
-the same logits processing (:mod:`xlaunch.llm.sampling`).
+the same logits processing (:func:`xlaunch.llm.decoder.warpers`).
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from xlaunch._torch import needs_torch
 with needs_torch(__name__):
     import torch
 
-from xlaunch.llm import sampling  # noqa: E402
 from xlaunch.llm.cache import KVBuffers  # noqa: E402
 from xlaunch.llm.decoder import DecoderRuntime  # noqa: E402
+from xlaunch.llm.decoder import repetition_penalty as penalty_processors, warpers as sampling_warpers  # noqa: E402
 from xlaunch.llm.packed_file import load_runtime  # noqa: E402
 
 # generate's own defaults, for what neither the call nor the checkpoint's generation config sets
@@ -114,11 +114,12 @@ class Decoder:
         """``input_ids`` [B, S] followed by the new tokens, as Hugging Face's one-beam ``generate`` makes them.
 
         An argument left None takes the checkpoint's generation config, then ``generate``'s default (20
-        tokens in all when no length is set anywhere). Greedy, or with ``do_sample`` sampled after the
-        temperature, top-k, top-p and min-p warpers (seed with ``torch.manual_seed``); a repetition penalty;
-        rows that reach an end-of-sequence id are padded with ``pad_token_id`` (default: the first end id)
-        until every row has ended. Left padding is given by ``attention_mask`` (never guessed from pad ids).
-        ``streamer`` gets the prompt, each step's tokens, then ``end()``.
+        new tokens when no length is set anywhere, within the model's positions). Greedy, or with
+        ``do_sample`` sampled after the temperature, top-k, top-p and min-p warpers (seed with
+        ``torch.manual_seed``); a repetition penalty; rows that reach an end-of-sequence id are padded with
+        ``pad_token_id`` (default: the first end id) until every row has ended. Left padding is given by
+        ``attention_mask`` (never guessed from pad ids). ``streamer`` gets the prompt, each step's tokens,
+        then ``end()``.
         """
         ids, mask = self._inputs(input_ids, attention_mask)
         length = ids.shape[1]
@@ -147,7 +148,7 @@ class Decoder:
         warpers = self._warpers(do_sample, temperature, top_k, top_p, min_p)
         penalty = _number("repetition_penalty", self._setting("repetition_penalty", repetition_penalty),
                           0.0, float("inf"), low_open=True)
-        penalties = sampling.repetition_penalty(penalty, mask)
+        penalties = penalty_processors(penalty, mask)
         return self.runtime.generate_tokens(ids, mask, new, least, eos, pad, streamer, warpers, penalties)
 
     def _inputs(self, input_ids: Any, attention_mask: Any) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
@@ -175,7 +176,7 @@ class Decoder:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"xlaunch.llm.Decoder.generate: top_k must be a count >= 0, not {k!r}")
         least = self._setting("min_p", min_p)
-        return sampling.warpers(
+        return sampling_warpers(
             _number("temperature", self._setting("temperature", temperature), 0.0, float("inf"), low_open=True), k,
             _number("top_p", self._setting("top_p", top_p), 0.0, 1.0),
             None if least is None else _number("min_p", least, 0.0, 1.0))
