@@ -13,7 +13,7 @@ import ctypes
 import functools
 import mmap
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from xlaunch._torch import needs_torch, paused_gc
 

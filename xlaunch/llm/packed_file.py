@@ -5,13 +5,14 @@ format version, the model's config and generation config, the decoder's shape an
 precision, the kernel level and a fingerprint of the packed layout, the source checkpoint's digest,
 every packed linear and every tensor's dtype/shape/offset/length), then the tensors, each at an
 offset aligned to 4 KiB (2 MiB from 2 MiB up), the RoPE's inverse frequencies among them.
+
+Loading maps the file read-only (``mmap``) and wraps the tensors in place: no copy, so loading takes
+milliseconds and processes that map one file share one copy of its pages in the page cache.
 :func:`load_packed` gives the Hugging Face model back; :func:`load_runtime` the runtime alone, with
-neither transformers nor the config classes imported (files written before the decoder's shape was
-recorded load only the first way). Loading maps the file read-only (``mmap``) and wraps the tensors in place: no
-copy, so loading takes milliseconds and processes that map one file share one copy of its pages
-in the page cache. A file of another format version, kernel level or layout is refused with one
-line (``from_pretrained(path, source=CHECKPOINT)`` rewrites it instead); a malformed or truncated
-file gets one error, and nothing outside the file is read.
+neither transformers nor its config classes imported (a file written before the decoder's shape was
+recorded loads only the first way). A file of another format version, kernel level or layout is
+refused with one line (``from_pretrained(path, source=CHECKPOINT)`` rewrites it instead); a malformed
+or truncated file gets one error, and nothing outside the file is read.
 """
 from __future__ import annotations
 
