@@ -296,3 +296,37 @@ def test_each_finished_pair_is_handed_to_the_checkpoint(monkeypatch) -> None:
         [("1x1", ["llamacpp-bf16", "llamacpp-q8_0", "xlaunch-bf16", "xlaunch-int8"]),
          ("2x1", ["llamacpp-bf16", "llamacpp-q8_0", "xlaunch-bf16", "xlaunch-int8"])]]
     assert json.loads(seen[-1]) == results and results["2x1"]["xlaunch-int8"] == {"k": 2}
+
+
+def test_the_memory_bench_takes_its_routes_and_counts() -> None:
+    memory = load("llm_memory")
+    args = memory.parse_args([])
+    assert (args.instances, args.load, args.route_names) == ([1, 4], "decoder", list(memory.ROUTES))
+    assert memory.parse_args(["--instances", "1,2,8", "--routes", "xlaunch-int4", "--load", "packed"]).instances == [1, 2, 8]
+    for argv in (["--routes", "llamacpp-q8_0"], ["--instances", "0"], ["--shape", "tiny", "--model", "x"]):
+        with pytest.raises(SystemExit) as stop:
+            memory.parse_args(argv)
+        assert stop.value.code == 2
+    rows = {"xlaunch-int8": [dict(copies=1, pss_sum_mib=1000.0, rss_sum_mib=1004.0, anonymous_each_mib=[150.0]),
+                             dict(copies=4, pss_sum_mib=1450.0, rss_sum_mib=4000.0,
+                                  anonymous_each_mib=[148.0, 151.0, 150.0, 149.0])]}
+    assert "| xlaunch-int8 | 4 | 1450 | 4000 | 148-151 | 1.45 |" in memory.table(rows, "decoder")
+
+
+def test_the_memory_bench_sums_copies_that_never_import_transformers(tmp_path: Path) -> None:
+    """Two copies of a tiny packed file, each decoding then waiting: their PSS, RSS and anonymous memory read
+    together, and load_decoder's copies without transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import xlaunch.llm
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "checkpoint")
+    packed = xlaunch.llm.save_packed(xlaunch.llm.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32,
+                                                                 weights="int4", group_size=32), tmp_path / "tiny.xlp")
+    memory = load("llm_memory")
+    got = memory.hold(packed, 2, memory.parse_args(["--prompt", "8", "--new-tokens", "3"]))
+    assert got["copies"] == 2 and len(got["anonymous_each_mib"]) == 2 and got["transformers_imported"] is False
+    assert 0 < got["pss_sum_mib"] <= got["rss_sum_mib"] and min(got["anonymous_each_mib"]) > 50     # torch's own

@@ -1,0 +1,176 @@
+"""The memory k copies of a packed LLM hold together, against one copy: xlaunch.llm's serving footprint.
+
+    .venv/bin/python bench/llm_memory.py --shape llama-3.2-1b --instances 1,4
+    .venv/bin/python bench/llm_memory.py --shape llama-3.2-3b --routes xlaunch-int4 --load packed
+
+For each xlaunch route (``xlaunch-bf16``, ``-int8``, ``-int4``) the route's packed file is written once
+(as ``bench/llm.py --instances`` writes it, under the cache), then, for each k, k processes start
+together; each maps the file (``--load decoder``: ``xlaunch.llm.load_decoder``, no transformers;
+``packed``: ``xlaunch.llm.from_pretrained``), decodes ``--new-tokens`` greedy tokens after a
+``--prompt``-token prompt at one thread, and waits. When all k wait, ``Pss``, ``Rss`` and
+``Anonymous`` of each are read from ``/proc/PID/smaps_rollup`` and summed. Before the counted runs,
+one copy runs alone once, so the kernel choice's one-time timing (cached per machine) is not counted.
+
+No timing and no pinning, so k may exceed the cores (``bench/llm.py --instances`` times k copies on
+their own cores through ``xlaunch --ninstances``, which needs k x threads cores). Prints, per route
+and k, the sums and **k over 1** (the PSS sum over the route's one-copy PSS); ``--json PATH`` writes
+them. ``Pss`` splits shared pages among every process mapping them, other processes' included (a
+library's pages under unrelated Python processes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import _llm_instances
+import _llm_model
+from _procmem import parse_rollup
+
+REPO = Path(__file__).resolve().parents[1]
+ROUTES = ("xlaunch-bf16", "xlaunch-int8", "xlaunch-int4")
+READY = "ready"
+CHILD = r"""
+import sys, torch
+import xlaunch.llm
+path, load, prompt, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(1)
+model = xlaunch.llm.load_decoder(path) if load == "decoder" else xlaunch.llm.from_pretrained(path)
+vocab = model.spec.vocab_size if load == "decoder" else model.config.vocab_size
+ids = torch.randint(3, vocab, (1, prompt), generator=torch.Generator().manual_seed(1))
+out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                     do_sample=False, pad_token_id=0)
+assert out.shape[1] == prompt + new, out.shape
+print("ready", "transformers" in sys.modules, flush=True)
+sys.stdin.read()
+"""
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", help="a preset shape (default llama-168m; xlaunch/llm/shapes.py)")
+    parser.add_argument("--model", help="a Hugging Face checkpoint directory instead")
+    parser.add_argument("--routes", default=",".join(ROUTES), help=f"comma-separated, of {', '.join(ROUTES)}")
+    parser.add_argument("--instances", type=int_list, default=[1, 4], help="copies at once, a list (default 1,4)")
+    parser.add_argument("--load", choices=("decoder", "packed"), default="decoder",
+                        help="load_decoder (default: no transformers) or from_pretrained of the packed file")
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    args.route_names = [name for name in args.routes.split(",") if name]
+    unknown = [name for name in args.route_names if name not in ROUTES]
+    if unknown or not args.route_names:
+        parser.error(f"--routes: unknown route {unknown[0] if unknown else args.routes!r} (routes: {', '.join(ROUTES)})")
+    if args.shape and args.model:
+        parser.error("--shape and --model exclude each other")
+    if args.prompt < 1 or args.new_tokens < 1:
+        parser.error("--prompt and --new-tokens must be at least 1")
+    return args
+
+
+def hold(packed: Path, copies: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Start ``copies`` processes on ``packed``; once all have decoded, their memory summed (MiB)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    argv = [sys.executable, "-c", CHILD, str(packed), args.load, str(args.prompt), str(args.new_tokens)]
+    procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(copies)]
+    try:
+        imported = []
+        for proc in procs:
+            line = proc.stdout.readline().split()
+            if not line or line[0] != READY:
+                proc.kill()
+                raise RuntimeError(f"a copy exited ({proc.wait()}): {proc.stderr.read()[-500:]}")
+            imported.append(line[1] == "True")
+        each = [parse_rollup(Path(f"/proc/{proc.pid}/smaps_rollup").read_text()) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.stdin.close()
+        for proc in procs:
+            proc.wait(timeout=60)
+    total = {key: sum(fields.get(key, 0) for fields in each) / 1024 for key in ("Pss", "Rss", "Anonymous")}
+    return {"copies": copies, "pss_sum_mib": total["Pss"], "rss_sum_mib": total["Rss"],
+            "anonymous_each_mib": [fields.get("Anonymous", 0) / 1024 for fields in each],
+            "transformers_imported": any(imported)}
+
+
+def table(rows: dict[str, list[dict[str, Any]]], load: str) -> str:
+    lines = [f"| route ({load}) | copies | PSS sum MiB | RSS sum MiB | anonymous each MiB | k over 1 |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for route, results in rows.items():
+        one = next((r["pss_sum_mib"] for r in results if r["copies"] == 1), None)
+        for r in results:
+            ratio = f"{r['pss_sum_mib'] / one:.2f}" if one else ""
+            anon = "-".join(f"{v:.0f}" for v in sorted({round(min(r['anonymous_each_mib'])),
+                                                          round(max(r['anonymous_each_mib']))}))
+            lines.append(f"| {route} | {r['copies']} | {r['pss_sum_mib']:.0f} | {r['rss_sum_mib']:.0f} | {anon} "
+                         f"| {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        model = _llm_model.resolve(args.shape, args.model)
+    except _llm_model.shapes.ShapeError as error:
+        print(f"bench/llm_memory.py: {error}", file=sys.stderr)
+        return 2
+    needed = _llm_model.need_instances(model, args.route_names, [], max(args.instances), args.prompt,
+                                       args.new_tokens)
+    refused = _llm_model.footprint.refusal("bench/llm_memory.py", model.name, needed,
+                                           hint=" (try fewer --instances or a smaller --shape)")
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
+    script = str(Path(__file__).with_name("llm.py"))
+    if not model.ready():
+        print(f"writing the {model.name} checkpoint and tokenizer to {model.folder}", flush=True)
+        subprocess.run([sys.executable, script, "--make-model", model.name], check=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    packed = _llm_instances.pack_all(args.route_names, model, script, env)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for route in args.route_names:
+        if packed.get(route) is None:
+            print(f"{route}: no packed file, skipped", flush=True)
+            continue
+        hold(packed[route], 1, args)           # the kernel choice's one-time timing, out of the counted runs
+        rows[route] = []
+        for copies in args.instances:
+            began = time.monotonic()
+            got = hold(packed[route], copies, args)
+            rows[route].append(got)
+            print(f"  {route} x {copies}: PSS sum {got['pss_sum_mib']:.0f} MiB, RSS sum {got['rss_sum_mib']:.0f} MiB "
+                  f"({time.monotonic() - began:.0f} s)", flush=True)
+    print("\n" + table(rows, args.load))
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps({"bench": "llm-memory", "model": model.name, "load": args.load,
+                                                   "prompt": args.prompt, "new_tokens": args.new_tokens,
+                                                   "results": rows}, indent=1))
+        except OSError as error:
+            print(f"bench/llm_memory.py: --json {args.json}: {error.strerror}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
