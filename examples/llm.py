@@ -18,8 +18,9 @@ MemAvailable: a shape that does not fit is refused with one line, exit status 2.
 imported by this process, and instances started by ``xlaunch --ninstances N`` map the one file. A missing
 or stale file (another checkpoint, precision or kernel level) is written first by a child process, under a
 lock next to it, so N instances write it once.
-Prints ``prefill: X tokens/s`` (the prompt's forward) and ``decode: Y tokens/s`` (tokens after the
-first, over ``generate``'s time after the prefill), per instance with its CPUs.
+Prints ``prefill: X tokens/s`` (the prompt's forward, to the first new token) and ``decode: Y tokens/s``
+(the ``--new-tokens`` tokens after the first, from a streamer's time stamps in the same ``generate``),
+per instance with its CPUs.
 """
 from __future__ import annotations
 
@@ -175,17 +176,31 @@ def main(argv: list[str]) -> int:
     ids = torch.randint(1, vocab, (args.batch, args.prompt_tokens))
     fixed = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
 
-    def generate(tokens: int) -> float:
+    class Stamps:
+        """A streamer that notes when the prompt and each new token come out of generate."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def generate(tokens: int) -> tuple[float, float]:
+        """(start -> first new token: the prefill, first -> last new token: ``tokens - 1`` decode steps), from one
+        call: two separate calls would measure their own variation as much as the decode."""
+        stamps = Stamps()
         started = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **fixed)
+            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, streamer=stamps, **fixed)
         assert out.shape == (args.batch, args.prompt_tokens + tokens), out.shape
-        return time.perf_counter() - started
+        assert len(stamps.times) == tokens + 1, len(stamps.times)       # the prompt, then each step's tokens
+        return stamps.times[1] - started, stamps.times[-1] - stamps.times[1]
 
     generate(2)                                         # warm-up: first-call costs out of the figures
-    prefill = generate(1)
-    total = generate(args.new_tokens + 1)
-    decode_s = max(total - prefill, 1e-9)
+    prefill, decode_s = generate(args.new_tokens + 1)
     index = os.environ.get("XLAUNCH_INSTANCE_INDEX", "-")
     print(f"instance {index} cpus {','.join(map(str, CPUS))} threads {torch.get_num_threads()} batch {args.batch}")
     print(f"prefill: {args.batch * args.prompt_tokens / prefill:.1f} tokens/s")
