@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import warnings
@@ -233,6 +234,16 @@ def test_a_malformed_decoder_record_is_one_error(both, tmp_path, change, match):
     with pytest.raises(PackedFileError, match=match) as info:
         llm.load_decoder(bad)
     assert "\n" not in str(info.value)
+
+
+def test_rope_frequencies_that_are_not_finite_are_refused(both, tmp_path):
+    decoder, _ = both
+    entry = read_manifest(decoder.path)["tensors"]["rope.inv_freq"]
+    data = bytearray(decoder.path.read_bytes())
+    data[entry["offset"]:entry["offset"] + 4] = struct.pack("<f", float("nan"))
+    (tmp_path / "nan.xlp").write_bytes(bytes(data))
+    with pytest.raises(PackedFileError, match="not finite"):
+        llm.load_decoder(tmp_path / "nan.xlp")
 
 
 def test_from_pretrained_refuses_a_record_that_is_not_its_configs(both, tmp_path):

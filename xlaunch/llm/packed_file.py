@@ -441,5 +441,8 @@ def load_runtime(path: Any, dtype: Any = None, weights: Optional[str] = None, gr
     if (type(scaling) not in (int, float) or not math.isfinite(scaling) or not isinstance(entry, dict)
             or entry["dtype"] != "float32" or entry["shape"] != [spec.head_dim // 2]):
         raise _fail(path, "its RoPE record is malformed")
-    table = RopeTable(_tensor(area, entry, private=True), scaling, spec.head_dim, dtype)
+    inv_freq = _tensor(area, entry, private=True)
+    if not bool(torch.isfinite(inv_freq).all()):
+        raise _fail(path, "its RoPE record is malformed (frequencies that are not finite)")
+    table = RopeTable(inv_freq, scaling, spec.head_dim, dtype)
     return runtime_of(spec, dtype, _parts(path, manifest, area, spec, dtype, private), table), manifest
