@@ -40,7 +40,7 @@ from xlaunch.llm.assemble import (HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, i
                                   runtime_of, skeleton)
 from xlaunch.llm.decoder import DTYPES, SIXTEEN_BIT, DecoderRuntime, RopeTable  # noqa: E402
 from xlaunch.llm.linear import GROUP_SIZES, GROUPED, KINDS, PackedLinear  # noqa: E402
-from xlaunch.llm.shapes import LENGTH_DEPENDENT_ROPE, SUPPORTED_ARCHITECTURES, DecoderSpec  # noqa: E402
+from xlaunch.llm.shapes import DecoderSpec, record_spec  # noqa: E402
 
 MAGIC = b"XLLMPACK"
 FORMAT_VERSION = 2   # 2: INT8 weights [N/64, K/4, 64 x 4] (was [N/64, K, 64])
@@ -356,22 +356,10 @@ def _open(path: Any, dtype: Any, weights: Optional[str], group_size: Optional[in
 
 def _spec(path: Any, recorded: Any) -> DecoderSpec:
     """The decoder's shape as the manifest records it, every field checked."""
-    fields = {field.name for field in dataclasses.fields(DecoderSpec)}
-    if not isinstance(recorded, dict) or set(recorded) != fields:
+    spec = record_spec(recorded, MAX_LAYERS)
+    if spec is None:
         raise _fail(path, "the manifest's decoder shape is malformed")
-    sizes = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
-    windows, eps = recorded["windows"], recorded["eps"]
-    ok = (recorded["architecture"] in SUPPORTED_ARCHITECTURES
-          and all(type(recorded[name]) is int and recorded[name] > 0 for name in sizes)
-          and recorded["num_layers"] <= MAX_LAYERS and recorded["num_heads"] % recorded["num_kv_heads"] == 0
-          and recorded["head_dim"] % 2 == 0 and type(eps) in (int, float) and math.isfinite(eps) and eps > 0
-          and isinstance(windows, list) and len(windows) == recorded["num_layers"]
-          and all(w is None or (type(w) is int and w > 0) for w in windows)
-          and isinstance(recorded["rope_type"], str) and recorded["rope_type"] not in LENGTH_DEPENDENT_ROPE
-          and type(recorded["tied_embeddings"]) is bool)
-    if not ok:
-        raise _fail(path, "the manifest's decoder shape is malformed")
-    return DecoderSpec(**dict(recorded, eps=float(eps), windows=tuple(windows)))
+    return spec
 
 
 def _parts(path: Any, manifest: dict, area: mmap.mmap, spec: DecoderSpec, dtype: Any, private: bool) -> Parts:

@@ -16,8 +16,10 @@ initialises them, norms 1, biases 0). Nothing here imports torch until a checkpo
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import struct
 import zlib
@@ -106,6 +108,25 @@ def describe(model: Any) -> Union[DecoderSpec, str]:
         vocab_size=config.vocab_size, eps=float(getattr(config, "rms_norm_eps", 1e-6)), windows=windows,
         rope_type=rope, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
     )
+
+
+def record_spec(record: Any, max_layers: int) -> Optional[DecoderSpec]:
+    """The :class:`DecoderSpec` a JSON record of it (``dataclasses.asdict``) holds, or None when any field is
+    missing, extra, of another type or out of range (at most ``max_layers`` layers)."""
+    fields = {field.name for field in dataclasses.fields(DecoderSpec)}
+    if not isinstance(record, dict) or set(record) != fields:
+        return None
+    sizes = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
+    windows, eps = record["windows"], record["eps"]
+    ok = (record["architecture"] in SUPPORTED_ARCHITECTURES
+          and all(type(record[name]) is int and record[name] > 0 for name in sizes)
+          and record["num_layers"] <= max_layers and record["num_heads"] % record["num_kv_heads"] == 0
+          and record["head_dim"] % 2 == 0 and type(eps) in (int, float) and math.isfinite(eps) and eps > 0
+          and isinstance(windows, list) and len(windows) == record["num_layers"]
+          and all(w is None or (type(w) is int and w > 0) for w in windows)
+          and isinstance(record["rope_type"], str) and record["rope_type"] not in LENGTH_DEPENDENT_ROPE
+          and type(record["tied_embeddings"]) is bool)
+    return DecoderSpec(**dict(record, eps=float(eps), windows=tuple(windows))) if ok else None
 
 
 # -- presets --------------------------------------------------------------------------------------
