@@ -298,11 +298,11 @@ SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}      # gener
 NEG_INF = -float("inf")
 
 
-def temperature(value: float) -> Scores:
+def temperature_warper(value: float) -> Scores:
     return lambda ids, scores: scores / value
 
 
-def top_k(k: int) -> Scores:
+def top_k_warper(k: int) -> Scores:
     """Only the ``k`` highest scores stay (ties with the k-th included)."""
     def warp(ids: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
         kth = torch.topk(scores, min(k, scores.size(-1)))[0][..., -1, None]
@@ -310,7 +310,7 @@ def top_k(k: int) -> Scores:
     return warp
 
 
-def top_p(p: float) -> Scores:
+def top_p_warper(p: float) -> Scores:
     """The most likely tokens whose probabilities add up to ``p`` stay (at least the most likely one)."""
     def warp(ids: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
         ordered, order = torch.sort(scores, descending=False)
@@ -320,7 +320,7 @@ def top_p(p: float) -> Scores:
     return warp
 
 
-def min_p(p: float) -> Scores:
+def min_p_warper(p: float) -> Scores:
     """Tokens at least ``p`` times as likely as the most likely one stay (that one always)."""
     def warp(ids: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
         probs = torch.softmax(scores, dim=-1)
@@ -330,19 +330,19 @@ def min_p(p: float) -> Scores:
     return warp
 
 
-def warpers(temperature_: Optional[float], top_k_: Optional[int], top_p_: Optional[float],
-            min_p_: Optional[float]) -> list[Scores]:
+def warpers(temperature: Optional[float], top_k: Optional[int], top_p: Optional[float],
+            min_p: Optional[float]) -> list[Scores]:
     """The sampling warpers of one beam, None taking generate's default, each only where it changes anything."""
-    value = SAMPLING_DEFAULTS["temperature"] if temperature_ is None else temperature_
-    chosen = [temperature(value)] if value != 1.0 else []
-    k = SAMPLING_DEFAULTS["top_k"] if top_k_ is None else top_k_
-    if k != 0:
-        chosen.append(top_k(k))
-    p = SAMPLING_DEFAULTS["top_p"] if top_p_ is None else top_p_
-    if p < 1.0:
-        chosen.append(top_p(p))
-    if min_p_ is not None:
-        chosen.append(min_p(min_p_))
+    temperature = SAMPLING_DEFAULTS["temperature"] if temperature is None else temperature
+    top_k = SAMPLING_DEFAULTS["top_k"] if top_k is None else top_k
+    top_p = SAMPLING_DEFAULTS["top_p"] if top_p is None else top_p
+    chosen = [temperature_warper(temperature)] if temperature != 1.0 else []
+    if top_k != 0:
+        chosen.append(top_k_warper(top_k))
+    if top_p < 1.0:
+        chosen.append(top_p_warper(top_p))
+    if min_p is not None:
+        chosen.append(min_p_warper(min_p))
     return chosen
 
 
