@@ -154,6 +154,8 @@ LOOP_FIELDS = {"max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id
                "_from_model_config"}
 SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "min_p"}
 OFF_FIELDS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
+
+
 def _warpers(config: Any) -> list:
     """The logits warpers of a sampling ``config`` (temperature, top-k, top-p, min-p), as ``generate`` builds them
     for one beam: the same conditions, order and values (:func:`xlaunch.llm.decoder.warpers`)."""

@@ -170,7 +170,7 @@ def hf_cache_class() -> type:
             if self.keys:
                 self._select_rows(torch.arange(self.batch).repeat_interleave(repeats))
 
-    KVCache.__module__ = __name__
+    KVCache.__module__, KVCache.__qualname__ = __name__, "KVCache"     # found again as xlaunch.llm.cache.KVCache
     return KVCache
 
 
