@@ -60,6 +60,8 @@ def test_logits_and_a_continued_cache_equal_the_hugging_face_models(both):
         again = model(step, attention_mask=longer, position_ids=positions, past_key_values=out.past_key_values)
     assert torch.equal(following, again.logits) and cache.length == 13
     assert type(cache).__name__ == "KVBuffers" and type(out.past_key_values).__name__ == "KVCache"
+    private, _ = llm.load_decoder(decoder.path, private=True)(ids, attention_mask=mask)     # node-local copies
+    assert torch.equal(private, logits)
 
 
 def test_greedy_tokens_with_padding_end_ids_and_a_minimum_equal_generates(both):

@@ -13,6 +13,7 @@ from xlaunch.launcher.observe.procfs import (
     anonymous_memory_by_node,
     last_cpu,
     library_kind,
+    mapped_file_memory_by_node,
     mapped_libraries,
     preload_kinds,
     resolved,
@@ -106,6 +107,32 @@ def test_anonymous_memory_of_empty_text():
     assert anonymous_memory_by_node("") == {}
 
 
+MODEL = "/data/models/llama-1b.xlp"
+FILE_NUMA_MAPS = f"""\
+7f0000000000 default file={MODEL} mapped=262144 mapmax=4 N0=200000 N1=62144 kernelpagesize_kB=4
+7f0040000000 default file={MODEL} mapped=4096 mapmax=4 N1=4096 kernelpagesize_kB=4
+7f2000000000 default file=/opt/venv/lib/python3.11/site-packages/torch/lib/libtorch_cpu.so mapped=30000 N0=30000 kernelpagesize_kB=4
+7f3000000000 default file={GOMP} mapped=5000 N1=5000 kernelpagesize_kB=4
+7f4000000000 default file=/tmp/small.bin mapped=10 N1=10 kernelpagesize_kB=4
+7f5000000000 default file=/data/my\\040model.gguf mapped=8192 N1=8192 kernelpagesize_kB=4
+7f5800000000 default file=/data/gone.bin\\040(deleted) mapped=8192 N0=8192 kernelpagesize_kB=4
+7f6000000000 default file=/anon_hugepage\\040(deleted) huge anon=40 dirty=40 N1=40 kernelpagesize_kB=2048
+7f7000000000 default anon=50000 dirty=50000 N0=50000 kernelpagesize_kB=4
+"""
+
+
+def test_mapped_data_files_by_node_leave_out_libraries_small_files_and_anonymous_memory():
+    page = 4096
+    assert mapped_file_memory_by_node(FILE_NUMA_MAPS) == {
+        MODEL: {0: 200000 * page, 1: (62144 + 4096) * page},     # both mappings of the file
+        "/data/my model.gguf": {1: 8192 * page},                  # numa_maps escapes the space
+        "/data/gone.bin (deleted)": {0: 8192 * page},
+    }
+    assert mapped_file_memory_by_node(FILE_NUMA_MAPS, min_bytes=1).keys() >= {"/tmp/small.bin"}
+    assert mapped_file_memory_by_node(NUMA_MAPS) == {}          # libraries, the interpreter, 2 MiB of /dev/shm
+    assert mapped_file_memory_by_node("") == {}
+
+
 STAT_TAIL = ("S 2956 2959 2959 0 -1 4194560 5829 241815 0 21 2 5 1165 307 20 0 1 0 51739 5242880 927 "
              "18446744073709551615 94841460453376 94841461242781 140737379879168 0 0 0 65536 4 "
              "1132560123 1 0 0 17 {cpu} 0 0 0 0 0 94841461476080 94841461524324 94842230931456 "
@@ -184,10 +211,12 @@ def test_a_preloaded_runtime_that_is_not_mapped_shadows_nothing():
 # ---------------------------------------------------------------------------------- merging
 
 
-def process(pid=100, libraries=(), active=(), shadowed=(), threads=((100, 0),), memory=None):
+def process(pid=100, libraries=(), active=(), shadowed=(), threads=((100, 0),), memory=None, files=None):
     return ProcessSample(pid=pid, libraries=tuple(libraries), openmp_active=tuple(active),
                          openmp_shadowed=tuple(shadowed), threads=tuple(threads),
-                         memory_by_node=None if memory is None else tuple(sorted(memory.items())))
+                         memory_by_node=None if memory is None else tuple(sorted(memory.items())),
+                         files_by_node=None if files is None else
+                         tuple((path, tuple(sorted(nodes.items()))) for path, nodes in sorted(files.items())))
 
 
 def merged(*samples, mem_nodes=(0,)):
@@ -331,6 +360,26 @@ def test_compare_remote_memory_above_the_threshold_only():
     unbound = merged([process(memory={0: 600 * mib, 2: 400 * mib})], mem_nodes=())
     assert unbound.remote_memory_pct() is None
     assert compare(unbound, (), (), None, None) == []                # no memory nodes: unknown
+
+
+def test_compare_names_mapped_files_whose_pages_sit_on_other_nodes():
+    """An instance on node 1 mapping a model file another node's process read first: the anonymous memory is
+    local (no line for it), the file's pages are not; two processes of the instance map the same pages once."""
+    mib = 1 << 20
+    files = {MODEL: {0: 900 * mib, 1: 100 * mib}, "/data/tokenizer.bin": {1: 20 * mib}}
+    observed = merged([process(memory={1: 500 * mib}, files=files),
+                       process(pid=200, threads=((200, 1),), memory={1: 10 * mib}, files={MODEL: {0: 400 * mib}})],
+                      mem_nodes=(1,))
+    assert observed.remote_memory_pct() == 0.0 and observed.remote_file_pct() == round(100 * 900 / 1020, 1)
+    [line] = compare(observed, (), (1,), None, None)
+    assert line.startswith("88.2% of the pages of its mapped files (900 MiB of llama-1b.xlp) are on node(s) 0, "
+                           "outside its memory nodes 1: ")
+    assert compare(observed, (), (0, 1), None, None) == []
+    assert compare(merged([process(files={MODEL: {0: 40 * mib}})], mem_nodes=(1,)), (), (1,), None, None) == []
+    data = to_json(observed)
+    assert data["mapped_files_mib_by_node"] == {"/data/tokenizer.bin": {"1": 20.0}, MODEL: {"0": 900.0, "1": 100.0}}
+    assert data["remote_file_pct"] == 88.2
+    assert to_json(merged([process()]))["mapped_files_mib_by_node"] is None
 
 
 # ---------------------------------------------------------------------------------- Observer

@@ -49,6 +49,7 @@ class Observed:
     openmp_conflicts: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (pid, 2+ active OpenMP paths)
     memory_by_node: Optional[tuple[tuple[int, int], ...]] = None    # anonymous bytes, last read
     mem_nodes: tuple[int, ...] = ()                      # the instance's (local) memory nodes
+    files_by_node: Optional[tuple[tuple[str, tuple[tuple[int, int], ...]], ...]] = None   # mapped data files
 
     @property
     def allocator(self) -> Optional[str]:
@@ -87,6 +88,23 @@ class Observed:
         return round(100.0 * remote / total, 1)
 
 
+    def remote_file_bytes(self, mem_nodes: Optional[Iterable[int]] = None) -> Optional[int]:
+        """Resident bytes of mapped data files (:func:`~.procfs.mapped_file_memory_by_node`) on nodes outside
+        ``mem_nodes`` (default: the instance's)."""
+        local = set(self.mem_nodes if mem_nodes is None else mem_nodes)
+        if not local or self.files_by_node is None:
+            return None
+        return sum(b for _, nodes in self.files_by_node for node, b in nodes if node not in local)
+
+    def remote_file_pct(self, mem_nodes: Optional[Iterable[int]] = None) -> Optional[float]:
+        """Percent of the mapped data files' resident pages outside ``mem_nodes``; None when unknown or none."""
+        remote = self.remote_file_bytes(mem_nodes)
+        total = None if self.files_by_node is None else sum(b for _, nodes in self.files_by_node for _, b in nodes)
+        if remote is None or not total:
+            return None
+        return round(100.0 * remote / total, 1)
+
+
 class Observer:
     """Samples one instance from a single-threaded loop and merges the samples.
 
@@ -115,6 +133,7 @@ class Observer:
         self._active: dict[int, dict[str, None]] = {}
         self._shadowed: dict[str, None] = {}
         self._memory: Optional[tuple[tuple[int, int], ...]] = None
+        self._files: Optional[tuple[tuple[str, tuple[tuple[int, int], ...]], ...]] = None
 
     def poll(self, now: Optional[float] = None, *, force: bool = False) -> bool:
         """Take a sample if one is due (or ``force``); True when it did."""
@@ -134,7 +153,12 @@ class Observer:
         self._processes = max(self._processes, len(one.processes))
         self._threads = max(self._threads, sum(len(p.threads) for p in one.processes))
         memory: dict[int, int] = {}
+        files: dict[str, dict[int, int]] = {}       # a file's pages are shared: the most any process has mapped
         for process in one.processes:
+            for path, nodes in process.files_by_node or ():
+                seen = files.setdefault(path, {})
+                for node, size in nodes:
+                    seen[node] = max(seen.get(node, 0), size)
             for tid, cpu in process.threads:
                 self._cpus_by_thread.setdefault(tid, set()).add(cpu)
             for kind, path in process.libraries:
@@ -145,6 +169,7 @@ class Observer:
                 memory[node] = memory.get(node, 0) + size
         if one.memory_read:
             self._memory = tuple(sorted(memory.items()))
+            self._files = tuple((path, tuple(sorted(nodes.items()))) for path, nodes in sorted(files.items()))
 
     @property
     def observed(self) -> Observed:
@@ -162,6 +187,7 @@ class Observer:
             openmp_conflicts=tuple((pid, tuple(paths)) for pid, paths in self._active.items() if len(paths) > 1),
             memory_by_node=self._memory,
             mem_nodes=self.mem_nodes,
+            files_by_node=self._files,
         )
 
 
@@ -206,6 +232,16 @@ def compare(observed: Observed, planned_cpus: Sequence[int], planned_mem_nodes: 
         nodes = sorted(n for n, b in observed.memory_by_node or () if b and n not in set(mem_nodes))
         lines.append(f"{pct:.1f}% of its memory ({remote / 1048576:.0f} MiB) is on node(s) "
                      f"{format_cpulist(nodes)}, outside its memory nodes {format_cpulist(sorted(set(mem_nodes)))}")
+    remote, pct = observed.remote_file_bytes(mem_nodes), observed.remote_file_pct(mem_nodes)
+    if remote is not None and pct is not None and pct > remote_warn_pct and remote >= remote_warn_min_bytes:
+        local = set(mem_nodes)
+        away = [(path, nodes) for path, nodes in observed.files_by_node or () if any(n not in local for n, _ in nodes)]
+        names = ", ".join(path.rsplit("/", 1)[-1] for path, _ in away[:3]) + (", ..." if len(away) > 3 else "")
+        nodes = sorted({n for _, per_node in away for n, b in per_node if b and n not in local})
+        lines.append(f"{pct:.1f}% of the pages of its mapped files ({remote / 1048576:.0f} MiB of {names}) are on "
+                     f"node(s) {format_cpulist(nodes)}, outside its memory nodes {format_cpulist(sorted(local))}: "
+                     "a file's pages stay where its first reader put them (the page cache is shared); a copy "
+                     "per instance keeps them local")
     return lines
 
 
@@ -241,4 +277,7 @@ def to_json(observed: Observed) -> dict[str, Any]:
         "memory_mib_by_node": None if observed.memory_by_node is None else
         {str(node): round(size / 1048576, 1) for node, size in observed.memory_by_node},
         "mem_nodes": list(observed.mem_nodes),
+        "remote_file_pct": observed.remote_file_pct(),
+        "mapped_files_mib_by_node": None if observed.files_by_node is None else
+        {path: {str(node): round(size / 1048576, 1) for node, size in nodes} for path, nodes in observed.files_by_node},
     }

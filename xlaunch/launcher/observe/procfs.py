@@ -35,6 +35,9 @@ _MAPPED_NAME = re.compile(r"/lib(?:jemalloc|tcmalloc|mimalloc|gomp|iomp5|omp)[^/
 _DELETED = " (deleted)"
 _NODE_PAGES = re.compile(r" N(\d+)=(\d+)")
 _PAGE_KB = re.compile(r" kernelpagesize_kB=(\d+)")
+_FILE = re.compile(r" file=(\S+)")
+_SHARED_LIBRARY = re.compile(r"\.so(\.[0-9]+)*$")
+MAPPED_FILE_MIN_BYTES = 16 << 20     # data files mapped with less resident than this are left out
 _PROCESSOR_FIELD = 39          # 1-based field of /proc/PID/task/TID/stat
 
 
@@ -85,6 +88,31 @@ def anonymous_memory_by_node(numa_maps_text: str, page_size: int = 4096) -> dict
         for node, pages in _NODE_PAGES.findall(line):
             by_node[int(node)] = by_node.get(int(node), 0) + int(pages) * unit
     return by_node
+
+
+def mapped_file_memory_by_node(numa_maps_text: str, page_size: int = 4096,
+                               min_bytes: int = MAPPED_FILE_MIN_BYTES) -> dict[str, dict[int, int]]:
+    """Resident bytes per NUMA node of each data file mapped (a model's weights, a packed file, a
+    ``/dev/shm`` segment), by path, for files with at least ``min_bytes`` resident.
+
+    Shared libraries (``*.so``, ``*.so.N``) and ``/anon_hugepage`` are left out. A file's pages are
+    the page cache's: they sit where the first process to read them put them, whatever the memory
+    policy of the processes that map them later.
+    """
+    by_file: dict[str, dict[int, int]] = {}
+    for line in numa_maps_text.splitlines():
+        found = _FILE.search(line)
+        if found is None or " N" not in line:
+            continue
+        path = found.group(1).replace("\\040", " ")
+        if path.startswith("/anon_hugepage") or _SHARED_LIBRARY.search(path.removesuffix(" (deleted)")):
+            continue
+        size = _PAGE_KB.search(line)
+        unit = int(size.group(1)) * 1024 if size else page_size
+        nodes = by_file.setdefault(path, {})
+        for node, pages in _NODE_PAGES.findall(line):
+            nodes[int(node)] = nodes.get(int(node), 0) + int(pages) * unit
+    return {path: nodes for path, nodes in by_file.items() if sum(nodes.values()) >= min_bytes}
 
 
 def last_cpu(stat_text: str) -> Optional[int]:
@@ -151,6 +179,7 @@ class ProcessSample:
     openmp_shadowed: tuple[str, ...] = ()
     threads: tuple[tuple[int, int], ...] = ()       # (tid, CPU last run on)
     memory_by_node: Optional[tuple[tuple[int, int], ...]] = None   # anonymous bytes; None: not read
+    files_by_node: Optional[tuple[tuple[str, tuple[tuple[int, int], ...]], ...]] = None   # (path, bytes by node)
 
 
 @record
@@ -209,15 +238,19 @@ def _read_process(pid: int, memory: bool, page_size: int,
                 continue                   # the thread ended
             if cpu is not None:
                 threads.append((tid, cpu))
-        by_node = None
+        by_node = files = None
         if memory:
-            by_node = tuple(sorted(anonymous_memory_by_node(_read(f"/proc/{pid}/numa_maps"), page_size).items()))
+            numa_maps = _read(f"/proc/{pid}/numa_maps")
+            by_node = tuple(sorted(anonymous_memory_by_node(numa_maps, page_size).items()))
+            files = tuple((path, tuple(sorted(nodes.items())))
+                          for path, nodes in sorted(mapped_file_memory_by_node(numa_maps, page_size).items()))
     except (OSError, psutil.NoSuchProcess):
         return None
     if not threads:
         return None
     return ProcessSample(pid=pid, libraries=tuple(libraries), openmp_active=tuple(active),
-                         openmp_shadowed=tuple(shadowed), threads=tuple(threads), memory_by_node=by_node)
+                         openmp_shadowed=tuple(shadowed), threads=tuple(threads), memory_by_node=by_node,
+                         files_by_node=files)
 
 
 def _members(pid: int, psutil: Any) -> list[int]:
