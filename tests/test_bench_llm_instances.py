@@ -10,19 +10,10 @@ from pathlib import Path
 import pytest
 
 from bench_modules import BENCH, load
+from host_cpus import allowed_cores, need_cores
 REPO = BENCH.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 USABLE = len(os.sched_getaffinity(0))
-
-
-def plans_two_instances() -> bool:
-    """Whether xlaunch plans two 1-core instances here: two physical cores among the CPUs this process may use
-    (its dry run refuses the plan otherwise, e.g. under ``taskset -c 0`` or a 1-CPU cpuset)."""
-    done = subprocess.run([sys.executable, "-m", "xlaunch", "--dry-run", "--json", "--ninstances", "2",
-                           "--ncores-per-instance", "1", str(BENCH / "llm.py")],
-                          capture_output=True, text=True, env=ENV, timeout=60)
-    assert done.returncode in (0, 2), done.stderr[-2000:]
-    return done.returncode == 0
 
 
 def instances():
@@ -34,7 +25,7 @@ def test_the_cpus_come_from_xlaunchs_dry_run() -> None:
     inst = instances()
     (cpus,) = inst.plan(1, 1, [str(BENCH / "llm.py")], ENV)
     assert len(cpus) == 1 and set(cpus) <= os.sched_getaffinity(0)
-    if not plans_two_instances():
+    if allowed_cores() < 2:
         return
     two = inst.plan(2, 1, [str(BENCH / "llm.py")], ENV)
     assert len(two) == 2 and not set(two[0]) & set(two[1]) and set(two[0] + two[1]) <= os.sched_getaffinity(0)
@@ -192,8 +183,7 @@ while True:
 def test_two_xlaunch_instances_share_a_mapped_files_pages(tmp_path: Path) -> None:
     """The orchestration end to end under ``xlaunch --ninstances 2``: the plan's CPUs checked against each
     instance's affinity and the summary, the window, and the memory read from the instances' smaps."""
-    if not plans_two_instances():
-        pytest.skip("two instances of one core need 2 cores among the CPUs this process may use")
+    need_cores(2)                    # two instances of one core
     inst = instances()
     mapped = tmp_path / "weights.bin"
     mapped.write_bytes(os.urandom(8 << 20))
