@@ -108,7 +108,13 @@ def open_packed(args: argparse.Namespace, folder: Path, name: str):
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     weights = None if args.weights == "none" else args.weights
     path = Path(args.packed)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
+    lock_path = path.with_name(path.name + ".lock")
+    try:                                                 # a link planted at the lock's name is refused, not followed
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        print(f"examples/llm.py: --packed: cannot open the lock {lock_path}: {error.strerror}", file=sys.stderr)
+        raise SystemExit(2) from None
+    with os.fdopen(lock_fd) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         stale = packed_file.stale_reason(path, folder, dtype, weights, 128)
         if stale is not None:

@@ -122,3 +122,15 @@ def test_instances_decode_one_packed_file_written_once_without_transformers(tmp_
     assert proc.stdout.count("; transformers not imported") == instances
     assert proc.stdout.count("decode: ") == instances
     assert [line for line in proc.stderr.splitlines() if not line.startswith("xlaunch: ")] == []
+
+
+def test_a_link_planted_at_the_packed_files_lock_is_one_line_and_exit_2(tmp_path, capfd):
+    spec = importlib.util.spec_from_file_location("xlaunch_llm_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    (tmp_path / "m.xlp.lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(SystemExit) as stop:
+        example.main([*SHORT, "--packed", str(tmp_path / "m.xlp")])
+    assert stop.value.code == 2 and not (tmp_path / "elsewhere").exists() and not (tmp_path / "m.xlp").exists()
+    err = capfd.readouterr().err.strip()
+    assert err.startswith("examples/llm.py: --packed: cannot open the lock ") and "\n" not in err
