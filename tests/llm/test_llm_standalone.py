@@ -261,3 +261,33 @@ def test_the_record_is_plain_json_of_the_spec(both):
     record = read_manifest(decoder.path)["decoder"]
     assert json.loads(json.dumps(record)) == record and record["windows"] == [None] * decoder.spec.num_layers
     assert "Decoder(m.xlp: LlamaForCausalLM, 2 layers" in repr(decoder)
+
+
+THREADS_CHILD = r"""
+import sys, threading, torch
+import xlaunch.llm as llm
+torch.set_num_threads(1)
+decoder = llm.load_decoder(sys.argv[1])
+prompts = [torch.randint(1, 500, (1, 300 + 40 * i), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+alone = [decoder.generate(p, max_new_tokens=3) for p in prompts]
+for trial in range(3):
+    fresh = llm.load_decoder(sys.argv[1])          # its RoPE table starts empty: the threads grow it together
+    got = [None] * len(prompts)
+    def run(i):
+        got[i] = fresh.generate(prompts[i], max_new_tokens=3)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    assert all(g is not None and torch.equal(g, a) for g, a in zip(got, alone)), trial
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("both", ["fp32-int8"], indirect=True)
+def test_threads_sharing_one_decoder_get_the_tokens_each_gets_alone(both):
+    """Four threads decode different prompts with one Decoder at once, growing its RoPE table past 256 positions
+    together; each gets the tokens it gets alone (a fresh process, exit 0, nothing on stderr)."""
+    decoder, _ = both
+    done = subprocess.run([sys.executable, "-c", THREADS_CHILD, str(decoder.path)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), timeout=240)
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "ok", "")

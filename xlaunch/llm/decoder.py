@@ -111,7 +111,7 @@ class RopeTable:
             raise ValueError(f"RoPE inverse frequencies of shape {tuple(inv_freq.shape)}, not ({head_dim // 2},)")
         self.inv_freq, self.attention_scaling = inv_freq.float(), float(attention_scaling)
         self.head_dim, self.dtype = head_dim, dtype
-        self.cos = self.sin = torch.empty(0, head_dim)
+        self.tables = (torch.empty(0, head_dim), torch.empty(0, head_dim))   # (cos, sin), replaced as one
 
     @classmethod
     def of(cls, rotary: Any, head_dim: int, dtype: "torch.dtype") -> "RopeTable":
@@ -129,10 +129,11 @@ class RopeTable:
     def lookup(self, positions: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
         """(cos, sin) [B, S, D] for ``positions`` [B, S], in the model's dtype (as Hugging Face casts them)."""
         needed = int(positions.max()) + 1 if positions.numel() else 1
-        if needed > self.cos.shape[0]:
-            cos, sin = self._table(max(needed, 2 * self.cos.shape[0], 256))
-            self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
-        return self.cos[positions], self.sin[positions]
+        cos, sin = self.tables          # one read: another thread may grow them meanwhile
+        if needed > cos.shape[0]:
+            cos, sin = self._table(max(needed, 2 * cos.shape[0], 256))
+            cos, sin = self.tables = cos.to(self.dtype), sin.to(self.dtype)
+        return cos[positions], sin[positions]
 
 
 class Kernels:
