@@ -7,6 +7,7 @@
     python examples/llm.py --tiny --no-optimize     # a 2-layer model in seconds; plain Hugging Face
     xlaunch --ninstances 2 examples/llm.py          # each instance its own copy on its own cores
     xlaunch --ninstances 2 examples/llm.py --weights int8 --packed /tmp/m.xlp   # one mapped copy, no transformers
+    xlaunch --ninstances 4 examples/llm.py --weights int8 --packed /tmp/m.xlp --node-copy   # one per NUMA node
     xlaunch --auto-optimize --dtype bfloat16 examples/llm.py --no-optimize   # the launcher optimizes it
 
 A preset (``--shape``, xlaunch/llm/shapes.py) is written as a safetensors checkpoint of random
@@ -54,7 +55,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--packed", metavar="FILE", help="decode this packed file with xlaunch.llm.load_decoder "
                         "(no transformers; written first when missing or stale)")
+    parser.add_argument("--node-copy", action="store_true", help="with --packed: map the copy of this process's "
+                        "NUMA node (written once per node beside the file; the file itself on one node)")
     args = parser.parse_args(argv)
+    if args.node_copy and not args.packed:
+        parser.error("--node-copy needs --packed")
     if args.packed and args.no_optimize:
         parser.error("--packed and --no-optimize exclude each other")
     for name in ("batch", "prompt_tokens", "new_tokens"):
@@ -125,10 +130,11 @@ def open_packed(args: argparse.Namespace, folder: Path, name: str):
                 raise SystemExit(f"examples/llm.py: writing {path} failed (exit status {written.returncode})")
             print(f"packed file written ({stale.split(': ')[-1]}) in {time.perf_counter() - started:.2f} s: {path}")
     started = time.perf_counter()
-    decoder = standalone.load_decoder(path, dtype=dtype, weights=weights)
+    decoder = standalone.load_decoder(path, dtype=dtype, weights=weights, node_copy=args.node_copy)
     held = "imported" if "transformers" in sys.modules else "not imported"
+    mapped = "" if decoder.mapped == path else f" (its node's copy {decoder.mapped.name})"
     print(f"decoder ({str(decoder.dtype).removeprefix('torch.')}, weights {decoder.weights}) mapped in "
-          f"{time.perf_counter() - started:.2f} s: {path} from {name}; transformers {held}")
+          f"{time.perf_counter() - started:.2f} s: {path}{mapped} from {name}; transformers {held}")
     return decoder
 
 

@@ -291,3 +291,30 @@ def test_threads_sharing_one_decoder_get_the_tokens_each_gets_alone(both):
     done = subprocess.run([sys.executable, "-c", THREADS_CHILD, str(decoder.path)], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), timeout=240)
     assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "ok", "")
+
+
+@pytest.mark.parametrize("both", ["fp32-int8"], indirect=True)
+def test_node_copy_maps_this_nodes_copy_of_the_file(both, monkeypatch):
+    """On a recorded 2-socket Xeon (XLAUNCH_FSROOT), load_decoder(node_copy=True) maps the copy of the node this
+    process's CPUs lie in, written beside the file, with the same logits; on a 1-node machine, the file."""
+    from machine_trees import machine_tree
+
+    from xlaunch.machine import clear_cache
+
+    decoder, _ = both
+    ids, _ = prompts(1, 6, seed=1)
+    here = llm.load_decoder(decoder.path, node_copy=True)
+    assert here.mapped == decoder.path or here.mapped.name.startswith(".m.xlp.node")    # this VM: one node or not
+    monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree("xeon-2s-amx")))
+    clear_cache()
+    try:
+        copied = llm.load_decoder(decoder.path, node_copy=True)
+        model = llm.from_pretrained(decoder.path, node_copy=True)
+    finally:
+        clear_cache()
+    if copied.mapped == decoder.path:
+        pytest.skip("this process's CPUs span the recorded machine's nodes")
+    assert copied.mapped.parent == decoder.path.parent and copied.mapped.name.startswith(".m.xlp.node")
+    assert torch.equal(copied(ids)[0], decoder(ids)[0])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, decoder(ids)[0])

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 from xlaunch import userfiles
 from xlaunch._torch import needs_torch
+from xlaunch.node_copies import placed
 
 with needs_torch(__name__):
     import torch
@@ -306,13 +307,14 @@ def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", 
 
 
 def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: int = 128,
-                    source: Any = None, private: bool = False) -> Any:
+                    source: Any = None, private: bool = False, node_copy: bool = False) -> Any:
     """An optimized Hugging Face Llama, Mistral or Qwen2 causal LM, loaded without its full-precision copy.
 
     ``path``: a checkpoint directory (``config.json`` and ``*.safetensors``, sharded or not), streamed
     into the packed layout of ``dtype``/``weights``/``group_size`` (as :func:`xlaunch.llm.optimize`);
     or a packed file written by :func:`xlaunch.llm.save_packed`, mapped read-only and shared between
-    processes (``private=True`` copies it into this process's 2 MiB pages instead). With ``source``
+    processes (``private=True`` copies it into this process's 2 MiB pages instead; ``node_copy=True`` maps
+    the copy of this process's NUMA node, :func:`xlaunch.node_copies.placed`). With ``source``
     (a checkpoint directory), ``path`` is the packed file of that source: written when missing,
     rewritten when stale (another source, kernel level, layout or precision), then mapped.
     A bf16 ``dtype`` on a CPU without native bf16 gets one warning, as in :func:`xlaunch.llm.optimize`.
@@ -325,7 +327,9 @@ def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None,
             dtype = default_dtype()
         if packed_file.stale_reason(path, source, dtype, weights, group_size) is not None:
             packed_file.save_packed(load_checkpoint(source, dtype, weights, group_size), path, source=source)
-        return packed_file.load_packed(path, dtype, weights, group_size, private=private)
+        return packed_file.load_packed(placed(path) if node_copy else path, dtype, weights, group_size,
+                                       private=private)
     if Path(path).is_dir():
         return load_checkpoint(path, dtype, weights, group_size)
-    return packed_file.load_packed(path, dtype, weights, group_size if weights == "int4" else None, private=private)
+    return packed_file.load_packed(placed(path) if node_copy else path, dtype, weights,
+                                   group_size if weights == "int4" else None, private=private)

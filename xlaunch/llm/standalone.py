@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from xlaunch._torch import needs_torch
+from xlaunch.node_copies import placed
 
 with needs_torch(__name__):
     import torch
@@ -68,6 +69,7 @@ class Decoder:
 
     def __init__(self, runtime: DecoderRuntime, manifest: dict, path: Path) -> None:
         self.runtime, self.path = runtime, path
+        self.mapped = path            # the file mapped: ``path``, or its node's copy
         self.spec, self.dtype = runtime.spec, runtime.dtype
         self.weights = manifest.get("weights")
         self.config = dict(manifest.get("config") or {})
@@ -183,11 +185,16 @@ class Decoder:
 
 
 def load_decoder(path: Any, dtype: Any = None, weights: Optional[str] = None, group_size: Optional[int] = None,
-                 private: bool = False) -> Decoder:
+                 private: bool = False, node_copy: bool = False) -> Decoder:
     """The decoder of a packed file (:func:`xlaunch.llm.save_packed`), mapped read-only and shared with every
     process that maps it; transformers is not imported. ``dtype``/``weights``/``group_size``, when given, must
-    be the file's; ``private`` copies the weights into this process's 2 MiB pages instead. A file this machine
-    cannot use, or one written before packed files recorded the decoder's shape, is one
+    be the file's; ``private`` copies the weights into this process's 2 MiB pages instead; ``node_copy`` maps
+    the copy of this process's NUMA node (:func:`xlaunch.node_copies.placed`: written once per node, shared by
+    the node's processes; the file itself on a machine of one node). A file this machine cannot use, or one
+    written before packed files recorded the decoder's shape, is one
     :class:`~xlaunch.llm.packed_file.PackedFileError` line."""
-    runtime, manifest = load_runtime(path, dtype, weights, group_size, private)
-    return Decoder(runtime, manifest, Path(path))
+    mapped = placed(path) if node_copy else Path(path)
+    runtime, manifest = load_runtime(mapped, dtype, weights, group_size, private)
+    decoder = Decoder(runtime, manifest, Path(path))
+    decoder.mapped = mapped
+    return decoder

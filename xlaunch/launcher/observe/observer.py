@@ -241,7 +241,7 @@ def compare(observed: Observed, planned_cpus: Sequence[int], planned_mem_nodes: 
         lines.append(f"{pct:.1f}% of the pages of its mapped files ({remote / 1048576:.0f} MiB of {names}) are on "
                      f"node(s) {format_cpulist(nodes)}, outside its memory nodes {format_cpulist(sorted(local))}: "
                      "a file's pages stay where its first reader put them (the page cache is shared); a copy "
-                     "per instance keeps them local")
+                     "per node keeps them local (xlaunch.node_copies; xlaunch.llm's node_copy=True)")
     return lines
 
 
