@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from argparse import ArgumentTypeError
 import os
 import platform
 import statistics
@@ -24,6 +25,17 @@ def node_cores(machine: Any) -> list[int]:
 
     throughput = plan(Options(program="bench.py", python="python", throughput_mode=True), machine, {})
     return [len(instance.cpus) for instance in throughput.instances]
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers (``1,2,4``)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def divisors(n: int) -> list[int]:

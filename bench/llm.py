@@ -68,7 +68,7 @@ sys.path[:0] = [str(REPO), str(BENCH)]
 import _llamacpp  # noqa: E402
 import _llm_instances  # noqa: E402
 import _llm_model  # noqa: E402
-from _machine_bench import median, paired_ratio  # noqa: E402
+from _machine_bench import int_list, median, paired_ratio  # noqa: E402
 
 REPLY = "@@xlaunch-bench "                # a worker's replies on stdout start with this
 
@@ -102,16 +102,6 @@ ISA_CAPS = {"avx2": ("avx2", "AVX2"), "avx512": ("avx512", "AVX512_CORE"),
 # --instances: xlaunch's routes, each beside the llama.cpp route of its precision
 LOADS = ("checkpoint", "packed", "decoder")
 INSTANCE_PAIRS = {"xlaunch-bf16": "llamacpp-bf16", "xlaunch-int8": "llamacpp-q8_0", "xlaunch-int4": "llamacpp-q4_0"}
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 
 import _llm_instances
 import _llm_model
+from _machine_bench import int_list
 from _procmem import parse_rollup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,16 +50,6 @@ assert out.shape[1] == prompt + new, out.shape
 print("ready", "transformers" in sys.modules, flush=True)
 sys.stdin.read()
 """
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_modules import BENCH, load
+from bench_modules import BENCH, load, tiny_packed
 
 
 # llama-bench -o json, one decode test (-p 0 -n 23 -d 33 -r 2), as this build prints it (trimmed of
@@ -301,19 +301,10 @@ def test_results_are_written_whole_after_each_part_and_a_failed_write_is_one_lin
 def test_a_decoder_workers_rounds_and_memory_come_from_a_process_without_transformers(tmp_path: Path) -> None:
     """``--load decoder``: the worker maps the route's packed file with ``xlaunch.llm.load_decoder``, answers its
     rounds (prefill and t_1/t_N of greedy generate), then its peak RSS, and never imports transformers."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    import xlaunch.llm
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "checkpoint")
-    packed = xlaunch.llm.save_packed(xlaunch.llm.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32,
-                                                                 weights="int8"), tmp_path / "xlaunch-int8.xlp")
+    checkpoint, packed = tiny_packed(tmp_path, "int8")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(BENCH.parent))
     worker = subprocess.run(
-        [sys.executable, str(BENCH / "llm.py"), "--worker", "xlaunch-int8", "--model-dir", str(tmp_path / "checkpoint"),
+        [sys.executable, str(BENCH / "llm.py"), "--worker", "xlaunch-int8", "--model-dir", str(checkpoint),
          "--prompt", "8", "--new-tokens", "4", "--packed", str(packed), "--load", "decoder"],
         input="round\nquit\n", capture_output=True, text=True, env=env, timeout=240)
     assert worker.returncode == 0, worker.stderr[-2000:]

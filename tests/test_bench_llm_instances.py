@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_modules import BENCH, load
+from bench_modules import BENCH, load, tiny_packed
 from host_cpus import allowed_cores, need_cores
 REPO = BENCH.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -306,16 +306,7 @@ def test_the_memory_bench_takes_its_routes_and_counts() -> None:
 def test_the_memory_bench_sums_copies_that_never_import_transformers(tmp_path: Path) -> None:
     """Two copies of a tiny packed file, each decoding then waiting: their PSS, RSS and anonymous memory read
     together, and load_decoder's copies without transformers."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    import xlaunch.llm
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "checkpoint")
-    packed = xlaunch.llm.save_packed(xlaunch.llm.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32,
-                                                                 weights="int4", group_size=32), tmp_path / "tiny.xlp")
+    _, packed = tiny_packed(tmp_path, "int4", group_size=32)
     memory = load("llm_memory")
     got = memory.hold(packed, 2, memory.parse_args(["--prompt", "8", "--new-tokens", "3"]))
     assert got["copies"] == 2 and len(got["anonymous_each_mib"]) == 2 and got["transformers_imported"] is False

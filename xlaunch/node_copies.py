@@ -12,8 +12,8 @@ span nodes, it is the file itself.
 A copy sits beside the file, hidden (``.<name>.node<N>.<key>``; ``key`` hashes the file's path, inode,
 size and modification time, so a changed file gets a new copy and the node's old one is removed), or,
 where that folder cannot be written, under ``$XLAUNCH_CACHE_DIR/node-copies``. It is written under a lock
-to a temporary name opened ``O_EXCL | O_NOFOLLOW`` and renamed into place: a link planted at any of
-these names is never written through. No torch here.
+to a new temporary file (:func:`xlaunch.userfiles.new_file`: ``O_EXCL | O_NOFOLLOW``) and renamed into
+place: a link planted at its name or the lock's is never written through. No torch here.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ import shutil
 import stat
 from pathlib import Path
 from typing import Any, Iterable, Optional
+
+from xlaunch import userfiles
 
 COPY_CHUNK = 8 << 20
 _OPEN_FLAGS = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -53,7 +55,7 @@ def _key(source: Path) -> str:
 
 
 def _writable(folder: Path) -> bool:
-    return os.access(folder, os.W_OK | os.X_OK)
+    return userfiles.check_writable_dir(str(folder)) is None
 
 
 def _fallback_folder(source: Path) -> Path:
@@ -90,7 +92,7 @@ def node_copy(path: Any, node: int, folder: Any = None) -> Path:
         with os.fdopen(lock_fd) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not _is_copy_of(target, info.st_size):     # another process of the node may have written it
-                _write(source, where / f"{stem}.{os.getpid()}.partial", target)
+                _write(source, target)
                 finished = re.compile(re.escape(stem) + r"\.[0-9a-f]{12}")
                 for old in where.iterdir():
                     if old.name != target.name and finished.fullmatch(old.name):
@@ -102,19 +104,18 @@ def node_copy(path: Any, node: int, folder: Any = None) -> Path:
         raise NodeCopyError(error.errno, f"a node-local copy of {source}: {error.strerror or error}") from None
 
 
-def _write(source: Path, partial: Path, target: Path) -> None:
-    if os.path.lexists(partial):              # a crashed writer's, or a link planted there: removed, never followed
-        partial.unlink()
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o644)
+def _write(source: Path, target: Path) -> None:
+    fd, temporary = userfiles.new_file(str(target.parent), target.name)
     try:
         with open(source, "rb") as reading, os.fdopen(fd, "wb") as writing:
             shutil.copyfileobj(reading, writing, COPY_CHUNK)
             writing.flush()
             os.fsync(writing.fileno())
-        os.replace(partial, target)
-    finally:
-        if os.path.lexists(partial):
-            partial.unlink()
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.lexists(temporary):
+            os.unlink(temporary)
+        raise
 
 
 def placed(path: Any) -> Path:
