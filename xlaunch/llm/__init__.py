@@ -9,7 +9,7 @@ preallocated KV cache and a forward that runs prefill and decode with few, fused
 tokens). ``from_pretrained(path, ...)`` streams a safetensors checkpoint straight into
 that packed form, and ``save_packed(model, path)`` writes it as one file that ``from_pretrained``
 maps read-only, shared by every process that loads it. ``load_decoder(path)`` decodes from such a file with
-torch alone (:mod:`xlaunch.llm.standalone`: no transformers, about 150 MiB less per process).
+torch alone (:mod:`xlaunch.llm.standalone`: no transformers, about 135 MiB less per process).
 ``import xlaunch.llm`` stays light: torch and transformers load on first use.
 """
 from __future__ import annotations

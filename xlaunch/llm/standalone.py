@@ -2,7 +2,7 @@
 
 A process that serves a packed file (say one of ``xlaunch --ninstances N``'s instances) needs the
 mapped weights, the runtime and a decoding loop, not Hugging Face's model classes. Importing
-transformers' modeling and generation modules costs each process about 150 MiB of private memory
+transformers' modeling and generation modules costs each process about 135 MiB of private memory
 (torch._dynamo through the generation utilities, torchao through the quantizers when it is
 installed) before any weight: as much as one more instance's KV cache at long context. Here only
 torch and xlaunch.llm's kernels are imported; the decoder's shape, RoPE frequencies and generation
@@ -42,6 +42,8 @@ NOT_APPLIED = dict(num_beams=(None, 1), num_beam_groups=(None, 1), penalty_alpha
                    begin_suppress_tokens=(None,), forced_bos_token_id=(None,), forced_eos_token_id=(None,),
                    sequence_bias=(None,), guidance_scale=(None, 1.0), top_h=(None,), renormalize_logits=(None, False),
                    exponential_decay_length_penalty=(None,), watermarking_config=(None,))
+
+
 def _number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low < value if low_open else low <= value) \
             or value > high:
