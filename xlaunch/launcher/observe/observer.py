@@ -87,7 +87,6 @@ class Observed:
             return None
         return round(100.0 * remote / total, 1)
 
-
     def remote_file_bytes(self, mem_nodes: Optional[Iterable[int]] = None) -> Optional[int]:
         """Resident bytes of mapped data files (:func:`~.procfs.mapped_file_memory_by_node`) on nodes outside
         ``mem_nodes`` (default: the instance's)."""
