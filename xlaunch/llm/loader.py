@@ -11,6 +11,7 @@ A path that is a packed file (:func:`xlaunch.llm.save_packed`) is mapped instead
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -92,9 +93,7 @@ class SafetensorsFile:
                 and 0 <= offsets[0] <= offsets[1] <= self.size - self.start):
             raise bad(f"has data offsets {offsets!r} outside the file's data (truncated?)")
         size = SAFETENSORS_SIZES.get(dtype)     # an unknown dtype is refused if the model reads it (rows)
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         if size is not None and numel * size != offsets[1] - offsets[0]:
             raise bad(f"holds {offsets[1] - offsets[0]} bytes, but its shape {shape} of {dtype} takes {numel * size}")
 
@@ -327,9 +326,9 @@ def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None,
             dtype = default_dtype()
         if packed_file.stale_reason(path, source, dtype, weights, group_size) is not None:
             packed_file.save_packed(load_checkpoint(source, dtype, weights, group_size), path, source=source)
-        return packed_file.load_packed(placed(path) if node_copy else path, dtype, weights, group_size,
-                                       private=private)
-    if Path(path).is_dir():
+        group: Optional[int] = group_size
+    elif Path(path).is_dir():
         return load_checkpoint(path, dtype, weights, group_size)
-    return packed_file.load_packed(placed(path) if node_copy else path, dtype, weights,
-                                   group_size if weights == "int4" else None, private=private)
+    else:
+        group = group_size if weights == "int4" else None
+    return packed_file.load_packed(placed(path) if node_copy else path, dtype, weights, group, private=private)
