@@ -97,10 +97,12 @@ def need(args: argparse.Namespace, config: dict) -> footprint.Need:
 
 
 WRITE_PACKED = """
-import sys, torch, xlaunch.llm
+import sys, torch
+from xlaunch.llm import loader, packed_file
 path, source, dtype, weights = sys.argv[1:]
-xlaunch.llm.from_pretrained(path, source=source, dtype=None if dtype == "auto" else getattr(torch, dtype),
-                            weights=None if weights == "none" else weights)
+dtype, weights = None if dtype == "auto" else getattr(torch, dtype), None if weights == "none" else weights
+loader.warn_if_bf16_is_slow(dtype, "xlaunch.llm.from_pretrained")
+packed_file.save_packed(loader.load_checkpoint(source, dtype, weights), path, source=source)   # the parent maps it
 """
 
 
