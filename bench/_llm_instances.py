@@ -98,6 +98,15 @@ def process_cpus() -> list[int]:
     return sorted(cpus)
 
 
+def without_end_of_sequence(model: Any) -> None:
+    """No end-of-sequence id in ``model``'s generation config (a dict for ``load_decoder``'s decoder, else Hugging
+    Face's config): every generate call runs its N tokens, with no per-step end check."""
+    if isinstance(model.generation_config, dict):
+        model.generation_config["eos_token_id"] = None
+    else:
+        model.generation_config.eos_token_id = None
+
+
 def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int, load: str = "packed") -> None:
     """Map the packed file (``load`` "decoder": by ``load_decoder``, no transformers in the process), warm up, say
     ``ready-<index>.json``; from ``go``'s instant decode rounds (t_1 the fastest of 3 ``generate(1)``, t_N of 2
@@ -114,12 +123,8 @@ def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int, 
     except Exception as error:
         _write(sync / f"ready-{index}.json", {"unavailable": f"{type(error).__name__}: {str(error)[:300]}"})
         return
-    if load == "decoder":
-        model.generation_config["eos_token_id"] = None
-        vocab = model.spec.vocab_size
-    else:
-        model.generation_config.eos_token_id = None          # exactly N tokens (bench/llm.py's worker does the same)
-        vocab = model.config.vocab_size
+    without_end_of_sequence(model)          # exactly N tokens (bench/llm.py's worker does the same)
+    vocab = model.spec.vocab_size if load == "decoder" else model.config.vocab_size
     prompt = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompt)
 

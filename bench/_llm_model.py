@@ -13,6 +13,8 @@ import hashlib
 import json
 import shutil
 import struct
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -81,6 +83,15 @@ def resolve(shape: Optional[str], model: Optional[str]) -> BenchModel:
     config = shapes.preset(name)
     folder = shapes.cached_checkpoint(name, SEED)
     return BenchModel(name, config, folder, _llamacpp.cache_root() / f"gguf-{folder.name}", True)
+
+
+def written(model: BenchModel, script: str) -> Path:
+    """The checkpoint folder; a preset's is written first when missing, by ``script --make-model`` (bench/llm.py's
+    option: torch runs in that subprocess)."""
+    if not model.ready():
+        print(f"writing the {model.name} checkpoint and tokenizer to {model.folder}", flush=True)
+        subprocess.run([sys.executable, script, "--make-model", model.name], check=True)
+    return model.folder
 
 
 def make(name: str, seed: int = SEED) -> None:

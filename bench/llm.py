@@ -190,14 +190,6 @@ def list_routes() -> str:
                      + ("" if r.quick else "   (not in --quick)") for r in ROUTES.values())
 
 
-def model_dir(model: _llm_model.BenchModel) -> Path:
-    """The checkpoint folder; a preset's is written first when missing (in a subprocess: torch)."""
-    if not model.ready():
-        print(f"writing the {model.name} checkpoint and tokenizer to {model.folder}", flush=True)
-        subprocess.run([sys.executable, __file__, "--make-model", model.name], check=True)
-    return model.folder
-
-
 # -- one torch route (the worker process) --------------------------------------------------------
 def reply(payload: dict[str, Any]) -> None:
     print(REPLY + json.dumps(payload), flush=True)
@@ -303,10 +295,7 @@ def worker(route: str, folder: Path, prompt_len: int, new_tokens: int, batch: in
         reply({"unavailable": str(error)})
         return
     setup_s = time.perf_counter() - start
-    if standalone:
-        model.generation_config["eos_token_id"] = None
-    else:
-        model.generation_config.eos_token_id = None      # exactly N tokens, no per-step EOS work (see the top)
+    _llm_instances.without_end_of_sequence(model)      # exactly N tokens, no per-step EOS work (see the top)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompt = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompt)
@@ -665,7 +654,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"threads {args.threads}; {args.rounds} rounds; prompt {args.prompt}, new tokens {args.new_tokens}, "
           f"batch {args.batch}; xlaunch loads {args.load}; " + (f"ISA capped at {args.isa}; " if args.isa else "") +
           f"lock {args.lock or 'none'}", flush=True)
-    folder = model_dir(model)
+    folder = _llm_model.written(model, __file__)
     llama = llamacpp_if_possible(kinds, model, args.isa)
     packed = None
     if args.load != "checkpoint":
@@ -718,7 +707,7 @@ def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds
     print(f"model: {model.name} ({model.shape.parameters() / 1e6:.1f}M parameters); routes: {', '.join(args.route_names)}; "
           f"instances {args.instances}; threads {args.threads}; {args.rounds} rounds per instance; prompt {args.prompt}, "
           f"new tokens {args.new_tokens}", flush=True)
-    model_dir(model)
+    _llm_model.written(model, __file__)
     llama = llamacpp_if_possible(kinds, model, args.isa)
     packed = _llm_instances.pack_all(args.route_names, model, __file__, env)
     from _machine_bench import write_results

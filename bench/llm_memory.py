@@ -132,9 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(refused, file=sys.stderr)
         return 2
     script = str(Path(__file__).with_name("llm.py"))
-    if not model.ready():
-        print(f"writing the {model.name} checkpoint and tokenizer to {model.folder}", flush=True)
-        subprocess.run([sys.executable, script, "--make-model", model.name], check=True)
+    _llm_model.written(model, script)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     packed = _llm_instances.pack_all(args.route_names, model, script, env)
     rows: dict[str, list[dict[str, Any]]] = {}
