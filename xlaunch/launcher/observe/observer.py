@@ -69,39 +69,52 @@ class Observed:
     def libraries_by_path(self) -> dict[str, str]:
         return {path: kind for kind, path in self.libraries}
 
-    @property
-    def memory_bytes(self) -> Optional[int]:
-        return None if self.memory_by_node is None else sum(b for _, b in self.memory_by_node)
-
     def remote_bytes(self, mem_nodes: Optional[Iterable[int]] = None) -> Optional[int]:
         """Anonymous bytes on nodes outside ``mem_nodes`` (default: the instance's)."""
-        local = set(self.mem_nodes if mem_nodes is None else mem_nodes)
-        if not local or self.memory_by_node is None:
-            return None
-        return sum(b for node, b in self.memory_by_node if node not in local)
+        return _remote(self.memory_by_node, self._local(mem_nodes))
 
     def remote_memory_pct(self, mem_nodes: Optional[Iterable[int]] = None) -> Optional[float]:
         """Percent of anonymous memory outside ``mem_nodes``; None when unknown or no memory."""
-        remote, total = self.remote_bytes(mem_nodes), self.memory_bytes
-        if remote is None or not total:
+        return _share(self.memory_by_node, self._local(mem_nodes))
+
+    @property
+    def file_bytes_by_node(self) -> Optional[tuple[tuple[int, int], ...]]:
+        """The mapped data files' resident bytes per node, all files together."""
+        if self.files_by_node is None:
             return None
-        return round(100.0 * remote / total, 1)
+        sums: dict[int, int] = {}
+        for _, nodes in self.files_by_node:
+            for node, size in nodes:
+                sums[node] = sums.get(node, 0) + size
+        return tuple(sorted(sums.items()))
 
     def remote_file_bytes(self, mem_nodes: Optional[Iterable[int]] = None) -> Optional[int]:
         """Resident bytes of mapped data files (:func:`~.procfs.mapped_file_memory_by_node`) on nodes outside
         ``mem_nodes`` (default: the instance's)."""
-        local = set(self.mem_nodes if mem_nodes is None else mem_nodes)
-        if not local or self.files_by_node is None:
-            return None
-        return sum(b for _, nodes in self.files_by_node for node, b in nodes if node not in local)
+        return _remote(self.file_bytes_by_node, self._local(mem_nodes))
 
     def remote_file_pct(self, mem_nodes: Optional[Iterable[int]] = None) -> Optional[float]:
         """Percent of the mapped data files' resident pages outside ``mem_nodes``; None when unknown or none."""
-        remote = self.remote_file_bytes(mem_nodes)
-        total = None if self.files_by_node is None else sum(b for _, nodes in self.files_by_node for _, b in nodes)
-        if remote is None or not total:
-            return None
-        return round(100.0 * remote / total, 1)
+        return _share(self.file_bytes_by_node, self._local(mem_nodes))
+
+    def _local(self, mem_nodes: Optional[Iterable[int]]) -> set[int]:
+        return set(self.mem_nodes if mem_nodes is None else mem_nodes)
+
+
+def _remote(by_node: Optional[tuple[tuple[int, int], ...]], local: set[int]) -> Optional[int]:
+    """Bytes of ``by_node`` outside ``local``; None when either is unknown."""
+    if not local or by_node is None:
+        return None
+    return sum(b for node, b in by_node if node not in local)
+
+
+def _share(by_node: Optional[tuple[tuple[int, int], ...]], local: set[int]) -> Optional[float]:
+    """Percent of ``by_node``'s bytes outside ``local``; None when unknown or nothing."""
+    remote = _remote(by_node, local)
+    total = None if by_node is None else sum(b for _, b in by_node)
+    if remote is None or not total:
+        return None
+    return round(100.0 * remote / total, 1)
 
 
 class Observer:

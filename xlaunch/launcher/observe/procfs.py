@@ -72,6 +72,13 @@ def mapped_libraries(maps_text: str) -> list[tuple[str, str]]:
     return [(kind, path) for path, kind in found.items()]
 
 
+def _bytes_by_node(numa_maps_line: str, page_size: int) -> list[tuple[int, int]]:
+    """``(node, bytes)`` of one ``numa_maps`` entry: ``N<node>=<pages>`` x ``kernelpagesize_kB`` (else ``page_size``)."""
+    size = _PAGE_KB.search(numa_maps_line)
+    unit = int(size.group(1)) * 1024 if size else page_size
+    return [(int(node), int(pages) * unit) for node, pages in _NODE_PAGES.findall(numa_maps_line)]
+
+
 def anonymous_memory_by_node(numa_maps_text: str, page_size: int = 4096) -> dict[int, int]:
     """Bytes of resident anonymous memory per NUMA node in a ``/proc/PID/numa_maps`` text.
 
@@ -83,10 +90,8 @@ def anonymous_memory_by_node(numa_maps_text: str, page_size: int = 4096) -> dict
     for line in numa_maps_text.splitlines():
         if " N" not in line or (" file=" in line and " file=/anon_hugepage" not in line):
             continue
-        size = _PAGE_KB.search(line)
-        unit = int(size.group(1)) * 1024 if size else page_size
-        for node, pages in _NODE_PAGES.findall(line):
-            by_node[int(node)] = by_node.get(int(node), 0) + int(pages) * unit
+        for node, size in _bytes_by_node(line, page_size):
+            by_node[node] = by_node.get(node, 0) + size
     return by_node
 
 
@@ -107,11 +112,9 @@ def mapped_file_memory_by_node(numa_maps_text: str, page_size: int = 4096,
         path = found.group(1).replace("\\040", " ")
         if path.startswith("/anon_hugepage") or _SHARED_LIBRARY.search(path.removesuffix(" (deleted)")):
             continue
-        size = _PAGE_KB.search(line)
-        unit = int(size.group(1)) * 1024 if size else page_size
         nodes = by_file.setdefault(path, {})
-        for node, pages in _NODE_PAGES.findall(line):
-            nodes[int(node)] = nodes.get(int(node), 0) + int(pages) * unit
+        for node, size in _bytes_by_node(line, page_size):
+            nodes[node] = nodes.get(node, 0) + size
     return {path: nodes for path, nodes in by_file.items() if sum(nodes.values()) >= min_bytes}
 
 
