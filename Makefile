@@ -16,7 +16,9 @@ demo: setup
 # lint-imports: the layers (pyproject.toml). compileall: the bytecode every test subprocess would
 # otherwise compile again (PYTHONDONTWRITEBYTECODE is common on CI); scripts/rewrite_tests.py: pytest's
 # assertion-rewritten test modules, which every worker would rewrite (3 s once against 12 s a worker).
-# Two workers, one file each.
+# Workers: one more than the CPUs this process may use, at most 4: a quarter of the suite's wall time
+# waits on child processes (start-up, grace periods, signals), and a third worker fills it (2 vCPUs,
+# Zen 5 VM: 147 s with 2 workers, 122-132 s with 3); each worker takes one file at a time.
 # --no-loadscope-reorder: files in the order tests/conftest.py gives (slowest first), not by test count.
 # The live tests whose expectations depend on how many CPUs there are (pinning, OpenMP places,
 # pools, ranks), once more under a 1-CPU mask: the last allowed CPU (not CPU 0). About 20 s of
@@ -38,10 +40,11 @@ test: setup
 	$(PY) scripts/rewrite_tests.py tests
 	@one_cpu_log=$$(mktemp); \
 	cpu=$$($(PY) -c 'import os; print(max(os.sched_getaffinity(0)))'); \
+	workers=$$($(PY) -c 'import os; print(min(4, len(os.sched_getaffinity(0)) + 1))'); \
 	( start=$$(date +%s); taskset -c $$cpu $(PY) -m pytest -q -p no:cacheprovider -k 'not recorded_machines' \
 	  $(ONE_CPU_TESTS) >$$one_cpu_log 2>&1; code=$$?; \
 	  echo "1-CPU run (taskset -c $$cpu): $$(( $$(date +%s) - start )) s wall" >>$$one_cpu_log; exit $$code ) & one_cpu=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests; main=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $$workers --dist loadfile --no-loadscope-reorder --durations=25 tests; main=$$?; \
 	wait $$one_cpu; single=$$?; \
 	if [ $$single -eq 0 ]; then tail -n 2 $$one_cpu_log; else cat $$one_cpu_log; fi; rm -f $$one_cpu_log; \
 	[ $$main -eq 0 ] && [ $$single -eq 0 ]

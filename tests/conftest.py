@@ -45,14 +45,16 @@ os.environ.setdefault("XLAUNCH_LLM_DENSE_ROWS", "off")
 VENV_PREFIX = Path(sys.prefix)
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
-# The files that take longest (cold inductor caches, many processes) go first, so the two
-# workers (--dist loadfile) do not end with one of them running a long file alone. make test
-# passes --no-loadscope-reorder: by default xdist orders files by their number of tests instead.
+# The files that take longest, longest first (per-file sums of --durations, Zen 5 VM, 2026-11-29), so the
+# workers (--dist loadfile) do not end with one of them running a long file alone. make test passes
+# --no-loadscope-reorder: by default xdist orders files by their number of tests instead.
 SLOW_FIRST = (
-    "kernels/quantize/test_quantize.py", "kernels/quantize/test_quantize_encoder.py",
-    "runtime_ext/test_runtime_exit.py", "runtime_ext/test_runtime_iomp.py", "kernels/inject/test_inject.py",
-    "launcher/distributed/test_distributed.py", "tune/test_tune_live.py",
-    "kernels/optimize/test_engines.py", "kernels/optimize/test_optimize_ipex.py",
+    "launcher/distributed/test_distributed.py", "kernels/quantize/test_quantize.py",
+    "kernels/optimize/test_engines.py", "tune/test_tune_live.py", "launcher/run/test_startup_signals.py",
+    "launcher/run/test_runner.py", "llm/test_llm_example.py", "runtime_ext/test_runtime_exit.py",
+    "kernels/inject/test_inject.py", "kernels/test_onednn_ceiling.py", "launcher/distributed/test_front_failures.py",
+    "llm/test_llm_standalone.py", "kernels/quantize/test_quantize_encoder.py", "runtime_ext/test_runtime_iomp.py",
+    "llm/test_llm_loader.py", "runtime_ext/test_runtime_topology.py", "kernels/optimize/test_optimize_ipex.py",
 )
 
 
