@@ -364,14 +364,14 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
 
         the_plan = replace(the_plan, machine_summary=dict(machine_summary(machine)))
     quiet = options.verbosity < 0
-    if not quiet:
-        for note in options.notes:
-            sys.stderr.write(f"xlaunch: note: {note}\n")
-        for warning in the_plan.warnings:
-            sys.stderr.write(f"xlaunch: warning: {warning}\n")
     from xlaunch.launcher.plan.show import format_plan
 
     if options.dry_run:
+        if not quiet:
+            for note in options.notes:
+                sys.stderr.write(f"xlaunch: note: {note}\n")
+            for warning in the_plan.warnings:
+                sys.stderr.write(f"xlaunch: warning: {warning}\n")
         if options.json:
             import json
 
@@ -391,6 +391,7 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
         grace_period=options.grace_period,
         quiet=quiet,
         summary_json=options.summary_json,
+        notes=options.notes,   # printed with the plan warnings once the log files are open
     )
 
 

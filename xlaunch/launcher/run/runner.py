@@ -24,7 +24,7 @@ import time
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
-    from typing import BinaryIO, Optional, TextIO
+    from typing import BinaryIO, Optional, Sequence, TextIO
 
 from xlaunch.launcher.run import reporting, spawning
 from xlaunch.launcher.run.child import Child, status_code, status_text
@@ -39,13 +39,15 @@ class _PlanRunner(Supervisor):
 
     def __init__(self, plan: Plan, *, log_dir: Optional[str], log_file_prefix: str, keep_going: bool,
                  grace_period: float, quiet: bool, summary_json: Optional[str] = None,
-                 stdout: Optional[BinaryIO] = None, stderr: Optional[TextIO] = None) -> None:
+                 notes: Sequence[str] = (), stdout: Optional[BinaryIO] = None,
+                 stderr: Optional[TextIO] = None) -> None:
         super().__init__(grace_period=grace_period, quiet=quiet, summary_json=summary_json,
                          stdout=stdout, stderr=stderr)
         self.plan = plan
         self.keep_going = keep_going
         self.log_dir = log_dir
         self.prefix = log_file_prefix
+        self.notes = tuple(notes)
         self.memory = spawning.MemoryPolicy()
         self.records: Optional[str] = None   # --auto-optimize: the folder of the instances' engine records
 
@@ -69,6 +71,16 @@ class _PlanRunner(Supervisor):
     def log_plan(self) -> None:
         for line in reporting.plan_lines(self.plan, keep_going=self.keep_going, grace=self.grace):
             self.log(line)
+
+    def plan_messages(self) -> None:
+        """The options' notes and the plan's warnings (the launcher log has them from log_plan), once
+        the log files are open: input refused until then gets its one line alone."""
+        if self.quiet:
+            return
+        for note in self.notes:
+            self._write_stderr(f"xlaunch: note: {note}\n")
+        for warning in self.plan.warnings:
+            self._write_stderr(f"xlaunch: warning: {warning}\n")
 
     def start_line(self) -> None:
         count = len(self.plan.instances)
@@ -178,6 +190,7 @@ class _PlanRunner(Supervisor):
         try:
             self.open_logs()          # an OptionError here: nothing started, nothing left behind
             self.log_plan()
+            self.plan_messages()
             self.start_line()
             self.signals.install(self.log)
             single_threaded = spawning.single_threaded()
@@ -219,7 +232,7 @@ def _plan_size(plan: Plan) -> Optional[int]:
 
 def run_plan(plan: Plan, *, log_dir: Optional[str] = None, log_file_prefix: str = "xlaunch",
              keep_going: bool = False, grace_period: float = 5.0, quiet: bool = False,
-             summary_json: Optional[str] = None) -> int:
+             summary_json: Optional[str] = None, notes: Sequence[str] = ()) -> int:
     """Start every instance of ``plan``, supervise them, return the shell-style exit status.
 
     * Output: each instance's stdout and stderr (merged, in the order written) go to the console
@@ -237,8 +250,9 @@ def run_plan(plan: Plan, *, log_dir: Optional[str] = None, log_file_prefix: str 
       128+N of the received signal.
     * If xlaunch is killed outright, the watchdog stops every instance group (SIGTERM, SIGKILL
       after ``grace_period``).
-    * Unless ``quiet``, a start line and a summary per instance go to stderr; ``summary_json``
-      names a file for the summary as JSON.
+    * Unless ``quiet``, ``notes`` (what the options were taken to mean), the plan's warnings, a start
+      line and a summary per instance go to stderr, the first three once the log files are open;
+      ``summary_json`` names a file for the summary as JSON.
     """
     return _PlanRunner(plan, log_dir=log_dir, log_file_prefix=log_file_prefix, keep_going=keep_going,
-                       grace_period=grace_period, quiet=quiet, summary_json=summary_json).run()
+                       grace_period=grace_period, quiet=quiet, summary_json=summary_json, notes=notes).run()
