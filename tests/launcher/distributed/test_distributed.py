@@ -129,16 +129,18 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def test_front_trains_ddp_with_each_rank_on_its_slice_and_the_scripts_own_master_address(tmp_path: Path) -> None:
     """One DDP job (each rank imports torch: seconds of CPU) for both: the ranks train on their
-    slices, and the script's own MASTER_ADDR/MASTER_PORT (not the front's) is where they meet."""
+    slices, and the script's own MASTER_ADDR/MASTER_PORT (not the front's) is where they meet.
+    Given in ipexrun's spelling (--nprocs_per_node), whose note is printed once."""
     program = tmp_path / "own_master_train.py"
     program.write_text(OWN_MASTER_TRAIN)
     port, own_port = str(free_port()), str(free_port())
-    argv = ("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, str(program))
+    argv = ("--nprocs_per_node", "2", "--master-addr", "127.0.0.1", "--master-port", port, str(program))
     expected = planned_ranks(*argv)
     assert len(expected) == 2 and not set(expected[0]["cpus"]) & set(expected[1]["cpus"])
     done = subprocess.run(xlaunch(*argv, own_port, TRAIN, "--ddp", "--steps", "2"), env=job_env(), cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert done.stderr.count("xlaunch: note: --nprocs_per_node (ipexrun") == 1, done.stderr
     check_ddp(done.stdout, expected)
     gave = sorted((index, text) for index, text in prefixed(done.stdout) if text.startswith("front gave "))
     assert gave == [(0, f"front gave 127.0.0.1:{port}"), (1, f"front gave 127.0.0.1:{port}")], done.stdout

@@ -20,7 +20,7 @@ import time
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
-    from typing import Any, Optional
+    from typing import Any, Optional, Sequence
 
     from xlaunch.launcher.plan.records import Plan
 
@@ -40,8 +40,10 @@ class FrontSupervisor(Supervisor):
     def __init__(self, plan: Plan, agent_argv: list[str], agent_env: dict[str, str], *,
                  log_dir: Optional[str], log_file_prefix: str, grace_period: float, quiet: bool,
                  summary_json: Optional[str], torchrun: list[str], channels_var: str,
-                 start_timeout: Optional[float] = None, waiting_for: str = "torch's agent") -> None:
+                 start_timeout: Optional[float] = None, waiting_for: str = "torch's agent",
+                 notes: Sequence[str] = (), warnings: Sequence[str] = ()) -> None:
         super().__init__(grace_period=grace_period, quiet=quiet, summary_json=summary_json)
+        self.notes, self.warnings = tuple(notes), tuple(warnings)
         # every rank must have started once within start_timeout of the agent's start (its
         # rendezvous, bounded by the same --rdzv-timeout, plus the agent's own start-up)
         self.start_timeout = start_timeout
@@ -337,6 +339,7 @@ class FrontSupervisor(Supervisor):
             self.open_channels()      # an OptionError here: nothing started, nothing left behind
             for line in reporting.plan_lines(self.plan, keep_going=False, grace=self.grace):
                 self.log(line)
+            self.plan_messages(self.notes, self.warnings)
             count = len(self.plan.instances)
             cpus = sum(len(i.cpus) for i in self.plan.instances)
             self.say(f"starting torch's agent for {count} rank{'s' if count != 1 else ''} on {cpus} "

@@ -73,15 +73,21 @@ def launch_distributed(options: "Options", environ: Mapping[str, str]) -> int:
     return run_front(options, environ, machine)
 
 
-def _warn(plan: "Plan", options: "Options", environ: Mapping[str, str]) -> None:
-    if options.verbosity < 0:
-        return
-    for note in options.notes:          # what old (ipexrun) spellings were taken to mean
-        sys.stderr.write(f"xlaunch: note: {note}\n")
+def _messages(plan: "Plan", options: "Options", environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """The notes (what old ipexrun spellings were taken to mean) and the warnings of this plan."""
     warnings = list(plan.warnings)
     if not options.reserve_cores and ccl_available(environ):
         warnings.append("oneCCL found: its worker threads share the compute cores; --reserve-cores K "
                         "gives them K cores of each rank (CCL_WORKER_COUNT/CCL_WORKER_AFFINITY)")
+    return list(options.notes), warnings
+
+
+def _warn(plan: "Plan", options: "Options", environ: Mapping[str, str]) -> None:
+    if options.verbosity < 0:
+        return
+    notes, warnings = _messages(plan, options, environ)
+    for note in notes:
+        sys.stderr.write(f"xlaunch: note: {note}\n")
     for warning in warnings:
         sys.stderr.write(f"xlaunch: warning: {warning}\n")
 
@@ -355,7 +361,8 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any) -> i
         if exc.option != "--ninstances":
             raise
         raise PlanError("--nproc-per-node", exc.problem.replace("instances", "ranks")) from None
-    _warn(node_plan, options, environ)
+    if options.dry_run:          # a run prints them once its log files are open (FrontSupervisor)
+        _warn(node_plan, options, environ)
     agent = torchrun_options(options)
     worker = rank_command(options)
     if options.dry_run or options.verbosity > 0:
@@ -391,14 +398,12 @@ def run_job(options: "Options", node_plan: "Plan", agent: list[str], worker: lis
         raise OptionError("--nproc-per-node", missing_torch_message("torch's elastic agent"))
     agent_argv = [options.python, "-m", "xlaunch.launcher.distributed.agent", *agent, "--", *worker]
     quiet = options.verbosity < 0
-    if not quiet:
-        for note in options.notes:
-            sys.stderr.write(f"xlaunch: note: {note}\n")
+    notes, warnings = _messages(node_plan, options, environ)
     return FrontSupervisor(node_plan, agent_argv, agent_environment(options, environ, os.getpid()),
                            log_dir=options.log_dir, log_file_prefix=options.log_file_prefix,
                            grace_period=options.grace_period, quiet=quiet, summary_json=options.summary_json,
                            torchrun=agent, channels_var=CHANNELS_VAR, start_timeout=rank_start_timeout(options),
-                           waiting_for=start_wait(options)).run()
+                           waiting_for=start_wait(options), notes=notes, warnings=warnings).run()
 
 
 def rank_start_timeout(options: "Options") -> float:

@@ -72,16 +72,6 @@ class _PlanRunner(Supervisor):
         for line in reporting.plan_lines(self.plan, keep_going=self.keep_going, grace=self.grace):
             self.log(line)
 
-    def plan_messages(self) -> None:
-        """The options' notes and the plan's warnings (the launcher log has them from log_plan), once
-        the log files are open: input refused until then gets its one line alone."""
-        if self.quiet:
-            return
-        for note in self.notes:
-            self._write_stderr(f"xlaunch: note: {note}\n")
-        for warning in self.plan.warnings:
-            self._write_stderr(f"xlaunch: warning: {warning}\n")
-
     def start_line(self) -> None:
         count = len(self.plan.instances)
         cpus = sum(len(i.cpus) for i in self.plan.instances)
@@ -190,7 +180,7 @@ class _PlanRunner(Supervisor):
         try:
             self.open_logs()          # an OptionError here: nothing started, nothing left behind
             self.log_plan()
-            self.plan_messages()
+            self.plan_messages(self.notes, self.plan.warnings)
             self.start_line()
             self.signals.install(self.log)
             single_threaded = spawning.single_threaded()

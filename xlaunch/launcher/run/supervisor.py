@@ -26,7 +26,7 @@ import time
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
-    from typing import BinaryIO, Optional, TextIO
+    from typing import BinaryIO, Optional, Sequence, TextIO
 
     from xlaunch.launcher.run.child import Child
     from xlaunch.launcher.run.logfiles import LogFiles
@@ -77,6 +77,16 @@ class Supervisor:
         self.log(("warning: " if warning else "") + message)
         if warning or not self.quiet:
             self._write_stderr(f"xlaunch: {'warning: ' if warning else ''}{message}\n")
+
+    def plan_messages(self, notes: Sequence[str], warnings: Sequence[str]) -> None:
+        """The options' notes and the plan's warnings, unless quiet: printed once the log files are open,
+        so that input refused until then gets its one line alone (the launcher log has the plan)."""
+        if self.quiet:
+            return
+        for note in notes:
+            self._write_stderr(f"xlaunch: note: {note}\n")
+        for warning in warnings:
+            self._write_stderr(f"xlaunch: warning: {warning}\n")
 
     def _write_stderr(self, text: str) -> None:
         self.messages.write_lines(text.encode("utf-8", "replace"))
