@@ -18,7 +18,8 @@ demo: setup
 # assertion-rewritten test modules, which every worker would rewrite (3 s once against 12 s a worker).
 # Workers: one more than the CPUs this process may use, at most 4: a quarter of the suite's wall time
 # waits on child processes (start-up, grace periods, signals), and a third worker fills it (2 vCPUs,
-# Zen 5 VM: 147 s with 2 workers, 122-132 s with 3); each worker takes one file at a time.
+# Zen 5 VM: 147 s with 2 workers, 122-132 s with 3; under a 0.95-CPU quota, 247 against 234 s); each
+# worker takes one file at a time.
 # --no-loadscope-reorder: files in the order tests/conftest.py gives (slowest first), not by test count.
 # The live tests whose expectations depend on how many CPUs there are (pinning, OpenMP places,
 # pools, ranks), once more under a 1-CPU mask: the last allowed CPU (not CPU 0). About 20 s of
