@@ -80,7 +80,7 @@ CASES = [
                                            "SLURM_NODEID": "100000001"}, "--per-rank", "100000001 nodes"),
     ("fsroot-bomb", ["--dry-run"], {"XLAUNCH_FSROOT": "bomb.tar.gz"}, "XLAUNCH_FSROOT", "expands to more than 128 MiB"),
     ("fsroot-fifo-archive", ["--dry-run"], {"XLAUNCH_FSROOT": "fifo.tar.xz"}, "XLAUNCH_FSROOT", "is not a directory"),
-    ("python-as-program", ["--", "python"], {}, "PROGRAM", "drop 'python', or add --no-python"),
+    ("python-as-program", ["--", "python"], {}, "PROGRAM", "drop 'python'"),
 ]
 
 
@@ -128,3 +128,21 @@ def test_summary_json_may_go_in_the_log_dir_it_creates(tmp_path: Path) -> None:
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert '"exit_status": 0' in (tmp_path / "logs" / "summary.json").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]          # no stray temporary file
+
+
+@pytest.mark.parametrize("on_path", [True, False], ids=["on-path", "not-on-path"])
+def test_an_interpreter_as_program_is_told_to_go_whether_or_not_path_has_it(tmp_path: Path, on_path: bool) -> None:
+    """``xlaunch python3 app.py``: drop it; --no-python is offered only where PATH has one (a Debian user's
+    PATH has python3 and no python: that once gave "no such file 'python'" and nothing more)."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    if on_path:
+        (folder / "python3").symlink_to(sys.executable)
+    (tmp_path / "app.py").write_text("open('ran', 'w')\n")
+    result = subprocess.run([sys.executable, "-m", "xlaunch", "python3", "app.py"], capture_output=True, text=True,
+                            cwd=tmp_path, env={**os.environ, "PATH": str(folder)}, timeout=60)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("xlaunch: error: PROGRAM: no such file 'python3' (xlaunch runs a Python PROGRAM "
+                                    "with its own interpreter: drop 'python3'"), result.stderr
+    assert ("--no-python" in result.stderr) == on_path, result.stderr
+    assert not (tmp_path / "ran").exists()

@@ -234,15 +234,17 @@ def _unreadable(path: str) -> Optional[str]:
 
 
 def _not_a_script_hint(program: str, environ: Mapping[str, str]) -> str:
-    """For ``xlaunch python x.py`` or ``xlaunch make``: what to type instead."""
+    """For ``xlaunch python x.py`` or ``xlaunch make``: what to type instead. An interpreter's name is
+    told to go whether or not it is on PATH (Debian has ``python3`` and no ``python``)."""
     from xlaunch.launcher.plan.which import which
 
-    if os.sep in program or which(program, path=environ.get("PATH", os.defpath)) is None:
+    if os.sep in program:
         return ""
-    if os.path.basename(program).startswith("python"):
-        return (f" (xlaunch runs a Python PROGRAM with its own interpreter: drop {program!r}, "
-                f"or add --no-python to run {program!r} from PATH)")
-    return f" (to run {program!r} from PATH, add --no-python)"
+    on_path = which(program, path=environ.get("PATH", os.defpath)) is not None
+    if program.startswith("python"):
+        return (f" (xlaunch runs a Python PROGRAM with its own interpreter: drop {program!r}"
+                + (f", or add --no-python to run {program!r} from PATH)" if on_path else ")"))
+    return f" (to run {program!r} from PATH, add --no-python)" if on_path else ""
 
 
 def _module_problem(name: str, environ: Mapping[str, str]) -> Optional[str]:
