@@ -287,3 +287,33 @@ def test_which_finds_executables_like_shutil(tmp_path) -> None:
     for name in ("tool", "plain", "nothing", str(tool), str(tmp_path / "plain")):
         assert which(name, path=path) == shutil.which(name, path=path)
     assert which("sh") == shutil.which("sh")
+
+
+def test_a_venv_in_a_folder_with_a_space_runs_with_its_intel_openmp_and_no_loader_errors(tmp_path: Path,
+                                                                                         iomp_path: str) -> None:
+    """A venv under "My Projects" with intel-openmp in its lib/: the loader splits LD_PRELOAD at spaces, so
+    xlaunch names libiomp5.so by file name and puts its folder first in LD_LIBRARY_PATH. The instance maps
+    that very file, and no "ld.so: object ... cannot be preloaded" line appears."""
+    import sysconfig
+
+    venv = tmp_path / "My Projects" / "venv"
+    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], capture_output=True, text=True,
+                          timeout=120)
+    if made.returncode != 0:
+        pytest.skip(f"python -m venv failed: {made.stderr.strip()[-200:]}")
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, timeout=60).stdout.strip()
+    ours = sysconfig.get_path("purelib")        # this venv's packages (xlaunch itself), through a .pth
+    Path(site, "xlaunch-tests.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    (venv / "lib" / "libiomp5.so").symlink_to(iomp_path)
+    program = tmp_path / "maps.py"
+    program.write_text("import os\nprint([l.split()[-1] for l in open('/proc/self/maps') if 'libiomp5' in l][:1])\n"
+                       "print(os.environ['LD_PRELOAD'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLAUNCH_FSROOT", "VIRTUAL_ENV", "LD_PRELOAD")}
+    done = subprocess.run([str(python), "-m", "xlaunch", "--ninstances", "1", "--omp-runtime", "intel", str(program)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert done.returncode == 0 and "ld.so" not in done.stderr + done.stdout, done.stderr + done.stdout
+    lines = [line.split("] ", 1)[1] for line in done.stdout.splitlines()]
+    assert lines[0] == repr([os.path.realpath(iomp_path)]), done.stdout
+    assert "libiomp5.so" in lines[1].split(":") and " " not in lines[1], lines[1]

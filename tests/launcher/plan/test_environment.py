@@ -160,3 +160,31 @@ def test_library_preference_order() -> None:
     only_tc = synthetic_machine(nodes=1, cores_per_l3=1, smt=1, libraries=(
         Library("tcmalloc_minimal", "/m.so", "x"), Library("tcmalloc", "/full.so", "x")))
     assert choose_runtime(only_tc).allocator_library == "/full.so"
+
+
+def test_a_library_in_a_folder_with_a_space_is_preloaded_by_name_through_ld_library_path() -> None:
+    """The loader splits LD_PRELOAD at spaces (and colons) with no escape: '/home/me/My Projects/.venv/lib/
+    libiomp5.so' would be two missing files in every instance, and Intel OpenMP not loaded at all."""
+    spaced = "/home/me/My Projects/.venv/lib"
+    machine = synthetic_machine(nodes=1, cores_per_l3=4, smt=1, libraries=(
+        LIBS_ALL[0], Library("iomp", f"{spaced}/libiomp5.so", "venv")))
+    runtime = choose_runtime(machine)
+    assert runtime.openmp == "intel" and runtime.openmp_library == f"{spaced}/libiomp5.so"
+    env = instance_environment({"LD_LIBRARY_PATH": "/opt/cuda/lib64"}, runtime, cpus=(0, 1), index=0,
+                               ninstances=1).env
+    assert env["LD_PRELOAD"] == f"{JEMALLOC}:libiomp5.so"
+    assert env["LD_LIBRARY_PATH"] == f"{spaced}:/opt/cuda/lib64"       # ours first, the user's kept
+    assert all(" " not in entry for entry in env["LD_PRELOAD"].split(":"))
+    plain = instance_environment({}, choose_runtime(ALL_LIBS), cpus=(0,), index=0, ninstances=1).env
+    assert "LD_LIBRARY_PATH" not in plain
+
+
+def test_a_library_path_with_a_colon_is_passed_over_with_a_warning() -> None:
+    machine = synthetic_machine(nodes=1, cores_per_l3=4, smt=1, libraries=(
+        Library("jemalloc", "/opt/a:b/libjemalloc.so.2", "LD_LIBRARY_PATH"), LIBS_ALL[1],
+        Library("iomp", "/opt/a:b/libiomp5.so", "LD_LIBRARY_PATH")))
+    runtime = choose_runtime(machine)
+    assert (runtime.allocator, runtime.openmp) == ("tcmalloc_minimal", "gnu")
+    assert sum("cannot be preloaded" in w and "a:b" in w for w in runtime.warnings) == 2
+    with pytest.raises(PlanError, match="Intel OpenMP"):
+        choose_runtime(machine, omp_runtime="intel")

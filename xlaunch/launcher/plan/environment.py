@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 from xlaunch._records import factory, record
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import PlanError
-from xlaunch.machine.model import Machine
+from xlaunch.machine.model import Library, Machine
 
 GNU = "gnu"
 INTEL = "intel"
@@ -67,6 +67,39 @@ def preload_entries(value: str) -> list[str]:
     return [entry for entry in re.split(r"[ :]+", value) if entry]
 
 
+def preload_names(paths: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(``LD_PRELOAD`` entries for ``paths``, the folders ``LD_LIBRARY_PATH`` needs for them).
+
+    The loader splits ``LD_PRELOAD`` at spaces and colons, with no escape: a library in a folder with a
+    space (a venv under "My Projects") is named by its file name and found through its folder, first in
+    ``LD_LIBRARY_PATH`` (split at colons only). :func:`choose_runtime` never picks a path with a colon.
+    """
+    entries: list[str] = []
+    folders: list[str] = []
+    for path in paths:
+        if " " in path:
+            folder, name = os.path.split(path)
+            entries.append(name)
+            if folder not in folders:
+                folders.append(folder)
+        else:
+            entries.append(path)
+    return entries, folders
+
+
+def _preloadable(machine: Machine, kind: str, warnings: list[str]) -> Optional[Library]:
+    """The first library of ``kind`` the loader can be told to preload (no colon in its path)."""
+    for lib in machine.libraries:
+        if lib.kind != kind:
+            continue
+        if ":" in lib.path:
+            warnings.append(f"{lib.path!r} cannot be preloaded (LD_PRELOAD and LD_LIBRARY_PATH split at "
+                            "colons); link it from a folder without one")
+            continue
+        return lib
+    return None
+
+
 def choose_runtime(
     machine: Machine,
     *,
@@ -89,12 +122,12 @@ def choose_runtime(
 
     allocator, allocator_library = "default", None
     if memory_allocator == "jemalloc":
-        lib = machine.library("jemalloc")
+        lib = _preloadable(machine, "jemalloc", warnings)
         if lib is None:
             raise PlanError("--memory-allocator", "jemalloc not found (Debian: apt install libjemalloc2)")
         allocator, allocator_library = "jemalloc", lib.path
     elif memory_allocator == "tcmalloc":
-        lib = machine.library("tcmalloc") or machine.library("tcmalloc_minimal")
+        lib = _preloadable(machine, "tcmalloc", warnings) or _preloadable(machine, "tcmalloc_minimal", warnings)
         if lib is None:
             raise PlanError(
                 "--memory-allocator", "tcmalloc not found (Debian: apt install libtcmalloc-minimal4)"
@@ -102,7 +135,7 @@ def choose_runtime(
         allocator, allocator_library = lib.kind, lib.path
     elif memory_allocator == "auto":
         for kind in ("jemalloc", "tcmalloc", "tcmalloc_minimal"):
-            lib = machine.library(kind)
+            lib = _preloadable(machine, kind, warnings)
             if lib is not None:
                 allocator, allocator_library = kind, lib.path
                 break
@@ -117,7 +150,7 @@ def choose_runtime(
         allocator, allocator_library = "user", None
 
     openmp, openmp_library = GNU, None
-    iomp = machine.library("iomp")
+    iomp = _preloadable(machine, "iomp", warnings)
     if omp_runtime == "intel":
         if iomp is None:
             raise PlanError("--omp-runtime", "Intel OpenMP (libiomp5.so) not found (pip install intel-openmp)")
@@ -155,7 +188,8 @@ def team_places(cpus: Sequence[int]) -> str:
 def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstances: int) -> dict[str, str]:
     """The variables xlaunch wants for one instance (before the user's environment is consulted).
 
-    ``LD_PRELOAD`` here holds only xlaunch's libraries; :func:`instance_environment` prepends them.
+    ``LD_PRELOAD`` (and ``LD_LIBRARY_PATH``, for a library in a folder with a space: :func:`preload_names`)
+    here hold only xlaunch's entries; :func:`instance_environment` prepends them to the user's.
     """
     count = str(len(cpus))
     wanted: dict[str, str] = {"OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count}
@@ -180,7 +214,10 @@ def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstan
     elif runtime.allocator == "glibc":
         wanted["GLIBC_TUNABLES"] = GLIBC_TUNABLES_BENCHMARK if runtime.benchmark else GLIBC_TUNABLES_VALUE
     if preload:
-        wanted["LD_PRELOAD"] = ":".join(preload)
+        entries, folders = preload_names(preload)
+        wanted["LD_PRELOAD"] = ":".join(entries)
+        if folders:
+            wanted["LD_LIBRARY_PATH"] = ":".join(folders)
     return wanted
 
 
@@ -210,6 +247,10 @@ def instance_environment(
             if not ours:
                 continue
             env[name] = ":".join(ours + user_entries)
+            added[name] = env[name]
+        elif name == "LD_LIBRARY_PATH":      # the folders of preloaded file names, searched first
+            user_folders = [f for f in base.get(name, "").split(":") if f]
+            env[name] = ":".join(value.split(":") + [f for f in user_folders if f not in value.split(":")])
             added[name] = env[name]
         elif name in base:
             if base[name] != value:
