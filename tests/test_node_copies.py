@@ -99,7 +99,7 @@ def test_two_processes_of_a_node_asking_at_once_write_one_copy(weights):
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [proc.communicate(timeout=60) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outs
-    paths, counts = zip(*(out.split() for out, _ in outs))
+    paths, counts = zip(*(out.strip().rsplit(" ", 1) for out, _ in outs))     # a path may hold spaces
     assert paths[0] == paths[1] and sorted(counts) == ["0", "1"], outs
     assert copies(weights.parent) == [Path(paths[0]).name]
 
