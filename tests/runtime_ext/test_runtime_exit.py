@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import loader_env
 
 pytest.importorskip("torch")
 
@@ -32,7 +33,7 @@ pytestmark = [
 def environment(preload: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LD_PRELOAD")}
     if preload:
-        env["LD_PRELOAD"] = preload
+        env.update(loader_env.preload(preload, base=env))
     return env
 
 

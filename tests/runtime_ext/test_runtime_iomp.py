@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import loader_env
 
 HERE = Path(__file__).resolve().parent
 RERUN = ("test_runtime_pinning.py", "test_runtime_pool.py", "test_runtime_streams.py", "test_runtime_task.py",
@@ -30,7 +31,7 @@ def test_every_runtime_test_file_is_rerun_or_said_not_to_be() -> None:
 @pytest.mark.skipif(os.environ.get("XLAUNCH_TEST_OMP_KIND") == "iomp", reason="already the libiomp5 run")
 def test_runtime_suite_under_libiomp5(iomp_path):
     pytest.importorskip("torch")
-    env = {**os.environ, "LD_PRELOAD": iomp_path, "XLAUNCH_TEST_OMP_KIND": "iomp"}
+    env = {**os.environ, **loader_env.preload(iomp_path), "XLAUNCH_TEST_OMP_KIND": "iomp"}
     env.pop("OMP_NUM_THREADS", None)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *(str(HERE / name) for name in RERUN)],

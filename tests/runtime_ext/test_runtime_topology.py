@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import loader_env
 from host_cpus import main_thread_cpus, planned
 
 from xlaunch.runtime_ext.topology import process_cpus
@@ -64,7 +65,7 @@ def test_default_pool_after_openmp_bound_the_main_thread(omp, iomp_path):
     if omp == "gnu":
         env.update(OMP_PROC_BIND="close", OMP_PLACES=f"{{{a}}},{{{b}}}")
     else:
-        env.update(LD_PRELOAD=iomp_path, KMP_AFFINITY=f"granularity=fine,proclist=[{a},{b}],explicit")
+        env.update(loader_env.preload(iomp_path, base=env), KMP_AFFINITY=f"granularity=fine,proclist=[{a},{b}],explicit")
     code = (
         "import os, torch\n"
         "torch.ones(256, 256) @ torch.ones(256, 256)\n"

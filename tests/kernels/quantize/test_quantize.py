@@ -28,7 +28,7 @@ from xlaunch.kernels.quantize.api import (  # noqa: E402
 from xlaunch.kernels.quantize import policy as policy  # noqa: E402
 from quantize_models import (  # noqa: E402
     MAX_ERROR, MLP, auto_quantized, check_auto, check_progress, check_route, make, save_then_load,
-    saved_variants)
+    saved_variants, skip_without_inductor)
 
 pytestmark = pytest.mark.torch
 
@@ -54,6 +54,7 @@ def test_auto_is_never_slower_than_fp32_eager(auto_results: dict, name: str) -> 
 
 def test_auto_exports_the_float_model_once_for_both_pt2e_routes(auto_results: dict) -> None:
     """Static and dynamic are prepared from one export (each from its own graph module of it)."""
+    skip_without_inductor()
     for name in NAMES:
         assert {"static", "dynamic"} <= set(auto_results[name][5]), name
         assert auto_results[name][6] == 1, (name, auto_results[name][6])
@@ -80,6 +81,7 @@ def test_an_explicit_mode_over_max_error_warns(static_mlp: tuple) -> None:
 
 
 def test_auto_report_names_every_variant(auto_results: dict) -> None:
+    skip_without_inductor()
     report = auto_results["mlp"][3].report
     assert {policy.FP32_EAGER, policy.FP32_OPTIMIZE, *policy.INT8_ROUTES} <= set(report.routes)
     assert report.reduce_range == (report.isa_int8_dot is None)
@@ -92,6 +94,7 @@ def test_auto_report_names_every_variant(auto_results: dict) -> None:
 
 @pytest.fixture(scope="module")
 def static_mlp() -> tuple:
+    skip_without_inductor()
     model, example, calibration = make("mlp")
     quantized = quantize(model, example, calibration=calibration, mode="static")
     return model, example, calibration, quantized

@@ -17,7 +17,7 @@ except ImportError:
     pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
 from quantize_models import (  # noqa: E402
-    MAX_ERROR, auto_quantized, check_auto, check_progress, check_route, make)
+    MAX_ERROR, auto_quantized, check_auto, check_progress, check_route, make, skip_without_inductor)
 
 from xlaunch.kernels.quantize import policy  # noqa: E402
 from xlaunch.kernels.quantize.api import QuantizeWarning, quantize  # noqa: E402
@@ -48,6 +48,7 @@ def test_the_encoder_compiles_with_a_dynamic_batch_the_first_time(auto_encoder: 
     batch inductor's lowering of that view fails the compile after seconds of work. The graph
     says so before the first call, so each PT2E route compiles once, with a dynamic batch (the
     runner's ``how`` changes only when an unbacked compile fails)."""
+    skip_without_inductor()
     builds = auto_encoder[5]
     for route in ("static", "dynamic"):
         assert quantize_routes.unbacked_batch_fails(builds[route].program_source), route

@@ -308,7 +308,7 @@ def test_a_venv_in_a_folder_with_a_space_runs_with_its_intel_openmp_and_no_loade
     Path(site, "xlaunch-tests.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
     (venv / "lib" / "libiomp5.so").symlink_to(iomp_path)
     program = tmp_path / "maps.py"
-    program.write_text("import os\nprint([l.split()[-1] for l in open('/proc/self/maps') if 'libiomp5' in l][:1])\n"
+    program.write_text("import os\nprint([l.split(None, 5)[-1].strip() for l in open('/proc/self/maps') if 'libiomp5' in l][:1])\n"
                        "print(os.environ['LD_PRELOAD'])\n")
     env = {k: v for k, v in os.environ.items() if k not in ("XLAUNCH_FSROOT", "VIRTUAL_ENV", "LD_PRELOAD")}
     done = subprocess.run([str(python), "-m", "xlaunch", "--ninstances", "1", "--omp-runtime", "intel", str(program)],

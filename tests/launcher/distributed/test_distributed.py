@@ -9,6 +9,7 @@ import json
 import os
 import re
 import selectors
+import shlex
 import signal
 import subprocess
 import sys
@@ -166,9 +167,10 @@ def test_plain_torchrun_with_per_rank_ranks(tmp_path: Path) -> None:
     """``torchrun --no-python xlaunch --per-rank PROGRAM``: each of torchrun's workers becomes PROGRAM
     (exec'd: torchrun's agent is its parent) on its own slice of the front's plan, with one thread per
     CPU of it (torchrun's default of 1 dropped) and torchrun's process-group variables as they were."""
-    # an ``xlaunch`` console script of this checkout, found on PATH as a user's would be
+    # an ``xlaunch`` command of this checkout, found on PATH as a user's would be (through sh, as pip writes
+    # a console script whose interpreter path has a space: a #! line ends at the first one)
     script = tmp_path / "xlaunch"
-    script.write_text(f"#!{sys.executable}\nimport sys\nfrom xlaunch.launcher.cli.command import main\nsys.exit(main())\n")
+    script.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m xlaunch \"$@\"\n")
     script.chmod(0o755)
     program = tmp_path / "rank.py"
     program.write_text(PER_RANK_PROGRAM)

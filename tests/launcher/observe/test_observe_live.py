@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import loader_env
 
 from conftest import require
 from xlaunch.launcher.observe.observer import Observer, compare, to_json
@@ -121,7 +122,7 @@ def test_two_openmp_runtimes_loaded_by_a_program_are_a_warning(gomp_path, iomp_p
 
 
 def test_preloaded_intel_openmp_shadows_libgomp(gomp_path, iomp_path):
-    child = start(f"import ctypes; ctypes.CDLL({gomp_path!r})\n" + WAIT, LD_PRELOAD=iomp_path)
+    child = start(f"import ctypes; ctypes.CDLL({gomp_path!r})\n" + WAIT, **loader_env.preload(iomp_path))
     try:
         observed = observe(child, polls=1)
     finally:

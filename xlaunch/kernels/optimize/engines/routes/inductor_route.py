@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import os
 import threading
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from xlaunch._torch import needs_torch
 
@@ -64,6 +66,27 @@ def _uncached(unbacked: bool) -> Iterator[None]:
         yield
 
 
+class InductorUnavailable(RuntimeError):
+    """Inductor's C++ code cannot be built in this installation (known before a compile)."""
+
+
+@functools.lru_cache(maxsize=None)
+def inductor_blocker() -> Optional[str]:
+    """Why inductor cannot build its C++ code here, or None: torch 2.13's C++ builder passes the library
+    folders (torch's ``lib/``, Python's ``LIBDIR``) to the linker unquoted (pytorch/pytorch#191010), so
+    an installation under a path with a space fails every compile with a bare "C++ compile error"."""
+    import sysconfig
+
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit()) > (2, 13):
+        return None
+    folders = [os.path.join(os.path.dirname(torch.__file__), "lib"), sysconfig.get_config_var("LIBDIR") or ""]
+    spaced = [folder for folder in folders if any(char.isspace() for char in folder)]
+    if not spaced:
+        return None
+    return (f"torch {torch.__version__}'s inductor cannot link under a path with a space ({spaced[0]!r}: its C++ "
+            "builder passes library folders unquoted, pytorch/pytorch#191010); install under a path without one")
+
+
 class FrozenDynamicBatch:
     """``torch.compile(module)`` whose compiles run with inductor freezing, batch dim dynamic.
 
@@ -78,6 +101,9 @@ class FrozenDynamicBatch:
         self._lock = threading.Lock()
 
     def _compile_call(self, args: tuple, how: str) -> Any:
+        blocker = inductor_blocker()
+        if blocker is not None:
+            raise InductorUnavailable(blocker)
         self.compiled = torch.compile(self.module)
         marked = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)   # marks stick to tensors
         _mark(marked, how)
@@ -97,8 +123,8 @@ class FrozenDynamicBatch:
                 if self.compiled is None:
                     try:
                         out = self._compile_call(args, self.how)
-                    except Exception:
-                        if self.how == "dynamic":
+                    except Exception as error:
+                        if self.how == "dynamic" or isinstance(error, InductorUnavailable):
                             raise
                         # forget the failed graph of this module's forward (not the process's others)
                         torch._dynamo.reset_code(type(self.module).forward.__code__)

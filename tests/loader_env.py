@@ -1,0 +1,22 @@
+"""``LD_PRELOAD`` for the tests that preload a library themselves, written as xlaunch writes it
+(:func:`xlaunch.launcher.plan.environment.preload_names`): the loader splits ``LD_PRELOAD`` at spaces,
+so a library under a path with one (a checkout under "My Projects", its venv's ``libiomp5.so``) goes by
+file name, its folder first in ``LD_LIBRARY_PATH``. Imported by name, like host_cpus."""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from xlaunch.launcher.plan.environment import preload_names
+
+
+def preload(*paths: str, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """``{"LD_PRELOAD": ...}`` for ``paths``, with ``LD_LIBRARY_PATH`` (before ``base``'s, default this
+    environment's) where a path has a space."""
+    entries, folders = preload_names(paths)
+    env = {"LD_PRELOAD": ":".join(entries)}
+    if folders:
+        kept = [folder for folder in (os.environ if base is None else base).get("LD_LIBRARY_PATH", "").split(":")
+                if folder and folder not in folders]
+        env["LD_LIBRARY_PATH"] = ":".join(folders + kept)
+    return env
