@@ -150,7 +150,7 @@ def choose_runtime(
         allocator, allocator_library = "user", None
 
     openmp, openmp_library = GNU, None
-    iomp = _preloadable(machine, "iomp", warnings)
+    iomp = _preloadable(machine, "iomp", warnings) if omp_runtime in ("intel", "auto") else None
     if omp_runtime == "intel":
         if iomp is None:
             raise PlanError("--omp-runtime", "Intel OpenMP (libiomp5.so) not found (pip install intel-openmp)")
