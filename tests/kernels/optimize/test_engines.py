@@ -362,7 +362,7 @@ def test_inductor_past_dynamos_recompile_limit_runs_eager_not_into_itself() -> N
     the engine's): bench/engines.py's third model failed with RecursionError on every call."""
     import torch._dynamo
 
-    from xlaunch.kernels.optimize.engines.routes.inductor_route import inductor_blocker
+    from xlaunch.kernels.optimize.freeze import inductor_blocker
 
     if inductor_blocker() is not None:
         pytest.skip(inductor_blocker())

@@ -439,3 +439,27 @@ def test_bf16_training_without_split_master_keeps_fp32_parameters(monkeypatch: p
     assert out.dtype == torch.float32
     out.square().sum().backward()
     optimizer.step()
+
+
+def test_inductor_is_refused_at_once_with_the_reason_where_a_path_has_a_space(tmp_path, monkeypatch) -> None:
+    """torch 2.13's C++ builder leaves paths unquoted: with a space in inductor's cache folder (or the
+    temporary folder, or the library folders) every compile failed after seconds with a bare "C++ compile
+    error". The freeze backend and the engine route are refused before compiling, naming the folder."""
+    from xlaunch.kernels.optimize import freeze
+    from xlaunch.kernels.optimize.engines.routes.inductor_route import FrozenDynamicBatch
+
+    spaced = tmp_path / "inductor cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(spaced))      # restored after the test
+    freeze.inductor_blocker.cache_clear()
+    try:
+        reason = freeze.inductor_blocker()
+        assert reason is not None and str(spaced) in reason and "pytorch/pytorch#191010" in reason
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+        with pytest.raises(freeze.InductorUnavailable, match="TORCHINDUCTOR_CACHE_DIR"):
+            FrozenDynamicBatch(model)(torch.randn(2, 8))
+        with pytest.warns(OptimizeWarning, match="inductor failed: InductorUnavailable: .*TORCHINDUCTOR_CACHE_DIR"):
+            optimized = optimize(model, sample_input=torch.randn(2, 8), freeze_backend="inductor")
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(optimized(x), model(x))
+    finally:
+        freeze.inductor_blocker.cache_clear()     # the next caller sees this process's own folders

@@ -189,7 +189,7 @@ def skip_without_inductor() -> None:
     space): the static and dynamic routes and optimize's inductor route compile through it."""
     import pytest
 
-    from xlaunch.kernels.optimize.engines.routes.inductor_route import inductor_blocker
+    from xlaunch.kernels.optimize.freeze import inductor_blocker
 
     reason = inductor_blocker()
     if reason is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import math
 import os
@@ -191,6 +192,32 @@ def freeze_jit(model: nn.Module, sample_input: Any) -> nn.Module:
     return frozen
 
 
+class InductorUnavailable(RuntimeError):
+    """Inductor's C++ code cannot be built in this installation (known before a compile)."""
+
+
+@functools.lru_cache(maxsize=None)
+def inductor_blocker() -> Optional[str]:
+    """Why inductor cannot build its C++ code here, or None. torch 2.13's C++ builder leaves paths in its
+    command line unquoted: the library folders (torch's ``lib/``, Python's ``LIBDIR``: pytorch/pytorch#191010),
+    the sources and outputs under its cache folder and the temporary folder. With a space in one of them every
+    compile fails, after seconds of work, with a bare "C++ compile error"."""
+    import sysconfig
+    import tempfile
+
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit()) > (2, 13):
+        return None
+    folders = {"torch's library folder": os.path.join(os.path.dirname(torch.__file__), "lib"),
+               "Python's library folder": sysconfig.get_config_var("LIBDIR") or "",
+               "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""),
+               "the temporary folder (TMPDIR)": tempfile.gettempdir()}
+    for what, folder in folders.items():
+        if any(char.isspace() for char in folder):
+            return (f"torch {torch.__version__}'s inductor cannot compile with a space in {what} ({folder!r}): its "
+                    "C++ builder leaves paths unquoted (pytorch/pytorch#191010)")
+    return None
+
+
 def freeze(model: nn.Module, backend: str, sample_input: Any = None) -> nn.Module:
     """The frozen model; with a sample input, compiled now (so errors surface here)."""
     if backend not in BACKENDS:
@@ -199,6 +226,8 @@ def freeze(model: nn.Module, backend: str, sample_input: Any = None) -> nn.Modul
         if sample_input is None:
             raise ValueError("the jit backend needs a sample_input to trace")
         return freeze_jit(model, sample_input)
+    if inductor_blocker() is not None:
+        raise InductorUnavailable(inductor_blocker())
     compiled = freeze_inductor(model)
     if sample_input is not None:
         with torch.no_grad():

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import os
 import threading
 import warnings
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Sequence
 
 from xlaunch._torch import needs_torch
 
@@ -33,6 +31,7 @@ with needs_torch(__name__):
 from xlaunch.kernels.optimize.engines import lowp
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.sample import Sample
+from xlaunch.kernels.optimize.freeze import InductorUnavailable, inductor_blocker
 
 
 def _mark(args: tuple, how: str) -> None:
@@ -64,27 +63,6 @@ def _uncached(unbacked: bool) -> Iterator[None]:
 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         yield
-
-
-class InductorUnavailable(RuntimeError):
-    """Inductor's C++ code cannot be built in this installation (known before a compile)."""
-
-
-@functools.lru_cache(maxsize=None)
-def inductor_blocker() -> Optional[str]:
-    """Why inductor cannot build its C++ code here, or None: torch 2.13's C++ builder passes the library
-    folders (torch's ``lib/``, Python's ``LIBDIR``) to the linker unquoted (pytorch/pytorch#191010), so
-    an installation under a path with a space fails every compile with a bare "C++ compile error"."""
-    import sysconfig
-
-    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit()) > (2, 13):
-        return None
-    folders = [os.path.join(os.path.dirname(torch.__file__), "lib"), sysconfig.get_config_var("LIBDIR") or ""]
-    spaced = [folder for folder in folders if any(char.isspace() for char in folder)]
-    if not spaced:
-        return None
-    return (f"torch {torch.__version__}'s inductor cannot link under a path with a space ({spaced[0]!r}: its C++ "
-            "builder passes library folders unquoted, pytorch/pytorch#191010); install under a path without one")
 
 
 class FrozenDynamicBatch:
