@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -175,16 +176,25 @@ def test_preloaded_by_bare_file_name_matches_the_mapped_path():
 
 
 def test_preloaded_through_a_symlink_matches_the_mapped_real_path(tmp_path):
-    """maps shows the resolved path; LD_PRELOAD may name it through a link (a symlinked venv, /lib)."""
-    real = tmp_path / "real" / "libiomp5.so"
-    real.parent.mkdir()
-    real.write_bytes(b"")
-    (tmp_path / "venv").symlink_to(tmp_path / "real")
-    preloaded = preload_kinds(str(tmp_path / "venv" / "libiomp5.so"))
-    mapped = [GOMP_LIB, ("iomp", str(real))]
-    assert split_openmp(mapped, preloaded) == ([GOMP, str(real)], [])      # unresolved: no match
-    assert split_openmp(mapped, resolved(preloaded)) == ([str(real)], [GOMP])
-    assert resolved({"libiomp5.so": "iomp"}) == {"libiomp5.so": "iomp"}
+    """maps shows the resolved path; LD_PRELOAD may name it through a link (a symlinked venv, /lib).
+    (An LD_PRELOAD path cannot hold a space: under a TMPDIR with one, the files go to /tmp.)"""
+    import shutil
+    import tempfile
+
+    base = tmp_path if " " not in str(tmp_path) else Path(tempfile.mkdtemp(prefix="xlaunch-test-", dir="/tmp"))
+    try:
+        real = base / "real" / "libiomp5.so"
+        real.parent.mkdir()
+        real.write_bytes(b"")
+        (base / "venv").symlink_to(base / "real")
+        preloaded = preload_kinds(str(base / "venv" / "libiomp5.so"))
+        mapped = [GOMP_LIB, ("iomp", str(real))]
+        assert split_openmp(mapped, preloaded) == ([GOMP, str(real)], [])      # unresolved: no match
+        assert split_openmp(mapped, resolved(preloaded)) == ([str(real)], [GOMP])
+        assert resolved({"libiomp5.so": "iomp"}) == {"libiomp5.so": "iomp"}
+    finally:
+        if base != tmp_path:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def test_nothing_preloaded_leaves_every_runtime_active():
