@@ -195,7 +195,7 @@ def test_a_fresh_process_decodes_without_transformers_and_holds_less(both, tmp_p
                               env=env, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
         if name == "standalone":
-            assert done.stderr == ""
+            assert without_unbuilt_kernels_warning(done.stderr) == ""
         runs[name] = json.loads(done.stdout)
     alone, hugging_face_run = runs["standalone"], runs["hugging-face"]
     assert alone["heavy"] == [] and "transformers" in hugging_face_run["heavy"]
@@ -283,6 +283,16 @@ print("ok")
 """
 
 
+def without_unbuilt_kernels_warning(stderr: str) -> str:
+    """``stderr`` less the one warning of a machine where the compiled kernels are not built (setup builds them;
+    without a compiler the pure-torch paths run and say so); unchanged where they are built."""
+    from xlaunch.llm import native
+
+    if native.available():
+        return stderr
+    return "".join(line for line in stderr.splitlines(keepends=True) if "native kernels not built here" not in line)
+
+
 @pytest.mark.parametrize("both", ["fp32-int8"], indirect=True)
 def test_threads_sharing_one_decoder_get_the_tokens_each_gets_alone(both):
     """Four threads decode different prompts with one Decoder at once, growing its RoPE table past 256 positions
@@ -290,7 +300,7 @@ def test_threads_sharing_one_decoder_get_the_tokens_each_gets_alone(both):
     decoder, _ = both
     done = subprocess.run([sys.executable, "-c", THREADS_CHILD, str(decoder.path)], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), timeout=240)
-    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "ok", "")
+    assert (done.returncode, done.stdout.strip(), without_unbuilt_kernels_warning(done.stderr)) == (0, "ok", "")
 
 
 @pytest.mark.parametrize("both", ["fp32-int8"], indirect=True)

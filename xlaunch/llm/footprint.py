@@ -55,8 +55,11 @@ def _buffer(nbytes: int) -> int:
     return nbytes if nbytes < HUGE_PAGE else -(-nbytes // HUGE_PAGE) * HUGE_PAGE
 
 
-def packed_linear_bytes(n: int, k: int, kind: str, group_size: int = 128) -> int:
-    """One packed linear of ``n`` outputs over ``k`` inputs (weights and scales; bias apart)."""
+def packed_linear_bytes(n: int, k: int, kind: str, group_size: int = 128, kernels: bool = True) -> int:
+    """One packed linear of ``n`` outputs over ``k`` inputs (weights and scales; bias apart); ``kernels``
+    False: INT4 in ATen's layout (no padding, a scale and a zero point in fp32 per group and channel)."""
+    if kind == "int4" and not kernels:
+        return _buffer(n * k // 2) + 8 * n * (k // group_size)
     padded = -(-n // BLOCK) * BLOCK
     if kind == "fp32":
         return _buffer(4 * n * k)
@@ -95,17 +98,21 @@ def packed_linears(shape: Shape) -> list[tuple[int, int]]:
     return [(qkv, shape.hidden), linears["self_attn.o_proj"], (gate_up, shape.hidden), linears["mlp.down_proj"]]
 
 
-def packed_bytes(shape: Shape, dtype: str, weights: Optional[str] = None, group_size: int = 128) -> int:
+def packed_bytes(shape: Shape, dtype: str, weights: Optional[str] = None, group_size: int = 128,
+                 kernels: bool = True) -> int:
     """The weights of ``xlaunch.llm.optimize`` / ``from_pretrained`` of ``shape``: activations ``dtype``
     ("fp32" or "bf16"), ``weights`` None (the dtype), "int8" or "int4". fp32 weights count 4 bytes: a bound, since
-    a bf16 checkpoint's are kept as bf16 (:func:`xlaunch.llm.linear.bf16_valued`)."""
+    a bf16 checkpoint's are kept as bf16 (:func:`xlaunch.llm.linear.bf16_valued`). ``kernels``: the compiled
+    kernels run (what setup builds; ``xlaunch.llm.native.available()`` says, at the price of importing torch);
+    without them INT4 takes ATen's layout and an INT8 lm_head, about 10% more on the tiny test models."""
     kind = weights or dtype
     size = BYTES[dtype]
     groups = packed_linears(shape)
-    per_layer = sum(packed_linear_bytes(n, k_, kind, group_size) for n, k_ in groups)
+    per_layer = sum(packed_linear_bytes(n, k_, kind, group_size, kernels) for n, k_ in groups)
     biases = groups[0][0] * shape.qkv_bias + shape.hidden * shape.o_bias
     per_layer += size * (biases + 2 * shape.hidden)                       # biases and the two norms
-    head = packed_linear_bytes(shape.vocab, shape.hidden, *lm_head_packing(kind, shape.hidden, group_size))
+    head = packed_linear_bytes(shape.vocab, shape.hidden, *lm_head_packing(kind, shape.hidden, group_size, kernels),
+                               kernels=kernels)
     embed = 0 if shape.tied else _buffer(embedding_bytes(shape, dtype) * shape.vocab * shape.hidden)
     return shape.layers * per_layer + head + embed + size * shape.hidden
 
