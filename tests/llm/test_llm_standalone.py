@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from native_kernels import without_unbuilt_kernels_warning
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -281,16 +282,6 @@ for trial in range(3):
     assert all(g is not None and torch.equal(g, a) for g, a in zip(got, alone)), trial
 print("ok")
 """
-
-
-def without_unbuilt_kernels_warning(stderr: str) -> str:
-    """``stderr`` less the one warning of a machine where the compiled kernels are not built (setup builds them;
-    without a compiler the pure-torch paths run and say so); unchanged where they are built."""
-    from xlaunch.llm import native
-
-    if native.available():
-        return stderr
-    return "".join(line for line in stderr.splitlines(keepends=True) if "native kernels not built here" not in line)
 
 
 @pytest.mark.parametrize("both", ["fp32-int8"], indirect=True)
