@@ -366,14 +366,11 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
 
         the_plan = replace(the_plan, machine_summary=dict(machine_summary(machine)))
     quiet = options.verbosity < 0
-    from xlaunch.launcher.plan.show import format_plan
+    from xlaunch.launcher.plan.show import format_plan, message_lines
 
     if options.dry_run:
         if not quiet:
-            for note in options.notes:
-                sys.stderr.write(f"xlaunch: note: {note}\n")
-            for warning in the_plan.warnings:
-                sys.stderr.write(f"xlaunch: warning: {warning}\n")
+            sys.stderr.write(message_lines(options.notes, the_plan.warnings))
         if options.json:
             import json
 

@@ -85,11 +85,9 @@ def _messages(plan: "Plan", options: "Options", environ: Mapping[str, str]) -> t
 def _warn(plan: "Plan", options: "Options", environ: Mapping[str, str]) -> None:
     if options.verbosity < 0:
         return
-    notes, warnings = _messages(plan, options, environ)
-    for note in notes:
-        sys.stderr.write(f"xlaunch: note: {note}\n")
-    for warning in warnings:
-        sys.stderr.write(f"xlaunch: warning: {warning}\n")
+    from xlaunch.launcher.plan.show import message_lines
+
+    sys.stderr.write(message_lines(*_messages(plan, options, environ)))
 
 
 def _with_summary(plan: "Plan", machine: Any) -> "Plan":

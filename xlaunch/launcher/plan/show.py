@@ -3,7 +3,13 @@ from __future__ import annotations
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
-    from typing import Any, Mapping
+    from typing import Any, Mapping, Sequence
+
+
+def message_lines(notes: Sequence[str], warnings: Sequence[str]) -> str:
+    """The options' notes and the plan's warnings as xlaunch prints them on stderr, one line each."""
+    return "".join([*(f"xlaunch: note: {note}\n" for note in notes),
+                    *(f"xlaunch: warning: {warning}\n" for warning in warnings)])
 
 
 def format_plan(the_plan: Any, environ: Mapping[str, str], *, verbose: bool = False) -> str:

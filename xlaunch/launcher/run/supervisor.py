@@ -83,10 +83,9 @@ class Supervisor:
         so that input refused until then gets its one line alone (the launcher log has the plan)."""
         if self.quiet:
             return
-        for note in notes:
-            self._write_stderr(f"xlaunch: note: {note}\n")
-        for warning in warnings:
-            self._write_stderr(f"xlaunch: warning: {warning}\n")
+        from xlaunch.launcher.plan.show import message_lines
+
+        self._write_stderr(message_lines(notes, warnings))
 
     def _write_stderr(self, text: str) -> None:
         self.messages.write_lines(text.encode("utf-8", "replace"))
