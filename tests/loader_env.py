@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-from xlaunch.launcher.plan.environment import preload_names
+from xlaunch.launcher.plan.environment import library_path, preload_names
 
 
 def preload(*paths: str, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
@@ -16,7 +16,5 @@ def preload(*paths: str, base: Optional[Mapping[str, str]] = None) -> dict[str, 
     entries, folders = preload_names(paths)
     env = {"LD_PRELOAD": ":".join(entries)}
     if folders:
-        kept = [folder for folder in (os.environ if base is None else base).get("LD_LIBRARY_PATH", "").split(":")
-                if folder and folder not in folders]
-        env["LD_LIBRARY_PATH"] = ":".join(folders + kept)
+        env["LD_LIBRARY_PATH"] = library_path(folders, (os.environ if base is None else base).get("LD_LIBRARY_PATH", ""))
     return env

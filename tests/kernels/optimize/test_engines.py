@@ -364,8 +364,9 @@ def test_inductor_past_dynamos_recompile_limit_runs_eager_not_into_itself() -> N
 
     from xlaunch.kernels.optimize.freeze import inductor_blocker
 
-    if inductor_blocker() is not None:
-        pytest.skip(inductor_blocker())
+    reason = inductor_blocker()
+    if reason is not None:
+        pytest.skip(reason)
 
     # dynamo's own patch (monkeypatch's undo left the option missing: "recompile_limit does not
     # exist" in every later compile of that process)

@@ -87,6 +87,11 @@ def preload_names(paths: Sequence[str]) -> tuple[list[str], list[str]]:
     return entries, folders
 
 
+def library_path(folders: Sequence[str], user_value: str = "") -> str:
+    """``LD_LIBRARY_PATH`` with ``folders`` first, then the entries of ``user_value`` not among them."""
+    return ":".join([*folders, *(f for f in user_value.split(":") if f and f not in folders)])
+
+
 def _preloadable(machine: Machine, kind: str, warnings: list[str]) -> Optional[Library]:
     """The first library of ``kind`` the loader can be told to preload (no colon in its path)."""
     for lib in machine.libraries:
@@ -249,8 +254,7 @@ def instance_environment(
             env[name] = ":".join(ours + user_entries)
             added[name] = env[name]
         elif name == "LD_LIBRARY_PATH":      # the folders of preloaded file names, searched first
-            user_folders = [f for f in base.get(name, "").split(":") if f]
-            env[name] = ":".join(value.split(":") + [f for f in user_folders if f not in value.split(":")])
+            env[name] = library_path(value.split(":"), base.get(name, ""))
             added[name] = env[name]
         elif name in base:
             if base[name] != value:
