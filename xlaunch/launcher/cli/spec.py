@@ -78,6 +78,9 @@ OPTIONS: tuple[Opt, ...] = (
     _opt("auto_optimize", FLAG, GROUP_PROGRAM, "Inject xlaunch.kernels.optimize.pipeline into the unmodified Python program."),
     _opt("dtype", VALUE, GROUP_PROGRAM, "With --auto-optimize: compute type.", choices=DTYPES),
     _opt("auto_optimize_verbose", FLAG, GROUP_PROGRAM, "With --auto-optimize: report what was optimized."),
+    _opt("share_imports", VALUE, GROUP_PROGRAM,
+         "Import these modules once (e.g. torch) and fork every instance from that process: the instances "
+         "share the imported memory.", metavar="MODULES"),
     # runtime tuning
     _opt("memory_allocator", VALUE, GROUP_TUNING,
          "Allocator to preload (auto: jemalloc, else tcmalloc, else tuned glibc).", choices=ALLOCATORS),

@@ -65,6 +65,7 @@ class Options:
     auto_optimize: bool = False
     dtype: Optional[str] = None
     auto_optimize_verbose: bool = False
+    share_imports: tuple[str, ...] = ()      # modules imported once, in a process the instances are forked from
     # supervision and output
     log_dir: Optional[str] = None
     log_file_prefix: str = "xlaunch"
@@ -106,7 +107,7 @@ _KINDS: dict[str, str] = {
     "use_logical_cores": "flag", "core_type": "choice", "bind_numa_node": "flag",
     "memory_allocator": "choice", "omp_runtime": "choice", "bind_with": "choice",
     "membind": "choice", "benchmark": "flag",
-    "auto_optimize": "flag", "dtype": "choice", "auto_optimize_verbose": "flag",
+    "auto_optimize": "flag", "dtype": "choice", "auto_optimize_verbose": "flag", "share_imports": "modules",
     "log_dir": "text", "log_file_prefix": "text", "keep_going": "flag",
     "grace_period": "seconds", "summary_json": "text", "kernel_report": "flag",
     "dry_run": "flag", "json": "flag", "verbosity": "int",
@@ -235,6 +236,10 @@ def _convert(name: str, value: Any, where: str) -> Any:
             allowed = ", ".join(_CHOICES[name])
             raise OptionError(option, f"{value!r} is not one of {allowed}{where}")
         return text
+    if kind == "modules":
+        from xlaunch.launcher.plan.shared import module_names
+
+        return module_names(option, value, where)
     if kind == "list":
         if name in _MINUS_ONE_IS_ALL and str(value).strip() == "-1":
             return None
@@ -317,6 +322,10 @@ def validate(o: Options) -> None:
         raise OptionError("--auto-optimize-verbose", "only applies with --auto-optimize")
     if o.auto_optimize and o.no_python:
         raise OptionError("--auto-optimize", "needs a Python program (conflicts with --no-python)")
+    if o.share_imports:
+        from xlaunch.launcher.plan.shared import validate_shared_imports
+
+        validate_shared_imports(o)
     if not o.log_file_prefix or "/" in o.log_file_prefix:
         raise OptionError("--log-file-prefix", f"must be a non-empty file name without '/', got {o.log_file_prefix!r}")
     if o.log_dir is not None and not o.log_dir.strip():

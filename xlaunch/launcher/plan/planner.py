@@ -116,7 +116,21 @@ def plan(
         from xlaunch.launcher.plan.reserve import reserve_cores
 
         result = reserve_cores(result, options, machine, environ)
+    if options.share_imports:
+        result = _with_import_servers(result, options)
     return result
+
+
+def _with_import_servers(result: Plan, options: "Options") -> Plan:
+    """``--share-imports``: the processes the instances are forked from (plan/shared.py)."""
+    from xlaunch._records import replace
+    from xlaunch.launcher.plan.shared import import_servers
+
+    servers = import_servers(result.instances, options.share_imports)
+    notes = list(result.warnings)
+    if len(result.instances) == 1:
+        notes.append("--share-imports with one instance shares nothing (it only adds the importing process)")
+    return replace(result, import_servers=servers, warnings=tuple(notes))
 
 
 def _membind_nodes(options: "Options", machine: "Machine") -> tuple[int, ...]:

@@ -46,6 +46,23 @@ class Instance:
 
 
 @record
+class ImportServer:
+    """``--share-imports``: one process that imports ``modules`` once, then forks the instances
+    ``indices`` from itself (:mod:`xlaunch.launcher.plan.shared` decides, the runner starts it)."""
+
+    modules: tuple[str, ...]
+    indices: tuple[int, ...]     # the instances forked from it
+    cpus: tuple[int, ...]        # where it imports: its instances' CPUs together
+    mem_nodes: tuple[int, ...]
+    membind: str                 # its instances' memory policy, so the shared pages land on their nodes
+    env: dict[str, str]          # its instances' common environment, per-instance placement left out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"modules": list(self.modules), "instances": list(self.indices), "cpus": list(self.cpus),
+                "mem_nodes": list(self.mem_nodes), "membind": self.membind}
+
+
+@record
 class Plan:
     instances: tuple[Instance, ...]
     idle_cpus: tuple[int, ...] = ()          # allowed CPUs no instance uses
@@ -56,6 +73,7 @@ class Plan:
     allocator: str = "default"               # jemalloc | tcmalloc | tcmalloc_minimal | glibc | default | user
     openmp: str = "gnu"                      # gnu | intel
     kernel_report: bool = False              # instances print oneDNN's verbose lines: take them out, summarise
+    import_servers: tuple[ImportServer, ...] = ()   # --share-imports: the processes instances are forked from
 
     def to_json(self, inherited: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
         """The plan as JSON. With ``inherited`` (the user's environment), each instance's ``env``
@@ -70,4 +88,5 @@ class Plan:
             "env_set": dict(self.env_set),
             "env_kept": dict(self.env_kept),
             "machine": dict(self.machine_summary),
+            **({"import_servers": [s.to_json() for s in self.import_servers]} if self.import_servers else {}),
         }

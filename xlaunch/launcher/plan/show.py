@@ -33,6 +33,10 @@ def format_plan(the_plan: Any, environ: Mapping[str, str], *, verbose: bool = Fa
         )
     if the_plan.idle_cpus:
         lines.append(f"  idle cpus: {format_cpulist(the_plan.idle_cpus)}")
+    for server in the_plan.import_servers:
+        lines.append(f"  shared imports: {', '.join(server.modules)} imported once on cpus "
+                     f"{format_cpulist(server.cpus)}, mem nodes {format_cpulist(server.mem_nodes) or '-'}; "
+                     f"instances {format_cpulist(server.indices)} forked from it")
     if the_plan.env_set:
         lines.append("  environment (every instance):")
         for name, value in sorted(the_plan.env_set.items()):

@@ -36,6 +36,10 @@ def plan_lines(plan: Plan, *, keep_going: bool, grace: float) -> list[str]:
         lines.append("kernel report: oneDNN's verbose lines are taken out of each instance's output")
     if plan.idle_cpus:
         lines.append(f"idle cpus: {format_cpulist(plan.idle_cpus)}")
+    for server in plan.import_servers:
+        lines.append(f"shared imports: {','.join(server.modules)} on cpus {format_cpulist(server.cpus)}, mem nodes "
+                     f"{format_cpulist(server.mem_nodes) or '-'} ({server.membind}), forks instances "
+                     f"{format_cpulist(server.indices)}")
     lines += [f"env set: {name}={value}" for name, value in sorted(plan.env_set.items())]
     lines += [f"env kept (user's value): {name}={value}" for name, value in sorted(plan.env_kept.items())]
     lines += [f"plan warning: {warning}" for warning in plan.warnings]

@@ -50,6 +50,8 @@ class _PlanRunner(Supervisor):
         self.notes = tuple(notes)
         self.memory = spawning.MemoryPolicy()
         self.records: Optional[str] = None   # --auto-optimize: the folder of the instances' engine records
+        self.servers: dict[int, object] = {}  # --share-imports: position in plan.import_servers -> ForkServer or None
+        self.served: list[dict] = []          # --share-imports: what each server did, for --summary-json
 
     # ---------------------------------------------------------------- messages
 
@@ -100,7 +102,15 @@ class _PlanRunner(Supervisor):
         refused_before = self.memory.refused
         try:
             started = reporting.with_engine_record(self, child)
-            child.proc = spawning.spawn(started, stdin=stdin, die_with_parent=single_threaded, memory=self.memory)
+            server = self.fork_server(instance, single_threaded) if self.plan.import_servers else None
+            if self.interrupted is not None:     # it came while the fork server imported
+                child.text = f"not started ({signal_name(self.interrupted)} received)"
+                return
+            if server is not None:
+                child.started = time.monotonic()   # its own start, not the server's imports
+                child.proc = server.spawn(started, stdin, self.memory)
+            else:
+                child.proc = spawning.spawn(started, stdin=stdin, die_with_parent=single_threaded, memory=self.memory)
         except OSError as error:
             child.status, message = spawning.start_failure(error, instance)
             child.ended = time.monotonic()
@@ -121,6 +131,52 @@ class _PlanRunner(Supervisor):
         child.fd = child.proc.stdout.fileno()
         self.watch_pipe(child)
         self.log(f"instance {instance.index} started: pid {child.pid}")
+
+    def fork_server(self, instance: object, single_threaded: bool) -> Optional[object]:
+        """``--share-imports``: the started fork server of ``instance`` (started on first use), or None
+        when it cannot serve (said once; its instances then start on their own)."""
+        from xlaunch.launcher.plan.shared import server_of
+        from xlaunch.launcher.run.shared_imports.client import ForkServer, ServerUnavailable
+
+        position = server_of(self.plan.import_servers, instance.index)
+        if position < 0:
+            return None
+        if position not in self.servers:
+            spec = self.plan.import_servers[position]
+            self.servers[position] = None
+            why = None if self.saved_subreaper is not None else "xlaunch cannot adopt forked instances here " \
+                "(no child subreaper)"
+            if why is None:
+                try:
+                    server = ForkServer.start(spec, instance, die_with_parent=single_threaded, memory=self.memory,
+                                              interrupted=self._interrupted)
+                except ServerUnavailable as error:
+                    why = str(error)
+                else:
+                    self.servers[position] = server
+                    self.served.append({"modules": list(spec.modules), "instances": list(spec.indices),
+                                        "pid": server.proc.pid, "import_s": server.seconds})
+                    self.log(f"shared imports: {','.join(spec.modules)} imported in {server.seconds:.2f}s "
+                             f"(pid {server.proc.pid})")
+                    for line in server.printed().splitlines():
+                        self.log(f"shared imports printed: {line}")
+            if why is not None:
+                self.served.append({"modules": list(spec.modules), "instances": list(spec.indices),
+                                    "unavailable": why})
+            if why is not None and self.interrupted is None:
+                self.say(f"--share-imports: {why}; instances {','.join(map(str, spec.indices))} start on their own",
+                         warning=True)
+        return self.servers[position]
+
+    def _interrupted(self) -> bool:
+        self.handle_signals()
+        return self.interrupted is not None
+
+    def close_servers(self, *, kill: bool = False) -> None:
+        for server in self.servers.values():
+            if server is not None:
+                server.close(kill=kill, grace=self.grace)
+        self.servers = {position: None for position in self.servers}
 
     def release_pipe(self, child: Child) -> None:
         if child.proc is not None and child.proc.stdout is not None:
@@ -188,8 +244,10 @@ class _PlanRunner(Supervisor):
             try:
                 self.start_watchdog()
                 self.spawn_all(single_threaded)
+                self.close_servers()
                 self.loop()
             except BaseException:
+                self.close_servers(kill=True)
                 self.kill_everything()
                 raise
             finally:
@@ -199,7 +257,7 @@ class _PlanRunner(Supervisor):
             code = self.exit_status()
             for warning in reporting.observation_warnings(self.children, self.plan):
                 self.say(warning, warning=True)
-            self.summarize(code, self.plan)
+            self.summarize(code, self.plan, {"import_servers": self.served} if self.served else None)
             self.report_drops()
             self.finish_output()
             return code

@@ -14,7 +14,7 @@ import threading
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
-    from typing import Callable, Optional
+    from typing import Any, Callable, Optional, Sequence
 
 from xlaunch.launcher.plan.records import Instance
 
@@ -29,18 +29,26 @@ class MemoryPolicy:
 def spawn(instance: Instance, *, stdin: Optional[int], die_with_parent: bool,
           memory: MemoryPolicy) -> subprocess.Popen:
     """Start ``instance``; raises OSError when it cannot be started."""
-    if instance.bind != "native":
-        return _popen(instance, stdin, die_with_parent)
+    return pinned_start(lambda: _popen(instance, stdin, die_with_parent), bind=instance.bind, cpus=instance.cpus,
+                        membind=instance.membind, mem_nodes=instance.mem_nodes, memory=memory)
+
+
+def pinned_start(start: Callable[[], Any], *, bind: str, cpus: Sequence[int], membind: str,
+                 mem_nodes: Sequence[int], memory: MemoryPolicy) -> Any:
+    """``start()`` (a fork) with the spawning thread pinned to ``cpus`` and ``membind`` on ``mem_nodes`` when
+    ``bind`` is native; a refused memory policy is noted in ``memory`` and the start retried on the CPUs alone."""
+    if bind != "native":
+        return start()
     from xlaunch.launcher.run import binding
 
-    policy = None if memory.refused else binding.mempolicy_for(instance.membind, instance.mem_nodes)
+    policy = None if memory.refused else binding.mempolicy_for(membind, mem_nodes)
     try:
-        with binding.pinned_thread(instance.cpus, policy):
-            return _popen(instance, stdin, die_with_parent)
+        with binding.pinned_thread(cpus, policy):
+            return start()
     except binding.MemoryPolicyRefused as refused:
         memory.refused = refused
-    with binding.pinned_thread(instance.cpus, None):
-        return _popen(instance, stdin, die_with_parent)
+    with binding.pinned_thread(cpus, None):
+        return start()
 
 
 def _popen(instance: Instance, stdin: Optional[int], die_with_parent: bool) -> subprocess.Popen:
@@ -52,11 +60,11 @@ def _popen(instance: Instance, stdin: Optional[int], die_with_parent: bool) -> s
         stderr=subprocess.STDOUT,
         start_new_session=True,
         close_fds=True,
-        preexec_fn=_die_with_parent_setup(os.getpid()) if die_with_parent else None,
+        preexec_fn=die_with_parent_setup(os.getpid()) if die_with_parent else None,
     )
 
 
-def _die_with_parent_setup(parent_pid: int) -> Callable[[], None]:
+def die_with_parent_setup(parent_pid: int) -> Callable[[], None]:
     """The child's only pre-exec step: SIGTERM when xlaunch dies, even if it already has."""
     from xlaunch.launcher.run import binding
 
