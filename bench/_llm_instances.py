@@ -369,8 +369,9 @@ def table(instances: int, threads: int, rows: dict[str, dict[str, Any]], peers: 
 
 # -- the run -----------------------------------------------------------------------------------------
 def worker_program(script: str, packed: Path, args: Any) -> Callable[[Path], list[str]]:
-    """The instance's program and arguments, given its sync folder."""
-    return lambda sync: [script, "--instance-worker", "--packed", str(packed), "--sync", str(sync),
+    """The instance's program and arguments, given its sync folder (after ``--share-imports`` when asked)."""
+    shared = ["--share-imports", args.share_imports] if getattr(args, "share_imports", None) else []
+    return lambda sync: [*shared, script, "--instance-worker", "--packed", str(packed), "--sync", str(sync),
                          "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                          "--load", "decoder" if args.load == "decoder" else "packed"]
 

@@ -39,7 +39,8 @@ shared); both report aggregate tokens/s (B x tokens / time), prefill and decode.
 ``--instances k`` (a list, e.g. ``1,2``) runs each xlaunch route as k instances of ``xlaunch --ninstances k``
 mapping one packed file, and k llama-bench processes pinned by ``taskset`` to the same cores (from
 ``xlaunch --dry-run --json``); it reports aggregate decode tokens/s and the memory the k hold together
-(bench/_llm_instances.py).
+(bench/_llm_instances.py). ``--share-imports torch,xlaunch.llm`` starts them with that xlaunch option: forked
+from one process that imported those modules once.
 
 ``--isa LEVEL`` (``avx2``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``) runs both sides as a CPU of that level
 would: the torch routes with ``XLAUNCH_CPU_ISA``, ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` capped
@@ -126,6 +127,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--instances", type=int_list, help="run k copies at once, each on its own cores: xlaunch "
                         "routes through xlaunch --ninstances k (one shared packed file), llama.cpp pinned the same; "
                         "a list (1,2) runs each k")
+    parser.add_argument("--share-imports", metavar="MODULES",
+                        help="with --instances: xlaunch --share-imports MODULES (e.g. torch,xlaunch.llm): the copies "
+                             "are forked from one process that imported them")
     parser.add_argument("--load", choices=LOADS, default="checkpoint",
                         help="how the xlaunch routes load (default checkpoint: from_pretrained streams the checkpoint; "
                              "packed: from_pretrained maps a packed file written once; decoder: load_decoder maps it, "
@@ -152,6 +156,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      "at batch 1)")
     if args.shape and args.model:
         parser.error("--shape and --model exclude each other")
+    if args.share_imports and not args.instances:
+        parser.error("--share-imports applies to --instances (the copies xlaunch starts)")
     if args.isa and not (args.worker or args.instance_worker or args.pack):
         from xlaunch._isa_levels import chosen_level
 

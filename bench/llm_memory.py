@@ -11,6 +11,11 @@ together; each maps the file (``--load decoder``: ``xlaunch.llm.load_decoder``, 
 ``Anonymous`` of each are read from ``/proc/PID/smaps_rollup`` and summed. Before the counted runs,
 one copy runs alone once, so the kernel choice's one-time timing (cached per machine) is not counted.
 
+``--share-imports torch,xlaunch.llm`` starts the k copies as ``xlaunch --share-imports`` does: forked from
+one process that imported those modules once (xlaunch's own fork server, unpinned; this bench adopts
+them as xlaunch would), so torch's import is shared instead of held k times. Its "k over 1" is over one
+copy started the same way (about one plain copy: the server's pages then count for that copy alone).
+
 No timing and no pinning, so k may exceed the cores (``bench/llm.py --instances`` times k copies on
 their own cores through ``xlaunch --ninstances``, which needs k x threads cores). Prints, per route
 and k, the sums and **k over 1** (the PSS sum over the route's one-copy PSS); ``--json PATH`` writes
@@ -62,6 +67,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="load_decoder (default: no transformers) or from_pretrained of the packed file")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--share-imports", metavar="MODULES",
+                        help="start the copies from xlaunch's fork server, which imported MODULES once "
+                             "(e.g. torch,xlaunch.llm)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     args.route_names = [name for name in args.routes.split(",") if name]
@@ -97,10 +105,63 @@ def hold(packed: Path, copies: int, args: argparse.Namespace) -> dict[str, Any]:
                 proc.stdin.close()
         for proc in procs:
             proc.wait(timeout=60)
-    total = {key: sum(fields.get(key, 0) for fields in each) / 1024 for key in ("Pss", "Rss", "Anonymous")}
+    total = {key: sum(fields.get(key, 0) for fields in each) / 1024 for key in ("Pss", "Rss", "Pss_Anon")}
     return {"copies": copies, "pss_sum_mib": total["Pss"], "rss_sum_mib": total["Rss"],
+            "pss_anon_sum_mib": total["Pss_Anon"],
             "anonymous_each_mib": [fields.get("Anonymous", 0) / 1024 for fields in each],
             "transformers_imported": any(imported)}
+
+
+def hold_forked(packed: Path, copies: int, args: argparse.Namespace, script: Path) -> dict[str, Any]:
+    """:func:`hold`, the copies forked from xlaunch's fork server after it imported ``--share-imports``."""
+    from xlaunch.launcher.plan.records import ImportServer, Instance
+    from xlaunch.launcher.run import binding
+    from xlaunch.launcher.run.shared_imports.client import ForkServer
+    from xlaunch.launcher.run.spawning import MemoryPolicy
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    argv = (sys.executable, "-u", str(script), str(packed), args.load, str(args.prompt), str(args.new_tokens))
+    instances = [Instance(index=i, cpus=(), mem_nodes=(), env=env, argv=argv, bind="none", membind="none")
+                 for i in range(copies)]
+    spec = ImportServer(modules=tuple(args.share_imports.split(",")), indices=tuple(range(copies)), cpus=(),
+                        mem_nodes=(), membind="none", env=env)
+    memory = MemoryPolicy()
+    saved = binding.set_child_subreaper(True)          # the forked copies become this process's children
+    server = ForkServer.start(spec, instances[0], die_with_parent=True, memory=memory, interrupted=lambda: False)
+    procs, stdins = [], []
+    try:
+        for instance in instances:
+            read_fd, write_fd = os.pipe()
+            try:
+                procs.append(server.spawn(instance, read_fd, memory))
+            finally:
+                os.close(read_fd)
+            stdins.append(write_fd)
+        server.close()                                 # as xlaunch does once every instance started
+        imported = []
+        for proc in procs:
+            for raw in proc.stdout:
+                line = raw.decode(errors="replace").split()
+                if line[:1] == [READY]:
+                    imported.append(line[1] == "True")
+                    break
+            else:
+                raise RuntimeError(f"a forked copy exited: {os.waitpid(proc.pid, 0)}")
+        each = [parse_rollup(Path(f"/proc/{proc.pid}/smaps_rollup").read_text()) for proc in procs]
+    finally:
+        server.close(kill=True)
+        for fd in stdins:
+            os.close(fd)
+        for proc in procs:
+            os.waitpid(proc.pid, 0)
+            proc.stdout.close()
+        binding.set_child_subreaper(saved)
+    total = {key: sum(fields.get(key, 0) for fields in each) / 1024 for key in ("Pss", "Rss", "Pss_Anon")}
+    return {"copies": copies, "pss_sum_mib": total["Pss"], "rss_sum_mib": total["Rss"],
+            "pss_anon_sum_mib": total["Pss_Anon"],
+            "anonymous_each_mib": [fields.get("Anonymous", 0) / 1024 for fields in each],
+            "transformers_imported": any(imported), "share_imports": args.share_imports}
 
 
 def table(rows: dict[str, list[dict[str, Any]]], load: str) -> str:
@@ -136,6 +197,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     packed = _llm_instances.pack_all(args.route_names, model, script, env)
     rows: dict[str, list[dict[str, Any]]] = {}
+    child = None
+    if args.share_imports:
+        import tempfile
+
+        child = Path(tempfile.mkdtemp(prefix="xlaunch-llm-memory-")) / "llm_memory_copy.py"
+        child.write_text(CHILD)
     for route in args.route_names:
         if packed.get(route) is None:
             print(f"{route}: no packed file, skipped", flush=True)
@@ -144,14 +211,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows[route] = []
         for copies in args.instances:
             began = time.monotonic()
-            got = hold(packed[route], copies, args)
+            got = hold_forked(packed[route], copies, args, child) if child else hold(packed[route], copies, args)
             rows[route].append(got)
             print(f"  {route} x {copies}: PSS sum {got['pss_sum_mib']:.0f} MiB, RSS sum {got['rss_sum_mib']:.0f} MiB "
                   f"({time.monotonic() - began:.0f} s)", flush=True)
-    print("\n" + table(rows, args.load))
+    if child is not None:
+        import shutil
+
+        shutil.rmtree(child.parent, ignore_errors=True)
+    print("\n" + table(rows, args.load + (f", shared {args.share_imports}" if child else "")))
     if args.json:
         try:
             Path(args.json).write_text(json.dumps({"bench": "llm-memory", "model": model.name, "load": args.load,
+                                                   "share_imports": args.share_imports,
                                                    "prompt": args.prompt, "new_tokens": args.new_tokens,
                                                    "results": rows}, indent=1))
         except OSError as error:

@@ -311,3 +311,19 @@ def test_the_memory_bench_sums_copies_that_never_import_transformers(tmp_path: P
     got = memory.hold(packed, 2, memory.parse_args(["--prompt", "8", "--new-tokens", "3"]))
     assert got["copies"] == 2 and len(got["anonymous_each_mib"]) == 2 and got["transformers_imported"] is False
     assert 0 < got["pss_sum_mib"] <= got["rss_sum_mib"] and min(got["anonymous_each_mib"]) > 50     # torch's own
+
+
+def test_the_memory_bench_forks_copies_that_share_the_imports(tmp_path: Path) -> None:
+    """``--share-imports``: two copies forked from xlaunch's fork server after it imported torch and
+    xlaunch.llm; their anonymous memory (torch's import) is mostly shared: its PSS sum is well under
+    what the copies hold each."""
+    _, packed = tiny_packed(tmp_path, "int4", group_size=32)
+    memory = load("llm_memory")
+    script = tmp_path / "llm_memory_copy.py"
+    script.write_text(memory.CHILD)
+    args = memory.parse_args(["--prompt", "8", "--new-tokens", "3", "--share-imports", "torch,xlaunch.llm"])
+    got = memory.hold_forked(packed, 2, args, script)
+    assert got["copies"] == 2 and got["transformers_imported"] is False
+    assert min(got["anonymous_each_mib"]) > 50                         # torch's own, mapped in each
+    assert got["pss_anon_sum_mib"] < 0.75 * sum(got["anonymous_each_mib"]), got
+
