@@ -26,6 +26,9 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 if TYPE_CHECKING:
     from typing import BinaryIO, Optional, Sequence, TextIO
 
+    from xlaunch.launcher.plan.records import Instance
+    from xlaunch.launcher.run.shared_imports.client import ForkServer
+
 from xlaunch.launcher.run import reporting, spawning
 from xlaunch.launcher.run.child import Child, status_code, status_text
 from xlaunch.launcher.plan.records import Plan
@@ -50,7 +53,7 @@ class _PlanRunner(Supervisor):
         self.notes = tuple(notes)
         self.memory = spawning.MemoryPolicy()
         self.records: Optional[str] = None   # --auto-optimize: the folder of the instances' engine records
-        self.servers: dict[int, object] = {}  # --share-imports: position in plan.import_servers -> ForkServer or None
+        self.servers: dict[int, Optional[ForkServer]] = {}   # --share-imports: position in plan.import_servers
         self.served: list[dict] = []          # --share-imports: what each server did, for --summary-json
 
     # ---------------------------------------------------------------- messages
@@ -77,8 +80,12 @@ class _PlanRunner(Supervisor):
     def start_line(self) -> None:
         count = len(self.plan.instances)
         cpus = sum(len(i.cpus) for i in self.plan.instances)
+        shared = sorted({name for server in self.plan.import_servers for name in server.modules})
+        servers = len(self.plan.import_servers)
         self.say(f"starting {count} instance{'s' if count != 1 else ''} on {cpus} CPU{'s' if cpus != 1 else ''}: "
-                 f"allocator {self.plan.allocator}, OpenMP {self.plan.openmp}")
+                 f"allocator {self.plan.allocator}, OpenMP {self.plan.openmp}"
+                 + (f", forked from {servers} process{'es' if servers != 1 else ''} that imported {','.join(shared)}"
+                    if shared else ""))
 
     # ---------------------------------------------------------------- processes
 
@@ -132,7 +139,7 @@ class _PlanRunner(Supervisor):
         self.watch_pipe(child)
         self.log(f"instance {instance.index} started: pid {child.pid}")
 
-    def fork_server(self, instance: object, single_threaded: bool) -> Optional[object]:
+    def fork_server(self, instance: Instance, single_threaded: bool) -> Optional[ForkServer]:
         """``--share-imports``: the started fork server of ``instance`` (started on first use), or None
         when it cannot serve (said once; its instances then start on their own)."""
         from xlaunch.launcher.plan.shared import server_of

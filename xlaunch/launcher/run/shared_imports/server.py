@@ -238,7 +238,8 @@ def become_program(request: dict, notes: Sequence[str]) -> None:
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:        # a fresh process would have drawn its own seed
         numpy_random.seed()
-    sys.orig_argv = list(request["argv"])
+    if hasattr(sys, "orig_argv"):              # Python 3.10+
+        sys.orig_argv = list(request["argv"])
     _run(list(request["argv"]))
 
 
