@@ -266,6 +266,16 @@ def test_a_module_program_gets_stdin_and_its_own_main(tmp_path):
 
 
 @live
+def test_ps_shows_the_program_not_the_server(plain):
+    """What ``ps``/``pgrep -f`` read (``/proc/PID/cmdline``): the instance's command line, setproctitle-style."""
+    script = plain.with_name("cmdline.py")
+    script.write_text("print(open('/proc/self/cmdline', 'rb').read().rstrip(b'\\0').decode())\n")
+    result = xlaunch(["-q", "--share-imports", "json", str(script), "an argument"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"[0] {sys.executable} -u {script} an argument\n"
+
+
+@live
 @pytest.mark.parametrize("module, says", [
     ("no_such_module_here", "import no_such_module_here: ModuleNotFoundError: No module named 'no_such_module_here'"),
     ("starts_a_thread", "importing starts_a_thread started 1 thread(s) that a fork would leave behind"),

@@ -240,7 +240,29 @@ def become_program(request: dict, notes: Sequence[str]) -> None:
         numpy_random.seed()
     if hasattr(sys, "orig_argv"):              # Python 3.10+
         sys.orig_argv = list(request["argv"])
+    retitle(request["argv"])
     _run(list(request["argv"]))
+
+
+def retitle(argv: Sequence[str]) -> bool:
+    """Show ``argv`` as this process's command line (``ps``, ``pgrep -f``, ``/proc/PID/cmdline``), not the
+    server's: written over the server's own argument strings, as setproctitle does (joined by spaces,
+    the area's last byte left non-zero so the kernel reads up to the first NUL; cut to the area, which the
+    server's JSON argument makes long). False when it cannot (a /proc without the fields)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])     # arg_start, arg_end: fields 48 and 49
+    except (OSError, IndexError, ValueError):
+        return False
+    size = end - start
+    if size < 2:
+        return False
+    title = b" ".join(os.fsencode(arg) for arg in argv)[:size - 2]
+    ctypes.memmove(start, title + b"\0" * (size - 1 - len(title)) + b" ", size)
+    return True
 
 
 def _pin_openmp_team(env: dict) -> None:
