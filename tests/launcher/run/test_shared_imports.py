@@ -335,3 +335,43 @@ def test_without_a_child_subreaper_the_instances_start_alone(plain, monkeypatch,
     assert code == 0, captured.err
     assert ("xlaunch: warning: --share-imports: xlaunch cannot adopt forked instances here (no child subreaper); "
             "instances 0,1 start on their own") in captured.err
+
+
+SIBLING_MODULE = r"""
+import os, time
+folder = os.environ["SIBLING_DIR"]
+open(os.path.join(folder, str(os.getpid())), "w").close()
+deadline = time.monotonic() + 10
+while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+SAW = len(os.listdir(folder)) >= 2          # the other server was importing at the same time
+"""
+
+
+@live
+def test_every_server_imports_at_once(tmp_path, capfd):
+    """Two memory placements, two servers: both are started before either is waited for (a module that
+    waits at import for the other server's to start would otherwise wait 10 s and say so)."""
+    from host_cpus import ALLOWED
+
+    from xlaunch.launcher.plan.records import Instance, Plan
+    from xlaunch.launcher.plan.shared import import_servers
+    from xlaunch.launcher.run.runner import run_plan
+
+    (tmp_path / "sibling_wait.py").write_text(SIBLING_MODULE)
+    (tmp_path / "siblings").mkdir()
+    script = tmp_path / "report.py"
+    script.write_text("import sys\nshared = 'sibling_wait' in sys.modules\nimport sibling_wait\n"
+                      "print('saw', sibling_wait.SAW, shared)\n")
+    env = {**clean_env(), "SIBLING_DIR": str(tmp_path / "siblings")}
+    instances = tuple(Instance(index=i, cpus=(ALLOWED[i % len(ALLOWED)],), mem_nodes=(0,), env=env,
+                               argv=(sys.executable, "-u", str(script)), membind=policy)
+                      for i, policy in enumerate(("bind", "preferred")))
+    plan = Plan(instances, import_servers=import_servers(instances, ("sibling_wait",)))
+    assert len(plan.import_servers) == 2
+    summary = tmp_path / "summary.json"
+    assert run_plan(plan, quiet=True, summary_json=str(summary)) == 0, capfd.readouterr()
+    out, _ = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["[0] saw True True", "[1] saw True True"]
+    served = json.loads(summary.read_text())["import_servers"]
+    assert len({entry["pid"] for entry in served}) == 2 and all(entry["import_s"] < 9 for entry in served)

@@ -55,6 +55,7 @@ class _PlanRunner(Supervisor):
         self.records: Optional[str] = None   # --auto-optimize: the folder of the instances' engine records
         self.servers: dict[int, Optional[ForkServer]] = {}   # --share-imports: position in plan.import_servers
         self.served: list[dict] = []          # --share-imports: what each server did, for --summary-json
+        self.ready: set[int] = set()          # --share-imports: the servers that said ready
 
     # ---------------------------------------------------------------- messages
 
@@ -109,7 +110,7 @@ class _PlanRunner(Supervisor):
         refused_before = self.memory.refused
         try:
             started = reporting.with_engine_record(self, child)
-            server = self.fork_server(instance, single_threaded) if self.plan.import_servers else None
+            server = self.fork_server(instance) if self.plan.import_servers else None
             if self.interrupted is not None:     # it came while the fork server imported
                 child.text = f"not started ({signal_name(self.interrupted)} received)"
                 return
@@ -139,41 +140,53 @@ class _PlanRunner(Supervisor):
         self.watch_pipe(child)
         self.log(f"instance {instance.index} started: pid {child.pid}")
 
-    def fork_server(self, instance: Instance, single_threaded: bool) -> Optional[ForkServer]:
-        """``--share-imports``: the started fork server of ``instance`` (started on first use), or None
-        when it cannot serve (said once; its instances then start on their own)."""
+    def fork_server(self, instance: Instance) -> Optional[ForkServer]:
+        """``--share-imports``: the ready fork server of ``instance`` (:meth:`launch_servers` started it), or
+        None when it cannot serve (said once; its instances then start on their own)."""
         from xlaunch.launcher.plan.shared import server_of
-        from xlaunch.launcher.run.shared_imports.client import ForkServer, ServerUnavailable
+        from xlaunch.launcher.run.shared_imports.client import ServerUnavailable
 
         position = server_of(self.plan.import_servers, instance.index)
-        if position < 0:
-            return None
-        if position not in self.servers:
-            spec = self.plan.import_servers[position]
+        server = self.servers.get(position)
+        if server is not None and position not in self.ready:
+            try:
+                server.wait_ready(self._interrupted)
+            except ServerUnavailable as error:
+                self.servers[position] = server = None
+                self.unavailable(position, str(error))
+            else:
+                self.ready.add(position)
+                self.served.append({"modules": list(server.spec.modules), "instances": list(server.spec.indices),
+                                    "pid": server.proc.pid, "import_s": server.seconds})
+                self.log(f"shared imports: {','.join(server.spec.modules)} imported in {server.seconds:.2f}s "
+                         f"(pid {server.proc.pid})")
+                for line in server.printed().splitlines():
+                    self.log(f"shared imports printed: {line}")
+        return server
+
+    def launch_servers(self, single_threaded: bool) -> None:
+        """``--share-imports``: start every fork server now, so that they import at once."""
+        from xlaunch.launcher.run.shared_imports.client import ForkServer, ServerUnavailable
+
+        by_index = {instance.index: instance for instance in self.plan.instances}
+        for position, spec in enumerate(self.plan.import_servers):
             self.servers[position] = None
-            why = None if self.saved_subreaper is not None else "xlaunch cannot adopt forked instances here " \
-                "(no child subreaper)"
-            if why is None:
-                try:
-                    server = ForkServer.start(spec, instance, die_with_parent=single_threaded, memory=self.memory,
-                                              interrupted=self._interrupted)
-                except ServerUnavailable as error:
-                    why = str(error)
-                else:
-                    self.servers[position] = server
-                    self.served.append({"modules": list(spec.modules), "instances": list(spec.indices),
-                                        "pid": server.proc.pid, "import_s": server.seconds})
-                    self.log(f"shared imports: {','.join(spec.modules)} imported in {server.seconds:.2f}s "
-                             f"(pid {server.proc.pid})")
-                    for line in server.printed().splitlines():
-                        self.log(f"shared imports printed: {line}")
-            if why is not None:
-                self.served.append({"modules": list(spec.modules), "instances": list(spec.indices),
-                                    "unavailable": why})
-            if why is not None and self.interrupted is None:
-                self.say(f"--share-imports: {why}; instances {','.join(map(str, spec.indices))} start on their own",
-                         warning=True)
-        return self.servers[position]
+            if self.saved_subreaper is None:
+                self.unavailable(position, "xlaunch cannot adopt forked instances here (no child subreaper)")
+                continue
+            try:
+                self.servers[position] = ForkServer.launch(spec, by_index[spec.indices[0]],
+                                                           die_with_parent=single_threaded, memory=self.memory)
+            except ServerUnavailable as error:
+                self.unavailable(position, str(error))
+
+    def unavailable(self, position: int, why: str) -> None:
+        """Server ``position`` cannot serve: recorded for the summary, said once (not when a signal stopped it)."""
+        spec = self.plan.import_servers[position]
+        self.served.append({"modules": list(spec.modules), "instances": list(spec.indices), "unavailable": why})
+        if self.interrupted is None:
+            self.say(f"--share-imports: {why}; instances {','.join(map(str, spec.indices))} start on their own",
+                     warning=True)
 
     def _interrupted(self) -> bool:
         self.handle_signals()
@@ -250,6 +263,8 @@ class _PlanRunner(Supervisor):
             self.become_subreaper()
             try:
                 self.start_watchdog()
+                if self.plan.import_servers:
+                    self.launch_servers(single_threaded)
                 self.spawn_all(single_threaded)
                 self.close_servers()
                 self.loop()

@@ -25,6 +25,7 @@ from xlaunch.launcher.run.shared_imports import server as forkserver
 SERVER_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
 XLAUNCH_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 OUTPUT_CAP = 64 << 10          # what of the server's own output is read back
+IMPORT_TIMEOUT = 600.0         # seconds a server's imports may take
 
 
 class ServerUnavailable(Exception):
@@ -53,17 +54,27 @@ class ForkServer:
     """One running fork server: :meth:`start`, :meth:`spawn` per instance, :meth:`close`."""
 
     def __init__(self, spec: ImportServer, proc: subprocess.Popen, sock: socket.socket, output: object,
-                 seconds: float) -> None:
+                 seconds: float, launched: float) -> None:
         self.spec = spec
         self.proc = proc
         self.sock = sock
         self.output = output
         self.seconds = seconds
+        self.launched = launched
 
     @classmethod
     def start(cls, spec: ImportServer, instance: Instance, *, die_with_parent: bool, memory: MemoryPolicy,
-              interrupted: Callable[[], bool], timeout: float = 600.0) -> "ForkServer":
+              interrupted: Callable[[], bool], timeout: float = IMPORT_TIMEOUT) -> "ForkServer":
         """Start the server for ``spec`` with ``instance``'s interpreter; return once it imported."""
+        server = cls.launch(spec, instance, die_with_parent=die_with_parent, memory=memory)
+        server.wait_ready(interrupted, timeout)
+        return server
+
+    @classmethod
+    def launch(cls, spec: ImportServer, instance: Instance, *, die_with_parent: bool,
+               memory: MemoryPolicy) -> "ForkServer":
+        """Start the server for ``spec`` with ``instance``'s interpreter, and return while it imports (the
+        runner starts every server so, then waits for each: a 2-socket machine's two import at once)."""
         import tempfile
 
         from xlaunch.launcher.run import spawning
@@ -87,17 +98,19 @@ class ForkServer:
             raise ServerUnavailable(f"cannot start {argv[0]}: {error}") from None
         finally:
             theirs.close()
-        server = cls(spec, proc, ours, output, 0.0)
+        return cls(spec, proc, ours, output, 0.0, time.monotonic())
+
+    def wait_ready(self, interrupted: Callable[[], bool], timeout: float = IMPORT_TIMEOUT) -> None:
+        """Until the server imported (``seconds`` says how long that took); :class:`ServerUnavailable`,
+        the server stopped, when it cannot serve, ``interrupted()`` turns true or ``timeout`` s passed."""
         try:
-            reply = server._ready(interrupted, timeout)
+            self.seconds = float(self._ready(interrupted, timeout).get("seconds", 0.0))
         except BaseException:
-            server.close(kill=True)
+            self.close(kill=True)
             raise
-        server.seconds = float(reply.get("seconds", 0.0))
-        return server
 
     def _ready(self, interrupted: Callable[[], bool], timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
+        deadline = self.launched + timeout
         while True:
             if interrupted():
                 raise ServerUnavailable("interrupted while it imported")
