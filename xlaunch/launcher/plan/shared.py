@@ -79,8 +79,8 @@ def module_names(option: str, value: Any, where: str) -> tuple[str, ...]:
 
 
 def validate_shared_imports(o: Any) -> None:
-    """``--share-imports`` among the other options (``o``: the Options): a Python program, pinned natively (a numactl/taskset prefix execs a new process,
-    which shares nothing), started by xlaunch's own runner."""
+    """``--share-imports`` among the other options (``o``: the Options): a Python program, pinned natively
+    (a numactl/taskset prefix execs a new process, which shares nothing), started by xlaunch's own runner."""
     if not o.share_imports:
         return
     if o.no_python:
