@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from xlaunch.launcher.plan.records import ImportServer, Instance
     from xlaunch.launcher.run.spawning import MemoryPolicy
 
+from xlaunch._records import record
 from xlaunch.launcher.run.shared_imports import server as forkserver
 
 SERVER_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
@@ -50,17 +51,16 @@ def path0(argv: tuple[str, ...]) -> str:
     return os.path.dirname(os.path.realpath(args[0]))
 
 
+@record(frozen=False)
 class ForkServer:
-    """One running fork server: :meth:`start`, :meth:`spawn` per instance, :meth:`close`."""
+    """One running fork server: :meth:`launch` (or :meth:`start`), :meth:`spawn` per instance, :meth:`close`."""
 
-    def __init__(self, spec: ImportServer, proc: subprocess.Popen, sock: socket.socket, output: object,
-                 seconds: float, launched: float) -> None:
-        self.spec = spec
-        self.proc = proc
-        self.sock = sock
-        self.output = output
-        self.seconds = seconds
-        self.launched = launched
+    spec: ImportServer
+    proc: subprocess.Popen
+    sock: socket.socket
+    output: object                 # the server's own stdout and stderr (a temporary file)
+    launched: float                # time.monotonic() when it was started
+    seconds: float = 0.0           # how long its imports took, once ready
 
     @classmethod
     def start(cls, spec: ImportServer, instance: Instance, *, die_with_parent: bool, memory: MemoryPolicy,
@@ -98,7 +98,7 @@ class ForkServer:
             raise ServerUnavailable(f"cannot start {argv[0]}: {error}") from None
         finally:
             theirs.close()
-        return cls(spec, proc, ours, output, 0.0, time.monotonic())
+        return cls(spec, proc, ours, output, time.monotonic())
 
     def wait_ready(self, interrupted: Callable[[], bool], timeout: float = IMPORT_TIMEOUT) -> None:
         """Until the server imported (``seconds`` says how long that took); :class:`ServerUnavailable`,
