@@ -36,7 +36,7 @@ class Child:
 
     instance: Instance
     stream: InstanceStream
-    proc: Optional[subprocess.Popen] = None   # or a stand-in with ``pid`` (a rank the agent started)
+    proc: Optional[subprocess.Popen] = None   # or a RankProcess (a rank the agent started, a forked instance)
     fd: Optional[int] = None              # read end of the output pipe while open
     started: float = 0.0
     ended: Optional[float] = None
@@ -70,13 +70,14 @@ class Child:
 
 
 class RankProcess:
-    """A rank torch's agent started: xlaunch knows its pid, not a ``Popen``."""
+    """A process xlaunch did not start with ``Popen``, so knows by its pid: a rank torch's agent started,
+    or an instance the fork server of ``--share-imports`` forked (with ``stdout_fd``, its output pipe)."""
 
-    def __init__(self, pid: int, pgid: int) -> None:
+    def __init__(self, pid: int, pgid: int, stdout_fd: Optional[int] = None) -> None:
         self.pid = pid
         self.pgid = pgid
         self.returncode: Optional[int] = None
-        self.stdout = None
+        self.stdout = os.fdopen(stdout_fd, "rb") if stdout_fd is not None else None
 
 
 def zombie_status(pid: int) -> Optional[tuple[int, int]]:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from xlaunch.launcher.run.spawning import MemoryPolicy
 
 from xlaunch._records import record
+from xlaunch.launcher.run.child import RankProcess
 from xlaunch.launcher.run.shared_imports import server as forkserver
 
 SERVER_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
@@ -31,16 +32,6 @@ IMPORT_TIMEOUT = 600.0         # seconds a server's imports may take
 
 class ServerUnavailable(Exception):
     """The fork server could not start or serve; the message says why."""
-
-
-class ForkedProcess:
-    """An instance forked by the server and adopted by xlaunch: its pid, its output pipe."""
-
-    def __init__(self, pid: int, stdout_fd: int) -> None:
-        self.pid = pid
-        self.pgid = pid
-        self.returncode: Optional[int] = None
-        self.stdout = os.fdopen(stdout_fd, "rb")
 
 
 def path0(argv: tuple[str, ...]) -> str:
@@ -134,7 +125,7 @@ class ForkServer:
             raise ServerUnavailable(str(reply.get("error", "it was not ready")))
         return reply
 
-    def spawn(self, instance: Instance, stdin: Optional[int], memory: MemoryPolicy) -> ForkedProcess:
+    def spawn(self, instance: Instance, stdin: Optional[int], memory: MemoryPolicy) -> RankProcess:
         """Fork ``instance`` from the server (OSError when it could not be started). ``stdin``: None
         for xlaunch's own, a descriptor to pass, or ``subprocess.DEVNULL``."""
         from xlaunch.launcher.run import binding
@@ -166,7 +157,8 @@ class ForkServer:
         reply = got[0]
         if reply.get("refused") and memory.refused is None:
             memory.refused = OSError(0, str(reply["refused"][0]))
-        return ForkedProcess(int(reply["pid"]), read_fd)
+        pid = int(reply["pid"])
+        return RankProcess(pid, pid, read_fd)              # its own session: its group is its pid
 
     def printed(self) -> str:
         """What the server itself printed (its imports' warnings), at most :data:`OUTPUT_CAP` bytes."""
