@@ -34,14 +34,6 @@ class ServerUnavailable(Exception):
     """The fork server could not start or serve; the message says why."""
 
 
-def path0(argv: tuple[str, ...]) -> str:
-    """``sys.path[0]`` of ``python -u PROGRAM`` (the script's real folder) or ``python -u -m M`` (here)."""
-    args = [a for a in argv[1:3] if a != "-u"]
-    if args[:1] == ["-m"] or not args:
-        return os.getcwd()
-    return os.path.dirname(os.path.realpath(args[0]))
-
-
 @record(frozen=False)
 class ForkServer:
     """One running fork server: :meth:`launch` (or :meth:`start`), :meth:`spawn` per instance, :meth:`close`."""
@@ -71,7 +63,7 @@ class ForkServer:
         from xlaunch.launcher.run import spawning
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        config = {"modules": list(spec.modules), "path0": path0(instance.argv), "root": XLAUNCH_ROOT}
+        config = {"modules": list(spec.modules), "argv": list(instance.argv), "root": XLAUNCH_ROOT}
         argv = [instance.argv[0], "-u", SERVER_PROGRAM, str(theirs.fileno()), json.dumps(config)]
         output = None
         try:

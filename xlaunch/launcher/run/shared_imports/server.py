@@ -292,21 +292,36 @@ def _pin_openmp_team(env: dict) -> None:
         sys.stderr.write(f"xlaunch: warning: the OpenMP team was not pinned ({error})\n")
 
 
+def program_of(argv: Sequence[str]) -> tuple[bool, str, list[str]]:
+    """``[python, -u, PROGRAM | -m MODULE, ARGS...]`` (an instance's argv) -> (a module?, PROGRAM or MODULE,
+    ARGS)."""
+    args = list(argv[1:])
+    while args[:1] == ["-u"]:
+        args = args[1:]
+    if args[:1] == ["-m"]:
+        return True, args[1], args[2:]
+    return False, args[0], args[1:]
+
+
+def path0(argv: Sequence[str]) -> str:
+    """``sys.path[0]`` of that interpreter: the script's real folder, or the working one for ``-m``."""
+    module, target, _args = program_of(argv)
+    return os.getcwd() if module else os.path.dirname(os.path.realpath(target))
+
+
 def _run(argv: list[str]) -> None:
     """Run ``[python, -u, PROGRAM | -m MODULE, ARGS...]`` as that interpreter would, as ``__main__``."""
     import runpy
 
-    args = argv[1:]
-    while args[:1] == ["-u"]:
-        args = args[1:]
-    if args[:1] == ["-m"]:
+    module, target, args = program_of(argv)
+    if module:
         import types
 
-        sys.argv = ["-m", *args[2:]]
+        sys.argv = ["-m", *args]
         sys.modules["__main__"] = types.ModuleType("__main__")   # runpy runs the module in __main__'s dict
-        runpy._run_module_as_main(args[1])   # what ``python -m`` itself calls
+        runpy._run_module_as_main(target)   # what ``python -m`` itself calls
         return
-    path, sys.argv = args[0], list(args)
+    path, sys.argv = target, [target, *args]
     if not os.path.isfile(path):              # a folder or zip with __main__.py
         runpy.run_path(path, run_name="__main__")
         return
@@ -341,14 +356,14 @@ def _threads_past_a_fork() -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``server.py FD CONFIG``: CONFIG is JSON with ``modules``, ``path0`` (the instances'
+    """``server.py FD CONFIG``: CONFIG is JSON with ``modules``, ``argv`` (an instance's, for its
     ``sys.path[0]``) and ``root`` (the folder xlaunch is imported from)."""
     import gc
     import importlib
 
     sock = socket.socket(fileno=int(argv[1]))
     config = json.loads(argv[2])
-    sys.path[0] = config["path0"]             # not this file's folder: the program's
+    sys.path[0] = path0(config["argv"])       # not this file's folder: the program's
     borrowed = config["root"] not in sys.path
     if borrowed:
         sys.path.append(config["root"])       # last: never shadows the program's modules
