@@ -55,7 +55,6 @@ class _PlanRunner(Supervisor):
         self.records: Optional[str] = None   # --auto-optimize: the folder of the instances' engine records
         self.servers: dict[int, Optional[ForkServer]] = {}   # --share-imports: position in plan.import_servers
         self.served: list[dict] = []          # --share-imports: what each server did, for --summary-json
-        self.ready: set[int] = set()          # --share-imports: the servers that said ready
 
     # ---------------------------------------------------------------- messages
 
@@ -148,14 +147,13 @@ class _PlanRunner(Supervisor):
 
         position = server_of(self.plan.import_servers, instance.index)
         server = self.servers.get(position)
-        if server is not None and position not in self.ready:
+        if server is not None and not server.ready:
             try:
                 server.wait_ready(self._interrupted)
             except ServerUnavailable as error:
                 self.servers[position] = server = None
                 self.unavailable(position, str(error))
             else:
-                self.ready.add(position)
                 self.served.append({"modules": list(server.spec.modules), "instances": list(server.spec.indices),
                                     "pid": server.proc.pid, "import_s": server.seconds})
                 self.log(f"shared imports: {','.join(server.spec.modules)} imported in {server.seconds:.2f}s "

@@ -20,12 +20,13 @@ if TYPE_CHECKING:
     from xlaunch.launcher.plan.records import ImportServer, Instance
     from xlaunch.launcher.run.spawning import MemoryPolicy
 
+import xlaunch
 from xlaunch._records import record
 from xlaunch.launcher.run.child import RankProcess
 from xlaunch.launcher.run.shared_imports import server as forkserver
 
 SERVER_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
-XLAUNCH_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+XLAUNCH_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(xlaunch.__file__)))   # the folder holding xlaunch/
 OUTPUT_CAP = 64 << 10          # what of the server's own output is read back
 IMPORT_TIMEOUT = 600.0         # seconds a server's imports may take
 
@@ -44,6 +45,7 @@ class ForkServer:
     output: object                 # the server's own stdout and stderr (a temporary file)
     launched: float                # time.monotonic() when it was started
     seconds: float = 0.0           # how long its imports took, once ready
+    ready: bool = False            # it said ready (:meth:`wait_ready` returned)
 
     @classmethod
     def start(cls, spec: ImportServer, instance: Instance, *, die_with_parent: bool, memory: MemoryPolicy,
@@ -91,6 +93,7 @@ class ForkServer:
         except BaseException:
             self.close(kill=True)
             raise
+        self.ready = True
 
     def _ready(self, interrupted: Callable[[], bool], timeout: float) -> dict:
         deadline = self.launched + timeout
