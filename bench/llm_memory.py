@@ -83,10 +83,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _copy_env() -> dict[str, str]:
+    """A copy's environment: one thread, and this repository importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def _summed(copies: int, each: list[dict[str, int]], imported: list[bool]) -> dict[str, Any]:
+    """The copies' ``smaps_rollup`` fields (kB) summed, in MiB, as :func:`table` and ``--json`` take them."""
+    total = {key: sum(fields.get(key, 0) for fields in each) / 1024 for key in ("Pss", "Rss", "Pss_Anon")}
+    return {"copies": copies, "pss_sum_mib": total["Pss"], "rss_sum_mib": total["Rss"],
+            "pss_anon_sum_mib": total["Pss_Anon"],
+            "anonymous_each_mib": [fields.get("Anonymous", 0) / 1024 for fields in each],
+            "transformers_imported": any(imported)}
+
+
 def hold(packed: Path, copies: int, args: argparse.Namespace) -> dict[str, Any]:
     """Start ``copies`` processes on ``packed``; once all have decoded, their memory summed (MiB)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = _copy_env()
     argv = [sys.executable, "-c", CHILD, str(packed), args.load, str(args.prompt), str(args.new_tokens)]
     procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for _ in range(copies)]
@@ -105,11 +119,7 @@ def hold(packed: Path, copies: int, args: argparse.Namespace) -> dict[str, Any]:
                 proc.stdin.close()
         for proc in procs:
             proc.wait(timeout=60)
-    total = {key: sum(fields.get(key, 0) for fields in each) / 1024 for key in ("Pss", "Rss", "Pss_Anon")}
-    return {"copies": copies, "pss_sum_mib": total["Pss"], "rss_sum_mib": total["Rss"],
-            "pss_anon_sum_mib": total["Pss_Anon"],
-            "anonymous_each_mib": [fields.get("Anonymous", 0) / 1024 for fields in each],
-            "transformers_imported": any(imported)}
+    return _summed(copies, each, imported)
 
 
 def hold_forked(packed: Path, copies: int, args: argparse.Namespace, script: Path) -> dict[str, Any]:
@@ -119,8 +129,7 @@ def hold_forked(packed: Path, copies: int, args: argparse.Namespace, script: Pat
     from xlaunch.launcher.run.shared_imports.client import ForkServer
     from xlaunch.launcher.run.spawning import MemoryPolicy
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = _copy_env()
     argv = (sys.executable, "-u", str(script), str(packed), args.load, str(args.prompt), str(args.new_tokens))
     instances = [Instance(index=i, cpus=(), mem_nodes=(), env=env, argv=argv, bind="none", membind="none")
                  for i in range(copies)]
@@ -128,9 +137,9 @@ def hold_forked(packed: Path, copies: int, args: argparse.Namespace, script: Pat
                         mem_nodes=(), membind="none", env=env)
     memory = MemoryPolicy()
     saved = binding.set_child_subreaper(True)          # the forked copies become this process's children
-    server = ForkServer.start(spec, instances[0], die_with_parent=True, memory=memory, interrupted=lambda: False)
-    procs, stdins = [], []
+    server, procs, stdins = None, [], []
     try:
+        server = ForkServer.start(spec, instances[0], die_with_parent=True, memory=memory, interrupted=lambda: False)
         for instance in instances:
             read_fd, write_fd = os.pipe()
             try:
@@ -147,21 +156,18 @@ def hold_forked(packed: Path, copies: int, args: argparse.Namespace, script: Pat
                     imported.append(line[1] == "True")
                     break
             else:
-                raise RuntimeError(f"a forked copy exited: {os.waitpid(proc.pid, 0)}")
+                raise RuntimeError(f"a forked copy (pid {proc.pid}) ended before it was ready")
         each = [parse_rollup(Path(f"/proc/{proc.pid}/smaps_rollup").read_text()) for proc in procs]
     finally:
-        server.close(kill=True)
+        if server is not None:
+            server.close(kill=True)
         for fd in stdins:
             os.close(fd)
         for proc in procs:
             os.waitpid(proc.pid, 0)
             proc.stdout.close()
         binding.set_child_subreaper(saved)
-    total = {key: sum(fields.get(key, 0) for fields in each) / 1024 for key in ("Pss", "Rss", "Pss_Anon")}
-    return {"copies": copies, "pss_sum_mib": total["Pss"], "rss_sum_mib": total["Rss"],
-            "pss_anon_sum_mib": total["Pss_Anon"],
-            "anonymous_each_mib": [fields.get("Anonymous", 0) / 1024 for fields in each],
-            "transformers_imported": any(imported), "share_imports": args.share_imports}
+    return {**_summed(copies, each, imported), "share_imports": args.share_imports}
 
 
 def table(rows: dict[str, list[dict[str, Any]]], load: str) -> str:
