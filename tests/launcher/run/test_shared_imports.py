@@ -101,13 +101,13 @@ def test_the_dry_run_says_where_the_imports_happen(plain):
 
 # ------------------------------------------------------------------------------- the server's parts
 
-def test_team_places_follow_the_variables_the_plan_sets():
-    assert forkserver.team_places({"OMP_PLACES": "{4},{5},{6}", "OMP_NUM_THREADS": "2"}) == [(4,), (5,)]
+def test_the_places_are_read_from_the_variables_the_plan_sets():
+    assert forkserver.places_in({"OMP_PLACES": "{4},{5},{6}", "OMP_NUM_THREADS": "2"}) == [(4,), (5,)]
     intel = {"KMP_AFFINITY": "granularity=fine,proclist=[{4,5,6},5,6],explicit"}
-    assert forkserver.team_places(intel) == [(4, 5, 6), (5,), (6,)]
-    assert forkserver.team_places({"OMP_PLACES": "cores"}) is None        # a user's own spelling
-    assert forkserver.team_places({"OMP_PLACES": "{0:4}"}) is None
-    assert forkserver.team_places({}) is None
+    assert forkserver.places_in(intel) == [(4, 5, 6), (5,), (6,)]
+    assert forkserver.places_in({"OMP_PLACES": "cores"}) is None        # a user's own spelling
+    assert forkserver.places_in({"OMP_PLACES": "{0:4}"}) is None
+    assert forkserver.places_in({}) is None
 
 
 def test_framing_carries_descriptors_and_refuses_what_is_not_a_message():

@@ -84,7 +84,7 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def team_places(env: dict) -> Optional[list[tuple[int, ...]]]:
+def places_in(env: dict) -> Optional[list[tuple[int, ...]]]:
     """The CPUs of each OpenMP team thread as the instance's environment places them: ``OMP_PLACES``
     (``{0},{1}``) or ``KMP_AFFINITY``'s ``proclist=[{0,1},1]``; None when neither is written that way."""
     import re
@@ -271,17 +271,15 @@ def _pin_openmp_team(env: dict) -> None:
 
     if not openmp.mapped_runtimes():
         return           # not loaded yet: it will read this instance's environment when it loads
-    places = team_places(env)
+    places = places_in(env)
     if places is None:
         return           # a user's own OMP_PLACES / KMP_AFFINITY spelling: the CPUs stay the process's
     try:
+        from xlaunch.runtime_ext.pool import get_thread_count, set_thread_count
+
         runtime = openmp.loaded_runtime()
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            if torch.get_num_threads() != len(places):   # (setting it also starts torch's pthreadpool)
-                torch.set_num_threads(len(places))
-        elif runtime.get_max_threads() != len(places):
-            runtime.set_num_threads(len(places))
+        if get_thread_count(runtime) != len(places):   # (setting it also starts torch's pthreadpool)
+            set_thread_count(runtime, len(places))
 
         def pin(thread_num: int, team_size: int) -> None:
             if thread_num < len(places):
