@@ -110,7 +110,7 @@ def test_inside_a_two_cpu_instance_after_torch_ran(omp, tmp_path, iomp_path):
 
     script = tmp_path / "instance.py"
     script.write_text(INSTANCE_PROGRAM)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLAUNCH_", "OMP_", "KMP_", "GOMP_", "LD_PRELOAD"))}
+    env = loader_env.without_openmp_and_preloads()
     argv = ["-q", "--ninstances", "1", "--ncores-per-instance", "2", "--omp-runtime", omp, str(script)]
     [instance] = planned(argv, env)
     result = subprocess.run([sys.executable, "-m", "xlaunch", *argv], capture_output=True, text=True, timeout=120,

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import loader_env
 import pytest
 from host_cpus import need_cores, openmp_places, planned, without_budget_warning
 from processes import wait_gone
@@ -29,8 +30,7 @@ CHOOSES_ITS_RUNTIME = pytest.mark.skipif(os.environ.get("XLAUNCH_TEST_OMP_KIND")
                                          reason="chooses its OpenMP runtime itself")
 
 
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("XLAUNCH_", "OMP_", "KMP_", "GOMP_", "LD_PRELOAD"))}
+clean_env = loader_env.without_openmp_and_preloads
 
 
 def xlaunch(argv: list[str], *, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
