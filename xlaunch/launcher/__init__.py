@@ -6,30 +6,54 @@ def main() -> None:
     is imported, or between that and the CLI's own handling) is exit 130 without a traceback:
     nothing has started yet."""
     try:
-        record_early_sigint()
+        received = record_early_sigint()
         from xlaunch.launcher.cli.command import main as run_cli
 
+        if received:   # a Ctrl-C during the imports that was not raised (see record_early_sigint)
+            raise KeyboardInterrupt
         run_cli()
     except KeyboardInterrupt:
         raise SystemExit(130) from None
 
 
-def record_early_sigint() -> None:
-    """Until the runner installs its handlers, a SIGINT still raises KeyboardInterrupt, and is
-    also recorded on the handler (``xlaunch_received``), which the runner reads when it takes
-    over. Python drops an exception raised inside a weakref callback or a ``__del__`` ("Exception
-    ignored in: ..."; seen in importlib's module-lock callback during start-up imports): without
-    the record, that Ctrl-C would be lost and the instances started. An inherited ignored SIGINT
-    (or a handler the embedding program set) is left alone."""
+def record_early_sigint() -> "list[int] | None":
+    """Until the runner installs its handlers, a SIGINT raises KeyboardInterrupt and is recorded on
+    the handler (``xlaunch_received``, returned), which the runner reads when it takes over. Where
+    Python would print a raised exception and drop it, inside a ``__del__`` or a weakref callback
+    (importlib's module-lock callback during start-up imports, seen in CI), it is only recorded: no
+    "Exception ignored" traceback, and the record still stops the launch. An inherited ignored
+    SIGINT (or a handler the embedding program set) is left alone: None."""
     import _signal
 
     if _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler:
-        return
+        return None
     received: list = []
 
-    def on_sigint(number: int, _frame: object) -> None:
+    def on_sigint(number: int, frame: object) -> None:
         received.append(number)
-        raise KeyboardInterrupt
+        if not raise_would_be_dropped(frame):
+            raise KeyboardInterrupt
 
     on_sigint.xlaunch_received = received  # type: ignore[attr-defined]
     _signal.signal(_signal.SIGINT, on_sigint)
+    return received
+
+
+# Callbacks whose exceptions Python reports as "Exception ignored in ..." and drops: the standard
+# library's weakref callbacks, by (file, function); any ``__del__`` besides.
+DROPPING_CALLBACKS = frozenset({("<frozen importlib._bootstrap>", "cb")})
+DROPPING_CALLBACK_FILES = ("weakref.py", "_weakrefset.py")
+
+
+def raise_would_be_dropped(frame: object, max_depth: int = 64) -> bool:
+    """Whether an exception raised in ``frame`` unwinds into a ``__del__`` or a weakref callback."""
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        code = frame.f_code  # type: ignore[attr-defined]
+        if code.co_name == "__del__" or (code.co_filename, code.co_name) in DROPPING_CALLBACKS:
+            return True
+        if code.co_name in ("remove", "_remove") and code.co_filename.endswith(DROPPING_CALLBACK_FILES):
+            return True
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return False
