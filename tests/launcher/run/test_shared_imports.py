@@ -60,8 +60,7 @@ def test_bad_module_lists_name_the_option(value, problem):
 
 @pytest.mark.parametrize("other, says", [
     ({"no_python": True}, "--no-python"), ({"bind_with": "numactl"}, "--bind-with numactl"),
-    ({"bind_with": "taskset"}, "--bind-with taskset"), ({"auto_optimize": True}, "--auto-optimize"),
-    ({"nproc_per_node": "2"}, "--nproc-per-node"),
+    ({"bind_with": "taskset"}, "--bind-with taskset"), ({"nproc_per_node": "2"}, "--nproc-per-node"),
 ])
 def test_combinations_that_cannot_share_are_refused(other, says):
     with pytest.raises(OptionError) as error:
@@ -90,6 +89,21 @@ def test_one_server_per_memory_placement_on_a_two_socket_machine(recorded_machin
     assert [s.indices for s in plan.import_servers] == [(0, 1), (2, 3)]
     assert [s.modules for s in plan.import_servers] == [("torch", "numpy")] * 2
     assert all("XLAUNCH_INSTANCE_INDEX" not in s.env and s.env["OMP_NUM_THREADS"] for s in plan.import_servers)
+
+
+def test_auto_optimize_hooks_are_left_off_the_server_for_each_instance_to_install(recorded_machine):
+    from xlaunch.kernels.inject import PACKAGE_PARENT, SITE_DIR
+    from xlaunch.launcher.plan.planner import plan as make_plan
+    from xlaunch.machine import load_machine
+
+    machine = load_machine(str(recorded_machine("xeon-2s-amx")))
+    for user, left in (("/user/lib", ["/user/lib", PACKAGE_PARENT]), ("", [PACKAGE_PARENT])):
+        environ = {"PATH": "/usr/bin", **({"PYTHONPATH": user} if user else {})}
+        options = build_options({"ninstances": 2, "share_imports": "torch", "auto_optimize": True}, program="app.py")
+        plan = make_plan(options, machine, environ)
+        assert [i.env["PYTHONPATH"].split(os.pathsep) for i in plan.instances] == [[SITE_DIR, *left]] * 2
+        assert [s.env["PYTHONPATH"].split(os.pathsep) for s in plan.import_servers] == [left] * 2   # one a node
+        assert plan.import_servers[0].env["XLAUNCH_AUTO_OPTIMIZE"] == "float32"   # harmless without the hooks
 
 
 def test_the_dry_run_says_where_the_imports_happen(plain):
@@ -223,6 +237,49 @@ def plain(tmp_path):
     script.write_text(PLAIN_PROGRAM)
     (tmp_path / "marker_module.py").write_text("VALUE = 1\n")
     return script
+
+
+AUTO_OPTIMIZED = r"""
+import json, os
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+x = torch.randn(4, 8)
+reference = torch.relu(x @ model[0].weight.T + model[0].bias) @ model[2].weight.T + model[2].bias
+with torch.no_grad():
+    out = model(x)
+print(json.dumps({"sgd": torch.optim.SGD.__name__, "close": bool(torch.allclose(out, reference, atol=1e-5)),
+                  "index": os.environ["XLAUNCH_INSTANCE_INDEX"]}), flush=True)
+"""
+
+
+@live
+@CHOOSES_ITS_RUNTIME
+def test_auto_optimize_runs_its_hooks_in_each_forked_instance(tmp_path):
+    """The server imports torch without the hooks; each instance installs them from its own environment:
+    its own messages, its fused optimizers, its model optimized, its engines in its own record."""
+    pytest.importorskip("torch")
+    need_cores(2)
+    script, summary = tmp_path / "auto.py", tmp_path / "summary.json"
+    script.write_text(AUTO_OPTIMIZED)
+    result = xlaunch(["--ninstances", "2", "--ncores-per-instance", "1", "--share-imports", "torch", "--auto-optimize",
+                      "--auto-optimize-verbose", "--summary-json", str(summary), str(script)],
+                     env={**clean_env(), "XLAUNCH_AUTO_OPTIMIZE_BACKEND": "torch"})
+    assert result.returncode == 0, result.stderr
+    lines = (result.stdout + result.stderr).splitlines()
+    for index in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[{index}] ")]
+        assert sum("optimizers SGD, Adagrad, Adam, AdamW -> xlaunch fused" in line for line in mine) == 1, lines
+        assert sum("Sequential optimized" in line for line in mine) == 1, lines
+        [row] = [json.loads(line[4:]) for line in mine if line[4:].startswith("{")]
+        assert row == {"sgd": "FusedSGD", "close": True, "index": str(index)}
+    assert [line for line in lines if not line.startswith(("[0] ", "[1] ", "xlaunch: "))] == []
+    report = json.loads(summary.read_text())
+    assert [[e["module"] for e in i["engines"]] for i in report["instances"]] == [["Sequential"]] * 2
+    [served] = report["import_servers"]
+    assert served["instances"] == [0, 1] and "unavailable" not in served
 
 
 @live

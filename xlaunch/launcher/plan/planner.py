@@ -126,7 +126,10 @@ def _with_import_servers(result: Plan, options: "Options") -> Plan:
     from xlaunch._records import replace
     from xlaunch.launcher.plan.shared import import_servers
 
-    servers = import_servers(result.instances, options.share_imports)
+    hooks_dir = ""
+    if options.auto_optimize:   # the servers import without the hooks; each instance installs its own
+        from xlaunch.kernels.inject import SITE_DIR as hooks_dir
+    servers = import_servers(result.instances, options.share_imports, hooks_dir)
     notes = list(result.warnings)
     if len(result.instances) == 1:
         notes.append("--share-imports with one instance shares nothing (it only adds the importing process)")

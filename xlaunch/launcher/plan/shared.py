@@ -7,9 +7,14 @@ imports on its instances' CPUs under their policy, so the pages they share lie o
 
 A server starts with what its instances' environments have in common, less the variables that
 place one instance's OpenMP threads: an OpenMP runtime reads those once, when it is loaded, so
-the forked instance pins its own team instead (the runner's fork server does it).
+the forked instance pins its own team instead (the runner's fork server does it). With
+``--auto-optimize`` the server's ``PYTHONPATH`` also leaves out the hooks' ``sitecustomize`` folder:
+the server runs the user's own ``sitecustomize`` as a plain interpreter would, and each forked
+instance installs the hooks itself, from its own environment (settings, record file, messages).
 """
 from __future__ import annotations
+
+import os
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
@@ -23,8 +28,10 @@ PER_INSTANCE = frozenset({"OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY", "GOMP_C
                           "XLAUNCH_INSTANCE_INDEX", "XLAUNCH_CPUS"})
 
 
-def import_servers(instances: Sequence[Instance], modules: Sequence[str]) -> tuple[ImportServer, ...]:
-    """One server per (memory policy, memory nodes) among ``instances``, in instance order."""
+def import_servers(instances: Sequence[Instance], modules: Sequence[str],
+                   hooks_dir: str = "") -> tuple[ImportServer, ...]:
+    """One server per (memory policy, memory nodes) among ``instances``, in instance order. ``hooks_dir``:
+    the ``--auto-optimize`` folder the servers' ``PYTHONPATH`` leaves out ("": none)."""
     groups: dict[tuple[str, tuple[int, ...]], list[Instance]] = {}
     for instance in instances:
         groups.setdefault((instance.membind, instance.mem_nodes), []).append(instance)
@@ -33,6 +40,11 @@ def import_servers(instances: Sequence[Instance], modules: Sequence[str]) -> tup
         first, rest = members[0], members[1:]
         env = {name: value for name, value in first.env.items()
                if name not in PER_INSTANCE and all(other.env.get(name) == value for other in rest)}
+        if hooks_dir and "PYTHONPATH" in env:
+            entries = [entry for entry in env["PYTHONPATH"].split(os.pathsep) if entry and entry != hooks_dir]
+            env["PYTHONPATH"] = os.pathsep.join(entries)
+            if not entries:
+                del env["PYTHONPATH"]
         servers.append(ImportServer(
             modules=tuple(modules),
             indices=tuple(m.index for m in members),
@@ -88,8 +100,6 @@ def validate_shared_imports(o: Any) -> None:
     if o.bind_with in ("numactl", "taskset"):
         raise OptionError("--share-imports", f"conflicts with --bind-with {o.bind_with} (the tool execs a new "
                                              "process, which shares nothing): use --bind-with native")
-    if o.auto_optimize:
-        raise OptionError("--share-imports", "conflicts with --auto-optimize (its hooks are installed per process)")
     for flag, given in (("--nproc-per-node", o.nproc_per_node is not None), ("--per-rank", o.per_rank)):
         if given:
             raise OptionError("--share-imports", f"conflicts with {flag} (torch's agent starts the ranks)")

@@ -18,7 +18,7 @@ OpenMP team to the places its environment names, which that runtime read once, i
 
 Framing (both directions): a 4-byte big-endian length, then that much JSON; file descriptors
 travel with the first byte (``SCM_RIGHTS``). Standard library only, plus xlaunch's ``binding``
-and ``runtime_ext`` in the instance.
+and ``runtime_ext`` in the instance, and ``--auto-optimize``'s hooks in an instance that asks for them.
 """
 from __future__ import annotations
 
@@ -235,6 +235,8 @@ def become_program(request: dict, notes: Sequence[str]) -> None:
     os.environ.update(env)
     gc.enable()
     _pin_openmp_team(env)
+    if _hooks_dir() in env.get("PYTHONPATH", "").split(os.pathsep):
+        _install_auto_optimize()
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:        # a fresh process would have drawn its own seed
         numpy_random.seed()
@@ -242,6 +244,23 @@ def become_program(request: dict, notes: Sequence[str]) -> None:
         sys.orig_argv = list(request["argv"])
     retitle(request["argv"])
     _run(list(request["argv"]))
+
+
+def _hooks_dir() -> str:
+    """The ``sitecustomize`` folder ``--auto-optimize`` puts on an instance's ``PYTHONPATH`` (plan/shared.py
+    leaves it off the server's), found beside the xlaunch this server imported."""
+    return os.path.join(os.path.dirname(sys.modules["xlaunch"].__file__), "kernels", "inject", "site")
+
+
+def _install_auto_optimize() -> None:
+    """What that ``sitecustomize`` does at a plain instance's start, here after the fork: the hooks, from
+    this instance's environment (torch, when the server imported it, is patched now)."""
+    try:
+        from xlaunch.kernels.inject import hooks
+
+        hooks.install_from_environment()
+    except Exception as error:   # the program must run even when the injection cannot
+        sys.stderr.write(f"xlaunch --auto-optimize: not active ({type(error).__name__}: {error})\n")
 
 
 def retitle(argv: Sequence[str]) -> bool:
