@@ -172,9 +172,9 @@ class InstanceStream:
     """Splits one instance's output into lines for the console and copies it to its log."""
 
     def __init__(self, index: int, console: Console, log: BinaryIO | None = None,
-                 max_line: int = DEFAULT_MAX_LINE) -> None:
+                 max_line: int = DEFAULT_MAX_LINE, label: Optional[str] = None) -> None:
         self.index = index
-        self.prefix = f"[{index}] ".encode()
+        self.prefix = f"[{index if label is None else label}] ".encode()
         self._console = console
         self._log = log
         self._max_line = max_line

@@ -158,9 +158,26 @@ class _PlanRunner(Supervisor):
                                     "pid": server.proc.pid, "import_s": server.seconds})
                 self.log(f"shared imports: {','.join(server.spec.modules)} imported in {server.seconds:.2f}s "
                          f"(pid {server.proc.pid})")
-                for line in server.printed().splitlines():
-                    self.log(f"shared imports printed: {line}")
+                self.show_server_output(server)
         return server
+
+    def show_server_output(self, server: ForkServer) -> None:
+        """What a ready server printed so far (its imports' messages, which each instance would have printed
+        without ``--share-imports``): on the console once, each line prefixed ``[imports 0-3] `` (the
+        instances it serves), and in the launcher log."""
+        from xlaunch.cpulist import format_cpulist
+
+        data, left_out = server.unshown_output()
+        if not data and not left_out:
+            return
+        label = f"imports {format_cpulist(server.spec.indices)}"
+        stream = InstanceStream(-1, self.console, label=label)
+        stream.feed(data)
+        if left_out:
+            stream.feed(f"\n(xlaunch: {left_out} more bytes of this output not shown)\n".encode())
+        stream.close()
+        for line in data.decode(errors="replace").splitlines():
+            self.log(f"shared imports printed: {line}")
 
     def launch_servers(self, single_threaded: bool) -> None:
         """``--share-imports``: start every fork server now, so that they import at once."""
@@ -194,6 +211,8 @@ class _PlanRunner(Supervisor):
         for server in self.servers.values():
             if server is not None:
                 server.close(kill=kill, grace=self.grace)
+                if server.ready:              # anything it printed after it was ready (at its exit)
+                    self.show_server_output(server)
         self.servers = {position: None for position in self.servers}
 
     def release_pipe(self, child: Child) -> None:

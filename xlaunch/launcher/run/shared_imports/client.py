@@ -46,6 +46,7 @@ class ForkServer:
     launched: float                # time.monotonic() when it was started
     seconds: float = 0.0           # how long its imports took, once ready
     ready: bool = False            # it said ready (:meth:`wait_ready` returned)
+    shown: int = 0                 # bytes of ``output`` already given out by :meth:`unshown_output`
 
     @classmethod
     def start(cls, spec: ImportServer, instance: Instance, *, die_with_parent: bool, memory: MemoryPolicy,
@@ -162,6 +163,18 @@ class ForkServer:
             return self.output.read(OUTPUT_CAP).decode(errors="replace")
         except (OSError, ValueError):
             return ""
+
+    def unshown_output(self, cap: int = OUTPUT_CAP) -> tuple[bytes, int]:
+        """What the server printed since the last call (its imports' messages and warnings, in the order
+        written), at most ``cap`` bytes in all calls together, and how many bytes past that were left out."""
+        try:
+            size = os.fstat(self.output.fileno()).st_size
+            self.output.seek(self.shown)
+            data = self.output.read(max(0, min(size, cap) - self.shown))
+        except (OSError, ValueError):
+            return b"", 0
+        self.shown += len(data)
+        return data, max(0, size - max(cap, self.shown))
 
     def close(self, *, kill: bool = False, grace: float = 5.0) -> None:
         """End of stream to the server, which then exits; reap it."""

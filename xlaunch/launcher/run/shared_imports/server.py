@@ -356,6 +356,19 @@ def _run(argv: list[str]) -> None:
     exec(code, main.__dict__)
 
 
+def leave_without_exit_handlers() -> None:
+    """The server's end, once every instance is forked: what the imports set up (``atexit`` handlers, a
+    scratch folder they remove, finalizers, buffered files) is the instances' now, and they run it at
+    their own exits; the server running it too would remove what they still use. Its streams are
+    flushed, then it leaves at once (``os._exit``)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(0)
+
+
 def _threads_past_a_fork() -> int:
     """This process's threads once the fork handlers ran: a trial fork lets libraries that stop their
     pools before a fork (OpenBLAS, which numpy loads with torch) do so; the threads left would be
@@ -410,7 +423,7 @@ def main(argv: list[str]) -> int:
     send_message(sock, {"ready": True, "seconds": round(time.monotonic() - started, 3)})
     became = serve(sock, binding)
     if became is None:
-        return 0
+        leave_without_exit_handlers()
     if borrowed:                              # the program sees its own sys.path (xlaunch stays imported)
         sys.path.remove(config["root"])
     try:
