@@ -334,7 +334,7 @@ def test_ps_shows_the_program_not_the_server(plain):
 
 NOISY_MODULE = r"""
 import atexit, os, shutil, sys, tempfile, warnings
-print("noisy: to stdout")
+print("noisy: to stdout", sys.argv)
 sys.stderr.write("noisy: to stderr\n")
 warnings.warn("noisy: a warning at import")
 SCRATCH = tempfile.mkdtemp(prefix="xlaunch-test-scratch-")
@@ -352,15 +352,15 @@ print(noisy.SCRATCH, flush=True)
 @live
 def test_what_the_imports_print_is_shown_once_and_their_exit_handlers_are_the_instances(tmp_path):
     """The server's output (its imports' prints and warnings) is shown once, prefixed with the instances it
-    serves; the server leaves without running the imports' exit handlers, so a scratch folder a module made
+    serves; the imports see the program's ``sys.argv``, as in a plain interpreter; the server leaves without running the imports' exit handlers, so a scratch folder a module made
     at import is still there for the instance, which runs them at its own exit."""
     (tmp_path / "noisy.py").write_text(NOISY_MODULE)
     script = tmp_path / "uses_noisy.py"
     script.write_text(USES_NOISY)
-    result = xlaunch(["-q", "--ninstances", "1", "--share-imports", "noisy", str(script)], cwd=tmp_path)
+    result = xlaunch(["-q", "--ninstances", "1", "--share-imports", "noisy", str(script), "an argument"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[:3] == ["[imports 0] noisy: to stdout", "[imports 0] noisy: to stderr",
+    assert lines[:3] == [f"[imports 0] noisy: to stdout {[str(script), 'an argument']}", "[imports 0] noisy: to stderr",
                          f"[imports 0] {tmp_path / 'noisy.py'}:5: UserWarning: noisy: a warning at import"], lines
     assert lines[4] == "[0] scratch folder there: True" and lines[6:] == ["[0] noisy: exit handler ran"], lines
     assert not Path(lines[5][4:]).exists()             # removed at the instance's exit

@@ -394,6 +394,10 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[1]))
     config = json.loads(argv[2])
     sys.path[0] = path0(config["argv"])       # not this file's folder: the program's
+    module, target, args = program_of(config["argv"])
+    sys.argv = ["-m" if module else target, *args]   # what the imports would see (runpy's "-m" for a module)
+    if hasattr(sys, "orig_argv"):              # Python 3.10+
+        sys.orig_argv = list(config["argv"])
     borrowed = config["root"] not in sys.path
     if borrowed:
         sys.path.append(config["root"])       # last: never shadows the program's modules
