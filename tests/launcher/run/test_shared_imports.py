@@ -369,7 +369,8 @@ def test_what_the_imports_print_is_shown_once_and_their_exit_handlers_are_the_in
 @live
 @pytest.mark.parametrize("module, says", [
     ("no_such_module_here", "import no_such_module_here: ModuleNotFoundError: No module named 'no_such_module_here'"),
-    ("starts_a_thread", "importing starts_a_thread started 1 thread(s) that a fork would leave behind"),
+    ("json,starts_a_thread", "importing starts_a_thread (1) started thread(s) that a fork would leave behind "
+                        "(leave it out of --share-imports)"),
 ])
 def test_a_server_that_cannot_serve_is_told_once_and_the_instances_start_alone(module, says, plain, tmp_path):
     need_cores(2)

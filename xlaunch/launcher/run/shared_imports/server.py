@@ -377,6 +377,10 @@ def _threads_past_a_fork() -> int:
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
+    return _thread_count()
+
+
+def _thread_count() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
@@ -405,6 +409,7 @@ def main(argv: list[str]) -> int:
 
     started = time.monotonic()
     gc.disable()
+    threads, starters = _thread_count(), []
     for name in config["modules"]:
         try:
             importlib.import_module(name)
@@ -417,10 +422,15 @@ def main(argv: list[str]) -> int:
                 where = ""                      # the module itself is missing: nothing to point at
             send_message(sock, {"error": f"import {name}: {type(error).__name__}: {error}{where}"})
             return 1
-    threads = _threads_past_a_fork()
-    if threads > 1:
-        send_message(sock, {"error": f"importing {', '.join(config['modules'])} started {threads - 1} "
-                                     "thread(s) that a fork would leave behind"})
+        if _thread_count() > threads:          # this import started threads: do they survive a fork?
+            after = _threads_past_a_fork()
+            if after > threads:
+                starters.append(f"{name} ({after - threads})")
+                threads = after
+    if starters:
+        them = "it" if len(starters) == 1 else "them"
+        send_message(sock, {"error": f"importing {', '.join(starters)} started thread(s) that a fork would leave "
+                                     f"behind (leave {them} out of --share-imports)"})
         return 1
     gc.collect()
     gc.freeze()
