@@ -298,9 +298,9 @@ def test_a_program_without_torch_runs_the_same_many_times(plain, tmp_path):
 @live
 def test_a_failing_instance_reports_as_python_would_and_stops_the_others(plain, tmp_path):
     need_cores(2)
-    result = xlaunch(["--ninstances", "2", "--share-imports", "marker_module", str(plain), "fail"])
+    result = xlaunch(["--ninstances", "2", "--share-imports", "marker_module,json", str(plain), "fail"])
     assert result.returncode == 1
-    assert ": allocator " in result.stderr and ", forked from 1 process that imported marker_module\n" in result.stderr
+    assert ": allocator " in result.stderr and ", forked from 1 process that imported marker_module,json\n" in result.stderr
     assert "[1] ValueError: instance one fails" in result.stdout
     assert "shared_imports" not in result.stdout, "the server's own frames are not the program's traceback"
     assert 'File "' + str(plain) + '", line 6, in <module>' in result.stdout

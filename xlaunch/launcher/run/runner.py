@@ -80,7 +80,7 @@ class _PlanRunner(Supervisor):
     def start_line(self) -> None:
         count = len(self.plan.instances)
         cpus = sum(len(i.cpus) for i in self.plan.instances)
-        shared = sorted({name for server in self.plan.import_servers for name in server.modules})
+        shared = self.plan.import_servers[0].modules if self.plan.import_servers else ()   # every server's alike
         servers = len(self.plan.import_servers)
         self.say(f"starting {count} instance{'s' if count != 1 else ''} on {cpus} CPU{'s' if cpus != 1 else ''}: "
                  f"allocator {self.plan.allocator}, OpenMP {self.plan.openmp}"
