@@ -22,6 +22,7 @@ from processes import wait_gone
 
 from xlaunch.launcher.errors import OptionError
 from xlaunch.launcher.plan.options import build_options
+from xlaunch.launcher.run.shared_imports import program as forkprogram
 from xlaunch.launcher.run.shared_imports import server as forkserver
 
 live = pytest.mark.live
@@ -116,12 +117,12 @@ def test_the_dry_run_says_where_the_imports_happen(plain):
 # ------------------------------------------------------------------------------- the server's parts
 
 def test_the_places_are_read_from_the_variables_the_plan_sets():
-    assert forkserver.places_in({"OMP_PLACES": "{4},{5},{6}", "OMP_NUM_THREADS": "2"}) == [(4,), (5,)]
+    assert forkprogram.places_in({"OMP_PLACES": "{4},{5},{6}", "OMP_NUM_THREADS": "2"}) == [(4,), (5,)]
     intel = {"KMP_AFFINITY": "granularity=fine,proclist=[{4,5,6},5,6],explicit"}
-    assert forkserver.places_in(intel) == [(4, 5, 6), (5,), (6,)]
-    assert forkserver.places_in({"OMP_PLACES": "cores"}) is None        # a user's own spelling
-    assert forkserver.places_in({"OMP_PLACES": "{0:4}"}) is None
-    assert forkserver.places_in({}) is None
+    assert forkprogram.places_in(intel) == [(4, 5, 6), (5,), (6,)]
+    assert forkprogram.places_in({"OMP_PLACES": "cores"}) is None        # a user's own spelling
+    assert forkprogram.places_in({"OMP_PLACES": "{0:4}"}) is None
+    assert forkprogram.places_in({}) is None
 
 
 def test_framing_carries_descriptors_and_refuses_what_is_not_a_message():

@@ -17,8 +17,8 @@ environment; and, when the server loaded an OpenMP runtime (importing torch does
 OpenMP team to the places its environment names, which that runtime read once, in the server.
 
 Framing (both directions): a 4-byte big-endian length, then that much JSON; file descriptors
-travel with the first byte (``SCM_RIGHTS``). Standard library only, plus xlaunch's ``binding``
-and ``runtime_ext`` in the instance, and ``--auto-optimize``'s hooks in an instance that asks for them.
+travel with the first byte (``SCM_RIGHTS``). Standard library only, plus xlaunch's ``binding``, and
+:mod:`.program` for what the instance does once it is xlaunch's child.
 """
 from __future__ import annotations
 
@@ -82,27 +82,6 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
-
-
-def places_in(env: dict) -> Optional[list[tuple[int, ...]]]:
-    """The CPUs of each OpenMP team thread as the instance's environment places them: ``OMP_PLACES``
-    (``{0},{1}``) or ``KMP_AFFINITY``'s ``proclist=[{0,1},1]``; None when neither is written that way."""
-    import re
-
-    text = env.get("OMP_PLACES", "")
-    if not text:
-        found = re.search(r"proclist=\[([^\]]*)\]", env.get("KMP_AFFINITY", ""))
-        text = found.group(1) if found else ""
-    places = []
-    for match in re.finditer(r"\{([^}]*)\}|([^,{}]+)", text):
-        items = (match.group(1) if match.group(1) is not None else match.group(2)).split(",")
-        if not items or not all(item.strip().isdigit() for item in items):
-            return None
-        places.append(tuple(int(item) for item in items))
-    threads = env.get("OMP_NUM_THREADS", "").strip()
-    if threads.isdigit() and 0 < int(threads) < len(places):
-        places = places[:int(threads)]
-    return places or None
 
 
 # ------------------------------------------------------------------------------------------ server
@@ -224,138 +203,6 @@ def _become_instance(sock: socket.socket, request: dict, fds: list[int], ready_w
     return notes
 
 
-def become_program(request: dict, notes: Sequence[str]) -> None:
-    """In the adopted instance: its environment, OpenMP team, fresh random state, then its program.
-    (``notes``: a refused memory policy, which the runner reports once for every instance.)"""
-    import gc
-
-    env = {str(k): str(v) for k, v in request["env"].items()}
-    for name in [n for n in os.environ if n not in env]:
-        del os.environ[name]
-    os.environ.update(env)
-    gc.enable()
-    _pin_openmp_team(env)
-    if _hooks_dir() in env.get("PYTHONPATH", "").split(os.pathsep):
-        _install_auto_optimize()
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:        # a fresh process would have drawn its own seed
-        numpy_random.seed()
-    if hasattr(sys, "orig_argv"):              # Python 3.10+
-        sys.orig_argv = list(request["argv"])
-    retitle(request["argv"])
-    _run(list(request["argv"]))
-
-
-def _hooks_dir() -> str:
-    """The ``sitecustomize`` folder ``--auto-optimize`` puts on an instance's ``PYTHONPATH`` (plan/shared.py
-    leaves it off the server's), found beside the xlaunch this server imported."""
-    return os.path.join(os.path.dirname(sys.modules["xlaunch"].__file__), "kernels", "inject", "site")
-
-
-def _install_auto_optimize() -> None:
-    """What that ``sitecustomize`` does at a plain instance's start, here after the fork: the hooks, from
-    this instance's environment (torch, when the server imported it, is patched now)."""
-    try:
-        from xlaunch.kernels.inject import hooks
-
-        hooks.install_from_environment()
-    except Exception as error:   # the program must run even when the injection cannot
-        sys.stderr.write(f"xlaunch --auto-optimize: not active ({type(error).__name__}: {error})\n")
-
-
-def retitle(argv: Sequence[str]) -> bool:
-    """Show ``argv`` as this process's command line (``ps``, ``pgrep -f``, ``/proc/PID/cmdline``), not the
-    server's: written over the server's own argument strings, as setproctitle does (joined by spaces,
-    the area's last byte left non-zero so the kernel reads up to the first NUL; cut to the area, which the
-    server's JSON argument makes long). False when it cannot (a /proc without the fields)."""
-    import ctypes
-
-    try:
-        with open("/proc/self/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])     # arg_start, arg_end: fields 48 and 49
-    except (OSError, IndexError, ValueError):
-        return False
-    size = end - start
-    if size < 2:
-        return False
-    title = b" ".join(os.fsencode(arg) for arg in argv)[:size - 2]
-    ctypes.memmove(start, title + b"\0" * (size - 1 - len(title)) + b" ", size)
-    return True
-
-
-def _pin_openmp_team(env: dict) -> None:
-    """The runtime the server loaded read its places there: pin this instance's team as they say."""
-    from xlaunch.runtime_ext import openmp
-
-    if not openmp.mapped_runtimes():
-        return           # not loaded yet: it will read this instance's environment when it loads
-    places = places_in(env)
-    if places is None:
-        return           # a user's own OMP_PLACES / KMP_AFFINITY spelling: the CPUs stay the process's
-    try:
-        from xlaunch.runtime_ext.pool import get_thread_count, set_thread_count
-
-        runtime = openmp.loaded_runtime()
-        if get_thread_count(runtime) != len(places):   # (setting it also starts torch's pthreadpool)
-            set_thread_count(runtime, len(places))
-
-        def pin(thread_num: int, team_size: int) -> None:
-            if thread_num < len(places):
-                os.sched_setaffinity(0, places[thread_num])
-
-        runtime.run_on_team(len(places), pin)
-    except (OSError, RuntimeError, ValueError) as error:
-        sys.stderr.write(f"xlaunch: warning: the OpenMP team was not pinned ({error})\n")
-
-
-def program_of(argv: Sequence[str]) -> tuple[bool, str, list[str]]:
-    """``[python, -u, PROGRAM | -m MODULE, ARGS...]`` (an instance's argv) -> (a module?, PROGRAM or MODULE,
-    ARGS)."""
-    args = list(argv[1:])
-    while args[:1] == ["-u"]:
-        args = args[1:]
-    if args[:1] == ["-m"]:
-        return True, args[1], args[2:]
-    return False, args[0], args[1:]
-
-
-def path0(argv: Sequence[str]) -> str:
-    """``sys.path[0]`` of that interpreter: the script's real folder, or the working one for ``-m``."""
-    module, target, _args = program_of(argv)
-    return os.getcwd() if module else os.path.dirname(os.path.realpath(target))
-
-
-def _run(argv: list[str]) -> None:
-    """Run ``[python, -u, PROGRAM | -m MODULE, ARGS...]`` as that interpreter would, as ``__main__``."""
-    import runpy
-
-    module, target, args = program_of(argv)
-    if module:
-        import types
-
-        sys.argv = ["-m", *args]
-        sys.modules["__main__"] = types.ModuleType("__main__")   # runpy runs the module in __main__'s dict
-        runpy._run_module_as_main(target)   # what ``python -m`` itself calls
-        return
-    path, sys.argv = target, [target, *args]
-    if not os.path.isfile(path):              # a folder or zip with __main__.py
-        runpy.run_path(path, run_name="__main__")
-        return
-    import builtins
-    import importlib.machinery
-    import io
-    import types
-
-    with io.open_code(path) as source:
-        code = compile(source.read(), path, "exec")
-    main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __builtins__=builtins, __cached__=None, __spec__=None,
-                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
-    sys.modules["__main__"] = main
-    exec(code, main.__dict__)
-
-
 def leave_without_exit_handlers() -> None:
     """The server's end, once every instance is forked: what the imports set up (``atexit`` handlers, a
     scratch folder they remove, finalizers, buffered files) is the instances' now, and they run it at
@@ -397,15 +244,19 @@ def main(argv: list[str]) -> int:
 
     sock = socket.socket(fileno=int(argv[1]))
     config = json.loads(argv[2])
-    sys.path[0] = path0(config["argv"])       # not this file's folder: the program's
-    module, target, args = program_of(config["argv"])
+    sys.path.append(config["root"])           # for xlaunch's own parts, before the program's path is set
+    from xlaunch.launcher.run import binding
+    from xlaunch.launcher.run.shared_imports import program
+
+    sys.path.pop()
+    sys.path[0] = program.path0(config["argv"])   # not this file's folder: the program's
+    module, target, args = program.program_of(config["argv"])
     sys.argv = ["-m" if module else target, *args]   # what the imports would see (runpy's "-m" for a module)
     if hasattr(sys, "orig_argv"):              # Python 3.10+
         sys.orig_argv = list(config["argv"])
     borrowed = config["root"] not in sys.path
     if borrowed:
         sys.path.append(config["root"])       # last: never shadows the program's modules
-    from xlaunch.launcher.run import binding
 
     started = time.monotonic()
     gc.disable()
@@ -441,12 +292,12 @@ def main(argv: list[str]) -> int:
     if borrowed:                              # the program sees its own sys.path (xlaunch stays imported)
         sys.path.remove(config["root"])
     try:
-        become_program(*became)
+        program.become_program(*became)
     except (SystemExit, KeyboardInterrupt):
         raise
-    except BaseException as error:             # as the interpreter reports it, without this file's frames
-        trace = error.__traceback__
-        while trace is not None and trace.tb_frame.f_code.co_filename == main.__code__.co_filename:
+    except BaseException as error:             # as the interpreter reports it, without the server's frames
+        trace, ours = error.__traceback__, {main.__code__.co_filename, program.__file__}
+        while trace is not None and trace.tb_frame.f_code.co_filename in ours:
             trace = trace.tb_next
         sys.excepthook(type(error), error.with_traceback(trace), trace)
         return 1
