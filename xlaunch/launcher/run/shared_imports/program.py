@@ -64,7 +64,7 @@ def become_program(request: dict, notes: Sequence[str]) -> None:
     os.environ.update(env)
     gc.enable()
     _pin_openmp_team(env)
-    if _hooks_dir() in env.get("PYTHONPATH", "").split(os.pathsep):
+    if _asks_for_hooks(env):
         _install_auto_optimize()
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:        # a fresh process would have drawn its own seed
@@ -75,10 +75,14 @@ def become_program(request: dict, notes: Sequence[str]) -> None:
     _run(list(request["argv"]))
 
 
-def _hooks_dir() -> str:
-    """The ``sitecustomize`` folder ``--auto-optimize`` puts on an instance's ``PYTHONPATH`` (plan/shared.py
-    leaves it off the server's), found beside the xlaunch this server imported."""
-    return os.path.join(os.path.dirname(sys.modules["xlaunch"].__file__), "kernels", "inject", "site")
+def _asks_for_hooks(env: dict) -> bool:
+    """``--auto-optimize`` put its ``sitecustomize`` folder on this instance's ``PYTHONPATH`` (plan/shared.py
+    leaves it off the server's). Its dtype variable comes with it: without that, nothing is imported."""
+    if "XLAUNCH_AUTO_OPTIMIZE" not in env:
+        return False
+    from xlaunch.kernels.inject import SITE_DIR
+
+    return SITE_DIR in env.get("PYTHONPATH", "").split(os.pathsep)
 
 
 def _install_auto_optimize() -> None:
