@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: venv (on Debian's python3.11 when there is one), torch 2.13.0 (CPU build),
 # torchao 0.18.0, xlaunch with dev, tune and engine (onnxruntime, openvino) extras, the Debian
-# allocator/numactl (and python3.11-venv) packages when they are missing and we are root, and
+# allocator/numactl/libomp5 (and python3.11-venv) packages when they are missing and we are root, and
 # xlaunch.nn's and xlaunch.llm's compiled kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,8 @@ need_apt=()
 [ -e /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] || ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1 || need_apt+=(libjemalloc2)
 ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || need_apt+=(libtcmalloc-minimal4)
 command -v numactl >/dev/null 2>&1 || need_apt+=(numactl)
+# LLVM's OpenMP runtime: runtime_ext's tests run again with it preloaded (as with Intel's).
+ls /usr/lib/*/libomp.so.5 >/dev/null 2>&1 || need_apt+=(libomp5)
 # SIMDe's portable AVX-512 (headers only): tests/llm runs the AVX-512 VNNI kernels with it on any x86 CPU.
 [ -e /usr/include/simde/x86/avx512.h ] || need_apt+=(libsimde-dev)
 # Debian's Python 3.11 without its venv module (a slim image): the package that holds it (below).

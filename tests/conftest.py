@@ -167,6 +167,12 @@ def iomp_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def libomp_path() -> str:
+    """LLVM's OpenMP runtime (Debian's libomp5)."""
+    return require("libomp.so.5", _first(["/usr/lib/*/libomp.so.5", "/usr/lib/llvm-*/lib/libomp.so.5"]))
+
+
+@pytest.fixture(scope="session")
 def numactl_path() -> str:
     return require("numactl", shutil.which("numactl"))
 

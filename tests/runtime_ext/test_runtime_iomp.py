@@ -1,4 +1,5 @@
-"""The runtime tests that use the OpenMP runtime again, in a process where Intel's libiomp5 is preloaded.
+"""The runtime tests that use the OpenMP runtime again, in a process where Intel's libiomp5 is preloaded,
+and in one where LLVM's libomp is (``XLAUNCH_TEST_OMP_KIND`` says which runtime must be found).
 
 Rerun: the files whose tests pin, size or read back the team of whatever runtime torch uses
 (in this process or in the processes they start). Not rerun, as the same run would repeat:
@@ -28,10 +29,22 @@ def test_every_runtime_test_file_is_rerun_or_said_not_to_be() -> None:
     assert files == set(RERUN) | set(NOT_RERUN), sorted(files ^ (set(RERUN) | set(NOT_RERUN)))
 
 
-@pytest.mark.skipif(os.environ.get("XLAUNCH_TEST_OMP_KIND") == "iomp", reason="already the libiomp5 run")
+already_a_rerun = pytest.mark.skipif("XLAUNCH_TEST_OMP_KIND" in os.environ, reason="already a rerun")
+
+
+@already_a_rerun
 def test_runtime_suite_under_libiomp5(iomp_path):
+    rerun(iomp_path, "iomp")
+
+
+@already_a_rerun
+def test_runtime_suite_under_llvm_libomp(libomp_path):
+    rerun(libomp_path, "omp")
+
+
+def rerun(library: str, kind: str) -> None:
     pytest.importorskip("torch")
-    env = {**os.environ, **loader_env.preload(iomp_path), "XLAUNCH_TEST_OMP_KIND": "iomp"}
+    env = {**os.environ, **loader_env.preload(library), "XLAUNCH_TEST_OMP_KIND": kind}
     env.pop("OMP_NUM_THREADS", None)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *(str(HERE / name) for name in RERUN)],

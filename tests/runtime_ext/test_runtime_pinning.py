@@ -1,7 +1,7 @@
 """Pinning the OpenMP team, read back from /proc/self/task/<tid>/status.
 
-This file also runs under LD_PRELOAD=libiomp5 (test_runtime_iomp.py), where
-XLAUNCH_TEST_OMP_KIND=iomp says which runtime must be found.
+This file also runs under LD_PRELOAD=libiomp5 and under LLVM's libomp (test_runtime_iomp.py), where
+XLAUNCH_TEST_OMP_KIND=iomp or omp says which runtime must be found.
 """
 from __future__ import annotations
 

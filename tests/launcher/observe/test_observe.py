@@ -347,6 +347,7 @@ def test_compare_allocator_not_mapped():
 def test_compare_intel_openmp_not_mapped():
     observed = merged([process(libraries=[GOMP_LIB], active=[GOMP])])
     assert compare(observed, (), (), None, "intel") == ["Intel OpenMP (libiomp5) was planned but never mapped"]
+    assert compare(observed, (), (), None, "llvm") == ["LLVM OpenMP (libomp) was planned but never mapped"]
     assert compare(observed, (), (), None, "gnu") == []
 
 

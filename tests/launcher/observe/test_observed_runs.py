@@ -68,3 +68,28 @@ def test_second_openmp_runtime_is_warned(tmp_path, iomp_path) -> None:
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("xlaunch: warning: instance 0:")]
     assert any("OpenMP" in line for line in warnings), result.stderr
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs")
+def test_llvm_openmp_in_the_users_ld_preload_is_the_one_that_runs(tmp_path, libomp_path) -> None:
+    """Kept, not joined by Intel's: the instance maps LLVM's libomp only, and its team threads run where the
+    plan's ``KMP_AFFINITY`` (which libomp reads) puts them, read back from /proc."""
+    pytest.importorskip("torch")
+    program = tmp_path / "team.py"
+    program.write_text("import os, time, torch\n"
+                       "x = torch.randn(256, 256)\n"
+                       "end = time.time() + 1.2\n"
+                       "while time.time() < end: x @ x\n")
+    summary = tmp_path / "summary.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLAUNCH_FSROOT", "OMP_NUM_THREADS")}
+    env["LD_PRELOAD"] = libomp_path
+    result = subprocess.run([sys.executable, "-m", "xlaunch", "--ninstances", "1", "--ncores-per-instance", "2",
+                             "--summary-json", str(summary), str(program)],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"kept the OpenMP runtime in your LD_PRELOAD ({libomp_path}); not adding Intel OpenMP" in result.stderr
+    data = json.loads(summary.read_text())
+    [instance] = data["instances"]
+    assert data["openmp"] == "llvm" and instance["observed"]["openmp"] == ["llvm"]
+    assert set(instance["observed"]["thread_cpus"]) <= set(instance["cpus"])
+    assert not [line for line in result.stderr.splitlines() if "OpenMP runtimes mapped" in line]

@@ -111,6 +111,39 @@ def test_already_preloaded_iomp_is_not_added_twice() -> None:
     assert env["LD_PRELOAD"] == "/elsewhere/libiomp5.so"
 
 
+LIBOMP = "/usr/lib/llvm-16/lib/libomp.so.5"
+
+
+@pytest.mark.parametrize("name", ["libomp.so.5", "libomp.so", "libomp-16.so.5"])
+def test_llvm_openmp_in_ld_preload_is_kept_with_intels_variables(name: str) -> None:
+    environ = {"LD_PRELOAD": f"/opt/llvm/lib/{name}"}
+    runtime = choose_runtime(ALL_LIBS, environ=environ)
+    assert (runtime.openmp, runtime.openmp_library) == ("llvm", None)
+    assert runtime.warnings == (f"kept the OpenMP runtime in your LD_PRELOAD (/opt/llvm/lib/{name}); "
+                                "not adding Intel OpenMP",)
+    env = instance_environment(environ, runtime, cpus=(2, 3), index=0, ninstances=1).env
+    assert env["LD_PRELOAD"] == f"{JEMALLOC}:/opt/llvm/lib/{name}"        # no libiomp5 beside it
+    assert env["KMP_AFFINITY"] == "granularity=fine,proclist=[{2,3},3],explicit" and env["KMP_BLOCKTIME"] == "1"
+    assert "OMP_PLACES" not in env
+
+
+def test_a_preloaded_openmp_against_the_asked_runtime() -> None:
+    with pytest.raises(PlanError) as error:     # two runtimes in one process: refused, nothing planned
+        choose_runtime(ALL_LIBS, omp_runtime="intel", environ={"LD_PRELOAD": LIBOMP})
+    assert error.value.option == "--omp-runtime" and LIBOMP in str(error.value)
+    runtime = choose_runtime(ALL_LIBS, omp_runtime="default", environ={"LD_PRELOAD": LIBOMP})
+    assert runtime.openmp == "llvm" and "not torch's own libgomp" in runtime.warnings[0]
+    # Intel's elsewhere: that one runs, not a second copy, without a word
+    runtime = choose_runtime(ALL_LIBS, omp_runtime="intel", environ={"LD_PRELOAD": "/elsewhere/libiomp5.so"})
+    assert (runtime.openmp, runtime.openmp_library, runtime.warnings) == ("intel", None, ())
+    # libgomp is preloaded for other reasons too (its static TLS): Intel's still goes first, as before
+    runtime = choose_runtime(ALL_LIBS, environ={"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libgomp.so.1"})
+    assert (runtime.openmp, runtime.openmp_library) == ("intel", IOMP)
+    # names that only look alike are not runtimes
+    runtime = choose_runtime(ALL_LIBS, environ={"LD_PRELOAD": "/opt/libompitt.so:/opt/libomptarget.so"})
+    assert (runtime.openmp, runtime.openmp_library) == ("intel", IOMP)
+
+
 USER_VARIABLES = ["OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY",
                   "KMP_BLOCKTIME", "MALLOC_CONF", "GLIBC_TUNABLES", "TCMALLOC_RELEASE_RATE"]
 

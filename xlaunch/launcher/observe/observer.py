@@ -215,7 +215,7 @@ def compare(observed: Observed, planned_cpus: Sequence[int], planned_mem_nodes: 
 
     ``planned_allocator`` is the plan's allocator (``jemalloc``, ``tcmalloc``,
     ``tcmalloc_minimal``, ``mimalloc``; ``glibc``, ``default``, ``user`` or None: not checked);
-    ``planned_openmp`` its runtime (``intel`` is checked to be mapped; ``gnu``/None are not,
+    ``planned_openmp`` its runtime (``intel`` and ``llvm`` are checked to be mapped; ``gnu``/None are not,
     since a program that never imports torch maps no OpenMP at all).
     """
     if not observed.samples or not observed.processes:
@@ -233,6 +233,8 @@ def compare(observed: Observed, planned_cpus: Sequence[int], planned_mem_nodes: 
                      f"(ran with {observed.allocator})")
     if planned_openmp == "intel" and not any(kind == "iomp" for kind, _ in observed.libraries):
         lines.append("Intel OpenMP (libiomp5) was planned but never mapped")
+    if planned_openmp == "llvm" and not any(kind == "omp" for kind, _ in observed.libraries):
+        lines.append("LLVM OpenMP (libomp) was planned but never mapped")
     kinds = observed.libraries_by_path
     for pid, paths in observed.openmp_conflicts:
         names = ", ".join(f"{OPENMP_OF_KIND[kinds[p]]} ({p})" for p in paths)

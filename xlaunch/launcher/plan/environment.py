@@ -22,6 +22,7 @@ from xlaunch.machine.model import Library, Machine
 
 GNU = "gnu"
 INTEL = "intel"
+LLVM = "llvm"           # only when the user's LD_PRELOAD has LLVM's libomp (xlaunch never adds it)
 
 # jemalloc: big allocations straight from their own extents (oversize_threshold:1), transparent
 # huge pages for metadata, and freed pages never purged (decay -1), so a steady-state loop never
@@ -39,14 +40,17 @@ GLIBC_TUNABLES_BENCHMARK = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.tr
 TCMALLOC_REPORT_THRESHOLD = str(1 << 40)
 
 _MALLOC_LIBRARY = re.compile(r"lib(jemalloc|tcmalloc|mimalloc|hoard|tbbmalloc)", re.IGNORECASE)
+# An OpenMP runtime a user preloads on purpose (libgomp is also preloaded for other reasons, e.g. its
+# static TLS, and is left under Intel's as before): it takes every OpenMP entry point, as xlaunch's would.
+_CHOSEN_OPENMP = re.compile(r"^lib(iomp5|omp)(?:[-_.][^/]*)?\.so(?:\.[\d.]+)?$")
 
 
 @record
 class Runtime:
     """The OpenMP runtime and allocator every instance gets."""
 
-    openmp: str                               # gnu (torch's own libgomp) | intel (libiomp5 preloaded)
-    openmp_library: Optional[str]             # libiomp5 path when intel
+    openmp: str                               # gnu (torch's own libgomp) | intel (libiomp5) | llvm (the user's libomp)
+    openmp_library: Optional[str]             # the libiomp5 xlaunch preloads, when it does
     allocator: str                            # jemalloc | tcmalloc | tcmalloc_minimal | glibc | default | user
     allocator_library: Optional[str]          # the file preloaded, when any
     benchmark: bool = False
@@ -162,6 +166,9 @@ def choose_runtime(
         openmp, openmp_library = INTEL, iomp.path
     elif omp_runtime == "auto" and iomp is not None:
         openmp, openmp_library = INTEL, iomp.path
+    user_openmp = next((e for e in user_preload if _CHOSEN_OPENMP.match(os.path.basename(e))), None)
+    if user_openmp is not None:
+        openmp, openmp_library = _users_openmp(user_openmp, omp_runtime, openmp_library, warnings)
     return Runtime(
         openmp=openmp,
         openmp_library=openmp_library,
@@ -170,6 +177,21 @@ def choose_runtime(
         benchmark=benchmark,
         warnings=tuple(warnings),
     )
+
+
+def _users_openmp(path: str, omp_runtime: str, ours: Optional[str], warnings: list[str]) -> tuple[str, None]:
+    """The runtime of the user's ``LD_PRELOAD`` (libiomp5 or libomp at ``path``) is the one that runs: it is
+    kept, and xlaunch adds no second one (two runtimes in a process keep two thread pools)."""
+    kind = INTEL if _CHOSEN_OPENMP.match(os.path.basename(path)).group(1) == "iomp5" else LLVM
+    if omp_runtime == "intel" and kind != INTEL:
+        raise PlanError("--omp-runtime", f"intel, but your LD_PRELOAD already has LLVM OpenMP ({path}): remove "
+                                         "it from LD_PRELOAD, or leave --omp-runtime at auto to keep it")
+    if ours is not None and kind != INTEL:
+        warnings.append(f"kept the OpenMP runtime in your LD_PRELOAD ({path}); not adding Intel OpenMP")
+    elif omp_runtime == "default":
+        warnings.append(f"--omp-runtime default: the OpenMP runtime in your LD_PRELOAD ({path}) runs, "
+                        "not torch's own libgomp")
+    return kind, None
 
 
 def team_places(cpus: Sequence[int]) -> str:
@@ -201,7 +223,7 @@ def runtime_variables(runtime: Runtime, cpus: Sequence[int], index: int, ninstan
     preload: list[str] = []
     if runtime.allocator_library:
         preload.append(runtime.allocator_library)
-    if runtime.openmp == INTEL:
+    if runtime.openmp in (INTEL, LLVM):      # LLVM's libomp reads Intel's variables (one code base)
         if runtime.openmp_library:
             preload.append(runtime.openmp_library)
         wanted["KMP_AFFINITY"] = f"granularity=fine,proclist=[{team_places(cpus)}],explicit"

@@ -71,7 +71,7 @@ class Plan:
     env_kept: dict[str, str] = factory(dict)    # user's values xlaunch did not override
     machine_summary: dict[str, Any] = factory(dict)
     allocator: str = "default"               # jemalloc | tcmalloc | tcmalloc_minimal | glibc | default | user
-    openmp: str = "gnu"                      # gnu | intel
+    openmp: str = "gnu"                      # gnu | intel | llvm (the user's preloaded libomp)
     kernel_report: bool = False              # instances print oneDNN's verbose lines: take them out, summarise
     import_servers: tuple[ImportServer, ...] = ()   # --share-imports: the processes instances are forked from
 
