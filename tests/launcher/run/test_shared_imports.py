@@ -371,13 +371,20 @@ def test_what_the_imports_print_is_shown_once_and_their_exit_handlers_are_the_in
 @pytest.mark.parametrize("module, says", [
     ("no_such_module_here", "import no_such_module_here: ModuleNotFoundError: No module named 'no_such_module_here'"),
     ("json,starts_a_thread", "importing starts_a_thread (1) started thread(s) that a fork would leave behind "
-                        "(leave it out of --share-imports)"),
+                             "(leave it out of --share-imports)"),
+    ("json+sitecustomize", "the interpreter's start-up (a sitecustomize or .pth file) started 1 thread(s) that a "
+                           "fork would leave behind"),
 ])
 def test_a_server_that_cannot_serve_is_told_once_and_the_instances_start_alone(module, says, plain, tmp_path):
     need_cores(2)
     (tmp_path / "starts_a_thread.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
-    result = xlaunch(["--ninstances", "2", "--share-imports", module, str(plain)])
+    env = clean_env()
+    if module == "json+sitecustomize":         # a thread from the interpreter's own start-up, before any import
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text((tmp_path / "starts_a_thread.py").read_text())
+        env["PYTHONPATH"], module = str(tmp_path / "site"), "json"
+    result = xlaunch(["--ninstances", "2", "--share-imports", module, str(plain)], env=env)
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "--share-imports" in line]
     assert warnings == [f"xlaunch: warning: --share-imports: {says}; instances 0,1 start on their own"]

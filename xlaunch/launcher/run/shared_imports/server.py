@@ -260,7 +260,11 @@ def main(argv: list[str]) -> int:
 
     started = time.monotonic()
     gc.disable()
-    threads, starters = _thread_count(), []
+    threads, starters = 1, []                  # the main thread alone may be forked
+    if _thread_count() > threads and _threads_past_a_fork() > threads:
+        send_message(sock, {"error": f"the interpreter's start-up (a sitecustomize or .pth file) started "
+                                     f"{_thread_count() - threads} thread(s) that a fork would leave behind"})
+        return 1
     for name in config["modules"]:
         try:
             importlib.import_module(name)
