@@ -116,6 +116,20 @@ def test_the_dry_run_says_where_the_imports_happen(plain):
 
 # ------------------------------------------------------------------------------- the server's parts
 
+def test_the_servers_output_is_given_out_once_and_what_passes_the_cap_is_counted_once(tmp_path):
+    from xlaunch.launcher.run.shared_imports.client import ForkServer
+
+    with open(tmp_path / "out", "a+b", buffering=0) as output:     # appending, as the server's (O_APPEND) does
+        server = ForkServer(spec=None, proc=None, sock=None, output=output, launched=0.0)
+        output.write(b"a" * 50)
+        assert server.unshown_output(cap=64) == (b"a" * 50, 0)
+        output.write(b"b" * 50)
+        assert server.unshown_output(cap=64) == (b"b" * 14, 36)
+        assert server.unshown_output(cap=64) == (b"", 0)
+        output.write(b"c" * 10)
+        assert server.unshown_output(cap=64) == (b"", 10)
+
+
 def test_the_places_are_read_from_the_variables_the_plan_sets():
     assert forkprogram.places_in({"OMP_PLACES": "{4},{5},{6}", "OMP_NUM_THREADS": "2"}) == [(4,), (5,)]
     intel = {"KMP_AFFINITY": "granularity=fine,proclist=[{4,5,6},5,6],explicit"}

@@ -47,6 +47,7 @@ class ForkServer:
     seconds: float = 0.0           # how long its imports took, once ready
     ready: bool = False            # it said ready (:meth:`wait_ready` returned)
     shown: int = 0                 # bytes of ``output`` already given out by :meth:`unshown_output`
+    cut: int = 0                   # bytes past its cap already reported as left out
 
     @classmethod
     def start(cls, spec: ImportServer, instance: Instance, *, die_with_parent: bool, memory: MemoryPolicy,
@@ -61,6 +62,7 @@ class ForkServer:
                memory: MemoryPolicy) -> "ForkServer":
         """Start the server for ``spec`` with ``instance``'s interpreter, and return while it imports (the
         runner starts every server so, then waits for each: a 2-socket machine's two import at once)."""
+        import fcntl
         import tempfile
 
         from xlaunch.launcher.run import spawning
@@ -71,6 +73,8 @@ class ForkServer:
         output = None
         try:
             output = tempfile.TemporaryFile()
+            # the server's writes append wherever this side's reads left the shared offset
+            fcntl.fcntl(output.fileno(), fcntl.F_SETFL, fcntl.fcntl(output.fileno(), fcntl.F_GETFL) | os.O_APPEND)
             proc = spawning.pinned_start(
                 lambda: subprocess.Popen(
                     argv, env=dict(spec.env), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
@@ -174,7 +178,9 @@ class ForkServer:
         except (OSError, ValueError):
             return b"", 0
         self.shown += len(data)
-        return data, max(0, size - max(cap, self.shown))
+        left_out = max(0, size - max(cap, self.shown) - self.cut)
+        self.cut += left_out
+        return data, left_out
 
     def close(self, *, kill: bool = False, grace: float = 5.0) -> None:
         """End of stream to the server, which then exits; reap it."""
