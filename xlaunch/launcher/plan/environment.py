@@ -166,9 +166,12 @@ def choose_runtime(
         openmp, openmp_library = INTEL, iomp.path
     elif omp_runtime == "auto" and iomp is not None:
         openmp, openmp_library = INTEL, iomp.path
-    user_openmp = next((e for e in user_preload if _CHOSEN_OPENMP.match(os.path.basename(e))), None)
-    if user_openmp is not None:
-        openmp, openmp_library = _users_openmp(user_openmp, omp_runtime, openmp_library, warnings)
+    for entry in user_preload:
+        chosen = _CHOSEN_OPENMP.match(os.path.basename(entry))
+        if chosen:
+            kind = INTEL if chosen.group(1) == "iomp5" else LLVM
+            openmp, openmp_library = _users_openmp(entry, kind, omp_runtime, openmp_library, warnings)
+            break
     return Runtime(
         openmp=openmp,
         openmp_library=openmp_library,
@@ -179,10 +182,10 @@ def choose_runtime(
     )
 
 
-def _users_openmp(path: str, omp_runtime: str, ours: Optional[str], warnings: list[str]) -> tuple[str, None]:
-    """The runtime of the user's ``LD_PRELOAD`` (libiomp5 or libomp at ``path``) is the one that runs: it is
-    kept, and xlaunch adds no second one (two runtimes in a process keep two thread pools)."""
-    kind = INTEL if _CHOSEN_OPENMP.match(os.path.basename(path)).group(1) == "iomp5" else LLVM
+def _users_openmp(path: str, kind: str, omp_runtime: str, ours: Optional[str],
+                  warnings: list[str]) -> tuple[str, None]:
+    """The runtime of the user's ``LD_PRELOAD`` (``kind``, at ``path``) is the one that runs: it is kept, and
+    xlaunch adds no second one (two runtimes in a process keep two thread pools)."""
     if omp_runtime == "intel" and kind != INTEL:
         raise PlanError("--omp-runtime", f"intel, but your LD_PRELOAD already has LLVM OpenMP ({path}): remove "
                                          "it from LD_PRELOAD, or leave --omp-runtime at auto to keep it")

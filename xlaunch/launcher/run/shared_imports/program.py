@@ -32,6 +32,15 @@ def path0(argv: Sequence[str]) -> str:
     return os.getcwd() if module else os.path.dirname(os.path.realpath(target))
 
 
+def take_command_line(argv: Sequence[str]) -> None:
+    """``sys.argv`` and ``sys.orig_argv`` as that interpreter has them before the program runs (runpy's ``-m``
+    first for a module, which ``python -m`` replaces by the module's path)."""
+    module, target, args = program_of(argv)
+    sys.argv = ["-m" if module else target, *args]
+    if hasattr(sys, "orig_argv"):              # Python 3.10+
+        sys.orig_argv = list(argv)
+
+
 def places_in(env: dict) -> Optional[list[tuple[int, ...]]]:
     """The CPUs of each OpenMP team thread as the instance's environment places them: ``OMP_PLACES``
     (``{0},{1}``) or ``KMP_AFFINITY``'s ``proclist=[{0,1},1]``; None when neither is written that way."""
@@ -69,8 +78,6 @@ def become_program(request: dict, notes: Sequence[str]) -> None:
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:        # a fresh process would have drawn its own seed
         numpy_random.seed()
-    if hasattr(sys, "orig_argv"):              # Python 3.10+
-        sys.orig_argv = list(request["argv"])
     retitle(request["argv"])
     _run(list(request["argv"]))
 
@@ -146,15 +153,14 @@ def _run(argv: list[str]) -> None:
     """Run ``[python, -u, PROGRAM | -m MODULE, ARGS...]`` as that interpreter would, as ``__main__``."""
     import runpy
 
-    module, target, args = program_of(argv)
+    module, path, _args = program_of(argv)
+    take_command_line(argv)
     if module:
         import types
 
-        sys.argv = ["-m", *args]
         sys.modules["__main__"] = types.ModuleType("__main__")   # runpy runs the module in __main__'s dict
-        runpy._run_module_as_main(target)   # what ``python -m`` itself calls
+        runpy._run_module_as_main(path)   # what ``python -m`` itself calls
         return
-    path, sys.argv = target, [target, *args]
     if not os.path.isfile(path):              # a folder or zip with __main__.py
         runpy.run_path(path, run_name="__main__")
         return

@@ -216,15 +216,18 @@ def leave_without_exit_handlers() -> None:
     os._exit(0)
 
 
-def _threads_past_a_fork() -> int:
-    """This process's threads once the fork handlers ran: a trial fork lets libraries that stop their
-    pools before a fork (OpenBLAS, which numpy loads with torch) do so; the threads left would be
-    missing from every instance while the library counts on them."""
+def _threads_a_fork_leaves(known: int) -> int:
+    """How many threads beyond ``known`` this process has once the fork handlers ran (0 without a fork when
+    none were started): a trial fork lets libraries that stop their pools before a fork (OpenBLAS, which
+    numpy loads with torch) do so; the threads left would be missing from every instance while the
+    library counts on them."""
+    if _thread_count() <= known:
+        return 0
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
-    return _thread_count()
+    return max(0, _thread_count() - known)
 
 
 def _thread_count() -> int:
@@ -250,10 +253,7 @@ def main(argv: list[str]) -> int:
 
     sys.path.pop()
     sys.path[0] = program.path0(config["argv"])   # not this file's folder: the program's
-    module, target, args = program.program_of(config["argv"])
-    sys.argv = ["-m" if module else target, *args]   # what the imports would see (runpy's "-m" for a module)
-    if hasattr(sys, "orig_argv"):              # Python 3.10+
-        sys.orig_argv = list(config["argv"])
+    program.take_command_line(config["argv"])   # what the imports would see in the program's interpreter
     borrowed = config["root"] not in sys.path
     if borrowed:
         sys.path.append(config["root"])       # last: never shadows the program's modules
@@ -261,9 +261,10 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     gc.disable()
     threads, starters = 1, []                  # the main thread alone may be forked
-    if _thread_count() > threads and _threads_past_a_fork() > threads:
+    extra = _threads_a_fork_leaves(threads)
+    if extra:
         send_message(sock, {"error": f"the interpreter's start-up (a sitecustomize or .pth file) started "
-                                     f"{_thread_count() - threads} thread(s) that a fork would leave behind"})
+                                     f"{extra} thread(s) that a fork would leave behind"})
         return 1
     for name in config["modules"]:
         try:
@@ -277,11 +278,10 @@ def main(argv: list[str]) -> int:
                 where = ""                      # the module itself is missing: nothing to point at
             send_message(sock, {"error": f"import {name}: {type(error).__name__}: {error}{where}"})
             return 1
-        if _thread_count() > threads:          # this import started threads: do they survive a fork?
-            after = _threads_past_a_fork()
-            if after > threads:
-                starters.append(f"{name} ({after - threads})")
-                threads = after
+        extra = _threads_a_fork_leaves(threads)
+        if extra:
+            starters.append(f"{name} ({extra})")
+            threads += extra
     if starters:
         them = "it" if len(starters) == 1 else "them"
         send_message(sock, {"error": f"importing {', '.join(starters)} started thread(s) that a fork would leave "
