@@ -16,8 +16,11 @@ ALLOWED = sorted(os.sched_getaffinity(0))
 TORCH_LIB = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages" / "torch" / "lib"
 
 
-def xlaunch(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+def xlaunch(*argv: str, cwd: Path, preload: str = "") -> subprocess.CompletedProcess:
+    """``python -m xlaunch ARGV`` with none of the caller's LD_PRELOAD (``preload`` instead, when given)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLAUNCH_FSROOT", "LD_PRELOAD", "OMP_NUM_THREADS")}
+    if preload:
+        env["LD_PRELOAD"] = preload
     return subprocess.run([sys.executable, "-m", "xlaunch", *argv], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=120)
 
@@ -81,11 +84,8 @@ def test_llvm_openmp_in_the_users_ld_preload_is_the_one_that_runs(tmp_path, libo
                        "end = time.time() + 1.2\n"
                        "while time.time() < end: x @ x\n")
     summary = tmp_path / "summary.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLAUNCH_FSROOT", "OMP_NUM_THREADS")}
-    env["LD_PRELOAD"] = libomp_path
-    result = subprocess.run([sys.executable, "-m", "xlaunch", "--ninstances", "1", "--ncores-per-instance", "2",
-                             "--summary-json", str(summary), str(program)],
-                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    result = xlaunch("--ninstances", "1", "--ncores-per-instance", "2", "--summary-json", str(summary), str(program),
+                     cwd=tmp_path, preload=libomp_path)
     assert result.returncode == 0, result.stderr
     assert f"kept the OpenMP runtime in your LD_PRELOAD ({libomp_path}); not adding Intel OpenMP" in result.stderr
     data = json.loads(summary.read_text())
