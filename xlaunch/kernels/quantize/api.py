@@ -139,10 +139,9 @@ class QuantizedModule(nn.Module):
     def save(self, path: str) -> None:
         """Write the model with its mode, report, input signature and library versions: the torch
         routes in torch.export's format, ``onnxruntime_static``/``openvino_static`` as their
-        engine's files in one archive (:mod:`.saved`). ``path`` is replaced, never written through."""
-        if self.mode == "bf16":
-            raise ValueError("save: a bf16 model runs on optimize()'s engine and is not saved by quantize; "
-                             "quantize with consider= leaving out 'bf16' to get one that saves")
+        engine's files in one archive (:mod:`.saved`); ``fp32``/``bf16`` results as the float model's
+        program (bf16: under bf16 autocast), run eager when loaded. ``path`` is replaced, never
+        written through."""
         saved.save(path, self.mode, self.report.to_dict(), self._runner, lambda: self.program)
 
 
@@ -371,7 +370,8 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
         report.kept_fp32 = {"(whole model)": report.reason, **unsupported}
         _warn(report, f"auto returns fp32 for {type(model).__name__}: {report.reason}")
     runner = variants[choice]
-    return QuantizedModule(_no_grad(runner), lambda: routes.export(fp32, example), float_mode, report,
+    source = routes.Bf16Program(fp32) if float_mode == "bf16" else fp32
+    return QuantizedModule(_no_grad(runner), lambda: routes.export(source, example), float_mode, report,
                            keep=runner if isinstance(runner, nn.Module) else None)
 
 

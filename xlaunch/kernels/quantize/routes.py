@@ -79,9 +79,29 @@ def dynamic_batch(example_inputs: tuple) -> tuple:
                  for a in example_inputs)
 
 
+class Bf16Program(nn.Module):
+    """What a ``bf16`` result saves: the fp32 model's forward under bf16 autocast (as optimize()'s
+    bf16 route runs it), bf16/fp16 outputs given back in fp32, as that route gives them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> Any:
+        from torch.utils._pytree import tree_map
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.model(*args)
+        return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in
+                        (torch.bfloat16, torch.float16) else t, out)
+
+
 def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
+    dynamic = dynamic_batch(example_inputs)
+    if isinstance(model, Bf16Program):   # its *args are one input of the export's structure
+        dynamic = (dynamic,)
     try:
-        return torch.export.export(model, example_inputs, dynamic_shapes=dynamic_batch(example_inputs))
+        return torch.export.export(model, example_inputs, dynamic_shapes=dynamic)
     except Exception:  # some models pin their batch size: export them with the example's shapes
         return torch.export.export(model, example_inputs)
 

@@ -4,7 +4,7 @@ for a file that is missing, not ours, damaged or hostile.
 Two layouts, both one zip file with the manifest ``xlaunch-quantize.json`` (format, mode, engine,
 report, library versions, input signature):
 
-  * torch routes (``static``, ``dynamic``, ``weight_only``, ``fp32``): a ``torch.export`` archive
+  * torch routes (``static``, ``dynamic``, ``weight_only``, ``fp32``, ``bf16``): a ``torch.export`` archive
     (``.pt2``) with the manifest as its extra file (format 1);
   * ``onnxruntime_static``/``openvino_static``: an xlaunch archive (format 2) of stored
     (uncompressed) entries: the manifest, then ``model.onnx`` or ``model.xml`` + ``model.bin``,
@@ -46,7 +46,7 @@ FORMAT_VERSION = 1          # a torch.export archive with our manifest
 ENGINE_FORMAT_VERSION = 2   # an xlaunch archive of an engine's files
 MAX_META_BYTES = 16 << 20
 MAX_FILE_BYTES = 1 << 38    # one engine file (256 GiB); it is also bounded by the archive's size
-TORCH_MODES = ("static", "dynamic", "weight_only", "fp32")
+TORCH_MODES = ("static", "dynamic", "weight_only", "fp32", "bf16")
 MODES = (*TORCH_MODES, *engine_saved.ENGINES)
 ENGINE_NAMES = ("torch", *engine_saved.FILES)
 TORCH_LOGGERS = ("torch.export", "torch.export.pt2_archive._package")
