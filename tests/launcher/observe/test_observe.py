@@ -12,6 +12,7 @@ from xlaunch.launcher.observe.procfs import (
     ProcessSample,
     Sample,
     anonymous_memory_by_node,
+    exiting,
     last_cpu,
     library_kind,
     mapped_file_memory_by_node,
@@ -153,6 +154,35 @@ def test_last_cpu_of_an_exited_thread_or_short_line_is_none():
     assert last_cpu("12 (x) " + STAT_TAIL.format(cpu=3).replace("S ", "Z ", 1)) is None
     assert last_cpu("12 (x) S 1 2 3") is None
     assert last_cpu("") is None
+
+
+def test_exiting_is_pf_exiting_in_field_9_or_a_zombie():
+    running = STAT_TAIL.format(cpu=3)                       # flags 4194560: PF_RANDOMIZE | PF_FORKNOEXEC
+    assert not exiting("2959 (python3) " + running)
+    assert exiting("2959 (python3) " + running.replace(" 4194560 ", f" {4194560 | 0x4} ", 1))
+    assert exiting("2959 (a) b) " + running.replace("S ", "Z ", 1))
+    assert exiting("2959 (python3) S 1 2") and exiting("")
+
+
+def test_a_process_whose_threads_all_exit_is_left_out_of_the_sample(monkeypatch):
+    """Its maps may be half torn down while they are read (the kernel's per-VMA-lock reads of
+    /proc/PID/maps, 6.x): such a sample named no allocator and the run got a false "never mapped".
+    A process whose leader alone has exited (``pthread_exit`` from main) is still sampled."""
+    import xlaunch.launcher.observe.procfs as procfs
+
+    torn = "\n".join(line for line in MAPS.splitlines() if not line.endswith(("jemalloc.so.2", "iomp5.so", "(deleted)")))
+    stat = {"running": "S", "exiting": "R", "zombie": "Z"}
+    flags = {"running": 4194560, "exiting": 4194560 | 0x4, "zombie": 4194560 | 0x4}
+    for threads, expected in ((("running", "running"), 1), (("exiting", "exiting"), 0), (("zombie", "exiting"), 0),
+                              (("zombie", "running"), 1), (("exiting", "running"), 1)):
+        texts = {"/proc/77/maps": torn}
+        for tid, state in zip((77, 78), threads):
+            line = STAT_TAIL.format(cpu=0).replace("S ", stat[state] + " ", 1).replace(" 4194560 ", f" {flags[state]} ", 1)
+            texts[f"/proc/77/task/{tid}/stat"] = f"{tid} (python3) {line}"
+        monkeypatch.setattr(procfs, "_read", lambda path: texts[path])
+        monkeypatch.setattr(procfs, "_list_ints", lambda path: [77, 78])
+        monkeypatch.setattr(procfs, "_members", lambda pid, psutil: [pid])
+        assert len(procfs.sample(77, memory=False).processes) == expected, threads
 
 
 def test_preload_kinds_split_like_the_loader():

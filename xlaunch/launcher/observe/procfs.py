@@ -39,6 +39,8 @@ _FILE = re.compile(r" file=(\S+)")
 _SHARED_LIBRARY = re.compile(r"\.so(\.[0-9]+)*$")
 MAPPED_FILE_MIN_BYTES = 16 << 20     # data files mapped with less resident than this are left out
 _PROCESSOR_FIELD = 39          # 1-based field of /proc/PID/task/TID/stat
+_FLAGS_FIELD = 9               # 1-based field of /proc/PID/stat: the kernel's PF_* flags
+_PF_EXITING = 0x4              # set by do_exit, before the thread lets go of the address space
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,6 +131,20 @@ def last_cpu(stat_text: str) -> Optional[int]:
         return int(fields[_PROCESSOR_FIELD - 3])
     except ValueError:
         return None
+
+
+def exiting(stat_text: str) -> bool:
+    """True when a ``/proc/PID/task/TID/stat`` text is of a thread that has begun to exit (``PF_EXITING``),
+    is a zombie, or cannot be read. Once every thread of a process has, its maps may be read while they
+    are torn down (kernels that read ``maps`` under per-VMA locks show a half-removed address space)."""
+    _, sep, rest = stat_text.rpartition(")")
+    fields = rest.split()
+    if not sep or len(fields) < _FLAGS_FIELD - 2 or fields[0] in ("Z", "X", "x"):
+        return True
+    try:
+        return bool(int(fields[_FLAGS_FIELD - 3]) & _PF_EXITING)
+    except ValueError:
+        return True
 
 
 def preload_kinds(ld_preload: str) -> dict[str, str]:
@@ -233,23 +249,25 @@ def _read_process(pid: int, memory: bool, page_size: int,
                     env = {}
                 preloaded = preload_cache[pid] = resolved(preload_kinds(env.get("LD_PRELOAD", "")))
             active, shadowed = split_openmp(libraries, preloaded)
-        threads = []
-        for tid in _list_ints(f"/proc/{pid}/task"):
-            try:
-                cpu = last_cpu(_read(f"/proc/{pid}/task/{tid}/stat"))
-            except OSError:
-                continue                   # the thread ended
-            if cpu is not None:
-                threads.append((tid, cpu))
         by_node = files = None
         if memory:
             numa_maps = _read(f"/proc/{pid}/numa_maps")
             by_node = tuple(sorted(anonymous_memory_by_node(numa_maps, page_size).items()))
             files = tuple((path, tuple(sorted(nodes.items())))
                           for path, nodes in sorted(mapped_file_memory_by_node(numa_maps, page_size).items()))
+        threads, live = [], False          # read after the maps: see below
+        for tid in _list_ints(f"/proc/{pid}/task"):
+            try:
+                stat = _read(f"/proc/{pid}/task/{tid}/stat")
+            except OSError:
+                continue                   # the thread ended
+            cpu = last_cpu(stat)
+            if cpu is not None:
+                threads.append((tid, cpu))
+                live = live or not exiting(stat)
     except (OSError, psutil.NoSuchProcess):
         return None
-    if not threads:
+    if not live:   # every thread is exiting: the address space, torn down once they all have, may have been read half gone
         return None
     return ProcessSample(pid=pid, libraries=tuple(libraries), openmp_active=tuple(active),
                          openmp_shadowed=tuple(shadowed), threads=tuple(threads), memory_by_node=by_node,
