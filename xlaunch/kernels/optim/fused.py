@@ -12,10 +12,9 @@ trained parameter is a bf16 tensor holding the high half of its fp32 master and 
 state keeps the low half (``state[p]["bf16_trail"]``, int16). Each step joins the halves into an
 exact fp32 master, runs the fp32 kernel on it with the bf16 gradient widened to fp32, and splits
 the result back: the reconstructed master is bit-identical to an fp32 master updated by the same
-kernel with the same gradients. Optimizer state (momentum, moments) stays fp32.
-
-Options the fast path does not cover (``differentiable``, tensor ``lr``, ``capturable``, sparse or
-complex gradients) fall back to torch's own ``step`` on the joined fp32 masters.
+kernel with the same gradients. Optimizer state (momentum, moments) stays fp32. Options the fast
+path does not cover (``differentiable``, tensor ``lr``, ``capturable``, sparse or complex
+gradients) fall back to torch's own ``step`` on the joined fp32 masters.
 """
 from __future__ import annotations
 
@@ -128,10 +127,19 @@ class _FusedBase:
                 split_into(p.data, bf16_data, trail)
                 p.data, p.grad = bf16_data, bf16_grad
 
+    def state_dict(self) -> dict:
+        """torch's, less the entries holding only a low half (:func:`splitstate.without_bare_trails`)."""
+        return splitstate.without_bare_trails(super().state_dict())  # type: ignore[misc]
+
+    def __setstate__(self, state: dict) -> None:
+        """torch's, with low-half-only entries set aside (torch's Adam wants a ``step`` in each)."""
+        state, bare = splitstate.set_aside_bare_trails(state)
+        super().__setstate__(state)  # type: ignore[misc]
+        self.state.update(bare)
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's ``load_state_dict``, keeping split-bf16 storage exact: a split parameter's
-        state stays fp32 and its int16 low half is restored bit for bit (torch alone would cast
-        both to the parameter's bf16); see :func:`splitstate.restore_state`."""
+        """torch's, keeping split-bf16 storage exact: fp32 state, the int16 low half restored bit
+        for bit (torch would cast both to bf16); see :func:`splitstate.restore_state`."""
         live = [p for g in self.param_groups for p in g["params"]]
         trails = {p: self.state[p][TRAIL_KEY] for p in live if p in self.state and TRAIL_KEY in self.state[p]}
         splitstate.check_trails(state_dict, live, trails)

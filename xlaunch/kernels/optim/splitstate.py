@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import defaultdict
 from typing import Any, Optional
 
 from xlaunch._torch import needs_torch
@@ -33,7 +34,8 @@ class SplitMasters:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
-        self.names = [name for name, _ in model.named_parameters()]
+        # every name, a tied parameter's aliases too: each is a key of the model's state_dict
+        self.names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
 
     def _split_params(self, module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter, dict]]:
         optimizer: Optional[torch.optim.Optimizer] = self._optimizer()
@@ -57,14 +59,22 @@ class SplitMasters:
 
     def load(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        found = []
         for key, param, state in self._split_params(module, prefix):
             value = state_dict.get(key)
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != param.shape:
-                continue   # torch's own load says what is wrong with it
-            if value.dtype == torch.bfloat16:   # a bf16 checkpoint: the master is that value exactly
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape:
+                found.append((key, param, state, value))   # else torch's own load says what is wrong
+        # a tied parameter's keys all load into it: its master is the first wider-than-bf16 value
+        masters: dict[int, torch.Tensor] = {}
+        for _, param, _, value in found:
+            if value.dtype != torch.bfloat16:
+                masters.setdefault(id(param), value)
+        for key, param, state, value in found:
+            master = masters.get(id(param))
+            if master is None:   # a bf16 checkpoint: the master is that value exactly
                 state[TRAIL_KEY].zero_()
                 continue
-            top, trail = split(value.detach().float().contiguous())
+            top, trail = split(master.detach().float().contiguous())
             state[TRAIL_KEY].copy_(trail)
             state_dict[key] = top
 
@@ -175,3 +185,27 @@ def _match_layout(param: torch.Tensor, state: dict) -> None:
     for key, value in list(state.items()):
         if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
             state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
+def _bare(entry: Any) -> bool:
+    return isinstance(entry, dict) and entry.keys() == {TRAIL_KEY}
+
+
+def without_bare_trails(state_dict: dict) -> dict:
+    """An optimizer's ``state_dict`` without the entries holding only a low half (a split parameter
+    not stepped yet, or frozen): torch's Adam cannot load those (it wants a ``step`` in each), and
+    the model's ``state_dict`` carries that half in the parameter's fp32 master."""
+    if not any(_bare(entry) for entry in state_dict["state"].values()):
+        return state_dict
+    kept = {pid: entry for pid, entry in state_dict["state"].items() if not _bare(entry)}
+    return dict(state_dict, state=kept)
+
+
+def set_aside_bare_trails(state: dict) -> tuple[dict, dict]:
+    """An optimizer's pickled ``state`` without its low-half-only entries, and those entries."""
+    entries = state.get("state")
+    if not isinstance(entries, dict) or not any(_bare(entry) for entry in entries.values()):
+        return state, {}
+    bare = {key: entry for key, entry in entries.items() if _bare(entry)}
+    kept: defaultdict = defaultdict(dict, ((key, entry) for key, entry in entries.items() if not _bare(entry)))
+    return dict(state, state=kept), bare
