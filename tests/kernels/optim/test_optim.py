@@ -254,13 +254,22 @@ def test_split_params_needs_a_fused_optimizer() -> None:
         split_params(torch.optim.SGD(_model().parameters(), lr=0.1))
 
 
-def test_tensor_lr_takes_torchs_own_step_on_split_masters() -> None:
-    """An option the fast path does not cover still gives the fp32-master result."""
+TENSOR_LR = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=torch.tensor(0.05), momentum=0.9, foreach=False),
+    "adam": lambda params: torch.optim.Adam(params, lr=torch.tensor(0.01), foreach=False),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=torch.tensor(0.01), foreach=False),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=torch.tensor(0.05), foreach=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TENSOR_LR))
+def test_tensor_lr_takes_torchs_own_step_on_split_masters(name: str) -> None:
+    """An option the fast path does not cover still gives the fp32-master result (Adam's own step
+    raised ``KeyError: 'exp_avg'``: the state it found held only the low half)."""
     model = _model()
     master = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
-    opt = to_fused(torch.optim.SGD(model.parameters(), lr=torch.tensor(0.05), momentum=0.9), model,
-                   dtype=torch.bfloat16)
-    master_opt = torch.optim.SGD(master, lr=torch.tensor(0.05), momentum=0.9, foreach=False)
+    opt = to_fused(TENSOR_LR[name](model.parameters()), model, dtype=torch.bfloat16)
+    master_opt = TENSOR_LR[name](master)
     for x, y in _batches(5):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()

@@ -88,10 +88,8 @@ class _FusedBase:
     @torch.no_grad()
     def step(self, closure: Closure | None = None) -> Any:
         """Perform one optimization step (see the class docstring of the torch original)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         for group in self.param_groups:
             params = group["params"]
             if not _fast_path_ok(group, params):
@@ -110,9 +108,9 @@ class _FusedBase:
         """Run torch's own ``step`` for ``group`` with split parameters swapped to fp32."""
         swapped = []
         for p in group["params"]:
-            trail = self.state[p].get(TRAIL_KEY) if p in self.state else None
-            if trail is not None and p.grad is not None:
+            if p.grad is not None and TRAIL_KEY in self.state.get(p, {}):
                 bf16_data, bf16_grad = p.data, p.grad
+                trail = self.state[p].pop(TRAIL_KEY)   # torch's step sees its own state only
                 master = torch.empty_like(bf16_data, dtype=torch.float32)
                 join_into(bf16_data, trail, master)
                 p.data, p.grad = master, bf16_grad.float()
@@ -126,6 +124,7 @@ class _FusedBase:
             for p, trail, bf16_data, bf16_grad in swapped:
                 split_into(p.data, bf16_data, trail)
                 p.data, p.grad = bf16_data, bf16_grad
+                self.state[p][TRAIL_KEY] = trail
 
     def state_dict(self) -> dict:
         """torch's, less the entries holding only a low half (:func:`splitstate.without_bare_trails`)."""
