@@ -136,6 +136,16 @@ class QuantizedModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         return self._runner(*args)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(f"a quantized model ({self.mode}) is not pickled (torch.save(model), pickle): save it "
+                        "with model.save(path) and load it with xlaunch.load_quantized(path)")
+
+    def __deepcopy__(self, memo: dict) -> "QuantizedModule":
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
     def save(self, path: str) -> None:
         """Write the model with its mode, report, input signature and library versions: the torch
         routes in torch.export's format, ``onnxruntime_static``/``openvino_static`` as their
