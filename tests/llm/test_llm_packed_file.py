@@ -177,6 +177,33 @@ def test_malformed_files_get_one_clear_error(packed, tmp_path):
     _refused("/dev/null", "not a regular file")
 
 
+def test_manifest_records_of_the_wrong_kind_get_one_clear_error_from_both_loaders(packed, tmp_path):
+    """Found by mutating one manifest value at a time: these reached AttributeError, TypeError or transformers'
+    own validation errors, and overlapping tensors loaded into non-finite logits."""
+    _, path, _ = packed
+
+    def both(target, match):
+        _refused(target, match)
+        with pytest.raises(PackedFileError, match=match) as info:
+            llm.load_decoder(target)
+        assert "\n" not in str(info.value)
+
+    both(rewrite_manifest(path, tmp_path / "kernel.xlp", lambda m: m.update(kernel=-1)), "kernel record is malformed")
+    norm = "layers.0.post_attention_norm"
+    overlap = rewrite_manifest(path, tmp_path / "overlap.xlp", lambda m: m["tensors"][norm].update(
+        offset=max(e["offset"] for n, e in m["tensors"].items() if e["nbytes"] > 8192 and n != norm)))
+    both(overlap, f"tensors .* and .* overlap")
+    for change in ({"generation_config": "int8"}, {"generation_config": {"watermarking_config": True}}):
+        _refused(rewrite_manifest(path, tmp_path / "generation.xlp", lambda m: m.update(change)),
+                 "model or generation config is malformed")
+    with pytest.raises(PackedFileError, match="generation_config is malformed"):
+        llm.load_decoder(rewrite_manifest(path, tmp_path / "generation.xlp", lambda m: m.update(generation_config=[1])))
+    _refused(rewrite_manifest(path, tmp_path / "config.xlp", lambda m: m["config"].update(vocab_size=1.5)),
+             "model or generation config is malformed")
+    source = rewrite_manifest(path, tmp_path / "source.xlp", lambda m: m.update(source=[1]))
+    assert llm.from_pretrained(source) is not None             # the source is a record, not needed to load
+
+
 def test_a_fifo_in_the_source_is_refused_without_blocking(packed, tmp_path):
     """The source's digest read every *.safetensors and config.json as they came: a FIFO with no writer blocked it for
     good (fifos.py keeps a regression from hanging the worker)."""

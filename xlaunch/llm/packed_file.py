@@ -227,6 +227,7 @@ def _read_manifest(path: Any) -> tuple[dict, int, int]:
 def _check_tensors(path: Any, tensors: Any, data_start: int, size: int) -> None:
     if not isinstance(tensors, dict):
         raise _fail(path, "the manifest has no tensor table")
+    spans = []
     for name, entry in tensors.items():
         try:
             dtype = TENSOR_DTYPES[entry["dtype"]]
@@ -241,6 +242,12 @@ def _check_tensors(path: Any, tensors: Any, data_start: int, size: int) -> None:
             raise _fail(path, f"tensor {name!r} starts at {offset}, inside the header or unaligned")
         if offset + nbytes > size:
             raise _fail(path, f"truncated: tensor {name!r} ends at byte {offset + nbytes}, the file has {size}")
+        if nbytes:
+            spans.append((offset, offset + nbytes, name))
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise _fail(path, f"tensors {first!r} and {second!r} overlap (malformed manifest)")
 
 
 def _expected_linears(spec: Any) -> dict:
@@ -309,14 +316,16 @@ def stale_reason(path: Any, source: Any, dtype: Any, weights: Optional[str], gro
         _check_precision(path, manifest, dtype, weights, group_size if weights == "int4" else None)
     except PackedFileError as exc:
         return str(exc)
-    recorded = manifest.get("source") or {}
-    if recorded.get("digest") != source_digest(source):
+    recorded = manifest.get("source")
+    if not isinstance(recorded, dict) or recorded.get("digest") != source_digest(source):
         return "another source checkpoint"
     return None
 
 
 def _check_kernel(path: Any, manifest: dict) -> None:
-    kernel = manifest.get("kernel") or {}
+    kernel = manifest.get("kernel")
+    if not isinstance(kernel, dict):
+        raise _fail(path, "the manifest's kernel record is malformed; rebuild it: from_pretrained(path, source=CHECKPOINT)")
     here = dict(level=(kernel_level(),), layout=expected_layouts(manifest.get("weights", "")),
                 fingerprint=(layout_fingerprint(),))
     for key in ("level", "layout", "fingerprint"):
@@ -401,15 +410,20 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
     config_dict = manifest.get("config")
     if not isinstance(config_dict, dict) or "model_type" not in config_dict:
         raise _fail(path, "the manifest lacks the model's config")
-    config = transformers.AutoConfig.for_model(config_dict["model_type"]).__class__.from_dict(config_dict)
-    model, spec = skeleton(config)
+    generation = manifest.get("generation_config")
+    try:    # the user's file: transformers' own checks raise whatever they raise (validation errors, TypeError...)
+        model, spec = skeleton(transformers.AutoConfig.for_model(config_dict["model_type"]).__class__.from_dict(config_dict))
+        generation = transformers.GenerationConfig.from_dict(generation) if generation else None
+    except Exception as error:      # noqa: BLE001
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise _fail(path, f"the manifest's model or generation config is malformed ({type(error).__name__}: {first})") from None
     if manifest.get("decoder") is not None and _spec(path, manifest["decoder"]) != spec:
         raise _fail(path, "the decoder shape it records is not its config's")
-    if manifest.get("generation_config"):
-        model.generation_config = transformers.GenerationConfig.from_dict(manifest["generation_config"])
+    if generation is not None:
+        model.generation_config = generation
     model = install(model, spec, dtype, _parts(path, manifest, area, spec, dtype, private))
-    source = manifest.get("source") or {}
-    if source.get("path"):
+    source = manifest.get("source")
+    if isinstance(source, dict) and isinstance(source.get("path"), str) and source["path"]:
         object.__setattr__(model, SOURCE_ATTR, source["path"])
     return model
 

@@ -28,7 +28,7 @@ with needs_torch(__name__):
 from xlaunch.llm.cache import KVBuffers  # noqa: E402
 from xlaunch.llm.decoder import DecoderRuntime  # noqa: E402
 from xlaunch.llm.decoder import repetition_penalty as penalty_processors, warpers as sampling_warpers  # noqa: E402
-from xlaunch.llm.packed_file import load_runtime  # noqa: E402
+from xlaunch.llm.packed_file import PackedFileError, load_runtime  # noqa: E402
 
 # generate's own defaults, for what neither the call nor the checkpoint's generation config sets
 GENERATION_DEFAULTS = dict(max_length=None, max_new_tokens=None, min_length=0, min_new_tokens=0, do_sample=False,
@@ -74,6 +74,9 @@ class Decoder:
         self.mapped = path            # the file mapped: ``path``, or its node's copy
         self.spec, self.dtype = runtime.spec, runtime.dtype
         self.weights = manifest.get("weights")
+        for key in ("config", "generation_config"):
+            if not isinstance(manifest.get(key) or {}, dict):
+                raise PackedFileError(f"xlaunch.llm: {path}: the manifest's {key} is malformed")
         self.config = dict(manifest.get("config") or {})
         self.generation_config = dict(manifest.get("generation_config") or {})
         self.not_applied = sorted(name for name, neutral in NOT_APPLIED.items()
