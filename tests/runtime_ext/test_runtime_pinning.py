@@ -154,3 +154,70 @@ def test_thread_count_control():
         set_num_threads(before)
     with pytest.raises(ValueError, match="positive"):
         set_num_threads(0)
+
+
+TEAM_SIZES_SEEN_BY_OTHER_THREADS = """
+import json, sys, threading
+import torch
+from xlaunch.runtime_ext import CPUPool, MultiStreamModule, Task
+
+a, b = int(sys.argv[1]), int(sys.argv[2])
+
+def fresh_thread_team() -> int:
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    worker.start()
+    worker.join()
+    return seen[0]
+
+seen = {"before": fresh_thread_team()}
+with CPUPool([a]):
+    seen["while the main thread is pinned"] = fresh_thread_team()
+with Task(torch.nn.Linear(4, 2), CPUPool([b])) as task:
+    task(torch.randn(4, 4)).result()
+    seen["while a task is open"] = fresh_thread_team()
+with MultiStreamModule(torch.nn.Linear(4, 2), 2, CPUPool([a, b])) as streams:
+    streams(torch.randn(4, 4))
+seen["after streams closed"] = fresh_thread_team()
+seen["main thread after all"] = torch.get_num_threads()
+print(json.dumps(seen))
+"""
+
+
+@needs_two
+def test_a_pin_leaves_other_threads_team_size_alone():
+    """A pin sizes its own thread's team only: torch.set_num_threads also sets the process's
+    default (what a thread's first torch op starts with), so threads started meanwhile, and the
+    main thread after a MultiStreamModule, ran on one thread."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", TEAM_SIZES_SEEN_BY_OTHER_THREADS, str(A), str(B)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["before"] >= 2, seen
+    assert set(seen.values()) == {seen["before"]}, seen
+
+
+@needs_two
+def test_a_one_cpu_pin_keeps_mkl_to_one_thread_after_set_num_threads():
+    """torch.set_num_threads(2) also sets MKL's per-thread count: a 1-CPU pin sets it too (the
+    team size alone left MKL's matrix products on two threads, one of them not pinned)."""
+    before = torch.get_num_threads()
+    a = torch.randn(512, 512)
+    torch.set_num_threads(2)
+    try:
+        a @ a
+        time.sleep(0.4)  # the runtime's threads stop spinning (KMP_BLOCKTIME is 200 ms)
+        with CPUPool([A]):
+            ticks = {tid: thread_cpu_ticks(tid) for tid in thread_ids()}
+            deadline = time.monotonic() + 0.4
+            while time.monotonic() < deadline:
+                a @ a
+                torch.nn.functional.linear(a, a)
+            gained = {tid for tid in thread_ids() if thread_cpu_ticks(tid) > ticks.get(tid, -1)}
+        assert gained <= {threading.get_native_id()}, "a thread besides the pinned one computed"
+    finally:
+        torch.set_num_threads(before)

@@ -69,6 +69,18 @@ def mapped_runtimes() -> tuple[MappedRuntime, ...]:
         return parse_maps(maps.read())
 
 
+def mapped_libraries(prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    """Paths of the shared libraries mapped into this process whose file name starts with one of
+    ``prefixes`` (e.g. ``libtorch_cpu``), in first-mapped order."""
+    found: dict[str, None] = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(prefixes) and ".so" in fields[5]:
+                found.setdefault(fields[5].strip(), None)
+    return tuple(found)
+
+
 class _DlInfo(ctypes.Structure):
     _fields_ = [
         ("dli_fname", ctypes.c_char_p),

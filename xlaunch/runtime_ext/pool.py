@@ -10,6 +10,7 @@ every touched thread's previous affinity. Pins nest.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 import threading
@@ -163,6 +164,7 @@ class TeamPin:
     previous_threads: int
     records: tuple[_PinRecord, ...]
     pid: int = field(default_factory=os.getpid)
+    previous_mkl: Optional[int] = None   # the thread's MKL setting before (0: MKL's global one)
 
 
 def _torch_module() -> Any:
@@ -184,6 +186,44 @@ def set_thread_count(runtime: openmp.OpenMPRuntime, n: int) -> None:
         runtime.set_num_threads(n)
 
 
+_mkl_local: Optional[Any] = None
+_mkl_looked = False
+
+
+def _mkl_set_num_threads_local() -> Optional[Any]:
+    """MKL's per-thread setter from the loaded torch (or MKL), else None: its C entry
+    ``MKL_Set_Num_Threads_Local`` (the lower-case name is the Fortran one, taking a pointer)."""
+    global _mkl_local, _mkl_looked
+    if not _mkl_looked:
+        for mapped in openmp.mapped_libraries(("libtorch_cpu", "libmkl_rt")):
+            try:
+                function = ctypes.CDLL(mapped, mode=getattr(os, "RTLD_NOLOAD", 4)).MKL_Set_Num_Threads_Local
+            except (OSError, AttributeError):
+                continue
+            function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
+            _mkl_local = function
+            break
+        _mkl_looked = True
+    return _mkl_local
+
+
+def _size_own_team(runtime: openmp.OpenMPRuntime, n: int, previous_mkl: Optional[int] = None) -> Optional[int]:
+    """The calling thread's team size (OpenMP, and MKL's when torch is loaded), nothing else.
+
+    Not ``torch.set_num_threads``: it also sets torch's process-wide default, which every thread
+    that has not yet run a parallel torch op starts from (a pool in one thread made threads
+    started meanwhile, and the main thread after a MultiStreamModule, run on one thread). Returns
+    MKL's previous per-thread setting (to give back as ``previous_mkl``).
+    """
+    if _torch_module() is not None:
+        _torch_module().get_num_threads()  # torch sizes a thread at its first use: let that happen now
+    runtime.set_num_threads(n)
+    mkl = _mkl_set_num_threads_local() if _torch_module() is not None else None
+    if mkl is None:
+        return None
+    return int(mkl(previous_mkl if previous_mkl is not None else n))
+
+
 def pin_team(cpus: tuple[int, ...]) -> TeamPin:
     """Give the calling thread a ``len(cpus)`` OpenMP team, thread ``i`` pinned to ``cpus[i]``."""
     topology.allowed_cores()  # read (and cache) the process's CPUs before any thread is pinned
@@ -192,7 +232,7 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
         raise openmp.OpenMPNotFoundError(f"{runtime.path} does not export GOMP_parallel: pinning unsupported")
     size = len(cpus)
     previous_threads = get_thread_count(runtime)
-    set_thread_count(runtime, size)
+    previous_mkl = _size_own_team(runtime, size)
     records: list[Optional[_PinRecord]] = [None] * size
 
     def pin_self(thread_num: int, team_size: int) -> None:
@@ -204,7 +244,7 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
     try:
         runtime.run_on_team(size, pin_self)
     except BaseException:
-        unpin_team(TeamPin(cpus, previous_threads, tuple(r for r in records if r is not None)))
+        unpin_team(TeamPin(cpus, previous_threads, tuple(r for r in records if r is not None), previous_mkl=previous_mkl))
         raise
     done = tuple(r for r in records if r is not None)
     if len(done) < size:
@@ -214,7 +254,7 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
             RuntimeWarning,
             stacklevel=3,
         )
-    return TeamPin(cpus, previous_threads, done)
+    return TeamPin(cpus, previous_threads, done, previous_mkl=previous_mkl)
 
 
 def unpin_team(pinned: TeamPin) -> None:
@@ -231,7 +271,7 @@ def unpin_team(pinned: TeamPin) -> None:
             os.sched_setaffinity(0 if forked else record.tid, record.previous)
         except (ProcessLookupError, OSError):
             pass  # the thread is gone, nothing to restore
-    set_thread_count(openmp.loaded_runtime(), pinned.previous_threads)
+    _size_own_team(openmp.loaded_runtime(), pinned.previous_threads, pinned.previous_mkl)
 
 
 class pin(contextlib.ContextDecorator):  # noqa: N801 - reads as a verb, like contextlib's helpers
