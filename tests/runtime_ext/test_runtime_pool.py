@@ -164,3 +164,42 @@ def test_default_pool_inside_xlaunch_instances_is_each_instances_cpus(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if " pool " in line)
     assert lines == [f"[{i}] pool {i} {inst['cpus']} {[[c] for c in inst['cpus']]}" for i, inst in enumerate(instances)]
+
+
+def test_pools_pickle_and_copy_as_values(monkeypatch):
+    """A pool is a value: it pickles (multiprocessing, a saved config) and copies (copy.deepcopy of
+    an object holding one); it failed inside pickle (a thread-local)."""
+    import copy
+    import pickle
+
+    from xlaunch.runtime_ext import pin
+
+    pool = CPUPool(list(reversed(ALLOWED)))
+    for clone in (pickle.loads(pickle.dumps(pool)), copy.copy(pool), copy.deepcopy(pool)):
+        assert clone == pool and clone.cpus == pool.cpus and clone.node_id is None
+    node = topology.node_ids()[0] if topology.node_ids() else None
+    if node is not None:
+        by_node = pickle.loads(pickle.dumps(CPUPool(node_id=node)))
+        assert by_node == CPUPool(node_id=node) and by_node.node_id == node
+    decorator = pickle.loads(pickle.dumps(pin(pool)))
+    assert decorator.pool == pool
+    with CPUPool([ALLOWED[0]]) as entered:            # a pool in use pickles too
+        assert pickle.loads(pickle.dumps(entered)) == entered
+    # loaded where those CPUs may not be used: refused as a new pool would be
+    monkeypatch.setattr(topology, "allowed_cores", lambda: (AllowedCore((max(ALLOWED) + 1,), 0),))
+    with pytest.raises(ValueError, match="not allowed for this process"):
+        pickle.loads(pickle.dumps(pool))
+
+
+def test_wrong_kinds_of_arguments_get_one_line_naming_them():
+    for bad in (1.5, 3, object()):
+        with pytest.raises(TypeError, match="^core_ids must be a list of CPU ids or a string like '0-3', got "):
+            CPUPool(bad)
+    with pytest.raises(ValueError, match=r"^core_ids: 'a' is not a CPU number"):
+        CPUPool("a")
+    with pytest.raises(ValueError, match="^node_id must be a non-negative integer, got -1$"):
+        CPUPool(node_id=-1)
+    with pytest.raises(ValueError, match="^core_ids names more CPUs than any machine has"):
+        CPUPool(range(10**12))                        # refused at once, without building the list
+    with pytest.raises(ValueError, match="^parts must be an int from 1 to"):
+        CPUPool([ALLOWED[0]]).split("1")

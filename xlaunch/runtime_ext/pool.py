@@ -9,8 +9,10 @@ every touched thread's previous affinity. Pins nest.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
+import itertools
 import os
 import sys
 import threading
@@ -18,7 +20,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
-from xlaunch.cpulist import format_cpulist, parse_cpulist
+from xlaunch.cpulist import MAX_ID, format_cpulist, parse_cpulist
 from xlaunch.runtime_ext import openmp, topology
 
 
@@ -37,7 +39,7 @@ class CPUPool:
     def __init__(self, core_ids: Union[Iterable[int], str, None] = None, node_id: Optional[int] = None) -> None:
         if core_ids is not None and node_id is not None:
             raise ValueError("give core_ids or node_id, not both")
-        if node_id is not None and (isinstance(node_id, bool) or not isinstance(node_id, int)):
+        if node_id is not None and (isinstance(node_id, bool) or not isinstance(node_id, int) or node_id < 0):
             raise ValueError(f"node_id must be a non-negative integer, got {node_id!r}")
         if core_ids is not None:
             cpus = _validated_cpus(core_ids)
@@ -50,6 +52,10 @@ class CPUPool:
         self._cpus = cpus
         self._node_id = node_id
         self._local = threading.local()
+
+    def __reduce__(self) -> tuple:
+        """Pickled and copied as its CPUs (checked again where it is loaded) and node id."""
+        return (_restored_pool, (self._cpus, self._node_id))
 
     @classmethod
     def from_node(cls, node_id: int) -> CPUPool:
@@ -69,6 +75,8 @@ class CPUPool:
 
     def split(self, parts: int) -> list[CPUPool]:
         """``parts`` contiguous pools of nearly equal size (the first ones get one more CPU)."""
+        if isinstance(parts, bool) or not isinstance(parts, int):
+            raise ValueError(f"parts must be an int from 1 to {len(self._cpus)}, got {parts!r}")
         if not 1 <= parts <= len(self._cpus):
             raise ValueError(f"cannot split a pool of {len(self._cpus)} CPUs into {parts} parts")
         return [CPUPool(chunk) for chunk in _chunks(self._cpus, parts)]
@@ -98,6 +106,13 @@ class CPUPool:
         unpin_team(self._local.stack.pop())
 
 
+def _restored_pool(cpus: tuple[int, ...], node_id: Optional[int]) -> CPUPool:
+    """Unpickle a :class:`CPUPool`: the same CPUs, validated in this process, and node id."""
+    pool = CPUPool(cpus)
+    pool._node_id = node_id
+    return pool
+
+
 def _chunks(items: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
     size, extra = divmod(len(items), parts)
     chunks, start = [], 0
@@ -110,15 +125,26 @@ def _chunks(items: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
 
 def _validated_cpus(core_ids: Union[Iterable[int], str]) -> tuple[int, ...]:
     if isinstance(core_ids, str):
-        cpus = parse_cpulist(core_ids)
+        try:
+            cpus = parse_cpulist(core_ids)
+        except ValueError as error:
+            raise ValueError(f"core_ids: {error}") from None
     else:
-        cpus = tuple(core_ids)
+        try:
+            items = iter(core_ids)
+        except TypeError:
+            raise TypeError(
+                f"core_ids must be a list of CPU ids or a string like '0-3', got {type(core_ids).__name__}"
+            ) from None
+        cpus = tuple(itertools.islice(items, MAX_ID + 2))
+        if len(cpus) > MAX_ID + 1:
+            raise ValueError(f"core_ids names more CPUs than any machine has (over {MAX_ID + 1})")
         wrong = [c for c in cpus if isinstance(c, bool) or not isinstance(c, int) or c < 0]
         if wrong:
             raise ValueError(f"CPU ids must be non-negative integers, got {wrong!r}")
     if not cpus:
         raise ValueError("a CPUPool needs at least one CPU")
-    duplicates = sorted({c for c in cpus if cpus.count(c) > 1})
+    duplicates = sorted(c for c, n in collections.Counter(cpus).items() if n > 1)
     if duplicates:
         raise ValueError(f"CPU ids repeated in the pool: {format_cpulist(duplicates)}")
     allowed = topology.allowed_cpus()
@@ -291,6 +317,9 @@ class pin(contextlib.ContextDecorator):  # noqa: N801 - reads as a verb, like co
 
     def __exit__(self, *exc: Any) -> None:
         unpin_team(self._local.stack.pop())
+
+    def __reduce__(self) -> tuple:
+        return (pin, (self.pool,))
 
     def __repr__(self) -> str:
         return f"pin({self.pool!r})"
