@@ -162,3 +162,24 @@ def test_dropped_streams_stop_their_threads():
     for thread in threads:
         thread.join(timeout=30)
         assert not thread.is_alive()
+
+
+def test_hints_outside_a_tensors_dimensions_are_one_line_naming_the_hint():
+    """A split or concatenation dimension the tensor lacks was an IndexError from deep inside
+    (``tuple index out of range``), a 0-dimensional output torch.cat's RuntimeError."""
+    from xlaunch.runtime_ext.batching import common_batch, join_outputs
+
+    x = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match=r"^input_split_hint: dimension 2 of a 2-dimensional tensor"):
+        common_batch((x,), {}, StreamHint(2))
+    with pytest.raises(ValueError, match=r"^input_split_hint: dimension -3 of a 2-dimensional tensor"):
+        common_batch((), {"x": x}, StreamHint(x=-3))
+    assert common_batch((x,), {}, StreamHint(-1)) == 3
+    with pytest.raises(ValueError, match=r"^output_concat_hint: dimension 5 of a 2-dimensional tensor"):
+        join_outputs([x, x], 5)
+    with pytest.raises(ValueError, match=r"^output_concat_hint: a 0-dimensional output .* None hint"):
+        join_outputs([(x, torch.tensor(1.0)), (x, torch.tensor(2.0))], 0)
+    assert join_outputs([(x, torch.tensor(1.0)), (x, torch.tensor(2.0))], (0, None))[1].item() == 1.0
+    with MultiStreamModule(lambda t: t, num_streams=1, cpu_pool=CPUPool([ALLOWED[0]]), input_split_hint=StreamHint(5)) as msm:
+        with pytest.raises(ValueError, match="^input_split_hint: dimension 5"):
+            msm(x)

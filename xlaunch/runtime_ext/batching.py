@@ -90,6 +90,14 @@ def _dict_hint(hint: Hint, key: Any) -> Hint:
     return hint
 
 
+def _check_dim(tensor: Any, dim: Any, hint_name: str) -> None:
+    """ValueError naming ``hint_name`` when ``dim`` is not an int dimension of ``tensor``."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ValueError(f"{hint_name}: a tensor needs an int or None hint, got {dim!r}")
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"{hint_name}: dimension {dim} of a {tensor.dim()}-dimensional tensor")
+
+
 def batch_sizes(value: Any, hint: Hint, found: Optional[list] = None) -> list:
     """Sizes along the split dimension of every tensor that ``hint`` splits."""
     found = [] if found is None else found
@@ -100,6 +108,7 @@ def batch_sizes(value: Any, hint: Hint, found: Optional[list] = None) -> list:
             raise ValueError(f"a tensor needs an int or None hint, got {hint!r}")
         if value.dim() == 0:
             raise ValueError("cannot split a 0-dimensional tensor; give it a None hint")
+        _check_dim(value, hint, "input_split_hint")
         found.append(int(value.shape[hint]))
     elif isinstance(value, (tuple, list)):
         for item, item_hint in zip(value, _child_hints(value, hint)):
@@ -160,6 +169,10 @@ def join_outputs(outputs: Sequence[Any], hint: Hint = 0) -> Any:
     if _is_tensor(first):
         import torch
 
+        if first.dim() == 0:
+            raise ValueError("output_concat_hint: a 0-dimensional output cannot be concatenated; "
+                             "give it a None hint (stream 0's value is kept)")
+        _check_dim(first, hint, "output_concat_hint")
         return torch.cat(list(outputs), dim=hint)
     if isinstance(first, (tuple, list)):
         hints = _child_hints(first, hint)
