@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import time
 from typing import Any, Optional
@@ -130,11 +131,72 @@ def load(directory: str, sig: dict[str, Any]) -> tuple[list[TrialRecord], list[S
             raise ResumeError(f"{path} is from a different session ({key} differs: "
                               f"{json.dumps(old.get(key))} there, {json.dumps(sig[key])} now)")
     try:
-        trials = [TrialRecord.from_json(row) for row in doc.get("trials", [])]
-        skipped = [Skipped(dict(row["config"]), row["reason"]) for row in doc.get("skipped", [])]
+        trials = [_trial(row, sig.get("space", {})) for row in _list(doc.get("trials", []), "trials")]
+        skipped = [Skipped(_point(row["config"], sig.get("space", {})), _text(row["reason"], "reason"))
+                   for row in _list(doc.get("skipped", []), "skipped")]
+        numbers = [record.number for record in trials]
+        if len(set(numbers)) != len(numbers):
+            raise ValueError("two trials have the same number")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ResumeError(f"{path} is damaged ({type(exc).__name__}: {exc})") from None
     return trials, skipped
+
+
+def _trial(row: Any, space: dict[str, list[Any]]) -> TrialRecord:
+    """One row of ``trials.json`` read back, every field checked: a hand-edited or damaged row is
+    a ValueError or TypeError here, never a traceback later or a best.toml from a point off the space."""
+    number = row["number"]
+    if type(number) is not int or number < 1:
+        raise ValueError(f"trial number {number!r}")
+    runs = [_run(run) for run in _list(row.get("runs", []), "runs")]
+    instances = tuple(_list(row.get("instances", []), "instances"))
+    if not all(type(index) is int and index >= 0 for index in instances):
+        raise ValueError(f"trial {number}: instances {list(instances)!r}")
+    table = row["launch_config"]
+    if not isinstance(table, dict) or not all(isinstance(key, str) for key in table):
+        raise TypeError(f"trial {number}: launch_config is not a table")
+    tomlfile.dumps(table)                          # values a config file can hold
+    warnings = tuple(_text(w, "warning") for w in _list(row.get("warnings", []), "warnings"))
+    return TrialRecord(number, _point(row["config"], space), dict(table), instances, runs, warnings)
+
+
+def _run(run: Any) -> dict[str, Any]:
+    if not isinstance(run, dict) or run.get("status") not in ("ok", "failed"):
+        raise ValueError(f"a run's status is not 'ok' or 'failed': {run!r}"[:200])
+    _text(run.get("reason", ""), "reason")
+    for name in ("value", "wall_time"):
+        value = run.get(name)
+        if not (value is None and name == "value" and run["status"] == "failed") and not _finite(value):
+            raise ValueError(f"a run's {name} is {value!r}"[:200])
+    if not all(v is None or _finite(v) for v in _list(run.get("instance_values", []), "instance_values")):
+        raise ValueError(f"a run's instance_values are {run.get('instance_values')!r}"[:200])
+    for cell in _list(run.get("kernels", []), "kernels"):
+        _text(cell, "kernels")
+    return run
+
+
+def _point(config: Any, space: dict[str, list[Any]]) -> dict[str, Any]:
+    """A point of this session's space (the signature's), or a ValueError."""
+    if not isinstance(config, dict) or set(config) != set(space) or \
+            any(not any(value == v and type(value) is type(v) for v in space[key]) for key, value in config.items()):
+        raise ValueError(f"{json.dumps(config)[:200]} is not a point of the space")
+    return {key: config[key] for key in space}
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{what} is not a list")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} {value!r} is not a string"[:200])
+    return value
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 def check_fresh(directory: str) -> None:

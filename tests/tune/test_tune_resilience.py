@@ -1,0 +1,76 @@
+"""xlaunch-tune when its own files or the user's hands get in the way: a damaged trials.json on
+--resume, an output directory that cannot hold a trial's config file, a seed Optuna cannot take,
+a second Ctrl-C while a trial is being stopped."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from xlaunch.tune import records
+from xlaunch.tune.cli import run
+
+SYNTHETIC = str(Path(__file__).resolve().parent / "synthetic.py")
+SPACE = {"ninstances": [1, 2], "memory-allocator": ["default", "jemalloc"]}
+
+
+def _document() -> dict[str, Any]:
+    """trials.json as a session writes it: #1 ok, #2 failed."""
+    def row(number: int, point: dict, status: str, value: Any) -> dict:
+        return {"number": number, "config": point, "status": status, "reason": "" if value else "exit 3 (instance 0)",
+                "value": value, "low": value, "high": value, "repeats": 1, "wall_time": 0.5, "instances": [0],
+                "runs": [{"status": status, "reason": "" if value else "exit 3 (instance 0)", "value": value,
+                          "instance_values": [value], "wall_time": 0.5, "directory": "runs/x"}],
+                "launch_config": dict(point), "warnings": []}
+    return {"xlaunch_tune": records.FORMAT_VERSION, "signature": {"space": SPACE},
+            "trials": [row(1, {"ninstances": 1, "memory-allocator": "default"}, "ok", 12.5),
+                       row(2, {"ninstances": 2, "memory-allocator": "default"}, "failed", None)],
+            "skipped": [{"config": {"ninstances": 2, "memory-allocator": "jemalloc"}, "reason": "no"}]}
+
+
+def _edit(path: str, value: Any) -> Callable[[dict], None]:
+    """Set ``value`` at ``path`` (keys and indices separated by '/'); ``...`` deletes it."""
+    def edit(doc: dict) -> None:
+        *parents, last = [int(p) if p.isdigit() else p for p in path.split("/")]
+        for part in parents:
+            doc = doc[part]
+        if value is ...:
+            del doc[last]
+        else:
+            doc[last] = value
+    return edit
+
+
+DAMAGE = [
+    ("trials/0/runs/0/value", ..., "value is None"),
+    ("trials/0/runs/0/value", "12.5", "value is '12.5'"),
+    ("trials/0/runs/0/wall_time", None, "wall_time is None"),
+    ("trials/0/runs", "abc", "runs is not a list"),
+    ("trials/0/runs/0/status", "fine", "status is not 'ok' or 'failed'"),
+    ("trials/0/runs/0/kernels", [3], "kernels 3 is not a string"),
+    ("trials/0/config", {"ninstances": 7, "memory-allocator": "default"}, "is not a point of the space"),
+    ("trials/0/config", {"ninstances": True, "memory-allocator": "default"}, "is not a point of the space"),
+    ("trials/0/launch_config", {"ninstances": None}, "cannot write NoneType"),
+    ("trials/0/instances", "01", "instances is not a list"),
+    ("trials/1/number", 1, "two trials have the same number"),
+    ("skipped/0/config", {"x": 1}, "is not a point of the space"),
+]
+
+
+@pytest.mark.parametrize("where, value, words", DAMAGE)
+def test_a_damaged_trials_json_is_refused_on_resume(tmp_path: Path, where: str, value: Any, words: str) -> None:
+    """Each of these went through (a traceback later, or a best.toml off the space) before."""
+    good = _document()
+    (tmp_path / "trials.json").write_text(json.dumps(good))
+    trials, skipped = records.load(str(tmp_path), {"space": SPACE})
+    assert [t.value for t in trials] == [12.5, None] and len(skipped) == 1
+    damaged = copy.deepcopy(good)
+    _edit(where, value)(damaged)
+    (tmp_path / "trials.json").write_text(json.dumps(damaged))
+    with pytest.raises(records.ResumeError, match="is damaged") as caught:
+        records.load(str(tmp_path), {"space": SPACE})
+    assert words in str(caught.value)
