@@ -74,3 +74,43 @@ def test_a_damaged_trials_json_is_refused_on_resume(tmp_path: Path, where: str, 
     with pytest.raises(records.ResumeError, match="is damaged") as caught:
         records.load(str(tmp_path), {"space": SPACE})
     assert words in str(caught.value)
+
+
+def _grid_tuner(workdir: Path, space_text: str = "[space]\nninstances = [1]\n") -> Any:
+    from xlaunch.tune.candidate import Program
+    from xlaunch.tune.objective import Objective
+    from xlaunch.tune.session import Tuner
+    from xlaunch.tune.space import parse_space
+    from xlaunch.tune.strategies import GridStrategy
+    from xlaunch.tune.trial import Launch
+
+    space = parse_space(space_text, "space.toml", fixed={})
+    return Tuner(space=space, program=Program((SYNTHETIC,)), objective=Objective(None, "sum", "min"),
+                 strategy=GridStrategy(space), launch=Launch((SYNTHETIC,)), workdir=str(workdir), trials=5)
+
+
+@pytest.mark.parametrize("cause", ["fifo", "full disk"])
+def test_a_trial_whose_config_file_cannot_be_written_fails_and_the_session_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: str) -> None:
+    """Each point's config file is written in the output directory before the launcher checks it: a
+    FIFO planted at its path or a full disk was a traceback that ended the session, results unwritten."""
+    import errno
+
+    from xlaunch.tune import candidate
+
+    scratch = tmp_path / ".candidate.toml"
+    if cause == "fifo":
+        os.mkfifo(scratch)
+        words = "is a FIFO, not a regular file"
+    else:
+        def full(path: str, table: Any, header: str = "") -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(candidate.tomlfile, "write", full)
+        words = f"cannot write {scratch}: No space left on device"
+    outcome = _grid_tuner(tmp_path, "[space]\nninstances = [1, 2]\n").run()
+    assert not outcome.interrupted and outcome.best is None and not outcome.skipped
+    assert [(r.number, r.point, r.ok) for r in outcome.trials] == [(1, {"ninstances": 1}, False),
+                                                                   (2, {"ninstances": 2}, False)]
+    assert all(words in r.reason for r in outcome.trials), [r.reason for r in outcome.trials]
+    assert not (tmp_path / "runs").exists()                      # nothing was launched
+    assert (cause == "fifo") == os.path.lexists(scratch)         # a planted FIFO is not ours to remove

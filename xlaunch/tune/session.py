@@ -18,6 +18,7 @@ from xlaunch.tune.objective import Objective, Summary, summarize
 from xlaunch.tune.space import Point, Space, point_key
 from xlaunch.tune.strategies import Strategy
 from xlaunch.tune.trial import Launch, MatchBudget, RunResult, run_once
+from xlaunch.userfiles import UserFileError
 
 CANDIDATE_FILE = ".candidate.toml"      # where each point is checked by the launcher's --dry-run
 
@@ -158,7 +159,7 @@ class Tuner:
             interrupted = True
         finally:
             scratch = os.path.join(self.workdir, CANDIDATE_FILE)
-            if os.path.exists(scratch):
+            if os.path.isfile(scratch) and not os.path.islink(scratch):     # ours; not a FIFO planted there
                 os.unlink(scratch)
         return Outcome(self.records, self.skipped, self.final, self.best(), interrupted)
 
@@ -174,14 +175,21 @@ class Tuner:
             if key in self.decided:              # TPE proposed a known point: answer from the records
                 self.strategy.tell(point, self.decided[key])
                 continue
-            prepared = prepare(self.program, point, os.path.join(self.workdir, CANDIDATE_FILE))
+            scratch = os.path.join(self.workdir, CANDIDATE_FILE)
+            try:
+                prepared = prepare(self.program, point, scratch)
+            except (OSError, UserFileError) as error:    # a full disk, a FIFO planted there: this trial fails
+                reason = str(error) if isinstance(error, UserFileError) else \
+                    f"cannot write {scratch}: {error.strerror or error}"
+                prepared = TrialRecord(self._next_number(), point, {}, (),
+                                       [RunResult(False, 0.0, reason=reason, directory=self.workdir).to_json()])
             if isinstance(prepared, Skipped):
                 self.skipped.append(prepared)
                 self.decided[key] = None
                 self.strategy.tell(point, None)
                 self.on_change(self, "skipped")
                 continue
-            record = self.measure(prepared, self._next_number())
+            record = prepared if isinstance(prepared, TrialRecord) else self.measure(prepared, self._next_number())
             self.records.append(record)
             self.decided[key] = record.value
             self.strategy.tell(point, record.value)
