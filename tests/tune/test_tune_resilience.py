@@ -114,3 +114,20 @@ def test_a_trial_whose_config_file_cannot_be_written_fails_and_the_session_goes_
     assert all(words in r.reason for r in outcome.trials), [r.reason for r in outcome.trials]
     assert not (tmp_path / "runs").exists()                      # nothing was launched
     assert (cause == "fifo") == os.path.lexists(scratch)         # a planted FIFO is not ours to remove
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--strategy", "tpe", "--seed", str(2**32)], "--seed: must be between 0 and 4294967295, got '4294967296'"),
+    (["--timeout", "1e400"], "--timeout: must be a finite number, got '1e400'"),
+])
+def test_numbers_out_of_range_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch, argv: list[str], line: str) -> None:
+    """A seed past 2**32 - 1 was numpy's traceback from inside Optuna's TPE; an infinite timeout
+    was said to be below 0.001."""
+    if "tpe" in argv:
+        pytest.importorskip("optuna")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1]\n")
+    assert run(["--space", "space.toml", *argv, SYNTHETIC]) == 2
+    assert capsys.readouterr().err == f"xlaunch-tune: error: {line}\n"
+    assert os.listdir(tmp_path) == ["space.toml"]

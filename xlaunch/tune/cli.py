@@ -23,6 +23,7 @@ from xlaunch.tune.strategies import STRATEGIES
 
 PROG = "xlaunch-tune"
 DEFAULT_SAMPLED_TRIALS = 20
+MAX_SEED = 2**32 - 1            # what Optuna's TPE (numpy's RandomState) takes; the same for every strategy
 # launcher parameters that make no sense as fixed trial options (the tuner manages them)
 NOT_FIXED = frozenset({"command", "verbose", "quiet", "check_isa", "torch", "show_topology", "dry_run",
                        "json", "log_dir", "log_file_prefix", "instance_idx", "version"})
@@ -140,7 +141,7 @@ def _click_problem(exc: click.UsageError) -> str:
     return exc.format_message()
 
 
-def _number(params: Mapping[str, Any], name: str, kind: type, minimum: float) -> Any:
+def _number(params: Mapping[str, Any], name: str, kind: type, minimum: float, maximum: Optional[int] = None) -> Any:
     text = params[name]
     if text is None:
         return None
@@ -151,8 +152,11 @@ def _number(params: Mapping[str, Any], name: str, kind: type, minimum: float) ->
         value = strict_int(text) if kind is int else strict_float(text)
     except ValueError:
         raise UsageError(option, f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-    if not value >= minimum or value != value or value == float("inf"):
-        raise UsageError(option, f"must be >= {minimum:g}, got {text!r}")
+    if value == float("inf"):
+        raise UsageError(option, f"must be a finite number, got {text!r}")
+    if not value >= minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum:g}" if maximum is None else f"between {minimum:g} and {maximum}"
+        raise UsageError(option, f"must be {bounds}, got {text!r}")
     return value
 
 
@@ -244,7 +248,7 @@ def _settings(params: Mapping[str, Any], strategy: str, size: int) -> Settings:
         repeats=_number(params, "repeats", int, 1),
         final_rounds=_number(params, "final_rounds", int, 0),
         timeout=_number(params, "timeout", float, 0.001),
-        seed=_number(params, "seed", int, 0),
+        seed=_number(params, "seed", int, 0, MAX_SEED),
         output_dir=output_dir,
         resume=bool(params["resume"]),
         as_json=bool(params["as_json"]),
