@@ -203,3 +203,24 @@ def test_wrong_kinds_of_arguments_get_one_line_naming_them():
         CPUPool(range(10**12))                        # refused at once, without building the list
     with pytest.raises(ValueError, match="^parts must be an int from 1 to"):
         CPUPool([ALLOWED[0]]).split("1")
+
+
+def test_numpy_and_tensor_integers_are_cpu_ids():
+    """Ids from numpy or torch (``np.arange``, a parsed lscpu table) were refused as "must be
+    non-negative integers, got [np.int64(0)]"; anything with ``__index__`` but a bool is an id."""
+    np = pytest.importorskip("numpy")
+    assert CPUPool(np.array(ALLOWED)).cpus == ALLOWED
+    assert CPUPool([np.int32(ALLOWED[0])]).cpus == (ALLOWED[0],)
+    assert all(type(c) is int for c in CPUPool(np.array(ALLOWED)).cpus)
+    node = topology.node_ids()[0] if topology.node_ids() else None
+    if node is not None:
+        assert CPUPool(node_id=np.int64(node)) == CPUPool(node_id=node)
+    for wrong in ([0.0], [True], [np.float64(0)], [np.bool_(True)]):
+        with pytest.raises(ValueError, match="CPU ids must be non-negative integers"):
+            CPUPool(wrong)
+    pool = CPUPool([ALLOWED[0]])
+    assert pool.split(np.int64(1)) == [pool]
+    pytest.importorskip("torch")
+    from xlaunch.runtime_ext.streams import stream_count
+
+    assert stream_count(np.int64(1), pool) == 1

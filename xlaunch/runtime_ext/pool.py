@@ -13,6 +13,7 @@ import collections
 import contextlib
 import ctypes
 import itertools
+import operator
 import os
 import sys
 import threading
@@ -39,8 +40,8 @@ class CPUPool:
     def __init__(self, core_ids: Union[Iterable[int], str, None] = None, node_id: Optional[int] = None) -> None:
         if core_ids is not None and node_id is not None:
             raise ValueError("give core_ids or node_id, not both")
-        if node_id is not None and (isinstance(node_id, bool) or not isinstance(node_id, int) or node_id < 0):
-            raise ValueError(f"node_id must be a non-negative integer, got {node_id!r}")
+        if node_id is not None:
+            node_id = _node_index(node_id)
         if core_ids is not None:
             cpus = _validated_cpus(core_ids)
         elif node_id is not None:
@@ -75,8 +76,9 @@ class CPUPool:
 
     def split(self, parts: int) -> list[CPUPool]:
         """``parts`` contiguous pools of nearly equal size (the first ones get one more CPU)."""
-        if isinstance(parts, bool) or not isinstance(parts, int):
+        if as_index(parts) is None:
             raise ValueError(f"parts must be an int from 1 to {len(self._cpus)}, got {parts!r}")
+        parts = as_index(parts)
         if not 1 <= parts <= len(self._cpus):
             raise ValueError(f"cannot split a pool of {len(self._cpus)} CPUs into {parts} parts")
         return [CPUPool(chunk) for chunk in _chunks(self._cpus, parts)]
@@ -104,6 +106,24 @@ class CPUPool:
 
     def __exit__(self, *exc: Any) -> None:
         unpin_team(self._local.stack.pop())
+
+
+def as_index(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integer (``int``, numpy's, a one-element integer tensor:
+    anything with ``__index__``), not a bool; else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _node_index(node_id: Any) -> int:
+    index = as_index(node_id)
+    if index is None or index < 0:
+        raise ValueError(f"node_id must be a non-negative integer, got {node_id!r}")
+    return index
 
 
 def _restored_pool(cpus: tuple[int, ...], node_id: Optional[int]) -> CPUPool:
@@ -139,9 +159,10 @@ def _validated_cpus(core_ids: Union[Iterable[int], str]) -> tuple[int, ...]:
         cpus = tuple(itertools.islice(items, MAX_ID + 2))
         if len(cpus) > MAX_ID + 1:
             raise ValueError(f"core_ids names more CPUs than any machine has (over {MAX_ID + 1})")
-        wrong = [c for c in cpus if isinstance(c, bool) or not isinstance(c, int) or c < 0]
+        wrong = [c for c in cpus if as_index(c) is None or as_index(c) < 0]
         if wrong:
             raise ValueError(f"CPU ids must be non-negative integers, got {wrong!r}")
+        cpus = tuple(as_index(c) for c in cpus)
     if not cpus:
         raise ValueError("a CPUPool needs at least one CPU")
     duplicates = sorted(c for c, n in collections.Counter(cpus).items() if n > 1)
@@ -166,9 +187,7 @@ def _node_cpus(node_id: int) -> tuple[int, ...]:
 def get_core_list_of_node_id(node_id: int) -> list[int]:
     """IPEX's helper: the CPUs of ``CPUPool(node_id=node_id)`` -- one (the first SMT sibling) per
     physical core of that NUMA node that this process may use."""
-    if isinstance(node_id, bool) or not isinstance(node_id, int) or node_id < 0:
-        raise ValueError(f"node_id must be a non-negative integer, got {node_id!r}")
-    return list(_node_cpus(node_id))
+    return list(_node_cpus(_node_index(node_id)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from xlaunch.runtime_ext.batching import (
     slice_sizes,
     split_call,
 )
-from xlaunch.runtime_ext.pool import CPUPool
+from xlaunch.runtime_ext.pool import CPUPool, as_index
 from xlaunch.runtime_ext.task import Task
 
 AUTO = "auto"
@@ -45,8 +45,10 @@ def stream_count(num_streams: Union[int, str], pool: CPUPool) -> int:
         if num_streams.lower() != AUTO:
             raise ValueError(f"num_streams must be 'auto' or a positive int, got {num_streams!r}")
         return auto_streams(pool)
-    if isinstance(num_streams, bool) or not isinstance(num_streams, int) or num_streams < 1:
+    count = as_index(num_streams)
+    if count is None or count < 1:
         raise ValueError(f"num_streams must be 'auto' or a positive int, got {num_streams!r}")
+    num_streams = count
     if num_streams > len(pool):
         warnings.warn(
             f"num_streams={num_streams} but the pool has {len(pool)} CPUs: using {len(pool)} streams",
