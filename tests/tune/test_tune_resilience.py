@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -131,3 +132,39 @@ def test_numbers_out_of_range_are_one_line(tmp_path: Path, capsys: pytest.Captur
     assert run(["--space", "space.toml", *argv, SYNTHETIC]) == 2
     assert capsys.readouterr().err == f"xlaunch-tune: error: {line}\n"
     assert os.listdir(tmp_path) == ["space.toml"]
+
+
+@pytest.mark.live
+def test_a_second_interrupt_while_a_trial_is_stopped_leaves_nothing_running(tmp_path: Path) -> None:
+    """The first SIGTERM (or Ctrl-C) stops the trial: the launcher forwards SIGTERM, which the
+    program ignores, and would SIGKILL it after its grace period. A second one made the tuner
+    leave at once, its launcher and the instance still running; now the launcher gets it too
+    (its second SIGTERM kills every instance now) and the tuner exits after them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from processes import running, wait_gone
+
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "xlaunch.tune", "--space", "space.toml", "--grace-period", "30",
+                             "--output-dir", "out", "--no-plot", SYNTHETIC, "--hang"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    run_dir = tmp_path / "out" / "runs" / "0001-r1"
+    log = run_dir / "trial_instance_0.log"
+    deadline = time.monotonic() + 60
+    while not (log.is_file() and log.read_text() == "hanging\n"):
+        assert proc.poll() is None and time.monotonic() < deadline, "the trial never started"
+        time.sleep(0.05)
+    launcher_log = (run_dir / "trial_launcher.log").read_text()
+    pids = [int(p) for p in re.findall(r"instance 0 started: pid (\d+)", launcher_log)]
+    assert pids and running(pids)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, err
+    assert running(pids) == [], "the instance outlived the tuner"
+    assert "interrupted: results so far" in out
+    assert wait_gone(pids, 1) == []

@@ -177,23 +177,39 @@ def fresh_directory(directory: str) -> None:
 
 
 def stop(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the launcher (it stops its instances), SIGKILL its group if it outstays."""
+    """SIGTERM the launcher (it stops its instances), SIGKILL its group if it outstays. A second
+    Ctrl-C (or SIGTERM) while it is being stopped sends the launcher a second SIGTERM, on which it
+    kills every instance at once, and the tuner waits for that: it never leaves before its launcher
+    and the launcher's instances are gone."""
     if proc.poll() is not None:
         return
-    try:
-        os.kill(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
+    _signal(proc, signal.SIGTERM)
     try:
         proc.wait(timeout=grace + 5.0)
         return
     except subprocess.TimeoutExpired:
         pass
+    except BaseException:
+        _signal(proc, signal.SIGTERM)           # the launcher's "received SIGTERM again: killing ... now"
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:                                # it outstayed, or a third Ctrl-C: its group is killed
+            _signal(proc, signal.SIGKILL, group=True)
+            proc.wait()
+        raise
+    _signal(proc, signal.SIGKILL, group=True)
+    proc.wait()
+
+
+def _signal(proc: subprocess.Popen, number: int, group: bool = False) -> None:
+    if proc.returncode is not None:
+        return
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, number) if group else os.kill(proc.pid, number)
     except ProcessLookupError:
         pass
-    proc.wait()
 
 
 def _failure(code: int, directory: str) -> str:
