@@ -168,3 +168,18 @@ def test_a_second_interrupt_while_a_trial_is_stopped_leaves_nothing_running(tmp_
     assert running(pids) == [], "the instance outlived the tuner"
     assert "interrupted: results so far" in out
     assert wait_gone(pids, 1) == []
+
+
+@pytest.mark.parametrize("planted", ["fifo", "file", "symlink"])
+def test_a_run_directory_replaces_whatever_sits_at_runs(tmp_path: Path, planted: str) -> None:
+    """A FIFO or a file at DIR/runs failed every trial with 'cannot write DIR/runs/0001-r1: File exists'."""
+    from xlaunch.tune.trial import fresh_directory
+
+    runs = tmp_path / "runs"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    {"fifo": lambda: os.mkfifo(runs), "file": lambda: runs.write_text("x\n"),
+     "symlink": lambda: runs.symlink_to(victim)}[planted]()
+    fresh_directory(str(runs / "0001-r1"))
+    assert runs.is_dir() and not runs.is_symlink() and (runs / "0001-r1").is_dir()
+    assert list(victim.iterdir()) == []

@@ -161,11 +161,11 @@ def _kernel_cells(path: str, instances: Sequence[int]) -> tuple[str, ...]:
 
 def fresh_directory(directory: str) -> None:
     """Make ``directory`` anew (an earlier one of that name is removed), so everything in it was
-    created by this run: nothing planted there is followed. Its parents must be real
-    directories: a symlink on the way is removed and replaced by one."""
+    created by this run: nothing planted there is followed. Its parent (``runs``, ``final``) must
+    be a real directory: a symlink, a FIFO or a file there is removed and replaced by one."""
     parent = os.path.dirname(directory)
     if parent:
-        if os.path.islink(parent):
+        if os.path.lexists(parent) and (os.path.islink(parent) or not os.path.isdir(parent)):
             os.unlink(parent)
         os.makedirs(parent, exist_ok=True)
     if os.path.lexists(directory):
