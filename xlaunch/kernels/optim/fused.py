@@ -365,18 +365,21 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
 
     Each parameter's ``.data`` becomes its bf16 high half (the same ``Parameter`` object, so the
     model and optimizer keep their references) and the low half goes to the optimizer state.
-    Existing gradients are dropped (they have the old dtype). ``model``'s other float32 parameters
-    are cast to bf16 so the forward sees one dtype. ``model``'s BatchNorm parameters, trained or
-    not, stay fp32 (batch_norm takes bf16 inputs with fp32 parameters, not bf16 ones; ipex too), as do buffers.
-    """
+    Existing gradients are dropped (they have the old dtype). A bf16 parameter of a ``model`` split
+    before takes a copy of the low half its hooks know. ``model``'s other float32 parameters are
+    cast to bf16 so the forward sees one dtype; its BatchNorm parameters, trained or not, stay fp32
+    (batch_norm takes bf16 inputs with fp32 parameters, not bf16 ones; ipex too), as do buffers."""
     if not isinstance(optimizer, _FusedBase):
         raise TypeError("split-bf16 parameters need a fused optimizer (see to_fused)")
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] if model else []
     keep = {id(p) for norm in norms for p in norm.parameters(recurse=False)}
+    known = splitstate.known_low_halves(model) if model is not None else {}
     converted, trained = 0, set()
     for group in optimizer.param_groups:
         for p in group["params"]:
             trained.add(p)
+            if id(p) in known and not is_split(optimizer, p):   # split by another optimizer before
+                optimizer.state[p][TRAIL_KEY], converted = known[id(p)].clone(), converted + 1
             if p.dtype != torch.float32 or is_split(optimizer, p) or id(p) in keep:
                 continue
             top, trail = split(p.data)
@@ -428,10 +431,8 @@ def to_fused(
     elif type(optimizer) in _FUSED_FOR:
         fused = _fused_twin(optimizer)
     else:
-        warnings.warn(
-            f"xlaunch.kernels: no fused version of {type(optimizer).__name__}; left unchanged",
-            stacklevel=2,
-        )
+        warnings.warn(f"xlaunch.kernels: no fused version of {type(optimizer).__name__}; left unchanged",
+                      stacklevel=2)
         return optimizer
     if dtype == torch.bfloat16:
         reason = native_dtypes.bf16_unsupported_reason(native_dtypes.isa_flags())

@@ -7,6 +7,9 @@ registered on the model, make ``model.state_dict()`` give the joined fp32 master
 ``model.load_state_dict`` of an fp32 checkpoint set both halves, so saving and loading round-trip
 bit for bit and a checkpoint from (or for) the plain fp32 model works (as ipex's do). The optimizer
 is held by a weak reference: once it is gone, the model saves and loads its bf16 tensors as they are.
+A copy of the model (``copy.deepcopy``, pickle) keeps the low halves of its split parameters as they
+were, so its ``state_dict`` is the masters at the time of the copy; copied together with the
+optimizer, the copy's low halves are the copied optimizer's (training the pair keeps them current).
 
 :class:`Bf16Forward` runs the model's forward under bf16 autocast and gives floating outputs back
 in fp32, so the training loop written for the fp32 model (fp32 inputs, targets, loss) runs as is.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from xlaunch._torch import needs_torch
 
@@ -33,21 +36,26 @@ class SplitMasters:
     """``state_dict`` hook and ``load_state_dict`` pre-hook for split-bf16 parameters."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizer = weakref.ref(optimizer)
+        self.link(model, optimizer)
+
+    def link(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Take the low halves from ``optimizer``'s state from now on."""
+        self._optimizer: Callable[[], Optional[torch.optim.Optimizer]] = weakref.ref(optimizer)
+        self._model: Callable[[], Optional[nn.Module]] = weakref.ref(model)
+        self._kept: dict = {}   # a copy's: {parameter: {TRAIL_KEY: its low half}}
         # every name, a tied parameter's aliases too: each is a key of the model's state_dict
         self.names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
 
     def _split_params(self, module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter, dict]]:
-        optimizer: Optional[torch.optim.Optimizer] = self._optimizer()
-        if optimizer is None:
-            return []
+        optimizer = self._optimizer()
+        states = self._kept if optimizer is None else optimizer.state
         found = []
-        for name in self.names:
+        for name in self.names if states else ():
             try:
                 param = module.get_parameter(name)
             except AttributeError:
                 continue
-            state = optimizer.state.get(param)
+            state = states.get(param)
             if state is not None and TRAIL_KEY in state:
                 found.append((prefix + name, param, state))
         return found
@@ -79,14 +87,42 @@ class SplitMasters:
             state_dict[key] = top
 
     def __getstate__(self) -> dict:
-        return {"names": self.names, "_optimizer": None}
+        """The low halves of the model's split parameters, keyed by parameter: copied (or pickled)
+        with the model, the memo makes the keys the copy's parameters and, when the optimizer is
+        copied in the same call, the low halves the copied optimizer's own."""
+        model = self._model()
+        kept = self._kept if model is None else {
+            param: {TRAIL_KEY: state[TRAIL_KEY]} for _, param, state in self._split_params(model, "")}
+        return {"names": self.names, "kept": kept}
 
     def __setstate__(self, state: dict) -> None:
         self.names = state["names"]
-        self._optimizer = lambda: None
+        self._kept = state.get("kept", {})
+        self._optimizer = self._model = lambda: None
+
+
+def _hooks_of(model: nn.Module) -> Optional[SplitMasters]:
+    for hook in model._state_dict_hooks.values():
+        if isinstance(getattr(hook, "__self__", None), SplitMasters):
+            return hook.__self__
+    return None
+
+
+def known_low_halves(model: nn.Module) -> dict[int, torch.Tensor]:
+    """``id(parameter)``: the low half ``model``'s checkpoint hooks join it with (from its
+    optimizer, or kept by a copy), for a model made split-bf16 before."""
+    hooks = _hooks_of(model)
+    found = hooks._split_params(model, "") if hooks is not None else []
+    return {id(p): state[TRAIL_KEY] for _, p, state in found if p.dtype == torch.bfloat16}
 
 
 def register(model: nn.Module, optimizer: torch.optim.Optimizer) -> SplitMasters:
+    """The checkpoint hooks of ``model``, taking the low halves from ``optimizer`` (the model's
+    hooks, if it has them, are linked to it: two would undo each other's load)."""
+    hooks = _hooks_of(model)
+    if hooks is not None:
+        hooks.link(model, optimizer)
+        return hooks
     hooks = SplitMasters(model, optimizer)
     model._register_state_dict_hook(hooks.save)
     model.register_load_state_dict_pre_hook(hooks.load)
@@ -162,8 +198,9 @@ def restore_state(optimizer: torch.optim.Optimizer, state_dict: dict, live: list
             if key not in ("step", TRAIL_KEY) and isinstance(value, torch.Tensor) and value.is_floating_point():
                 state[key] = value.to(dtype=torch.float32, device=param.device, copy=True)
         trail = saved.get(TRAIL_KEY)
-        # a copy of the checkpoint's, in the parameter's layout (check_trails refused a bad one)
-        state[TRAIL_KEY] = current if trail is None else torch.empty_like(current).copy_(trail)
+        if trail is not None:   # into the current one (a model's copy may share it; check_trails checked it)
+            current.copy_(trail)
+        state[TRAIL_KEY] = current
         _match_layout(param, state)
 
 

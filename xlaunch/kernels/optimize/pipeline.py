@@ -160,12 +160,11 @@ def _run(model: nn.Module, sample_input: Any) -> Any:
 
 def _copy_with_optimizer(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
     """Deep copies whose optimizer (param groups and per-parameter state) refers to the copied
-    model's parameters; the given model and optimizer are not touched."""
-    new_model = copy.deepcopy(model)
+    model's parameters; the given model and optimizer are not touched. One copy of the two: the
+    split-bf16 low halves an optimized model's checkpoint hooks keep are the copied optimizer's."""
     if optimizer is None:
-        return new_model, None
-    memo = {id(old): new for old, new in zip(model.parameters(), new_model.parameters())}
-    return new_model, copy.deepcopy(optimizer, memo)
+        return copy.deepcopy(model), None
+    return copy.deepcopy((model, optimizer))
 
 
 def _ipex_argument_order(optimizer: Any, dtype: Any) -> tuple[Any, Any]:

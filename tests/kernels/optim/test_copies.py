@@ -1,0 +1,90 @@
+"""Copies of a split-bf16 model: ``copy.deepcopy`` (the "keep the best model" pattern), with or
+without its optimizer, a pickle of the model, and a new optimizer over an optimized model or its
+copy. The fp32 masters' low halves live in the optimizer; the model's checkpoint hooks lost them
+on a copy (its ``state_dict`` gave the truncated bf16 values)."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from resume_helpers import batches, build, checkpoint, differences, resume, snapshot, train  # noqa: E402
+
+from xlaunch.kernels import master_params  # noqa: E402
+from xlaunch.kernels.optim.fused import is_split  # noqa: E402
+from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
+
+DATA = batches(4)
+
+
+def _frozen(state: dict) -> dict[str, torch.Tensor]:
+    """A state_dict as raw bytes with its dtype (a copy: not a view of live memory)."""
+    return {f"{key} {value.dtype}": value.detach().reshape(-1).clone().view(torch.uint8)
+            for key, value in state.items()}
+
+
+def _masters_saved(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    state = model.state_dict()
+    names = [name for name, _ in model.named_parameters()]
+    return all(torch.equal(state[name], master) for name, master in zip(names, master_params(optimizer)))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_deep_copy_keeps_the_masters_of_its_moment_and_a_copied_pair_trains_on(name: str) -> None:
+    model, optimizer = build(name, split=True, inplace=True, seed=0)
+    train(model, optimizer, DATA[:2])
+    at_copy = _frozen(model.state_dict())
+    saved = checkpoint(model, optimizer)
+    best = copy.deepcopy(model)
+    pair = copy.deepcopy({"model": model, "optimizer": optimizer})    # model copied first
+    reverse = copy.deepcopy((optimizer, model))                       # optimizer first
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    pickled = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    for copied in (best, pair["model"], reverse[1], pickled):
+        assert not differences(_frozen(copied.state_dict()), at_copy)
+
+    train(model, optimizer, DATA[2:])
+    expected = snapshot(model, optimizer)
+    after = _frozen(model.state_dict())
+    assert differences(after, at_copy)
+    assert not differences(_frozen(best.state_dict()), at_copy)       # training the original left it
+    for copied_model, copied_optimizer in ((pair["model"], pair["optimizer"]), (reverse[1], reverse[0])):
+        for _ in range(2):   # trained on, then resumed (the optimizer's load keeps the copy's low halves)
+            train(copied_model, copied_optimizer, DATA[2:])
+            assert not differences(snapshot(copied_model, copied_optimizer), expected)
+            assert not differences(_frozen(copied_model.state_dict()), after)
+            resume(copied_model, copied_optimizer, saved)
+
+    model.load_state_dict(best.state_dict())                           # roll back to the best
+    assert not differences(_frozen(model.state_dict()), at_copy)
+    assert _masters_saved(model, optimizer)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_optimize_again_or_a_new_optimizer_over_a_model_or_its_copy_trains_its_masters(inplace: bool) -> None:
+    """``optimize`` of an optimized model (with its optimizer, or a new one) or of its copy: the bf16
+    parameters take the low halves the model's hooks know (a new optimizer trained them as bf16
+    alone, and the model saved them joined with the old optimizer's stale low halves), and a copy
+    (``inplace=False``) saves its copied optimizer's."""
+    model, optimizer = build("adamw", split=True, inplace=True, seed=0)
+    train(model, optimizer, DATA[:2])
+    at_copy = _frozen(model.state_dict())
+    best = copy.deepcopy(model)
+    given = [(best, torch.optim.SGD(best.parameters(), lr=0.05, momentum=0.9)), (model, optimizer),
+             (model, torch.optim.SGD(model.parameters(), lr=0.05))]   # the original's old optimizer alive
+    for given_model, given_optimizer in given:
+        before = _frozen(given_model.state_dict())   # inplace: trained by the round before
+        tuned, tuned_optimizer = optimize(given_model, given_optimizer, dtype=torch.bfloat16, inplace=inplace,
+                                          force_bf16=True)
+        assert is_split(tuned_optimizer, tuned.conv.weight) and not is_split(tuned_optimizer, tuned.norm.weight)
+        assert not differences(_frozen(tuned.state_dict()), before) and _masters_saved(tuned, tuned_optimizer)
+        train(tuned, tuned_optimizer, DATA[2:])
+        assert differences(_frozen(tuned.state_dict()), before) and _masters_saved(tuned, tuned_optimizer)
+    assert not differences(_frozen(best.state_dict()), at_copy) == inplace   # trained only inplace
