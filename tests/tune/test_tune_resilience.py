@@ -183,3 +183,28 @@ def test_a_run_directory_replaces_whatever_sits_at_runs(tmp_path: Path, planted:
     fresh_directory(str(runs / "0001-r1"))
     assert runs.is_dir() and not runs.is_symlink() and (runs / "0001-r1").is_dir()
     assert list(victim.iterdir()) == []
+
+
+def test_an_output_dir_in_use_by_another_session_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sessions in one --output-dir: the second removed the first one's run directories under
+    its running trials (each then failed with 'no metric') and the two overwrote each other's
+    trials.json. The session holds DIR/.xlaunch-tune.lock; another one is refused before it runs."""
+    import fcntl
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1]\n")
+    (tmp_path / "out").mkdir()
+    with open(tmp_path / "out" / ".xlaunch-tune.lock", "w") as held:     # what a running session holds
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert run(["--space", "space.toml", "--output-dir", "out", "--no-plot", SYNTHETIC]) == 2
+        assert capsys.readouterr().err == ("xlaunch-tune: error: --output-dir: 'out' is in use by another "
+                                           "xlaunch-tune session (pid 4242)\n")
+        assert os.listdir(tmp_path / "out") == [".xlaunch-tune.lock"]          # nothing ran, nothing written
+    (tmp_path / "out3").mkdir()
+    os.symlink(tmp_path / "space.toml", tmp_path / "out3" / ".xlaunch-tune.lock")
+    assert run(["--space", "space.toml", "--output-dir", "out3", "--no-plot", SYNTHETIC]) == 2
+    assert capsys.readouterr().err.startswith("xlaunch-tune: error: --output-dir: cannot open out3/.xlaunch-tune.lock")
+    assert (tmp_path / "space.toml").read_text() == "[space]\nninstances = [1]\n"

@@ -277,15 +277,7 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
     if isinstance(probe, Skipped) and probe.reason.startswith("PROGRAM:"):
         raise UsageError("PROGRAM", probe.reason.split(": ", 1)[1])
     out = settings.output_dir
-    previous, previous_skipped = [], []
-    if out is not None:
-        try:
-            if settings.resume:
-                previous, previous_skipped = records.load(out, sig)
-            else:
-                records.check_fresh(out)
-        except records.ResumeError as exc:
-            raise UsageError("--resume" if settings.resume else "--output-dir", str(exc)) from None
+    previous, previous_skipped = _earlier(out, settings, sig)
     if settings.strategy == "tpe":
         try:
             import_optuna()
@@ -301,6 +293,15 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
         problem = check_writable_dir(out)
         if problem is not None:
             raise UsageError("--output-dir", f"cannot write in {out!r}: {problem}")
+        try:
+            held = records.lock(out)
+        except records.ResumeError as exc:
+            raise UsageError("--output-dir", str(exc)) from None
+        try:           # again under the lock: a session that started meanwhile may have written there
+            previous, previous_skipped = _earlier(out, settings, sig)
+        except UsageError:
+            os.close(held)
+            raise
     workdir = out if out is not None else tempfile.mkdtemp(prefix="xlaunch-tune-")
     try:
         try:
@@ -353,6 +354,23 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
     finally:
         if out is None:
             shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            os.close(held)
+
+
+def _earlier(out: Optional[str], settings: Settings, sig: dict) -> tuple[list, list]:
+    """The earlier session's trials and skipped points (--resume), or the check that there is none."""
+    from xlaunch.tune import records
+
+    if out is None:
+        return [], []
+    try:
+        if settings.resume:
+            return records.load(out, sig)
+        records.check_fresh(out)
+        return [], []
+    except records.ResumeError as exc:
+        raise UsageError("--resume" if settings.resume else "--output-dir", str(exc)) from None
 
 
 def _interrupt(number: int, _frame: Any) -> None:

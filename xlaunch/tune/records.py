@@ -29,6 +29,7 @@ TRIALS_JSON = "trials.json"
 TRIALS_CSV = "trials.csv"
 BEST_TOML = "best.toml"
 STUDY_DB = "study.db"
+LOCK = ".xlaunch-tune.lock"          # held (flock) by the session writing in the directory
 MAX_TRIALS_JSON = 256 << 20        # read back by --resume (a 10,000-trial session: about 30 MB)
 
 
@@ -205,3 +206,32 @@ def check_fresh(directory: str) -> None:
         path = os.path.join(directory, name)
         if os.path.lexists(path):
             raise ResumeError(f"{path} exists (add --resume to continue that session, or use another directory)")
+
+
+def lock(directory: str) -> int:
+    """Hold ``DIR/.xlaunch-tune.lock`` for this session (an exclusive ``flock`` on the returned
+    descriptor, released when it is closed or the process ends). A second session writing in the
+    same directory would remove the first one's run directories under its running trials."""
+    import fcntl
+    import stat
+
+    path = os.path.join(directory, LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ResumeError(f"cannot open {path}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ResumeError(f"{path} is not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            raise ResumeError(f"{directory!r} is in use by another xlaunch-tune session"
+                              + (f" (pid {holder})" if holder.isdigit() else "")) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
