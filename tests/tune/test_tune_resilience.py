@@ -208,3 +208,34 @@ def test_an_output_dir_in_use_by_another_session_is_one_line(tmp_path: Path, cap
     assert run(["--space", "space.toml", "--output-dir", "out3", "--no-plot", SYNTHETIC]) == 2
     assert capsys.readouterr().err.startswith("xlaunch-tune: error: --output-dir: cannot open out3/.xlaunch-tune.lock")
     assert (tmp_path / "space.toml").read_text() == "[space]\nninstances = [1]\n"
+
+
+def test_a_re_measurement_cut_short_is_not_reported_as_deciding(tmp_path: Path) -> None:
+    """Ctrl-C during the final rounds: best.toml said '2 re-measured (median of 1 interleaved round ...)'
+    and the table '-> no result', though the search's median chose the winner and nothing failed."""
+    from xlaunch.tune.report import rows
+    from xlaunch.tune.session import Final, Outcome, TrialRecord
+
+    def record(number: int, value: float) -> TrialRecord:
+        run_ = {"status": "ok", "reason": "", "value": value, "instance_values": [value], "wall_time": 0.5}
+        return TrialRecord(number, {"ninstances": number}, {"ninstances": number}, (0,), [run_])
+
+    from xlaunch.tune.objective import Objective, compile_metric
+
+    tuner = _grid_tuner(tmp_path, "[space]\nninstances = [1, 2]\n")
+    tuner.objective = Objective(compile_metric(r"score: (\d+)"), "sum", "max")
+    tuner.records = [record(1, 20.0), record(2, 10.0)]
+    tuner.final = Final((1, 2), {1: [19.0], 2: []}, {1: [], 2: []}, None)     # stopped in round 1
+    outcome = Outcome(tuner.records, [], tuner.final, tuner.best(), interrupted=True)
+    assert outcome.best is not None and outcome.best.number == 1
+    records.save_best(str(tmp_path), outcome.best, ["x.py"], "score", outcome.final)
+    text = (tmp_path / "best.toml").read_text()
+    assert "re-measured" not in text and "20 (median of 1, 20 .. 20), chosen by the search; its re-measurement " \
+        "against the runner-up did not finish (19, median of 1 interleaved round, 19 .. 19)" in text
+    notes = rows(tuner, outcome)[2]
+    assert "re-measured interleaved: #1 19 (n=1) vs #2 - (n=0) -> interrupted before it decided: the search's " \
+        "best is kept" in notes and "interrupted: results so far" in notes
+    tuner.final = Final((1, 2), {1: [19.0, 21.0], 2: [9.0, 9.5]}, {1: [], 2: []}, 1)      # decided
+    records.save_best(str(tmp_path), tuner.best(), ["x.py"], "score", tuner.final)
+    assert "score: 20 re-measured (median of 2 interleaved rounds, 19 .. 21); search: 20" in \
+        (tmp_path / "best.toml").read_text()

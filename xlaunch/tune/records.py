@@ -101,8 +101,12 @@ def save_best(directory: str, best: TrialRecord, command: list[str], objective_l
              f"  {describe(best.point)}"]
     if values:
         again = summarize(values)
-        lines.append(f"  {objective_label}: {again.median:.6g} re-measured (median of {again.count} interleaved "
-                     f"round{'s' if again.count != 1 else ''}, {again.low:.6g} .. {again.high:.6g}); search: {searched}")
+        rounds = f"{again.count} interleaved round{'s' if again.count != 1 else ''}, {again.low:.6g} .. {again.high:.6g}"
+        if final is not None and final.winner == best.number:
+            lines.append(f"  {objective_label}: {again.median:.6g} re-measured (median of {rounds}); search: {searched}")
+        else:                    # interrupted: the re-measurement did not decide, the search did
+            lines.append(f"  {objective_label}: {searched}, chosen by the search; its re-measurement against the "
+                         f"runner-up did not finish ({again.median:.6g}, median of {rounds})")
     else:
         lines.append(f"  {objective_label}: {searched}")
     separator = "-- " if command and command[0].startswith("-") else ""

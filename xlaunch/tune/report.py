@@ -66,7 +66,9 @@ def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], li
     if final is not None:
         parts = [f"#{n} {_fmt(finals.get(n))} (n={len(final.values.get(n, []))})" for n in final.numbers]
         notes.append("re-measured interleaved: " + " vs ".join(parts) +
-                     (f" -> #{final.winner} wins" if final.winner is not None else " -> no result"))
+                     (f" -> #{final.winner} wins" if final.winner is not None else
+                      " -> interrupted before it decided: the search's best is kept" if outcome.interrupted
+                      else " -> no result"))
     if outcome.best is not None:
         notes.append(f"best: #{outcome.best.number} {describe(outcome.best.point)}")
     elif not tuner.records and tuner.skipped:
