@@ -144,6 +144,37 @@ def test_a_split_checkpoint_loads_into_fp32_training() -> None:
     train(fp32, fp32_optimizer, DATA[2:])
 
 
+def test_a_split_checkpoint_trained_on_in_plain_torch_resumes_split_again() -> None:
+    """Split-bf16, then a plain torch run resumed from its checkpoint, then split-bf16 again from
+    that run's: torch's load casts the int16 low halves to the fp32 parameters' dtype and its
+    optimizer saves them again, stale. They were refused ("the low half of its fp32 master is
+    lost"); they are left out (the model checkpoint holds the masters), whichever loads first."""
+    model, optimizer = build("adam", split=True, inplace=True, seed=0)
+    train(model, optimizer, DATA[:1])
+    torch.manual_seed(1)
+    plain = Net().train()
+    plain_optimizer = OPTIMIZERS["adam"](plain.parameters())
+    resume(plain, plain_optimizer, checkpoint(model, optimizer))
+    assert plain_optimizer.state[plain.conv.weight][TRAIL_KEY].dtype == torch.float32
+    train(plain, plain_optimizer, DATA[1:2])
+    saved = checkpoint(plain, plain_optimizer)
+    reference, reference_optimizer = optimize(plain, plain_optimizer, dtype=torch.bfloat16, force_bf16=True)
+    train(reference, reference_optimizer, DATA[2:])
+    expected = snapshot(reference, reference_optimizer)
+    for optimizer_first in (True, False):
+        again, again_optimizer = build("adam", split=True, inplace=True, seed=2)
+        state = torch.load(io.BytesIO(saved), weights_only=True)
+        if optimizer_first:
+            again_optimizer.load_state_dict(state["optimizer"])
+        again.load_state_dict(state["model"])
+        if not optimizer_first:
+            again_optimizer.load_state_dict(state["optimizer"])
+        for master, fp32 in zip(master_params(again_optimizer), plain.parameters()):
+            assert torch.equal(master.view(torch.int32), fp32.detach().view(torch.int32))
+        train(again, again_optimizer, DATA[2:])
+        assert not differences(snapshot(again, again_optimizer), expected)
+
+
 def test_a_checkpoint_whose_low_halves_were_cast_is_refused() -> None:
     model, optimizer = build("sgd", split=True, inplace=True, seed=0)
     train(model, optimizer, DATA[:1])

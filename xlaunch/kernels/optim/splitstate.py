@@ -198,10 +198,17 @@ def restore_state(optimizer: torch.optim.Optimizer, state_dict: dict, live: list
             if key not in ("step", TRAIL_KEY) and isinstance(value, torch.Tensor) and value.is_floating_point():
                 state[key] = value.to(dtype=torch.float32, device=param.device, copy=True)
         trail = saved.get(TRAIL_KEY)
-        if trail is not None:   # into the current one (a model's copy may share it; check_trails checked it)
+        if trail is not None and not _carried(trail):   # into the current one (a model's copy may share it)
             current.copy_(trail)
         state[TRAIL_KEY] = current
         _match_layout(param, state)
+
+
+def _carried(trail: Any) -> bool:
+    """A low half a plain torch optimizer carried on: its load cast the int16 to its fp32 (or fp64)
+    parameter's dtype, and it is stale once that run stepped. Not used (the current low half is
+    kept, as for a checkpoint without one): the model's checkpoint holds the fp32 master."""
+    return isinstance(trail, torch.Tensor) and trail.dtype in (torch.float32, torch.float64)
 
 
 def check_trails(state_dict: dict, live: list, trails: dict) -> None:
@@ -210,7 +217,7 @@ def check_trails(state_dict: dict, live: list, trails: dict) -> None:
     saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
     for number, (param, pid) in enumerate(zip(live, saved_ids)):
         trail = state_dict["state"].get(pid, {}).get(TRAIL_KEY)
-        if param not in trails or trail is None:
+        if param not in trails or trail is None or _carried(trail):
             continue
         if not isinstance(trail, torch.Tensor) or trail.dtype != TRAIL_DTYPE or trail.shape != param.shape:
             what = f"{trail.dtype} {tuple(trail.shape)}" if isinstance(trail, torch.Tensor) else type(trail).__name__
