@@ -239,3 +239,31 @@ def test_a_re_measurement_cut_short_is_not_reported_as_deciding(tmp_path: Path) 
     records.save_best(str(tmp_path), tuner.best(), ["x.py"], "score", tuner.final)
     assert "score: 20 re-measured (median of 2 interleaved rounds, 19 .. 21); search: 20" in \
         (tmp_path / "best.toml").read_text()
+
+
+def test_a_finalist_that_fails_a_re_measurement_round_loses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """#2 measures 100 against #1's 50 but exits 3 in one final round: it won on the median of the
+    rounds it survived, and the line under the table did not mention the failure."""
+    from xlaunch.tune import session, trial
+    from xlaunch.tune.objective import Objective, compile_metric
+    from xlaunch.tune.report import rows
+    from xlaunch.tune.session import Outcome
+
+    launches: dict[int, int] = {}
+
+    def fake_run_once(launch, candidate, objective, directory, budget=None):  # noqa: ANN001, ANN202
+        cores = candidate.point["ninstances"]
+        launches[cores] = launches.get(cores, 0) + 1
+        if cores == 2 and launches[cores] == 3:
+            return trial.RunResult(False, 0.1, None, (None,), "exit 3 (instance 0)", directory)
+        return trial.RunResult(True, 0.1, 50.0 * cores, (50.0 * cores,), "", directory)
+
+    monkeypatch.setattr(session, "run_once", fake_run_once)
+    tuner = _grid_tuner(tmp_path, "[space]\nninstances = [1, 2]\n")
+    tuner.objective = Objective(compile_metric(r"score: (\d+)"), "sum", "max")
+    outcome = tuner.run()
+    assert outcome.final is not None and outcome.final.numbers == (2, 1)
+    assert outcome.final.failures == {2: ["exit 3 (instance 0)"], 1: []}
+    assert outcome.final.winner == 1 and outcome.best is not None and outcome.best.number == 1
+    notes = rows(tuner, Outcome(tuner.records, [], outcome.final, outcome.best))[2]
+    assert "re-measured interleaved: #2 100 (n=2, failed 1x: exit 3 (instance 0)) vs #1 50 (n=3) -> #1 wins" in notes

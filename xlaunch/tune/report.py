@@ -64,7 +64,9 @@ def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], li
     notes += [f"#{record.number} failed: {record.reason}" for record in failed]
     notes += [f"skipped {describe(skip.point)}: {skip.reason}" for skip in tuner.skipped]
     if final is not None:
-        parts = [f"#{n} {_fmt(finals.get(n))} (n={len(final.values.get(n, []))})" for n in final.numbers]
+        parts = [f"#{n} {_fmt(finals.get(n))} (n={len(final.values.get(n, []))}"
+                 + (f", failed {len(final.failures[n])}x: {final.failures[n][0]}" if final.failures.get(n) else "")
+                 + ")" for n in final.numbers]
         notes.append("re-measured interleaved: " + " vs ".join(parts) +
                      (f" -> #{final.winner} wins" if final.winner is not None else
                       " -> interrupted before it decided: the search's best is kept" if outcome.interrupted

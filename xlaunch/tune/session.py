@@ -242,8 +242,9 @@ class Tuner:
                     final.failures[record.number].append(result.reason)
                 self.on_change(self, "final")
         medians = {n: summarize(v).median for n, v in final.values.items() if v}
-        if medians:
-            final.winner = min(medians, key=lambda n: (self.objective.sort_key(medians[n]), n != first.number))
+        if medians:              # a finalist that failed in a round loses to one that did not fail
+            final.winner = min(medians, key=lambda n: (len(final.failures[n]), self.objective.sort_key(medians[n]),
+                                                       n != first.number))
         return final
 
     def best(self) -> Optional[TrialRecord]:
