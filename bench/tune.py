@@ -16,7 +16,9 @@ min..max and ratios are printed.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,19 +39,45 @@ def configs(best: str, script: list[str]) -> dict[str, list[str]]:
     }
 
 
-def run_once(name: str, argv: list[str], timeout: float) -> float | None:
+def run_once(name: str, argv: list[str], timeout: float, grace: float = 10.0) -> float | None:
+    """One launch in a session of its own; at ``timeout`` (or Ctrl-C) its process group gets SIGTERM
+    (xlaunch forwards it to its instances; run_cpu's program is in its group), then SIGKILL after
+    ``grace`` s: killing the launcher alone left run_cpu's program running."""
+    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        done = subprocess.run(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, timeout=timeout)
+        stdout, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stop(proc, grace)
         print(f"  {name}: timed out after {timeout:g}s")
         return None
-    values = [float(v) for v in THROUGHPUT.findall(done.stdout)]
-    if done.returncode != 0 or not values:
-        tail = done.stdout.decode(errors="replace").strip().splitlines()[-3:]
-        print(f"  {name}: exit {done.returncode}, {len(values)} result(s): {' | '.join(tail)}")
+    except BaseException:
+        stop(proc, grace)
+        raise
+    values = [float(v) for v in THROUGHPUT.findall(stdout)]
+    if proc.returncode != 0 or not values:
+        tail = stdout.decode(errors="replace").strip().splitlines()[-3:]
+        print(f"  {name}: exit {proc.returncode}, {len(values)} result(s): {' | '.join(tail)}")
         return None
     return sum(values)
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the launch's process group, SIGKILL it after ``grace`` s (or at a second Ctrl-C)."""
+    for number, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, number)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.communicate(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
 
 
 def main() -> int:
@@ -61,7 +89,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     args = parser.parse_args()
 
-    print(Path(args.best).read_text().strip())
+    sys.path.insert(0, str(REPO))
+    from xlaunch.userfiles import UserFileError, read_user_text
+
+    try:
+        print(read_user_text(args.best).strip())          # a regular file of at most 1 MiB
+    except UserFileError as exc:
+        parser.error(f"--best: {exc}")
     script = [INFER, "--iterations", str(args.iterations), "--batch-size", str(args.batch_size)]
     runs = configs(str(Path(args.best).resolve()), script)
     names = list(runs)
