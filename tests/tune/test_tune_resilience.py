@@ -267,3 +267,17 @@ def test_a_finalist_that_fails_a_re_measurement_round_loses(tmp_path: Path, monk
     assert outcome.final.winner == 1 and outcome.best is not None and outcome.best.number == 1
     notes = rows(tuner, Outcome(tuner.records, [], outcome.final, outcome.best))[2]
     assert "re-measured interleaved: #2 100 (n=2, failed 1x: exit 3 (instance 0)) vs #1 50 (n=3) -> #1 wins" in notes
+
+
+def test_best_toml_says_how_to_run_it_from_where_the_tuner_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'xlaunch --config best.toml examples/infer.py' ran from neither place: best.toml is in the
+    output directory, the program's path is relative to where xlaunch-tune ran."""
+    from xlaunch.tune.session import TrialRecord
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tune out").mkdir()
+    run_ = {"status": "ok", "reason": "", "value": 3.0, "instance_values": [3.0], "wall_time": 0.5}
+    best = TrialRecord(1, {"ninstances": 1}, {"ninstances": 1}, (0,), [run_])
+    records.save_best("tune out", best, ["examples/infer.py", "--iterations", "10"], "score")
+    assert "# Run it with:  xlaunch --config 'tune out/best.toml' examples/infer.py --iterations 10\n" in \
+        (tmp_path / "tune out" / "best.toml").read_text()

@@ -110,7 +110,8 @@ def save_best(directory: str, best: TrialRecord, command: list[str], objective_l
     else:
         lines.append(f"  {objective_label}: {searched}")
     separator = "-- " if command and command[0].startswith("-") else ""
-    lines.append(f"Run it with:  xlaunch --config {BEST_TOML} {separator}{shlex.join(command)}")
+    # from where xlaunch-tune ran, as the program's path is: DIR/best.toml as --output-dir named it
+    lines.append(f"Run it with:  xlaunch --config {shlex.quote(path)} {separator}{shlex.join(command)}")
     tomlfile.write(path, best.table, "\n".join(lines))
     return path
 
