@@ -127,3 +127,48 @@ def test_objects_left_at_exit_gnu_intel_and_under_xlaunch(exits):
 
 def test_forked_child_leaves_the_parents_workers_alone(exits):
     check(exits["drivers"], slice(RUNS + 1, RUNS + 1 + FORKS), FORKS)
+
+
+def interrupted_at_exit(runs: dict[str, tuple[dict[str, str], int]]) -> dict[str, tuple[int, list[str], float]]:
+    """Run programs/interrupted_exit.py once per entry (environment, Ctrl-C presses), all at once;
+    press Ctrl-C once each program has ended (a second press once the first was answered). Per
+    entry: the status, the stderr lines, the seconds from the last press to the end."""
+    import signal
+    import time
+
+    def argv(presses: int) -> list[str]:
+        return [sys.executable, str(PROGRAMS / "interrupted_exit.py"), *(["long"] if presses > 1 else [])]
+
+    started = {name: (start(argv(presses), env), presses) for name, (env, presses) in runs.items()}
+    lines: dict[str, list[str]] = {name: [] for name in runs}
+    pressed: dict[str, float] = {}
+    for name, (process, presses) in started.items():
+        assert process.stdout.readline() == "end of program\n", finish(process)
+    time.sleep(0.3)                                       # inside the exit hook's wait by now
+    for press in range(max(presses for _, presses in runs.values())):
+        for name, (process, presses) in started.items():
+            if press < presses:
+                if press:
+                    lines[name].append(process.stderr.readline().rstrip("\n"))
+                process.send_signal(signal.SIGINT)
+                pressed[name] = time.monotonic()
+    results = {}
+    for name, (process, _) in started.items():
+        status, _, err = finish(process, timeout=60)
+        results[name] = (status, lines[name] + err.splitlines(), time.monotonic() - pressed[name])
+    return results
+
+
+def test_ctrl_c_while_exit_waits_for_queued_calls():
+    """Before: a KeyboardInterrupt traceback from the exit hook, then the workers, still running
+    as the interpreter finalized, aborted it ("terminate called without an active exception",
+    status 134) in 8 runs of 8. Now: the queued calls are cancelled, the call in progress is
+    waited for, one line says so; a second Ctrl-C leaves at once with status 130. The hook is
+    the same whatever the OpenMP runtime (libiomp5 aborted the same way): GNU's is run."""
+    results = interrupted_at_exit({"once": (environment(), 1), "twice": (environment(), 2)})
+    status, lines, _ = results["once"]
+    assert status == 0 and len(lines) == 1, (status, lines)
+    assert lines[0].startswith("xlaunch.runtime_ext: interrupted at exit: ") and "cancelled" in lines[0], lines
+    status, lines, waited = results["twice"]
+    assert status == 130 and len(lines) == 2 and "interrupted again" in lines[1], (status, lines)
+    assert waited < 10, "the second Ctrl-C did not leave at once"

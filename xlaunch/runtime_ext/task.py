@@ -57,6 +57,22 @@ class _Inbox:
                 raise RuntimeError("submit to a closed Task")
             self.jobs.put(job)
 
+    def cancel_queued(self) -> int:
+        """Cancel the calls not yet started (their futures raise ``CancelledError``); how many."""
+        cancelled, stop = 0, False
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is _STOP:
+                stop = True
+            elif job[0].cancel():
+                cancelled += 1
+        if stop:
+            self.jobs.put(_STOP)
+        return cancelled
+
     def close(self) -> None:
         """Take no more calls; the worker stops after the ones queued (idempotent)."""
         with self.lock:
@@ -137,7 +153,7 @@ class Task:
             daemon=True,
         )
         self._thread.start()
-        self._worker = workers.register(self._thread, self._inbox.close)
+        self._worker = workers.register(self._thread, self._inbox.close, self._inbox.cancel_queued)
         try:
             started.result()
         except BaseException:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class Worker:
     thread: threading.Thread
     request_stop: Callable[[], None]   # idempotent, never blocks for long
     pid: int = field(default_factory=os.getpid)
+    cancel_queued: Callable[[], int] = lambda: 0   # cancels the calls not yet started; how many
 
     def stop(self) -> None:
         """Ask the thread to stop; a no-op in a process other than the one that started it."""
@@ -55,10 +57,14 @@ _live: set[Worker] = set()
 _hooked = False
 
 
-def register(thread: threading.Thread, request_stop: Callable[[], None]) -> Worker:
+def register(
+    thread: threading.Thread, request_stop: Callable[[], None], cancel_queued: Optional[Callable[[], int]] = None
+) -> Worker:
     """Track a started ``thread`` until it is joined; installs the exit and fork hooks once."""
     global _hooked
     worker = Worker(thread, request_stop)
+    if cancel_queued is not None:
+        worker.cancel_queued = cancel_queued
     with _lock:
         if not _hooked:
             atexit.register(shutdown_all)
@@ -82,12 +88,43 @@ def live_workers() -> tuple[Worker, ...]:
 
 
 def shutdown_all() -> None:
-    """Stop every registered worker, then join them all (the ``atexit`` hook; safe to call twice)."""
+    """Stop every registered worker, then join them all (the ``atexit`` hook; safe to call twice).
+
+    A Ctrl-C while it waits cancels the queued calls and waits only for those in progress (a
+    worker still running when the interpreter finalizes aborts the process); one line on stderr
+    says so. A second Ctrl-C leaves at once with status 130 (``os._exit``, output flushed).
+    """
     workers = live_workers()
     for worker in workers:
         worker.stop()
+    try:
+        _join_all(workers)
+    except KeyboardInterrupt:
+        try:
+            cancelled = sum(worker.cancel_queued() for worker in workers)
+            _say(f"xlaunch.runtime_ext: interrupted at exit: {cancelled} queued Task call(s) cancelled; waiting "
+                 "for the calls in progress (Ctrl-C again to leave at once)")
+            _join_all(workers)
+        except KeyboardInterrupt:
+            _say("xlaunch.runtime_ext: interrupted again at exit: leaving without waiting for the Task calls in progress")
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+            os._exit(130)
+
+
+def _join_all(workers: tuple[Worker, ...]) -> None:
     for worker in workers:
         worker.join()
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):
+        pass  # a closed or full stderr does not change what happens
 
 
 def wait_until_gone(tid: Optional[int], timeout: float = EXIT_GRACE_S) -> None:
