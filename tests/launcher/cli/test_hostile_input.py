@@ -81,6 +81,8 @@ CASES = [
     ("fsroot-bomb", ["--dry-run"], {"XLAUNCH_FSROOT": "bomb.tar.gz"}, "XLAUNCH_FSROOT", "expands to more than 128 MiB"),
     ("fsroot-fifo-archive", ["--dry-run"], {"XLAUNCH_FSROOT": "fifo.tar.xz"}, "XLAUNCH_FSROOT", "is not a directory"),
     ("python-as-program", ["--", "python"], {}, "PROGRAM", "drop 'python'"),
+    ("program-fifo", ["--", "fifo.toml"], {}, "PROGRAM", "'fifo.toml' is not a regular file"),
+    ("program-device", ["--", "null"], {}, "PROGRAM", "'null' is not a regular file"),
 ]
 
 

@@ -211,6 +211,8 @@ def _resolve_program(options: Options, environ: Mapping[str, str]) -> Options:
         if not os.path.isfile(os.path.join(program, "__main__.py")):
             raise OptionError("PROGRAM", f"directory {program!r} has no __main__.py")
     elif not os.path.isfile(program):
+        if os.path.exists(program):     # a FIFO, a socket, a device: python would block or fail in every instance
+            raise OptionError("PROGRAM", f"{program!r} is not a regular file")
         raise OptionError("PROGRAM", f"no such file {program!r}{_not_a_script_hint(program, environ)}")
     script = os.path.join(program, "__main__.py") if os.path.isdir(program) else program
     problem = _unreadable(script)
