@@ -18,6 +18,25 @@ def test_last_match_per_instance_counts() -> None:
     assert last_value(compile_metric(r"^t=(\d+)$"), "t=1\nx t=5\nt=3\n") == 3.0
 
 
+def test_the_matcher_reads_each_log_s_tail_from_a_whole_line(tmp_path, monkeypatch) -> None:
+    """A chatty program's log is not read whole (a 291 MB log took the matcher 580 MB): its last
+    TAIL_BYTES, from the first line starting in them; a match only before them is said to be so."""
+    from xlaunch.tune import objective
+
+    monkeypatch.setattr(objective, "TAIL_BYTES", 1 << 20)
+    pattern = compile_metric(r"^throughput: ([0-9.]+)")
+    noise = "noise line\n" * 200_000                     # 2.2 MB
+    logs = {"late": "throughput: 1.0\n" + noise + "throughput: 7.5 img/s\nend\n",
+            "early": "throughput: 1.0\n" + noise,
+            "cut": noise + "xx" + "throughput: 9\n" + "y" * ((1 << 20) - 15) + "\n",   # the tail starts mid-line
+            "small": "throughput: 3\n"}
+    for name, text in logs.items():
+        (tmp_path / name).write_text(text)
+    found = objective.metric_values(pattern, [str(tmp_path / name) for name in logs] + [str(tmp_path / "none")], 30)
+    assert found == [7.5, "no metric in the last 1 MiB of its output", "no metric in the last 1 MiB of its output",
+                     3.0, "no output"]
+
+
 @pytest.mark.parametrize("regex, problem", [
     (r"throughput: [0-9.]+", "exactly one capture group (the number), found 0"),
     (r"(a)=(\d+)", "exactly one capture group (the number), found 2"),

@@ -79,16 +79,26 @@ def last_value(pattern: re.Pattern[str], output: str) -> float | str:
 
 # Matching runs in a child process so that it can be stopped: Python's re cannot be interrupted,
 # and a pattern such as (a+)+$ backtracks for hours on one long line. The child reads the logs
-# itself; stdlib only (-I -S: no site, starts in about 15 ms).
+# itself; stdlib only (-I -S: no site, starts in about 15 ms). It reads the last TAIL_BYTES of each
+# log, from the first line that starts in them: the last match is the value, and a chatty program's
+# gigabytes of output must not take gigabytes of memory to read.
+TAIL_BYTES = 64 << 20
 _MATCHER = """
-import json, re, sys
-pattern, flags, paths = json.load(sys.stdin)
+import json, os, re, sys
+pattern, flags, paths, tail = json.load(sys.stdin)
 regex = re.compile(pattern, flags)
 found = []
 for path in paths:
     try:
         with open(path, "rb") as handle:
-            text = handle.read().decode("utf-8", "replace")
+            size = os.fstat(handle.fileno()).st_size
+            if size > tail:
+                handle.seek(size - tail - 1)
+                data = handle.read(tail + 1)
+                data = data[data.find(b"\\n") + 1:] if b"\\n" in data else b""
+            else:
+                data = handle.read(tail)
+            text = data.decode("utf-8", "replace")
     except FileNotFoundError:
         found.append(["no output", None])
         continue
@@ -98,7 +108,10 @@ for path in paths:
     last = None
     for last in regex.finditer(text):
         pass
-    found.append(["no metric", None] if last is None else ["match", last.group(1) and last.group(1)[:100]])
+    if last is not None:
+        found.append(["match", last.group(1) and last.group(1)[:100]])
+    else:
+        found.append(["no metric" + (" in the last %d MiB of its output" % (tail >> 20) if size > tail else ""), None])
 json.dump(found, sys.stdout)
 """
 
@@ -110,7 +123,7 @@ def metric_values(pattern: re.Pattern[str], paths: Sequence[str], time_limit: fl
     import subprocess
     import sys
 
-    request = json.dumps([pattern.pattern, pattern.flags, list(paths)])
+    request = json.dumps([pattern.pattern, pattern.flags, list(paths), TAIL_BYTES])
     try:
         done = subprocess.run([sys.executable, "-I", "-S", "-c", _MATCHER], input=request, capture_output=True,
                               text=True, timeout=time_limit)
