@@ -116,11 +116,18 @@ class MultiStreamModule(nn.Module):
             return outputs
         return join_outputs(outputs, self._output_hint)
 
-    def close(self) -> None:
-        """Finish queued calls, stop and join every stream's thread (idempotent)."""
+    def close(self, cancel_queued: bool = False) -> None:
+        """Finish queued calls (``cancel_queued``: cancel those not yet started), stop and join
+        every stream's thread (idempotent). Interrupted (Ctrl-C), the queued calls are cancelled."""
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.close()
+        try:
+            for task in tasks:
+                task.close(cancel_queued)
+        except KeyboardInterrupt:
+            for task in tasks:
+                task._inbox.close()
+                task._inbox.cancel_queued()
+            raise
 
     @property
     def closed(self) -> bool:
@@ -133,8 +140,8 @@ class MultiStreamModule(nn.Module):
     def __enter__(self) -> MultiStreamModule:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(cancel_queued=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
 
     def extra_repr(self) -> str:
         pools = ", ".join(repr(p) for p in self.stream_pools)

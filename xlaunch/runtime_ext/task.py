@@ -181,13 +181,22 @@ class Task:
         """Submit and wait for the result."""
         return self(*args, **kwargs).result()
 
-    def close(self) -> None:
-        """Run what is queued, stop the worker thread and join it (idempotent)."""
+    def close(self, cancel_queued: bool = False) -> None:
+        """Run what is queued (``cancel_queued``: cancel the calls not yet started instead), stop
+        the worker thread and join it (idempotent). Interrupted (Ctrl-C), it cancels the queued
+        calls before the KeyboardInterrupt goes on, so only the call in progress is left."""
         self._finalizer.detach()
         if self._worker.pid != os.getpid():
             self._inbox.closed = True  # a forked child: the worker is the parent's, nothing to stop
             return
-        self._worker.join()  # closes the inbox, waits for the queued calls and the thread's end
+        if cancel_queued:
+            self._inbox.close()
+            self._inbox.cancel_queued()
+        try:
+            self._worker.join()  # closes the inbox, waits for the queued calls and the thread's end
+        except KeyboardInterrupt:
+            self._inbox.cancel_queued()
+            raise
 
     @property
     def closed(self) -> bool:
@@ -201,8 +210,8 @@ class Task:
     def __enter__(self) -> Task:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(cancel_queued=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
