@@ -281,3 +281,32 @@ def test_best_toml_says_how_to_run_it_from_where_the_tuner_ran(tmp_path: Path, m
     records.save_best("tune out", best, ["examples/infer.py", "--iterations", "10"], "score")
     assert "# Run it with:  xlaunch --config 'tune out/best.toml' examples/infer.py --iterations 10\n" in \
         (tmp_path / "tune out" / "best.toml").read_text()
+
+
+# Delivers SIGINT while the named module is imported (a deterministic "Ctrl-C while it starts").
+_INTERRUPT_DURING_IMPORT = '''
+import importlib.abc, os, signal, sys, time
+class _Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == os.environ["XL_INTERRUPT_AT"]:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        return None
+sys.meta_path.insert(0, _Interrupt())
+'''
+
+
+@pytest.mark.parametrize("module", ["statistics", "xlaunch.tune.space"])
+def test_a_ctrl_c_while_the_tuner_starts_is_exit_130_without_a_traceback(tmp_path: Path, module: str) -> None:
+    """The console script imported the whole CLI before any handler: a Ctrl-C in those imports printed
+    a KeyboardInterrupt traceback (4 of 30 random early Ctrl-Cs)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(_INTERRUPT_DURING_IMPORT)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)]), "XL_INTERRUPT_AT": module}
+    done = subprocess.run([sys.executable, "-c", "import sys; from xlaunch.tune import main; sys.argv[0] = 'xlaunch-tune'; main()",
+                           "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", ""), done

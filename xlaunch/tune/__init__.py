@@ -18,3 +18,21 @@ its option validation, its planner and runner), so what is measured is exactly w
 The launcher (``xlaunch``) never imports this package; this package imports rich, matplotlib
 and optuna only where they are used.
 """
+
+
+def main() -> None:
+    """Console-script entry point (``xlaunch-tune``). A Ctrl-C while the command starts (its imports,
+    its checks of the options and the space) or after the session (while its files are written) is
+    exit 130 without a traceback; during the session the tuner stops the running trial and keeps
+    what was measured (:mod:`~xlaunch.tune.session`)."""
+    from xlaunch._early_signals import record_early_sigint
+
+    try:
+        received = record_early_sigint()
+        from xlaunch.tune.cli import main as run_cli
+
+        if received:   # a Ctrl-C during the imports that was only recorded (see record_early_sigint)
+            raise KeyboardInterrupt
+        run_cli()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None

@@ -1,5 +1,10 @@
-"""``python -m xlaunch.tune``."""
-from xlaunch.tune.cli import main
+"""``python -m xlaunch.tune``: the tuner. A Ctrl-C before it runs is exit 130, no traceback."""
+import sys
 
-if __name__ == "__main__":
-    main()
+try:
+    from xlaunch.tune import main
+
+    if __name__ == "__main__":
+        main()
+except KeyboardInterrupt:
+    sys.exit(130)
