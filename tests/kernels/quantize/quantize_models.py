@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -11,6 +12,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -225,11 +227,13 @@ def check_auto(model, example, _calibration, quantized, *_progress) -> None:
     assert (ref - out).abs().max() <= policy.DEFAULT_MAX_ERROR * ref.abs().max()
 
 
+@functools.cache   # one build a session: test_quantize.py and test_quantize_saved.py read it, never change it
 def saved_variants() -> dict:
     """route -> (quantized tiny MLP, input), or the reason it cannot be built here, for every INT8
     route: the engine routes and weight-only through ``quantize(mode=...)`` (what a user runs), the
     PT2E routes built without their compile (their program is compared eagerly, which is what the
-    file carries; the compiled ones are the saved ``quantize()`` results of test_quantize.py)."""
+    file carries; the compiled ones are the saved ``quantize()`` results of test_quantize.py); and
+    ``"bf16"``, the bf16 float variant ``auto`` keeps (:func:`bf16_kept_by_auto`)."""
     from xlaunch.kernels.quantize import engine_routes, routes
     from xlaunch.kernels.quantize.api import QuantizedModule, QuantizeReport
 
@@ -256,7 +260,35 @@ def saved_variants() -> dict:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", QuantizeWarning)
                 built[route] = (quantize(model, (example,), calibration=calibration, mode=route), example)
+    built["bf16"] = torchao or bf16_kept_by_auto()
     return built
+
+
+def bf16_kept_by_auto() -> tuple[Any, torch.Tensor]:
+    """What ``quantize(mode="auto", consider=["weight_only", "bf16"])`` returns when its bf16 float
+    variant times fastest (a stand-in measurement, on any CPU): mode ``"bf16"``, and its input. The
+    MLP is smaller than :func:`make`'s: optimize() times its engines for the float variants."""
+    from unittest import mock
+
+    from xlaunch.kernels.quantize import api
+
+    example = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+    def measure(variants: dict, example: Any, rounds: int) -> dict:
+        return {name: 1.0 if name == policy.BF16_OPTIMIZE else 10.0 for name in variants}
+
+    with mock.patch.object(api, "_native_bf16", lambda: True), mock.patch.object(api, "measure", measure), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = quantize(tiny_mlp(), (example,), mode="auto", consider=["weight_only", "bf16"],
+                             progress=False)
+    assert quantized.mode == "bf16", quantized.mode
+    return quantized, example
+
+
+def tiny_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
 LOAD_SCRIPT = r"""
@@ -286,7 +318,8 @@ for path, io_path, compiled in cases:
         with torch.no_grad():
             out = model(x) if mode not in ("static", "dynamic") else model.program.module()(x)
             error = (out - expected).abs().max().item() / expected.abs().max().item()
-            assert error <= 1e-5, (path, error)
+            # bf16: the saved float program under autocast against optimize()'s bf16 engine
+            assert error <= (2e-2 if mode == "bf16" else 1e-5) and out.dtype == expected.dtype, (path, error)
             if mode not in ("static", "dynamic"):
                 assert model(x[:3]).shape == (3, *expected.shape[1:]), mode   # another batch size
         print("ok", path, error)

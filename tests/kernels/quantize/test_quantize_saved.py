@@ -1,8 +1,9 @@
 """Saved INT8 models: the manifest, damaged and hostile files, and a save that would write
 through a symlink, each one clear error.
 
-One tiny MLP, quantized once per route for the whole module (the fixture,
-``quantize_models.saved_variants``). Each of these routes saves and loads in a fresh process (no
+One tiny MLP, quantized once per route for the session (the fixture,
+``quantize_models.saved_variants``, which test_quantize.py reads too), and the bf16 float variant
+``auto`` may keep. Each of these routes saves and loads in a fresh process (no
 model class there), with a missing engine one clear ImportError, in test_quantize.py's
 ``test_save_then_load_in_a_fresh_process``: one child process loads them with the compiled models
 of that file (each process imports torch and torchao: seconds)."""
@@ -13,7 +14,7 @@ import json
 import os
 import stat
 import struct
-import warnings
+import sys
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from quantize_models import saved_variants  # noqa: E402
+from quantize_models import saved_variants, tiny_mlp  # noqa: E402
 
 from xlaunch.kernels.quantize import engine_saved, saved  # noqa: E402
 from xlaunch.kernels.quantize.api import load_quantized  # noqa: E402
@@ -210,49 +211,27 @@ def test_the_signature_round_trips_without_the_model_classes() -> None:
         engine_saved.Signature({**written, "inputs": [{"dtype": "os.system", "shape": [None]}]})
 
 
-LOAD_AND_RUN = """
-import sys, torch
-from xlaunch.kernels.quantize.api import load_quantized
-q = load_quantized(sys.argv[1])
-x = torch.load(sys.argv[2], weights_only=True)
-torch.save({"mode": q.mode, "out": q(x), "batch3": q(x[:3])}, sys.argv[3])
-"""
-
-
-def test_a_bf16_variant_auto_keeps_saves_and_loads_in_a_fresh_process(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever ``auto`` may keep can be saved: its bf16 float variant (timed fastest here by a
-    stand-in measurement, on any CPU) saves as the float program under bf16 autocast and loads in
-    another process with the outputs it gave (bf16 tolerance: the engine differs), any batch."""
-    import subprocess
-    import sys
-
-    from xlaunch.kernels.quantize import api, policy
-
-    monkeypatch.setattr(api, "_native_bf16", lambda: True)
-    monkeypatch.setattr(api, "measure", lambda variants, example, rounds: {
-        name: 1.0 if name == policy.BF16_OPTIMIZE else 10.0 for name in variants})
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    x = torch.randn(8, 16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        q = api.quantize(model, (x,), mode="auto", consider=["weight_only", "bf16"], progress=False)
-    assert q.mode == "bf16"
+def test_a_bf16_variant_auto_keeps_saves_and_loads_without_torchao(tmp_path: Path, quantized: dict,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever ``auto`` may keep can be saved: its bf16 float variant (the fixture's ``"bf16"``)
+    saves as the float program under bf16 autocast and loads with the outputs it gave (bf16
+    tolerance: the engine differs), any batch, computed in bf16, and without torchao (a float
+    program holds none of its ops; importing it took seconds). test_quantize.py's
+    ``test_save_then_load_in_a_fresh_process`` loads it in its fresh process too."""
+    if isinstance(quantized["bf16"], str):
+        pytest.skip(quantized["bf16"])
+    q, x = quantized["bf16"]
     target = tmp_path / "bf16.pt2"
     q.save(str(target))
     assert _manifest(target)["mode"] == "bf16"
-    torch.save(x, tmp_path / "x.pt")
-    done = subprocess.run([sys.executable, "-c", LOAD_AND_RUN, str(target), str(tmp_path / "x.pt"),
-                           str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    monkeypatch.setitem(sys.modules, "torchao", None)   # importing it raises ImportError
+    loaded = load_quantized(str(target))
     with torch.no_grad():
-        expected = q(x)
-        plain = model(x)
-    assert got["mode"] == "bf16" and got["out"].dtype == torch.float32 and got["batch3"].shape == (3, 4)
-    torch.testing.assert_close(got["out"], expected, rtol=2e-2, atol=2e-2)
-    assert not torch.equal(got["out"], plain)   # computed in bf16, not the fp32 model
+        got, expected, plain = loaded(x), q(x), tiny_mlp()(x)   # the fp32 model the fixture quantized
+        assert loaded(x[:3]).shape == (3, *expected.shape[1:])
+    assert loaded.mode == "bf16" and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(got, plain)   # computed in bf16, not the fp32 model
 
 
 def test_pickling_a_quantized_model_says_to_save_it(quantized: dict) -> None:

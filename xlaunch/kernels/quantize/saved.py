@@ -47,6 +47,7 @@ ENGINE_FORMAT_VERSION = 2   # an xlaunch archive of an engine's files
 MAX_META_BYTES = 16 << 20
 MAX_FILE_BYTES = 1 << 38    # one engine file (256 GiB); it is also bounded by the archive's size
 TORCH_MODES = ("static", "dynamic", "weight_only", "fp32", "bf16")
+FLOAT_MODES = ("fp32", "bf16")   # the float program (bf16: under autocast)
 MODES = (*TORCH_MODES, *engine_saved.ENGINES)
 ENGINE_NAMES = ("torch", *engine_saved.FILES)
 TORCH_LOGGERS = ("torch.export", "torch.export.pt2_archive._package")
@@ -198,7 +199,8 @@ def read(path: Any) -> Opened:
                 raise ValueError(f"a {mode} model loaded from a file runs on its engine and has no "
                                  "torch.export program")
             return Opened(meta, engine_saved.load(name, mode, meta, files, torch.get_num_threads()), no_program)
-        routes.import_torchao()   # the ops a PT2E program holds, registered only for a file that passed the checks
+        if mode not in FLOAT_MODES:   # a float program holds none of torchao's ops: no import (seconds)
+            routes.import_torchao()   # the ops a PT2E program holds, registered only for a file that passed the checks
         routes.register_decomposed_ops()
         handle.seek(0)
         held = _HeldBack()
