@@ -230,6 +230,8 @@ def test_a_header_whose_ranges_do_not_hold_its_shapes_is_refused(checkpoints, tm
         "past the end": (lambda h: h["model.norm.weight"].update(data_offsets=[0, 1 << 40]), "outside the file's data"),
         "negative": (lambda h: h["model.norm.weight"].update(shape=[-4]), "has no valid shape"),
         "not an entry": (lambda h: h.update({"model.norm.weight": 3}), "is not a tensor entry"),
+        "no dtype": (lambda h: h["model.layers.0.mlp.down_proj.weight"].pop("dtype"), "has no dtype"),
+        "list dtype": (lambda h: h["model.norm.weight"].update(dtype=["F32"]), "has no dtype"),
     }
     for label, (change, match) in cases.items():
         folder = _copy(checkpoints["llama"], tmp_path / label.replace(" ", "-"))
@@ -247,3 +249,21 @@ def test_a_tensor_of_another_shape_than_the_config_is_refused(checkpoints, tmp_p
     tensors[name] = tensors[name][:, :-8].contiguous()
     save_file(tensors, str(folder / "model.safetensors"))
     _one_line_error(folder, f"{name} in .* is \\[.*\\], not the \\[.*\\] of its config.json")
+
+
+def test_a_config_transformers_refuses_or_cannot_build_is_one_line(checkpoints, tmp_path):
+    """Found by mutating config.json value by value: transformers' validation errors (several lines), a
+    model type it does not know, a size its checks let through that fails the model's construction, and
+    no layers at all (loaded, then IndexError or logits of the embedding alone) reached the caller as
+    they were."""
+    cases = {"vocab_size": ("x", "is not a config transformers can use .*vocab_size"),
+             "model_type": ("F64", "is not a config transformers can use .*F64"),
+             "head_dim": (-1, "its config does not build a model"),
+             "num_hidden_layers": (-1, "has no decoder layers")}
+    for key, (value, match) in cases.items():
+        folder = _copy(checkpoints["llama"], tmp_path / key)
+        config = json.loads((folder / "config.json").read_text())
+        config[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        _one_line_error(folder, match)
+

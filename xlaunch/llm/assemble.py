@@ -44,8 +44,13 @@ def skeleton(config: Any) -> tuple[Any, DecoderSpec]:
     """(the causal LM of ``config`` on the meta device, its spec); a ValueError when not supported."""
     import transformers
 
-    with paused_gc(), torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        with paused_gc(), torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as error:      # noqa: BLE001 - sizes transformers' checks let through (a negative head_dim...)
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"xlaunch.llm.from_pretrained: its config does not build a model "
+                         f"({type(error).__name__}: {first[:300]})") from None
     spec = describe(model)
     if not isinstance(spec, DecoderSpec):
         raise ValueError(f"xlaunch.llm.from_pretrained: {spec}")

@@ -92,6 +92,8 @@ class SafetensorsFile:
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1] <= self.size - self.start):
             raise bad(f"has data offsets {offsets!r} outside the file's data (truncated?)")
+        if not isinstance(dtype, str):
+            raise bad(f"has no dtype ({dtype!r})")
         size = SAFETENSORS_SIZES.get(dtype)     # an unknown dtype is refused if the model reads it (rows)
         numel = math.prod(shape)
         if size is not None and numel * size != offsets[1] - offsets[0]:
@@ -255,7 +257,7 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     path = Path(path)
     checkpoint = Checkpoint(path)
     try:
-        model, spec, parts = _read(checkpoint, transformers.AutoConfig.from_pretrained(str(path)), kind, dtype,
+        model, spec, parts = _read(checkpoint, _config(path), kind, dtype,
                                    group_size)
     finally:
         checkpoint.close()
@@ -267,6 +269,19 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     model = install(model, spec, dtype, parts)
     object.__setattr__(model, "_xlaunch_llm_source", str(path))     # save_packed records its digest
     return model
+
+
+def _config(path: Path) -> Any:
+    """The checkpoint's config as transformers reads it; whatever transformers raises on a malformed one
+    (its validation errors, a model type it does not know: several lines) is one ValueError line."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as error:      # noqa: BLE001 - the user's file, read by another library
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"xlaunch.llm.from_pretrained: {path / 'config.json'} is not a config transformers "
+                         f"can use ({type(error).__name__}: {first[:300]})") from None
 
 
 def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", group_size: int) -> tuple:

@@ -80,6 +80,8 @@ def describe(model: Any) -> Union[DecoderSpec, str]:
     layers = getattr(inner, "layers", None)
     if config is None or layers is None or not hasattr(model, "lm_head"):
         return f"{name} lacks the config, model.layers or lm_head of a Hugging Face decoder"
+    if not len(layers):
+        return f"{name} has no decoder layers (num_hidden_layers={getattr(config, 'num_hidden_layers', None)!r})"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"{name} uses hidden_act={config.hidden_act!r}; only silu is supported"
     rope = _rope_type(config)
