@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xlaunch.kernels.optim.splitbf16 import bytes_per_element, join, split  # noqa: E402
+from xlaunch.kernels.optim.splitbf16 import bytes_per_element, join, split, split_into  # noqa: E402
 
 
 def _bits(tensor: "torch.Tensor") -> "torch.Tensor":
@@ -68,6 +68,20 @@ def test_channels_last_and_shapes_keep_layout() -> None:
     assert top.shape == master.shape and top.stride() == master.stride()
     assert trail.stride() == master.stride()
     assert torch.equal(_bits(join(top, trail)), _bits(master))
+
+
+def test_halves_in_different_layouts_pair_by_element() -> None:
+    """A parameter made channels-last after its split (``model.to(memory_format=...)``) keeps its
+    contiguous low half: the halves were paired in memory order, so each element got another's
+    low bits (the masters, and every step from them, off by up to a bf16 step)."""
+    master = torch.randn(4, 3, 5, 7)
+    top, trail = split(master)
+    cl_top = top.to(memory_format=torch.channels_last)
+    assert torch.equal(_bits(join(cl_top, trail)), _bits(master))
+    assert torch.equal(_bits(join(top, trail.to(memory_format=torch.channels_last))), _bits(master))
+    moved = master * 3
+    split_into(moved.to(memory_format=torch.channels_last), cl_top, trail)   # the trail stays contiguous
+    assert trail.is_contiguous() and torch.equal(_bits(join(cl_top, trail)), _bits(moved))
 
 
 def test_scalar_and_empty_tensors() -> None:

@@ -86,3 +86,58 @@ def test_emulated_bf16_is_said_once_and_not_under_force_bf16(monkeypatch: pytest
                                     force_bf16=True)
     assert type(optimizer).__name__ == "FusedSGD" and dispatch.of(model) is not None   # optimize's own autocast forward
     assert model(batches(1)[0][0]).dtype == torch.float32
+
+
+def test_a_model_made_channels_last_after_the_split_trains_its_masters() -> None:
+    """``model.to(memory_format=torch.channels_last)`` after ``to_fused``: the same masters and
+    checkpoint, step for step, as the model made channels-last before it (same gradients)."""
+    def conv_net(channels_last_before: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2)).train()
+        if channels_last_before:
+            model.to(memory_format=torch.channels_last)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EmulatedPrecisionWarning)
+            optimizer = to_fused(torch.optim.AdamW(model.parameters(), lr=0.1), model, dtype=torch.bfloat16)
+        return model.to(memory_format=torch.channels_last), optimizer
+
+    (before, before_optimizer), (after, after_optimizer) = conv_net(True), conv_net(False)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for p, q in zip(before.parameters(), after.parameters()):
+            grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            p.grad, q.grad = torch.empty_like(p).copy_(grad), torch.empty_like(q).copy_(grad)
+        before_optimizer.step()
+        after_optimizer.step()
+        for master, other in zip(master_params(before_optimizer), master_params(after_optimizer)):
+            assert torch.equal(master.contiguous().view(torch.int32), other.contiguous().view(torch.int32))
+        expected, got = before.state_dict(), after.state_dict()
+        assert all(torch.equal(expected[key], got[key]) for key in expected)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "split-bf16"])
+def test_a_model_made_channels_last_between_steps_keeps_its_momentum_on_its_elements(dtype) -> None:
+    """torch's fused kernels pair a parameter and its state in memory order: a model made
+    channels-last after a step (contiguous moments) had its moments applied to other elements
+    (masters off by 0.25 here). Each step gives the state its parameter's layout, as optimize()
+    does for an optimizer it is handed (layout.match_optimizer_state)."""
+    from xlaunch.kernels.optimize.layout import match_optimizer_state
+
+    def run(relay_by_hand: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2)).train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EmulatedPrecisionWarning)
+            optimizer = to_fused(torch.optim.AdamW(model.parameters(), lr=0.1), model, dtype=dtype)
+        gen = torch.Generator().manual_seed(3)
+        for step in range(3):
+            if step == 1:
+                model.to(memory_format=torch.channels_last)
+                if relay_by_hand:
+                    assert match_optimizer_state(optimizer) > 0
+            for p in model.parameters():
+                p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=gen))
+            optimizer.step()
+        return [m.contiguous().view(torch.int32) for m in master_params(optimizer)]
+
+    assert all(torch.equal(got, expected) for got, expected in zip(run(False), run(True)))

@@ -52,6 +52,8 @@ class _StepTensors:
         self._split: list[tuple[Tensor, Tensor, Tensor]] = []
 
     def add(self, param: Tensor, state: dict) -> None:
+        if param.dim() > 2:   # made channels-last (or back) since its state was created
+            splitstate.match_layout(param, state)
         trail = state.get(TRAIL_KEY)
         if trail is None:
             entry = (param, param, param.grad)
@@ -407,11 +409,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return masters
 
 
-def to_fused(
-    optimizer: torch.optim.Optimizer,
-    model: torch.nn.Module | None = None,
-    dtype: torch.dtype | None = None,
-) -> torch.optim.Optimizer:
+def to_fused(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
+             dtype: torch.dtype | None = None) -> torch.optim.Optimizer:
     """The fused equivalent of a torch SGD/Adagrad/Adam/AdamW ``optimizer``.
 
     Same param groups, hyperparameters and state. With ``dtype=torch.bfloat16`` the trained

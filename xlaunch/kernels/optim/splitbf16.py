@@ -68,11 +68,22 @@ def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top, trail
 
 
+def _laid_as(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when its memory layout is ``like``'s, else a copy in ``like``'s layout (the
+    halves are moved in memory order: a parameter made channels-last after its split, say)."""
+    if tensor.stride() == like.stride():
+        return tensor
+    return torch.empty_like(like, dtype=tensor.dtype).copy_(tensor)
+
+
 def split_into(master: torch.Tensor, top: torch.Tensor, trail: torch.Tensor) -> None:
     """Write ``master``'s high half into ``top`` (bf16) and its low half into ``trail`` (int16)."""
     halves = _halves(master)
-    _flat(top).view(torch.int16).copy_(halves[:, _HIGH])
-    _flat(trail).copy_(halves[:, _LOW])
+    for out, column in ((top, _HIGH), (trail, _LOW)):
+        laid = out if out.stride() == master.stride() else torch.empty_like(master, dtype=out.dtype)
+        _flat(laid).view(torch.int16).copy_(halves[:, column])
+        if laid is not out:
+            out.copy_(laid)
 
 
 def join(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
@@ -89,7 +100,8 @@ def join_into(top: torch.Tensor, trail: torch.Tensor, master: torch.Tensor) -> N
     # bf16 -> fp32 widening is an exact 16-bit shift (NaN payloads kept); OR-ing in the
     # zero-extended low half is ~2x faster here than two strided int16 copies.
     master.copy_(top)
-    _flat(master).view(torch.int32).bitwise_or_(_flat(trail).view(torch.uint16).to(torch.int32))
+    low = _flat(_laid_as(trail, master)).view(torch.uint16).to(torch.int32)
+    _flat(master).view(torch.int32).bitwise_or_(low)
 
 
 def bytes_per_element(top: torch.Tensor, trail: torch.Tensor) -> int:

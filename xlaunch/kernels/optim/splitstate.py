@@ -190,7 +190,7 @@ def restore_state(optimizer: torch.optim.Optimizer, state_dict: dict, live: list
         if current is None:
             if state is not None:
                 state.pop(TRAIL_KEY, None)
-                _match_layout(param, state)
+                match_layout(param, state)
             continue
         saved = state_dict["state"].get(pid, {})
         state = optimizer.state[param]
@@ -201,7 +201,7 @@ def restore_state(optimizer: torch.optim.Optimizer, state_dict: dict, live: list
         if trail is not None and not _carried(trail):   # into the current one (a model's copy may share it)
             current.copy_(trail)
         state[TRAIL_KEY] = current
-        _match_layout(param, state)
+        match_layout(param, state)
 
 
 def _carried(trail: Any) -> bool:
@@ -225,9 +225,12 @@ def check_trails(state_dict: dict, live: list, trails: dict) -> None:
                              f"{tuple(param.shape)}: the low half of its fp32 master is lost in this checkpoint")
 
 
-def _match_layout(param: torch.Tensor, state: dict) -> None:
+def match_layout(param: torch.Tensor, state: dict) -> None:
+    """Give ``param``'s state tensors its memory layout (torch's fused kernels pair them in memory
+    order). Not the low half: the split functions pair it in any layout, and a model's copy may share it."""
     for key, value in list(state.items()):
-        if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+        if key != TRAIL_KEY and isinstance(value, torch.Tensor) and value.shape == param.shape \
+                and value.stride() != param.stride():
             state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
