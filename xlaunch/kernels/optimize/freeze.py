@@ -20,7 +20,7 @@ import itertools
 import math
 import os
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from xlaunch._torch import needs_torch
 from xlaunch.kernels.optimize.text import excerpt
@@ -28,6 +28,7 @@ from xlaunch.kernels.optimize.text import excerpt
 with needs_torch(__name__):
     import torch
     from torch import nn
+    from torch.utils import _pytree as pytree
 
 from xlaunch.kernels.optimize import layout
 
@@ -36,8 +37,64 @@ BACKENDS = ("inductor", "jit")
 PREPACK_ENV = "XLAUNCH_PREPACK"
 
 
+TORCH_DIR = os.path.dirname(torch.__file__)
+
+
 class UnsafeTrace(RuntimeError):
     """Tracing warned that the graph depends on this input's values (TracerWarning)."""
+
+
+def from_torch(filename: Any) -> bool:
+    """A warning raised in torch's own code: a TracerWarning there is about shapes (``group_norm``'s
+    batch-size check, ``len(tensor)``), which a graph frozen per exact input signature bakes in
+    rightly; one raised in the user's code is about the data."""
+    return isinstance(filename, str) and os.path.abspath(filename).startswith(TORCH_DIR + os.sep)
+
+
+class _FlatOutputs(nn.Module):
+    """The model for a trace: a traced graph returns tensors and plain tuples of them only (a dict,
+    list or ``None`` refuses the trace, a named tuple comes back as a plain tuple), so any other
+    output structure is flattened (``torch.utils._pytree``) to a tuple of its tensors. ``spec`` is the
+    eager structure, ``nones`` the positions of its ``None`` leaves, ``flat`` whether it was
+    flattened; :class:`Restructured` rebuilds it around the graph's tensors."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.spec: Any = None
+        self.nones: tuple[int, ...] = ()
+        self.flat = False
+
+    def forward(self, *args: Any) -> Any:
+        out = self.model(*args)
+        leaves, self.spec = pytree.tree_flatten(out)
+        others = {type(leaf).__name__ for leaf in leaves if leaf is not None and not isinstance(leaf, torch.Tensor)}
+        if others:
+            raise TypeError(f"the model's outputs hold {', '.join(sorted(others))} values (a graph returns tensors)")
+        self.nones = tuple(i for i, leaf in enumerate(leaves) if leaf is None)
+        self.flat = bool(self.nones) or not _plain_structure(self.spec)
+        return tuple(leaf for leaf in leaves if leaf is not None) if self.flat else out
+
+
+class Restructured:
+    """A frozen graph of :class:`_FlatOutputs` whose calls return the model's own structure
+    (dicts, lists, named tuples, ``None``s) instead of the graph's flat tuple."""
+
+    def __init__(self, graph: Callable, spec: Any, nones: tuple[int, ...]) -> None:
+        self.graph, self.spec, self.nones = graph, spec, nones
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.graph(*args)
+        tensors = iter([out] if isinstance(out, torch.Tensor) else out)
+        leaves = [None if i in self.nones else next(tensors) for i in range(self.spec.num_leaves)]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def _plain_structure(spec: Any) -> bool:
+    """Outputs a traced graph returns as they are: a tensor, or (nested) plain tuples of tensors."""
+    if spec.is_leaf():
+        return True
+    return spec.type is tuple and all(_plain_structure(child) for child in spec.children_specs)
 
 
 def as_args(sample_input: Any) -> tuple:
@@ -165,9 +222,11 @@ def prepack_enabled() -> bool:
     return os.environ.get(PREPACK_ENV, "1") not in ("0", "") and layout.can_prepack()
 
 
-def freeze_jit(model: nn.Module, sample_input: Any) -> nn.Module:
+def freeze_jit(model: nn.Module, sample_input: Any) -> Callable:
     """Trace with ``sample_input`` and freeze (weights become constants, conv and bf16 linear
-    weights prepacked once: :func:`prepacked_copy`).
+    weights prepacked once: :func:`prepacked_copy`). The frozen module itself when the model returns
+    a tensor or plain tuples of them, else a :class:`Restructured` around it (the eager structure:
+    dicts, lists, named tuples and ``None``s as the model returns them).
 
     oneDNN graph fusion (``torch.jit.enable_onednn_fusion``) is left as the user set it: here it
     gained under 10% on the examples CNN and failed ("partition compile failed") on small models
@@ -180,16 +239,19 @@ def freeze_jit(model: nn.Module, sample_input: Any) -> nn.Module:
         packed = 0
         if prepack_enabled():
             model, packed = prepacked_copy(model, as_args(sample_input))
-        traced = torch.jit.trace(model, as_args(sample_input), check_trace=False)
-        unsafe = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+        flat = _FlatOutputs(model)
+        traced = torch.jit.trace(flat, as_args(sample_input), check_trace=False)
+        unsafe = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning) and not from_torch(w.filename)]
         if unsafe:   # the trace baked in a Python value taken from a tensor: not valid for other inputs
-            raise UnsafeTrace(excerpt(unsafe[0].message))
+            where = f"{os.path.basename(str(unsafe[0].filename))}:{unsafe[0].lineno}"
+            raise UnsafeTrace(f"{excerpt(unsafe[0].message)} (at {where})")
         frozen = torch.jit.freeze(traced.eval())
         if packed:
             fuse_pointwise(frozen.graph)
+        graph: Callable = Restructured(frozen, flat.spec, flat.nones) if flat.flat else frozen
         for _ in range(2):  # the profiling executor specialises and fuses on the first runs
-            frozen(*as_args(sample_input))
-    return frozen
+            graph(*as_args(sample_input))
+    return graph
 
 
 class InductorUnavailable(RuntimeError):

@@ -32,10 +32,8 @@ with needs_torch(__name__):
     from torch.utils import _pytree as pytree
 
 from xlaunch.kernels.optimize.compare import flat_tensors
+from xlaunch.kernels.optimize.freeze import from_torch
 from xlaunch.kernels.optimize.text import excerpt
-
-
-TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 class Unsupported(ValueError):
@@ -200,11 +198,7 @@ def tracing_for_export() -> Iterator[None]:
             if mha is not None:
                 mha.set_fastpath_enabled(previous)
     for warning in caught:
-        if issubclass(warning.category, torch.jit.TracerWarning) and not _from_torch(warning.filename):
+        if issubclass(warning.category, torch.jit.TracerWarning) and not from_torch(warning.filename):
             where = f"{os.path.basename(str(warning.filename))}:{warning.lineno}"
             raise UnsafeTrace(f"the trace depends on input values (Python control flow on a tensor at {where}: "
                               f"{excerpt(warning.message)})")
-
-
-def _from_torch(filename: Any) -> bool:
-    return isinstance(filename, str) and os.path.abspath(filename).startswith(TORCH_DIR + os.sep)

@@ -1,0 +1,116 @@
+"""A frozen graph answers as the model does: the same output structure (dicts, lists, named tuples,
+None), and models whose only TracerWarnings come from torch's own shape checks still freeze."""
+from __future__ import annotations
+
+import warnings
+from collections import namedtuple
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from xlaunch.kernels.optimize import dispatch  # noqa: E402
+from xlaunch.kernels.optimize.pipeline import OptimizeWarning, optimize  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+Output = namedtuple("Output", "logits hidden")
+NO_TIMING = {"measure": False}   # the frozen graph is kept whatever a loaded machine measures
+
+
+class Structured(nn.Module):
+    """Returns a dict holding a named tuple, a list and a None, as detection/HF-style models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        hidden = self.conv(x).relu()
+        logits = self.head(hidden.mean((2, 3)))
+        return {"out": Output(logits, hidden), "extra": [logits.sum(1), None], "none": None}
+
+
+class Named(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(self.head(x), x * 2)
+
+
+def _graphs(model: nn.Module) -> list:
+    forward = dispatch.of(model)
+    return [g for g in forward.frozen.values() if g is not None]
+
+
+def _same(reference, candidate) -> None:
+    assert type(candidate) is type(reference)
+    if isinstance(reference, torch.Tensor):
+        torch.testing.assert_close(candidate, reference, rtol=1e-4, atol=1e-5)
+    elif isinstance(reference, dict):
+        assert list(candidate) == list(reference)
+        for key in reference:
+            _same(reference[key], candidate[key])
+    elif isinstance(reference, (list, tuple)):
+        assert len(candidate) == len(reference)
+        for a, b in zip(reference, candidate):
+            _same(a, b)
+    else:
+        assert candidate == reference
+
+
+@pytest.mark.parametrize("make, shape", [(Structured, (2, 3, 8, 8)), (Named, (3, 4))])
+def test_the_frozen_graph_returns_the_models_structure(make, shape) -> None:
+    model = make().eval()
+    x = torch.randn(*shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OptimizeWarning)
+        optimized = optimize(model, sample_input=x, **NO_TIMING)
+    assert optimized._xlaunch_optimize_report.frozen_with == "jit"
+    with torch.no_grad():
+        for batch in (x, torch.randn(5, *shape[1:])):   # the sample's graph, then a new one
+            _same(model(batch), optimized(batch))
+    assert len(_graphs(optimized)) == 2
+
+
+def test_a_named_tuple_keeps_its_fields() -> None:
+    optimized = optimize(Named().eval(), sample_input=torch.randn(2, 4), **NO_TIMING)
+    with torch.no_grad():
+        out = optimized(torch.randn(2, 4))
+    assert isinstance(out, Output) and out.logits.shape == (2, 2)
+
+
+def test_torchs_own_shape_checks_do_not_refuse_freezing() -> None:
+    """GroupNorm's batch-size check warns under tracing from inside torch (about shapes, which a
+    graph per input signature bakes in rightly): the model freezes and answers right."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 3), nn.GroupNorm(2, 4), nn.SiLU()).eval()
+    x = torch.randn(2, 4, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OptimizeWarning)
+        optimized = optimize(model, sample_input=x, **NO_TIMING)
+    assert optimized._xlaunch_optimize_report.frozen_with == "jit"
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:      # control flow on the data: a trace would bake in this branch
+            return self.lin(x)
+        return -self.lin(x)
+
+
+def test_control_flow_on_the_users_data_is_still_refused() -> None:
+    with pytest.warns(OptimizeWarning, match=r"not frozen .*UnsafeTrace.*test_frozen_outputs\.py:\d+"):
+        optimized = optimize(Branchy().eval(), sample_input=torch.ones(2, 4), **NO_TIMING)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(-torch.ones(2, 4)), Branchy.forward(optimized, -torch.ones(2, 4)))
+    assert not _graphs(optimized)
