@@ -233,3 +233,40 @@ def test_a_corrupt_entry_is_rebuilt_with_one_warning(tmp_path: Path, monkeypatch
     with torch.no_grad():
         assert torch.allclose(rebuilt(x), model(x))
     assert run().report.cache == "hit"   # the rebuilt entry is good
+
+
+@pytest.mark.parametrize("edit", ["route", "report"])
+def test_a_hand_edited_entry_never_reports_a_route_that_did_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    edit: str) -> None:
+    """entry.json's route and its report disagreeing (a hand edit: its route set to eager, or its
+    report's backend to another engine) is a corrupt entry, rebuilt: the report of the hit said
+    'onnxruntime' while eager ran."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from xlaunch.kernels.optimize.engines import api
+    from xlaunch.kernels.optimize.notes import OptimizeWarning
+    from xlaunch.kernels.optimize.pipeline import optimize
+
+    monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(api, "ROUTES_BY_NAME", {**api.ROUTES_BY_NAME, "onnxruntime": FileRoute("onnxruntime")})
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval(), torch.randn(3, 8)
+
+    def run():
+        return optimize(model, sample_input=x, backend="onnxruntime", progress=False)
+
+    assert run().report.backend == "onnxruntime"
+    path = next(tmp_path.glob(f"engines/v*/*/{ENTRY}"))
+    entry = json.loads(path.read_text())
+    if edit == "route":
+        entry["route"] = "eager"
+    else:
+        entry["report"]["backend"] = "openvino"
+    path.write_text(json.dumps(entry))
+    with pytest.warns(OptimizeWarning, match="is corrupt .*report does not describe the .* route"):
+        rebuilt = run()
+    assert rebuilt.report.cache == "miss" and rebuilt.report.backend == "onnxruntime"
+    assert type(rebuilt.__dict__["forward"]).__name__ == "EngineForward"   # what the report says runs
+    hit = run()
+    assert hit.report.cache == "hit" and hit.report.backend == "onnxruntime"

@@ -44,6 +44,7 @@ from xlaunch.kernels.optimize.engines.sample import Sample, Unsupported, max_rel
 from xlaunch.kernels.optimize.engines.routes.torch_route import EagerRoute, TorchRoute
 from xlaunch.kernels.optimize.notes import warn
 from xlaunch.kernels.optimize.progress import Progress
+from xlaunch.kernels.optimize.text import excerpt
 
 DEFAULT_TIME_BUDGET_S = 300.0
 # The routes by name (tests put fakes here).
@@ -122,6 +123,9 @@ def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working:
         name = entry.get("route")
         if name not in routes:
             raise disk.CorruptEntry(f"unknown route {name!r}")
+        stored = entry.get("report")
+        if not isinstance(stored, dict) or stored.get("backend") != name or stored.get("dtype") != lowp.name(context.dtype):
+            raise disk.CorruptEntry(f"its report does not describe the {name} route in {lowp.name(context.dtype)} it holds")
         with progress.step(f"loading {name} from the cache") as step:
             begin = time.perf_counter()
             with warnings.catch_warnings():
@@ -139,7 +143,7 @@ def _load_cached(store: disk.Cache, key: str, routes: dict[str, Route], working:
         return built, name, report
     except Exception as exc:   # anything wrong with an entry: rebuild, never fail the call
         problem = str(exc) if isinstance(exc, disk.CorruptEntry) else f"{type(exc).__name__}: {exc}"
-        warn(f"the cache entry {store.path(key)} is corrupt ({problem[:300]}); rebuilding it")
+        warn(f"the cache entry {store.path(key)} is corrupt ({excerpt(problem, 300)}); rebuilding it")
         try:
             store.remove(key)
         except OSError:
