@@ -224,3 +224,44 @@ def test_numpy_and_tensor_integers_are_cpu_ids():
     from xlaunch.runtime_ext.streams import stream_count
 
     assert stream_count(np.int64(1), pool) == 1
+
+
+CPUSET_V1 = "/sys/fs/cgroup/cpuset"
+SHRUNK_CPUSET = r"""
+import os, sys, torch
+from xlaunch.runtime_ext import CPUPool, pin
+group, keep, drop = sys.argv[1], sys.argv[2], int(sys.argv[3])
+open(os.path.join(group, "cgroup.procs"), "w").write(str(os.getpid()))
+pool = CPUPool([drop])
+torch.ones(100).add_(1)
+open(os.path.join(group, "cpuset.cpus"), "w").write(keep)     # the cpuset shrinks under the pool
+before = os.sched_getaffinity(0)
+try:
+    with pin(pool):
+        raise SystemExit("pinned to a CPU the cpuset took away")
+except OSError as error:
+    print(error)
+assert os.sched_getaffinity(0) == before and torch.get_num_threads() >= 1
+"""
+
+
+@pytest.mark.skipif("XLAUNCH_TEST_OMP_KIND" in os.environ, reason="the same under every runtime: run once")
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two allowed CPUs")
+def test_a_pool_whose_cpu_the_cpuset_took_away_is_one_clear_error(tmp_path):
+    """A pin to a CPU the process's cpuset no longer allows was a bare '[Errno 22] Invalid argument'."""
+    if os.geteuid() != 0 or not os.access(os.path.join(CPUSET_V1, "cgroup.procs"), os.W_OK):
+        pytest.skip("needs root and a writable cgroup v1 cpuset hierarchy to shrink a cpuset")
+    group = os.path.join(CPUSET_V1, f"xlaunch-test-{os.getpid()}")
+    try:
+        os.mkdir(group)
+        for name in ("cpuset.mems", "cpuset.cpus"):
+            with open(os.path.join(CPUSET_V1, name)) as parent, open(os.path.join(group, name), "w") as child:
+                child.write(parent.read().strip() if name == "cpuset.mems" else ",".join(map(str, ALLOWED[:2])))
+        done = subprocess.run([sys.executable, "-c", SHRUNK_CPUSET, group, str(ALLOWED[0]), str(ALLOWED[1])],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+    finally:
+        if os.path.isdir(group):
+            os.rmdir(group)
+    assert done.returncode == 0 and done.stderr == "", done
+    assert done.stdout == (f"[Errno 22] cannot pin to CPU {ALLOWED[1]}: this process may not use it now (its cpuset "
+                           "changed since the pool was made?)\n"), done

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import errno
 import itertools
 import operator
 import os
@@ -283,7 +284,13 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
     def pin_self(thread_num: int, team_size: int) -> None:
         if thread_num < size:
             previous = frozenset(os.sched_getaffinity(0))
-            os.sched_setaffinity(0, {cpus[thread_num]})
+            try:
+                os.sched_setaffinity(0, {cpus[thread_num]})
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                raise OSError(errno.EINVAL, f"cannot pin to CPU {cpus[thread_num]}: this process may not use it now "
+                                            "(its cpuset changed since the pool was made?)") from None
             records[thread_num] = _PinRecord(thread_num, threading.get_native_id(), previous)
 
     try:
