@@ -313,6 +313,26 @@ with torch.no_grad():
     m(torch.randn(1, 3, 8, 8), scale=2.0)
 print('bn calls', len(calls))
 """,
+    # The program's own wrong call (caught by it) raises as the model raises it, and the optimized
+    # copy stays: it was not the copy that failed.
+    "wrongcall": """
+from xlaunch.kernels.inject import hooks
+class Strict(nn.Module):
+    def __init__(self):
+        super().__init__(); self.lin = nn.Linear(4, 2)
+    def forward(self, x):
+        return self.lin(x)
+m = Strict().eval()
+with torch.no_grad():
+    m(torch.ones(2, 4))
+    try:
+        m(torch.ones(2, 5))
+        raised = 'nothing'
+    except RuntimeError as exc:
+        raised = 'mat1 and mat2 shapes' in str(exc)
+    good = m(torch.ones(3, 4))
+print('wrongcall', raised, hooks._entries[m].given_up, tuple(good.shape))
+""",
     # torch.compile's wrapper, where the hooks look for it (torch's optimizers have loaded torch._dynamo)
     "compiled": """
 import torch._dynamo.eval_frame as eval_frame
@@ -320,7 +340,7 @@ from xlaunch.kernels.inject import hooks
 print('compiled type', hooks._compiled_module_type() is eval_frame.OptimizedModule)
 """,
 }
-SCENARIOS_OF = {"none": ("odd", "grad", "hooks", "compiled"), "jit": ("shapes", "values", "hooks")}
+SCENARIOS_OF = {"none": ("odd", "grad", "hooks", "wrongcall", "compiled"), "jit": ("shapes", "values", "hooks")}
 
 
 def scenario_script(freeze: str, model_script: str) -> str:
@@ -401,6 +421,12 @@ def test_a_model_the_library_cannot_handle_runs_unchanged_with_one_warning(scena
     assert len(warnings) == 1 and "cannot be copied" in warnings[0], result.stdout + result.stderr
     ok = [line for line in result.stdout.splitlines() if " ok " in line or line.startswith("ok")][0].split()
     assert ok[-1] == ok[-2]
+
+
+def test_the_programs_own_wrong_call_raises_and_keeps_the_optimized_copy(scenarios) -> None:
+    result = scenarios("none")
+    assert "wrongcall True False (3, 2)" in result.stdout, result.stdout + result.stderr
+    assert not [line for line in (result.stdout + result.stderr).splitlines() if "Strict runs unoptimized" in line]
 
 
 def test_grad_enabled_eval_calls_run_unoptimized(scenarios) -> None:

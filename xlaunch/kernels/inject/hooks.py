@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from xlaunch.kernels.inject import (BACKEND_ENV, BUDGET_ENV, DTYPE_ENV, FREEZE_ENV, LLM_WEIGHTS_ENV, RECORD_ENV,
                                     VERBOSE_ENV)
+from xlaunch.kernels.optimize.text import excerpt
 
 PREFIX = "xlaunch --auto-optimize"
 OPTIMIZERS = ("SGD", "Adagrad", "Adam", "AdamW")
@@ -173,17 +174,26 @@ def _make_call(original: Callable, torch: Any) -> Callable:
                 try:
                     return optimized(*args, **kwargs)
                 except Exception as exc:   # e.g. a frozen graph meeting an input it cannot take
-                    _give_up(self, f"the optimized copy failed ({type(exc).__name__}: {str(exc)[:200]})")
+                    failure = exc
                 finally:
                     _local.depth = 0
-        _local.depth = depth + 1
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _local.depth = depth
+                # the model itself: when it fails too, the call was wrong (the program's error, raised
+                # as the model raises it) and the optimized copy stays; else the copy is at fault
+                result = _call_original(original, self, args, kwargs, depth)
+                _give_up(self, f"the optimized copy failed ({type(failure).__name__}: {excerpt(failure, 200)})")
+                return result
+        return _call_original(original, self, args, kwargs, depth)
 
     __call__.__wrapped__ = original  # type: ignore[attr-defined]
     return __call__
+
+
+def _call_original(original: Callable, module: Any, args: tuple, kwargs: dict, depth: int) -> Any:
+    _local.depth = depth + 1
+    try:
+        return original(module, *args, **kwargs)
+    finally:
+        _local.depth = depth
 
 
 class _Entry:
