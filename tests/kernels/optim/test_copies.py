@@ -88,3 +88,25 @@ def test_optimize_again_or_a_new_optimizer_over_a_model_or_its_copy_trains_its_m
         train(tuned, tuned_optimizer, DATA[2:])
         assert differences(_frozen(tuned.state_dict()), before) and _masters_saved(tuned, tuned_optimizer)
     assert not differences(_frozen(best.state_dict()), at_copy) == inplace   # trained only inplace
+
+
+def test_a_split_model_widened_with_float_saves_its_masters_and_trains_on_in_fp32() -> None:
+    """``model.float()`` after split-bf16 training (to export or evaluate in fp32): ``state_dict()`` raised
+    TypeError ("join needs (bfloat16, int16)") and the next step failed inside its write-back after running
+    the update on garbage masters. The widened parameters become their exact fp32 masters."""
+    model, optimizer = build("adamw", split=True, inplace=True, seed=0)
+    train(model, optimizer, DATA[:2])
+    masters = {name: master for (name, _), master in zip(model.named_parameters(), master_params(optimizer))}
+    model.float()
+    state = model.state_dict()
+    assert all(state[name].dtype == torch.float32 and torch.equal(state[name], m) for name, m in masters.items())
+    assert all(torch.equal(p, masters[name]) for name, p in model.named_parameters())
+    assert not any(is_split(optimizer, p) for p in model.parameters())
+    reference = copy.deepcopy((model, optimizer))       # the same fp32 parameters and moments, torch's AdamW
+    reference[1].__class__ = torch.optim.AdamW
+    train(model, optimizer, DATA[2:])
+    train(*reference, DATA[2:])
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(model.parameters(), reference[0].parameters()))
+    model.half()                                         # not a widening: the values as cast, no crash
+    assert all(v.dtype == torch.float16 for v in model.state_dict().values() if v.is_floating_point())

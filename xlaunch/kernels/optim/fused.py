@@ -92,6 +92,7 @@ class _FusedBase:
         """Perform one optimization step (see the class docstring of the torch original)."""
         with torch.enable_grad():
             loss = closure() if closure is not None else None
+        splitstate.unsplit_widened(self)   # model.float() since: those train on as fp32 masters
         for group in self.param_groups:
             params = group["params"]
             if not _fast_path_ok(group, params):
@@ -130,6 +131,7 @@ class _FusedBase:
 
     def state_dict(self) -> dict:
         """torch's, less the entries holding only a low half (:func:`splitstate.without_bare_trails`)."""
+        splitstate.unsplit_widened(self)
         return splitstate.without_bare_trails(super().state_dict())  # type: ignore[misc]
 
     def __setstate__(self, state: dict) -> None:
@@ -141,6 +143,7 @@ class _FusedBase:
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, keeping split-bf16 storage exact: fp32 state, the int16 low half restored bit
         for bit (torch would cast both to bf16); see :func:`splitstate.restore_state`."""
+        splitstate.unsplit_widened(self)
         live = [p for g in self.param_groups for p in g["params"]]
         trails = {p: self.state[p][TRAIL_KEY] for p in live if p in self.state and TRAIL_KEY in self.state[p]}
         splitstate.check_trails(state_dict, live, trails)
@@ -355,8 +358,7 @@ def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     cls = _FUSED_FOR[type(optimizer)]
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    groups = [dict(group) for group in optimizer.param_groups]
-    fused = cls(groups, **kwargs)
+    fused = cls([dict(group) for group in optimizer.param_groups], **kwargs)
     if optimizer.state:
         fused.load_state_dict(optimizer.state_dict())
     return fused
@@ -385,8 +387,7 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
             if p.dtype != torch.float32 or is_split(optimizer, p) or id(p) in keep:
                 continue
             top, trail = split(p.data)
-            p.data = top
-            p.grad = None
+            p.data, p.grad = top, None
             optimizer.state[p][TRAIL_KEY] = trail
             converted += 1
     for p in model.parameters() if model is not None else ():
@@ -397,6 +398,7 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
 
 def master_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """fp32 copies of every parameter's master value (joined halves for split parameters)."""
+    splitstate.unsplit_widened(optimizer)
     masters = []
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -32,6 +32,27 @@ from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
 TRAIL_KEY = "bf16_trail"   # the optimizer-state entry holding a split parameter's low half
 
 
+def unsplit(param: nn.Parameter, state: dict) -> None:
+    """``param``, a split parameter the model has widened since (``model.float()``, ``.double()``: its
+    values still the bf16 half), becomes a plain parameter holding its master, the exact join of
+    that half and the low half; the low half leaves ``state``. Cast to anything else (``.half()``),
+    it keeps its new value."""
+    trail = state.pop(TRAIL_KEY)
+    if param.dtype in (torch.float32, torch.float64) and param.shape == trail.shape:
+        high = param.detach().to(torch.bfloat16)
+        if torch.equal(high.to(param.dtype), param.detach()):
+            param.data.copy_(join(high, trail))
+
+
+def unsplit_widened(optimizer: torch.optim.Optimizer) -> None:
+    """:func:`unsplit` every split parameter of ``optimizer`` that is no longer bf16."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state and TRAIL_KEY in state and param.dtype != torch.bfloat16:
+                unsplit(param, state)
+
+
 class SplitMasters:
     """``state_dict`` hook and ``load_state_dict`` pre-hook for split-bf16 parameters."""
 
@@ -57,6 +78,9 @@ class SplitMasters:
                 continue
             state = states.get(param)
             if state is not None and TRAIL_KEY in state:
+                if param.dtype != torch.bfloat16:   # widened by the model since: its master now
+                    unsplit(param, state)
+                    continue
                 found.append((prefix + name, param, state))
         return found
 
