@@ -114,3 +114,23 @@ def test_control_flow_on_the_users_data_is_still_refused() -> None:
     with torch.no_grad():
         torch.testing.assert_close(optimized(-torch.ones(2, 4)), Branchy.forward(optimized, -torch.ones(2, 4)))
     assert not _graphs(optimized)
+
+
+def test_train_on_a_model_folded_for_inference_says_what_it_lacks() -> None:
+    """model.train() on the inference rewrite warns once: it trains without the folded batch norms and
+    the removed dropout (its training-mode outputs are not the given model's); eval() is silent."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5)).eval()
+    optimized = optimize(model, **NO_TIMING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimized.eval()
+    with pytest.warns(OptimizeWarning, match=r"Sequential\.train\(\): .*1 batch norm\(s\) folded .* 1 dropout\(s\) "
+                                             r"removed.*optimize that model in training mode") as caught:
+        assert optimized.train() is optimized and optimized.training and optimized[0].training
+        optimized.train()
+    assert len([w for w in caught if issubclass(w.category, OptimizeWarning)]) == 1
+    assert not optimized.eval().training and not optimized[0].training
+    plain = optimize(nn.Sequential(nn.Linear(2, 2)).eval(), **NO_TIMING)   # nothing folded: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.train()

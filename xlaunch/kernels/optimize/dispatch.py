@@ -218,7 +218,7 @@ class RefreshAfterLoad:
             forward.refresh()
 
 
-_INSTANCE_ONLY = ("forward", "__prepare_scriptable__")
+_INSTANCE_ONLY = ("forward", "__prepare_scriptable__", "train")
 
 
 class PrepareScriptable:

@@ -25,6 +25,9 @@ still be loaded into the folded one: :class:`FoldedCheckpointLoader` (a ``load_s
 pre-hook) folds the checkpoint's BN entries into the producer's on the way in.
 A removed Dropout becomes a :class:`RemovedDropout`, an ``nn.Identity`` that keeps ``p`` and
 ``inplace`` (ipex keeps ``p`` too), so code reading ``model.drop.p`` still works.
+
+The rewritten model is for inference: put back in training mode it trains without its batch
+norms and dropout. :class:`TrainWarning` (the model's ``train``) says so, once.
 """
 from __future__ import annotations
 
@@ -383,3 +386,32 @@ def undo(model: nn.Module, log: FoldLog) -> None:
     log.folded.clear()
     log.records.clear()
     log.dropouts_removed.clear()
+
+
+class TrainWarning:
+    """The folded model's ``train``: ``model.train()`` warns once that the model runs without the
+    batch norms and dropout folded away for inference, then runs the class's own ``train``."""
+
+    def __init__(self, module: nn.Module, folded: int, dropouts: int) -> None:
+        self.module, self.folded, self.dropouts, self.warned = module, folded, dropouts, False
+
+    def __call__(self, mode: bool = True) -> nn.Module:
+        if mode and not self.warned:
+            self.warned = True
+            from xlaunch.kernels.optimize.notes import warn
+
+            removed = [f"{count} {what} {how}" for count, what, how in (
+                (self.folded, "batch norm(s)", "folded into the layers before them"),
+                (self.dropouts, "dropout(s)", "removed")) if count]
+            warn(f"{type(self.module).__name__}.train(): this model was optimized for inference ({' and '.join(removed)}); "
+                 "in training mode it runs without them, unlike the model given to optimize: to train, optimize that "
+                 "model in training mode (model.train(), with its optimizer)")
+        return type(self.module).train(self.module, mode)
+
+
+def warn_on_train(model: nn.Module, folded: int, dropouts: int) -> None:
+    """Make ``model.train()`` warn (:class:`TrainWarning`) when something was folded or removed;
+    an instance ``train`` of the user's own is left alone."""
+    current = model.__dict__.get("train")
+    if (folded or dropouts) and (current is None or isinstance(current, TrainWarning)):
+        model.__dict__["train"] = TrainWarning(model, folded, dropouts)

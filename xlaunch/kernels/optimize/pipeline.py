@@ -364,6 +364,7 @@ def _rewrite(model: nn.Module, optimizer: Any, given: nn.Module, opts: Options, 
 
     if log.records:
         model.register_load_state_dict_pre_hook(fold.FoldedCheckpointLoader(log.records))
+    fold.warn_on_train(model, len(report.folded), len(report.dropouts_removed))
     if optimizer is not None and opts.fused_optimizer:
         split = use_dtype if (opts.split_master_weights and use_dtype == torch.bfloat16) else torch.float32
         with show.step("converting the optimizer") as step:
