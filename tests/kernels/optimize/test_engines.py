@@ -40,9 +40,9 @@ class Wasteful(nn.Module):
         self.tag = "mine"
 
     def forward(self, x: torch.Tensor) -> dict:
-        out = None
-        for _ in range(4):
-            out = self.net(x)
+        out = self.net(x)
+        for _ in range(3):   # each run depends on the last one (x + 0 * out.sum() == x): a frozen graph
+            out = self.net(x + 0 * out.sum())   # would merge or drop the same computation repeated
         return {"logits": out, "pair": (out.sum(-1), x.mean(-1))}
 
 

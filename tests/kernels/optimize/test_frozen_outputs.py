@@ -134,3 +134,44 @@ def test_train_on_a_model_folded_for_inference_says_what_it_lacks() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plain.train()
+
+
+class Doubles(nn.Module):
+    """Changes its input in place, as a leading ``ReLU(inplace=True)`` or ``x.sub_(mean)`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.lin(x)
+
+
+def _call(model: nn.Module, rows: int) -> tuple:
+    x = torch.ones(rows, 4)
+    with torch.no_grad():
+        return model(x), x
+
+
+def test_a_forward_that_changes_its_input_gets_the_callers_input_once() -> None:
+    """A graph is built, checked and timed on copies: the call that builds it answers on the
+    caller's tensor as eager does (it ran on an input doubled 6 times: wrong outputs, x == 128)."""
+    model = Doubles().eval()
+    sample = torch.ones(2, 4)
+    optimized = optimize(model, sample_input=sample, **NO_TIMING)
+    assert torch.equal(sample, torch.ones(2, 4))          # optimize never changes the caller's sample
+    assert optimized._xlaunch_optimize_report.frozen_with == "jit"
+    lazy = optimize(model, weights_prepack=True, **NO_TIMING)   # no sample: built on the first call
+    for candidate in (optimized, lazy):
+        for rows in (2, 3, 3):     # the sample's graph, a graph built by this call, then that graph
+            (want, x_want), (got, x_got) = _call(model, rows), _call(candidate, rows)
+            torch.testing.assert_close(got, want)
+            assert torch.equal(x_got, x_want)
+
+
+def test_engines_never_run_the_callers_sample() -> None:
+    sample = torch.ones(2, 4)
+    optimized = optimize(Doubles().eval(), sample_input=sample, backend="eager", cache=False, progress=False)
+    assert torch.equal(sample, torch.ones(2, 4))
+    assert optimized.report.backend == "eager"

@@ -166,19 +166,20 @@ class OptimizedForward:
         backend, inputs = self.freeze_backend, shapes(sig)
         if self.prefer_eager:
             return None
-        try:
-            graph = freeze.freeze(self.module, backend, args)
+        try:   # built, checked and timed on copies: the call being answered gets its own arguments
+            graph = freeze.freeze(self.module, backend, freeze.fresh(args))
         except Exception as exc:
             self._note(f"not frozen for inputs {inputs}: {backend} failed: {type(exc).__name__}: "
                        f"{excerpt(exc)}", True)
             return None
         if self.verify:
             rtol = FP32_RTOL if self.autocast_dtype is None else BF16_RTOL
-            problem = outputs_close(self.eager(*args), graph(*args), rtol)
+            problem = outputs_close(self.eager(*freeze.fresh(args)), graph(*freeze.fresh(args)), rtol)
             if problem:
                 self._note(f"not frozen for inputs {inputs}: the {backend} graph changed results ({problem})", True)
                 return None
         if self.measure and self.prefer_eager is None:
+            args = freeze.fresh(args)
             timings = measure.interleaved({"eager": lambda: self.eager(*args), "frozen": lambda: graph(*args)})
             self.timings_ms = {name: seconds * 1e3 for name, seconds in timings.medians().items()}
             self.prefer_eager = not timings.not_slower("frozen", "eager")

@@ -101,6 +101,28 @@ def as_args(sample_input: Any) -> tuple:
     return sample_input if isinstance(sample_input, tuple) else (sample_input,)
 
 
+def _copy(arg: Any) -> Any:
+    if not isinstance(arg, torch.Tensor):
+        return arg
+    with torch.no_grad():
+        if torch._debug_has_internal_overlap(arg) == 0:   # the same strides, so the same input signature
+            return torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device).copy_(arg)
+        return arg.clone()
+
+
+def fresh(args: tuple) -> tuple:
+    """Copies of the tensor arguments (same shape, strides, dtype): what a build, a check or a timing
+    runs the model on, so a forward that changes its input in place (``x.mul_(2)``, a leading
+    ``ReLU(inplace=True)``) neither changes the caller's tensors nor sees an input that earlier
+    runs already changed."""
+    return tuple(_copy(arg) for arg in args)
+
+
+def fresh_input(sample_input: Any) -> Any:
+    """:func:`fresh` for a ``sample_input`` (a tuple of arguments, or one argument)."""
+    return fresh(sample_input) if isinstance(sample_input, tuple) else _copy(sample_input)
+
+
 def freeze_inductor(model: nn.Module) -> nn.Module:
     """``torch.compile`` with inductor freezing; compiled lazily on the first call."""
     return torch.compile(model, backend="inductor", options={"freezing": True})

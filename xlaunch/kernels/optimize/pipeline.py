@@ -154,8 +154,8 @@ def _warn(report: Report, message: str) -> None:
 
 
 def _run(model: nn.Module, sample_input: Any) -> Any:
-    with torch.no_grad():
-        return model(*freeze.as_args(sample_input))
+    with torch.no_grad():   # on a copy: a forward that changes its input in place sees the sample as it is
+        return model(*freeze.fresh(freeze.as_args(sample_input)))
 
 
 def _copy_with_optimizer(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
@@ -186,7 +186,7 @@ def _eval_rewrites(model: nn.Module, opts: Options, sample_input: Any, reference
     kinds = {kind for kind, on in (("conv", opts.conv_bn_folding), ("linear", opts.linear_bn_folding)) if on}
     log = fold.FoldLog()
     if kinds and any(fold.is_norm(m) for m in model.modules()):
-        pairs, notes = fold.find_pairs(model, sample_input)
+        pairs, notes = fold.find_pairs(model, freeze.fresh_input(sample_input))
         for note in notes:
             _warn(report, note)
         fold.fold_pairs(model, pairs, log, kinds)
@@ -348,7 +348,7 @@ def _rewrite(model: nn.Module, optimizer: Any, given: nn.Module, opts: Options, 
                                    notify=_notifier(report))
         if verify and report.autocast and reference is not None:
             with show.step(f"checking the {low} forward against fp32") as step, torch.no_grad():
-                problem = outputs_close(reference, forward.eager(*freeze.as_args(sample_input)), BF16_RTOL)
+                problem = outputs_close(reference, forward.eager(*freeze.fresh(freeze.as_args(sample_input))), BF16_RTOL)
                 step.done("differs" if problem else "close")
             if problem:
                 _warn(report, f"{low} results differ more than expected from fp32: {problem}")
@@ -401,7 +401,7 @@ def _keep_the_fastest(given: nn.Module, model: nn.Module, forward: Optional[disp
                       log: fold.FoldLog, sample_input: Any, report: Report) -> None:
     """Time the model as given, the eager rewrite and the frozen graph on the sample input; keep
     the most optimized variant that is not measurably slower than the fastest."""
-    args = freeze.as_args(sample_input)
+    args = freeze.fresh(freeze.as_args(sample_input))
     sig = dispatch.signature(args)
     graph = forward.frozen.get(sig) if forward is not None and sig is not None else None
     eager = forward.eager if forward is not None else model.forward

@@ -26,6 +26,7 @@ from xlaunch.kernels.optimize.engines import lowp, policy
 from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.report import BASELINES, EngineReport, RouteResult
 from xlaunch.kernels.optimize.engines.sample import Sample, max_relative_error
+from xlaunch.kernels.optimize.freeze import fresh
 from xlaunch.kernels.optimize.progress import Progress
 from xlaunch.kernels.optimize.text import excerpt
 
@@ -56,7 +57,7 @@ class Checker:
         self.other_reference: Any = None
         if self.other is not None:
             with torch.no_grad():
-                self.other_reference = model(*self.other)
+                self.other_reference = model(*fresh(self.other))
 
     def error(self, built: Built, any_batch: bool = True) -> tuple[float, Optional[str]]:
         """(max relative error, why the route is unfit or None)."""
@@ -64,7 +65,7 @@ class Checker:
             error = max_relative_error(self.sample.outputs, built.runner(*self.sample.args))
             if any_batch and self.other is not None:
                 try:
-                    other = built.runner(*self.other)
+                    other = built.runner(*fresh(self.other))
                 except Exception as exc:
                     return error, (f"does not serve batch size {int(self.other[self.sample.batched.index(True)].shape[0])} "
                                    f"({type(exc).__name__}: {excerpt(exc)})")

@@ -32,7 +32,7 @@ with needs_torch(__name__):
     from torch.utils import _pytree as pytree
 
 from xlaunch.kernels.optimize.compare import flat_tensors
-from xlaunch.kernels.optimize.freeze import from_torch
+from xlaunch.kernels.optimize.freeze import fresh, from_torch
 from xlaunch.kernels.optimize.text import excerpt
 
 
@@ -69,7 +69,7 @@ class Sample:
                     raise Unsupported("a sparse, quantized or nested tensor in the sample input")
             elif not (arg is None or isinstance(arg, (bool, int, float, str))):
                 raise Unsupported(f"a {type(arg).__name__} argument (engines take tensors and plain values)")
-        self.args = args
+        self._args = fresh(args)   # the caller's tensors are never run (a forward may change its input)
         first = tensors[0]
         self.batch = int(first.shape[0]) if first.dim() > 0 else None
         self.batched = tuple(isinstance(a, torch.Tensor) and self.batch is not None and a.dim() > 0
@@ -79,17 +79,23 @@ class Sample:
         self._tensor_checks = [(i, args[i].dtype, self.spec[i][3], self.batched[i]) for i in self.tensor_positions]
         self._plain_checks = [(i, self.spec[i]) for i in range(len(args)) if i not in self.tensor_positions]
         with torch.no_grad():
-            self.outputs = model(*args)
+            self.outputs = model(*self.args)
         leaves, self.treespec = pytree.tree_flatten(self.outputs)
         if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             raise Unsupported("the model's outputs are not all tensors (engines return tensors)")
         self.output_count = len(leaves)
 
+    @property
+    def args(self) -> tuple:
+        """The sample's arguments: fresh copies on each access (:func:`..freeze.fresh`), so every
+        build, check and timing sees the sample as it was, whatever an earlier run did to its input."""
+        return fresh(self._args)
+
     # -- what later calls may be served ----------------------------------------------------------
     def accepts(self, args: tuple) -> bool:
         """Whether ``args`` match the sample except for the batch size (checked on every call:
         kept cheap)."""
-        if len(args) != len(self.args):
+        if len(args) != len(self._args):
             return False
         for position, dtype, shape, batched in self._tensor_checks:
             arg = args[position]
@@ -120,12 +126,12 @@ class Sample:
         if self.batch is None or not any(self.batched):
             return None
         if self.batch > 1:
-            return tuple(a[:1].clone() if b else a for a, b in zip(self.args, self.batched))
-        return tuple(torch.cat([a, a]) if b else a for a, b in zip(self.args, self.batched))
+            return tuple(a[:1].clone() if b else a for a, b in zip(self._args, self.batched))
+        return tuple(torch.cat([a, a]) if b else a for a, b in zip(self._args, self.batched))
 
     def describe(self) -> str:
         parts = []
-        for arg, batched in zip(self.args, self.batched):
+        for arg, batched in zip(self._args, self.batched):
             if isinstance(arg, torch.Tensor):
                 dims = ["N" if batched and i == 0 else str(n) for i, n in enumerate(arg.shape)]
                 parts.append(f"{str(arg.dtype).removeprefix('torch.')}[{','.join(dims)}]")
