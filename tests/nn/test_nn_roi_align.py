@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from nn_helpers import kernels  # noqa: F401 - the fixture
+from nn_helpers import dispatch, kernels  # noqa: F401 - the fixtures
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -148,10 +148,49 @@ def test_results_do_not_depend_on_the_thread_count(kernels):
 
 def test_a_box_on_a_missing_image_is_refused(kernels):
     image, _ = case()
-    with pytest.raises(RuntimeError, match="not an image index"):
-        roi_align(image, torch.tensor([[2.0, 0, 0, 4, 4]]), 2)
+    for index in (2.0, -1.0, 0.5, math.nan):
+        with pytest.raises(ValueError, match=r"^roi_align: box 1 has batch index .* not an image index in \[0, 2\)$"):
+            roi_align(image, torch.tensor([[0, 0, 0, 4, 4], [index, 0, 0, 4, 4]]), 2)
     with pytest.raises(ValueError, match="must be \\(K, 5\\)"):
         roi_align(image, torch.zeros(3, 4), 2)
+    for size in (2.5, (2, 2, 2), True, "2"):
+        with pytest.raises(TypeError, match="^roi_align: output_size must be an int or a pair"):
+            roi_align(image, torch.zeros(1, 5), size)
+    with pytest.raises(ValueError, match="^roi_align: input is on meta; xlaunch.nn runs on the CPU$"):
+        roi_align(torch.empty(1, 5, 4, 4, device="meta"), torch.zeros(1, 5), 2)
+
+
+def test_non_finite_boxes_and_empty_images_sample_nothing(kernels):
+    # A NaN corner (or an infinite one, whose bins are NaN) has no samples: zeros, as on the torch
+    # path. The kernel converted NaN to an integer and wrote outside the gradient image.
+    image = torch.arange(1.0, 3.0).view(1, 1, 1, 2).requires_grad_()
+    nan, inf = math.nan, math.inf
+    boxes = torch.tensor([[0, 0.5, nan, 1.5, 1.5], [0, nan, 0.2, 1.5, 1.5], [0, 0.1, 0.1, inf, 0.9],
+                          [0, -inf, 0.1, 1.0, 0.9], [0, 0.1, 0.1, 1e30, 1e30]])
+    for sampling in (2, 0):
+        out = roi_align(image, boxes, 2, 1.0, sampling, False)
+        assert torch.equal(out, torch.zeros(5, 1, 2, 2))
+        out.sum().backward()
+        assert torch.equal(image.grad, torch.zeros_like(image))
+    good = roi_align(image, torch.tensor([[0, 0.5, 0.2, 1.5, 0.8]]), 2, 1.0, 2, False)
+    assert torch.equal(roi_align(image, torch.tensor([[0, 0.5, 0.2, 1.5, 0.8], [0, nan, 0, 1, 1]]), 2, 1.0, 2,
+                                 False)[:1], good)
+    for shape in ((1, 3, 0, 5), (1, 3, 5, 0)):      # an empty image: it read the memory before it
+        empty = torch.zeros(shape, requires_grad=True)
+        out = roi_align(empty, torch.tensor([[0, 0.1, 0.1, 0.4, 0.4]]), 2, 1.0, 2, True)
+        assert torch.equal(out, torch.zeros(1, 3, 2, 2))
+        out.sum().backward()
+        assert empty.grad.shape == shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_no_boxes_still_backpropagates(kernels, dtype):
+    image = torch.randn(1, 2, 4, 4, dtype=dtype, requires_grad=True)
+    for boxes in (torch.zeros(0, 5), [torch.zeros(0, 4)]):
+        out = roi_align(image, boxes, 2)
+        assert out.shape == (0, 2, 2, 2) and out.requires_grad
+        (out.sum() * 1.0).backward()      # a loss over no boxes (the torch path had no graph: it raised)
+        assert torch.equal(image.grad, torch.zeros_like(image))
 
 
 def test_fp64_input_computes_in_fp64(kernels):
@@ -164,3 +203,17 @@ def test_fp64_input_computes_in_fp64(kernels):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     (grad,) = torch.autograd.grad(got, image, upstream)
     torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12)
+
+
+def test_torch_compile_equals_eager(dispatch):
+    # The kernel had no meta implementation: tracing ran it on fake tensors and compiling failed,
+    # fullgraph or not. (The pure-torch path's sample counts depend on the boxes: graph breaks.)
+    image, rois = case()
+    module = RoIAlign((3, 2), 0.5, 2, True)
+    compiled = torch.compile(module, fullgraph=dispatch == "native", backend="aot_eager")
+    x, y = image.clone().requires_grad_(), image.clone().requires_grad_()
+    got, want = compiled(x, torch.tensor(rois)), module(y, torch.tensor(rois))
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(x.grad, y.grad)

@@ -17,6 +17,7 @@ formulation (:mod:`xlaunch.nn.roi_torch`) gives the same results.
 """
 from __future__ import annotations
 
+import operator
 from typing import Sequence, Union
 
 from xlaunch._torch import needs_torch
@@ -53,10 +54,28 @@ def boxes_to_rois(boxes: Boxes, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 def _pair(output_size: Union[int, Sequence[int]]) -> tuple[int, int]:
-    if isinstance(output_size, int):
-        return output_size, output_size
-    height, width = output_size
-    return int(height), int(width)
+    """``(height, width)`` from an int or a pair of ints (anything ``operator.index`` takes)."""
+    sides = tuple(output_size) if isinstance(output_size, (list, tuple, torch.Size)) else (output_size, output_size)
+    try:
+        if len(sides) != 2 or any(isinstance(side, bool) for side in sides):
+            raise TypeError
+        return operator.index(sides[0]), operator.index(sides[1])
+    except TypeError:
+        raise TypeError(f"roi_align: output_size must be an int or a pair (height, width) of ints, "
+                        f"not {output_size!r}") from None
+
+
+def _check_images(rois: Tensor, images: int) -> None:
+    """``ValueError`` naming the first box whose batch index is not an image of the input (one
+    pass; not while tracing or compiling, where the kernels' own check raises)."""
+    if rois.numel() == 0 or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    index = rois[:, 0]
+    bad = (index < 0) | (index >= images) | (index != index.floor())   # NaN too
+    if bool(bad.any()):
+        box = int(bad.nonzero()[0, 0])
+        raise ValueError(f"roi_align: box {box} has batch index {float(index[box])}, which is not an image "
+                         f"index in [0, {images})")
 
 
 def _channels_last(x: Tensor) -> bool:
@@ -97,10 +116,13 @@ def roi_align(input: Tensor, boxes: Boxes, output_size: Union[int, Sequence[int]
         raise ValueError("roi_align: input must be an (N, C, H, W) tensor")
     if not input.dtype.is_floating_point:
         raise TypeError(f"roi_align: input must be a float tensor, not {input.dtype}")
+    if input.device.type != "cpu":
+        raise ValueError(f"roi_align: input is on {input.device}; xlaunch.nn runs on the CPU")
     rois = boxes_to_rois(boxes, torch.float64 if input.dtype == torch.float64 else torch.float32)
     height, width = _pair(output_size)
     if height <= 0 or width <= 0:
         raise ValueError(f"roi_align: output_size must be positive, got {(height, width)}")
+    _check_images(rois, input.shape[0])
     geometry = (float(spatial_scale), height, width, int(sampling_ratio), bool(aligned))
     ops = native.ops()
     if ops is None or input.dtype == torch.float64:

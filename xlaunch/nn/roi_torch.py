@@ -21,7 +21,7 @@ CHUNK_ELEMENTS = 1 << 24
 
 def _interpolate(coords: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """torchvision's bilinear rule along one axis: (low, high, weight of low, of high, valid)."""
-    valid = (coords >= -1.0) & (coords <= float(size))
+    valid = (coords >= -1.0) & (coords <= float(size)) & (size > 0)   # NaN: no sample; nor on an empty axis
     v = coords.clamp(min=0.0)
     low = v.floor().long()
     edge = low >= size - 1
@@ -82,7 +82,7 @@ def roi_align_torch(input: Tensor, rois: Tensor, spatial_scale: float, out_h: in
                              (y_low, y_high, y_wl, y_wh, y_ok), (x_low, x_high, x_wl, x_wh, x_ok), inv_count,
                              (height, width, out_h, out_w, channels), compute))
         first = stop
-    out = torch.cat(chunks) if chunks else torch.zeros(0, channels, dtype=compute)
+    out = torch.cat(chunks) if chunks else image.narrow(0, 0, 0)   # no boxes: still on the input's graph
     out = out.view(count, out_h, out_w, channels).permute(0, 3, 1, 2).to(input.dtype)
     channels_last = not input.is_contiguous() and input.is_contiguous(memory_format=torch.channels_last)
     return out if channels_last else out.contiguous()

@@ -291,7 +291,7 @@ TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
         "float lr, float weight_decay, float eps) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CompositeExplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CPU, m) {  // CPU tensors only: another device's data is never read here
   m.impl("bag_backward", &bag_backward);
 }
 

@@ -107,7 +107,7 @@ TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
         "Tensor meta, int batch, Tensor(a!)[] outs) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CompositeExplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CPU, m) {  // CPU tensors only: another device's data is never read here
   m.impl("bag_forward", &bag_forward);
 }
 

@@ -30,9 +30,11 @@ struct Axis {  // one sample coordinate along one axis
   bool valid;
 };
 
-// torchvision's bilinear_interpolate, one axis at a time.
+// torchvision's bilinear_interpolate, one axis at a time. A NaN coordinate (a box with a NaN or
+// infinite corner) and an empty axis have no sample: torchvision converts NaN to an integer and
+// reads outside the image there; the pure-torch path (roi_torch.py) skips them too.
 Axis interpolate(float v, int64_t size) {
-  if (v < -1.0f || v > float(size)) return {0, 0, 0.0f, 0.0f, false};
+  if (!(v >= -1.0f && v <= float(size)) || size <= 0) return {0, 0, 0.0f, 0.0f, false};
   if (v <= 0) v = 0;
   int64_t low = int64_t(v), high;
   if (low >= size - 1) {
@@ -57,6 +59,14 @@ struct RoiPlan {  // one RoI's sample rows and columns: ys[ph * grid_h + iy], xs
   std::vector<Axis> ys, xs;
 };
 
+// Samples per bin along one axis: ``sampling``, else ceil(extent / bins); none for a box that is
+// empty, NaN or too large for an integer (converting those is undefined; the torch path agrees).
+int64_t grid_of(float extent, int64_t bins, int64_t sampling) {
+  if (sampling > 0) return sampling;
+  const float grid = std::ceil(extent / float(bins));
+  return grid >= 1.0f && grid < 9.0e18f ? int64_t(grid) : 0;
+}
+
 void plan_roi(const float* roi, const Geometry& g, int64_t height, int64_t width, int64_t batches, RoiPlan& plan) {
   plan.batch = int64_t(roi[0]);
   TORCH_CHECK(plan.batch >= 0 && plan.batch < batches && float(plan.batch) == roi[0],
@@ -70,10 +80,8 @@ void plan_roi(const float* roi, const Geometry& g, int64_t height, int64_t width
     roi_h = std::max(roi_h, 1.0f);
   }
   const float bin_h = roi_h / float(g.pooled_h), bin_w = roi_w / float(g.pooled_w);
-  plan.grid_h = g.sampling > 0 ? g.sampling : int64_t(std::ceil(roi_h / float(g.pooled_h)));
-  plan.grid_w = g.sampling > 0 ? g.sampling : int64_t(std::ceil(roi_w / float(g.pooled_w)));
-  plan.grid_h = std::max<int64_t>(plan.grid_h, 0);
-  plan.grid_w = std::max<int64_t>(plan.grid_w, 0);
+  plan.grid_h = grid_of(roi_h, g.pooled_h, g.sampling);
+  plan.grid_w = grid_of(roi_w, g.pooled_w, g.sampling);
   plan.inv_count = 1.0f / float(std::max<int64_t>(plan.grid_h * plan.grid_w, 1));
   plan.ys.resize(g.pooled_h * plan.grid_h);
   plan.xs.resize(g.pooled_w * plan.grid_w);
@@ -265,9 +273,18 @@ TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m) {
         "int sampling_ratio, bool aligned, Tensor(a!) grad_input) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CompositeExplicitAutograd, m) {
+// CPU tensors only (another device's data pointer is never read here); on meta and fake tensors
+// (torch.compile's tracing) the operators write nothing, so a compiled graph can hold them.
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, CPU, m) {
   m.impl("roi_align_forward", &roi_align_forward);
   m.impl("roi_align_backward", &roi_align_backward);
+}
+
+TORCH_LIBRARY_IMPL(XLAUNCH_OPS, Meta, m) {
+  m.impl("roi_align_forward", [](const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, int64_t, bool,
+                                 at::Tensor&) {});
+  m.impl("roi_align_backward", [](const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, int64_t, bool,
+                                  at::Tensor&) {});
 }
 
 }  // namespace xlaunch_nn
