@@ -35,6 +35,22 @@ def test_gradcheck_in_double_precision():
     gen = torch.Generator().manual_seed(1)
     features = [torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(4)]
     assert torch.autograd.gradcheck(interaction, features)
+    # Second derivatives too (a gradient penalty): the saved stack was not a function of the
+    # features, so double backward silently left its term out.
+    assert torch.autograd.gradgradcheck(interaction, features)
+    assert torch.autograd.gradgradcheck(F.InteractionFunc.apply, features)
+
+
+def test_torch_compile_fullgraph_equals_eager():
+    # It failed to compile at all (the function saved a view of an intermediate), fullgraph or not.
+    gen = torch.Generator().manual_seed(2)
+    features = [torch.randn(4, 8, generator=gen, requires_grad=True) for _ in range(5)]
+    upstream = torch.randn(4, 8 + 10, generator=gen)
+    compiled = torch.compile(interaction, fullgraph=True, backend="aot_eager")
+    got = compiled(*features)
+    torch.testing.assert_close(got, eager(*features))
+    for g, w in zip(torch.autograd.grad(got, features, upstream), torch.autograd.grad(eager(*features), features, upstream)):
+        torch.testing.assert_close(g, w)
 
 
 def test_bf16_features_and_refusals():

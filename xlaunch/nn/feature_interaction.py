@@ -34,26 +34,31 @@ def _triangle(features: int) -> tuple[Tensor, Tensor]:
     return found
 
 
-class InteractionFunc(torch.autograd.Function):
-    """The autograd function behind :func:`interaction` (``ipex.nn``'s name)."""
+class _Interaction(torch.autograd.Function):
+    """The interaction of the features stacked as ``flat`` ``(batch, count * dim)``: an input, so
+    the backward's ops on it are differentiable (a double backward is right) and torch.compile
+    saves no view of an intermediate."""
 
     @staticmethod
-    def forward(ctx, *features: Tensor) -> Tensor:
-        batch, dim, count = features[0].shape[0], features[0].shape[1], len(features)
-        stacked = torch.cat(features, dim=1).view(batch, count, dim)
+    def forward(ctx, flat: Tensor, count: int) -> Tensor:
+        batch, dim = flat.shape[0], flat.shape[1] // count
+        stacked = flat.view(batch, count, dim)
         lower, _ = _triangle(count)
         wide = stacked.float() if stacked.dtype in _NARROW else stacked    # fp32 sums for 16-bit floats
         dots = torch.bmm(wide, wide.transpose(1, 2)).view(batch, count * count)
         out = torch.empty(batch, dim + lower.numel(), dtype=stacked.dtype)
-        out[:, :dim] = features[0]
+        out[:, :dim] = flat[:, :dim]
         out[:, dim:] = torch.gather(dots, 1, lower.expand(batch, -1))
-        ctx.save_for_backward(stacked)
+        ctx.save_for_backward(flat)
+        ctx.count = count
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple:
-        (stacked,) = ctx.saved_tensors
-        batch, count, dim = stacked.shape
+        (flat,) = ctx.saved_tensors
+        batch, count = flat.shape[0], ctx.count
+        dim = flat.shape[1] // count
+        stacked = flat.view(batch, count, dim)
         lower, upper = _triangle(count)
         compute = torch.float32 if stacked.dtype in _NARROW else stacked.dtype
         pair_grad = grad[:, dim:].to(compute)
@@ -62,7 +67,16 @@ class InteractionFunc(torch.autograd.Function):
         symmetric.scatter_(1, both, torch.cat([pair_grad, pair_grad], dim=1))
         feature_grad = torch.bmm(symmetric.view(batch, count, count), stacked.to(compute))   # (B, F, D)
         feature_grad[:, 0] += grad[:, :dim].to(compute)
-        return tuple(feature_grad.to(stacked.dtype).unbind(1))
+        return feature_grad.to(stacked.dtype).view(batch, count * dim), None
+
+
+class InteractionFunc:
+    """``ipex.nn``'s name for the autograd function behind :func:`interaction`:
+    ``InteractionFunc.apply(dense, *sparse)`` (one ``cat`` of the features, then the function)."""
+
+    @staticmethod
+    def apply(*features: Tensor) -> Tensor:
+        return _Interaction.apply(torch.cat(features, dim=1), len(features))
 
 
 def interaction(*features: Tensor) -> Tensor:
