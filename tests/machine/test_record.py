@@ -215,3 +215,29 @@ def test_archives_are_streamed_member_by_member_and_capped(tmp_path, monkeypatch
     with pytest.raises(ValueError, match=f"more than {members - 1} members"):
         unpack_archive(str(plain), str(tmp_path / "capped"))
     assert not (tmp_path / "capped").exists()
+
+
+def test_a_source_that_is_not_a_machine_root_is_one_line_and_an_interrupt_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """A ``--source`` that is missing or holds nothing to record said so without naming the option, exit 1; a
+    Ctrl-C while recording left the half-written folder or archive (a later run then refused it as existing)."""
+    (tmp_path / "empty").mkdir()
+    for source, problem in (("missing", "is not a directory"), ("empty", None)):
+        with pytest.raises(SystemExit) as stopped:
+            record_main([str(tmp_path / "out"), "--source", str(tmp_path / source)])
+        assert stopped.value.code == 2 and not (tmp_path / "out").exists()
+        line = f"{tmp_path / source} {problem}" if problem else f"nothing readable under {tmp_path / source}"
+        assert capsys.readouterr().err == f"xlaunch-record-machine: error: --source: {line}\n"
+    import xlaunch.machine.record as record
+
+    source = machine_tree("vm-no-node")
+    for archive, writer in ((False, "record"), (True, "record_archive")):
+        real = getattr(record, writer)
+
+        def interrupted(src, target, real=real):
+            real(src, target)              # written, then the Ctrl-C lands before the command returns
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(record, writer, interrupted)
+        out = tmp_path / f"interrupted-{archive}"
+        assert record_main([str(out), "--source", str(source), *(["--archive"] if archive else [])]) == 130
+        assert list(tmp_path.glob("interrupted-*")) == []

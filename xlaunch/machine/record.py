@@ -168,12 +168,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"DIR: {target} already exists")
     if not os.path.isdir(os.path.dirname(os.path.abspath(target))):
         parser.error(f"DIR: the directory holding {target} does not exist")
-    count = record_archive(args.source, target) if args.archive else record(args.source, target)
+    if not os.path.isdir(args.source):
+        parser.error(f"--source: {args.source} is not a directory")
+    try:
+        count = record_archive(args.source, target) if args.archive else record(args.source, target)
+    except KeyboardInterrupt:      # nothing half-written is left behind
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target, ignore_errors=True)
+        elif os.path.isfile(target) and not os.path.islink(target):
+            os.unlink(target)
+        return 130
     if count == 0:
         if not args.archive:
             shutil.rmtree(target, ignore_errors=True)
-        print(f"xlaunch-record-machine: nothing readable under {args.source}", file=sys.stderr)
-        return 1
+        parser.error(f"--source: nothing readable under {args.source}")
     print(f"recorded {count} files into {target}")
     return 0
 
