@@ -211,6 +211,27 @@ def test_specs_state_dict_and_ipex_checkpoints():
     ipex_style = {"weights.0": torch.ones(10, 4), "weights.1": torch.full((7, 6), 2.0)}
     again.load_state_dict(ipex_style)
     assert torch.equal(again.weights[0], torch.ones(10, 4)) and torch.equal(again.weights[1], torch.full((7, 6), 2.0))
+    # IPEX's fused classes save only weights.N (no Adagrad sums, no bf16 low halves): they load into
+    # ours with zero sums and low halves (Adagrad and split bf16 refused them: missing keys)
+    for cls in (MergedEmbeddingBagWithSGD, MergedEmbeddingBagWithAdaGrad):
+        for bf16 in (False, True):
+            fused = cls(specs)
+            if bf16:
+                fused.to_bfloat16_train()
+            if fused.trail is not None:
+                fused.trail.fill_(7)
+            getattr(fused, "state_sum", torch.empty(0)).fill_(3.0)
+            fused.load_state_dict({key: value.to(fused.weight.dtype) for key, value in ipex_style.items()})
+            assert torch.equal(fused.master_weight(), again.weight)
+            assert fused.trail is None or not fused.trail.any()
+            assert not getattr(fused, "state_sum", torch.zeros(1)).any()
+    with pytest.raises(RuntimeError, match=r"size mismatch for weights.1: copying a param with shape \(6, 7\)"):
+        again.load_state_dict({"weights.0": torch.ones(10, 4), "weights.1": torch.ones(6, 7)})
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "weights.1"'):
+        again.load_state_dict({"weights.0": torch.ones(10, 4)})      # was KeyError: 'weights.1'
+    loose = again.load_state_dict({"weights.0": torch.zeros(10, 4), "weights.5": torch.ones(1)}, strict=False)
+    assert loose.missing_keys == ["weights.1"] and loose.unexpected_keys == ["weights.5"]
+    assert not again.weights[0].any() and torch.equal(again.weights[1], torch.full((7, 6), 2.0))
 
 
 def test_refusals_say_what_is_wrong(kernels):

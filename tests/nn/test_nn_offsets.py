@@ -82,3 +82,23 @@ def test_include_last_offset_follows_the_documented_csr_form(kernels):
             merged([idx], [short])
         full = torch.tensor([0, 2, 2, 5])
         torch.testing.assert_close(merged([idx], [full])[0], table(idx, full))
+
+
+@pytest.mark.parametrize("fused", [MergedEmbeddingBag, MergedEmbeddingBagWithSGD])
+def test_two_d_bags_of_size_zero_and_offsets_of_another_type(kernels, fused):
+    tables = make_tables(("sum", "mean", "max"))
+    merged = fused.from_embeddingbag_list(tables)
+    before = merged.weight.detach().clone()
+    empty = [torch.zeros(3, 0, dtype=torch.int64)] * 3      # (batch, bag size 0): arange's step was 0
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            outs = merged(empty)
+        assert [tuple(o.shape) for o in outs] == [(3, 4)] * 3 and all(not o.any() for o in outs)
+        if grad:
+            sum(o.sum() for o in outs).backward()
+    assert torch.equal(merged.weight.detach(), before)
+    floats = [GOOD[0].float(), *GOOD[1:]]                   # were truncated to integers, silently
+    with pytest.raises(TypeError, match=r"^offsets of table 0 must be an integer tensor, not torch.float32$"):
+        merged(INDICES, floats)
+    with pytest.raises(ValueError, match=r"^indices of table 1 are on meta; xlaunch.nn runs on the CPU$"):
+        merged([INDICES[0], INDICES[1].to("meta"), INDICES[2]], GOOD)

@@ -157,14 +157,36 @@ class MergedEmbeddingBag(nn.Module):
         tables = ", ".join(f"{layout.rows[t]}x{layout.dims[t]} {layout.modes[t]}" for t in range(self.n_tables))
         return f"{self.n_tables} tables ({tables}), {self.weight.dtype}"
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
-        # A checkpoint of ipex.nn's MergedEmbeddingBag holds one ``weights.N`` entry per table.
-        if prefix + "weight" not in state_dict and prefix + "weights.0" in state_dict:
-            flat = torch.empty_like(self.weight)
-            for number in range(self.n_tables):
-                self.layout.view(flat, number).copy_(state_dict.pop(f"{prefix}weights.{number}"))
-            state_dict[prefix + "weight"] = flat
-        super()._load_from_state_dict(state_dict, prefix, *args)
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        if prefix + "weight" not in state_dict and any(key.startswith(prefix + "weights.") for key in state_dict):
+            self._load_ipex_tables(state_dict, prefix, missing_keys, error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _load_ipex_tables(self, state_dict: dict, prefix: str, missing_keys: list, error_msgs: list) -> None:
+        """A checkpoint of ``ipex.nn``'s merged classes: one ``weights.N`` per table and nothing else
+        (IPEX keeps Adagrad's sums and the split-bf16 low halves out of it): the tables it holds,
+        with zero sums and low halves (the master is the loaded value), as a module built from them.
+        A missing table is a missing key, a table of another shape a size mismatch (torch's words)."""
+        flat = self.weight.detach().clone()
+        for number in range(self.n_tables):
+            key = f"{prefix}weights.{number}"
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value, block = state_dict.pop(key), self.layout.view(flat, number)
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            if shape != tuple(block.shape):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
+                                  f"the shape in current model is {tuple(block.shape)}.")
+                continue
+            block.copy_(value)
+        state_dict[prefix + "weight"] = flat
+        for name in ("trail", "state_sum"):
+            buffer = getattr(self, name, None)
+            if isinstance(buffer, torch.Tensor) and prefix + name not in state_dict:
+                state_dict[prefix + name] = torch.zeros_like(buffer)
 
 
 class MergedEmbeddingBagWithCat(MergedEmbeddingBag):

@@ -161,11 +161,16 @@ def normalize(layout: TableLayout, indices: object, offsets: object, per_sample_
         idx, off, psw = indices[t], offsets[t], weights[t]
         if not isinstance(idx, Tensor) or idx.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"indices of table {t} must be an int32 or int64 tensor")
+        if isinstance(off, Tensor) and (off.is_floating_point() or off.is_complex() or off.dtype == torch.bool):
+            raise TypeError(f"offsets of table {t} must be an integer tensor, not {off.dtype}")
+        for name, given in (("indices", idx), ("offsets", off)):
+            if isinstance(given, Tensor) and given.device.type != "cpu":
+                raise ValueError(f"{name} of table {t} are on {given.device}; xlaunch.nn runs on the CPU")
         if idx.dim() == 2:
             if off is not None:
                 raise ValueError(f"table {t}: offsets must be None when indices are 2-D (batch, bag size)")
             bags, size = idx.shape
-            off = torch.arange(0, bags * size, size, dtype=dtype)
+            off = torch.arange(bags, dtype=dtype) * size    # bags of size 0 too (arange's step may not be 0)
             idx = idx.reshape(-1)
             table_batch = bags
         elif idx.dim() == 1:
