@@ -90,6 +90,7 @@ class OptimizedForward:
         self.rebuilds = 0
         self._building = False   # a graph is being built: calls made by the build run eager
         self._tensors: Optional[list] = None
+        self._stateful: frozenset[int] = frozenset()   # ids of the buffers the forward updates
         self._lock = threading.RLock()
 
     # -- the eager path ------------------------------------------------------------------------
@@ -121,12 +122,12 @@ class OptimizedForward:
         ``load_state_dict`` refreshes it, see :class:`RefreshAfterLoad`)."""
         if self._tensors is None:
             self._tensors = list(itertools.chain(self.module.parameters(), self.module.buffers()))
-        return tuple((t.data_ptr(), t._version, t.dtype) for t in self._tensors)
+        return tuple((t.data_ptr(), t._version, t.dtype) for t in self._tensors if id(t) not in self._stateful)
 
     def refresh(self) -> None:
         """Forget the graphs and the tensor list (parameters may have been replaced)."""
         with self._lock:
-            self.frozen, self.weights_key, self._tensors = {}, None, None
+            self.frozen, self.weights_key, self._tensors, self._stateful = {}, None, None, frozenset()
 
     def graph_for(self, args: tuple, kwargs: Optional[dict] = None) -> Optional[Callable]:
         """The frozen graph serving this call (built now if needed), or None for the eager path."""
@@ -153,10 +154,13 @@ class OptimizedForward:
                 if len(self.frozen) >= self.max_signatures:
                     return None
                 self._building = True
+                state = freeze.BufferState(self.module)
                 try:
                     self.frozen[sig] = self._build(sig, args)
-                finally:
+                finally:   # the build's runs leave no trace in buffers the forward updates
+                    state.restore(self.module)
                     self._building = False
+                self.weights_key = self._weights_key()
             return self.frozen[sig]
 
     def _note(self, message: str, is_warning: bool) -> None:
@@ -166,27 +170,43 @@ class OptimizedForward:
         backend, inputs = self.freeze_backend, shapes(sig)
         if self.prefer_eager:
             return None
+        state = freeze.BufferState(self.module)   # each run below starts from the module's state
         try:   # built, checked and timed on copies: the call being answered gets its own arguments
             graph = freeze.freeze(self.module, backend, freeze.fresh(args))
         except Exception as exc:
             self._note(f"not frozen for inputs {inputs}: {backend} failed: {type(exc).__name__}: "
                        f"{excerpt(exc)}", True)
             return None
-        if self.verify:
+        updated = state.changed(self.module)   # running statistics, counters: the forward's own state
+        state.restore(self.module)
+        if self.verify or updated:
             rtol = FP32_RTOL if self.autocast_dtype is None else BF16_RTOL
-            problem = outputs_close(self.eager(*freeze.fresh(args)), graph(*freeze.fresh(args)), rtol)
+            want = self.eager(*freeze.fresh(args))
+            after_eager = freeze.BufferState(self.module)
+            state.restore(self.module)
+            problem = outputs_close(want, graph(*freeze.fresh(args)), rtol)
+            if not problem and updated:
+                buffers = dict(self.module.named_buffers(remove_duplicate=False))
+                differs = outputs_close([after_eager.saved[name] for name in updated],
+                                        [buffers[name] for name in updated], rtol)
+                problem = differs and f"the buffers it updates ({', '.join(updated)}): {differs}"
+            state.restore(self.module)
             if problem:
                 self._note(f"not frozen for inputs {inputs}: the {backend} graph changed results ({problem})", True)
                 return None
         if self.measure and self.prefer_eager is None:
             args = freeze.fresh(args)
             timings = measure.interleaved({"eager": lambda: self.eager(*args), "frozen": lambda: graph(*args)})
+            state.restore(self.module)
             self.timings_ms = {name: seconds * 1e3 for name, seconds in timings.medians().items()}
             self.prefer_eager = not timings.not_slower("frozen", "eager")
             if self.prefer_eager:
                 self._note(f"kept the eager forward: the {backend} graph for inputs {inputs} measured "
                            f"{1 / timings.ratio('frozen', 'eager'):.2f}x the eager speed", False)
                 return None
+        # the graph updates these buffers as the forward does (they are its state, not its weights)
+        names = set(updated)
+        self._stateful = frozenset(id(b) for name, b in self.module.named_buffers() if name in names)
         self._note(f"frozen with {backend} for inputs {inputs}", False)
         return graph
 
@@ -194,7 +214,7 @@ class OptimizedForward:
     def __getstate__(self) -> dict:
         """Copies and pickles carry the configuration, not the graphs (rebuilt on first use)."""
         state = dict(self.__dict__)
-        state.update(frozen={}, weights_key=None, notify=None, _building=False, _tensors=None)
+        state.update(frozen={}, weights_key=None, notify=None, _building=False, _tensors=None, _stateful=frozenset())
         del state["_lock"]
         return state
 
@@ -207,6 +227,14 @@ def of(module: nn.Module) -> Optional[OptimizedForward]:
     """The module's OptimizedForward, if ``optimize`` installed one."""
     forward = module.__dict__.get("forward")
     return forward if isinstance(forward, OptimizedForward) else None
+
+
+def restore(module: nn.Module, state: freeze.BufferState) -> None:
+    """``module``'s buffers back to ``state``; its frozen graphs stay (they hold the same tensors)."""
+    state.restore(module)
+    forward = of(module)
+    if forward is not None and forward.weights_key is not None:
+        forward.weights_key = forward._weights_key()
 
 
 class RefreshAfterLoad:

@@ -123,6 +123,31 @@ def fresh_input(sample_input: Any) -> Any:
     return fresh(sample_input) if isinstance(sample_input, tuple) else _copy(sample_input)
 
 
+class BufferState:
+    """The values of a module's buffers, by name: a forward that updates them (running statistics,
+    a counter, an EMA) must not see the extra runs a build, check or timing makes. :meth:`restore`
+    writes them back into a module (the same one, or its rewrite), only where they changed."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.saved = {name: b.detach().clone() for name, b in module.named_buffers(remove_duplicate=False)}
+
+    def changed(self, module: nn.Module) -> list[str]:
+        """The names of the buffers whose values differ from the saved ones."""
+        return [name for name, b in module.named_buffers(remove_duplicate=False)
+                if name in self.saved and not _same(b, self.saved[name])]
+
+    def restore(self, module: nn.Module) -> None:
+        with torch.no_grad():
+            for name, b in module.named_buffers(remove_duplicate=False):
+                saved = self.saved.get(name)
+                if saved is not None and saved.shape == b.shape and saved.dtype == b.dtype and not _same(b, saved):
+                    b.copy_(saved)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
 def freeze_inductor(model: nn.Module) -> nn.Module:
     """``torch.compile`` with inductor freezing; compiled lazily on the first call."""
     return torch.compile(model, backend="inductor", options={"freezing": True})

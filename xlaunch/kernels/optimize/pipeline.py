@@ -153,9 +153,15 @@ def _warn(report: Report, message: str) -> None:
     warn(message)
 
 
-def _run(model: nn.Module, sample_input: Any) -> Any:
-    with torch.no_grad():   # on a copy: a forward that changes its input in place sees the sample as it is
-        return model(*freeze.fresh(freeze.as_args(sample_input)))
+def _run(model: nn.Module, sample_input: Any, call: Optional[Any] = None) -> Any:
+    """``model`` (or ``call``) on a copy of the sample (a forward changing its input in place sees
+    the sample as it is), its buffers as they were before (a forward updating them: counters, EMAs)."""
+    state = freeze.BufferState(model)
+    try:
+        with torch.no_grad():
+            return (call or model)(*freeze.fresh(freeze.as_args(sample_input)))
+    finally:
+        state.restore(model)
 
 
 def _copy_with_optimizer(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
@@ -186,7 +192,9 @@ def _eval_rewrites(model: nn.Module, opts: Options, sample_input: Any, reference
     kinds = {kind for kind, on in (("conv", opts.conv_bn_folding), ("linear", opts.linear_bn_folding)) if on}
     log = fold.FoldLog()
     if kinds and any(fold.is_norm(m) for m in model.modules()):
+        state = freeze.BufferState(model)   # the shapes are read by running the sample
         pairs, notes = fold.find_pairs(model, freeze.fresh_input(sample_input))
+        state.restore(model)
         for note in notes:
             _warn(report, note)
         fold.fold_pairs(model, pairs, log, kinds)
@@ -266,6 +274,7 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
     measure_now = (opts.measure and not training and sample_input is not None
                    and use_dtype == torch.float32 and (opts.weights_prepack or level != "O0"))
     given = model
+    state = freeze.BufferState(model) if sample_input is not None else None
     show = Progress(total=0, enabled=progress, quiet_s=QUIET_S)
     try:
         if not inplace or measure_now:
@@ -275,10 +284,13 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
                 else:
                     given = copy.deepcopy(model)   # the model as it was, to time against
                 step.done("done")
-        return _rewrite(model, optimizer, given, opts, report, use_dtype, level, sample_input, verify,
-                        measure_now, show)
+        result = _rewrite(model, optimizer, given, opts, report, use_dtype, level, sample_input, verify,
+                          measure_now, show)
     finally:
         show.close()
+        for module in (model, given) if state is not None else ():   # the sample's runs leave no trace in
+            dispatch.restore(module, state)                             # buffers a forward updates (counters)
+    return result
 
 
 def _rewrite(model: nn.Module, optimizer: Any, given: nn.Module, opts: Options, report: Report, use_dtype: Any,
@@ -348,7 +360,7 @@ def _rewrite(model: nn.Module, optimizer: Any, given: nn.Module, opts: Options, 
                                    notify=_notifier(report))
         if verify and report.autocast and reference is not None:
             with show.step(f"checking the {low} forward against fp32") as step, torch.no_grad():
-                problem = outputs_close(reference, forward.eager(*freeze.fresh(freeze.as_args(sample_input))), BF16_RTOL)
+                problem = outputs_close(reference, _run(model, sample_input, forward.eager), BF16_RTOL)
                 step.done("differs" if problem else "close")
             if problem:
                 _warn(report, f"{low} results differ more than expected from fp32: {problem}")

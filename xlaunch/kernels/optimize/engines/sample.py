@@ -32,7 +32,7 @@ with needs_torch(__name__):
     from torch.utils import _pytree as pytree
 
 from xlaunch.kernels.optimize.compare import flat_tensors
-from xlaunch.kernels.optimize.freeze import fresh, from_torch
+from xlaunch.kernels.optimize.freeze import BufferState, fresh, from_torch
 from xlaunch.kernels.optimize.text import excerpt
 
 
@@ -78,8 +78,14 @@ class Sample:
         self.tensor_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         self._tensor_checks = [(i, args[i].dtype, self.spec[i][3], self.batched[i]) for i in self.tensor_positions]
         self._plain_checks = [(i, self.spec[i]) for i in range(len(args)) if i not in self.tensor_positions]
+        state = BufferState(model)
         with torch.no_grad():
             self.outputs = model(*self.args)
+        updated = state.changed(model)
+        state.restore(model)
+        if updated:
+            raise Unsupported(f"the forward updates its buffers ({', '.join(updated[:3])}{', ...' if len(updated) > 3 else ''}) "
+                              "in place: an exported engine would keep none of that state")
         leaves, self.treespec = pytree.tree_flatten(self.outputs)
         if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             raise Unsupported("the model's outputs are not all tensors (engines return tensors)")
