@@ -15,6 +15,7 @@ Prints the loss and the step time, then the inference time per batch (eval, no_g
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -73,17 +74,39 @@ def make_batches(rows: list[int], batch: int, bag: int, count: int, seed: int = 
     return batches
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (anything else is one line and exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return value
+
+
+def learning_rate(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text!r}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--infer-steps", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--tables", type=int, default=26)
-    parser.add_argument("--rows", type=int, nargs=2, default=(100, 2000), metavar=("SMALLEST", "LARGEST"))
-    parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("--bag", type=int, default=5, help="lookups per bag (mean pooling)")
+    parser.add_argument("--steps", type=positive, default=30)
+    parser.add_argument("--infer-steps", type=positive, default=10)
+    parser.add_argument("--batch-size", type=positive, default=256)
+    parser.add_argument("--tables", type=positive, default=26)
+    parser.add_argument("--rows", type=positive, nargs=2, default=(100, 2000), metavar=("SMALLEST", "LARGEST"))
+    parser.add_argument("--dim", type=positive, default=16)
+    parser.add_argument("--bag", type=positive, default=5, help="lookups per bag (mean pooling)")
     parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd")
-    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--lr", type=learning_rate, default=0.5)
     parser.add_argument("--bf16", action="store_true", help="bf16 tables with split fp32 master weights")
     parser.add_argument("--bench-sizes", action="store_true", help="26 tables of 1,000-100,000 rows, dim 64, "
                                                                    "bags of 20, batch 2048")
@@ -114,7 +137,7 @@ def main() -> None:
         loss.backward()                    # the embedding rows are updated here
         optimizer.step()                   # the MLPs
         losses.append(loss.item())
-    train_ms = (time.perf_counter() - start) * 1e3 / max(args.steps, 1)
+    train_ms = (time.perf_counter() - start) * 1e3 / args.steps
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     print(f"train: {train_ms:.1f} ms per step; loss {first:.4f} -> {last:.4f}")
 
@@ -125,7 +148,7 @@ def main() -> None:
                 start = time.perf_counter()
             dense, indices, offsets, _ = batches[step % len(batches)]
             scores = torch.sigmoid(model(dense, indices, offsets).float())
-    infer_ms = (time.perf_counter() - start) * 1e3 / max(args.infer_steps, 1)
+    infer_ms = (time.perf_counter() - start) * 1e3 / args.infer_steps
     print(f"infer: {infer_ms:.1f} ms per batch; mean score {scores.mean().item():.3f}")
 
 

@@ -2,6 +2,8 @@
 missing, and a child process running every kernel on two threads that exits cleanly."""
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -189,3 +191,24 @@ def test_the_dlrm_example_trains_under_xlaunch_auto_optimize():
     first, last = (float(word) for word in train.split("loss ")[1].split(" -> "))
     assert last < first - 0.05, train
     assert "infer:" in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.live
+def test_the_dlrm_example_refuses_bad_arguments_in_one_line():
+    # --steps 0 was a TypeError traceback after the model was built, --bag 0 torch's "step must be
+    # nonzero", --batch-size 0 a nan loss, --infer-steps 0 a made-up time per batch.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "dlrm.py"), "--steps", "0"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines()[-1] == "dlrm.py: error: argument --steps: must be a positive integer, not '0'"
+    spec = importlib.util.spec_from_file_location("dlrm_example", REPO / "examples" / "dlrm.py")
+    dlrm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dlrm)
+    assert dlrm.positive("3") == 3 and dlrm.learning_rate("0.5") == 0.5
+    for bad in ("0", "-1", "x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a positive integer"):
+            dlrm.positive(bad)
+    for bad in ("-0.1", "nan", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a finite number >= 0"):
+            dlrm.learning_rate(bad)
