@@ -142,6 +142,9 @@ def _as_list(value: object, name: str, count: int) -> list:
     return list(value)
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def _as(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     """``tensor`` in ``dtype``, contiguous (itself when it already is: no call per table)."""
     return tensor if tensor.dtype == dtype and tensor.is_contiguous() else tensor.to(dtype).contiguous()
@@ -161,11 +164,13 @@ def normalize(layout: TableLayout, indices: object, offsets: object, per_sample_
         idx, off, psw = indices[t], offsets[t], weights[t]
         if not isinstance(idx, Tensor) or idx.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"indices of table {t} must be an int32 or int64 tensor")
-        if isinstance(off, Tensor) and (off.is_floating_point() or off.is_complex() or off.dtype == torch.bool):
+        if isinstance(off, Tensor) and off.dtype not in _INDEX_DTYPES and (
+                off.is_floating_point() or off.is_complex() or off.dtype == torch.bool):
             raise TypeError(f"offsets of table {t} must be an integer tensor, not {off.dtype}")
-        for name, given in (("indices", idx), ("offsets", off)):
-            if isinstance(given, Tensor) and given.device.type != "cpu":
-                raise ValueError(f"{name} of table {t} are on {given.device}; xlaunch.nn runs on the CPU")
+        if not idx.is_cpu or (isinstance(off, Tensor) and not off.is_cpu):
+            where = idx.device if not idx.is_cpu else off.device
+            raise ValueError(f"{'indices' if not idx.is_cpu else 'offsets'} of table {t} are on {where}; "
+                             "xlaunch.nn runs on the CPU")
         if idx.dim() == 2:
             if off is not None:
                 raise ValueError(f"table {t}: offsets must be None when indices are 2-D (batch, bag size)")
