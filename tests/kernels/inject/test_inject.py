@@ -323,15 +323,16 @@ class Strict(nn.Module):
     def forward(self, x):
         return self.lin(x)
 m = Strict().eval()
+raised = []
 with torch.no_grad():
-    m(torch.ones(2, 4))
-    try:
-        m(torch.ones(2, 5))
-        raised = 'nothing'
-    except RuntimeError as exc:
-        raised = 'mat1 and mat2 shapes' in str(exc)
+    for rows, cols in ((2, 5), (2, 4), (2, 5)):   # a wrong first call (the copy is built on it), then a later one
+        try:
+            good = m(torch.ones(rows, cols))
+        except RuntimeError as exc:
+            raised.append('mat1 and mat2 shapes' in str(exc))
     good = m(torch.ones(3, 4))
-print('wrongcall', raised, hooks._entries[m].given_up, tuple(good.shape))
+entry = hooks._entries[m]
+print('wrongcall', raised == [True, True], entry.given_up, entry.eager is not None, tuple(good.shape))
 """,
     # torch.compile's wrapper, where the hooks look for it (torch's optimizers have loaded torch._dynamo)
     "compiled": """
@@ -425,7 +426,7 @@ def test_a_model_the_library_cannot_handle_runs_unchanged_with_one_warning(scena
 
 def test_the_programs_own_wrong_call_raises_and_keeps_the_optimized_copy(scenarios) -> None:
     result = scenarios("none")
-    assert "wrongcall True False (3, 2)" in result.stdout, result.stdout + result.stderr
+    assert "wrongcall True False True (3, 2)" in result.stdout, result.stdout + result.stderr
     assert not [line for line in (result.stdout + result.stderr).splitlines() if "Strict runs unoptimized" in line]
 
 
@@ -506,3 +507,23 @@ def test_compiled_modules_are_left_to_torch_compile(monkeypatch) -> None:
 
 def test_the_hooks_know_torchs_compiled_module_type(scenarios) -> None:
     assert "compiled type True" in scenarios("none").stdout
+
+
+def test_a_wrong_first_call_raises_the_models_error_and_the_next_call_is_optimized(monkeypatch) -> None:
+    """The engine route is built on the first call's arguments: when the model itself fails on them,
+    the program gets the model's error and the next call builds (it gave the model up for the run)."""
+    torch = pytest.importorskip("torch")
+    from xlaunch.kernels.inject import hooks
+
+    monkeypatch.setattr(hooks, "_settings", hooks.Settings({BACKEND_ENV: "eager", FREEZE_ENV: "none"}))
+    monkeypatch.delenv(RECORD_ENV, raising=False)
+    call = hooks._make_call(torch.nn.Module.__call__, torch)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2)).eval()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="mat1 and mat2 shapes"):
+            call(model, torch.ones(2, 5))
+        entry = hooks._entries[model]
+        assert not entry.given_up and entry.eager is None
+        out = call(model, torch.ones(3, 4))
+    assert tuple(out.shape) == (3, 2) and not entry.given_up
+    assert entry.eager is not None and entry.eager.report.backend == "eager"

@@ -217,6 +217,16 @@ def test_bad_backend_and_budget() -> None:
         optimize(model, sample_input=x, backend=["onnxruntime", "tvm"])
     with pytest.raises(ValueError, match="time_budget must be > 0"):
         optimize(model, sample_input=x, backend="auto", time_budget=0)
+    with pytest.raises(TypeError, match="^optimize: backend must be a route name or a list of route names, not int$"):
+        optimize(model, sample_input=x, backend=5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_sample_the_model_fails_on_is_one_line_naming_sample_input(backend: str) -> None:
+    with pytest.raises(ValueError, match=r"^optimize: the model fails on sample_input \(RuntimeError: mat1 and mat2 "
+                                         r"shapes cannot be multiplied \(2x65 and 64x\d+\)\)$") as caught:
+        optimize(Wasteful().eval(), sample_input=torch.randn(2, 65), backend=backend, cache=False, progress=False)
+    assert isinstance(caught.value.__cause__, RuntimeError)   # the model's own error, for the traceback
 
 
 ENGINE_SCRIPT = r"""

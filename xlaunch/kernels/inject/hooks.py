@@ -369,7 +369,10 @@ def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] =
     try:
         eager, notes = _quietly(build)
     except Exception as exc:
-        _give_up(module, f"{type(exc).__name__}: {str(exc)[:300]}")
+        from xlaunch.kernels.optimize.notes import SampleInputError
+
+        if not isinstance(exc, SampleInputError):   # else the call was wrong: the model raises it, the next builds
+            _give_up(module, f"{type(exc).__name__}: {excerpt(exc, 300)}")
         return
     forward = dispatch.of(eager)
     if forward is not None:

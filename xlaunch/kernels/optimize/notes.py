@@ -22,6 +22,15 @@ class OptimizeWarning(UserWarning):
     """Something asked for was not done (or was undone); the message says why."""
 
 
+class SampleInputError(ValueError):
+    """The model fails on the ``sample_input`` it was given (the model's error is the cause)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        from xlaunch.kernels.optimize.text import excerpt
+
+        super().__init__(f"optimize: the model fails on sample_input ({type(exc).__name__}: {excerpt(exc)})")
+
+
 def warn(message: str) -> None:
     """``message`` as an OptimizeWarning pointing at the user's call."""
     warnings.warn(f"xlaunch.optimize: {message}", OptimizeWarning, stacklevel=stacklevel_outside("xlaunch"))

@@ -61,7 +61,7 @@ from xlaunch.kernels.optimize import dispatch, fold, freeze, layout, measure, pr
 
 from xlaunch.kernels.native_dtypes import EmulatedPrecisionWarning
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
-from xlaunch.kernels.optimize.notes import OptimizeWarning, info, logger, warn
+from xlaunch.kernels.optimize.notes import OptimizeWarning, SampleInputError, info, logger, warn
 from xlaunch.kernels.optimize.progress import Progress
 
 __all__ = ["optimize", "Options", "Report", "OptimizeWarning", "outputs_close"]
@@ -154,8 +154,7 @@ def _warn(report: Report, message: str) -> None:
 
 
 def _run(model: nn.Module, sample_input: Any, call: Optional[Any] = None) -> Any:
-    """``model`` (or ``call``) on a copy of the sample (a forward changing its input in place sees
-    the sample as it is), its buffers as they were before (a forward updating them: counters, EMAs)."""
+    """``model`` (or ``call``) on a copy of the sample, its buffers restored (:class:`freeze.BufferState`)."""
     state = freeze.BufferState(model)
     try:
         with torch.no_grad():
@@ -165,9 +164,8 @@ def _run(model: nn.Module, sample_input: Any, call: Optional[Any] = None) -> Any
 
 
 def _copy_with_optimizer(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
-    """Deep copies whose optimizer (param groups and per-parameter state) refers to the copied
-    model's parameters; the given model and optimizer are not touched. One copy of the two: the
-    split-bf16 low halves an optimized model's checkpoint hooks keep are the copied optimizer's."""
+    """Deep copies whose optimizer refers to the copied model's parameters (one copy of the two:
+    the split-bf16 low halves the model's checkpoint hooks keep are the copied optimizer's)."""
     if optimizer is None:
         return copy.deepcopy(model), None
     return copy.deepcopy((model, optimizer))
@@ -298,9 +296,12 @@ def _rewrite(model: nn.Module, optimizer: Any, given: nn.Module, opts: Options, 
     """The steps of :func:`optimize` (the module docstring's list) on the copy it made."""
     training = model.training
     reference = None
-    if verify and not training:
+    if sample_input is not None and not training:
         with show.step("running the sample input (the reference)") as step:
-            reference = _run(model, sample_input)
+            try:
+                reference = _run(model, sample_input)
+            except Exception as exc:   # the caller's sample, not a step of ours
+                raise SampleInputError(exc) from exc
             step.done("done")
 
     log = fold.FoldLog()

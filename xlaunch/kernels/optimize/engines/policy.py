@@ -36,6 +36,9 @@ def requested_routes(backend: Union[str, Sequence[str]]) -> tuple[str, tuple[str
         if backend == "auto":
             return "auto", ROUTES
         return backend, tuple(dict.fromkeys(("eager", backend)))
+    if not isinstance(backend, (list, tuple)):
+        raise TypeError(f"optimize: backend must be a route name or a list of route names, not "
+                        f"{type(backend).__name__}")
     names = list(backend)
     unknown = [name for name in names if name not in ROUTES]
     if unknown or not names:

@@ -33,6 +33,7 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.optimize.compare import flat_tensors
 from xlaunch.kernels.optimize.freeze import BufferState, fresh, from_torch
+from xlaunch.kernels.optimize.notes import SampleInputError
 from xlaunch.kernels.optimize.text import excerpt
 
 
@@ -79,8 +80,11 @@ class Sample:
         self._tensor_checks = [(i, args[i].dtype, self.spec[i][3], self.batched[i]) for i in self.tensor_positions]
         self._plain_checks = [(i, self.spec[i]) for i in range(len(args)) if i not in self.tensor_positions]
         state = BufferState(model)
-        with torch.no_grad():
-            self.outputs = model(*self.args)
+        try:
+            with torch.no_grad():
+                self.outputs = model(*self.args)
+        except Exception as exc:   # the caller's sample, not an engine's problem
+            raise SampleInputError(exc) from exc
         updated = state.changed(model)
         state.restore(model)
         if updated:
