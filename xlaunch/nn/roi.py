@@ -11,8 +11,8 @@ memory format: channels-last in, channels-last out. fp64 input computes in fp64 
 coordinates included, as torchvision does); bf16 input is read as bf16 and summed in fp32 (what
 the input of RoIAlign under ``torch.autocast`` usually is); fp16 computes in fp32 and is cast back.
 
-The compiled kernel splits the boxes across threads in the forward and the channels in the
-backward (no two threads add into one gradient element). Without it, a vectorized torch
+The compiled kernel splits the boxes across threads in the forward and bands of image rows in
+the backward (no two threads add into one gradient element). Without it, a vectorized torch
 formulation (:mod:`xlaunch.nn.roi_torch`) gives the same results.
 """
 from __future__ import annotations
