@@ -3,6 +3,23 @@
 The console scripts (``xlaunch``, ``xlaunch-tune``) call :func:`record_early_sigint` first thing;
 no imports here beyond the interpreter's own ``_signal``.
 """
+TYPE_CHECKING = False   # typing stays off the launch path
+if TYPE_CHECKING:
+    from typing import Callable
+
+
+def run_console_script(load_main: "Callable[[], Callable[[], object]]") -> None:
+    """Record a Ctrl-C (:func:`record_early_sigint`), import the command (``load_main()`` returns its
+    main), run it; a Ctrl-C before the command took over signals, or not handled by it, is exit 130
+    without a traceback."""
+    try:
+        received = record_early_sigint()
+        command = load_main()
+        if received:   # a Ctrl-C during the imports that was only recorded (see record_early_sigint)
+            raise KeyboardInterrupt
+        command()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
 
 
 def record_early_sigint() -> "list[int] | None":

@@ -18,6 +18,11 @@ its option validation, its planner and runner), so what is measured is exactly w
 The launcher (``xlaunch``) never imports this package; this package imports rich, matplotlib
 and optuna only where they are used.
 """
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Callable
 
 
 def main() -> None:
@@ -25,14 +30,11 @@ def main() -> None:
     its checks of the options and the space) or after the session (while its files are written) is
     exit 130 without a traceback; during the session the tuner stops the running trial and keeps
     what was measured (:mod:`~xlaunch.tune.session`)."""
-    from xlaunch._early_signals import record_early_sigint
+    from xlaunch._early_signals import run_console_script
 
-    try:
-        received = record_early_sigint()
+    def load() -> "Callable[[], object]":
         from xlaunch.tune.cli import main as run_cli
 
-        if received:   # a Ctrl-C during the imports that was only recorded (see record_early_sigint)
-            raise KeyboardInterrupt
-        run_cli()
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
+        return run_cli
+
+    run_console_script(load)
