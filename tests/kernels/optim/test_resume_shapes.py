@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from resume_helpers import OPTIMIZERS, differences, snapshot  # noqa: E402
+from resume_helpers import OPTIMIZERS, differences, snapshot, train  # noqa: E402
 
 from xlaunch.kernels import master_params  # noqa: E402
 from xlaunch.kernels.optim.fused import TRAIL_KEY, is_split  # noqa: E402
@@ -54,13 +54,6 @@ def _build(name: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> None:
-    for x, y in data:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-
-
 def _checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
@@ -76,21 +69,21 @@ def test_frozen_and_unstepped_split_parameters_checkpoint_copy_and_resume(name: 
     optimizer.load_state_dict(optimizer.state_dict())                # a checkpoint before any step
     for twin in (copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer))):
         assert twin.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
-    _train(model, optimizer, DATA[:2])
+    train(model, optimizer, DATA[:2])
     assert torch.equal(master_params(optimizer)[3], before["master 3"].view(torch.float32).view(8, 8))  # frozen
     saved = _checkpoint(model, optimizer)
     after_two = snapshot(model, optimizer)
     copied = copy.deepcopy(optimizer)
     assert not differences({k: v for k, v in snapshot(model, copied).items() if k.startswith("state")},
                            {k: v for k, v in after_two.items() if k.startswith("state")})
-    _train(model, optimizer, DATA[2:])
+    train(model, optimizer, DATA[2:])
     expected = snapshot(model, optimizer)
 
     fresh, fresh_optimizer = _build(name, seed=1)
     fresh.load_state_dict(saved["model"])
     fresh_optimizer.load_state_dict(saved["optimizer"])
     assert not differences(snapshot(fresh, fresh_optimizer), after_two)
-    _train(fresh, fresh_optimizer, DATA[2:])
+    train(fresh, fresh_optimizer, DATA[2:])
     assert not differences(snapshot(fresh, fresh_optimizer), expected)
 
 
@@ -98,7 +91,7 @@ def test_a_split_checkpoint_with_frozen_parameters_loads_into_plain_torch() -> N
     """The same checkpoint in a model and optimizer never optimized: the fp32 masters, and
     torch's own AdamW (which cannot take an entry without ``step``) trains on from it."""
     model, optimizer = _build("adamw", seed=0)
-    _train(model, optimizer, DATA[:2])
+    train(model, optimizer, DATA[:2])
     saved = _checkpoint(model, optimizer)
     torch.manual_seed(1)
     plain = Tied().train()
@@ -107,7 +100,7 @@ def test_a_split_checkpoint_with_frozen_parameters_loads_into_plain_torch() -> N
     plain_optimizer.load_state_dict(saved["optimizer"])
     for master, p in zip(master_params(optimizer), plain.parameters()):
         assert p.dtype == torch.float32 and torch.equal(p.detach(), master)
-    _train(plain, plain_optimizer, DATA[2:])
+    train(plain, plain_optimizer, DATA[2:])
 
 
 def test_tied_parameters_save_and_load_their_master_under_every_name() -> None:
@@ -116,7 +109,7 @@ def test_tied_parameters_save_and_load_their_master_under_every_name() -> None:
     value (the second key loads last), and a plain fp32 checkpoint's second key replaced the
     master's top half with the fp32 value rounded to bf16."""
     model, optimizer = _build("sgd", seed=0)
-    _train(model, optimizer, DATA[:2])
+    train(model, optimizer, DATA[:2])
     master = master_params(optimizer)[0]
     state = model.state_dict()
     assert state["out.weight"].dtype == torch.float32

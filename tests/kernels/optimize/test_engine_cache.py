@@ -204,22 +204,27 @@ class FileRoute:
         return Built(self._runner(model, files["weights.pt"]), files=files)
 
 
-def test_a_corrupt_entry_is_rebuilt_with_one_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _file_route_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """(model, x, run): a small model whose onnxruntime route is :class:`FileRoute`, cached in ``tmp_path``;
+    ``run()`` optimizes it again."""
     torch = pytest.importorskip("torch")
     from torch import nn
 
     from xlaunch.kernels.optimize.engines import api
-    from xlaunch.kernels.optimize.notes import OptimizeWarning
     from xlaunch.kernels.optimize.pipeline import optimize
 
     monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(api, "ROUTES_BY_NAME", {**api.ROUTES_BY_NAME, "onnxruntime": FileRoute("onnxruntime")})
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval(), torch.randn(3, 8)
+    return model, x, lambda: optimize(model, sample_input=x, backend="onnxruntime", progress=False)
 
-    def run():
-        return optimize(model, sample_input=x, backend="onnxruntime", progress=False)
 
+def test_a_corrupt_entry_is_rebuilt_with_one_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from xlaunch.kernels.optimize.notes import OptimizeWarning
+
+    model, x, run = _file_route_model(tmp_path, monkeypatch)
+    torch = pytest.importorskip("torch")
     assert run().report.cache == "miss" and (FileRoute.builds, FileRoute.loads) == (1, 0)
     hit = run()
     assert hit.report.cache == "hit" and (FileRoute.builds, FileRoute.loads) == (1, 1)
@@ -241,21 +246,9 @@ def test_a_hand_edited_entry_never_reports_a_route_that_did_not_run(tmp_path: Pa
     """entry.json's route and its report disagreeing (a hand edit: its route set to eager, or its
     report's backend to another engine) is a corrupt entry, rebuilt: the report of the hit said
     'onnxruntime' while eager ran."""
-    torch = pytest.importorskip("torch")
-    from torch import nn
-
-    from xlaunch.kernels.optimize.engines import api
     from xlaunch.kernels.optimize.notes import OptimizeWarning
-    from xlaunch.kernels.optimize.pipeline import optimize
 
-    monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(api, "ROUTES_BY_NAME", {**api.ROUTES_BY_NAME, "onnxruntime": FileRoute("onnxruntime")})
-    torch.manual_seed(0)
-    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval(), torch.randn(3, 8)
-
-    def run():
-        return optimize(model, sample_input=x, backend="onnxruntime", progress=False)
-
+    _, _, run = _file_route_model(tmp_path, monkeypatch)
     assert run().report.backend == "onnxruntime"
     path = next(tmp_path.glob(f"engines/v*/*/{ENTRY}"))
     entry = json.loads(path.read_text())
