@@ -70,3 +70,15 @@ def test_isa_dependent_tests_pass_under_an_avx2_ceiling() -> None:
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.strip().splitlines()[-1], done.stdout[-2000:]
+
+
+def test_the_bf16_reason_names_the_ceiling_not_the_cpu_when_one_is_set(monkeypatch) -> None:
+    """Under a ceiling the reason said "this CPU has neither AVX512_BF16 nor AMX_BF16" of a CPU that has them."""
+    from xlaunch.kernels.native_dtypes import bf16_unsupported_reason
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert bf16_unsupported_reason(ZEN3).startswith("this CPU has neither AVX512_BF16 nor AMX_BF16")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert bf16_unsupported_reason(onednn_flags(SAPPHIRE_RAPIDS, {"ONEDNN_MAX_CPU_ISA": "AVX2"})).startswith(
+        "oneDNN may use neither AVX512_BF16 nor AMX_BF16 under ONEDNN_MAX_CPU_ISA=AVX2")
+    assert bf16_unsupported_reason(SAPPHIRE_RAPIDS) is None

@@ -9,6 +9,7 @@ EPYC: a small CNN 60x slower under bf16 autocast, a split-bf16 MLP training step
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -54,6 +55,10 @@ def _unsupported_reason(name: str, native: tuple[str, str], flags: frozenset[str
         return None
     if not flags:
         return f"the CPU flags could not be read, so native {name} support is unknown"
+    ceiling = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip()
+    if ceiling and ceiling.upper() != "ALL":   # the flags were capped (isa_flags): the CPU may have them
+        return (f"oneDNN may use neither {native[0].upper()} nor {native[1].upper()} under "
+                f"ONEDNN_MAX_CPU_ISA={ceiling}, so {name} matmuls/convolutions are emulated and slower than fp32")
     return (f"this CPU has neither {native[0].upper()} nor {native[1].upper()}, so {name} "
             "matmuls/convolutions are emulated and slower than fp32")
 
