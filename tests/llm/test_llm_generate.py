@@ -212,3 +212,35 @@ def test_a_large_max_new_tokens_commits_only_the_slots_written(model):
     out = model.generate(ids, max_new_tokens=1 << 20, eos_token_id=eos, pad_token_id=0, streamer=Watch())
     assert out.shape[1] <= 4 + 3 and int(out[0, -1]) == eos
     assert max(seen) - before < 128, (before, seen)
+
+
+@pytest.mark.parametrize("how", ["assistant", "prompt_lookup"])
+@pytest.mark.filterwarnings("ignore:Passing `generation_config` together")
+def test_assisted_decoding_which_crops_the_cache_gives_the_greedy_tokens(model, how):
+    """Assisted and prompt-lookup decoding verify several candidate tokens in one forward, then drop the rejected
+    ones with ``cache.crop(-n)``: the tokens are greedy decoding's (crop(-n) kept n slots before: wrong tokens)."""
+    ids = torch.tensor([[5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17, 33, 5, 9]])    # repeats: prompt lookup has candidates
+    expected = model.generate(ids, max_new_tokens=12)
+    extra = dict(assistant_model=tiny("llama", seed=9)) if how == "assistant" else dict(prompt_lookup_num_tokens=3)
+    cropped = []
+    original = llm.cache.hf_cache_class().crop
+
+    def counted(self, tokens_to_remove):
+        cropped.append(tokens_to_remove)
+        return original(self, tokens_to_remove)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm.cache.hf_cache_class(), "crop", counted)
+        got = model.generate(ids, max_new_tokens=12, **extra)
+    assert any(count < 0 for count in cropped), cropped        # candidates were rejected and cropped away
+    assert torch.equal(got, expected)
+
+
+def test_a_kv_cache_crops_as_hugging_faces_caches_do(model):
+    _, cache = model(torch.tensor([[1, 2, 3, 4, 5]]), return_dict=False)
+    cache.crop(0)
+    assert cache.get_seq_length() == 5
+    cache.crop(-2)
+    assert cache.get_seq_length() == 3
+    with pytest.raises(ValueError, match="negative count"):
+        cache.crop(2)

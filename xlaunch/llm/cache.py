@@ -95,9 +95,11 @@ class KVBuffers:
         return self.padding
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``tokens_to_remove`` slots (a negative number keeps that many instead)."""
-        keep = self.length - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
-        self.length = max(0, min(self.length, keep))
+        """Forget the last ``-tokens_to_remove`` slots, as Hugging Face's caches do (transformers 5: a negative
+        count, 0 a no-op; a positive one is refused, as its layers refuse it)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"KV cache crop({tokens_to_remove}): pass a negative count of tokens to remove")
+        self.length = max(0, self.length + tokens_to_remove)
         if self.padding is not None:
             self.padding = self.padding[:, : self.length]
 
