@@ -269,6 +269,11 @@ class FrontSupervisor(Supervisor):
             due = self.start_deadline if due is None else min(due, self.start_deadline)
         return due
 
+    def shift_deadlines(self, paused: float) -> None:
+        super().shift_deadlines(paused)
+        if self.start_deadline is not None:   # the ranks' start waited as long as xlaunch was stopped
+            self.start_deadline += paused
+
     def enforce_deadlines(self) -> None:
         super().enforce_deadlines()
         deadline = self.start_deadline

@@ -1,19 +1,21 @@
-"""The signals xlaunch forwards (SIGINT, SIGTERM, SIGHUP), caught into a queue the runner's
-``select`` loop empties; SIGCHLD and those signals wake the loop through a pipe
-(``signal.set_wakeup_fd``). A signal inherited as ignored (``nohup``, a background job) stays
-ignored. Only from the main thread: elsewhere the runner polls for exits instead."""
+"""The signals xlaunch forwards (SIGINT, SIGTERM, SIGHUP) and job control (SIGTSTP, SIGCONT),
+caught into a queue the runner's ``select`` loop empties; SIGCHLD and those signals wake the loop
+through a pipe (``signal.set_wakeup_fd``). A signal inherited as ignored (``nohup``, a background
+job) stays ignored. Only from the main thread: elsewhere the runner polls for exits instead."""
 from __future__ import annotations
 
 import os
 import selectors
 import signal
 import threading
+import time
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Callable, Optional
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+JOB_CONTROL = (signal.SIGTSTP, signal.SIGCONT)    # Ctrl-Z, fg/bg: see job_control()
 
 
 def signal_name(number: int) -> str:
@@ -41,7 +43,7 @@ class SignalInbox:
         self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.saved_wakeup_fd = signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
         self.selector.register(self.wakeup_r, selectors.EVENT_READ, None)
-        for number in FORWARDED_SIGNALS:
+        for number in FORWARDED_SIGNALS + JOB_CONTROL:
             if signal.getsignal(number) is signal.SIG_IGN:
                 # ignored since start (nohup, a shell's background job): stays ignored, as it
                 # was before this point and is for the instances, which inherit the ignore
@@ -74,6 +76,36 @@ class SignalInbox:
 
     def _on_signal(self, number: int, _frame: object) -> None:
         self.pending.append(number)
+
+
+def job_control(number: int, pgids: list[int], log: Callable[[str], None]) -> float:
+    """SIGTSTP (Ctrl-Z): SIGSTOP to every process group in ``pgids``, then xlaunch stops itself (the
+    default action), and the groups get SIGCONT when it continues (``fg``, ``bg``); SIGCONT alone
+    (xlaunch stopped with SIGSTOP) continues them. Instances sit in sessions of their own, so the
+    terminal's SIGTSTP never reaches them, and a SIGTSTP sent to them would be discarded (their
+    process groups are orphaned): SIGSTOP is what stops them. Returns the seconds xlaunch was stopped."""
+    paused = 0.0
+    if number == signal.SIGTSTP:
+        log(f"received SIGTSTP: SIGSTOP to {len(pgids)} process group(s), then xlaunch stops")
+        _signal_all(pgids, signal.SIGSTOP)
+        handler = signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        before = time.monotonic()
+        try:   # stops here until SIGCONT (at once back in an orphaned process group, which cannot stop)
+            os.kill(os.getpid(), signal.SIGTSTP)
+        finally:
+            signal.signal(signal.SIGTSTP, handler)
+        paused = time.monotonic() - before
+    log(f"continued{f' after {paused:.1f}s' if paused else ''}: SIGCONT to {len(pgids)} process group(s)")
+    _signal_all(pgids, signal.SIGCONT)
+    return paused
+
+
+def _signal_all(pgids: list[int], number: int) -> None:
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, number)
+        except (ProcessLookupError, PermissionError):   # gone; the supervisor finds out on its own
+            pass
 
 
 def _wake_only(_number: int, _frame: object) -> None:

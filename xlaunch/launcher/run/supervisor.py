@@ -11,7 +11,8 @@ It owns:
 * what is dropped because a write failed (a full disk, a closed stream): a warning the first
   time, a count at the end, the job itself untouched;
 * the supervised process groups (:class:`~.child.Child`): signals forwarded to every group,
-  SIGKILL after the grace period, leftovers of a group whose leader ended stopped the same way;
+  SIGKILL after the grace period, leftovers of a group whose leader ended stopped the same way
+  (Ctrl-Z stops the whole job, :func:`~.signals.job_control`);
 * the single-threaded ``select`` loop; subclasses say how groups are reaped and when the run
   is over.
 """
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from xlaunch.launcher.run.logfiles import LogFiles
 
 from xlaunch.launcher.run.console import Console
-from xlaunch.launcher.run.signals import SignalInbox, drain_fd, signal_name
+from xlaunch.launcher.run.signals import JOB_CONTROL, SignalInbox, drain_fd, job_control, signal_name
 
 POLL_INTERVAL = 0.2          # upper bound on any wait, in case a wake-up is missed
 READ_SIZE = 1 << 16
@@ -125,8 +126,7 @@ class Supervisor:
     def _group_gone(self, child: Child) -> None:
         if child.group_alive and self.watchdog is not None:
             self.watchdog.forget(child.pgid)
-        child.group_alive = False
-        child.kill_at = None
+        child.group_alive, child.kill_at = False, None
 
     def enforce_deadlines(self) -> None:
         now = time.monotonic()
@@ -187,6 +187,10 @@ class Supervisor:
 
     def handle_signals(self) -> None:
         for number in self.signals.take():
+            if number in JOB_CONTROL:     # Ctrl-Z stops the whole job, fg/bg continues it
+                live = [c.pgid for c in self.groups() if c.group_alive]
+                self.shift_deadlines(job_control(number, live, self.log))
+                continue
             count = self.signal_counts[number] = self.signal_counts.get(number, 0) + 1
             if self.interrupted is None:
                 self.interrupted = number
@@ -197,6 +201,11 @@ class Supervisor:
             else:
                 self.say(f"received {name} again: killing every {self.noun} now")
                 self.signal_groups(signal.SIGKILL, f"{name} received twice", immediate=True)
+
+    def shift_deadlines(self, paused: float) -> None:
+        """The job was stopped for ``paused`` s (Ctrl-Z): grace periods go on where they were."""
+        for child in (c for c in self.groups() if c.kill_at is not None):
+            child.kill_at += paused
 
     # ---------------------------------------------------------------- output
 
@@ -267,8 +276,7 @@ class Supervisor:
         longest = POLL_INTERVAL
         for sink in (self.console, self.messages):
             fd = sink.fileno() if sink.waits else None
-            registered = fd in self._waiting_sinks if fd is not None else False
-            if fd is not None and not registered:
+            if fd is not None and fd not in self._waiting_sinks:
                 try:
                     self.selector.register(fd, selectors.EVENT_WRITE, sink)
                     self._waiting_sinks.add(fd)
@@ -342,6 +350,9 @@ class Supervisor:
     def handle_late_signals(self) -> None:
         """Signals after every group is gone stop the final wait for a reader, nothing else."""
         for number in self.signals.take():
+            if number in JOB_CONTROL:     # nothing left to stop but xlaunch itself
+                job_control(number, [], self.log)
+                continue
             if self.interrupted is None:
                 self.interrupted = number
             self.log(f"received {signal_name(number)} while writing the last output: not waiting for the reader")
@@ -385,9 +396,8 @@ class Supervisor:
 
     def kill_everything(self) -> None:
         """Last resort (an error in the loop): SIGKILL all groups and reap what we can."""
-        for child in self.groups():
-            if child.group_alive:
-                self._killpg(child, signal.SIGKILL)
+        for child in (c for c in self.groups() if c.group_alive):
+            self._killpg(child, signal.SIGKILL)
         deadline = time.monotonic() + 5.0
         while any(c.group_alive for c in self.groups()) and time.monotonic() < deadline:
             self.reap()

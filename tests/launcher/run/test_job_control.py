@@ -1,0 +1,102 @@
+"""Ctrl-Z and fg with real processes: the whole job stops with xlaunch and goes on with it.
+
+Instances sit in sessions of their own, so the terminal's SIGTSTP reaches xlaunch alone; xlaunch
+stops them (SIGSTOP) before it stops itself and continues them when it is continued.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from host_cpus import allowed_cores
+from processes import leftovers
+
+pytestmark = pytest.mark.live
+
+REPO = Path(__file__).resolve().parents[3]
+INSTANCES = min(2, allowed_cores())
+# waits for a file, checking every 20 ms; says its pid first
+PROGRAM = ("import os, sys, time\n"
+           "print('ready', os.getpid(), flush=True)\n"
+           "while not os.path.exists(sys.argv[1]):\n"
+           "    time.sleep(0.02)\n")
+
+
+def state(pid: int) -> str:
+    """The one-letter state of ``pid`` in ``/proc/PID/stat`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def wait_state(pids: list[int], wanted: bool, timeout: float = 10.0) -> list[str]:
+    """Wait until every pid is stopped (``wanted``) or none is; the states seen last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [state(pid) for pid in pids]
+        if all((s == "T") == wanted for s in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.02)
+
+
+def start(tmp_path: Path, *, own_session: bool) -> tuple[subprocess.Popen, list[int], Path]:
+    """xlaunch in a process group of its own (as a shell's job), or in a session of its own (an
+    orphaned process group, which the kernel does not stop on SIGTSTP); its instances' pids."""
+    go = tmp_path / f"go-{time.monotonic_ns()}"
+    argv = [sys.executable, "-m", "xlaunch", "-q", "--ninstances", str(INSTANCES), "--grace-period", "1",
+            "--no-python", "--", sys.executable, "-S", "-c", PROGRAM, str(go)]
+
+    def as_a_job() -> None:
+        for number in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGTSTP, signal.SIGCONT):
+            signal.signal(number, signal.SIG_DFL)
+        if not own_session:
+            os.setpgid(0, 0)
+
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=as_a_job, start_new_session=own_session)
+    assert proc.stdout is not None
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(INSTANCES)]
+    return proc, pids, go
+
+
+def test_ctrl_z_stops_every_instance_and_fg_continues_them(tmp_path: Path) -> None:
+    proc, pids, go = start(tmp_path, own_session=False)
+    try:
+        proc.send_signal(signal.SIGTSTP)
+        assert wait_state([proc.pid], True) == ["T"]
+        assert wait_state(pids, True) == ["T"] * INSTANCES       # they went on running before
+        time.sleep(0.3)
+        assert [state(pid) for pid in pids] == ["T"] * INSTANCES   # and stay stopped with xlaunch
+        proc.send_signal(signal.SIGCONT)
+        assert "T" not in wait_state(pids, False)
+        go.touch()
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        go.touch()
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert err == b""
+    assert leftovers(str(go)) == []
+
+
+def test_sigtstp_in_an_orphaned_process_group_leaves_nothing_stopped(tmp_path: Path) -> None:
+    """The kernel does not stop an orphaned process group on SIGTSTP: neither xlaunch nor its instances stop."""
+    proc, pids, go = start(tmp_path, own_session=True)
+    try:
+        proc.send_signal(signal.SIGTSTP)
+        time.sleep(0.5)
+        assert state(proc.pid) != "T"
+        assert "T" not in [state(pid) for pid in pids]
+        go.touch()
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        go.touch()
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert leftovers(str(go)) == []
