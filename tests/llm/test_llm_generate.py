@@ -244,3 +244,15 @@ def test_a_kv_cache_crops_as_hugging_faces_caches_do(model):
     assert cache.get_seq_length() == 3
     with pytest.raises(ValueError, match="negative count"):
         cache.crop(2)
+
+
+def test_end_ids_outside_the_vocabulary_or_in_a_tensor_follow_hugging_face(model, greedy_calls):
+    """min_new_tokens bans only the end ids that are tokens, as generate's processor does (an id past the vocabulary
+    was an IndexError, a negative one banned a token counted from the end); a tensor of end ids is taken as generate
+    takes it (it was "Boolean value of Tensor ... is ambiguous")."""
+    ids, mask = prompts(3, 10, seed=6)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=1)[:, -1]
+    for eos in ([VOCAB + 88, 7], [int(first[0]) - VOCAB], torch.tensor([7, VOCAB + 88]), torch.tensor(7)):
+        call = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=2, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(model.generate(ids, **call), hugging_face(model, ids, **call)), eos
+    assert len(greedy_calls) == 4          # the four calls with a pad id (the first has none: generate's)

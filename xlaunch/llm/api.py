@@ -182,14 +182,15 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
     if config.update(**kwargs):      # model kwargs left (past_key_values, logits_processor...)
         return None
     allowed = LOOP_FIELDS | (SAMPLING_FIELDS if config.do_sample else set())
-    if not {name for name, value in config.to_diff_dict().items() if value or name not in OFF_FIELDS} <= allowed:
+    if not {name for name, value in config.to_diff_dict().items() if name not in OFF_FIELDS or value} <= allowed:
         return None
     if (config.num_beams or 1) != 1 or (config.num_return_sequences or 1) != 1 \
             or config.use_cache is False or not isinstance(config.max_new_tokens, int) or config.max_new_tokens < 1:
         return None
     eos = config.eos_token_id
-    eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
+    eos = None if eos is None else torch.as_tensor(eos).long().reshape(-1)     # an id, a list or a tensor of them
     pad = config.pad_token_id
+    pad = int(pad) if isinstance(pad, torch.Tensor) and pad.numel() == 1 else pad
     if eos is not None and pad is None and ids.shape[0] > 1:
         return None               # generate picks a pad id for finished rows and says so: let it
     if mask is None and pad is not None and bool((ids == pad).any()):

@@ -249,6 +249,8 @@ class DecoderRuntime:
         mask = attention_mask
         positions = None if mask is None else (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         unfinished = torch.ones(batch, dtype=torch.bool)
+        # min_new_tokens bans the end ids that are tokens (generate's processor ignores ids outside the vocabulary)
+        banned = None if eos is None else eos[(eos >= 0) & (eos < self.lm_head.out_features)]
         out = [ids]
         if streamer is not None:
             streamer.put(ids.cpu())
@@ -259,8 +261,8 @@ class DecoderRuntime:
             so_far = torch.cat(out, dim=-1) if penalties or warpers is not None else ids
             for penalty in penalties:
                 scores = penalty(so_far, scores)
-            if eos is not None and step < min_new_tokens:
-                scores[:, eos] = -float("inf")
+            if banned is not None and step < min_new_tokens:
+                scores[:, banned] = -float("inf")
             if warpers is None:
                 chosen = scores.argmax(dim=-1)
             else:
