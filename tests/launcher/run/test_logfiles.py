@@ -54,3 +54,48 @@ def test_cli_two_instances_then_one(tmp_path: Path) -> None:
     assert not (logs / "xlaunch_instance_1.log").exists()
     assert (logs / "xlaunch_instance_0.log").read_text() == "1\n"
     assert "earlier logs kept as" in done.stderr
+
+
+RACE = r"""
+import multiprocessing, os, sys
+from xlaunch.launcher.errors import OptionError
+from xlaunch.launcher.run.logfiles import open_log_files
+
+def run(log_dir, tag, barrier, rounds, errors):
+    for n in range(rounds):
+        barrier.wait()                      # both runs open their logs at the same moment
+        try:
+            files = open_log_files(log_dir, "x", [0], total=1)
+        except OptionError as error:
+            errors.put(str(error))
+            continue
+        files.instances[0].write(f"{tag}{n}\n".encode())
+        files.close()
+
+log_dir, rounds = sys.argv[1], int(sys.argv[2])
+context = multiprocessing.get_context("fork")
+barrier, errors = context.Barrier(2), context.Queue()
+runs = [context.Process(target=run, args=(log_dir, tag, barrier, rounds, errors)) for tag in "ab"]
+for p in runs:
+    p.start()
+for p in runs:
+    p.join()
+    assert p.exitcode == 0
+failed = []
+while not errors.empty():
+    failed.append(errors.get())
+print(len(failed), failed[:1])
+"""
+
+
+def test_two_runs_opening_logs_in_one_directory_at_once_both_start_and_lose_no_log(tmp_path: Path) -> None:
+    """Runs sharing a --log-dir set each other's logs aside: neither is refused because the other moved or
+    created a log between two steps (exit 2 before), and no earlier log is renamed over (one was lost)."""
+    need_cores(2)      # with one CPU the two runs seldom meet between two steps: nothing to find
+    rounds = 100
+    done = subprocess.run([sys.executable, "-c", RACE, str(tmp_path), str(rounds)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.split()[0] == "0", done.stdout              # every run opened its logs
+    logs = [p.read_text() for p in tmp_path.iterdir() if p.name.startswith("x_instance_0.log")]
+    assert sorted(logs) == sorted(f"{tag}{n}\n" for tag in "ab" for n in range(rounds))   # each run's log kept

@@ -20,6 +20,7 @@ Every failure to open is a :class:`~xlaunch.launcher.errors.OptionError` naming 
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -33,6 +34,9 @@ from xlaunch._records import factory, record
 from xlaunch.launcher.errors import OptionError
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_CREATE_TRIES = 20          # runs sharing a --log-dir that create the same log at the same moment
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1      # <fcntl.h>, <linux/fs.h>
+_renameat2 = None           # libc's renameat2, False where it has none (loaded on first use)
 
 
 def instance_log_name(prefix: str, index: int, kind: str = "instance") -> str:
@@ -117,7 +121,7 @@ class LogFiles:
         for path in self._created:
             _quietly(os.unlink, path)
         for path, aside in reversed(self._moves):
-            _quietly(os.rename, aside, path)
+            _quietly(_rename_noreplace, aside, path)   # unless another run has made a log there since
 
     def close(self) -> None:
         for log in self.instances.values():
@@ -174,9 +178,7 @@ def _set_aside_stale(log_dir: str, prefix: str, kind: str, total: int, files: Lo
         path = os.path.join(log_dir, name)
         if os.path.isdir(path) and not os.path.islink(path):
             continue
-        aside = _keep_aside(path)
-        files.kept.append(aside)
-        files._moves.append((path, aside))
+        _note_aside(files, path, _keep_aside(path))
 
 
 def _quietly(call, *paths: str) -> None:
@@ -186,40 +188,79 @@ def _quietly(call, *paths: str) -> None:
         pass
 
 
-def _create(log_dir: str, name: str, files: LogFiles) -> int:
-    path = os.path.join(log_dir, name)
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    except OSError as error:
-        raise OptionError("--log-dir", f"cannot use {path!r}: {error.strerror}") from None
-    if mode is not None:
-        if stat.S_ISDIR(mode):
-            raise OptionError("--log-dir", f"{path!r} is a directory, not a log file")
-        aside = _keep_aside(path)
+def _note_aside(files: LogFiles, path: str, aside: Optional[str]) -> None:
+    if aside is not None:
         files.kept.append(aside)
         files._moves.append((path, aside))
-    try:
-        fd = os.open(path, _FLAGS, 0o644)
+
+
+def _create(log_dir: str, name: str, files: LogFiles) -> int:
+    """Open a new log at ``log_dir/name``, an earlier one set aside first. Another run sharing the
+    directory may set it aside or create it in between: each step is atomic and tried again."""
+    path = os.path.join(log_dir, name)
+    for _attempt in range(_CREATE_TRIES):
+        try:
+            mode: Optional[int] = os.lstat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        except OSError as error:
+            raise OptionError("--log-dir", f"cannot use {path!r}: {error.strerror}") from None
+        if mode is not None:
+            if stat.S_ISDIR(mode):
+                raise OptionError("--log-dir", f"{path!r} is a directory, not a log file")
+            _note_aside(files, path, _keep_aside(path))
+        try:
+            fd = os.open(path, _FLAGS, 0o644)
+        except FileExistsError:          # another run created it since: set that one aside as well
+            continue
+        except OSError as error:
+            raise OptionError("--log-dir", f"cannot create {path!r}: {error.strerror}") from None
         files._created.append(path)
         return fd
-    except OSError as error:
-        raise OptionError("--log-dir", f"cannot create {path!r}: {error.strerror}") from None
+    raise OptionError("--log-dir", f"cannot create {path!r}: other runs keep creating it")
 
 
-def _keep_aside(path: str) -> str:
-    """Rename an earlier run's log to ``<path>.<mtime>`` (``-N`` added on a clash); return it."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.lstat(path).st_mtime))
-    target, n = f"{path}.{stamp}", 1
-    while os.path.lexists(target):
-        n += 1
-        target = f"{path}.{stamp}-{n}"
+def _keep_aside(path: str) -> Optional[str]:
+    """Rename an earlier run's log to ``<path>.<mtime>`` (``-N`` added on a clash), never over an
+    existing file; return the new name, or None when it is gone already (another run moved it)."""
     try:
-        os.rename(path, target)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.lstat(path).st_mtime))
+    except FileNotFoundError:
+        return None
     except OSError as error:
         raise OptionError("--log-dir", f"cannot keep the earlier log {path!r} aside: {error.strerror}") from None
-    return target
+    target, n = f"{path}.{stamp}", 1
+    while True:
+        try:
+            _rename_noreplace(path, target)
+            return target
+        except FileExistsError:
+            n += 1
+            target = f"{path}.{stamp}-{n}"
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise OptionError("--log-dir", f"cannot keep the earlier log {path!r} aside: {error.strerror}") from None
+
+
+def _rename_noreplace(source: str, target: str) -> None:
+    """``rename`` that fails with ``FileExistsError`` rather than replace ``target``
+    (``renameat2(RENAME_NOREPLACE)``; where the C library or the file system lacks it, a check just
+    before a plain rename)."""
+    import ctypes
+
+    global _renameat2
+    if _renameat2 is None:
+        _renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", False)
+    if _renameat2:
+        if _renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(code, os.strerror(code), source, None, target)
+    if os.path.lexists(target):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target)
+    os.rename(source, target)
 
 
 def _make_dirs(log_dir: str) -> list[str]:
