@@ -205,6 +205,22 @@ def test_a_tied_embedding_is_read_from_the_packed_lm_head(dtype, weights):
     assert out.shape == (2, 14)
 
 
+@pytest.mark.parametrize("weights", [None, "int8", "int4"])
+def test_a_token_id_outside_the_vocabulary_is_one_error_tied_or_not(weights):
+    """A tied embedding's rows come from the packed lm_head: id -1 read the last token's row (no error) and an id
+    past the vocabulary failed inside the layout's indexing ("index 8 is out of bounds for dimension 0 with size
+    8"). Either is now one line naming the id, tied or not, in forward and generate."""
+    for tied in (True, False):
+        model = llm.optimize(tiny("llama", seed=2, tie_word_embeddings=tied), dtype=torch.float32, weights=weights)
+        for bad in (-1, VOCAB, 10 ** 6):
+            ids = torch.tensor([[3, bad, 5]])
+            message = f"input_ids holds token id {bad}, outside the vocabulary \\(0 to {VOCAB - 1}\\)"
+            with pytest.raises(IndexError, match=message):
+                model(ids)
+            with pytest.raises(ValueError, match=message):
+                model.generate(ids, max_new_tokens=2, pad_token_id=0)
+
+
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-cpu", "avx2-cpu"])
 def test_the_default_dtype_follows_the_cpu(llama, monkeypatch, native_bf16):
     """A faked ISA: bf16 activations by default only where the CPU has native bf16; no warning either way."""

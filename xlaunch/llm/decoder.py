@@ -68,10 +68,21 @@ def embedding_table(table: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tenso
     return table.detach().to(dtype)
 
 
+class TokenIdError(IndexError, ValueError):
+    """A token id outside the vocabulary (an IndexError, as torch's embedding raises, and a ValueError)."""
+
+
 def embed_rows(table: Optional["torch.Tensor"], lm_head: PackedLinear, ids: "torch.Tensor",
                dtype: "torch.dtype") -> "torch.Tensor":
     """The embeddings of ``ids`` in ``dtype``: rows of ``table``, or of the packed ``lm_head`` when the
-    embedding is tied to it (``table`` None: one copy of the matrix, not two)."""
+    embedding is tied to it (``table`` None: one copy of the matrix, not two). An id outside the vocabulary is
+    a :class:`TokenIdError` (the packed rows would read another token's row for a negative one)."""
+    vocab = lm_head.out_features if table is None else table.shape[0]
+    if ids.numel():
+        low, high = (int(value) for value in torch.aminmax(ids))
+        if low < 0 or high >= vocab:
+            raise TokenIdError(f"xlaunch.llm: input_ids holds token id {low if low < 0 else high}, outside the "
+                               f"vocabulary (0 to {vocab - 1})")
     rows = lm_head.rows(ids) if table is None else torch.nn.functional.embedding(ids, table)
     return rows.to(dtype)
 
