@@ -1,6 +1,8 @@
-"""Ends with thousands of Task calls still queued (needs CPUs 0 and 1); the test presses Ctrl-C
-while the exit hook waits for them. With ``long``, a call in progress lasts 30 s, for a second Ctrl-C.
+"""Ends with thousands of Task calls still queued (on the first two CPUs this process may use, or
+its one CPU twice); the test presses Ctrl-C while the exit hook waits for them. With ``long``, a call
+in progress lasts 30 s, for a second Ctrl-C.
 """
+import os
 import sys
 import time
 
@@ -19,10 +21,11 @@ def long_call(a):
     return a
 
 
-task = Task(model, CPUPool([1]))
-streams = MultiStreamModule(model, 2, CPUPool([0, 1]))
+first, second = (sorted(os.sched_getaffinity(0)) * 2)[:2]
+task = Task(model, CPUPool([second]))
+streams = MultiStreamModule(model, 2, CPUPool(sorted({first, second})))
 streams(x)
 if sys.argv[1:] == ["long"]:
-    Task(long_call, CPUPool([0]))(x)
+    Task(long_call, CPUPool([first]))(x)
 pending = [task(x) for _ in range(20_000)]
 print("end of program", flush=True)
