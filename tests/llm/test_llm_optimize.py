@@ -221,6 +221,41 @@ def test_a_token_id_outside_the_vocabulary_is_one_error_tied_or_not(weights):
                 model.generate(ids, max_new_tokens=2, pad_token_id=0)
 
 
+@pytest.mark.parametrize("dtype,weights,checkpoint", [
+    (torch.float32, None, torch.float32), (torch.float32, None, torch.bfloat16), (torch.bfloat16, None, torch.float32),
+    (torch.float32, "int8", torch.float32), (torch.bfloat16, "int4", torch.float32)])
+def test_a_dtype_conversion_after_optimize_is_refused_or_changes_nothing(llama, dtype, weights, checkpoint):
+    """``.to(other dtype)``, ``.half()``, ``.to("meta")``... cast the packed weights under the runtime (a failure
+    inside a kernel, or ``model.dtype`` bf16 while fp32 ran): one ValueError now, nothing changed. A conversion to
+    the dtype it computes in (``.float()`` of an fp32 model, whose bf16 checkpoint's weights stay bf16) is a no-op."""
+    hf = clone(llama).to(checkpoint).float()      # a bf16 checkpoint: fp32 weights holding bf16 values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)          # bf16 on a CPU without native bf16 says so
+        model = llm.optimize(hf, dtype=dtype, weights=weights)
+    ids, mask = prompts(2, 8)
+    expected = model(ids, attention_mask=mask).logits
+    held = {key: (value.dtype, value.data_ptr()) for key, value in model.state_dict().items()}
+    name = str(dtype).replace("torch.", "")
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    for convert in (lambda m: m.to(other), lambda m: m.half(), lambda m: m.double(), lambda m: m.to("meta"),
+                    lambda m: m.to("cpu", other), lambda m: m.float() if dtype == torch.bfloat16 else m.bfloat16()):
+        with pytest.raises(ValueError, match=f"computes in {name} on the CPU with packed weights and cannot be conv"):
+            convert(model)
+    assert model.to(dtype) is model and model.cpu() is model and model.to("cpu", dtype) is model
+    assert (model.float() if dtype == torch.float32 else model.bfloat16()) is model
+    assert {key: (value.dtype, value.data_ptr()) for key, value in model.state_dict().items()} == held
+    assert model.dtype == dtype and torch.equal(model(ids, attention_mask=mask).logits, expected)
+
+
+def test_save_pretrained_of_an_optimized_model_is_one_error(llama, tmp_path):
+    """It wrote the packed tensors under names transformers does not load: the reloaded model's q/k/v and gate/up
+    were newly initialized (random tokens, a load report the only sign)."""
+    model = llm.optimize(clone(llama), dtype=torch.float32, weights="int8")
+    with pytest.raises(ValueError, match="save_pretrained of an optimized model .* xlaunch.llm.save_packed"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-cpu", "avx2-cpu"])
 def test_the_default_dtype_follows_the_cpu(llama, monkeypatch, native_bf16):
     """A faked ISA: bf16 activations by default only where the CPU has native bf16; no warning either way."""

@@ -274,13 +274,53 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
     return model
 
 
+def _install_guards(model: Any, runtime: DecoderRuntime) -> None:
+    """``model.to(dtype or device)``, ``.float()``, ``.half()``... and ``save_pretrained`` of an optimized model.
+
+    The packed weights are in the layout and precision :func:`optimize` chose and the runtime holds them: a
+    conversion to the activations' dtype on the CPU leaves the model as it is (it computes in that dtype already;
+    one that changes no tensor, ``.cpu()`` or ``.share_memory()``, is applied), any other is one ValueError before
+    anything changes (it cast the packed weights under the runtime: a failure inside a kernel, or a
+    ``model.dtype`` that was not what ran). ``save_pretrained`` would write packed tensors under names
+    transformers does not load (the reloaded model's q/k/v and gate/up newly initialized): one ValueError."""
+    apply = model._apply
+    name = str(runtime.dtype).replace("torch.", "")
+
+    def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        kinds = {t.dtype for t in (*model.parameters(), *model.buffers())} | {runtime.dtype}
+        changed = {}
+        for dtype in kinds:
+            probe = torch.empty(0, dtype=dtype)
+            moved = fn(probe)
+            if not isinstance(moved, torch.Tensor) or moved.dtype != dtype or moved.device != probe.device:
+                changed[dtype] = moved
+        if not changed:
+            return apply(fn, *args, **kwargs)
+        if runtime.dtype not in changed:
+            return model             # already computing in that dtype on the CPU; the packed storage stays
+        moved = changed[runtime.dtype]
+        target = f"{moved.dtype} on {moved.device}" if isinstance(moved, torch.Tensor) else type(moved).__name__
+        raise ValueError(f"xlaunch.llm: this optimized model computes in {name} on the CPU with packed weights and "
+                         f"cannot be converted to {target}; optimize the original model with the dtype you want "
+                         "(xlaunch.llm.optimize(model, dtype=...))")
+
+    def save_pretrained(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("xlaunch.llm: save_pretrained of an optimized model would write packed weights that "
+                         "transformers does not load; save the model before xlaunch.llm.optimize, or its packed "
+                         "form with xlaunch.llm.save_packed(model, path)")
+
+    model._apply = _apply
+    model.save_pretrained = save_pretrained
+
+
 def attach(model: Any, runtime: DecoderRuntime) -> None:
     """Make ``runtime`` the Hugging Face ``model``'s forward, its caches ``KVCache``, and its ``generate`` the
-    runtime's loop where that gives generate's tokens."""
+    runtime's loop where that gives generate's tokens; guard it against dtype conversions and save_pretrained."""
     runtime.cache_type = hf_cache_class()
     object.__setattr__(model, MARK, runtime)      # plain attribute: not a submodule, not in the state dict
     model.forward = make_forward(runtime, model)
     _install_generate_hook(model, runtime)
     _install_loop_generate(model, runtime)
+    _install_guards(model, runtime)
     if hasattr(model.config, "dtype"):
         model.config.dtype = runtime.dtype
