@@ -29,6 +29,7 @@ from xlaunch.launcher.plan.records import Instance
 from xlaunch.launcher.run import reporting, spawning
 from xlaunch.launcher.run.child import Child, RankProcess, exists, is_zombie, status_code, status_text, zombie_status
 from xlaunch.launcher.run.console import InstanceStream
+from xlaunch.launcher.run.strays import Strays
 from xlaunch.launcher.run.supervisor import Supervisor
 
 
@@ -352,10 +353,12 @@ class FrontSupervisor(Supervisor):
             self.signals.install(self.log)
             single_threaded = spawning.single_threaded()
             self.become_subreaper()
+            strays = Strays(single_threaded and self.saved_subreaper is not None)   # reaped with the rest
             try:
                 self.start_watchdog()
                 self.start_agent(single_threaded)
                 self.loop()
+                strays.stop([self.watchdog.pid] if self.watchdog is not None else [], self.grace, self.say, "rank")
             except BaseException:
                 self.kill_everything()
                 raise

@@ -34,6 +34,7 @@ from xlaunch.launcher.run.child import Child, status_code, status_text
 from xlaunch.launcher.plan.records import Plan
 from xlaunch.launcher.run.console import InstanceStream
 from xlaunch.launcher.run.signals import signal_name
+from xlaunch.launcher.run.strays import Strays
 from xlaunch.launcher.run.supervisor import Supervisor
 
 
@@ -55,6 +56,7 @@ class _PlanRunner(Supervisor):
         self.records: Optional[str] = None   # --auto-optimize: the folder of the instances' engine records
         self.servers: dict[int, Optional[ForkServer]] = {}   # --share-imports: position in plan.import_servers
         self.served: list[dict] = []          # --share-imports: what each server did, for --summary-json
+        self.strays = Strays(False)           # processes that left their instance's group (run() enables it)
 
     # ---------------------------------------------------------------- messages
 
@@ -238,6 +240,8 @@ class _PlanRunner(Supervisor):
                     self.leader_ended(child, result.si_code, result.si_status)
             if child.ended is not None:
                 self.check_group(child)
+        self.strays.reap_ended((c.pgid for c in self.children if c.proc is not None),
+                               [self.watchdog.pid] if self.watchdog is not None else [])
 
     def leader_ended(self, child: Child, wait_code: int, value: int) -> None:
         child.ended = time.monotonic()
@@ -278,6 +282,7 @@ class _PlanRunner(Supervisor):
             self.signals.install(self.log)
             single_threaded = spawning.single_threaded()
             self.become_subreaper()
+            self.strays = Strays(single_threaded and self.saved_subreaper is not None)
             try:
                 self.start_watchdog()
                 if self.plan.import_servers:
@@ -285,6 +290,8 @@ class _PlanRunner(Supervisor):
                 self.spawn_all(single_threaded)
                 self.close_servers()
                 self.loop()
+                self.strays.stop([self.watchdog.pid] if self.watchdog is not None else [], self.grace, self.say,
+                                 self.noun)
             except BaseException:
                 self.close_servers(kill=True)
                 self.kill_everything()
