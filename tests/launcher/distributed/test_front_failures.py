@@ -212,3 +212,38 @@ def test_the_root_cause_is_the_rank_that_failed_on_its_own(tmp_path: Path) -> No
     both = ChildFailedError("job", {0: failure(0, 2), 1: failure(1, -signal.SIGSEGV)})
     both.failures[1].timestamp = both.failures[0].timestamp
     assert [first(both, noted) for noted in (None, 0, 1)] == [0, 0, 1]
+
+
+# attempt 0: rank 1 fails (exit 3) once rank 0 runs, rank 0 waits to be stopped; attempt 1: both succeed
+RESTARTED = """\
+import os, pathlib, sys, time
+rank, attempt = int(os.environ["LOCAL_RANK"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
+started = pathlib.Path(sys.argv[1])
+print(f"rank {rank} attempt {attempt}", flush=True)
+if attempt != "0":
+    sys.exit(0)
+if rank == 0:
+    started.touch()
+    time.sleep(60)
+deadline = time.monotonic() + 60
+while not started.exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+def test_a_restarted_job_says_how_each_earlier_attempt_ended(tmp_path: Path) -> None:
+    """With --max-restarts the summary's rows are the last attempt's: the earlier ones are said before them
+    (a job that succeeded on its second attempt read as if nothing had failed) and kept in --summary-json."""
+    script, summary = tmp_path / "rank.py", tmp_path / "summary.json"
+    script.write_text(RESTARTED)
+    job = start("--max-restarts", "1", "--summary-json", str(summary), str(script), str(tmp_path / "started"))
+    _out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("xlaunch: attempt ")]
+    assert lines == ["xlaunch: attempt 1 of 2 (torch's agent restarted the ranks): rank 0 killed by SIGTERM "
+                     "(stopped after rank 1 failed), rank 1 exit 3"], err
+    import json
+
+    earlier = json.loads(summary.read_text())["distributed"]["earlier_attempts"]
+    assert [(e["attempt"], e["rank"], e["exit_code"]) for e in earlier] == [(1, 0, 143), (1, 1, 3)]

@@ -65,6 +65,7 @@ class FrontSupervisor(Supervisor):
         self.pidfds: dict[int, Child] = {}
         self.agent_exited = False                   # the agent exited (rather than being killed)
         self.retired: list[Child] = []              # groups of earlier attempts, while anything is left
+        self.earlier: list[dict[str, Any]] = []     # how each rank's earlier attempts ended (--max-restarts)
 
     # ---------------------------------------------------------------- who is who
 
@@ -158,6 +159,9 @@ class FrontSupervisor(Supervisor):
         attempt = self.attempts[index] = self.attempts.get(index, 0) + 1
         if child.proc is not None and child.ended is None:
             self.rank_ended(child, None)            # the agent replaced it without us seeing the end
+        if child.proc is not None:                  # the summary's rows are the last attempt's: keep this one
+            self.earlier.append({"attempt": attempt - 1, "rank": index, "exit_code": child.status,
+                                 "status": child.text + (f" ({child.stopped_by})" if child.stopped_by else "")})
         if child.proc is not None and child.group_alive:    # the last attempt's group lives on: keep
             retired = Child(child.instance, child.stream, proc=child.proc, started=child.started,   # stopping it
                             ended=child.ended, status=child.status, text=child.text, stopped_by=child.stopped_by,
@@ -370,9 +374,15 @@ class FrontSupervisor(Supervisor):
             code = self.exit_status()
             for warning in reporting.observation_warnings(self.children, self.plan):
                 self.say(warning, warning=True)
+            self.earlier.sort(key=lambda e: (e["attempt"], e["rank"]))
+            for attempt in sorted({e["attempt"] for e in self.earlier}):   # restarts: said before the table
+                ended = ", ".join(f"rank {e['rank']} {e['status']}" for e in self.earlier if e["attempt"] == attempt)
+                self.say(f"attempt {attempt} of {max(self.attempts.values())} (torch's agent restarted the ranks): "
+                         f"{ended}")
             self.summarize(code, self.plan, {"distributed": {"engine": "torch.distributed.run",
                                                              "torchrun_options": self.torchrun,
-                                                             "attempts": dict(sorted(self.attempts.items()))}})
+                                                             "attempts": dict(sorted(self.attempts.items())),
+                                                             "earlier_attempts": self.earlier}})
             self.report_drops()
             self.finish_output()
             return code
