@@ -100,3 +100,41 @@ def test_sigtstp_in_an_orphaned_process_group_leaves_nothing_stopped(tmp_path: P
         proc.communicate()
     assert proc.returncode == 0, err.decode()
     assert leftovers(str(go)) == []
+
+
+# says its pid, then on SIGTERM writes argv[1] and exits (a trainer that checkpoints on SIGTERM)
+CHECKPOINTS = ("import os, signal, sys, time\n"
+               "def stop(*_):\n"
+               "    open(sys.argv[1] + f'-{os.getpid()}', 'w').close()\n"
+               "    sys.exit(0)\n"
+               "signal.signal(signal.SIGTERM, stop)\n"
+               "print('ready', os.getpid(), flush=True)\n"
+               "time.sleep(60)\n")
+
+
+def test_kill_9_of_a_stopped_job_lets_its_instances_act_on_sigterm(tmp_path: Path) -> None:
+    """Ctrl-Z, then ``kill -9`` of xlaunch: the watchdog's SIGTERM comes with SIGCONT, so each stopped
+    instance runs its SIGTERM handler before the grace period ends (it would get SIGKILL stopped)."""
+    marker = tmp_path / "checkpointed"
+    argv = [sys.executable, "-m", "xlaunch", "-q", "--ninstances", str(INSTANCES), "--grace-period", "5",
+            "--no-python", "--", sys.executable, "-S", "-c", CHECKPOINTS, str(marker)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: os.setpgid(0, 0))
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        pids += [int(proc.stdout.readline().split()[-1]) for _ in range(INSTANCES)]
+        proc.send_signal(signal.SIGTSTP)
+        assert wait_state(pids, True) == ["T"] * INSTANCES
+        proc.kill()
+        proc.communicate(timeout=30)
+        deadline = time.monotonic() + 4                   # well inside the 5 s grace period
+        while len(list(tmp_path.glob("checkpointed-*"))) < INSTANCES and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(p.name for p in tmp_path.glob("checkpointed-*")) == sorted(f"checkpointed-{p}" for p in pids)
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

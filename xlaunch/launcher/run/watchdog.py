@@ -144,8 +144,9 @@ def _registered(fd: int) -> set[int]:
 
 
 def _stop_groups(groups: set[int], grace: float) -> None:
-    """SIGTERM every live group, SIGKILL what is left after ``grace`` seconds."""
-    live = {g for g in groups if _signal_group(g, signal.SIGTERM)}
+    """SIGTERM every live group (and SIGCONT: a job stopped with Ctrl-Z acts on it), SIGKILL what is left
+    after ``grace`` seconds."""
+    live = {g for g in groups if _signal_group(g, signal.SIGTERM) and _signal_group(g, signal.SIGCONT)}
     deadline = time.monotonic() + grace
     while live and time.monotonic() < deadline:
         time.sleep(POLL)
