@@ -247,6 +247,31 @@ def test_a_dtype_conversion_after_optimize_is_refused_or_changes_nothing(llama, 
     assert model.dtype == dtype and torch.equal(model(ids, attention_mask=mask).logits, expected)
 
 
+@pytest.mark.parametrize("dtype,weights,tied", [(torch.float32, None, False), (torch.bfloat16, "int4", True)])
+def test_a_deep_copy_and_a_pickled_copy_run_their_own_runtime(dtype, weights, tied, tmp_path):
+    """copy.deepcopy and torch.save of a model that had run failed ("cannot pickle '_OpNamespace' object": the
+    runtime's bound kernels), and a copy made before it ran read the original's configs (the installed forward and
+    generate held the original model and runtime). Each copy now runs its own, with the original's tokens."""
+    import copy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)          # bf16 on a CPU without native bf16 says so
+        model = llm.optimize(tiny("llama", seed=5, tie_word_embeddings=tied), dtype=dtype, weights=weights)
+    ids, mask = prompts(2, 8)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    twin = copy.deepcopy(model)
+    twin.generation_config.max_new_tokens = 3
+    assert twin.generate(ids, attention_mask=mask, pad_token_id=0).shape == (2, 11)
+    twin.config.use_cache = False
+    assert twin(ids).past_key_values is None and model(ids).past_key_values is not None
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for copied in (twin, loaded):
+        runtime = getattr(copied, "_xlaunch_llm")
+        assert runtime is not getattr(model, "_xlaunch_llm") and runtime.layers[0].qkv is copied.model.layers[0].self_attn.qkv_proj
+        assert torch.equal(copied.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0), expected)
+
+
 def test_save_pretrained_of_an_optimized_model_is_one_error(llama, tmp_path):
     """It wrote the packed tensors under names transformers does not load: the reloaded model's q/k/v and gate/up
     were newly initialized (random tokens, a load report the only sign)."""

@@ -11,7 +11,7 @@ runs :class:`~xlaunch.llm.decoder.DecoderRuntime` over a preallocated
 from __future__ import annotations
 
 import copy
-import types
+import functools
 import warnings
 from typing import Any, Optional
 
@@ -103,47 +103,40 @@ def _pack_layer(layer: Any, kind: str, dtype: Any, group_size: int, window: Opti
                         window=window)
 
 
-def make_forward(runtime: DecoderRuntime, model: Any):
-    """The ``forward`` installed on the model: Hugging Face's signature, the runtime's work."""
-
-    def forward(input_ids: Optional["torch.Tensor"] = None, attention_mask: Optional["torch.Tensor"] = None,
-                position_ids: Optional["torch.Tensor"] = None, past_key_values: Any = None,
-                inputs_embeds: Optional["torch.Tensor"] = None, labels: Optional["torch.Tensor"] = None,
-                use_cache: Optional[bool] = None, logits_to_keep: Any = 0, **kwargs: Any) -> Any:
-        for name in UNSUPPORTED_OUTPUTS:
-            if kwargs.get(name):
-                raise ValueError(f"xlaunch.llm: {name}=True is not supported by the optimized model")
-        return_dict = kwargs.get("return_dict")
-        if use_cache is None:
-            use_cache = bool(getattr(model.config, "use_cache", True))
-        logits, cache = runtime.forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
-                                        use_cache, logits_to_keep)
-        loss = None
-        if labels is not None:
-            loss = model.loss_function(logits=logits, labels=labels, vocab_size=runtime.spec.vocab_size)
-        if return_dict is False:
-            return tuple(item for item in (loss, logits, cache) if item is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
-
-    forward.__doc__ = "Hugging Face's causal-LM forward, run by xlaunch.llm's optimized decoder."
-    return forward
+def _runtime(model: Any) -> DecoderRuntime:
+    return getattr(model, MARK)
 
 
-def _install_generate_hook(model: Any, runtime: DecoderRuntime) -> None:
-    """Let ``generate`` size the KV cache to its maximum length (its own cache is replaced by ours)."""
-    prepare = getattr(model, "_prepare_cache_for_generation", None)
-    if prepare is None:
-        return
+def _forward(self: Any, input_ids: Optional["torch.Tensor"] = None, attention_mask: Optional["torch.Tensor"] = None,
+             position_ids: Optional["torch.Tensor"] = None, past_key_values: Any = None,
+             inputs_embeds: Optional["torch.Tensor"] = None, labels: Optional["torch.Tensor"] = None,
+             use_cache: Optional[bool] = None, logits_to_keep: Any = 0, **kwargs: Any) -> Any:
+    """Hugging Face's causal-LM forward, run by xlaunch.llm's optimized decoder."""
+    for name in UNSUPPORTED_OUTPUTS:
+        if kwargs.get(name):
+            raise ValueError(f"xlaunch.llm: {name}=True is not supported by the optimized model")
+    return_dict = kwargs.get("return_dict")
+    if use_cache is None:
+        use_cache = bool(getattr(self.config, "use_cache", True))
+    runtime = _runtime(self)
+    logits, cache = runtime.forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                                    use_cache, logits_to_keep)
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=runtime.spec.vocab_size)
+    if return_dict is False:
+        return tuple(item for item in (loss, logits, cache) if item is not None)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
-    def prepare_cache(self: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
-        result = prepare(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
-        maximum = kwargs.get("max_cache_length", args[-1] if args else None)
-        if cache is not None and not getattr(cache, "_is_user_defined", False) and isinstance(maximum, int):
-            model_kwargs["past_key_values"] = runtime.new_cache(capacity=maximum)
-        return result
 
-    model._prepare_cache_for_generation = types.MethodType(prepare_cache, model)
+def _prepare_cache(self: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+    """``generate``'s cache preparation, then its cache replaced by a KVCache sized to its maximum length."""
+    result = type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
+    cache = model_kwargs.get("past_key_values")
+    maximum = kwargs.get("max_cache_length", args[-1] if args else None)
+    if cache is not None and not getattr(cache, "_is_user_defined", False) and isinstance(maximum, int):
+        model_kwargs["past_key_values"] = _runtime(self).new_cache(capacity=maximum)
+    return result
 
 
 # GenerationConfig fields the runtime's loop honours (DecoderRuntime.generate_tokens); any other one set sends a
@@ -209,19 +202,12 @@ def _penalties(config: Any, mask: Optional["torch.Tensor"]) -> list:
     return repetition_penalty(config.repetition_penalty, mask)
 
 
-def _install_loop_generate(model: Any, runtime: DecoderRuntime) -> None:
-    """``model.generate``: one-beam greedy and plain sampling calls (:func:`_loop_plan`) run
+def _generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hugging Face's generate; one-beam greedy and plain sampling calls (:func:`_loop_plan`) run
     :meth:`DecoderRuntime.generate_tokens`, the same tokens without Hugging Face's per-step Python (a 168M INT4
-    model at 2 threads, Zen 5 VM: 3.16 -> 2.42 ms a token); every other call goes to Hugging Face's ``generate``
-    unchanged."""
-    hf_generate = model.generate
-
-    def generate(*args: Any, **kwargs: Any) -> Any:
-        plan = _loop_plan(model, args, kwargs)
-        return hf_generate(*args, **kwargs) if plan is None else runtime.generate_tokens(*plan)
-
-    generate.__doc__ = "Hugging Face's generate; one-beam greedy and plain sampling by xlaunch.llm's own loop."
-    model.generate = generate
+    model at 2 threads, Zen 5 VM: 3.16 -> 2.42 ms a token)."""
+    plan = _loop_plan(self, args, kwargs)
+    return type(self).generate(self, *args, **kwargs) if plan is None else _runtime(self).generate_tokens(*plan)
 
 
 def warn_if_bf16_is_slow(dtype: Any, caller: str, stacklevel: int = 2) -> None:
@@ -274,53 +260,51 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
     return model
 
 
-def _install_guards(model: Any, runtime: DecoderRuntime) -> None:
-    """``model.to(dtype or device)``, ``.float()``, ``.half()``... and ``save_pretrained`` of an optimized model.
+def _apply(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Module._apply`` of an optimized model, behind ``.to(dtype or device)``, ``.float()``, ``.half()``...
 
     The packed weights are in the layout and precision :func:`optimize` chose and the runtime holds them: a
     conversion to the activations' dtype on the CPU leaves the model as it is (it computes in that dtype already;
     one that changes no tensor, ``.cpu()`` or ``.share_memory()``, is applied), any other is one ValueError before
     anything changes (it cast the packed weights under the runtime: a failure inside a kernel, or a
-    ``model.dtype`` that was not what ran). ``save_pretrained`` would write packed tensors under names
-    transformers does not load (the reloaded model's q/k/v and gate/up newly initialized): one ValueError."""
-    apply = model._apply
-    name = str(runtime.dtype).replace("torch.", "")
+    ``model.dtype`` that was not what ran)."""
+    dtype = _runtime(self).dtype
+    changed = {}
+    for kind in {t.dtype for t in (*self.parameters(), *self.buffers())} | {dtype}:
+        probe = torch.empty(0, dtype=kind)
+        moved = fn(probe)
+        if not isinstance(moved, torch.Tensor) or moved.dtype != kind or moved.device != probe.device:
+            changed[kind] = moved
+    if not changed:
+        return type(self)._apply(self, fn, *args, **kwargs)
+    if dtype not in changed:
+        return self             # already computing in that dtype on the CPU; the packed storage stays
+    moved = changed[dtype]
+    target = f"{moved.dtype} on {moved.device}" if isinstance(moved, torch.Tensor) else type(moved).__name__
+    raise ValueError(f"xlaunch.llm: this optimized model computes in {str(dtype).replace('torch.', '')} on the CPU "
+                     f"with packed weights and cannot be converted to {target}; optimize the original model with the "
+                     "dtype you want (xlaunch.llm.optimize(model, dtype=...))")
 
-    def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        kinds = {t.dtype for t in (*model.parameters(), *model.buffers())} | {runtime.dtype}
-        changed = {}
-        for dtype in kinds:
-            probe = torch.empty(0, dtype=dtype)
-            moved = fn(probe)
-            if not isinstance(moved, torch.Tensor) or moved.dtype != dtype or moved.device != probe.device:
-                changed[dtype] = moved
-        if not changed:
-            return apply(fn, *args, **kwargs)
-        if runtime.dtype not in changed:
-            return model             # already computing in that dtype on the CPU; the packed storage stays
-        moved = changed[runtime.dtype]
-        target = f"{moved.dtype} on {moved.device}" if isinstance(moved, torch.Tensor) else type(moved).__name__
-        raise ValueError(f"xlaunch.llm: this optimized model computes in {name} on the CPU with packed weights and "
-                         f"cannot be converted to {target}; optimize the original model with the dtype you want "
-                         "(xlaunch.llm.optimize(model, dtype=...))")
 
-    def save_pretrained(*args: Any, **kwargs: Any) -> None:
-        raise ValueError("xlaunch.llm: save_pretrained of an optimized model would write packed weights that "
-                         "transformers does not load; save the model before xlaunch.llm.optimize, or its packed "
-                         "form with xlaunch.llm.save_packed(model, path)")
-
-    model._apply = _apply
-    model.save_pretrained = save_pretrained
+def _save_pretrained(self: Any, *args: Any, **kwargs: Any) -> None:
+    """Refused: it would write packed tensors under names transformers does not load (the reloaded model's q/k/v
+    and gate/up newly initialized)."""
+    raise ValueError("xlaunch.llm: save_pretrained of an optimized model would write packed weights that "
+                     "transformers does not load; save the model before xlaunch.llm.optimize, or its packed "
+                     "form with xlaunch.llm.save_packed(model, path)")
 
 
 def attach(model: Any, runtime: DecoderRuntime) -> None:
     """Make ``runtime`` the Hugging Face ``model``'s forward, its caches ``KVCache``, and its ``generate`` the
-    runtime's loop where that gives generate's tokens; guard it against dtype conversions and save_pretrained."""
+    runtime's loop where that gives generate's tokens; dtype conversions and save_pretrained are guarded. Each is
+    a module function given the model (a partial: ``inspect.signature`` sees the method's), which finds the runtime
+    on it: a ``copy.deepcopy`` or a pickled copy (``torch.save``/``torch.load``) of the model runs its own."""
     runtime.cache_type = hf_cache_class()
     object.__setattr__(model, MARK, runtime)      # plain attribute: not a submodule, not in the state dict
-    model.forward = make_forward(runtime, model)
-    _install_generate_hook(model, runtime)
-    _install_loop_generate(model, runtime)
-    _install_guards(model, runtime)
+    methods = dict(forward=_forward, generate=_generate, _apply=_apply, save_pretrained=_save_pretrained)
+    if getattr(model, "_prepare_cache_for_generation", None) is not None:
+        methods["_prepare_cache_for_generation"] = _prepare_cache
+    for name, method in methods.items():
+        setattr(model, name, functools.partial(method, model))
     if hasattr(model.config, "dtype"):
         model.config.dtype = runtime.dtype

@@ -4,7 +4,7 @@ Per layer: one packed q/k/v linear, RoPE on q and k in place, the new keys and v
 their cache slots, attention over the cache, the output linear, the residual add fused with the
 next RMSNorm, one packed gate/up linear, SiLU-and-multiply, the down linear, and again the fused
 residual add and norm. About a dozen calls per layer and no allocation that grows with the cache.
-Needs torch only: the Hugging Face model's ``forward`` around it is :func:`xlaunch.llm.api.make_forward`.
+Needs torch only: the Hugging Face model's ``forward`` around it is :func:`xlaunch.llm.api._forward`.
 
 :meth:`DecoderRuntime.generate_tokens` is one-beam ``generate``'s loop; its logits processing (the
 repetition penalty, then the temperature, top-k, top-p and min-p warpers, each a callable
@@ -173,6 +173,9 @@ class DecoderRuntime:
         self.scale = spec.head_dim ** -0.5
         self._kernels: Optional[Kernels] = None
         self.cache_type: type = KVBuffers     # a Hugging Face model's runtime makes KVCache (Cache as well)
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _kernels=None)      # bound to these weights: a copy binds its own
 
     def kernels(self) -> Kernels:
         ops = native.ops()
