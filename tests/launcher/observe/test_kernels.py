@@ -275,6 +275,30 @@ def test_graph_api_and_check_lines_are_counted_apart() -> None:
     assert kernel_line(data).endswith("counted from 1 execution lines (no creation line)")
 
 
+def test_dispatch_notes_are_not_creations() -> None:
+    """``ONEDNN_VERBOSE=all``/``dispatch`` (oneDNN 3.12 in torch 2.13, recorded): an implementation passed
+    over is a note, never a primitive of kind ``cpu`` or ``unsupported feature for padding: f``."""
+    tally = KernelTally()
+    for line in (
+        "onednn_verbose,v1,primitive,create:dispatch,convolution,unsupported feature for padding: f,t,l padding "
+        "not supported,src/cpu/x64/jit_avx512_common_1x1_conv_kernel.cpp:680",
+        "onednn_verbose,v1,primitive,create:dispatch,reorder,cpu,reorder,jit_direct_copy:uni,undef,"
+        "src:f32::blocked:abcd::f0 dst:f32::blocked:Acdb16a::f0,attr-scratchpad:user,,32x3x3x3,memory formats for "
+        "src and dst tensors do not match,src/cpu/x64/jit_uni_reorder_direct_copy.cpp:314",
+        "onednn_verbose,v1,primitive,create:dispatch,convolution,unsupported format tag,"
+        "src/cpu/x64/jit_brgemm_conv_utils.cpp:261",
+        "onednn_verbose,v1,primitive,exec:check,primitive,unused primitive execution argument (80),"
+        "src/common/primitive_exec_types.cpp:136",
+        "onednn_verbose,v1,primitive,create:cache_miss,cpu,convolution,jit:avx512_core,forward_training,"
+        "src:f32::blocked:abcd::f0 wei:f32:a:blocked:Acdb16a::f0,,alg:convolution_direct,mb2_ic3oc32,0.2",
+    ):
+        assert tally.add(line) is not None
+    data = tally.to_json()
+    assert list(data["primitives"]) == ["convolution"] and data["other_lines"] == 4
+    assert (data["cache_misses"], data["lines"]) == (1, 5)
+    assert "other" not in kernel_line(data)
+
+
 def test_isa_of_and_short_isa() -> None:
     assert [isa_of(i) for i in ("jit:avx2", "brg_matmul:avx10_1_512_amx", "gemm:jit", "ref:any")] == \
         ["avx2", "avx10_1_512_amx", "", ""]

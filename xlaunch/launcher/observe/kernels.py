@@ -49,6 +49,10 @@ _TIMESTAMP = re.compile(r"^\d+(\.\d*)?$")
 _DATA_TYPES = ("f32", "bf16", "f16", "s8", "u8", "s32", "f64", "f8_e5m2", "f8_e4m3", "s4", "u4", "f4_e2m1",
                "f4_e3m0", "e8m0", "boolean", "undef")
 _OLD_TENSOR = re.compile(r"^([a-z_]+?)_(" + "|".join(_DATA_TYPES) + r")$")
+# A creation or execution line names its engine first; ``create:dispatch`` (an implementation
+# passed over, ``ONEDNN_VERBOSE=dispatch`` or ``all``) and ``create:check`` are notes, not creations.
+_ENGINES = frozenset({"cpu", "gpu"})
+_NOTES = frozenset({"create:dispatch", "create:check"})
 MAX_SIGNATURES = 8192      # distinct primitives remembered to tell a re-creation from a first one
 
 
@@ -101,7 +105,8 @@ def parse_line(text: str) -> Optional[Line]:
         return None
     if operation == "info":
         return Line("info")                                         # the template line
-    if api != "primitive" or not (operation == "exec" or operation.startswith("create:")) or len(rest) < 4:
+    if api != "primitive" or not (operation == "exec" or operation.startswith("create:")) or len(rest) < 4 \
+            or rest[0].split(":")[0] not in _ENGINES or operation in _NOTES:
         return Line("other")                                        # graph API, errors, checks, dispatch notes
     line = Line("exec" if operation == "exec" else "create")
     line.cache = operation[len("create:"):] if line.what == "create" else ""
