@@ -89,3 +89,25 @@ def test_front_forwards_the_option_to_every_rank() -> None:
     command = data["distributed"]["rank_command"]
     assert command[command.index("--per-rank"):].count("--kernel-report") == 1
     assert all(instance["env"]["ONEDNN_VERBOSE"] == "profile_create" for instance in data["instances"])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_report_after_an_unfinished_last_line(shared: bool) -> None:
+    """A rank's stdout and stderr share its FIFO: a program whose last line has no newline gets the report on a
+    line of its own there (it was glued to the program's text); apart, stderr gets no empty line."""
+    from xlaunch.launcher.run.kernel_tee import serve
+
+    source_r, source_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = (os.dup(out_r), os.dup(out_w)) if shared else os.pipe()
+    os.write(source_w, LOG.read_bytes() + b"progress 99%")
+    os.close(source_w)
+    serve(source_r, out_w, err_w, "rank 1")
+    for fd in (source_r, out_w, err_w):
+        os.close(fd)
+    with os.fdopen(out_r, "rb") as out, os.fdopen(err_r, "rb") as err:
+        text, report = out.read(), b"" if shared else err.read()
+    if shared:
+        text, _, report = text.partition(b"\n")
+    assert text == b"progress 99%"
+    assert report.startswith(b"xlaunch: rank 1 kernels: oneDNN v3.12.0, AVX2;")

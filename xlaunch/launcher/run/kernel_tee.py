@@ -60,6 +60,7 @@ def serve(source: int, out: int, err: int, label: str, requested_dtype: Optional
 
     keep = VerboseFilter()
     sink: list[Optional[int]] = [out]
+    last = b"\n"                       # the last byte passed on
     while True:
         try:
             chunk = os.read(source, READ_SIZE)
@@ -67,12 +68,27 @@ def serve(source: int, out: int, err: int, label: str, requested_dtype: Optional
             continue
         if not chunk:
             break
-        _write(sink, keep.feed(chunk))
-    _write(sink, keep.close())
+        passed = keep.feed(chunk)
+        last = passed[-1:] or last
+        _write(sink, passed)
+    passed = keep.close()
+    last = passed[-1:] or last
+    _write(sink, passed)
     data = keep.tally.to_json()
     lines = [f"xlaunch: {label} kernels: {kernel_line(data)}\n"]
+    if last != b"\n" and _same_file(out, err):   # the program's last line unfinished: the report on a line of its own
+        lines.insert(0, "\n")
     lines += [f"xlaunch: warning: {label}: {warning}\n" for warning in kernel_warnings(data, requested_dtype)]
     _write([err], "".join(lines).encode())
+
+
+def _same_file(one: int, other: int) -> bool:
+    """Whether two descriptors write to one file or pipe (a rank's stdout and stderr share its FIFO)."""
+    try:
+        a, b = os.fstat(one), os.fstat(other)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _copy(source: int, sink: list[Optional[int]]) -> None:
