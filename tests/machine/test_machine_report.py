@@ -19,6 +19,13 @@ from xlaunch.machine.report import (
 NAMES = MACHINE_NAMES
 
 
+@pytest.fixture(autouse=True)
+def _no_onednn_ceiling(monkeypatch):
+    """The dtype advice follows oneDNN's ceiling: these tests read the recorded machines' own flags."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def load(name: str):
     return load_machine(str(machine_tree(name)))
 
@@ -152,3 +159,31 @@ def test_check_isa_names_a_cap_above_the_cpu_in_one_line(monkeypatch):
     monkeypatch.setenv("XLAUNCH_CPU_ISA", "avx512")
     assert ("xlaunch kernels: XLAUNCH_CPU_ISA=avx512: this CPU cannot execute it; it runs: baseline, avx2"
             in format_isa(isa_report(no_avx512)).splitlines())
+
+
+def test_dtype_advice_follows_the_onednn_ceiling():
+    """``ONEDNN_MAX_CPU_ISA=AVX2`` on an AMX machine: oneDNN's bf16, fp16 and int8 are AVX2's (the table said
+    "bf16 yes: AMX-BF16 tiles"); fp32 GEMMs are MKL's, not capped; each changed verdict names the ceiling."""
+    m = load("xeon-2s-amx")
+    advice = isa_report(m, environ={"DNNL_MAX_CPU_ISA": "AVX2"})["advice"]
+    assert {dtype: v["fast"] for dtype, v in advice.items()} == {"fp32": True, "bf16": False, "fp16": False,
+                                                                  "int8": True}
+    assert advice["fp32"]["why"] == "AVX-512 FMA (avx512f)"
+    assert advice["bf16"]["why"].endswith("(under DNNL_MAX_CPU_ISA=AVX2; the CPU has: AMX-BF16 tiles)")
+    assert advice["int8"]["why"].startswith("AVX2 integer multiply-adds")
+    vnni = isa_report(m, environ={"ONEDNN_MAX_CPU_ISA": "avx512_core_vnni"})["advice"]
+    assert vnni["int8"] == {"fast": True, "why": "AVX512_VNNI dot products (under ONEDNN_MAX_CPU_ISA=avx512_core_vnni; "
+                                                 "the CPU has: AMX-INT8 tiles)"}
+    assert isa_report(m, environ={"ONEDNN_MAX_CPU_ISA": "ALL"})["advice"] == isa_report(m, environ={})["advice"]
+
+
+def test_check_isa_reads_the_ceiling_from_its_environment():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLAUNCH_FSROOT": str(machine_tree("xeon-2s-amx")), "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-m", "xlaunch", "--check-isa", "--json"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["advice"]["bf16"]["fast"] is False

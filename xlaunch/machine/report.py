@@ -5,6 +5,7 @@ Pure functions of a :class:`~xlaunch.machine.Machine`; only
 """
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 from xlaunch._isa_levels import kernel_levels, multiplies_bf16
 from xlaunch.cpulist import format_cpulist
 from xlaunch.machine.host import host_checks, host_json
-from xlaunch.machine.isa import ISA_FLAGS
+from xlaunch.machine.isa import ISA_FLAGS, ONEDNN_CEILING_ENV, onednn_flags
 from xlaunch.machine.model import Machine
 
 
@@ -131,15 +132,17 @@ def format_topology(machine: Machine) -> str:
     return "\n".join(out)
 
 
-def isa_report(machine: Machine, with_torch: bool = False) -> dict[str, Any]:
-    """``--check-isa --json``: the flags, AMX permission, dtype advice, and torch's view if asked."""
+def isa_report(machine: Machine, with_torch: bool = False,
+               environ: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """``--check-isa --json``: the flags, AMX permission, dtype advice (under the ``ONEDNN_MAX_CPU_ISA``
+    of ``environ``, default this process's), and torch's view if asked."""
     isa = machine.isa
     report: dict[str, Any] = {
         "isa": _isa_flags(machine),
         "vendor": isa.vendor,
         "model_name": isa.model_name,
         "amx_permitted": isa.amx_permitted,
-        "advice": dtype_advice(machine),
+        "advice": dtype_advice(machine, environ),
         "kernels": kernel_levels(isa.flags),
     }
     if with_torch:
@@ -147,9 +150,25 @@ def isa_report(machine: Machine, with_torch: bool = False) -> dict[str, Any]:
     return report
 
 
-def dtype_advice(machine: Machine) -> dict[str, dict[str, Any]]:
-    """Which dtypes have fast matrix instructions here, and the reason."""
-    has = machine.isa.has
+def dtype_advice(machine: Machine, environ: Optional[dict[str, str]] = None) -> dict[str, dict[str, Any]]:
+    """Which dtypes have fast matrix instructions here, and the reason. Under oneDNN's ceiling
+    (``ONEDNN_MAX_CPU_ISA=AVX2``...) the bf16, fp16 and int8 verdicts are those of the flags it leaves
+    to oneDNN, and a verdict the ceiling changed says so."""
+    capped = onednn_flags(machine.isa.flags, environ)
+    if capped == machine.isa.flags:
+        return _advice(machine, machine.isa.flags)
+    env = os.environ if environ is None else environ
+    ceiling = next(f"{name}={env[name].strip()}" for name in ONEDNN_CEILING_ENV if env.get(name))
+    free, advice = _advice(machine, machine.isa.flags), _advice(machine, capped)
+    advice["fp32"] = free["fp32"]        # torch's fp32 GEMMs are MKL's, which the ceiling does not cap
+    for dtype, verdict in advice.items():
+        if verdict != free[dtype]:
+            verdict["why"] += f" (under {ceiling}; the CPU has: {free[dtype]['why']})"
+    return advice
+
+
+def _advice(machine: Machine, flags: frozenset[str]) -> dict[str, dict[str, Any]]:
+    has = flags.__contains__
     amx_usable = machine.isa.amx_permitted is not False
     amx_note = "" if machine.isa.amx_permitted is not False else " (AMX present but not granted to this process)"
 

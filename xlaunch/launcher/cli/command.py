@@ -300,7 +300,7 @@ def _machine_information(line: CommandLine, environ: Mapping[str, str]) -> int:
 
     machine = target_machine(environ)
     if params["check_isa"]:
-        result = report.isa_report(machine, with_torch=bool(params["torch"]))
+        result = report.isa_report(machine, with_torch=bool(params["torch"]), environ=dict(environ))
         if params["probe"]:
             from xlaunch.launcher.observe import probe
 
