@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from host_cpus import allowed_cores
@@ -63,9 +64,26 @@ def start(tmp_path: Path, *, own_session: bool) -> tuple[subprocess.Popen, list[
     return proc, pids, go
 
 
+def run_to_end(proc: subprocess.Popen, go: Path, act: Callable[[], None]) -> bytes:
+    """``act()`` on the running job, then let its instances end (``go``); xlaunch's stderr once it exited 0
+    with nothing left running (killed whatever happens)."""
+    try:
+        act()
+        go.touch()
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        go.touch()
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert leftovers(str(go)) == []
+    return err
+
+
 def test_ctrl_z_stops_every_instance_and_fg_continues_them(tmp_path: Path) -> None:
     proc, pids, go = start(tmp_path, own_session=False)
-    try:
+
+    def stop_and_go_on() -> None:
         proc.send_signal(signal.SIGTSTP)
         assert wait_state([proc.pid], True) == ["T"]
         assert wait_state(pids, True) == ["T"] * INSTANCES       # they went on running before
@@ -73,33 +91,21 @@ def test_ctrl_z_stops_every_instance_and_fg_continues_them(tmp_path: Path) -> No
         assert [state(pid) for pid in pids] == ["T"] * INSTANCES   # and stay stopped with xlaunch
         proc.send_signal(signal.SIGCONT)
         assert "T" not in wait_state(pids, False)
-        go.touch()
-        _out, err = proc.communicate(timeout=30)
-    finally:
-        go.touch()
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    assert err == b""
-    assert leftovers(str(go)) == []
+
+    assert run_to_end(proc, go, stop_and_go_on) == b""
 
 
 def test_sigtstp_in_an_orphaned_process_group_leaves_nothing_stopped(tmp_path: Path) -> None:
     """The kernel does not stop an orphaned process group on SIGTSTP: neither xlaunch nor its instances stop."""
     proc, pids, go = start(tmp_path, own_session=True)
-    try:
+
+    def tstp() -> None:
         proc.send_signal(signal.SIGTSTP)
         time.sleep(0.5)
         assert state(proc.pid) != "T"
         assert "T" not in [state(pid) for pid in pids]
-        go.touch()
-        _out, err = proc.communicate(timeout=30)
-    finally:
-        go.touch()
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    assert leftovers(str(go)) == []
+
+    run_to_end(proc, go, tstp)
 
 
 # says its pid, then on SIGTERM writes argv[1] and exits (a trainer that checkpoints on SIGTERM)
