@@ -24,6 +24,7 @@ from torch import nn
 from xlaunch.nn import EmbeddingSpec, MergedEmbeddingBagWithAdaGrad, MergedEmbeddingBagWithSGD, interaction
 
 DENSE_FEATURES = 13
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def table_rows(tables: int, smallest: int, largest: int) -> list[int]:
@@ -91,8 +92,8 @@ def learning_rate(text: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0.0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text!r}")
+    if not 0.0 <= value <= FLOAT32_MAX:      # the optimizers multiply float32 gradients by it
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}), not {text!r}")
     return value
 
 
@@ -111,6 +112,8 @@ def main() -> None:
     parser.add_argument("--bench-sizes", action="store_true", help="26 tables of 1,000-100,000 rows, dim 64, "
                                                                    "bags of 20, batch 2048")
     args = parser.parse_args()
+    if args.rows[0] > args.rows[1]:
+        parser.error(f"argument --rows: SMALLEST ({args.rows[0]}) is larger than LARGEST ({args.rows[1]})")
     if args.bench_sizes:
         args.tables, args.rows, args.dim, args.bag, args.batch_size = 26, (1000, 100000), 64, 20, 2048
 
@@ -138,7 +141,7 @@ def main() -> None:
         optimizer.step()                   # the MLPs
         losses.append(loss.item())
     train_ms = (time.perf_counter() - start) * 1e3 / args.steps
-    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    first, last = (sum(part) / len(part) for part in (losses[:4], losses[-4:]))   # fewer than 4 with --steps 1
     print(f"train: {train_ms:.1f} ms per step; loss {first:.4f} -> {last:.4f}")
 
     model.eval()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -54,19 +55,34 @@ def small_cnn(num_classes: int = 10) -> nn.Module:
     )
 
 
+def number(kind: type, least: float, above: bool = False):
+    """An argparse type: a finite ``kind`` >= ``least`` (> with ``above``); anything else is one line, exit 2."""
+    def check(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not (value > least if above else value >= least) or not math.isfinite(value):
+            bound = f"{'>' if above else '>='} {least:g}"
+            what = "an integer" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"must be {what} {bound}, not {text!r}")
+        return value
+    return check
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--iterations", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=None,
+    parser.add_argument("--batch-size", type=number(int, 1), default=16)
+    parser.add_argument("--iterations", type=number(int, 1), default=30)
+    parser.add_argument("--warmup", type=number(int, 0), default=5)
+    parser.add_argument("--image-size", type=number(int, 1), default=64)
+    parser.add_argument("--seconds", type=number(float, 0, above=True), default=None,
                         help="measure for this many seconds (a fixed window) instead of --iterations")
-    parser.add_argument("--start-at", type=float, default=None, metavar="EPOCH",
+    parser.add_argument("--start-at", type=number(float, 0), default=None, metavar="EPOCH",
                         help="with --seconds: start the window at this time.time() (after warm-up)")
     parser.add_argument("--timeline-dir", default=None, metavar="DIR",
                         help="with --seconds: write DIR/<pid>.json (ready time, window, each batch's end)")
-    parser.add_argument("--barrier", type=int, default=None, metavar="K",
+    parser.add_argument("--barrier", type=number(int, 1), default=None, metavar="K",
                         help="with --timeline-dir: start when K instances are ready (instead of --start-at)")
     args = parser.parse_args()
     if (args.start_at is not None or args.timeline_dir is not None) and args.seconds is None:

@@ -40,13 +40,31 @@ def mlp() -> nn.Module:
     )
 
 
+DDP_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (anything else is one line and exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, not {text!r}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=positive, default=50)
+    parser.add_argument("--batch-size", type=positive, default=64)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     parser.add_argument("--ddp", action="store_true", help="DistributedDataParallel over gloo (under torchrun)")
     args = parser.parse_args()
+    missing = [name for name in DDP_VARIABLES if not os.environ.get(name)]
+    if args.ddp and missing:
+        parser.error(f"--ddp needs torchrun's {', '.join(missing)} in the environment: run it under "
+                     "xlaunch --nproc-per-node N (or torchrun)")
 
     torch.manual_seed(0)
     model = mlp().train()

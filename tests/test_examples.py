@@ -1,0 +1,70 @@
+"""examples/infer.py, train.py, dlrm.py as a user runs them first: a bad argument is one error line naming it and
+exit status 2 (no traceback, no run that prints a throughput of 0 or nan); the numbers printed are the run's.
+Each example's main() runs in this process (torch is imported already; a fresh process would import it again)."""
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run(name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> tuple:
+    """(exit status, stdout, stderr) of ``examples/<name> argv``."""
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    status = 0
+    try:
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 1
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize("name, argv, option", [
+    ("infer.py", ["--batch-size", "0"], "--batch-size"),           # printed "throughput: 0.0 img/s"
+    ("infer.py", ["--batch-size", "-1"], "--batch-size"),          # a RuntimeError from torch.randn
+    ("infer.py", ["--iterations", "0"], "--iterations"),           # "throughput: 0.0 img/s"
+    ("infer.py", ["--image-size", "0"], "--image-size"),           # a RuntimeError from inside conv2d
+    ("infer.py", ["--seconds", "nan"], "--seconds"),               # "throughput: nan img/s"
+    ("infer.py", ["--seconds", "inf"], "--seconds"),               # ran for ever
+    ("infer.py", ["--warmup", "-1"], "--warmup"),
+    ("train.py", ["--steps", "0"], "--steps"),                     # an AssertionError
+    ("train.py", ["--batch-size", "0"], "--batch-size"),           # "final loss nan"
+    ("train.py", ["--ddp"], "--ddp"),                              # a ValueError from torch.distributed's rendezvous
+    ("dlrm.py", ["--rows", "10", "5"], "--rows"),                  # tables silently the other way round
+    ("dlrm.py", ["--lr", "1e308"], "--lr"),                        # a RuntimeError from inside SGD
+])
+def test_a_bad_argument_is_one_line_and_status_2(name, argv, option, monkeypatch, capsys) -> None:
+    for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    status, out, err = run(name, argv, monkeypatch, capsys)
+    assert status == 2 and out == ""
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and option in errors[0] and "Traceback" not in err, err
+
+
+def test_dlrm_averages_the_losses_it_has(monkeypatch, capsys) -> None:
+    """``--steps 1`` trains 3 batches (2 of warm-up): the loss printed is their mean (it divided 3 losses by 4).
+    With ``--lr 0`` nothing learns, so the losses are the untrained model's on batches 0, 1 and 2."""
+    argv = ["--steps", "1", "--infer-steps", "1", "--tables", "2", "--rows", "5", "9", "--batch-size", "8",
+            "--bag", "2", "--dim", "4", "--lr", "0"]
+    status, out, _ = run("dlrm.py", argv, monkeypatch, capsys)
+    assert status == 0, out
+    printed = next(line for line in out.splitlines() if line.startswith("train:"))
+    first = float(printed.split("loss ")[1].split(" ->")[0])
+    dlrm = runpy.run_path(str(EXAMPLES / "dlrm.py"), run_name="dlrm_example")
+    torch.manual_seed(0)
+    rows = dlrm["table_rows"](2, 5, 9)
+    model = dlrm["DLRM"](rows, 4, "sgd", 0.0)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    with torch.no_grad():
+        losses = [loss_fn(model(dense, indices, offsets).float(), labels).item()
+                  for dense, indices, offsets, labels in dlrm["make_batches"](rows, 8, 2, 4)[:3]]
+    assert first == pytest.approx(sum(losses) / 3, abs=1e-4)
