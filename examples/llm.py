@@ -18,7 +18,8 @@ MemAvailable: a shape that does not fit is refused with one line, exit status 2.
 ``--packed FILE`` decodes a packed file with ``xlaunch.llm.load_decoder`` instead: transformers is never
 imported by this process, and instances started by ``xlaunch --ninstances N`` map the one file. A missing
 or stale file (another checkpoint, precision or kernel level) is written first by a child process, under a
-lock next to it, so N instances write it once.
+lock next to it, so N instances write it once; anything else at that name (a directory, a device, a link, a
+file that is not a packed file) is refused with one line, exit status 2, and left as it is.
 Prints ``prefill: X tokens/s`` (the prompt's forward, to the first new token) and ``decode: Y tokens/s``
 (the ``--new-tokens`` tokens after the first, from a streamer's time stamps in the same ``generate``),
 per instance with its CPUs.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -115,6 +117,10 @@ def open_packed(args: argparse.Namespace, folder: Path, name: str):
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     weights = None if args.weights == "none" else args.weights
     path = Path(args.packed)
+    refused = _not_replaceable(path, packed_file.MAGIC, written=False)
+    if refused:                                          # before the lock: /tmp's would be /tmp.lock
+        print(f"examples/llm.py: --packed: {refused}", file=sys.stderr)
+        raise SystemExit(2)
     lock_path = path.with_name(path.name + ".lock")
     try:                                                 # a link planted at the lock's name is refused, not followed
         lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -124,6 +130,10 @@ def open_packed(args: argparse.Namespace, folder: Path, name: str):
     with os.fdopen(lock_fd) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         stale = packed_file.stale_reason(path, folder, dtype, weights, 128)
+        refused = stale and _not_replaceable(path, packed_file.MAGIC, written=True)
+        if refused:
+            print(f"examples/llm.py: --packed: {refused}", file=sys.stderr)
+            raise SystemExit(2)
         if stale is not None:
             started = time.perf_counter()
             written = subprocess.run([sys.executable, "-c", WRITE_PACKED, str(path), str(folder), args.dtype,
@@ -138,6 +148,32 @@ def open_packed(args: argparse.Namespace, folder: Path, name: str):
     print(f"decoder ({str(decoder.dtype).removeprefix('torch.')}, weights {decoder.weights}) mapped in "
           f"{time.perf_counter() - started:.2f} s: {path}{mapped} from {name}; transformers {held}")
     return decoder
+
+
+def _not_replaceable(path: Path, magic: bytes, written: bool) -> str:
+    """Why ``--packed`` must not write at ``path`` ("" when it may): a directory, a device, a FIFO; and, when it
+    is about to be written, a link (never written through) or a file that is not a packed file (a checkpoint,
+    a script: a stale packed file is replaced, anything else is the user's)."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return f"{path} is a link to nothing; name the file itself" if written and path.is_symlink() else ""
+    except OSError as error:
+        return f"cannot read {path}: {error.strerror}"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path} is not a regular file; name a packed file (it is written when missing)"
+    if not written:
+        return ""
+    if path.is_symlink():
+        return f"{path} is a link and would be written; name the file itself"
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(len(magic))
+    except OSError as error:
+        return f"cannot read {path}: {error.strerror}"
+    if head != magic:
+        return f"{path} is not an xlaunch packed file; not replacing it (remove it, or name another file)"
+    return ""
 
 
 def main(argv: list[str]) -> int:

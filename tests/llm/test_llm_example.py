@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -136,3 +137,31 @@ def test_a_link_planted_at_the_packed_files_lock_is_one_line_and_exit_2(tmp_path
     assert stop.value.code == 2 and not (tmp_path / "elsewhere").exists() and not (tmp_path / "m.xlp").exists()
     err = capfd.readouterr().err.strip()
     assert err.startswith("examples/llm.py: --packed: cannot open the lock ") and "\n" not in err
+
+
+@pytest.mark.parametrize("what", ["fifo", "directory", "user file", "link"])
+def test_packed_never_replaces_what_is_not_a_packed_file(what, tmp_path, capfd):
+    """--packed at a FIFO, a directory (its lock was made beside it), someone's own file or a link is one line and
+    exit 2, the thing left as it was: the example renamed a packed file over it (as root, over /dev/null)."""
+    spec = importlib.util.spec_from_file_location("xlaunch_llm_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    target = tmp_path / "target"
+    mine = tmp_path / "mine.py"
+    mine.write_text("print('mine')\n")
+    if what == "fifo":
+        os.mkfifo(target)
+    elif what == "directory":
+        target.mkdir()
+    elif what == "user file":
+        target = mine
+    else:
+        target.symlink_to(mine)
+    with pytest.raises(SystemExit) as stop:
+        example.main([*SHORT, "--packed", str(target)])
+    err = capfd.readouterr().err.strip()
+    assert stop.value.code == 2 and err.startswith(f"examples/llm.py: --packed: {target} ") and "\n" not in err, err
+    assert mine.read_text() == "print('mine')\n"
+    assert (target.is_fifo() if what == "fifo" else target.is_dir() if what == "directory" else
+            target.is_symlink() if what == "link" else target.is_file())
+    assert what not in ("fifo", "directory") or not (tmp_path / "target.lock").exists()   # refused before the lock
