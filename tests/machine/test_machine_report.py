@@ -187,3 +187,19 @@ def test_check_isa_reads_the_ceiling_from_its_environment():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["advice"]["bf16"]["fast"] is False
+
+
+@pytest.mark.parametrize("flag, does", [("--probe", "measures"), ("--torch", "asks torch about")])
+def test_probe_and_torch_refuse_a_recorded_machine(flag, does):
+    """--probe measured this machine and showed it as the recording's (a Xeon 8480+ "measured 0.03x fp32 (fp16)"
+    on this host); --torch showed this host's torch capability under the recording's CPU."""
+    import os
+    import subprocess
+    import sys
+
+    tree = str(machine_tree("xeon-2s-amx"))
+    done = subprocess.run([sys.executable, "-m", "xlaunch", "--check-isa", flag],
+                          env={**os.environ, "XLAUNCH_FSROOT": tree}, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"xlaunch: error: {flag}: {does} this machine, not the recorded one in "
+                           f"XLAUNCH_FSROOT={tree} (unset XLAUNCH_FSROOT for this one)\n")

@@ -295,10 +295,14 @@ def _machine_information(line: CommandLine, environ: Mapping[str, str]) -> int:
             raise OptionError(f"--{flag}", "only applies with --check-isa")
     import json
 
-    from xlaunch.launcher.plan.target import target_machine
+    from xlaunch.launcher.plan.target import is_live, target_machine
     from xlaunch.machine import report
 
     machine = target_machine(environ)
+    for flag, does in (("probe", "measures"), ("torch", "asks torch about")):
+        if params[flag] and not is_live(machine):    # what it found would be shown as the recording's
+            raise OptionError(f"--{flag}", f"{does} this machine, not the recorded one in XLAUNCH_FSROOT="
+                                           f"{environ.get('XLAUNCH_FSROOT')} (unset XLAUNCH_FSROOT for this one)")
     if params["check_isa"]:
         result = report.isa_report(machine, with_torch=bool(params["torch"]), environ=dict(environ))
         if params["probe"]:
