@@ -386,6 +386,16 @@ def test_filter_end_of_stream_and_overlong_lines() -> None:
     assert keep.feed(long) == long and keep.tally.lines == 0     # not oneDNN's: given back unchanged
 
 
+def test_filter_gives_back_binary_bytes_after_a_marker() -> None:
+    """oneDNN prints text: a program's binary output holding ``onednn_verbose,v1,info,`` up to a newline is the
+    program's (it was taken out as a header: the bytes vanished from the output)."""
+    keep = VerboseFilter()
+    binary = b"\x89PNG onednn_verbose,v1,info,cpu,isa:\x00\xff\x13 raw pixels\n"
+    control = b"onednn_verbose,v1,primitive,exec,cpu,matmul,gemm:jit,undef,\x1b[2K,,,2x2,0.1\n"
+    assert keep.feed(binary + control + RECORDED[0]) + keep.close() == binary + control
+    assert keep.taken == 1 and keep.tally.lines == 1
+
+
 def test_filter_raw_log_failure_keeps_counting() -> None:
     class Full:
         def write(self, data: bytes) -> int:

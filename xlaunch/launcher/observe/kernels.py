@@ -53,6 +53,7 @@ _OLD_TENSOR = re.compile(r"^([a-z_]+?)_(" + "|".join(_DATA_TYPES) + r")$")
 # passed over, ``ONEDNN_VERBOSE=dispatch`` or ``all``) and ``create:check`` are notes, not creations.
 _ENGINES = frozenset({"cpu", "gpu"})
 _NOTES = frozenset({"create:dispatch", "create:check"})
+_NOT_TEXT = re.compile("[\x00-\x08\x0a-\x1f\x7f\ufffd]")   # tabs pass; U+FFFD: bytes that were not UTF-8
 MAX_SIGNATURES = 8192      # distinct primitives remembered to tell a re-creation from a first one
 
 
@@ -75,9 +76,11 @@ class Line:
 
 
 def parse_line(text: str) -> Optional[Line]:
-    """The line as oneDNN meant it, or None when it is not a verbose line of a known layout."""
-    fields = text.rstrip("\r\n").split(",")
-    if fields[0] not in MARKERS or len(fields) < 3:
+    """The line as oneDNN meant it, or None when it is not a verbose line of a known layout (oneDNN
+    prints text: a line with control characters or undecodable bytes is someone else's)."""
+    text = text.rstrip("\r\n")
+    fields = text.split(",")
+    if fields[0] not in MARKERS or len(fields) < 3 or _NOT_TEXT.search(text):
         return None
     if fields[0] == MARK_PREFIX:
         if fields[1] != "build" or fields[2] not in ("start", "end"):
