@@ -203,3 +203,20 @@ def test_probe_and_torch_refuse_a_recorded_machine(flag, does):
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == (f"xlaunch: error: {flag}: {does} this machine, not the recorded one in "
                            f"XLAUNCH_FSROOT={tree} (unset XLAUNCH_FSROOT for this one)\n")
+
+
+@pytest.mark.parametrize("flag", ["--check-isa", "--show-topology"])
+def test_a_page_that_cannot_be_written_is_one_line_and_status_1(flag):
+    """Stdout on a full disk (/dev/full): the page is the whole job, so its loss is said in one line (it was
+    OSError's traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "xlaunch", flag], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr == f"xlaunch: error: {flag}: cannot write to stdout: No space left on device\n"

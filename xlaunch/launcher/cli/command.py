@@ -322,7 +322,14 @@ def _machine_information(line: CommandLine, environ: Mapping[str, str]) -> int:
             text = json.dumps(result, indent=2, sort_keys=False)
     else:
         text = json.dumps(report.topology_json(machine), indent=2) if params["json"] else report.format_topology(machine)
-    sys.stdout.write(text.rstrip("\n") + "\n")
+    try:
+        sys.stdout.write(text.rstrip("\n") + "\n")
+        sys.stdout.flush()
+    except OSError as exc:        # the page is the whole job: say it did not arrive (a full disk, no reader)
+        flag = "--check-isa" if params["check_isa"] else "--show-topology"
+        sys.stderr.write(f"xlaunch: error: {flag}: cannot write to stdout: {exc.strerror or exc}\n")
+        sys.stdout = open(os.devnull, "w")     # noqa: SIM115 - nothing more goes there (nor at exit)
+        return 1
     return 0
 
 
