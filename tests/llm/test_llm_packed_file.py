@@ -243,3 +243,17 @@ def test_an_fp32_model_of_bf16_values_round_trips_with_its_bf16_storage(tmp_path
     assert loaded.lm_head.weight.dtype == torch.bfloat16 and loaded.dtype == torch.float32
     with torch.no_grad():
         assert torch.equal(loaded(torch.tensor(IDS)).logits, model(torch.tensor(IDS)).logits)
+
+
+def test_save_packed_never_replaces_a_device_fifo_or_folder(packed, tmp_path):
+    """It renamed its finished file over whatever was at the path: as root, a device node too (examples/llm.py
+    --packed /dev/null replaced the machine's /dev/null with a regular file). A private FIFO and folder stand in."""
+    _, path, _ = packed
+    model = llm.from_pretrained(path)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    for name in ("fifo", "folder"):
+        with pytest.raises(PackedFileError, match=f"{name} is not a regular file \\(never replaced\\)"):
+            llm.save_packed(model, tmp_path / name)
+    assert (tmp_path / "fifo").is_fifo() and (tmp_path / "folder").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "folder"]     # no partial file left

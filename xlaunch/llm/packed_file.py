@@ -165,8 +165,9 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
         offset += entry["nbytes"]
     header = json.dumps(manifest).encode()
     path = Path(path)
-    if path.is_symlink():
-        raise PackedFileError(f"xlaunch.llm.save_packed: {path} is a symlink; give the file's own path")
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_file()):   # a device would be renamed over
+        what = "a symlink; give the file's own path" if path.is_symlink() else "not a regular file (never replaced)"
+        raise PackedFileError(f"xlaunch.llm.save_packed: {path} is {what}")
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         if os.path.lexists(partial):      # a crashed writer's, or a link planted there: removed, never followed
@@ -419,8 +420,7 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
         raise _fail(path, f"the manifest's model or generation config is malformed ({type(error).__name__}: {first})") from None
     if manifest.get("decoder") is not None and _spec(path, manifest["decoder"]) != spec:
         raise _fail(path, "the decoder shape it records is not its config's")
-    if generation is not None:
-        model.generation_config = generation
+    model.generation_config = generation if generation is not None else model.generation_config
     model = install(model, spec, dtype, _parts(path, manifest, area, spec, dtype, private))
     source = manifest.get("source")
     if isinstance(source, dict) and isinstance(source.get("path"), str) and source["path"]:
