@@ -205,8 +205,13 @@ def test_probe_and_torch_refuse_a_recorded_machine(flag, does):
                            f"XLAUNCH_FSROOT={tree} (unset XLAUNCH_FSROOT for this one)\n")
 
 
-@pytest.mark.parametrize("flag", ["--check-isa", "--show-topology"])
-def test_a_page_that_cannot_be_written_is_one_line_and_status_1(flag):
+@pytest.mark.parametrize("argv, flag", [
+    (["--check-isa"], "--check-isa"), (["--show-topology"], "--show-topology"), (["--show-cache"], "--show-cache"),
+    (["--help"], "--help"), (["--version"], "--version"), (["-q", "--dry-run", "--no-python", "true"], "--dry-run"),
+    (["-q", "--dry-run", "--json", "--no-python", "true"], "--dry-run"),
+    (["-q", "--nproc-per-node", "1", "--dry-run", "--no-python", "true"], "--dry-run")],
+    ids=["check-isa", "show-topology", "show-cache", "help", "version", "dry-run", "dry-run-json", "nproc-dry-run"])
+def test_a_page_that_cannot_be_written_is_one_line_and_status_1(argv, flag, tmp_path):
     """Stdout on a full disk (/dev/full): the page is the whole job, so its loss is said in one line (it was
     OSError's traceback)."""
     import os
@@ -216,7 +221,7 @@ def test_a_page_that_cannot_be_written_is_one_line_and_status_1(flag):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "xlaunch", flag], stdout=full, stderr=subprocess.PIPE,
-                              text=True, timeout=60)
+        done = subprocess.run([sys.executable, "-m", "xlaunch", *argv], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60, env={**os.environ, "XLAUNCH_CACHE_DIR": str(tmp_path)})
     assert done.returncode == 1
     assert done.stderr == f"xlaunch: error: {flag}: cannot write to stdout: No space left on device\n"

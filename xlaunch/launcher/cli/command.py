@@ -20,6 +20,7 @@ from xlaunch.launcher.cli.parse import CommandLine, parse_fast, typed_spellings
 from xlaunch.launcher.cli.spec import COMPLETE_VAR, NOT_OPTIONS
 from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError, OptionError
 from xlaunch.launcher.plan.options import Options, build_options
+from xlaunch.launcher.plan.show import page_lost, write_page
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -44,7 +45,10 @@ def run(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str
 
         return shell_complete(instruction)
     args = list(sys.argv[1:] if argv is None else argv)
-    line = parse_command_line(args)
+    try:
+        line = parse_command_line(args)
+    except OSError as exc:        # --help or --version to a full stdout (click writes them)
+        return page_lost("--help" if {"-h", "--help"} & set(args) else "--version", exc)
     if isinstance(line, int):     # click printed the help or the version, or wrote the error
         return line
     params = line.params
@@ -322,15 +326,7 @@ def _machine_information(line: CommandLine, environ: Mapping[str, str]) -> int:
             text = json.dumps(result, indent=2, sort_keys=False)
     else:
         text = json.dumps(report.topology_json(machine), indent=2) if params["json"] else report.format_topology(machine)
-    try:
-        sys.stdout.write(text.rstrip("\n") + "\n")
-        sys.stdout.flush()
-    except OSError as exc:        # the page is the whole job: say it did not arrive (a full disk, no reader)
-        flag = "--check-isa" if params["check_isa"] else "--show-topology"
-        sys.stderr.write(f"xlaunch: error: {flag}: cannot write to stdout: {exc.strerror or exc}\n")
-        sys.stdout = open(os.devnull, "w")     # noqa: SIM115 - nothing more goes there (nor at exit)
-        return 1
-    return 0
+    return write_page(text.rstrip("\n") + "\n", "--check-isa" if params["check_isa"] else "--show-topology")
 
 
 def _show_cache(line: CommandLine, environ: Mapping[str, str]) -> int:
@@ -356,8 +352,7 @@ def _show_cache(line: CommandLine, environ: Mapping[str, str]) -> int:
                            "size": sum(item["size"] for item in entries), "entries": entries[::-1]}, indent=2)
     else:
         text = cache.describe(root, limit, entries)
-    sys.stdout.write(text.rstrip("\n") + "\n")
-    return 0
+    return write_page(text.rstrip("\n") + "\n", "--show-cache")
 
 
 def _launch(options: Options, environ: Mapping[str, str]) -> int:
@@ -387,10 +382,8 @@ def _launch(options: Options, environ: Mapping[str, str]) -> int:
         if options.json:
             import json
 
-            sys.stdout.write(json.dumps(the_plan.to_json(environ), indent=2) + "\n")
-        else:
-            sys.stdout.write(format_plan(the_plan, environ, verbose=options.verbosity > 0))
-        return 0
+            return write_page(json.dumps(the_plan.to_json(environ), indent=2) + "\n", "--dry-run")
+        return write_page(format_plan(the_plan, environ, verbose=options.verbosity > 0), "--dry-run")
     if options.verbosity > 0:
         sys.stderr.write(format_plan(the_plan, environ, verbose=options.verbosity > 1))
     from xlaunch.launcher.run.runner import run_plan

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from xlaunch._records import replace
 from xlaunch.cpulist import format_cpulist
 from xlaunch.launcher.errors import OptionError, PlanError
+from xlaunch.launcher.plan.show import write_page
 from xlaunch.launcher.plan.options import parse_nnodes
 from xlaunch.launcher.plan.target import refuse_recorded, target_machine
 from xlaunch.launcher.plan.reserve import ccl_available
@@ -133,12 +134,10 @@ def run_per_rank(options: "Options", environ: Mapping[str, str], machine: Any) -
             data = shown.to_json(environ)
             data["rank"] = {"local_rank": local.rank, "local_size": local.size, "source": local.source,
                             "variables": list(local.variables)}
-            sys.stdout.write(json.dumps(data, indent=2) + "\n")
-        else:
-            from xlaunch.launcher.plan.show import format_plan
+            return write_page(json.dumps(data, indent=2) + "\n", "--dry-run")
+        from xlaunch.launcher.plan.show import format_plan
 
-            sys.stdout.write(f"xlaunch: {local.describe()}\n" + format_plan(shown, environ, verbose=True))
-        return 0
+        return write_page(f"xlaunch: {local.describe()}\n" + format_plan(shown, environ, verbose=True), "--dry-run")
     refuse_recorded(machine, options.dry_run)
     if FRONT_MARKER in environ:   # started by xlaunch's front: output to its pipe, say who we are
         problem = attach_rank(environ, local.rank)
@@ -371,7 +370,7 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any) -> i
             data = shown.to_json(environ)
             data["distributed"] = {"engine": "torch.distributed.run", "torchrun_options": agent,
                                    "rank_command": worker}
-            sys.stdout.write(json.dumps(data, indent=2) + "\n")
+            return write_page(json.dumps(data, indent=2) + "\n", "--dry-run")
         else:
             from xlaunch.launcher.plan.show import format_plan
 
@@ -379,9 +378,9 @@ def run_front(options: "Options", environ: Mapping[str, str], machine: Any) -> i
             text += f"  torchrun: {shlex.join(agent)}\n"
             if worker:
                 text += f"  each rank runs: {shlex.join(worker)}\n"
-            (sys.stdout if options.dry_run else sys.stderr).write(text)
-        if options.dry_run:
-            return 0
+            if options.dry_run:
+                return write_page(text, "--dry-run")
+            sys.stderr.write(text)
     refuse_recorded(machine, options.dry_run)
     return run_job(options, node_plan, agent, worker, environ)
 

@@ -1,6 +1,9 @@
 """How a plan is printed for people (``--dry-run``, ``-v``); ``Plan.to_json`` is the machine form."""
 from __future__ import annotations
 
+import os
+import sys
+
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Any, Mapping, Sequence
@@ -78,3 +81,21 @@ def _describe_machine(summary: Mapping[str, Any]) -> str:
     if summary.get("cpu_budget") is not None:
         parts.append(f"CPU budget {summary['cpu_budget']:g}")
     return " on " + ", ".join(parts) if parts else ""
+
+
+def write_page(text: str, flag: str) -> int:
+    """Write the page a command is for to stdout: 0, or 1 with one line naming ``flag`` when it does not
+    arrive (a full disk, no reader): the page is the whole job, never a traceback."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        return page_lost(flag, exc)
+    return 0
+
+
+def page_lost(flag: str, exc: OSError) -> int:
+    """1, with one line saying the page of ``flag`` did not arrive; nothing more goes to stdout (nor at exit)."""
+    sys.stderr.write(f"xlaunch: error: {flag}: cannot write to stdout: {exc.strerror or exc}\n")
+    sys.stdout = open(os.devnull, "w")     # noqa: SIM115
+    return 1
