@@ -16,6 +16,7 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 from xlaunch import _isa_levels as isa
 from xlaunch._callers import stacklevel_outside
+from xlaunch.userfiles import untrusted, untrusted_folder
 
 FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
 _TORCH_INCLUDE = re.compile(r"^#include <((?:ATen|c10|torch)/[^>]+)>", re.M)
@@ -81,6 +83,31 @@ def torch_flags(csrc: Path, flags: Sequence[str] = FLAGS) -> tuple[list[str], li
     return compile_flags, [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
+def incomplete(path: Path) -> Optional[str]:
+    """Why ``path`` is not a whole 64-bit little-endian ELF library (truncated, or not ELF), or None.
+
+    Loading a library shorter than its headers say crashes the process (SIGBUS), not an error."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            header = handle.read(64)
+            if len(header) < 64 or header[:6] != b"\x7fELF\x02\x01":
+                return "not a 64-bit little-endian ELF file"
+            phoff, shoff = struct.unpack_from("<QQ", header, 32)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 54)
+            handle.seek(phoff)
+            table = handle.read(phentsize * phnum)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if phentsize < 56 or len(table) < phentsize * phnum or shoff + shentsize * shnum > size:
+        return f"truncated ({size} bytes)"
+    for index in range(phnum):
+        offset, filesz = struct.unpack_from("<Q16xQ", table, index * phentsize + 8)
+        if offset + filesz > size:
+            return f"truncated ({size} bytes; a segment ends at {offset + filesz})"
+    return None
+
+
 def _finish(process: subprocess.Popen, what: str, cxx: str, label: str) -> None:
     output, _ = process.communicate()
     if process.returncode != 0:
@@ -104,9 +131,13 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
     paths = [source_path(csrc, name) for name in sources]
     headers = sorted({name for path in paths for name in _TORCH_INCLUDE.findall(path.read_text())})
     for path, _ in targets.values():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         if path.parent.is_symlink():
             raise RuntimeError(f"refusing to build into {path.parent}: it is a symlink")
+        reason = untrusted_folder(str(path.parent))
+        if reason:                          # what is built there would never be loaded
+            raise RuntimeError(f"refusing to build into {path.parent}: another user could replace what is "
+                               f"built there ({reason})")
     parallel = max(1, os.cpu_count() or 1)
     first = next(iter(targets.values()))[0]
     with tempfile.TemporaryDirectory(dir=first.parent, prefix=".build-") as scratch:
@@ -141,7 +172,8 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
                 (level, what, command, output, _), process = running.pop(0)
                 _finish(process, f"{what} ({level})", cxx, label)
                 done.add(command[-1])
-                if isinstance(output, tuple):       # a linked library: into place
+                if isinstance(output, tuple):       # a linked library: into place, writable by us only
+                    output[0].chmod(0o755)
                     if output[1].is_symlink():
                         output[1].unlink()
                     os.replace(*output)
@@ -172,6 +204,7 @@ class Library:
         self.warned = False
         self.preference: Union[None, bool, str] = None
         self.chosen: Optional[tuple] = None     # (the cap it was chosen under, the level)
+        self.refused: dict = {}                 # level -> why a library found for it is not loaded
 
     # -- where ---------------------------------------------------------------------------------
     def cache_dir(self) -> Path:
@@ -206,11 +239,15 @@ class Library:
         return tuple(level for level in self.levels if level in host)
 
     def find(self, level: str) -> Optional[Path]:
-        """The built library of ``level``: the cache's, else the wheel's; None when neither exists."""
+        """The built library of ``level``: the cache's, else the wheel's; None when neither exists or
+        another user could have put it there (:func:`xlaunch.userfiles.untrusted`: never loaded)."""
         name = self.file_name(level)
         for folder in (self.cache_dir(), self.prebuilt_dir()):
             if (folder / name).is_file() and not (folder / name).is_symlink():
-                return folder / name
+                reason = untrusted(str(folder / name))
+                if reason is None:
+                    return folder / name
+                self.refused[level] = reason
         return None
 
     def library_path(self, level: Optional[str] = None) -> Path:
@@ -246,7 +283,7 @@ class Library:
             if into is not None and not force and cached.is_file() and not cached.is_symlink():
                 folder.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(cached, target)
-            if force or not target.is_file() or target.is_symlink():
+            if force or not target.is_file() or target.is_symlink() or untrusted(str(target)) or incomplete(target):
                 missing[level] = (target, level_flags(self.namespace, level))
         if missing:
             compile_levels(self.csrc, self.sources(), missing, self.label, echo=echo)
@@ -295,14 +332,25 @@ class Library:
         path = self.find(level) if self.sources() else None
         if path is not None:
             try:
+                if incomplete(path):
+                    raise OSError(incomplete(path))
                 torch.ops.load_library(str(path))
-                return getattr(torch.ops, f"{self.namespace}_{level}")
+                ops = getattr(torch.ops, f"{self.namespace}_{level}")
+                found = ops.compiled_isa() if hasattr(ops, "compiled_isa") else "no compiled_isa() operator"
+                if found != level:          # another library under this one's name: its operators are not ours
+                    raise RuntimeError(f"it is not the {level} library ({found})")
+                return ops
             except (OSError, RuntimeError) as exc:
                 warnings.warn(f"{self.label}: the native kernels at {path} do not load ({exc}); "
                               "using the pure-torch paths", RuntimeWarning,
                               stacklevel=stacklevel_outside("xlaunch", "torch"))
                 return None
-        if not self.warned and self.sources():
+        if not self.warned and self.sources() and level in self.refused:
+            self.warned = True
+            warnings.warn(f"{self.label}: the native kernels found are not loaded: {self.refused[level]}, so another "
+                          "user could have put them there; using the pure-torch paths", RuntimeWarning,
+                          stacklevel=stacklevel_outside("xlaunch", "torch"))
+        elif not self.warned and self.sources():
             self.warned = True
             warnings.warn(f"{self.label}: native kernels not built here; using the slower pure-torch paths "
                           f"(build them with `python -m {self.label}.native`)", RuntimeWarning,

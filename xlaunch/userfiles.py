@@ -168,3 +168,50 @@ def check_writable_dir(directory: str) -> str | None:
     except OSError:
         pass
     return None
+
+
+def _open_to_others(info: os.stat_result) -> bool:
+    """Writable by another user: by others, or by a group not this process's own (a sticky folder is not)."""
+    if stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX:
+        return False
+    return bool(info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid != os.getegid()))
+
+
+def _trusted(info: os.stat_result) -> bool:
+    return info.st_uid in (0, os.geteuid()) and not _open_to_others(info)
+
+
+def untrusted(path: str) -> str | None:
+    """Why code at ``path`` could have been planted by another user, or None when it could not: the
+    file is a regular file (not a symlink) owned by this user or root and writable by no one else
+    (a group-writable one only by this process's own group), and so is every folder above it (a
+    folder others may write to must be sticky, as ``/tmp``): the check before loading a library."""
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError) as exc:
+        return f"cannot check {path}: {getattr(exc, 'strerror', None) or exc}"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path} is {kind_of(info.st_mode)}, not a regular file"
+    if not _trusted(info):
+        return f"{path} is owned by uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}"
+    above = os.path.dirname(os.path.abspath(path))
+    for folder in dict.fromkeys((above, os.path.realpath(above))):    # the folders named, and those linked to
+        reason = untrusted_folder(folder)
+        if reason:
+            return reason
+    return None
+
+
+def untrusted_folder(folder: str) -> str | None:
+    """Why another user could put a file into ``folder`` (see :func:`untrusted`), or None."""
+    while True:
+        try:
+            info = os.stat(folder)
+        except OSError as exc:
+            return f"cannot check {folder}: {exc.strerror or exc}"
+        if not _trusted(info):
+            return f"its folder {folder} is owned by uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}"
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
