@@ -122,3 +122,28 @@ def test_placed_is_the_file_itself_on_one_node_and_the_nodes_copy_on_two(weights
         clear_cache()
     assert copy.name.startswith(f".m.xlp.node{0 if cpus <= set(range(56)) else 1}.")
     assert copy.read_bytes() == weights.read_bytes()
+
+
+def test_a_copy_of_the_right_size_another_user_could_have_written_is_rewritten(weights):
+    target = weights.parent / f".m.xlp.node0.{node_copies._key(weights)}"
+    target.write_bytes(b"X" * weights.stat().st_size)          # other weights, of the file's size
+    target.chmod(0o666)                                        # anyone could have written it
+    copy = node_copy(weights, 0)
+    assert copy == target and copy.read_bytes() == weights.read_bytes()
+    if os.geteuid() == 0:                                      # planted by another user (uid 65534)
+        os.chown(target, 65534, 65534)
+        target.write_bytes(b"Y" * weights.stat().st_size)
+        target.chmod(0o644)
+        assert node_copy(weights, 0).read_bytes() == weights.read_bytes()
+
+
+def test_a_cache_folder_others_may_write_is_one_error(weights, tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)                                        # XLAUNCH_CACHE_DIR under an open /tmp folder
+    monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(shared))
+    monkeypatch.setattr(node_copies, "_writable", lambda folder: False)
+    with pytest.raises(NodeCopyError, match="another user could replace it .*mode 777") as info:
+        node_copy(weights, 0)
+    assert "\n" not in str(info.value)
+    assert not [path for path in shared.rglob("*") if path.is_file()]

@@ -11,7 +11,9 @@ span nodes, it is the file itself.
 
 A copy sits beside the file, hidden (``.<name>.node<N>.<key>``; ``key`` hashes the file's path, inode,
 size and modification time, so a changed file gets a new copy and the node's old one is removed), or,
-where that folder cannot be written, under ``$XLAUNCH_CACHE_DIR/node-copies``. It is written under a lock
+where that folder cannot be written, under ``$XLAUNCH_CACHE_DIR/node-copies`` (refused when another user could
+write there: :func:`xlaunch.userfiles.untrusted_folder`). A copy is used only when written by this user, root
+or the file's owner; another's is rewritten. It is written under a lock
 to a new temporary file (:func:`xlaunch.userfiles.new_file`: ``O_EXCL | O_NOFOLLOW``) and renamed into
 place: a link planted at its name or the lock's is never written through. No torch here.
 """
@@ -62,16 +64,23 @@ def _fallback_folder(source: Path) -> Path:
     base = os.environ.get("XLAUNCH_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "xlaunch")
     folder = Path(base) / "node-copies" / hashlib.sha256(os.path.realpath(source).encode()).hexdigest()[:12]
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    reason = userfiles.untrusted_folder(str(folder))
+    if reason:                  # another user could put a copy of other bytes there (or swap ours) for us to map
+        raise NodeCopyError(errno.EPERM, f"a node-local copy of {source}: not in {folder}, another user could "
+                                         f"replace it ({reason})")
     return folder
 
 
-def _is_copy_of(path: Path, size: int) -> bool:
+def _is_copy_of(path: Path, source: os.stat_result) -> bool:
+    """A finished copy of the file: a regular file of its size, written by this user, root or the file's owner
+    (another's, of the same size but other bytes, is replaced: its weights are not the file's)."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
         return False
-    return stat.S_ISREG(info.st_mode) and info.st_size == size
+    return (stat.S_ISREG(info.st_mode) and info.st_size == source.st_size
+            and info.st_uid in (0, os.geteuid(), source.st_uid) and not info.st_mode & stat.S_IWOTH)
 
 
 def node_copy(path: Any, node: int, folder: Any = None) -> Path:
@@ -86,12 +95,12 @@ def node_copy(path: Any, node: int, folder: Any = None) -> Path:
                                                           else _fallback_folder(source))
         stem = f".{source.name}.node{node}"
         target = where / f"{stem}.{_key(source)}"
-        if _is_copy_of(target, info.st_size):
+        if _is_copy_of(target, info):
             return target
         lock_fd = os.open(where / f"{stem}.lock", os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o644)
         with os.fdopen(lock_fd) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not _is_copy_of(target, info.st_size):     # another process of the node may have written it
+            if not _is_copy_of(target, info):     # another process of the node may have written it
                 _write(source, target)
                 finished = re.compile(re.escape(stem) + r"\.[0-9a-f]{12}")
                 for old in where.iterdir():
