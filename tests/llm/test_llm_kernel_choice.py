@@ -169,6 +169,19 @@ def test_a_malformed_cache_file_is_measured_again_and_rewritten(monkeypatch, iso
     assert list(json.loads(isolated.read_text()).values()) == [None]
 
 
+@pytest.mark.parametrize("value", ["true", "1.5", "1e400"])
+def test_a_cached_count_of_the_wrong_type_is_measured_again(monkeypatch, isolated, value):
+    monkeypatch.setattr(footprint, "native_bf16", lambda: True)
+    key = kernel_choice.shape_key("bf16", 16, 8, 0, torch.bfloat16, torch.get_num_threads())
+    isolated.parent.mkdir(parents=True)
+    isolated.write_text(f'{{"{key}": {value}}}')        # JSON true was read as a count of 1: dense for every call
+    monkeypatch.setattr(kernel_choice, "measure", lambda *a, **k: None)
+    kernel, dense, calls = routes()
+    kernel_choice.routed("avx2", "bf16", 16, 8, 0, kernel, dense)(torch.zeros(20, 8, dtype=torch.bfloat16))
+    assert calls == [("kernel", 20)]
+    assert json.loads(isolated.read_text()) == {key: None}
+
+
 def test_a_special_file_or_a_symlinked_folder_is_never_written_through(monkeypatch, isolated, tmp_path):
     monkeypatch.setattr(footprint, "native_bf16", lambda: True)
     monkeypatch.setattr(kernel_choice, "measure", lambda *a, **k: 16)

@@ -101,7 +101,7 @@ def _read_cache(path: Path) -> dict[str, Optional[int]]:
     if not isinstance(data, dict):
         return {}
     return {key: value for key, value in data.items()
-            if isinstance(key, str) and (value is None or (isinstance(value, int) and value > 0))}
+            if isinstance(key, str) and (value is None or (type(value) is int and value > 0))}   # not JSON true
 
 
 def _write_cache(path: Path, known: dict[str, Optional[int]]) -> None:
