@@ -8,6 +8,7 @@ that the two test workers compile at the same time.
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -148,7 +149,12 @@ class Recurrent(nn.Module):
     ({"mode": "static"}, ValueError, "mode='static' needs calibration"),
     ({"mode": "static", "calibration": []}, ValueError, "calibration is empty"),
     ({"calibration": torch.zeros(2, 64)}, TypeError, "iterable of input tuples"),
-    ({"max_error": 0}, ValueError, "max_error must be > 0"),
+    ({"max_error": 0}, ValueError, "max_error must be a number > 0"),
+    ({"max_error": "0.1"}, ValueError, "max_error must be a number > 0, not '0.1'"),
+    ({"rounds": 0}, ValueError, "rounds must be an int >= 1, not 0"),
+    ({"rounds": "3"}, ValueError, "rounds must be an int >= 1"),
+    ({"calibration": 5}, TypeError, "calibration must be an iterable of input tuples .* not int"),
+    ({"calibration": "batches"}, TypeError, "calibration must be an iterable of input tuples .* not str"),
 ])
 def test_bad_arguments_give_one_clear_error(kwargs: dict, error: type, match: str) -> None:
     model, example, _ = make("mlp")
@@ -277,3 +283,21 @@ def test_an_unbacked_compile_that_fails_compiles_again_with_a_dynamic_batch(monk
         assert tried == ["unbacked", "dynamic"] and runner.how == "dynamic" and runner.calls == 1
         torch.testing.assert_close(runner(x[:3]), model(x[:3]))   # the dynamic graph serves batch 3
     assert tried == ["unbacked", "dynamic"] and runner.calls == 2
+
+
+def test_a_layer_the_route_converted_is_not_also_reported_fp32() -> None:
+    """A Conv1d is among the kinds no route is known to convert, yet the dynamic PT2E route does
+    convert it: the report listed it both as quantized and as kept fp32, with a false warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantized = quantize(model, (torch.randn(2, 3, 16),), mode="dynamic", progress=False)
+    report = quantized.report
+    assert "3" in report.quantized
+    assert not set(report.quantized) & set(report.kept_fp32), (report.quantized, report.kept_fp32)
+    stay = [str(w.message) for w in caught if issubclass(w.category, QuantizeWarning) and "stay fp32" in str(w.message)]
+    if "0" in report.quantized:
+        assert not any("Conv1d" in message for message in stay), stay
+    else:
+        assert "0" in report.kept_fp32 and len(stay) == 1

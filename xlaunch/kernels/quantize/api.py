@@ -183,9 +183,9 @@ def _as_args(inputs: Any, what: str) -> tuple:
 def _calibration(calibration: Optional[Iterable[Any]]) -> Optional[list[tuple]]:
     if calibration is None:
         return None
-    if isinstance(calibration, torch.Tensor):
+    if isinstance(calibration, (torch.Tensor, str, bytes, dict)) or not hasattr(calibration, "__iter__"):
         raise TypeError("quantize: calibration must be an iterable of input tuples (e.g. [(x1,), (x2,)]), "
-                        "not one tensor")
+                        f"not {'one tensor' if isinstance(calibration, torch.Tensor) else type(calibration).__name__}")
     batches = [_as_args(batch, "each calibration item") for batch in calibration]
     if not batches:
         raise ValueError("quantize: calibration is empty")
@@ -272,8 +272,7 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     if mode == "static" and batches is None:
         raise ValueError("quantize: mode='static' needs calibration=[(inputs...), ...] to set the "
                          "activation scales (or use mode='dynamic' or 'weight_only')")
-    if not max_error > 0:
-        raise ValueError(f"quantize: max_error must be > 0, not {max_error!r}")
+    policy.check_limits(max_error, rounds)
     steps = 3 if mode != "auto" else 2 + len(policy.INT8_ROUTES)   # a terminal bar's length (about)
     show = Progress(total=steps, enabled=progress, title=PROGRESS_TITLE)
     try:
@@ -438,7 +437,8 @@ def _finish(report: QuantizeReport, route: str, build: routes.Built, fp32: nn.Mo
             unsupported: dict[str, str], why: str) -> QuantizedModule:
     report.mode, report.reason = route, why
     report.quantized = list(build.quantized)
-    report.kept_fp32 = {**build.kept_fp32, **{k: v for k, v in unsupported.items() if k not in build.kept_fp32}}
+    report.kept_fp32 = {**build.kept_fp32, **{k: v for k, v in unsupported.items()   # a route may convert them
+                                              if k not in build.kept_fp32 and k not in build.quantized}}
     result = report.routes[route]
     report.rel_error, report.argmax_agreement = result.rel_error, result.argmax_agreement
     if report.kept_fp32:

@@ -70,6 +70,14 @@ def check_mode(mode: object) -> str:
     return mode
 
 
+def check_limits(max_error: object, rounds: object) -> None:
+    """``quantize(max_error=..., rounds=...)`` checked before any work: a positive number, a positive int."""
+    if isinstance(max_error, bool) or not isinstance(max_error, (int, float)) or not max_error > 0:
+        raise ValueError(f"quantize: max_error must be a number > 0, not {max_error!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"quantize: rounds must be an int >= 1, not {rounds!r}")
+
+
 def check_routes(routes: Optional[Iterable[str]]) -> tuple[str, ...]:
     """``quantize(consider=...)`` checked: the routes auto may build (None: all)."""
     if routes is None:
