@@ -301,3 +301,24 @@ def test_a_layer_the_route_converted_is_not_also_reported_fp32() -> None:
         assert not any("Conv1d" in message for message in stay), stay
     else:
         assert "0" in report.kept_fp32 and len(stay) == 1
+
+
+class _SharedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.relu(self.a(x)))
+
+
+def test_a_layer_called_twice_is_reported_once() -> None:
+    """The PT2E graph holds one linear per call: a shared Linear was listed twice (``quantized (2): a, a``)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = _SharedLinear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = quantize(model, (x,), mode="dynamic", progress=False)
+    assert quantized.report.quantized == ["a"]
+    assert (quantized(x) - model(x)).abs().max().item() <= 0.1 * model(x).abs().max().item()

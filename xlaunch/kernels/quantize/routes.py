@@ -211,7 +211,7 @@ def account_pt2e(graph_module: nn.Module, route: str) -> tuple[list[str], dict[s
             continue
         name = _layer_name(node)
         if "dequantize_per_channel" in _weight_name(node):
-            quantized.append(name)
+            quantized += [name] if name not in quantized else []   # a layer called twice is one layer
             continue
         stack = node.meta.get("nn_module_stack") or {}
         kind = list(stack.values())[-1][1] if stack else ""
