@@ -334,6 +334,23 @@ with torch.no_grad():
 entry = hooks._entries[m]
 print('wrongcall', raised == [True, True], entry.given_up, entry.eager is not None, tuple(good.shape))
 """,
+    # a training loop validated under no_grad: fused steps (ours, torch's fused=True) bump no version
+    # counter, yet each validation must see the weights of that step, not those of the first one
+    "steps": """
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.Adam(m.parameters(), lr=0.1)
+x, y, xv = torch.randn(64, 16), torch.randint(0, 4, (64,)), torch.randn(16, 16)
+errors = []
+for step in range(3):
+    m.train(); opt.zero_grad(); nn.functional.cross_entropy(m(x), y).backward(); opt.step()
+    m.eval()
+    with torch.no_grad():
+        got = m(xv).float()
+    want = m(xv).detach()           # autograd on: the module itself
+    errors.append(float((got - want).abs().max() / want.abs().max()))
+print('steps', type(opt).__name__, max(errors) < 0.05, errors)
+""",
     # torch.compile's wrapper, where the hooks look for it (torch's optimizers have loaded torch._dynamo)
     "compiled": """
 import torch._dynamo.eval_frame as eval_frame
@@ -341,7 +358,7 @@ from xlaunch.kernels.inject import hooks
 print('compiled type', hooks._compiled_module_type() is eval_frame.OptimizedModule)
 """,
 }
-SCENARIOS_OF = {"none": ("odd", "grad", "hooks", "wrongcall", "compiled"), "jit": ("shapes", "values", "hooks")}
+SCENARIOS_OF = {"none": ("odd", "grad", "hooks", "wrongcall", "steps", "compiled"), "jit": ("shapes", "values", "hooks")}
 
 
 def scenario_script(freeze: str, model_script: str) -> str:
@@ -428,6 +445,11 @@ def test_the_programs_own_wrong_call_raises_and_keeps_the_optimized_copy(scenari
     result = scenarios("none")
     assert "wrongcall True False True (3, 2)" in result.stdout, result.stdout + result.stderr
     assert not [line for line in (result.stdout + result.stderr).splitlines() if "Strict runs unoptimized" in line]
+
+
+def test_validation_after_each_optimizer_step_sees_that_steps_weights(scenarios) -> None:
+    result = scenarios("none")
+    assert "steps FusedAdam True" in result.stdout, result.stdout + result.stderr
 
 
 def test_grad_enabled_eval_calls_run_unoptimized(scenarios) -> None:

@@ -139,12 +139,27 @@ def patch_torch(torch: Any) -> None:
             setattr(torch.optim, name, fused)
             swapped.append(name)
     _verbose(f"optimizers {', '.join(swapped)} -> xlaunch fused ({', '.join('Fused' + n for n in swapped)})")
+    # torch's fused kernels (ours, and torch.optim's fused=True) update parameters without bumping
+    # their version counter, which is how an optimized copy learns that its weights are stale
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_mark_stepped)
     original = torch.nn.Module.__call__
     torch.nn.Module.__call__ = _make_call(original, torch)
     torch.nn.Module._xlaunch_auto_optimize = True
     _verbose(f"eval-mode models called under no_grad are optimized on first call "
              f"(dtype {_settings.dtype if _settings else 'float32'}, freeze "
              f"{_settings.freeze if _settings else DEFAULT_FREEZE})")
+
+
+def _mark_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """After any optimizer's step: bump the version of every parameter it holds (as a plain,
+    unfused step does), so an optimized copy built from them is rebuilt."""
+    from torch.autograd.graph import increment_version
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params:
+        increment_version(params)
 
 
 _local = threading.local()
