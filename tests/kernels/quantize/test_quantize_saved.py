@@ -249,3 +249,22 @@ def test_pickling_a_quantized_model_says_to_save_it(quantized: dict) -> None:
     twin = copy.deepcopy(q)
     with torch.no_grad():
         assert twin.mode == q.mode and torch.equal(twin(x), q(x))
+
+
+@pytest.mark.parametrize("mode", ["weight_only", "dynamic"])
+def test_an_example_batch_of_one_gives_a_model_for_every_batch_size(tmp_path: Path, mode: str) -> None:
+    """export specialized an example's batch of 1 to 1: the quantized model (dynamic) and the loaded one
+    (weight_only too) then refused batch 4 ('Guard failed: input.size()[0] == 1')."""
+    from xlaunch.kernels.quantize import quantize
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+    quantized = quantize(model, (torch.randn(1, 16),), mode=mode, progress=False)
+    quantized.save(str(tmp_path / "one.pt2"))
+    loaded = load_quantized(str(tmp_path / "one.pt2"))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for runner in (quantized, loaded):
+            for rows in (x, x[:1]):
+                out, ref = runner(rows), model(rows)
+                assert out.shape == ref.shape and (out - ref).abs().max() <= 0.05 * ref.abs().max()

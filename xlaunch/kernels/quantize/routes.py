@@ -97,11 +97,16 @@ class Bf16Program(nn.Module):
 
 
 def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
-    dynamic = dynamic_batch(example_inputs)
+    """``model`` exported with dim 0 of its tensor inputs dynamic. An example batch of 1 is exported as
+    2 rows (the row twice): export specializes a size-1 dimension to 1, and the program then refused
+    every other batch size (in the quantized model itself, and after load_quantized)."""
+    rows = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == 1 else a
+                 for a in example_inputs)
+    dynamic = dynamic_batch(rows)
     if isinstance(model, Bf16Program):   # its *args are one input of the export's structure
         dynamic = (dynamic,)
     try:
-        return torch.export.export(model, example_inputs, dynamic_shapes=dynamic)
+        return torch.export.export(model, rows, dynamic_shapes=dynamic)
     except Exception:  # some models pin their batch size: export them with the example's shapes
         return torch.export.export(model, example_inputs)
 
