@@ -18,6 +18,7 @@ import time
 import warnings
 from typing import Any, Callable, Optional
 
+from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch
 
 MARKER = "XLAUNCH_PROBE"
@@ -135,8 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
                     run()
             except Exception as exc:
-                text = str(exc).strip().splitlines()
-                entry["error"] = f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+                entry["error"] = error_line(exc, 200)
                 continue
             runnable.append((entry, flops, run))
         mark("timing")

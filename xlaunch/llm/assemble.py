@@ -15,6 +15,7 @@ import mmap
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch, paused_gc
 
 with needs_torch(__name__):
@@ -48,9 +49,7 @@ def skeleton(config: Any) -> tuple[Any, DecoderSpec]:
         with paused_gc(), torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception as error:      # noqa: BLE001 - sizes transformers' checks let through (a negative head_dim...)
-        first = (str(error).strip().splitlines() or [""])[0]
-        raise ValueError(f"xlaunch.llm.from_pretrained: its config does not build a model "
-                         f"({type(error).__name__}: {first[:300]})") from None
+        raise ValueError(f"xlaunch.llm.from_pretrained: its config does not build a model ({error_line(error)})") from None
     spec = describe(model)
     if not isinstance(spec, DecoderSpec):
         raise ValueError(f"xlaunch.llm.from_pretrained: {spec}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from xlaunch import userfiles
+from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch
 from xlaunch.node_copies import placed
 
@@ -279,9 +280,8 @@ def _config(path: Path) -> Any:
     try:
         return transformers.AutoConfig.from_pretrained(str(path))
     except Exception as error:      # noqa: BLE001 - the user's file, read by another library
-        first = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(f"xlaunch.llm.from_pretrained: {path / 'config.json'} is not a config transformers "
-                         f"can use ({type(error).__name__}: {first[:300]})") from None
+                         f"can use ({error_line(error)})") from None
 
 
 def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", group_size: int) -> tuple:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from xlaunch import userfiles
+from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -416,8 +417,7 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
         model, spec = skeleton(transformers.AutoConfig.for_model(config_dict["model_type"]).__class__.from_dict(config_dict))
         generation = transformers.GenerationConfig.from_dict(generation) if generation else None
     except Exception as error:      # noqa: BLE001
-        first = (str(error).strip().splitlines() or [""])[0]
-        raise _fail(path, f"the manifest's model or generation config is malformed ({type(error).__name__}: {first})") from None
+        raise _fail(path, f"the manifest's model or generation config is malformed ({error_line(error, None)})") from None
     if manifest.get("decoder") is not None and _spec(path, manifest["decoder"]) != spec:
         raise _fail(path, "the decoder shape it records is not its config's")
     model.generation_config = generation if generation is not None else model.generation_config

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -250,9 +251,8 @@ def load(name: str, mode: str, manifest: dict[str, Any], files: dict[str, bytes]
     except ValueError:
         raise
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
         was = ", ".join(f"{k} {v}" for k, v in saved_with.items() if here.get(k) != v and k != "xlaunch")
-        raise ValueError(f"{corrupt}: {TITLE[engine]} cannot load its model ({type(exc).__name__}: {first})"
+        raise ValueError(f"{corrupt}: {TITLE[engine]} cannot load its model ({error_line(exc, 200)})"
                          + (f"; saved with {was}" if was else "")) from None
     count = len(runner.session.get_outputs()) if engine == "onnxruntime" else len(runner.outputs)
     if count != signature.count:

@@ -34,6 +34,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional
 
+from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -67,8 +68,7 @@ class _HeldBack(logging.Filter):
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
+    return error_line(exc, 200).rstrip(": ")
 
 
 def _open_regular(name: str) -> Any:

@@ -29,6 +29,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from xlaunch._errors import error_line
 from xlaunch.launcher.distributed.ranks import CHANNELS_VAR, GRACE_VAR
 from xlaunch.launcher.distributed.channels import FIRST_FAILURE, RESULT
 
@@ -160,12 +161,11 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
     except SignalException as stopped:
         result["status"] = 128 + int(stopped.sigval)
     except Exception as error:   # rendezvous timeouts, unreachable endpoints, bad backend names
-        first = (str(error).strip().splitlines() or [""])[0][:300]
         if is_rendezvous_failure(error):
             what, bound = rendezvous_wait(args)
-            message = f"rendezvous: waited {bound} for {what}; the ranks were not started ({type(error).__name__}: {first})"
+            message = f"rendezvous: waited {bound} for {what}; the ranks were not started ({error_line(error)})"
         else:
-            message = f"torch's elastic agent failed: {type(error).__name__}: {first}"
+            message = f"torch's elastic agent failed: {error_line(error)}"
         sys.stderr.write(f"xlaunch: error: {message}\n")
         result = {"status": 1, "error": message}
     _write_result(result_path, result)

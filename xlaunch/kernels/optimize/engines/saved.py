@@ -34,6 +34,7 @@ import os
 import shutil
 from typing import Any, Optional
 
+from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -282,7 +283,5 @@ def load_optimized(path: str, threads: Optional[int] = None) -> LoadedModel:
     except KeyError as exc:
         raise SavedModelError(f"load_optimized: {shown}: {MANIFEST} does not list {exc}") from None
     except Exception as exc:
-        text = str(exc).strip().splitlines()
-        raise SavedModelError(f"load_optimized: {shown}: {route} cannot load it "
-                              f"({type(exc).__name__}: {text[0][:300] if text else ''})") from None
+        raise SavedModelError(f"load_optimized: {shown}: {route} cannot load it ({error_line(exc)})") from None
     return LoadedModel(runner, signature, manifest)
