@@ -47,20 +47,21 @@ def runtime_kind(path: str) -> Optional[str]:
     return None
 
 
-def parse_maps(text: str) -> tuple[MappedRuntime, ...]:
-    """OpenMP runtimes named in ``/proc/<pid>/maps`` text, in first-mapped order, no duplicates."""
-    found: dict[str, MappedRuntime] = {}
+def mapped_paths(text: str) -> tuple[str, ...]:
+    """The files named in ``/proc/<pid>/maps`` text, in first-mapped order, each once (`` (deleted)`` dropped)."""
+    found: dict[str, None] = {}
     for line in text.splitlines():
         fields = line.split(None, 5)
-        if len(fields) < 6:
-            continue
-        path = fields[5].strip()
-        if path.endswith(" (deleted)"):
-            path = path[: -len(" (deleted)")]
-        kind = runtime_kind(path)
-        if kind is not None and path not in found:
-            found[path] = MappedRuntime(kind, path)
-    return tuple(found.values())
+        if len(fields) == 6:
+            path = fields[5].strip()
+            found.setdefault(path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path, None)
+    return tuple(found)
+
+
+def parse_maps(text: str) -> tuple[MappedRuntime, ...]:
+    """OpenMP runtimes named in ``/proc/<pid>/maps`` text, in first-mapped order, no duplicates."""
+    return tuple(MappedRuntime(kind, path) for path in mapped_paths(text)
+                 if (kind := runtime_kind(path)) is not None)
 
 
 def mapped_runtimes() -> tuple[MappedRuntime, ...]:
@@ -72,13 +73,9 @@ def mapped_runtimes() -> tuple[MappedRuntime, ...]:
 def mapped_libraries(prefixes: tuple[str, ...]) -> tuple[str, ...]:
     """Paths of the shared libraries mapped into this process whose file name starts with one of
     ``prefixes`` (e.g. ``libtorch_cpu``), in first-mapped order."""
-    found: dict[str, None] = {}
     with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(None, 5)
-            if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(prefixes) and ".so" in fields[5]:
-                found.setdefault(fields[5].strip(), None)
-    return tuple(found)
+        return tuple(path for path in mapped_paths(maps.read())
+                     if os.path.basename(path).startswith(prefixes) and ".so" in path)
 
 
 class _DlInfo(ctypes.Structure):
