@@ -83,11 +83,6 @@ class TrialRecord:
             "warnings": list(self.warnings),
         }
 
-    @classmethod
-    def from_json(cls, row: dict[str, Any]) -> "TrialRecord":
-        return cls(int(row["number"]), dict(row["config"]), dict(row["launch_config"]),
-                   tuple(row.get("instances", ())), list(row.get("runs", ())), tuple(row.get("warnings", ())))
-
 
 @dataclass
 class Final:
