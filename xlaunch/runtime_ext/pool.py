@@ -13,6 +13,7 @@ import collections
 import contextlib
 import ctypes
 import errno
+import functools
 import itertools
 import operator
 import os
@@ -232,25 +233,19 @@ def set_thread_count(runtime: openmp.OpenMPRuntime, n: int) -> None:
         runtime.set_num_threads(n)
 
 
-_mkl_local: Optional[Any] = None
-_mkl_looked = False
-
-
+@functools.lru_cache(maxsize=1)
 def _mkl_set_num_threads_local() -> Optional[Any]:
     """MKL's per-thread setter from the loaded torch (or MKL), else None: its C entry
-    ``MKL_Set_Num_Threads_Local`` (the lower-case name is the Fortran one, taking a pointer)."""
-    global _mkl_local, _mkl_looked
-    if not _mkl_looked:
-        for mapped in openmp.mapped_libraries(("libtorch_cpu", "libmkl_rt")):
-            try:
-                function = ctypes.CDLL(mapped, mode=getattr(os, "RTLD_NOLOAD", 4)).MKL_Set_Num_Threads_Local
-            except (OSError, AttributeError):
-                continue
-            function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
-            _mkl_local = function
-            break
-        _mkl_looked = True
-    return _mkl_local
+    ``MKL_Set_Num_Threads_Local`` (the lower-case name is the Fortran one, taking a pointer). Looked up
+    once (it is only asked for once torch is loaded)."""
+    for mapped in openmp.mapped_libraries(("libtorch_cpu", "libmkl_rt")):
+        try:
+            function = ctypes.CDLL(mapped, mode=getattr(os, "RTLD_NOLOAD", 4)).MKL_Set_Num_Threads_Local
+        except (OSError, AttributeError):
+            continue
+        function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
+        return function
+    return None
 
 
 def _size_own_team(runtime: openmp.OpenMPRuntime, n: int, previous_mkl: Optional[int] = None) -> Optional[int]:
