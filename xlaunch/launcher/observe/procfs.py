@@ -120,31 +120,31 @@ def mapped_file_memory_by_node(numa_maps_text: str, page_size: int = 4096,
     return {path: nodes for path, nodes in by_file.items() if sum(nodes.values()) >= min_bytes}
 
 
+def _live_field(stat_text: str, field: int) -> Optional[int]:
+    """Field ``field`` (1-based) of a ``/proc/PID/task/TID/stat`` text as an int; None for an exited
+    (zombie/dead) thread or an unreadable line."""
+    _, sep, rest = stat_text.rpartition(")")   # comm may hold spaces and parentheses
+    fields = rest.split()
+    if not sep or len(fields) < field - 2 or fields[0] in ("Z", "X", "x"):
+        return None
+    try:
+        return int(fields[field - 3])
+    except ValueError:
+        return None
+
+
 def last_cpu(stat_text: str) -> Optional[int]:
     """The CPU a thread last ran on (``processor``) from its ``/proc/PID/task/TID/stat``;
     None for an exited (zombie/dead) thread or an unreadable line."""
-    _, sep, rest = stat_text.rpartition(")")   # comm may hold spaces and parentheses
-    fields = rest.split()
-    if not sep or len(fields) < _PROCESSOR_FIELD - 2 or fields[0] in ("Z", "X", "x"):
-        return None
-    try:
-        return int(fields[_PROCESSOR_FIELD - 3])
-    except ValueError:
-        return None
+    return _live_field(stat_text, _PROCESSOR_FIELD)
 
 
 def exiting(stat_text: str) -> bool:
     """True when a ``/proc/PID/task/TID/stat`` text is of a thread that has begun to exit (``PF_EXITING``),
     is a zombie, or cannot be read. Once every thread of a process has, its maps may be read while they
     are torn down (kernels that read ``maps`` under per-VMA locks show a half-removed address space)."""
-    _, sep, rest = stat_text.rpartition(")")
-    fields = rest.split()
-    if not sep or len(fields) < _FLAGS_FIELD - 2 or fields[0] in ("Z", "X", "x"):
-        return True
-    try:
-        return bool(int(fields[_FLAGS_FIELD - 3]) & _PF_EXITING)
-    except ValueError:
-        return True
+    flags = _live_field(stat_text, _FLAGS_FIELD)
+    return flags is None or bool(flags & _PF_EXITING)
 
 
 def preload_kinds(ld_preload: str) -> dict[str, str]:
