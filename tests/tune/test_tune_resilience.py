@@ -252,14 +252,14 @@ def test_a_finalist_that_fails_a_re_measurement_round_loses(tmp_path: Path, monk
     launches: dict[int, int] = {}
 
     def fake_run_once(launch, candidate, objective, directory, budget=None):  # noqa: ANN001, ANN202
-        cores = candidate.point["ninstances"]
-        launches[cores] = launches.get(cores, 0) + 1
-        if cores == 2 and launches[cores] == 3:
+        second = 2 if candidate.point["benchmark"] else 1   # a dimension every machine plans, 1 CPU too
+        launches[second] = launches.get(second, 0) + 1
+        if second == 2 and launches[second] == 3:
             return trial.RunResult(False, 0.1, None, (None,), "exit 3 (instance 0)", directory)
-        return trial.RunResult(True, 0.1, 50.0 * cores, (50.0 * cores,), "", directory)
+        return trial.RunResult(True, 0.1, 50.0 * second, (50.0 * second,), "", directory)
 
     monkeypatch.setattr(session, "run_once", fake_run_once)
-    tuner = _grid_tuner(tmp_path, "[space]\nninstances = [1, 2]\n")
+    tuner = _grid_tuner(tmp_path, "[space]\nbenchmark = [false, true]\n")
     tuner.objective = Objective(compile_metric(r"score: (\d+)"), "sum", "max")
     outcome = tuner.run()
     assert outcome.final is not None and outcome.final.numbers == (2, 1)
