@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 from xlaunch._callers import stacklevel_outside
 
@@ -34,6 +35,12 @@ class SampleInputError(ValueError):
 def warn(message: str) -> None:
     """``message`` as an OptimizeWarning pointing at the user's call."""
     warnings.warn(f"xlaunch.optimize: {message}", OptimizeWarning, stacklevel=stacklevel_outside("xlaunch"))
+
+
+def record_warning(report: Any, message: str) -> None:
+    """``message`` in ``report.warnings`` (an optimize report) and as an OptimizeWarning."""
+    report.warnings.append(message)
+    warn(message)
 
 
 def info(message: str) -> None:

@@ -57,11 +57,12 @@ with needs_torch(__name__):
     from torch import nn
 
 from xlaunch.kernels.build_mark import marked
-from xlaunch.kernels.optimize import dispatch, fold, freeze, layout, measure, precision
+from xlaunch.kernels.optimize import dispatch, fold, freeze, keep, layout, precision
 
 from xlaunch.kernels.native_dtypes import EmulatedPrecisionWarning
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
 from xlaunch.kernels.optimize.notes import OptimizeWarning, SampleInputError, info, logger, warn
+from xlaunch.kernels.optimize.notes import record_warning as _warn
 from xlaunch.kernels.optimize.progress import Progress
 
 __all__ = ["optimize", "Options", "Report", "OptimizeWarning", "outputs_close"]
@@ -146,11 +147,6 @@ class Report:
     timings_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     optimizer: Optional[str] = None
     warnings: list[str] = dataclasses.field(default_factory=list)
-
-
-def _warn(report: Report, message: str) -> None:
-    report.warnings.append(message)
-    warn(message)
 
 
 def _run(model: nn.Module, sample_input: Any, call: Optional[Any] = None) -> Any:
@@ -368,11 +364,11 @@ def _rewrite(model: nn.Module, optimizer: Any, given: nn.Module, opts: Options, 
 
     if forward is not None and freezing and sample_input is not None:
         with show.step(f"freezing a graph for the sample input ({opts.freeze_backend})") as step:
-            _freeze_for_sample(model, forward, sample_input, report)
+            keep.freeze_for_sample(model, forward, sample_input, report)
             step.done(f"frozen with {report.frozen_with}" if report.frozen_with else "not frozen")
     if measure_now:
         with show.step("timing the model as given, the eager rewrite and the frozen graph") as step:
-            _keep_the_fastest(given, model, forward, log, sample_input, report)
+            keep.keep_the_fastest(given, model, forward, log, sample_input, report)
             step.done(f"{report.kept} chosen")
 
     if log.records:
@@ -397,52 +393,3 @@ def _notifier(report: Report) -> dispatch.Notify:
         else:
             info(message)
     return notify
-
-
-def _freeze_for_sample(model: nn.Module, forward: dispatch.OptimizedForward, sample_input: Any,
-                       report: Report) -> None:
-    args = freeze.as_args(sample_input)
-    if dispatch.signature(args) is None:
-        _warn(report, "sample_input holds arguments a traced graph cannot take (only tensors and plain "
-                      "values are); not frozen for it")
-        return
-    with torch.no_grad():
-        forward.graph_for(args)
-
-
-def _keep_the_fastest(given: nn.Module, model: nn.Module, forward: Optional[dispatch.OptimizedForward],
-                      log: fold.FoldLog, sample_input: Any, report: Report) -> None:
-    """Time the model as given, the eager rewrite and the frozen graph on the sample input; keep
-    the most optimized variant that is not measurably slower than the fastest."""
-    args = freeze.fresh(freeze.as_args(sample_input))
-    sig = dispatch.signature(args)
-    graph = forward.frozen.get(sig) if forward is not None and sig is not None else None
-    eager = forward.eager if forward is not None else model.forward
-    variants = {"given": lambda: given(*args), "eager": lambda: eager(*args)}
-    if graph is not None:
-        variants["frozen"] = lambda: graph(*args)
-    with torch.no_grad():
-        timings = measure.interleaved(variants)
-    report.timings_ms = {name: value * 1e3 for name, value in timings.medians().items()}
-    kept = measure.choose(timings, ["frozen", "eager", "given"])
-    report.kept = kept
-    speed = ", ".join(f"{name} {1 / timings.ratio(name, 'given'):.2f}x" for name in timings.samples)
-    if kept == "frozen":
-        info(f"kept the frozen graph (speed vs the model as given: {speed})")
-        return
-    if forward is not None:
-        forward.prefer_eager = True
-        forward.frozen = {key: None for key in forward.frozen}
-    if kept == "given":
-        fold.undo(model, log)
-        layout.to_contiguous(model)
-        report.folded, report.dropouts_removed, report.channels_last_convs = [], [], 0
-        if forward is not None:
-            forward.freeze_backend = None
-    report.frozen_with = None
-    if kept == "eager":   # the rewrites are kept; only the graph is left out: as planned, not a warning
-        info(f"kept the eager rewrite, not frozen: on the sample input it measured fastest (speed vs "
-             f"the model as given: {speed})")
-        return
-    _warn(report, f"kept the model as given (rewrites undone): on the sample input it measured fastest "
-                  f"(speed vs the model as given: {speed})")
