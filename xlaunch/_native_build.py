@@ -12,6 +12,7 @@ Each level parses the torch headers once (a precompiled header), then compiles i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import os
 import re
@@ -190,7 +191,8 @@ class Library:
     ``sources``/``headers`` are called each time (``xlaunch.llm`` compiles every ``csrc/*.cpp``);
     ``levels`` are the ISA levels it is compiled at (a higher CPU level uses the best of them).
     Loading is lazy and thread-safe; a missing build warns once per process and the callers take
-    their pure-torch paths.
+    their pure-torch paths. :meth:`prefer_native` is context-local (a ``ContextVar``): each thread
+    (and asyncio task) has its own preference, and a block never changes another thread's.
     """
 
     def __init__(self, label: str, stem: str, csrc: Path, namespace: str, disable_env: str, build_dir_env: str,
@@ -202,7 +204,7 @@ class Library:
         self.lock = threading.Lock()
         self.loaded_levels: dict = {}           # level -> torch.ops namespace, or None: does not load
         self.warned = False
-        self.preference: Union[None, bool, str] = None
+        self._preference: contextvars.ContextVar = contextvars.ContextVar(f"{stem} preference", default=None)
         self.chosen: Optional[tuple] = None     # (the cap it was chosen under, the level)
         self.refused: dict = {}                 # level -> why a library found for it is not loaded
 
@@ -298,17 +300,23 @@ class Library:
         """Within the block: the chosen level (True), the pure-torch paths (False), or one level (a name)."""
         if isinstance(enabled, str) and enabled not in self.levels:
             raise ValueError(f"{self.label}: no compiled level {enabled!r}; it has: {', '.join(self.levels)}")
-        saved, self.preference = self.preference, enabled
+        token = self._preference.set(enabled)
         try:
             yield
         finally:
-            self.preference = saved
+            self._preference.reset(token)
+
+    @property
+    def preference(self) -> Union[None, bool, str]:
+        """The innermost :meth:`prefer_native` of this context (None: none, the default applies)."""
+        return self._preference.get()
 
     def ops(self) -> Optional[object]:
         """``torch.ops.<namespace>_<level>`` when the kernels are wanted and load, else None."""
-        if self.preference is False or (self.preference is None and os.environ.get(self.disable_env, "1") == "0"):
+        preference = self._preference.get()
+        if preference is False or (preference is None and os.environ.get(self.disable_env, "1") == "0"):
             return None
-        level = self.preference if isinstance(self.preference, str) else self.level()
+        level = preference if isinstance(preference, str) else self.level()
         return None if level is None else self.ops_at(level)
 
     def ops_at(self, level: str) -> Optional[object]:

@@ -151,6 +151,41 @@ def test_missing_or_disabled_kernels_mean_the_torch_paths(monkeypatch, tmp_path)
         assert native.ops() is None
 
 
+
+def test_prefer_native_is_per_thread_and_interleaved_blocks_restore_their_own():
+    """Thread A's prefer_native(False) never reaches thread B, and blocks of two threads that end in
+    the opposite order leave each thread (and the process) as it was (a process-wide setting left
+    every thread on the pure-torch path after both blocks, and B's level block on another level)."""
+    import threading
+
+    library, seen = native.LIBRARY, {}
+    entered, chose, left = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with native.prefer_native(False):
+            entered.set()
+            assert chose.wait(30)
+            seen["first"] = library.preference
+        left.set()
+
+    def second() -> None:
+        assert entered.wait(30)
+        seen["before"] = library.preference
+        with native.prefer_native(native.LEVELS[0]):
+            chose.set()
+            assert left.wait(30)
+            seen["inside"] = library.preference
+        seen["after"] = library.preference
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert seen == {"first": False, "before": None, "inside": native.LEVELS[0], "after": None}
+    assert library.preference is None
+
+
 CHILD = r"""
 import torch, xlaunch.nn as xnn
 from xlaunch.nn import native

@@ -4,11 +4,13 @@
         future = task(x)           # returns at once: a concurrent.futures.Future
         y = future.result()        # the call's result, or its exception re-raised (IPEX: .get())
 
-Calls run one at a time, in submission order, each with its own arguments and with the grad
-mode (and inference mode) the caller had when submitting.
+Calls run one at a time, in submission order, each with its own arguments, with the grad
+mode (and inference mode) the caller had when submitting, and in a copy of the caller's
+``contextvars`` context (e.g. ``xlaunch.nn.native.prefer_native``), as ``asyncio.to_thread`` does.
 """
 from __future__ import annotations
 
+import contextvars
 import os
 import queue
 import sys
@@ -107,16 +109,16 @@ def _serve(fn: Callable[..., Any], cpus: tuple[int, ...], jobs: queue.SimpleQueu
             job = jobs.get()
             if job is _STOP:
                 break
-            future, modes, args, kwargs = job
+            future, modes, context, args, kwargs = job
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                result = _call_with_modes(fn, modes, args, kwargs)
+                result = context.run(_call_with_modes, fn, modes, args, kwargs)
             except BaseException as error:  # noqa: BLE001 - delivered through the future
                 future.set_exception(error)
             else:
                 future.set_result(result)
-            del job, future, args, kwargs
+            del job, future, context, args, kwargs
     finally:
         unpin_team(pinned)
 
@@ -170,7 +172,7 @@ class Task:
     def __call__(self, *args: Any, **kwargs: Any) -> TaskFuture:
         """Queue one call; its arguments belong to this call alone."""
         future = TaskFuture()
-        job = (future, _caller_modes(), args, kwargs)
+        job = (future, _caller_modes(), contextvars.copy_context(), args, kwargs)
         workers.check_owner(self._worker.pid, "Task")
         self._inbox.put(job)
         return future
