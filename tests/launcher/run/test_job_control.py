@@ -144,3 +144,48 @@ def test_kill_9_of_a_stopped_job_lets_its_instances_act_on_sigterm(tmp_path: Pat
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# a child that checkpoints on SIGTERM, left running (never waited for) once the leader exits on argv[2]
+LEAVES_A_CHILD = ("import os, subprocess, sys, time\n"
+                  "child = subprocess.Popen([sys.executable, '-S', '-c', sys.argv[3], sys.argv[1]])\n"
+                  "print('ready', child.pid, flush=True)\n"
+                  "while not os.path.exists(sys.argv[2]):\n"
+                  "    time.sleep(0.02)\n")
+
+
+@pytest.mark.parametrize("how", ["forwarded", "leftover"])
+def test_sigterm_to_an_instance_stopped_from_outside_comes_with_sigcont(tmp_path: Path, how: str) -> None:
+    """``kill -STOP`` of an instance (not through xlaunch), then the job ends: the SIGTERM xlaunch sends
+    (forwarded from its own, or to the leftovers of a group whose leader ended) comes with SIGCONT, so
+    the stopped process runs its handler at once instead of being killed stopped after the grace period."""
+    marker, go = tmp_path / "checkpointed", tmp_path / "go"
+    program = ["-c", CHECKPOINTS, str(marker)] if how == "forwarded" else \
+        ["-c", LEAVES_A_CHILD, str(marker), str(go), CHECKPOINTS]
+    argv = [sys.executable, "-m", "xlaunch", "-q", "--ninstances", "1", "--grace-period", "20",
+            "--no-python", "--", sys.executable, "-S", *program]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: os.setpgid(0, 0))
+    pid = -1
+    try:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline().split()[-1])
+        if how == "leftover":        # the child must have its handler installed before it is stopped
+            assert b"ready" in proc.stdout.readline()
+        os.kill(pid, signal.SIGSTOP)
+        assert wait_state([pid], True) == ["T"]
+        if how == "forwarded":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            go.touch()
+        _out, err = proc.communicate(timeout=15)          # well inside the 20 s grace period
+        assert (tmp_path / f"checkpointed-{pid}").exists(), err.decode()
+        assert proc.returncode == (143 if how == "forwarded" else 0), err.decode()
+    finally:
+        proc.kill()
+        proc.communicate()
+        if pid > 0:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -101,6 +101,7 @@ class Strays:
             say(f"{len(running)} process(es) that left their {noun}'s process group (setsid, a daemon) "
                 f"ran on after the job: {shown}{more}: SIGTERM, SIGKILL after {grace:g}s", warning=True)
             self._signal(running, signal.SIGTERM)
+            self._signal(running, signal.SIGCONT)     # one stopped from outside acts on it
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline:
                 running = [pid for pid in running if not _reaped(pid)]

@@ -111,6 +111,7 @@ class Supervisor(OutputSteps):
                 child.stopped_by = why
             self._killpg(child, number)
             if number != signal.SIGKILL:
+                self._continue(child)
                 deadline = now + self.grace
                 child.kill_at = deadline if child.kill_at is None else min(child.kill_at, deadline)
             elif immediate:
@@ -121,6 +122,12 @@ class Supervisor(OutputSteps):
             os.killpg(child.pgid, number)
         except (ProcessLookupError, PermissionError):  # gone, or the pgid now belongs to a stranger
             self._group_gone(child)
+
+    def _continue(self, child: Child) -> None:
+        """SIGCONT after a signal meant to end ``child``'s group: a process stopped from outside
+        (``kill -STOP``) acts on it (a checkpoint handler runs) instead of waiting, stopped, for SIGKILL."""
+        if child.group_alive:
+            self._killpg(child, signal.SIGCONT)
 
     def _group_gone(self, child: Child) -> None:
         if child.group_alive and self.watchdog is not None:
@@ -146,6 +153,7 @@ class Supervisor(OutputSteps):
             child.notes.append("leftover processes stopped")
             self.log(f"{self.label(child)}: processes left in its group after exit: SIGTERM")
             self._killpg(child, signal.SIGTERM)
+            self._continue(child)
             child.kill_at = time.monotonic() + self.grace
 
     def reap(self) -> None:
