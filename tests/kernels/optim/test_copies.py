@@ -110,3 +110,42 @@ def test_a_split_model_widened_with_float_saves_its_masters_and_trains_on_in_fp3
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(model.parameters(), reference[0].parameters()))
     model.half()                                         # not a widening: the values as cast, no crash
     assert all(v.dtype == torch.float16 for v in model.state_dict().values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("how", ["optimize", "to_fused"])
+def test_a_split_model_widened_with_float_computes_in_fp32_with_its_masters(how: str) -> None:
+    """After split-bf16 training, ``model.float()`` is the fp32 model of the masters: its forward ran
+    on under the bf16 autocast (max difference ~1e-2 from the plain fp32 model), and before the next
+    step or ``state_dict`` on the truncated bf16 halves. Made bf16 again (a new split), autocast is back."""
+    from xlaunch.kernels import to_fused
+    from resume_helpers import Net
+
+    if how == "optimize":
+        model, optimizer = build("sgd", split=True, inplace=True, seed=0)
+    else:
+        torch.manual_seed(0)
+        model = Net().train()
+        optimizer = to_fused(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, dtype=torch.bfloat16)
+    train(model, optimizer, DATA[:2])
+    masters = master_params(optimizer)
+    plain = Net()
+    with torch.no_grad():
+        for p, master in zip(plain.parameters(), masters):
+            p.copy_(master)
+        for b, own in zip(plain.buffers(), model.buffers()):
+            b.copy_(own)
+    if model.conv.weight.is_contiguous(memory_format=torch.channels_last):   # as optimize laid it out
+        plain.conv.weight.data = plain.conv.weight.data.contiguous(memory_format=torch.channels_last)
+    x = DATA[3][0]
+    model.float()                                      # no state_dict or step before the forward
+    for mode in ("eval", "train"):
+        getattr(model, mode)(), getattr(plain, mode)()
+        with torch.no_grad():
+            got, want = model(x), plain(x)
+        assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-6, atol=1e-6), (got - want).abs().max()
+    assert all(torch.equal(p, m) for p, m in zip(model.parameters(), masters))
+    model.train()
+    optimizer = to_fused(optimizer, model, dtype=torch.bfloat16)   # split again: the bf16 forward again
+    assert is_split(optimizer, model.conv.weight)
+    with torch.no_grad():
+        assert not torch.allclose(model(x), plain(x), rtol=1e-4, atol=1e-4)

@@ -301,6 +301,27 @@ def test_bf16_weights_and_autocast_where_supported(monkeypatch: pytest.MonkeyPat
     assert isinstance(copy.deepcopy(optimized), Nested)
 
 
+def test_bf16_inference_model_widened_with_float_runs_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.float()`` of a bf16-optimized model is an fp32 model (it ran on under the bf16 autocast,
+    its frozen graph too): outputs equal the plain fp32 model's with the same weights; ``.bfloat16()``
+    makes it the bf16 model again."""
+    monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"avx512_bf16"}))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    x = torch.randn(4, 16)
+    optimized = optimize(model, dtype=torch.bfloat16, sample_input=x, measure=False, force_bf16=True)
+    bf16_out = run(optimized, x)
+    optimized.float()
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(optimized.state_dict())     # the bf16 weights, widened
+    assert {p.dtype for p in optimized.parameters()} == {torch.float32}
+    for _ in range(2):                                  # eager, then the graph frozen for the fp32 weights
+        assert torch.allclose(run(optimized, x), run(plain, x), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(optimized(x), plain(x), rtol=1e-6, atol=1e-6)   # autograd on: the eager forward
+    optimized.bfloat16()
+    assert torch.equal(run(optimized, x), bf16_out)
+
+
 def test_bf16_keeps_attention_projection_dtypes_consistent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"amx_bf16"}))
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)

@@ -17,6 +17,7 @@ in fp32, so the training loop written for the fp32 model (fp32 inputs, targets, 
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Optional
@@ -165,19 +166,64 @@ def _floats_to_fp32(value: Any) -> Any:
     return value
 
 
+def unsplit_model(model: nn.Module) -> None:
+    """:func:`unsplit` every split parameter of ``model`` that is no longer bf16 (``model.float()``)."""
+    hooks = _hooks_of(model)
+    if hooks is not None:
+        hooks._split_params(model, "")
+
+
+class LowWeights:
+    """Whether a forward that runs under bf16/fp16 autocast because its module's weights were made
+    bf16 (split-bf16 training, bf16 inference weights) still should: while one parameter is bf16 or
+    fp16. Once none is (``model.float()``, ``.double()``), split parameters become their exact
+    masters first, and the forward runs in the parameters' own precision, as the plain model."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._widened = False
+        self._lock = threading.Lock()
+
+    def __call__(self) -> bool:
+        if any(p.dtype in (torch.bfloat16, torch.float16) for p in self.module.parameters()):
+            self._widened = False
+            return True
+        with self._lock:
+            if not self._widened:
+                unsplit_model(self.module)
+                self._widened = True
+        return False
+
+    def __getstate__(self) -> dict:
+        return {"module": self.module, "_widened": self._widened}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
 class Bf16Forward:
     """The instance ``forward`` of a model whose parameters are split-bf16: its own forward under
-    ``torch.autocast("cpu", dtype=torch.bfloat16)``, bf16/fp16 outputs returned as fp32. Copies
-    and pickles of the model carry it (it refers to the module it is set on)."""
+    ``torch.autocast("cpu", dtype=torch.bfloat16)``, bf16/fp16 outputs returned as fp32, while its
+    parameters are bf16 (:class:`LowWeights`: after ``model.float()`` it runs in fp32). Copies and
+    pickles of the model carry it (it refers to the module it is set on)."""
 
     autocast_dtype = torch.bfloat16
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.inner = module.__dict__.get("forward")   # an instance forward set before, if any
+        self.low_weights = LowWeights(module)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "low_weights" not in state:   # pickled before the precision followed the parameters
+            self.low_weights = LowWeights(self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.inner or functools.partial(type(self.module).forward, self.module)
+        if not self.low_weights():
+            return forward(*args, **kwargs)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return _floats_to_fp32(forward(*args, **kwargs))
 

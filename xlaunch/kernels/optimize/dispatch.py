@@ -29,6 +29,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.optim.splitstate import LowWeights
 from xlaunch.kernels.optimize import freeze, measure, precision
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
 from xlaunch.kernels.optimize.text import excerpt
@@ -77,6 +78,7 @@ class OptimizedForward:
         earlier = module.__dict__.get("forward")
         self.inner = earlier.inner if isinstance(earlier, OptimizedForward) else earlier
         self.autocast_dtype = autocast_dtype
+        self.low_weights: Optional[LowWeights] = None   # set: autocast only while a parameter is low
         self.output_dtype = output_dtype
         self.freeze_backend = freeze_backend   # None: never freeze
         self.verify = verify
@@ -96,7 +98,7 @@ class OptimizedForward:
     # -- the eager path ------------------------------------------------------------------------
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.inner if self.inner is not None else functools.partial(type(self.module).forward, self.module)
-        if self.autocast_dtype is None:
+        if not self.runs_autocast():
             return forward(*args, **kwargs)
         with torch.autocast("cpu", dtype=self.autocast_dtype):
             out = forward(*args, **kwargs)
@@ -104,6 +106,16 @@ class OptimizedForward:
             return out
         dtype = precision.output_dtype(args, kwargs)   # what eager gives in this context
         return out if dtype is None else precision.outputs_as(out, dtype)
+
+    def follow_weights(self) -> None:
+        """From now on the autocast is for the module's low-precision weights (which ``optimize``
+        made bf16/fp16): it runs while one parameter is bf16/fp16, and ``model.float()`` gives the
+        fp32 forward (split-bf16 parameters joined with their low halves first)."""
+        self.low_weights = LowWeights(self.module)
+
+    def runs_autocast(self) -> bool:
+        """Whether the eager forward runs under ``autocast_dtype`` now."""
+        return self.autocast_dtype is not None and (self.low_weights is None or self.low_weights())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         graph = self.graph_for(args, kwargs)
@@ -180,7 +192,7 @@ class OptimizedForward:
         updated = state.changed(self.module)   # running statistics, counters: the forward's own state
         state.restore(self.module)
         if self.verify or updated:
-            rtol = FP32_RTOL if self.autocast_dtype is None else BF16_RTOL
+            rtol = BF16_RTOL if self.runs_autocast() else FP32_RTOL
             want = self.eager(*freeze.fresh(args))
             after_eager = freeze.BufferState(self.module)
             state.restore(self.module)
@@ -219,6 +231,7 @@ class OptimizedForward:
         return state
 
     def __setstate__(self, state: dict) -> None:
+        self.__dict__.setdefault("low_weights", None)   # pickled before it existed
         self.__dict__.update(state)
         self._lock = threading.RLock()
 
@@ -262,7 +275,7 @@ class PrepareScriptable:
     def __call__(self) -> nn.Module:
         module = self.module
         forward = of(module)
-        if forward is not None and forward.autocast_dtype is not None:
+        if forward is not None and forward.runs_autocast():
             raise RuntimeError(
                 f"torch.jit.script cannot compile this {type(module).__name__}: optimize() runs it under "
                 f"{forward.autocast_dtype} autocast, which a script does not carry; use torch.jit.trace under "

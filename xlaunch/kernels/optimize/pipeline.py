@@ -379,6 +379,8 @@ def _rewrite(model: nn.Module, optimizer: Any, given: nn.Module, opts: Options, 
         with show.step("converting the optimizer") as step:
             optimizer = _convert_optimizer(optimizer, model, split, report)   # split-bf16: its checkpoint hooks too
             step.done(report.optimizer or "kept as given")
+    if forward is not None and forward.autocast_dtype in {p.dtype for p in model.parameters()}:
+        forward.follow_weights()   # its weights made bf16/fp16: model.float() is an fp32 model again
     model._xlaunch_optimize_report = report
     logger.debug("xlaunch.optimize: %s", report)
     return model if optimizer is None else (model, optimizer)
