@@ -256,3 +256,24 @@ def test_end_ids_outside_the_vocabulary_or_in_a_tensor_follow_hugging_face(model
         call = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=2, eos_token_id=eos, pad_token_id=0)
         assert torch.equal(model.generate(ids, **call), hugging_face(model, ids, **call)), eos
     assert len(greedy_calls) == 4          # the four calls with a pad id (the first has none: generate's)
+
+
+@pytest.mark.parametrize("cache_class", ["StaticCache", "DynamicCache"])
+def test_an_empty_cache_of_another_type_gives_the_reference_tokens_with_left_padding(model, cache_class):
+    """An empty cache the call passes is replaced by the model's KVCache: a StaticCache made generate build 4-D
+    masks for the prompt, which the runtime did not read, so padded rows attended to their padding (wrong tokens)."""
+    cache_type = getattr(pytest.importorskip("transformers"), cache_class)
+    reference = tiny("llama", seed=3)
+    ids, mask = prompts(3, 16, seed=4)
+    call = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    made = dict(max_cache_len=32) if cache_class == "StaticCache" else {}
+    expected = reference.generate(ids, **call)
+    assert torch.equal(model.generate(ids, past_key_values=cache_type(config=model.config, **made), **call), expected)
+
+
+def test_a_mask_that_is_not_2d_is_refused_in_one_line(model):
+    """The runtime reads a mask as padding slots: a 4-D mask (packed documents) was ignored, giving causal logits."""
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    four_d = torch.zeros(1, 1, 6, 6)
+    with pytest.raises(ValueError, match=r"^xlaunch.llm: attention_mask must be 2-D \[batch, length\].*\(1, 1, 6, 6\)"):
+        model(ids, attention_mask=four_d)

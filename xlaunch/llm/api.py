@@ -25,7 +25,7 @@ import_quietly("transformers.quantizers.auto", "torchao.quantization", chain=Tru
 
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.shapes import SUPPORTED_ARCHITECTURES, DecoderSpec, describe  # noqa: E402
-from xlaunch.llm.cache import hf_cache_class, needs_transformers  # noqa: E402
+from xlaunch.llm.cache import KVBuffers, hf_cache_class, needs_transformers  # noqa: E402
 from xlaunch.llm.decoder import (DTYPES, DecoderRuntime, LayerWeights, RopeTable, TokenEmbedding,  # noqa: E402
                                  embedding_table, repetition_penalty, warpers)
 from xlaunch.llm.linear import GROUP_SIZES, PackedLinear  # noqa: E402
@@ -130,11 +130,16 @@ def _forward(self: Any, input_ids: Optional["torch.Tensor"] = None, attention_ma
 
 
 def _prepare_cache(self: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
-    """``generate``'s cache preparation, then its cache replaced by a KVCache sized to its maximum length."""
+    """``generate``'s cache preparation, then its cache replaced by a KVCache sized to its maximum length: the cache
+    generate made, or an empty one of another type the call passed (a StaticCache made generate build 4-D masks,
+    which would hide the prompt's left padding; the runtime fills only its own KVCache)."""
     result = type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
     cache = model_kwargs.get("past_key_values")
     maximum = kwargs.get("max_cache_length", args[-1] if args else None)
-    if cache is not None and not getattr(cache, "_is_user_defined", False) and isinstance(maximum, int):
+    foreign_empty = not isinstance(cache, KVBuffers) and callable(getattr(cache, "get_seq_length", None)) \
+        and cache.get_seq_length() == 0
+    if cache is not None and (foreign_empty or not getattr(cache, "_is_user_defined", False)) \
+            and isinstance(maximum, int):
         model_kwargs["past_key_values"] = _runtime(self).new_cache(capacity=maximum)
     return result
 

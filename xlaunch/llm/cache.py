@@ -86,7 +86,7 @@ class KVBuffers:
 
     def note_padding(self, attention_mask: Optional["torch.Tensor"], total: int) -> Optional["torch.Tensor"]:
         """Record which of the first ``total`` slots are padding (mask zeros); returns [batch, total] or None."""
-        if attention_mask is None or attention_mask.dim() != 2:
+        if attention_mask is None:       # a continuation: the padding recorded so far
             return self.padding[:, :total] if self.padding is not None and self.padding.shape[1] >= total else None
         if attention_mask.shape[1] < total:
             raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens, the cache and input {total}")

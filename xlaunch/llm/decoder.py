@@ -211,6 +211,10 @@ class DecoderRuntime:
         spec = self.spec
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(f"xlaunch.llm: attention_mask must be 2-D [batch, length] (0: padding), not {shape}; the "
+                             "optimized model takes no 4-D or per-layer masks")
         hidden = (embed_rows(self.embed, self.lm_head, input_ids, self.dtype) if inputs_embeds is None
                   else inputs_embeds.to(self.dtype).contiguous())
         batch, length = hidden.shape[:2]
