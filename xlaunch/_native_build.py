@@ -12,7 +12,6 @@ Each level parses the torch headers once (a precompiled header), then compiles i
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import os
 import re
@@ -191,8 +190,9 @@ class Library:
     ``sources``/``headers`` are called each time (``xlaunch.llm`` compiles every ``csrc/*.cpp``);
     ``levels`` are the ISA levels it is compiled at (a higher CPU level uses the best of them).
     Loading is lazy and thread-safe; a missing build warns once per process and the callers take
-    their pure-torch paths. :meth:`prefer_native` is context-local (a ``ContextVar``): each thread
-    (and asyncio task) has its own preference, and a block never changes another thread's.
+    their pure-torch paths. :meth:`prefer_native` is per thread (a ``threading.local``, which
+    torch.compile guards on, where it cannot read a ``ContextVar``): a block never changes another
+    thread's preference.
     """
 
     def __init__(self, label: str, stem: str, csrc: Path, namespace: str, disable_env: str, build_dir_env: str,
@@ -204,7 +204,7 @@ class Library:
         self.lock = threading.Lock()
         self.loaded_levels: dict = {}           # level -> torch.ops namespace, or None: does not load
         self.warned = False
-        self._preference: contextvars.ContextVar = contextvars.ContextVar(f"{stem} preference", default=None)
+        self._local = threading.local()          # .preference: this thread's prefer_native
         self.chosen: Optional[tuple] = None     # (the cap it was chosen under, the level)
         self.refused: dict = {}                 # level -> why a library found for it is not loaded
 
@@ -300,20 +300,20 @@ class Library:
         """Within the block: the chosen level (True), the pure-torch paths (False), or one level (a name)."""
         if isinstance(enabled, str) and enabled not in self.levels:
             raise ValueError(f"{self.label}: no compiled level {enabled!r}; it has: {', '.join(self.levels)}")
-        token = self._preference.set(enabled)
+        saved, self._local.preference = self.preference, enabled
         try:
             yield
         finally:
-            self._preference.reset(token)
+            self._local.preference = saved
 
     @property
     def preference(self) -> Union[None, bool, str]:
-        """The innermost :meth:`prefer_native` of this context (None: none, the default applies)."""
-        return self._preference.get()
+        """This thread's innermost :meth:`prefer_native` (None: none, the default applies)."""
+        return getattr(self._local, "preference", None)
 
     def ops(self) -> Optional[object]:
         """``torch.ops.<namespace>_<level>`` when the kernels are wanted and load, else None."""
-        preference = self._preference.get()
+        preference = self.preference
         if preference is False or (preference is None and os.environ.get(self.disable_env, "1") == "0"):
             return None
         level = preference if isinstance(preference, str) else self.level()

@@ -72,28 +72,6 @@ def test_grad_and_inference_mode_of_the_caller_are_carried():
 
 
 
-def test_each_call_runs_in_a_copy_of_the_callers_context():
-    """A context-local setting of the caller (xlaunch.nn.native.prefer_native is one) is what the
-    call sees; what the call sets stays in its copy."""
-    import contextvars
-
-    setting: contextvars.ContextVar = contextvars.ContextVar("setting", default="default")
-
-    def probe() -> str:
-        seen = setting.get()
-        setting.set("set by the call")
-        return seen
-
-    with Task(probe, CPUPool([ALLOWED[0]])) as task:
-        token = setting.set("caller's")
-        try:
-            assert task().result(timeout=60) == "caller's"
-        finally:
-            setting.reset(token)
-        assert task().result(timeout=60) == "default"
-    assert setting.get() == "default"
-
-
 def test_thousand_concurrent_submits_finish_in_order_per_task():
     logs: list[list] = [[], []]
     tasks = [Task(logs[i].append, CPUPool([ALLOWED[i % len(ALLOWED)]])) for i in range(2)]

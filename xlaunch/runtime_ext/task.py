@@ -4,13 +4,11 @@
         future = task(x)           # returns at once: a concurrent.futures.Future
         y = future.result()        # the call's result, or its exception re-raised (IPEX: .get())
 
-Calls run one at a time, in submission order, each with its own arguments, with the grad
-mode (and inference mode) the caller had when submitting, and in a copy of the caller's
-``contextvars`` context (e.g. ``xlaunch.nn.native.prefer_native``), as ``asyncio.to_thread`` does.
+Calls run one at a time, in submission order, each with its own arguments and with the grad
+mode (and inference mode) the caller had when submitting.
 """
 from __future__ import annotations
 
-import contextvars
 import os
 import queue
 import sys
@@ -109,16 +107,16 @@ def _serve(fn: Callable[..., Any], cpus: tuple[int, ...], jobs: queue.SimpleQueu
             job = jobs.get()
             if job is _STOP:
                 break
-            future, modes, context, args, kwargs = job
+            future, modes, args, kwargs = job
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                result = context.run(_call_with_modes, fn, modes, args, kwargs)
+                result = _call_with_modes(fn, modes, args, kwargs)
             except BaseException as error:  # noqa: BLE001 - delivered through the future
                 future.set_exception(error)
             else:
                 future.set_result(result)
-            del job, future, context, args, kwargs
+            del job, future, args, kwargs
     finally:
         unpin_team(pinned)
 
@@ -172,7 +170,7 @@ class Task:
     def __call__(self, *args: Any, **kwargs: Any) -> TaskFuture:
         """Queue one call; its arguments belong to this call alone."""
         future = TaskFuture()
-        job = (future, _caller_modes(), contextvars.copy_context(), args, kwargs)
+        job = (future, _caller_modes(), args, kwargs)
         workers.check_owner(self._worker.pid, "Task")
         self._inbox.put(job)
         return future
