@@ -157,10 +157,11 @@ def test_every_other_call_is_hugging_faces_own(model, greedy_calls, kwargs):
 
 @pytest.mark.parametrize("sampling", [
     dict(), dict(temperature=0.7), dict(top_k=5), dict(top_k=0, top_p=0.8), dict(temperature=1.3, top_k=20, top_p=0.9),
-    dict(min_p=0.05), dict(top_k=0, temperature=0.5, min_p=0.1),
+    dict(min_p=0.05), dict(top_k=0, temperature=0.5, min_p=0.1), dict(top_k=None, top_p=0.9),
 ])
 def test_sampling_gives_hugging_faces_tokens_for_the_same_seed(model, greedy_calls, sampling):
-    """do_sample with temperature, top-k (generate's default 50 when unset), top-p and min-p: Hugging Face's own
+    """do_sample with temperature, top-k (generate's default 50 when unset; off when the call passes None: it was
+    50), top-p and min-p: Hugging Face's own
     warpers in its order, then ``torch.multinomial``; a left-padded batch with an end-of-sequence id, and the
     config's own sampling fields (an instruct checkpoint's generation_config) as well as call arguments."""
     ids, mask = prompts(3, 10, seed=9)

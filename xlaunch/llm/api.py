@@ -154,10 +154,12 @@ SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "min_p"}
 OFF_FIELDS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
 
 
-def _warpers(config: Any) -> list:
+def _warpers(config: Any, kwargs: dict) -> list:
     """The logits warpers of a sampling ``config`` (temperature, top-k, top-p, min-p), as ``generate`` builds them
-    for one beam: the same conditions, order and values (:func:`xlaunch.llm.decoder.warpers`)."""
-    return warpers(config.temperature, config.top_k, config.top_p, config.min_p)
+    for one beam: the same conditions, order and values (:func:`xlaunch.llm.decoder.warpers`). generate fills
+    its defaults before the call's arguments, so ``top_k=None`` in the call turns top-k off (not 50)."""
+    top_k = 0 if "top_k" in kwargs and kwargs["top_k"] is None else config.top_k
+    return warpers(config.temperature, top_k, config.top_p, config.min_p)
 
 
 def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
@@ -195,7 +197,7 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
         return None               # generate infers a mask from the pad ids
     if mask is not None and (mask.shape != ids.shape or not bool((mask == 1).logical_or(mask == 0).all())):
         return None
-    warpers = _warpers(config) if config.do_sample else None
+    warpers = _warpers(config, kwargs) if config.do_sample else None
     pad = 0 if pad is None else pad     # one row without a pad id: never padded (its end-of-sequence id ends it)
     return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer, warpers, \
         _penalties(config, mask)
