@@ -58,7 +58,7 @@ class Supervisor(OutputSteps):
         self.signal_counts: dict[int, int] = {}
         self.watchdog = None
         self.selector = selectors.DefaultSelector()
-        self.signals = SignalInbox(self.selector)
+        self.signals = SignalInbox(self.selector, lambda: [c.pgid for c in self.groups() if c.group_alive])
         self.saved_subreaper: Optional[bool] = None
         self.reading = True                             # instance pipes registered for reading
         self._waiting_sinks: set[int] = set()
@@ -193,6 +193,9 @@ class Supervisor(OutputSteps):
     # ---------------------------------------------------------------- signals
 
     def handle_signals(self) -> None:
+        if self.signals.paused:           # stopped by SIGTTOU/SIGTTIN meanwhile: grace periods go on where they were
+            self.shift_deadlines(self.signals.paused)
+            self.signals.paused = 0.0
         for number in self.signals.take():
             if number in JOB_CONTROL:     # Ctrl-Z stops the whole job, fg/bg continues it
                 live = [c.pgid for c in self.groups() if c.group_alive]
