@@ -250,7 +250,7 @@ def test_refusals_say_what_is_wrong(kernels):
         MergedEmbeddingBag.from_embeddingbag_list([nn.EmbeddingBag(5, 2, sparse=True)])
     with pytest.raises(ValueError, match="one weight dtype"):
         MergedEmbeddingBag([EmbeddingSpec(3, 2, dtype=torch.float32), EmbeddingSpec(3, 2, dtype=torch.bfloat16)])
-    with pytest.raises(ValueError, match="learning rate"):
+    with pytest.raises(ValueError, match="^lr must be a finite number >= 0, got -1.0$"):
         MergedEmbeddingBagWithSGD([EmbeddingSpec(3, 2)], lr=-1.0)
 
 

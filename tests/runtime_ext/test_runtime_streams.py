@@ -183,3 +183,22 @@ def test_hints_outside_a_tensors_dimensions_are_one_line_naming_the_hint():
     with MultiStreamModule(lambda t: t, num_streams=1, cpu_pool=CPUPool([ALLOWED[0]]), input_split_hint=StreamHint(5)) as msm:
         with pytest.raises(ValueError, match="^input_split_hint: dimension 5"):
             msm(x)
+
+
+def test_hints_model_and_concat_output_are_checked_when_built_and_numpy_ints_are_dimensions():
+    """A float or bool hint was taken and failed only at the first call (not at all where one stream
+    or one item left nothing to concatenate); numpy's integers were refused there ("needs an int")."""
+    np = pytest.importorskip("numpy")
+    pool = CPUPool(list(ALLOWED[:STREAMS]))
+    for name, hint in (("output_concat_hint", 1.5), ("output_concat_hint", (0, "x")), ("output_concat_hint", True),
+                       ("input_split_hint", StreamHint(0.0)), ("input_split_hint", StreamHint(x={"a": 1.0}))):
+        with pytest.raises(TypeError, match=f"^{name}: a hint is an int dimension, None, or a tuple, list or dict"):
+            MultiStreamModule(lambda t: t, num_streams=STREAMS, cpu_pool=pool, **{name: hint})
+    with pytest.raises(TypeError, match="^model must be a module or callable, got int$"):
+        MultiStreamModule(3, num_streams=1, cpu_pool=pool)
+    with pytest.raises(TypeError, match="^concat_output must be True or False, not 'no'$"):
+        MultiStreamModule(lambda t: t, num_streams=1, cpu_pool=pool, concat_output="no")
+    x = torch.arange(8.0).view(2, 4)
+    with MultiStreamModule(lambda t: t * 2, num_streams=STREAMS, cpu_pool=pool, input_split_hint=StreamHint(np.int64(1)),
+                           output_concat_hint=np.int64(1)) as msm:
+        assert torch.equal(msm(x), x * 2)

@@ -28,7 +28,7 @@ with needs_torch(__name__):
 from xlaunch.nn.bag_ops import check_bounds
 from xlaunch.nn.bag_torch import ADAGRAD, _apply, compute_dtype
 from xlaunch.nn.merged import AdaGradArgs, _non_negative, _spec_of
-from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, normalize
+from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, checked_specs, normalize
 
 __all__ = ["DistMergeEmbeddingBagWithAdaGrad"]
 
@@ -57,7 +57,7 @@ class DistMergeEmbeddingBagWithAdaGrad(nn.Module):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistMergeEmbeddingBagWithAdaGrad needs an initialized torch.distributed process group")
-        specs = [EmbeddingSpec(*spec) for spec in embedding_specs]
+        specs = checked_specs(embedding_specs)
         self.layout = TableLayout(specs)
         for number, spec in enumerate(specs):
             if spec.pooling_mode != "sum":
@@ -73,7 +73,7 @@ class DistMergeEmbeddingBagWithAdaGrad(nn.Module):
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.dim, self.n_tables = specs[0].embedding_dim, len(specs)
-        self.lr, self.eps = _non_negative("learning rate", lr), _non_negative("eps", eps)
+        self.lr, self.eps = _non_negative("lr", lr), _non_negative("eps", eps)
         full = []
         for spec in specs:
             rows = spec.weight.detach() if spec.weight is not None else torch.randn(spec.num_embeddings, self.dim)

@@ -17,6 +17,8 @@ with needs_torch(__name__):
     import torch.nn.functional as F
     from torch import Tensor, nn
 
+from xlaunch.nn.arguments import real_number, whole_number
+
 __all__ = ["FrozenBatchNorm2d"]
 
 
@@ -26,8 +28,8 @@ class FrozenBatchNorm2d(nn.Module):
 
     def __init__(self, num_features: int, eps: float = 1e-5) -> None:
         super().__init__()
-        self.num_features = int(num_features)
-        self.eps = float(eps)
+        self.num_features = num_features = whole_number(num_features, "FrozenBatchNorm2d: num_features")
+        self.eps = real_number(eps, "FrozenBatchNorm2d: eps", 0.0)
         self.register_buffer("weight", torch.ones(num_features))
         self.register_buffer("bias", torch.zeros(num_features))
         self.register_buffer("running_mean", torch.zeros(num_features))

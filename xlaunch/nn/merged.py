@@ -33,7 +33,8 @@ with needs_torch(__name__):
 from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
 from xlaunch.nn.bag_ops import fast_pool, pool, pool_fused
 from xlaunch.nn.bag_torch import ADAGRAD, SGD, compute_dtype
-from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, normalize
+from xlaunch.nn.arguments import real_number
+from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, checked_specs, normalize
 
 __all__ = ["EmbeddingSpec", "MergedEmbeddingBag", "MergedEmbeddingBagWithCat", "MergedEmbeddingBagWithSGD",
            "MergedEmbeddingBagWithAdaGrad", "SGDArgs", "AdaGradArgs"]
@@ -84,7 +85,7 @@ class MergedEmbeddingBag(nn.Module):
 
     def __init__(self, embedding_specs: Sequence[EmbeddingSpec]) -> None:
         super().__init__()
-        specs = [EmbeddingSpec(*spec) for spec in embedding_specs]
+        specs = checked_specs(embedding_specs)
         self.layout = TableLayout(specs)
         for number, spec in enumerate(specs):   # IPEX: "expect all tables have same dtype"
             if spec.dtype not in WEIGHT_DTYPES:
@@ -260,9 +261,8 @@ class _FusedUpdate(MergedEmbeddingBag):
 
 
 def _non_negative(name: str, value: float) -> float:
-    if not value >= 0.0:
-        raise ValueError(f"invalid {name}: {value} (must be >= 0)")
-    return float(value)
+    """A hyperparameter: a finite number >= 0 (one line naming it otherwise)."""
+    return real_number(value, name, 0.0)
 
 
 class MergedEmbeddingBagWithSGD(_FusedUpdate):
@@ -270,7 +270,7 @@ class MergedEmbeddingBagWithSGD(_FusedUpdate):
 
     def __init__(self, embedding_specs: Sequence[EmbeddingSpec], lr: float = 0.01, weight_decay: float = 0.0) -> None:
         super().__init__(embedding_specs)
-        self.lr = _non_negative("learning rate", lr)
+        self.lr = _non_negative("lr", lr)
         self.weight_decay = _non_negative("weight_decay", weight_decay)
 
     def _weight_decay(self) -> float:
@@ -293,7 +293,7 @@ class MergedEmbeddingBagWithAdaGrad(_FusedUpdate):
 
     def __init__(self, embedding_specs: Sequence[EmbeddingSpec], lr: float = 0.01, eps: float = 1e-10) -> None:
         super().__init__(embedding_specs)
-        self.lr = _non_negative("learning rate", lr)
+        self.lr = _non_negative("lr", lr)
         self.eps = _non_negative("eps", eps)
         # fp64 tables keep fp64 sums (torch.optim.Adagrad's state is the parameter's dtype); others fp32
         self.register_buffer("state_sum", torch.zeros(self.layout.numel, dtype=compute_dtype(self.weight.dtype)))

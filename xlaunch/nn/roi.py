@@ -27,6 +27,7 @@ with needs_torch(__name__):
     from torch import Tensor, nn
 
 from xlaunch.nn import native
+from xlaunch.nn.arguments import flag, real_number, whole_number
 from xlaunch.nn.roi_torch import roi_align_torch
 
 __all__ = ["roi_align", "RoIAlign", "boxes_to_rois"]
@@ -63,6 +64,18 @@ def _pair(output_size: Union[int, Sequence[int]]) -> tuple[int, int]:
     except TypeError:
         raise TypeError(f"roi_align: output_size must be an int or a pair (height, width) of ints, "
                         f"not {output_size!r}") from None
+
+
+def _geometry(output_size: Union[int, Sequence[int]], spatial_scale: float, sampling_ratio: int,
+              aligned: bool) -> tuple[float, int, int, int, bool]:
+    """``(spatial_scale, height, width, sampling_ratio, aligned)`` checked: positive integer sides,
+    a finite scale, an integer sampling ratio (``<= 0``: adaptive; 1.5 is refused, not truncated),
+    a bool ``aligned``; one line naming the argument otherwise."""
+    height, width = _pair(output_size)
+    if height <= 0 or width <= 0:
+        raise ValueError(f"roi_align: output_size must be positive, got {(height, width)}")
+    return (real_number(spatial_scale, "roi_align: spatial_scale"), height, width,
+            whole_number(sampling_ratio, "roi_align: sampling_ratio", None), flag(aligned, "roi_align: aligned"))
 
 
 def _check_images(rois: Tensor, images: int) -> None:
@@ -119,11 +132,8 @@ def roi_align(input: Tensor, boxes: Boxes, output_size: Union[int, Sequence[int]
     if input.device.type != "cpu":
         raise ValueError(f"roi_align: input is on {input.device}; xlaunch.nn runs on the CPU")
     rois = boxes_to_rois(boxes, torch.float64 if input.dtype == torch.float64 else torch.float32)
-    height, width = _pair(output_size)
-    if height <= 0 or width <= 0:
-        raise ValueError(f"roi_align: output_size must be positive, got {(height, width)}")
+    geometry = _geometry(output_size, spatial_scale, sampling_ratio, aligned)
     _check_images(rois, input.shape[0])
-    geometry = (float(spatial_scale), height, width, int(sampling_ratio), bool(aligned))
     ops = native.ops()
     if ops is None or input.dtype == torch.float64:
         return roi_align_torch(input, rois, *geometry)
@@ -138,6 +148,7 @@ class RoIAlign(nn.Module):
     def __init__(self, output_size: Union[int, Sequence[int]], spatial_scale: float = 1.0, sampling_ratio: int = -1,
                  aligned: bool = False) -> None:
         super().__init__()
+        _geometry(output_size, spatial_scale, sampling_ratio, aligned)     # refused here, not at the first call
         self.output_size = output_size
         self.spatial_scale = spatial_scale
         self.sampling_ratio = sampling_ratio

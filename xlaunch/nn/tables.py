@@ -17,6 +17,8 @@ with needs_torch(__name__):
     import torch
     from torch import Tensor
 
+from xlaunch.nn.arguments import flag, whole_number
+
 MODES = {"sum": 0, "mean": 1, "max": 2}
 # Columns of the kernels' meta table (xlaunch/nn/csrc/bag_common.h, enum Col).
 WEIGHT_OFFSET, ROWS, DIM, MODE, OUT_OFFSET, OUT_STRIDE, ROW_BASE = range(7)
@@ -34,8 +36,37 @@ class EmbeddingSpec(NamedTuple):
     include_last_offset: bool = False
 
 
+def checked_specs(embedding_specs: object) -> list[EmbeddingSpec]:
+    """The tables' specs, each field checked (one line naming the table and the field) and
+    normalized: integer rows and dims (numpy's too; a float such as 3.5 is refused, not truncated),
+    a known pooling mode, a torch dtype, a tensor or no weight, bool flags."""
+    if isinstance(embedding_specs, EmbeddingSpec) or not isinstance(embedding_specs, (list, tuple)):
+        raise TypeError(f"embedding_specs must be a list of EmbeddingSpec (one per table), "
+                        f"not {type(embedding_specs).__name__}")
+    if not embedding_specs:
+        raise ValueError("a merged embedding bag needs at least one table")
+    specs = []
+    for number, spec in enumerate(embedding_specs):
+        if not isinstance(spec, tuple) or not 2 <= len(spec) <= len(EmbeddingSpec._fields):
+            raise TypeError(f"table {number}: expected an EmbeddingSpec, not {type(spec).__name__}")
+        spec = EmbeddingSpec(*spec)
+        where = f"table {number}: "
+        if not isinstance(spec.pooling_mode, str) or spec.pooling_mode not in MODES:
+            raise ValueError(f"{where}pooling_mode must be one of {', '.join(MODES)}, not {spec.pooling_mode!r}")
+        if not isinstance(spec.dtype, torch.dtype):
+            raise TypeError(f"{where}dtype must be a torch.dtype, not {spec.dtype!r}")
+        if spec.weight is not None and not isinstance(spec.weight, Tensor):
+            raise TypeError(f"{where}weight must be a tensor or None, not {type(spec.weight).__name__}")
+        specs.append(spec._replace(num_embeddings=whole_number(spec.num_embeddings, where + "num_embeddings"),
+                                   embedding_dim=whole_number(spec.embedding_dim, where + "embedding_dim", 1),
+                                   sparse=flag(spec.sparse, where + "sparse"),
+                                   include_last_offset=flag(spec.include_last_offset, where + "include_last_offset")))
+    return specs
+
+
 class TableLayout:
-    """The tables' places in the flat weight storage (fixed at construction)."""
+    """The tables' places in the flat weight storage (fixed at construction); ``specs`` as
+    :func:`checked_specs` returns them."""
 
     def __init__(self, specs: Sequence[EmbeddingSpec]) -> None:
         if not specs:
@@ -49,12 +80,6 @@ class TableLayout:
         numel = total_rows = 0
         for number, spec in enumerate(specs):
             rows, dim = int(spec.num_embeddings), int(spec.embedding_dim)
-            if rows < 0 or dim <= 0:
-                raise ValueError(f"table {number}: num_embeddings must be >= 0 and embedding_dim > 0, "
-                                 f"got ({rows}, {dim})")
-            if spec.pooling_mode not in MODES:
-                raise ValueError(f"table {number}: pooling_mode must be one of {', '.join(MODES)}, "
-                                 f"not {spec.pooling_mode!r}")
             self.rows.append(rows)
             self.dims.append(dim)
             self.modes.append(spec.pooling_mode)

@@ -8,6 +8,7 @@ a dict key the hint leaves out gets dimension 0. Non-tensor leaves are never spl
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Sequence
 
 Hint = Any  # int | None | tuple/list of Hint | dict[str, Hint]
@@ -57,6 +58,27 @@ def output_hint(hint: Any) -> Hint:
     if hint.kwargs:
         return dict(hint.kwargs)
     return hint.args[0] if hint.args else 0
+
+
+def checked_hint(hint: Hint, name: str) -> Hint:
+    """``hint`` with every leaf checked and made a plain ``int`` (numpy's and one-element integer
+    tensors too) or ``None``; a StreamHint's args and kwargs the same. ``TypeError`` naming
+    ``name`` for any other leaf (a float such as 1.5, a bool, a string)."""
+    if isinstance(hint, StreamHint):
+        return StreamHint(*[checked_hint(h, name) for h in hint.args],
+                          **{key: checked_hint(h, name) for key, h in hint.kwargs.items()})
+    if hint is None:
+        return None
+    if isinstance(hint, (tuple, list)):
+        return type(hint)(checked_hint(h, name) for h in hint)
+    if isinstance(hint, dict):
+        return {key: checked_hint(h, name) for key, h in hint.items()}
+    if not isinstance(hint, bool):
+        try:
+            return operator.index(hint)
+        except TypeError:
+            pass
+    raise TypeError(f"{name}: a hint is an int dimension, None, or a tuple, list or dict of hints, not {hint!r}")
 
 
 def _is_tensor(value: Any) -> bool:

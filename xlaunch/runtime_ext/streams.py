@@ -20,6 +20,7 @@ with needs_torch(__name__):
 from xlaunch.runtime_ext.batching import (
     MultiStreamModuleHint,
     StreamHint,
+    checked_hint,
     common_batch,
     get_default_num_streams,
     join_outputs,
@@ -82,6 +83,10 @@ class MultiStreamModule(nn.Module):
         output_concat_hint: Any = 0,
     ) -> None:
         super().__init__()
+        if not callable(model):
+            raise TypeError(f"model must be a module or callable, got {type(model).__name__}")
+        if not isinstance(concat_output, bool):
+            raise TypeError(f"concat_output must be True or False, not {concat_output!r}")
         pool = cpu_pool if cpu_pool is not None else CPUPool()
         if not isinstance(pool, CPUPool):
             raise TypeError(f"cpu_pool must be a CPUPool, got {type(pool).__name__}")
@@ -92,9 +97,10 @@ class MultiStreamModule(nn.Module):
         self.num_streams = num_streams
         self.cpu_pool = pool
         self.concat_output = concat_output
-        self.input_split_hint = input_split_hint if input_split_hint is not None else StreamHint()
+        self.input_split_hint = checked_hint(input_split_hint, "input_split_hint") if input_split_hint is not None \
+            else StreamHint()
         self.output_concat_hint = output_concat_hint
-        self._output_hint = output_hint(output_concat_hint)
+        self._output_hint = output_hint(checked_hint(output_concat_hint, "output_concat_hint"))
         self.stream_pools = pool.split(num_streams)
         self._tasks: list[Task] = []
         try:

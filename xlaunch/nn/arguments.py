@@ -1,0 +1,56 @@
+"""One-line checks of the operators' constructor arguments (no torch needed).
+
+A count is an integer (``int``, numpy's, a one-element integer tensor: anything with
+``__index__``), never a float or a bool, so ``EmbeddingSpec(3.5, 4)`` is refused instead of
+truncated to 3 rows; a rate is a real number (``float``, ``int``, numpy's, a one-element tensor);
+a flag is a bool (numpy's too), never a string (``"False"`` would be true). Each failure is one
+``TypeError`` or ``ValueError`` naming the argument.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Optional
+
+
+def whole_number(value: Any, name: str, minimum: Optional[int] = 0) -> int:
+    """``value`` as an int, at least ``minimum`` (None: any)."""
+    number = None
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            pass
+    if number is None:
+        raise TypeError(f"{name} must be an integer, not {value!r} ({type(value).__name__})")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def real_number(value: Any, name: str, minimum: Optional[float] = None) -> float:
+    """``value`` as a finite float, at least ``minimum`` (None: any)."""
+    number = None
+    if not isinstance(value, (bool, str, bytes)) and hasattr(type(value), "__float__"):
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):   # a tensor of many elements: RuntimeError
+            pass
+    if number is None:
+        raise TypeError(f"{name} must be a number, not {value!r} ({type(value).__name__})")
+    if not math.isfinite(number) or (minimum is not None and number < minimum):
+        bound = f" >= {minimum:g}" if minimum is not None else ""
+        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
+    return number
+
+
+def flag(value: Any, name: str) -> bool:
+    """``value`` as a bool: ``True``/``False`` (numpy's, 0 and 1 too), never a string."""
+    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__bool__"):
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    try:
+        if value is True or value is False or value in (0, 1):
+            return bool(value)
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    raise TypeError(f"{name} must be True or False, not {value!r}")
