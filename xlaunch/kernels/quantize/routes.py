@@ -270,6 +270,43 @@ def restore_module_stacks(originals: dict[Any, dict]) -> None:
         node.meta["nn_module_stack"] = stack
 
 
+def _contiguous(value: torch.Tensor) -> bool:
+    try:
+        return bool(value.is_contiguous())
+    except Exception:   # a size it cannot decide (symbolic): copy to be sure
+        return False
+
+
+def contiguous_linear_inputs(graph_module: nn.Module) -> int:
+    """Give each Linear whose input is a non-contiguous tensor of 3+ dims (an LSTM/GRU's
+    ``batch_first`` output, a transposed sequence) a contiguous copy of it; returns how many.
+
+    Such a Linear decomposes to expand + bmm, and torchao's x86 inductor pass (0.18) compares that
+    expand's sizes with ``torch.Size(...)``, which raises on the symbolic batch size that every
+    compile here has (``TypeError: torch.Size() takes an iterable of 'int' (item 0 is 'Node')``):
+    the whole route failed to build. After the copy the Linear is a view + addmm, which the pass
+    lowers to oneDNN's int8 matmul. The copy is value-identical (its meta is the producer's)."""
+    graph = graph_module.graph
+    copies = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or str(node.target) not in LINEAR_OPS or not node.args:
+            continue
+        activation = node.args[0]
+        value = getattr(activation, "meta", {}).get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() <= 2 or _contiguous(value):
+            continue
+        with graph.inserting_before(node):
+            copy_node = graph.call_function(torch.ops.aten.clone.default, (activation,),
+                                            {"memory_format": torch.contiguous_format})
+        copy_node.meta = {**activation.meta, "val": value.clone(memory_format=torch.contiguous_format)}
+        node.replace_input_with(activation, copy_node)
+        copies += 1
+    if copies:
+        graph.lint()
+        graph_module.recompile()
+    return copies
+
+
 def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tuple], dynamic: bool,
                reduce_range: bool, program: Optional[FloatProgram] = None) -> Built:
     """A PT2E route (static or dynamic) of ``model``; ``program``: its export, shared with the other route."""
@@ -282,6 +319,7 @@ def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tu
         is_dynamic=dynamic, reduce_range=reduce_range))
     with torch.no_grad():
         graph = (program or FloatProgram(model, example_inputs)).graph()
+        contiguous_linear_inputs(graph)
         originals = split_reused_modules(graph)
         prepared = prepare_pt2e(graph, quantizer)
         restore_module_stacks(originals)
