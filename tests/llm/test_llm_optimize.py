@@ -333,6 +333,20 @@ def test_bad_arguments_name_the_option(llama):
         llm.optimize(clone(llama), weights="int4", group_size=48)
 
 
+@pytest.mark.parametrize("sizes,hint", [(dict(intermediate_size=200), "use weights='int8'"),
+                                        (dict(hidden_size=192, intermediate_size=384), "group_size=32 or 64 fits")])
+def test_an_int4_group_size_that_does_not_divide_a_layer_is_one_error_and_changes_nothing(sizes, hint):
+    """The first layer's down_proj (200 inputs) failed to pack after q/k/v, o and gate/up were replaced: a ValueError
+    from the quantizer naming no option, and a model whose first layer raised on every call."""
+    model = tiny("llama", **sizes)
+    ids = torch.tensor([[1, 2, 3]])
+    before = model(ids).logits
+    with pytest.raises(ValueError, match=rf"^xlaunch.llm.optimize: group_size 128 does not divide .*; {hint}"):
+        llm.optimize(model, weights="int4")
+    assert not llm.api.is_optimized(model)
+    assert torch.equal(model(ids).logits, before)
+
+
 def test_a_foreign_cache_with_tokens_is_refused(llama):
     from transformers import DynamicCache
 

@@ -84,6 +84,23 @@ def _check(dtype: Any, weights: Optional[str], group_size: int) -> str:
     return weights or DTYPES[dtype]
 
 
+def _check_groups(model: Any, group_size: int) -> None:
+    """INT4 packs each decoder linear per group of ``group_size`` inputs: one ValueError naming the first linear whose
+    inputs it does not divide (and the group sizes that would do), before any layer is packed (the packing failed
+    halfway, the layers before it already packed)."""
+    named = [(f"model.layers.{index}.{part}.{name}", getattr(getattr(layer, part), name))
+             for index, layer in enumerate(model.model.layers)
+             for part, names in (("self_attn", ("q_proj", "o_proj")), ("mlp", ("gate_proj", "down_proj")))
+             for name in names]
+    sizes = {linear.in_features for _, linear in named}
+    for name, linear in named:
+        if linear.in_features % group_size:
+            fits = [size for size in GROUP_SIZES if all(k % size == 0 for k in sizes)]
+            hint = f"group_size={' or '.join(map(str, fits))} fits every layer" if fits else "use weights='int8'"
+            raise ValueError(f"xlaunch.llm.optimize: group_size {group_size} does not divide the {linear.in_features} "
+                             f"inputs of {name}; {hint}")
+
+
 def _pack_layer(layer: Any, kind: str, dtype: Any, group_size: int, window: Optional[int]) -> LayerWeights:
     attention, mlp = layer.self_attn, layer.mlp
     pack = dict(kind=kind, dtype=dtype, group_size=group_size)
@@ -249,6 +266,8 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
             return model
         warnings.warn(f"xlaunch.llm.optimize: {spec}; the model is returned unchanged", UserWarning, stacklevel=2)
         return model
+    if kind == "int4":
+        _check_groups(model, group_size)
     warn_if_bf16_is_slow(dtype, "xlaunch.llm.optimize", stacklevel=3)
     model.eval()
     inner = model.model
