@@ -322,3 +322,23 @@ def test_a_layer_called_twice_is_reported_once() -> None:
         quantized = quantize(model, (x,), mode="dynamic", progress=False)
     assert quantized.report.quantized == ["a"]
     assert (quantized(x) - model(x)).abs().max().item() <= 0.1 * model(x).abs().max().item()
+
+
+def test_a_route_that_inductor_fails_names_the_real_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile wraps the error (``backend='inductor' raised:`` on the first line, and nothing
+    else in the one line quoted before): the error it carries is named, in the ValueError and in auto's report."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from xlaunch.kernels.quantize import api
+    from quantize_models import tiny_mlp
+
+    def fails(*_args: object) -> None:
+        raise BackendCompilerFailed(lambda: None, TypeError("torch.Size() takes an iterable of 'int'"), None)
+
+    monkeypatch.setattr(api, "_build", fails)
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"dynamic INT8 failed on Sequential: TypeError: torch.Size\(\) takes"):
+        quantize(tiny_mlp(), x, mode="dynamic", progress=False)
+    with pytest.warns(QuantizeWarning):
+        quantized = quantize(tiny_mlp(), x, consider=["dynamic"], rounds=1, progress=False)
+    assert quantized.report.routes["dynamic"].skipped == "failed: TypeError: torch.Size() takes an iterable of 'int'"

@@ -111,9 +111,8 @@ def _build_and_check(route: str, fp32: nn.Module, example: tuple, batches: Optio
         outputs = [build.runner(*batch) for batch in checks]
     except Exception as exc:
         if mode != "auto":
-            raise ValueError(f"quantize: {route} INT8 failed on {type(model).__name__}: "
-                             f"{type(exc).__name__}: {excerpt(exc)}") from exc
-        report.routes[route] = RouteResult(skipped=f"failed: {type(exc).__name__}: {excerpt(exc)}")
+            raise ValueError(f"quantize: {route} INT8 failed on {type(model).__name__}: {_failure(exc)}") from exc
+        report.routes[route] = RouteResult(skipped=f"failed: {_failure(exc)}")
         return None
     if not build.quantized:
         if mode != "auto":
@@ -122,6 +121,17 @@ def _build_and_check(route: str, fp32: nn.Module, example: tuple, batches: Optio
         report.routes[route] = RouteResult(skipped="quantized no layer")
         return None
     return build, outputs
+
+
+def _failure(exc: BaseException) -> str:
+    """``Type: first line`` of what made a route fail. torch.compile's wrappers (BackendCompilerFailed,
+    InductorError) carry it as ``inner_exception``; the wrapper's own first line says only
+    ``backend='inductor' raised:``."""
+    seen: set[int] = set()
+    while isinstance(getattr(exc, "inner_exception", None), BaseException) and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.inner_exception   # type: ignore[attr-defined]
+    return f"{type(exc).__name__}: {excerpt(exc)}"
 
 
 def _warn(report: QuantizeReport, message: str) -> None:
@@ -309,7 +319,7 @@ def _optimized(fp32: nn.Module, example: tuple, report: QuantizeReport,
                                    f"{engines.backend} ({engines.reason})")
         return optimized
     except Exception as exc:
-        report.routes[name] = RouteResult(skipped=f"failed: {type(exc).__name__}: {exc}")
+        report.routes[name] = RouteResult(skipped=f"failed: {_failure(exc)}")
         return None
 
 
