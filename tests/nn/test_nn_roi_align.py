@@ -219,3 +219,20 @@ def test_torch_compile_equals_eager(dispatch):
     got.sum().backward()
     want.sum().backward()
     torch.testing.assert_close(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("later", [False, True])
+def test_the_backward_runs_the_forwards_kernels_whatever_prefer_native_says_then(dispatch, later):
+    """A compiled forward whose backward ran inside prefer_native(False) was an AttributeError
+    ('NoneType' object has no attribute 'roi_align_backward')."""
+    from xlaunch.nn import native
+
+    image, rois = case()
+    boxes, grads = torch.tensor(rois), []
+    for switch in (False, True):
+        x = image.clone().requires_grad_()
+        out = roi_align(x, boxes, 3, 0.5, 2, True)
+        with native.prefer_native(later) if switch else torch.enable_grad():
+            out.backward(torch.ones_like(out))
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])

@@ -106,7 +106,9 @@ class _RoIAlignFunction(torch.autograd.Function):
         scale, height, width, sampling, aligned = geometry
         memory_format = torch.channels_last if _channels_last(input) else torch.contiguous_format
         out = torch.empty(rois.shape[0], input.shape[1], height, width, dtype=input.dtype, memory_format=memory_format)
-        native.ops().roi_align_forward(_channels_inner(input), rois, scale, height, width, sampling, aligned, out)
+        ops = native.ops()
+        ops.roi_align_forward(_channels_inner(input), rois, scale, height, width, sampling, aligned, out)
+        ctx.ops = ops        # the backward runs the forward's kernels, whatever prefer_native says by then
         ctx.save_for_backward(rois)
         ctx.geometry, ctx.input_shape, ctx.input_dtype, ctx.memory_format = geometry, input.shape, input.dtype, memory_format
         return out
@@ -118,7 +120,7 @@ class _RoIAlignFunction(torch.autograd.Function):
         grad_input = torch.zeros(ctx.input_shape, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
         if grad.dtype not in KERNEL_DTYPES:
             grad = grad.float()
-        native.ops().roi_align_backward(grad, rois, scale, height, width, sampling, aligned, grad_input)
+        ctx.ops.roi_align_backward(grad, rois, scale, height, width, sampling, aligned, grad_input)
         return grad_input.to(dtype=ctx.input_dtype, memory_format=ctx.memory_format), None, None
 
 
