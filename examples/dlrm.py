@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 
 import torch
@@ -156,4 +158,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        sys.stdout.flush()        # inside the try: a closed pipe found at exit is the same case
+    except BrokenPipeError:   # stdout closed early (`| head`): stop quietly, as a Unix tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing left to flush at exit
+        sys.exit(1)

@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -165,4 +166,9 @@ def fixed_window(model: nn.Module, x: torch.Tensor, seconds: float, start_at: fl
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        sys.stdout.flush()        # inside the try: a closed pipe found at exit is the same case
+    except BrokenPipeError:   # stdout closed early (`| head`): stop quietly, as a Unix tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing left to flush at exit
+        sys.exit(1)

@@ -114,4 +114,9 @@ def say(line: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        sys.stdout.flush()        # inside the try: a closed pipe found at exit is the same case
+    except BrokenPipeError:   # stdout closed early (`| head`): stop quietly, as a Unix tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing left to flush at exit
+        sys.exit(1)

@@ -3,6 +3,7 @@ exit status 2 (no traceback, no run that prints a throughput of 0 or nan); the n
 Each example's main() runs in this process (torch is imported already; a fresh process would import it again)."""
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -68,3 +69,22 @@ def test_dlrm_averages_the_losses_it_has(monkeypatch, capsys) -> None:
         losses = [loss_fn(model(dense, indices, offsets).float(), labels).item()
                   for dense, indices, offsets, labels in dlrm["make_batches"](rows, 8, 2, 4)[:3]]
     assert first == pytest.approx(sum(losses) / 3, abs=1e-4)
+
+
+@pytest.mark.parametrize("name, argv", [
+    ("infer.py", ["--iterations", "1", "--warmup", "0", "--batch-size", "1", "--image-size", "8"]),
+    ("train.py", ["--steps", "1", "--batch-size", "2"]),
+    ("dlrm.py", ["--steps", "1", "--infer-steps", "1", "--tables", "2", "--rows", "5", "9", "--batch-size", "8",
+                 "--bag", "2", "--dim", "4"]),
+])
+def test_a_closed_stdout_stops_the_example_without_a_traceback(name, argv, monkeypatch, capsys) -> None:
+    """``python examples/infer.py | head -1``: the write after head left was BrokenPipeError's traceback."""
+    for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    read_end, write_end = os.pipe()
+    os.close(read_end)                                   # the reader has gone: every write is EPIPE
+    with os.fdopen(write_end, "w") as closed:
+        monkeypatch.setattr(sys, "stdout", closed)
+        status, _, err = run(name, argv, monkeypatch, capsys)
+        monkeypatch.undo()
+    assert status == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
