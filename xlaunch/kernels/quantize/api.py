@@ -40,7 +40,7 @@ from xlaunch.kernels.build_mark import marked
 from xlaunch.kernels.quantize import policy
 from xlaunch.kernels.optimize.progress import Progress
 from xlaunch.kernels.optimize.text import excerpt
-from xlaunch.kernels.quantize import engine_routes, routes, saved
+from xlaunch.kernels.quantize import engine_routes, inputs, routes, saved
 from xlaunch.kernels.quantize.measure import SETTLE_S, accuracy, measure  # noqa: F401 (bench/ imports them here)
 from xlaunch.kernels.quantize.result import QuantizedModule, QuantizeReport, RouteResult, load_quantized
 from xlaunch.kernels.quantize.routes import QuantizeWarning
@@ -51,26 +51,6 @@ META_FILE, FORMAT_VERSION = saved.META_FILE, saved.FORMAT_VERSION
 
 
 # --- the API ---------------------------------------------------------------------------------
-
-def _as_args(inputs: Any, what: str) -> tuple:
-    if isinstance(inputs, torch.Tensor):
-        return (inputs,)
-    if isinstance(inputs, (tuple, list)) and inputs:
-        return tuple(inputs)
-    raise TypeError(f"quantize: {what} must be a tensor or a non-empty tuple of inputs, not {type(inputs).__name__}")
-
-
-def _calibration(calibration: Optional[Iterable[Any]]) -> Optional[list[tuple]]:
-    if calibration is None:
-        return None
-    if isinstance(calibration, (torch.Tensor, str, bytes, dict)) or not hasattr(calibration, "__iter__"):
-        raise TypeError("quantize: calibration must be an iterable of input tuples (e.g. [(x1,), (x2,)]), "
-                        f"not {'one tensor' if isinstance(calibration, torch.Tensor) else type(calibration).__name__}")
-    batches = [_as_args(batch, "each calibration item") for batch in calibration]
-    if not batches:
-        raise ValueError("quantize: calibration is empty")
-    return batches
-
 
 def _layers(model: nn.Module) -> tuple[bool, bool]:
     has_linear = any(isinstance(m, nn.Linear) for m in model.modules())
@@ -157,8 +137,8 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     mode = policy.check_mode(mode)
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize: model must be a torch.nn.Module, not {type(model).__name__}")
-    example = _as_args(example_inputs, "example_inputs")
-    batches = _calibration(calibration)
+    example = inputs.as_args(example_inputs, "example_inputs")
+    batches, note = inputs.calibration_batches(calibration, example)
     if mode == "static" and batches is None:
         raise ValueError("quantize: mode='static' needs calibration=[(inputs...), ...] to set the "
                          "activation scales (or use mode='dynamic' or 'weight_only')")
@@ -166,7 +146,7 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     steps = 3 if mode != "auto" else 2 + len(policy.INT8_ROUTES)   # a terminal bar's length (about)
     show = Progress(total=steps, enabled=progress, title=PROGRESS_TITLE)
     try:
-        return _quantize(model, example, batches, mode, max_error, rounds, policy.check_routes(consider), show)
+        return _quantize(model, example, batches, mode, max_error, rounds, policy.check_routes(consider), show, note)
     finally:
         show.close()
 
@@ -175,18 +155,20 @@ PROGRESS_TITLE = "xlaunch.quantize"
 
 
 def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], mode: str, max_error: float,
-              rounds: int, allowed: tuple[str, ...], show: Progress) -> QuantizedModule:
+              rounds: int, allowed: tuple[str, ...], show: Progress, note: str = "") -> QuantizedModule:
     checks = batches or [example]
     with show.step(f"{type(model).__name__}, mode {mode}: fp32 reference outputs") as step:
         traits = _machine_traits()
         report = QuantizeReport(mode=mode, requested=mode, isa_int8_dot=traits.int8_dot,
-                                reduce_range=traits.reduce_range)
+                                reduce_range=traits.reduce_range, warnings=[note] if note else [])
         fp32 = copy.deepcopy(model).eval()
         has_linear, has_conv = _layers(fp32)
         with torch.no_grad():
             reference = [fp32(*batch) for batch in checks]
         step.done(f"int8 dot products: {traits.int8_dot or 'none'}"
                   + ("; 7-bit operands" if traits.reduce_range else ""))
+    if note:
+        show.line(note)
 
     if mode == "auto":
         wanted = {route: why if route in allowed else "not among consider=" for route, why in

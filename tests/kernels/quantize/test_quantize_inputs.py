@@ -1,0 +1,80 @@
+"""Calibration batches matched against ``example_inputs`` (``inputs.calibration_batches``): a
+DataLoader's ``(x, label)`` pairs calibrate on ``x`` alone, said in the report; a batch that cannot
+be the model's inputs is one error naming it, before any work. weight_only: no compile, cheap.
+
+Before the fix the label went to the model as a second input: a deep RuntimeError, or (a model
+with an optional second argument the label fits) a calibration on the wrong inputs, unreported."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from xlaunch.kernels.quantize import routes  # noqa: E402
+
+try:
+    routes.import_torchao()
+except ImportError:
+    pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+
+from xlaunch.kernels.quantize.api import quantize  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+class Scaled(nn.Module):
+    """A Linear with an optional second input (a label of shape (B, 1) fits it): records what it gets."""
+
+    seen: list = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        Scaled.seen.append(scale is not None)
+        return self.linear(x) if scale is None else self.linear(x) * scale
+
+
+def test_a_dataloader_of_input_label_pairs_calibrates_on_the_inputs() -> None:
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(32, 16, generator=gen), torch.randn(32, 1, generator=gen) * 100)
+    model = Scaled().eval()
+    Scaled.seen.clear()
+    quantized = quantize(model, torch.randn(8, 16, generator=gen), calibration=DataLoader(data, batch_size=8),
+                         mode="weight_only", progress=False)
+    assert Scaled.seen and not any(Scaled.seen)   # the labels never reached the model
+    report = quantized.report
+    assert report.rel_error is not None and report.rel_error < 0.05, report.rel_error
+    assert ("calibration: batches hold up to 2 items and example_inputs 1: the first 1 of each were the inputs, "
+            "the rest (labels) left out") in report.warnings
+    assert "the rest (labels) left out" in str(report)
+
+
+def test_batches_matching_the_example_carry_no_note() -> None:
+    x = torch.randn(8, 16)
+    quantized = quantize(Scaled().eval(), x, calibration=[x[:4], (x[4:],)], mode="weight_only", progress=False)
+    assert not any(w.startswith("calibration:") for w in quantized.report.warnings)
+
+
+@pytest.mark.parametrize("calibration, match", [
+    ([(torch.zeros(4, dtype=torch.int64),)], r"calibration batch 0, input 0: int64\[N\] where example_inputs "
+                                              r"has float32\[N,16\]"),
+    ([torch.zeros(4, 16), (torch.zeros(4, 32),)], r"calibration batch 1, input 0: float32\[N,32\] where"),
+    ([(torch.zeros(4, 16).double(),)], r"float64\[N,16\] where example_inputs has float32\[N,16\]"),
+    ([([torch.zeros(4, 16)], torch.zeros(4))], r"input 0: list where example_inputs has float32\[N,16\]"),
+])
+def test_a_batch_that_cannot_be_the_inputs_is_one_error(calibration: list, match: str) -> None:
+    Scaled.seen.clear()
+    with pytest.raises(ValueError, match=match):
+        quantize(Scaled().eval(), torch.randn(8, 16), calibration=calibration, mode="weight_only", progress=False)
+    assert Scaled.seen == []   # nothing ran
+
+
+def test_a_batch_with_fewer_items_than_the_example_is_one_error() -> None:
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"calibration batch 0 holds 1 item\(s\), example_inputs 2"):
+        quantize(Scaled().eval(), (x, torch.ones(8, 1)), calibration=[(x,)], mode="weight_only", progress=False)
