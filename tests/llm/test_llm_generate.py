@@ -278,3 +278,19 @@ def test_a_mask_that_is_not_2d_is_refused_in_one_line(model):
     four_d = torch.zeros(1, 1, 6, 6)
     with pytest.raises(ValueError, match=r"^xlaunch.llm: attention_mask must be 2-D \[batch, length\].*\(1, 1, 6, 6\)"):
         model(ids, attention_mask=four_d)
+
+
+@pytest.mark.parametrize("bad", [dict(do_sample=True, temperature=0.0), dict(do_sample=True, temperature=-1.0),
+                                 dict(do_sample=True, top_k=-1), dict(do_sample=True, min_p=2.0),
+                                 dict(repetition_penalty=0.0), dict(do_sample=True, repetition_penalty=-1.0)])
+def test_values_generate_refuses_are_its_own_error(model, greedy_calls, bad):
+    """The runtime's loop took them: a negative temperature, min_p 2 and a penalty of 0 or -1 gave tokens, a zero
+    temperature and top_k -1 failed inside torch; generate's processors refuse each in one ValueError."""
+    ids, mask = prompts(2, 6, seed=3)
+    call = dict(attention_mask=mask, max_new_tokens=3, pad_token_id=0) | bad
+    with pytest.raises(ValueError) as expected:
+        hugging_face(model, ids, **call)
+    with pytest.raises(ValueError) as got:
+        model.generate(ids, **call)
+    assert str(got.value) == str(expected.value)
+    assert greedy_calls == []

@@ -214,10 +214,12 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
         return None               # generate infers a mask from the pad ids
     if mask is not None and (mask.shape != ids.shape or not bool((mask == 1).logical_or(mask == 0).all())):
         return None
-    warpers = _warpers(config, kwargs) if config.do_sample else None
+    try:
+        warpers, penalties = _warpers(config, kwargs) if config.do_sample else None, _penalties(config, mask)
+    except ValueError:
+        return None               # a value generate's processors refuse: its own error
     pad = 0 if pad is None else pad     # one row without a pad id: never padded (its end-of-sequence id ends it)
-    return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer, warpers, \
-        _penalties(config, mask)
+    return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer, warpers, penalties
 
 
 def _penalties(config: Any, mask: Optional["torch.Tensor"]) -> list:

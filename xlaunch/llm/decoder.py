@@ -353,25 +353,40 @@ def min_p_warper(p: float) -> Scores:
 
 def warpers(temperature: Optional[float], top_k: Optional[int], top_p: Optional[float],
             min_p: Optional[float]) -> list[Scores]:
-    """The sampling warpers of one beam, None taking generate's default, each only where it changes anything."""
+    """The sampling warpers of one beam, None taking generate's default, each only where it changes anything; a
+    value Hugging Face's warper refuses (temperature not a float > 0, top-k not an int > 0, top-p or min-p
+    outside [0, 1]) is a ValueError, as there."""
     temperature = SAMPLING_DEFAULTS["temperature"] if temperature is None else temperature
     top_k = SAMPLING_DEFAULTS["top_k"] if top_k is None else top_k
     top_p = SAMPLING_DEFAULTS["top_p"] if top_p is None else top_p
-    chosen = [temperature_warper(temperature)] if temperature != 1.0 else []
+    chosen = []
+    if temperature != 1.0:
+        if not isinstance(temperature, float) or not temperature > 0:
+            raise ValueError(f"temperature must be a float > 0, not {temperature!r}")
+        chosen.append(temperature_warper(temperature))
     if top_k != 0:
+        if not isinstance(top_k, int) or top_k <= 0:
+            raise ValueError(f"top_k must be an integer > 0 (0: off), not {top_k!r}")
         chosen.append(top_k_warper(top_k))
     if top_p < 1.0:
+        if not 0 <= top_p <= 1:
+            raise ValueError(f"top_p must be within [0, 1], not {top_p!r}")
         chosen.append(top_p_warper(top_p))
     if min_p is not None:
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be within [0, 1], not {min_p!r}")
         chosen.append(min_p_warper(min_p))
     return chosen
 
 
 def repetition_penalty(penalty: float, mask: Optional["torch.Tensor"]) -> list[Scores]:
     """Every token already in a row made less likely (a score divided by ``penalty``, a negative one multiplied),
-    the row's left padding (``mask``'s leading zeros) left out; [] for a penalty of 1 or None."""
+    the row's left padding (``mask``'s leading zeros) left out; [] for a penalty of 1 or None; a ValueError for one
+    that is not a float > 0 (Hugging Face's processor refuses it)."""
     if penalty is None or penalty == 1.0:
         return []
+    if not isinstance(penalty, float) or not penalty > 0:
+        raise ValueError(f"repetition_penalty must be a float > 0, not {penalty!r}")
     padded = mask is not None and not bool((mask == 1).all())
     start = (mask != 0).int().argmax(dim=1) if padded else None
 
