@@ -195,3 +195,29 @@ def test_sigterm_ends_the_session_with_nothing_left_running(tmp_path: Path) -> N
     assert doc["interrupted"] is True and doc["trials"] == []
     assert log.read_text() == "hanging\n"
     assert _processes_with(token) == []
+
+
+def test_a_tpe_trial_stopped_by_ctrl_c_is_failed_in_the_study(tmp_path: Path) -> None:
+    """Ctrl-C during a TPE trial left it RUNNING in study.db for ever (--resume and
+    optuna-dashboard saw a trial still running); it is FAIL, as Optuna's own optimize marks it."""
+    import signal
+    import time
+
+    optuna = pytest.importorskip("optuna")
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1, 2]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "xlaunch.tune", "--space", "space.toml", "--strategy", "tpe",
+                             "--metric", METRIC, "--grace-period", "0.5", "--output-dir", "out", "--no-plot",
+                             SYNTHETIC, "--hang"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    log = tmp_path / "out" / "runs" / "0001-r1" / "trial_instance_0.log"
+    deadline = time.monotonic() + 60
+    while not (log.is_file() and log.read_text() == "hanging\n"):
+        assert proc.poll() is None and time.monotonic() < deadline, "the trial never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    only_start_line(err)
+    study = optuna.load_study(study_name="xlaunch-tune", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["FAIL"]
+    assert load(tmp_path / "out")["trials"] == []          # not recorded: --resume runs it again

@@ -310,3 +310,22 @@ def test_a_ctrl_c_while_the_tuner_starts_is_exit_130_without_a_traceback(tmp_pat
     done = subprocess.run([sys.executable, "-c", "import sys; from xlaunch.tune import main; sys.argv[0] = 'xlaunch-tune'; main()",
                            "--help"], capture_output=True, text=True, env=env, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (130, "", ""), done
+
+
+def test_resume_fails_the_trials_a_killed_session_left_running(tmp_path: Path) -> None:
+    """A session killed outright (SIGKILL, a crash) cannot mark its trial: the next --resume does,
+    under the directory's lock, so TPE and optuna-dashboard never see a trial running for ever."""
+    optuna = pytest.importorskip("optuna")
+    from xlaunch.tune.space import Dimension, Space
+    from xlaunch.tune.strategies import STUDY_NAME, TpeStrategy
+
+    storage = str(tmp_path / "study.db")
+    study = optuna.create_study(study_name=STUDY_NAME, storage=f"sqlite:///{storage}", direction="maximize")
+    study.ask()                                       # the trial the killed session was measuring
+    space = Space((Dimension("ninstances", (1, 2)),), "space.toml")
+    strategy = TpeStrategy(space, goal="max", seed=1, storage=storage, resume=True)
+    assert [t.state.name for t in strategy.study.trials] == ["FAIL"]
+    point = strategy.ask(set())                       # and the search goes on
+    strategy.abandon()                                # an interrupted one: FAIL, not RUNNING
+    assert point in ({"ninstances": 1}, {"ninstances": 2})
+    assert [t.state.name for t in strategy.study.trials] == ["FAIL", "FAIL"]

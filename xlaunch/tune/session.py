@@ -152,6 +152,7 @@ class Tuner:
             self.final = self.remeasure()
         except KeyboardInterrupt:
             interrupted = True
+            self.strategy.abandon()
         finally:
             scratch = os.path.join(self.workdir, CANDIDATE_FILE)
             if os.path.isfile(scratch) and not os.path.islink(scratch):     # ours; not a FIFO planted there

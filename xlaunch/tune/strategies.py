@@ -10,6 +10,7 @@ a row TPE is handed an untried point so the search keeps moving.
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any, Collection, Iterator, Optional
 
 from xlaunch.tune.space import Point, Space, point_key
@@ -34,6 +35,9 @@ class Strategy:
 
     def learn(self, known: list[tuple[Point, Optional[float]]]) -> None:
         """Results of earlier sessions (``--resume``); grid and random only skip those points."""
+
+    def abandon(self) -> None:
+        """The session was interrupted: a point asked for and not told is never measured."""
 
 
 class GridStrategy(Strategy):
@@ -110,6 +114,30 @@ class TpeStrategy(Strategy):
             raise StrategyError(f"{storage} already holds a study (add --resume to continue it)") from None
         self._pending: dict[str, list[Any]] = {}
         self._repeats = 0
+        if resume:
+            self._fail_stale()
+
+    def _fail_stale(self) -> None:
+        """Trials an earlier session left RUNNING (killed before it could :meth:`abandon` them) are
+        FAIL: the session holds ``DIR/.xlaunch-tune.lock``, so none of them is running."""
+        RUNNING, FAIL = self._optuna.trial.TrialState.RUNNING, self._optuna.trial.TrialState.FAIL
+        for trial in self.study.get_trials(deepcopy=False, states=(RUNNING,)):
+            self.study.tell(trial.number, state=FAIL, skip_if_finished=True)
+
+    def abandon(self) -> None:
+        """Trials asked for and never told (the one Ctrl-C stopped) are FAIL in the study, as
+        Optuna's own ``optimize`` marks an interrupted trial: not RUNNING for ever in ``study.db``."""
+        FAIL = self._optuna.trial.TrialState.FAIL
+        pending = [trial for trials in self._pending.values() for trial in trials]
+        self._pending.clear()
+        for trial in pending:
+            try:
+                self.study.tell(trial, state=FAIL, skip_if_finished=True)
+            except Exception as error:      # a full disk under study.db: said, and the results still written
+                from xlaunch._errors import error_line
+
+                sys.stderr.write(f"xlaunch-tune: warning: study.db keeps trial {trial.number} RUNNING "
+                                 f"({error_line(error)}); --resume marks it failed\n")
 
     def learn(self, known: list[tuple[Point, Optional[float]]]) -> None:
         """Give a new study what earlier sessions measured (e.g. a grid resumed as tpe)."""
