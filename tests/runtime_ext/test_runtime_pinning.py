@@ -154,6 +154,13 @@ def test_thread_count_control():
         set_num_threads(before)
     with pytest.raises(ValueError, match="positive"):
         set_num_threads(0)
+    np = pytest.importorskip("numpy")
+    for wrong in (1.0, True, "1"):
+        with pytest.raises(ValueError, match="^number of threads must be a positive integer"):
+            set_num_threads(wrong)
+    with threads(np.int64(1)):       # numpy's integers are counts (they were refused)
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
 
 
 TEAM_SIZES_SEEN_BY_OTHER_THREADS = """

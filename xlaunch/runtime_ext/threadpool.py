@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 from xlaunch.runtime_ext import openmp
-from xlaunch.runtime_ext.pool import get_thread_count, set_thread_count
+from xlaunch.runtime_ext.pool import as_index, get_thread_count, set_thread_count
 
 AFFINITY_ENV = ("OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "KMP_BLOCKTIME")
 
@@ -72,9 +72,10 @@ def get_num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Set the calling thread's team size (torch's setting when torch is imported)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    count = as_index(n)      # numpy's integers too; never a bool or a float
+    if count is None or count < 1:
         raise ValueError(f"number of threads must be a positive integer, got {n!r}")
-    set_thread_count(openmp.loaded_runtime(), n)
+    set_thread_count(openmp.loaded_runtime(), count)
 
 
 @contextlib.contextmanager
