@@ -99,3 +99,61 @@ def test_daemons_of_ranks_are_stopped_at_the_end_of_the_job(tmp_path: Path) -> N
     daemons = _daemons(record, 2)
     assert running(daemons) == [], proc.stderr
     assert "2 process(es) that left their rank's process group" in proc.stderr
+
+
+# an instance that ignores SIGTERM (a trainer that checkpoints: it outlives the parent-death signal) with
+# an adopted daemon (double fork), one that ends at once (its pid in argv[2]) and one whose parent, the
+# instance, still runs (a setsid'd child); the long-running ones' pids in argv[1]; then "ready" and wait
+ESCAPES = """\
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def daemon(seconds, record):
+    first = os.fork()
+    if first == 0:
+        os.setsid()
+        if os.fork() == 0:
+            open(record, "a").write(f"{os.getpid()}\\n")
+            time.sleep(seconds)
+            os._exit(0)
+        os._exit(0)
+    os.waitpid(first, 0)
+daemon(60, sys.argv[1])
+daemon(0, sys.argv[2])
+if os.fork() == 0:
+    os.setsid()
+    open(sys.argv[1], "a").write(f"{os.getpid()}\\n")
+    time.sleep(60)
+    os._exit(0)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_kill_9_of_xlaunch_stops_the_daemons_of_its_instances(tmp_path: Path) -> None:
+    """The watchdog stops what left the instances' groups too: a daemon xlaunch adopted (it announced its
+    group to the watchdog) and one whose parent still ran (the watchdog follows the instance's descendants),
+    SIGKILL after the grace period, as all of them ignore SIGTERM."""
+    record, ended = tmp_path / "daemons", tmp_path / "ended"
+    proc = subprocess.Popen([sys.executable, "-m", "xlaunch", "-q", "--ninstances", "1", "--grace-period", "1",
+                             "--no-python", "--", sys.executable, "-S", "-c", ESCAPES, str(record), str(ended)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    daemons: list[int] = []
+    try:
+        assert proc.stdout is not None and b"ready" in proc.stdout.readline()
+        daemons = _daemons(record, 2)
+        quick = _daemons(ended, 1)[0]
+        deadline = time.monotonic() + 10          # reaped by xlaunch: its look for strays saw the adopted one too
+        while psutil.pid_exists(quick) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not psutil.pid_exists(quick)
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 8           # the 1 s grace period, then SIGKILL
+        while running(daemons) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running(daemons) == []
+    finally:
+        proc.kill()
+        proc.communicate()
+        for pid in running(daemons):
+            os.kill(pid, 9)

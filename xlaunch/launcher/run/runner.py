@@ -241,7 +241,7 @@ class _PlanRunner(Supervisor):
             if child.ended is not None:
                 self.check_group(child)
         self.strays.reap_ended((c.pgid for c in self.children if c.proc is not None),
-                               [self.watchdog.pid] if self.watchdog is not None else [])
+                               [self.watchdog.pid] if self.watchdog is not None else [], self.watchdog)
 
     def leader_ended(self, child: Child, wait_code: int, value: int) -> None:
         child.ended = time.monotonic()

@@ -17,7 +17,9 @@ import time
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
-    from typing import Callable, Iterable
+    from typing import Callable, Iterable, Optional
+
+    from xlaunch.launcher.run.watchdog import Watchdog
 
 SCAN_INTERVAL = 0.5      # seconds between two looks for ended strays while the job runs
 
@@ -66,6 +68,7 @@ class Strays:
         self.enabled = enabled
         self.before = set(own_children()) if enabled else set()
         self.next_scan = 0.0
+        self.told: dict[int, int] = {}      # running strays whose group the watchdog knows: pid -> pgid
 
     def find(self, groups: Iterable[int], helpers: Iterable[int]) -> list[int]:
         """Own children outside the process groups ``groups``, other than ``helpers`` and those from before."""
@@ -81,13 +84,27 @@ class Strays:
                 continue
         return found
 
-    def reap_ended(self, groups: Iterable[int], helpers: Iterable[int]) -> None:
-        """Reap the strays that ended (at most every :data:`SCAN_INTERVAL` seconds)."""
+    def reap_ended(self, groups: Iterable[int], helpers: Iterable[int], watchdog: Optional[Watchdog] = None) -> None:
+        """Reap the strays that ended (at most every :data:`SCAN_INTERVAL` seconds); tell ``watchdog`` the
+        process groups of those still running, so that ``kill -9`` of xlaunch stops them too."""
         now = time.monotonic()
         if self.enabled and now >= self.next_scan:
             self.next_scan = now + SCAN_INTERVAL
             for pid in self.find(groups, helpers):
-                _reaped(pid)
+                if _reaped(pid):
+                    self._untell(pid, watchdog)
+                elif watchdog is not None and pid not in self.told:
+                    try:
+                        self.told[pid] = os.getpgid(pid)
+                    except ProcessLookupError:
+                        continue
+                    if list(self.told.values()).count(self.told[pid]) == 1:
+                        watchdog.watch(self.told[pid])
+
+    def _untell(self, pid: int, watchdog: Optional[Watchdog]) -> None:
+        pgid = self.told.pop(pid, None)
+        if watchdog is not None and pgid is not None and pgid not in self.told.values():
+            watchdog.forget(pgid)
 
     def stop(self, helpers: Iterable[int], grace: float, say: Callable[..., None], noun: str) -> None:
         """The job has ended: stop every stray still running and its process group, and say which."""

@@ -18,9 +18,14 @@ end of its rank registry (a FIFO where each rank writes ``+PGID ...`` as it star
 reads it only after xlaunch is gone, so a rank that registered while xlaunch was being killed
 is stopped too.
 
-Limits (documented in docs/runner.md): a process that leaves its instance's process group
-(``setsid``, ``setpgid``) is not found; killing the watchdog itself with SIGKILL leaves only the
-parent-death signal.
+Processes that left an instance's process group (``setsid``, a daemon) are stopped with it: those
+xlaunch adopted (their parent ended) because xlaunch announces their groups too (``+PGID``, see
+:mod:`.strays`), and those whose parent still runs because the watchdog follows the instances'
+descendants in ``/proc`` before it signals anything.
+
+Limits (documented in docs/runner.md): a process started between that look and the SIGTERM, or
+adopted by xlaunch less than half a second before it died, is not found; killing the watchdog
+itself with SIGKILL leaves only the parent-death signal.
 """
 from __future__ import annotations
 
@@ -123,7 +128,35 @@ def _watch(read_fd: int, grace: float, registry_fd: Optional[int] = None) -> Non
                 groups.discard(int(line[1:]))
     if registry_fd is not None:
         groups |= _registered(registry_fd)
-    _stop_groups(groups, grace)
+    _stop_groups(groups | _escaped(groups), grace)
+
+
+def _escaped(groups: set[int]) -> set[int]:
+    """The process groups of every descendant of a member of ``groups`` that left them (``setsid``, a
+    daemon whose parent still runs), found from ``/proc`` before anything is signalled: once its
+    parent ends, such a process is re-parented to init and nothing leads to it any more."""
+    parents: dict[int, list[int]] = {}
+    group_of: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            ppid, pgid = int(fields[1]), int(fields[2])
+        except (OSError, IndexError, ValueError):
+            continue
+        group_of[int(name)] = pgid
+        parents.setdefault(ppid, []).append(int(name))
+    frontier = [pid for pid, pgid in group_of.items() if pgid in groups]
+    seen, found = set(frontier), set()
+    while frontier:
+        for child in parents.get(frontier.pop(), ()):
+            if child not in seen:
+                seen.add(child)
+                found.add(group_of[child])
+                frontier.append(child)
+    return found - groups - {0, 1, os.getpgrp()}
 
 
 def _registered(fd: int) -> set[int]:
