@@ -35,6 +35,9 @@ SYNTHETIC = str(Path(__file__).resolve().parent / "synthetic.py")
     ("[space]\nninstances = [1]\n", ["--memory-allocator", "mimalloc"],
      "xlaunch-tune: error: --memory-allocator: 'mimalloc' is not one of auto, default, jemalloc, tcmalloc"),
     ("[space]\nninstances = [1]\n", ["--dry-run"], "xlaunch-tune: error: --dry-run: no such option"),
+    ("[space]\nninstances = [1]\n", ["--summary-json", "s.json"],      # was never written, without a word
+     "xlaunch-tune: error: --summary-json: xlaunch-tune keeps each run's summary (runs/NNNN-rK/summary.json in "
+     "--output-dir); give it to xlaunch when you run best.toml"),
 ])
 def test_bad_input_is_one_line_and_nothing_runs(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch,
                                                 space: str, args: list[str], line: str) -> None:
@@ -58,6 +61,20 @@ def test_program_is_checked_by_the_launcher_before_anything_runs(tmp_path: Path,
     assert run(["--space", "nowhere.toml", SYNTHETIC]) == 2
     assert capsys.readouterr().err.startswith("xlaunch-tune: error: --space: cannot read nowhere.toml")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_files_summary_json_is_said_and_kept_in_best_toml(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Every run's --summary-json overrides the file's: it was dropped without a word."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1]\n")
+    (tmp_path / "base.toml").write_text('summary_json = "mine.json"\n')
+    assert run(["--space", "space.toml", "--config", "base.toml", "--output-dir", "out", "--no-plot",
+                SYNTHETIC, "--sleep-single", "0"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("xlaunch-tune: warning: --config: summary-json in base.toml is not written by the trials "
+                      "(each keeps runs/NNNN-rK/summary.json in --output-dir); best.toml keeps it") and len(err) == 2
+    assert 'summary-json = "mine.json"' in (tmp_path / "out" / "best.toml").read_text()
+    assert (tmp_path / "out" / "runs" / "0001-r1" / "summary.json").is_file() and not (tmp_path / "mine.json").exists()
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

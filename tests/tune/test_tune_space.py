@@ -34,6 +34,7 @@ def test_keys_are_launcher_option_names_in_any_spelling() -> None:
     ("[space]\nninstance = [1, 2]\n", "unknown launcher option 'ninstance' (did you mean 'ninstances'?)"),
     ("[space]\nfrobnicate = [1]\n", "unknown launcher option 'frobnicate'"),
     ("[space]\nlog-dir = ['a']\n", "log-dir cannot be tuned: xlaunch-tune sets it"),
+    ("[space]\nsummary_json = ['a', 'b']\n", "summary_json cannot be tuned: xlaunch-tune sets it for every run"),
     ("[space]\nno-python = [true]\n", "no-python cannot be tuned: it describes the program"),
     ("[space]\nninstances = []\n", "ninstances is an empty list"),
     ("[space]\nninstances = 2\n", "ninstances must be a list of values, got 2"),

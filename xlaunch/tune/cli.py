@@ -191,6 +191,9 @@ def _tune(ctx: click.Context, environ: Mapping[str, str]) -> int:
         base = build_options(fixed, base_config, config_source=base_source)
     except LaunchInputError as exc:
         raise UsageError(exc.option, exc.problem) from None
+    if "summary_json" in fixed:          # each run writes its own: the user's file would never be written
+        raise UsageError("--summary-json", f"{PROG} keeps each run's summary (runs/NNNN-rK/summary.json in "
+                         "--output-dir); give it to xlaunch when you run best.toml")
 
     try:
         if params["space"] is not None:
@@ -260,6 +263,7 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
     import json
     import shutil
 
+    from xlaunch.launcher.api import canonical_name
     from xlaunch.tune import records
     from xlaunch.tune.candidate import Skipped, prepare
     from xlaunch.tune.progress import Progress
@@ -310,6 +314,9 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
                                      storage=storage, resume=settings.resume)
         except StrategyError as exc:
             raise UsageError("--strategy", str(exc)) from None
+        if any(canonical_name(str(key)) == "summary_json" for key in program.base_config):
+            sys.stderr.write(f"{PROG}: warning: --config: summary-json in {program.base_source} is not written by the "
+                             "trials (each keeps runs/NNNN-rK/summary.json in --output-dir); best.toml keeps it\n")
         dims = ", ".join(f"{d.key} {list(d.values)}" for d in space.dimensions) or "no dimension"
         sys.stderr.write(f"{PROG}: {space.source}: {dims} ({space.size} points); {settings.strategy}, "
                          f"up to {settings.trials} configuration(s) x {settings.repeats} run(s)"

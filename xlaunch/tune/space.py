@@ -20,6 +20,7 @@ from xlaunch.launcher.api import OptionError, build_options, canonical_name, fla
 NOT_TUNABLE: dict[str, str] = {
     "log_dir": "xlaunch-tune sets it for every trial",
     "log_file_prefix": "xlaunch-tune sets it for every trial",
+    "summary_json": "xlaunch-tune sets it for every run",
     "dry_run": "a dry run measures nothing",
     "json": "xlaunch-tune reads the plan itself",
     "verbosity": "it changes messages, not speed",
