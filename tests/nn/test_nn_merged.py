@@ -185,6 +185,45 @@ def test_bf16_training_keeps_an_exact_fp32_master(kernels, fused):
     assert torch.equal(join(split.weight.detach(), split.trail), master)
 
 
+@pytest.mark.parametrize("fused", [MergedEmbeddingBagWithSGD, MergedEmbeddingBagWithAdaGrad])
+def test_dtype_casts_of_the_module_keep_the_master_and_the_sums(kernels, fused):
+    """.float() of a split-bf16 module kept only the bf16 half (the low bits lost) and its trail,
+    which failed the next update; .bfloat16() gave bf16 weights with no master and bf16 sums;
+    .half() rounded Adagrad's sums to fp16."""
+    tables = make_tables(modes=("mean", "sum", "sum"))
+    indices, offsets = make_inputs(tables)
+    gen = torch.Generator().manual_seed(5)
+    upstream = [torch.randn(BATCH, t.embedding_dim, generator=gen) for t in tables]
+    split = fused.from_embeddingbag_list(tables, lr=0.25).to_bfloat16_train()
+    torch.autograd.backward(split(indices, offsets), [u.bfloat16() for u in upstream])
+    master, sums = split.master_weight(), getattr(split, "state_sum", None)
+    assert split.float() is split and split.weight.dtype == torch.float32 and split.trail is None
+    assert torch.equal(split.weight.detach(), master)                     # the exact master, not the bf16 half
+    plain = fused.from_embeddingbag_list(tables, lr=0.25)
+    with torch.no_grad():
+        plain.weight.copy_(master)
+        if sums is not None:
+            plain.state_sum.copy_(sums)
+    for module in (split, plain):                                         # trains on as an fp32 module
+        torch.autograd.backward(module(indices, offsets), upstream)
+    assert torch.equal(split.weight, plain.weight)
+
+    cast, reference_split = fused.from_embeddingbag_list(tables, lr=0.25), fused.from_embeddingbag_list(tables, lr=0.25)
+    cast.bfloat16()
+    reference_split.to_bfloat16_train()
+    assert cast.trail is not None and torch.equal(cast.weight, reference_split.weight)
+    assert torch.equal(cast.trail, reference_split.trail)
+    for module in (cast, reference_split):
+        torch.autograd.backward(module(indices, offsets), [u.bfloat16() for u in upstream])
+    assert torch.equal(cast.master_weight(), reference_split.master_weight())
+    if sums is not None:
+        assert cast.state_sum.dtype == torch.float32 and torch.equal(cast.state_sum, reference_split.state_sum)
+        sums = cast.state_sum.clone()
+        cast.half()
+        assert cast.state_sum.dtype == torch.float32 and torch.equal(cast.state_sum, sums)
+        assert cast.trail is None and torch.equal(cast.weight, reference_split.master_weight().half())
+
+
 def test_with_cat_writes_dense_and_tables_into_one_matrix(kernels):
     tables = make_tables(modes=("sum", "mean", "mean"), dims=(8, 4, 8))
     indices, offsets = make_inputs(tables)

@@ -228,6 +228,26 @@ class _FusedUpdate(MergedEmbeddingBag):
                 self.state_sum = self.state_sum.float()
         return self
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "_FusedUpdate":
+        """``.float()``, ``.bfloat16()``, ``.to(dtype)`` keep what the update needs: a cast to bf16
+        splits the exact value into ``weight`` and ``trail`` (as :meth:`to_bfloat16_train`), a cast
+        from split bf16 casts the fp32 master (the bf16 half alone lost the low bits, and the
+        kept ``trail`` failed the next update), and Adagrad's sums stay in the update's dtype."""
+        weight, trail, state = self.weight.detach(), self.trail, getattr(self, "state_sum", None)
+        super()._apply(fn, recurse)
+        if self.weight.dtype == weight.dtype:
+            return self
+        with torch.no_grad():
+            value = join(weight, trail) if trail is not None else weight
+            if self.weight.dtype == torch.bfloat16:
+                top, self.trail = split(value.float())   # IPEX splits fp64 tables' fp32 values too
+                self.weight.data = top
+            else:
+                self.weight.data, self.trail = fn(value), None
+            if state is not None:
+                self.state_sum = state.to(compute_dtype(self.weight.dtype))
+        return self
+
     def master_weight(self) -> Tensor:
         """The fp32 weights the updates work on (a new tensor)."""
         weight = self.weight.detach()
