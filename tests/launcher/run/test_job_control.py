@@ -5,6 +5,7 @@ stops them (SIGSTOP) before it stops itself and continues them when it is contin
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -189,3 +190,40 @@ def test_sigterm_to_an_instance_stopped_from_outside_comes_with_sigcont(tmp_path
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# says its pid, waits for the file argv[1], exits 3
+FAILS_AT_GO = ("import os, sys, time\n"
+               "print('ready', os.getpid(), flush=True)\n"
+               "while not os.path.exists(sys.argv[1]):\n"
+               "    time.sleep(0.01)\n"
+               "sys.exit(3)\n")
+
+
+@pytest.mark.skipif(INSTANCES < 2, reason="needs 2 allowed CPUs (2 instances)")
+def test_instances_failing_at_the_same_moment_each_failed_on_its_own(tmp_path: Path) -> None:
+    """Both instances exit 3 before xlaunch reaps either (xlaunch held stopped meanwhile): the first
+    failure's fail-fast SIGTERM reaches the other's group when it has already ended, so its row says
+    ``exit 3``, not ``stopped after instance 0 failed``."""
+    go, summary = tmp_path / "go", tmp_path / "summary.json"
+    argv = [sys.executable, "-m", "xlaunch", "-q", "--ninstances", "2", "--summary-json", str(summary),
+            "--no-python", "--", sys.executable, "-S", "-c", FAILS_AT_GO, str(go)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: os.setpgid(0, 0))
+    try:
+        assert proc.stdout is not None
+        pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+        proc.send_signal(signal.SIGSTOP)
+        assert wait_state([proc.pid], True) == ["T"]
+        go.touch()
+        deadline = time.monotonic() + 10
+        while [state(pid) for pid in pids] != ["Z", "Z"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [state(pid) for pid in pids] == ["Z", "Z"]
+        proc.send_signal(signal.SIGCONT)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 3, err.decode()
+    assert [i["status"] for i in json.loads(summary.read_text())["instances"]] == ["exit 3", "exit 3"]
