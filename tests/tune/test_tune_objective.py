@@ -1,6 +1,8 @@
 """Metric parsing (last match per instance), aggregation, medians, objective options."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from xlaunch.tune.objective import MetricError, aggregate, compile_metric, last_value, make_objective, summarize
@@ -78,3 +80,34 @@ def test_objective_defaults_and_conflicts() -> None:
                           ((r"(\d)", None, "up"), "--goal: 'up' is not one of")]:
         with pytest.raises(MetricError, match=message):
             make_objective(*args)
+
+
+def test_values_near_the_largest_float_are_never_a_traceback_or_an_infinite_median() -> None:
+    """Two instances' 1e308 summed was OverflowError out of math.fsum (the session died with a
+    traceback); the median of two such runs was inf (statistics.median's (a + b) / 2)."""
+    import math
+
+    assert aggregate([1e308, 1e308], "sum") == math.inf          # run_once refuses it: a failed run
+    assert aggregate([1e308, 1e308], "mean") == 1e308
+    assert aggregate([1e308, -1e308], "sum") == 0.0
+    assert summarize([1e308, 1.5e308]).median == 1.25e308
+    assert summarize([-1e308, -1.7e308, 3.0, 1e308]).median == summarize([3.0, -1e308]).median == -5e307
+    assert summarize([1.0, 2.0, 4.0, 8.0]) == summarize([8.0, 4.0, 2.0, 1.0])
+    assert summarize([1.0, 2.0, 4.0, 8.0]).median == 3.0 and summarize([5.0, 1.0, 3.0]).median == 3.0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two instances need 2 usable CPUs")
+def test_a_sum_past_the_largest_float_fails_that_trial(tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    from xlaunch.tune.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1, 2]\n")
+    (tmp_path / "big.py").write_text("print('score: 1e308')\n")
+    code = run(["--space", "space.toml", "--metric", r"score: (\S+)", "--final-rounds", "0", "--no-plot",
+                "--output-dir", "out", "big.py"])
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "out" / "trials.json").read_text())
+    assert [(t["config"]["ninstances"], t["status"], t["reason"]) for t in doc["trials"]] == [
+        (1, "ok", ""), (2, "failed", "the sum over instances is not finite (1e+308, 1e+308)")]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -147,12 +146,15 @@ def _number(text: Optional[str]) -> float | str:
 
 
 def aggregate(values: Sequence[float], how: str) -> float:
+    """``values`` combined; a sum past the largest float is ``inf`` (the caller refuses it)."""
     if not values:
         raise ValueError("no values to aggregate")
-    if how == "sum":
-        return math.fsum(values)
-    if how == "mean":
-        return math.fsum(values) / len(values)
+    if how in ("sum", "mean"):
+        try:
+            total = math.fsum(values)
+        except OverflowError:            # 1e308 from each of two instances: a mean of them is still a number
+            return math.inf if how == "sum" else math.fsum(v / len(values) for v in values)
+        return total if how == "sum" else total / len(values)
     if how == "min":
         return min(values)
     if how == "max":
@@ -178,4 +180,7 @@ class Summary:
 def summarize(values: Sequence[float]) -> Summary:
     if not values:
         raise ValueError("no values to summarize")
-    return Summary(statistics.median(values), min(values), max(values), len(values))
+    ordered = sorted(values)
+    middle = len(ordered) // 2      # statistics.median's (a + b) / 2 is inf for two values near the largest float
+    median = ordered[middle] if len(ordered) % 2 else ordered[middle - 1] / 2 + ordered[middle] / 2
+    return Summary(median, ordered[0], ordered[-1], len(values))

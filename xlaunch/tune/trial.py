@@ -16,6 +16,7 @@ trial its limit once, not once per run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -145,6 +146,9 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
     if problems:
         return RunResult(False, wall, None, values, problems[0], directory, kernels)
     value = aggregate([v for v in values if v is not None], objective.aggregate)
+    if not math.isfinite(value):                # 1e308 from each instance: past the largest float
+        return RunResult(False, wall, None, values, f"the {objective.aggregate} over instances is not finite "
+                         f"({', '.join(f'{v:g}' for v in values if v is not None)})"[:200], directory, kernels)
     return RunResult(True, wall, value, values, "", directory, kernels)
 
 
