@@ -294,3 +294,16 @@ def test_values_generate_refuses_are_its_own_error(model, greedy_calls, bad):
         model.generate(ids, **call)
     assert str(got.value) == str(expected.value)
     assert greedy_calls == []
+
+
+def test_a_max_new_tokens_past_the_address_space_decodes_to_its_end_id(model, greedy_calls):
+    """"Until the end id": max_new_tokens=10**13 sized the KV cache to 2.5 PB ("can't allocate memory"); plain Hugging
+    Face's cache grows as it goes. The cache starts small and grows when its maximum cannot be had."""
+    ids = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(8))
+    expected = model.generate(ids, max_new_tokens=5, pad_token_id=0)
+    eos = int(expected[0, -1])
+    call = dict(max_new_tokens=10 ** 13, eos_token_id=eos, pad_token_id=0)
+    got = model.generate(ids, **call)
+    assert torch.equal(got, expected[:, :got.shape[1]]) and int(got[0, -1]) == eos
+    assert torch.equal(hugging_face(model, ids, **call), got)          # generate's own loop, its cache sized alike
+    assert len(greedy_calls) == 2

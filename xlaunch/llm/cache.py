@@ -4,7 +4,7 @@ One buffer per layer and per K/V, ``[batch, kv_heads, capacity, head_dim]`` in t
 filled slot by slot: decoding writes one slot per token and never reallocates; the buffers are left
 uninitialized, so their pages are committed as slots are written. The capacity is
 ``generate``'s maximum length when :func:`xlaunch.llm.optimize` could read it; a direct call that
-outgrows it doubles the buffers (one copy, logged once per cache).
+outgrows it doubles the buffers (one copy), as does one whose maximum cannot be allocated at all.
 
 :class:`KVBuffers` is the cache itself and needs only torch (:mod:`xlaunch.llm.standalone` decodes with it,
 transformers never imported). :class:`KVCache` adds Hugging Face's ``Cache`` interface to it, so ``generate``
@@ -71,18 +71,26 @@ class KVBuffers:
                              "(past_key_values=None) for another batch")
         if self.keys and needed <= self.capacity:
             return
+        grown = max(needed, MIN_CAPACITY, 2 * self.capacity)
         if self.capacity_hint and not self.keys:      # generate's maximum length: exactly that
-            capacity = max(needed, self.capacity_hint)
+            try:
+                new_keys, new_values = self._buffers(batch, max(needed, self.capacity_hint))
+            except RuntimeError:    # more address space than the host gives (max_new_tokens=10**9): grow instead
+                self.capacity_hint = 0
+                new_keys, new_values = self._buffers(batch, grown)
         else:
-            capacity = max(needed, MIN_CAPACITY, 2 * self.capacity)
-        # uninitialized: only the first ``length`` slots are ever read, and the pages of a large buffer are
-        # committed as decoding writes them (generate's maximum is a bound, not what a reply takes)
-        shape = (batch, self.kv_heads, capacity, self.head_dim)
-        new_keys = [torch.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-        new_values = [torch.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+            new_keys, new_values = self._buffers(batch, grown)
         for old, new in zip(self.keys + self.values, new_keys + new_values):
             new[:, :, : self.length].copy_(old[:, :, : self.length])
         self.keys, self.values = new_keys, new_values
+
+    def _buffers(self, batch: int, capacity: int) -> tuple[list["torch.Tensor"], list["torch.Tensor"]]:
+        """New key and value buffers of ``capacity`` slots. Uninitialized: only the first ``length`` slots are ever
+        read, and the pages of a large buffer are committed as decoding writes them (generate's maximum is a bound,
+        not what a reply takes)."""
+        shape = (batch, self.kv_heads, capacity, self.head_dim)
+        return ([torch.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)],
+                [torch.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)])
 
     def note_padding(self, attention_mask: Optional["torch.Tensor"], total: int) -> Optional["torch.Tensor"]:
         """Record which of the first ``total`` slots are padding (mask zeros); returns [batch, total] or None."""
