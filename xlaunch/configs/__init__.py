@@ -65,7 +65,20 @@ def _parse(text: str, source: str) -> dict[str, Any]:
         table = parse_toml(text)
     except ValueError as exc:
         raise ConfigError(f"{source} is not valid TOML: {exc}") from None
+    for key, value in table.items():     # no command line can hold one: a path with it was a traceback
+        if _holds_nul(value):
+            raise ConfigError(f"{source}: {key!r} holds a NUL character")
     return table
+
+
+def _holds_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, list):
+        return any(_holds_nul(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_nul(key) or _holds_nul(item) for key, item in value.items())
+    return False
 
 
 def parse_toml(text: str) -> dict[str, Any]:

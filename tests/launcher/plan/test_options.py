@@ -104,6 +104,13 @@ def test_presets_exist_and_are_valid() -> None:
         ("ninstances = 0\n", "--ninstances: must be a positive integer"),
         ("use-logical-cores = \"yes\"\n", "--use-logical-cores: expected true or false"),
         ("cores-list = [1, -2]\n", "--cores-list: expected non-negative integers"),
+        # the last spelling won without a word (TOML sees two keys)
+        ("ncores-per-instance = 1\nncores_per_instance = 2\n",
+         "--config: 'ncores-per-instance' and 'ncores_per_instance' name the same option in"),
+        ("'--memory-allocator' = 'jemalloc'\nmemory_allocator = 'default'\n", "name the same option"),
+        # no command line holds a NUL: a log directory with one was ValueError's traceback when it ran
+        ('log-dir = "a\\u0000b"\n', "'log-dir' holds a NUL character"),
+        ('log-file-prefix = ["a", "b\\u0000"]\n', "'log-file-prefix' holds a NUL character"),
     ],
 )
 def test_bad_config_files(tmp_path, content: str, message: str) -> None:
@@ -112,6 +119,19 @@ def test_bad_config_files(tmp_path, content: str, message: str) -> None:
     with pytest.raises(OptionError) as err:
         parse("--config", str(conf), "--dry-run")
     assert message in str(err.value)
+
+
+def test_a_config_with_a_nul_is_one_line_and_nothing_runs(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "c.toml").write_text('log-file-prefix = "a\\u0000b"\nlog-dir = "logs"\n')
+    (tmp_path / "prog.py").write_text("open('started', 'w')\n")
+    done = subprocess.run([sys.executable, "-m", "xlaunch", "--config", "c.toml", "prog.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert (done.returncode, done.stderr) == (2, "xlaunch: error: --config: c.toml: 'log-file-prefix' holds a NUL "
+                                                 "character\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "prog.py"]
 
 
 def test_missing_config_and_unknown_preset() -> None:

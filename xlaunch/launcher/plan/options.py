@@ -421,6 +421,12 @@ def load_config_option(spec: str) -> tuple[dict[str, Any], str]:
     from xlaunch.configs import ConfigError, load_config
 
     try:
-        return load_config(spec)
+        table, source = load_config(spec)
     except ConfigError as exc:
         raise OptionError("--config", str(exc)) from None
+    seen: dict[str, str] = {}
+    for key in table:          # TOML keeps both spellings; the last one won without a word
+        name = canonical_name(str(key))
+        if name is not None and seen.setdefault(name, key) != key:
+            raise OptionError("--config", f"{seen[name]!r} and {key!r} name the same option in {source}")
+    return table, source
