@@ -351,6 +351,35 @@ for step in range(3):
     errors.append(float((got - want).abs().max() / want.abs().max()))
 print('steps', type(opt).__name__, max(errors) < 0.05, errors)
 """,
+    # validation after each step under the engine backend: the first call measures the routes, each
+    # rebuild for the new weights builds the route measured then, untimed, and adds no summary entry
+    "reuse": """
+import os, tempfile
+from xlaunch.kernels.inject import hooks
+from xlaunch.kernels.optimize.engines import auto
+os.environ['XLAUNCH_CACHE_DIR'] = tempfile.mkdtemp()     # not the user's cache
+hooks._settings.backend, hooks._settings.dtype = 'onnxruntime', 'float32'   # an engine whose build holds weights
+auto.MIN_TIMING_S, timed, records = 0.2, [], []
+real_timing, real_record = auto.time_routes, hooks._record
+auto.time_routes = lambda *a, **k: (timed.append(1), real_timing(*a, **k))[1]
+hooks._record = lambda item: (records.append(item['backend']), real_record(item))
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+x, y, xv = torch.randn(64, 16), torch.randn(64, 4), torch.randn(16, 16)
+errors, routes = [], []
+for step in range(3):
+    m.train(); opt.zero_grad(); nn.functional.mse_loss(m(x), y).backward(); opt.step()
+    m.eval()
+    with torch.no_grad():
+        got = m(xv).float()
+    want = m(xv).detach()
+    errors.append(float((got - want).abs().max() / want.abs().max()))
+    routes.append(hooks._entries[m].eager._xlaunch_engine_report.backend)
+again = hooks._entries[m].eager._xlaunch_engine_report
+print('reuse', len(timed), max(errors) < 0.05, len(set(routes)), records == routes[:1], again.cache,
+      'not measured again' in again.reason, errors)
+""",
     # torch.compile's wrapper, where the hooks look for it (torch's optimizers have loaded torch._dynamo)
     "compiled": """
 import torch._dynamo.eval_frame as eval_frame
@@ -358,7 +387,7 @@ from xlaunch.kernels.inject import hooks
 print('compiled type', hooks._compiled_module_type() is eval_frame.OptimizedModule)
 """,
 }
-SCENARIOS_OF = {"none": ("odd", "grad", "hooks", "wrongcall", "steps", "compiled"), "jit": ("shapes", "values", "hooks")}
+SCENARIOS_OF = {"none": ("odd", "grad", "hooks", "wrongcall", "steps", "reuse", "compiled"), "jit": ("shapes", "values", "hooks")}
 
 
 def scenario_script(freeze: str, model_script: str) -> str:
@@ -450,6 +479,13 @@ def test_the_programs_own_wrong_call_raises_and_keeps_the_optimized_copy(scenari
 def test_validation_after_each_optimizer_step_sees_that_steps_weights(scenarios) -> None:
     result = scenarios("none")
     assert "steps FusedAdam True" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_rebuild_for_new_weights_reuses_the_route_measured_before(scenarios) -> None:
+    """Each rebuild measured every route again (seconds each) and added a summary entry."""
+    result = scenarios("none")
+    assert "reuse 1 True 1 True rebuilt (weights changed; not written) True" in result.stdout, \
+        result.stdout + result.stderr
 
 
 def test_grad_enabled_eval_calls_run_unoptimized(scenarios) -> None:

@@ -369,10 +369,12 @@ class Small(nn.Module):
         return self.net(x)
 
 
-def test_inductor_past_dynamos_recompile_limit_runs_eager_not_into_itself() -> None:
+def test_inductor_past_dynamos_recompile_limit_is_skipped_with_the_reason() -> None:
     """A process that builds many models reaches dynamo's recompile_limit; dynamo then runs the
     compiled module's own forward eagerly. That module must not be the user's (whose forward is
-    the engine's): bench/engines.py's third model failed with RecursionError on every call."""
+    the engine's): bench/engines.py's third model failed with RecursionError on every call. And the
+    route is not inductor then: it was kept and reported as "inductor" (built in 0.0 s, timed as
+    eager); it is skipped with the reason, and the torch route used."""
     import torch._dynamo
 
     from xlaunch.kernels.optimize.freeze import inductor_blocker
@@ -392,5 +394,42 @@ def test_inductor_past_dynamos_recompile_limit_runs_eager_not_into_itself() -> N
             for _ in range(2):
                 for model, fast in zip(models, built):
                     assert torch.allclose(fast(x), model(x), atol=1e-5)
-    assert [b.report.backend for b in built] == ["inductor", "inductor"]
+    assert [b.report.backend for b in built] == ["inductor", "torch"]
+    skipped = built[1].report.routes["inductor"].skipped
+    assert "no graph for Small.forward and would run it eagerly" in skipped and "recompile limit (1)" in skipped, skipped
     assert not [str(w.message) for w in caught if "failed on inputs" in str(w.message)]
+
+
+class BrokenFake(Route):
+    def build(self, model, sample, context):
+        raise RuntimeError("the export failed")
+
+
+def test_rebuild_builds_the_route_chosen_before_untimed_or_says_it_cannot(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """``api.rebuild`` (``--auto-optimize``'s rebuild for changed weights): the route chosen before,
+    built for the new weights and checked, never timed, nothing written to the cache, the report saying
+    so (the first choice's reason, not nested); None when the route no longer builds."""
+    from xlaunch.kernels.optimize.engines import auto
+
+    monkeypatch.setenv("XLAUNCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "MIN_TIMING_S", 0.1)
+    fake_routes(monkeypatch, onnxruntime=FastFake())
+    torch.manual_seed(0)
+    model, x = Wasteful().eval(), torch.randn(4, 64)
+    first = optimize(model, sample_input=x, backend="onnxruntime", progress=False)
+    assert first.report.backend == "onnxruntime" and first.report.routes["onnxruntime"].ms is not None
+    written = sorted(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+    with torch.no_grad():
+        model.net[0].weight.mul_(2)
+    monkeypatch.setattr(auto, "time_routes", lambda *args, **kwargs: pytest.fail("timed again"))
+    again = api.rebuild(optimize, first, model, x, progress=False)
+    assert again.report.backend == "onnxruntime" and again.report.cache.startswith("rebuilt")
+    assert "not measured again" in again.report.reason and again.report.routes["onnxruntime"].ms is None
+    with torch.no_grad():
+        assert torch.allclose(again(x)["logits"], model(x)["logits"], rtol=1e-5, atol=1e-6)
+    twice = api.rebuild(optimize, again, model, x, progress=False)
+    assert twice.report.reason.count("chosen before") == 1
+    assert sorted(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()) == written
+    fake_routes(monkeypatch, onnxruntime=BrokenFake())
+    assert api.rebuild(optimize, twice, model, x, progress=False) is None

@@ -223,6 +223,7 @@ class _Entry:
         self.given_up = False
         self.rebuilds = 0
         self.told_grad = False
+        self.recorded: Optional[str] = None   # the backend of the last summary entry
 
     def current(self) -> bool:
         return self.eager is not None and tuple(t._version for t in self.tensors) == self.versions
@@ -266,7 +267,7 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
                     _give_up(module, "its weights keep changing between eval calls")
                     return None
                 _verbose(f"{_name(module)}: weights changed since it was optimized; optimizing again")
-            _build_eager(module, entry, torch, args if not kwargs else None)
+            _build_eager(module, entry, torch, args if not kwargs else None, earlier=entry.eager)
         return entry.eager
 
 
@@ -357,10 +358,13 @@ def _engine_sample(settings: Settings, args: Optional[tuple], torch: Any) -> Opt
     return tuple(args)
 
 
-def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] = None) -> None:
+def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] = None,
+                 earlier: Optional[Any] = None) -> None:
     """The optimized copy. With the engine backend (default ``auto``, fp32 or bf16): the fastest
     route measured on the first call's arguments (``optimize(..., dtype=..., backend=...)``, cached
-    on disk). Else (``XLAUNCH_AUTO_OPTIMIZE_BACKEND=torch``, or no usable sample): the torch rewrite, whose forward
+    on disk); rebuilt for changed weights (``earlier``: the copy before), the route measured then,
+    built again untimed (:func:`xlaunch.kernels.optimize.engines.api.rebuild`). Else
+    (``XLAUNCH_AUTO_OPTIMIZE_BACKEND=torch``, or no usable sample): the torch rewrite, whose forward
     freezes a graph per input signature on first use (unless the freeze backend is "none")."""
     from xlaunch.kernels.optimize import dispatch
     from xlaunch.kernels.optimize.pipeline import optimize
@@ -376,6 +380,12 @@ def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] =
         flags = {"freeze_backend": settings.freeze} if freezing else {"weights_prepack": False}
 
         def build() -> Any:
+            if earlier is not None:   # only the weights changed: the route measured for them, built again
+                from xlaunch.kernels.optimize.engines.api import rebuild
+
+                again = rebuild(optimize, earlier, module, sample, dtype, flags=flags)
+                if again is not None:
+                    return again
             return optimize(module, dtype=dtype, sample_input=sample, backend=settings.backend,
                             time_budget=settings.budget, **flags)
     else:
@@ -398,9 +408,11 @@ def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] =
     entry.versions = tuple(t._version for t in entry.tensors)
     report = getattr(eager, "_xlaunch_optimize_report", None)
     engine = getattr(eager, "_xlaunch_engine_report", None)
-    _record({"module": _name(module), "backend": engine.backend if engine is not None else "torch",
-             "cache": engine.cache if engine is not None else "off",
-             "reason": engine.reason if engine is not None else _describe(report)})
+    backend = engine.backend if engine is not None else "torch"
+    if not (engine is not None and engine.cache.startswith("rebuilt") and backend == entry.recorded):
+        entry.recorded = backend   # one summary entry per route a model runs on, not one per rebuild
+        _record({"module": _name(module), "backend": backend, "cache": engine.cache if engine is not None else "off",
+                 "reason": engine.reason if engine is not None else _describe(report)})
     if settings.verbose:
         _verbose(f"{_name(module)} optimized: {_describe(report, getattr(eager, '_xlaunch_engine_report', None))}")
         for note in notes:

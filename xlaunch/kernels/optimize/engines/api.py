@@ -25,7 +25,7 @@ import copy
 import functools
 import time
 import warnings
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from xlaunch._torch import needs_torch
 
@@ -39,7 +39,7 @@ from xlaunch.kernels.optimize.engines.base import Built, Context, Route
 from xlaunch.kernels.optimize.engines.routes.inductor_route import InductorRoute
 from xlaunch.kernels.optimize.engines.routes.onnxruntime_route import OnnxRuntimeRoute
 from xlaunch.kernels.optimize.engines.routes.openvino_route import OpenVinoRoute
-from xlaunch.kernels.optimize.engines.report import EngineReport, RouteResult
+from xlaunch.kernels.optimize.engines.report import BASELINES, EngineReport, RouteResult
 from xlaunch.kernels.optimize.engines.sample import Sample, Unsupported, max_relative_error
 from xlaunch.kernels.optimize.engines.routes.torch_route import EagerRoute, TorchRoute
 from xlaunch.kernels.optimize.notes import warn
@@ -51,9 +51,20 @@ DEFAULT_TIME_BUDGET_S = 300.0
 ROUTES_BY_NAME: dict[str, Route] = {route.name: route for route in (
     EagerRoute(), TorchRoute(), OnnxRuntimeRoute(), OpenVinoRoute(), InductorRoute())}
 REPORT_ATTRIBUTE = "_xlaunch_engine_report"
+CHOICE_ATTRIBUTE = "_xlaunch_engine_choice"   # the route measured for this model (see :func:`rebuild`)
 # A choice made under noise (:attr:`.policy.Decision.clear` False) is measured again by the next
 # runs that find it in the cache, at most this many times (then it stays, as the last figures say).
 MAX_REMEASURES = 3
+
+
+class Choice(NamedTuple):
+    """The route ``auto`` (or a name) kept for a model, what the route needs to be built again
+    without measuring (the torch route's own choice), and why it was kept."""
+
+    route: str
+    state: dict
+    reason: str
+    cache: str
 
 
 def _isa() -> str:
@@ -76,7 +87,8 @@ def _notify(message: str) -> None:
     warn(message)
 
 
-def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report: EngineReport) -> nn.Module:
+def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report: EngineReport,
+            reused: Optional["Choice"] = None) -> nn.Module:
     if built.module is not None:
         result = built.module
     else:
@@ -86,6 +98,7 @@ def _finish(built: Built, route: str, working: nn.Module, sample: Sample, report
         result = working
     attach(result, report)
     saved.keep(result, saved.Saveable(route, built.files, sample, report.dtype))   # result.save(path)
+    result.__dict__[CHOICE_ATTRIBUTE] = reused or Choice(route, dict(built.state), report.reason, report.cache)
     return result
 
 
@@ -278,3 +291,63 @@ def _cached_locked(store: disk.Cache, keys: tuple[str, str], names: tuple[str, .
         if name != choice:
             del built[name]
     return _finish(built[choice], choice, working, sample, report)
+
+
+def rebuild(torch_optimize: Callable[..., Any], earlier: nn.Module, model: nn.Module, sample_input: Any,
+            dtype: Any = None, level: str = "O1", progress: bool = True,
+            flags: Optional[dict[str, Any]] = None) -> Optional[nn.Module]:
+    """``model``, whose weights changed since ``earlier`` (what ``optimize(..., backend=...)`` returned
+    for it) was built, on ``earlier``'s route again, built for its weights now: the choice measured
+    then is reused, nothing is timed and no cache entry is written (weights in passing, as in
+    training). The report says so. None when ``earlier`` holds no such choice, or the route does not
+    build or check with these weights (measure again: :func:`optimize_with_engines`)."""
+    choice = earlier.__dict__.get(CHOICE_ATTRIBUTE)
+    before = earlier.__dict__.get(REPORT_ATTRIBUTE)
+    if not isinstance(choice, Choice) or not isinstance(before, EngineReport) or choice.route not in ROUTES_BY_NAME:
+        return None
+    flags = dict(flags or {})
+    engine_dtype = _engine_dtype(dtype, flags, before.requested)
+    working = copy.deepcopy(model)
+    try:
+        sample = Sample(working, sample_input)
+    except Unsupported:
+        return None
+    name, tolerance = choice.route, policy.max_rel_error(lowp.name(engine_dtype))
+    report = EngineReport(backend=name, requested=before.requested, sample=sample.describe(),
+                          threads=torch.get_num_threads(), dtype=lowp.name(engine_dtype), max_rel_error=tolerance,
+                          cache="rebuilt (weights changed; not written)",
+                          reason=f"{name}, the route chosen before the weights changed, built again for them "
+                                 f"(not measured again; chosen then: {choice.reason}; cache {choice.cache})")
+    context = Context(report.threads, torch_optimize, level, flags, dtype=engine_dtype)
+    route = ROUTES_BY_NAME[name]
+    show = Progress(total=1, enabled=progress)
+    try:
+        built = _build_again(route, working, sample, context, report, choice.state, show)
+    finally:
+        show.close()
+    return None if built is None else _finish(built, name, working, sample, report, choice)
+
+
+def _build_again(route: Route, working: nn.Module, sample: Sample, context: Context, report: EngineReport,
+                 state: dict, show: Progress) -> Optional[Built]:
+    """:func:`rebuild`'s build and check of ``route``; None (said on the progress line) when it fails."""
+    name = route.name
+    result, begin = report.routes.setdefault(name, RouteResult()), time.perf_counter()
+    with show.step(f"building {name} again for the new weights") as step:
+        try:
+            if name == "torch":   # with what its own measurement kept (graph or not), untimed
+                built = route.load(working, sample, context, {}, state)
+            else:
+                built = auto.build_route(route, working, sample, context, report)
+            result.build_s = time.perf_counter() - begin
+            error, unfit = (0.0, None) if name == "eager" else \
+                auto.Checker(working, sample, report.max_rel_error).error(built, name not in BASELINES)
+        except Exception as exc:
+            step.done(f"failed ({type(exc).__name__}: {excerpt(exc)}); measuring every route again")
+            return None
+        if unfit:
+            step.done(f"{unfit}; measuring every route again")
+            return None
+        result.rel_error = error
+        step.done(f"built in {result.build_s:.1f} s (max relative error {error:.1e})", timed=True)
+    return built

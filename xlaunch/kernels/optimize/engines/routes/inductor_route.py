@@ -65,6 +65,10 @@ def _uncached(unbacked: bool) -> Iterator[None]:
         yield
 
 
+class NotCompiled(RuntimeError):
+    """torch.compile would run the module eagerly (dynamo compiled its forward too often here)."""
+
+
 class FrozenDynamicBatch:
     """``torch.compile(module)`` whose compiles run with inductor freezing, batch dim dynamic.
 
@@ -85,10 +89,24 @@ class FrozenDynamicBatch:
         self.compiled = torch.compile(self.module)
         marked = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)   # marks stick to tensors
         _mark(marked, how)
-        with warnings.catch_warnings():
+        from torch._dynamo import config as dynamo_config
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+        from torch._dynamo.utils import counters
+
+        captured = counters["stats"]["unique_graphs"]
+        with warnings.catch_warnings(), dynamo_config.patch(fail_on_recompile_limit_hit=True):
             for pattern in self.quiet:
                 warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
-            return self.compiled(*marked)
+            try:
+                out = self.compiled(*marked)
+            except FailOnRecompileLimitHit:
+                out = None
+        if counters["stats"]["unique_graphs"] == captured:   # dynamo ran it eagerly: not an inductor graph
+            raise NotCompiled(
+                f"torch.compile compiled no graph for {type(self.module).__qualname__}.forward and would run it "
+                f"eagerly: dynamo's recompile limit ({dynamo_config.recompile_limit}) for that forward is reached "
+                "in this process (every compile of a module of that class counts)")
+        return out
 
     def __call__(self, *args: Any) -> Any:
         import torch._inductor.config as inductor_config
@@ -102,7 +120,7 @@ class FrozenDynamicBatch:
                     try:
                         out = self._compile_call(args, self.how)
                     except Exception as error:
-                        if self.how == "dynamic" or isinstance(error, InductorUnavailable):
+                        if self.how == "dynamic" or isinstance(error, (InductorUnavailable, NotCompiled)):
                             raise
                         # forget the failed graph of this module's forward (not the process's others)
                         torch._dynamo.reset_code(type(self.module).forward.__code__)
