@@ -135,6 +135,12 @@ def test_a_noisy_tie_keeps_the_incumbent() -> None:
               "onnxruntime": [v * 0.965 / 0.99 for v in noisy]}
     assert policy.choose(rounds, incumbent="openvino")[0] == "openvino"
     assert "kept the stored choice openvino" in policy.choose(rounds, incumbent="openvino")[1]
+    assert "faster than openvino, not by the margin (3%) plus the noise" in policy.choose(rounds, incumbent="openvino")[1]
+    # a challenger that is slower is not "within the margin" (the reason said so of one 7.5x slower)
+    slower = {"eager": [7.5] * 7, "onnxruntime": [v * 0.9 for v in noisy]}
+    reason = policy.choose(slower, incumbent="onnxruntime")[1]
+    assert "eager, measured" in reason and "slower than onnxruntime" in reason and "margin" not in reason, reason
+    assert "too noisy" not in reason and policy.decide(slower, incumbent="onnxruntime").clear   # decisively slower
     assert policy.choose(rounds, incumbent="onnxruntime")[0] == "onnxruntime"   # either way: no flip
     rounds["onnxruntime"] = [0.8 * v for v in rounds["openvino"]]              # a clear win replaces it
     assert policy.choose(rounds, incumbent="openvino")[0] == "onnxruntime"

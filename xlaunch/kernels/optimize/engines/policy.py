@@ -143,9 +143,10 @@ def decide(samples: Mapping[str, Sequence[float]], margin: float = WIN_MARGIN,
         if wins:
             return Decision(fastest, f"{fastest} measured {versus(1 / ratio, f'the stored choice {incumbent}')}"
                                      f"{_spread_text(spread)}", incumbent, 1 / ratio, spread)
+        short = "" if ratio >= 1.0 else f", not by the margin ({margin:.0%}){' plus the noise' if spread >= 0.0005 else ''}"
         return _undecided(incumbent, fastest, ratio, spread,
                           f"kept the stored choice {incumbent}: the best challenger, {fastest}, measured "
-                          f"{versus(1 / ratio, incumbent)}, within the margin ({margin:.0%})")
+                          f"{versus(1 / ratio, incumbent)}{short}")
     if not engines:
         others = [name for name in baselines if name != baseline]
         if not others:
@@ -172,7 +173,8 @@ def _fastest(samples: Mapping[str, Sequence[float]], names: Sequence[str], again
 
 def _undecided(kept: str, contender: str, ratio: float, spread: float, reason: str) -> Decision:
     """``kept`` stays because ``contender`` (median paired ratio ``ratio`` to it) did not beat it:
-    clear unless the rounds were noisier than :data:`NOISY`."""
-    clear = spread <= NOISY
+    clear unless the rounds were noisier than :data:`NOISY` and ``contender`` was not slower by the
+    margin plus that noise (a route several times slower loses whatever the noise)."""
+    clear = spread <= NOISY or ratio >= 1.0 + WIN_MARGIN + spread
     tail = "" if clear else f" (too noisy to tell: noise above {NOISY:.0%})"
     return Decision(kept, f"{reason}{_spread_text(spread)}{tail}", contender, 1 / ratio, spread, clear)
