@@ -107,6 +107,18 @@ def exists(pid: int) -> bool:
     return True
 
 
+def ended_child(pid: int) -> bool:
+    """``pid`` is a child of this process that has ended and is not reaped yet: a signal sent now does
+    not change how it ended (a rank, the child of torch's agent, is never one: the agent may have
+    stopped it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return fields[0] == b"Z" and int(fields[1]) == os.getpid()
+    except (OSError, IndexError, ValueError):
+        return False
+
+
 def is_zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from xlaunch.launcher.run.child import Child
     from xlaunch.launcher.run.logfiles import LogFiles
 
-from xlaunch.launcher.run.child import is_zombie
+from xlaunch.launcher.run.child import ended_child
 from xlaunch.launcher.run.console import Console
 from xlaunch.launcher.run.output import POLL_INTERVAL, OutputSteps
 from xlaunch.launcher.run.signals import JOB_CONTROL, SignalInbox, drain_fd, job_control, signal_name
@@ -108,8 +108,8 @@ class Supervisor(OutputSteps):
         for child in self.groups() if targets is None else targets:
             if not child.group_alive:
                 continue
-            if child.running and not child.stopped_by and not is_zombie(child.pid):   # one that already
-                child.stopped_by = why                                                 # ended did so on its own
+            if child.running and not child.stopped_by and not ended_child(child.pid):   # one that already
+                child.stopped_by = why                                                   # ended did so on its own
             self._killpg(child, number)
             if number != signal.SIGKILL:
                 self._continue(child)
