@@ -317,7 +317,7 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
         if any(canonical_name(str(key)) == "summary_json" for key in program.base_config):
             sys.stderr.write(f"{PROG}: warning: --config: summary-json in {program.base_source} is not written by the "
                              "trials (each keeps runs/NNNN-rK/summary.json in --output-dir); best.toml keeps it\n")
-        dims = ", ".join(f"{d.key} {list(d.values)}" for d in space.dimensions) or "no dimension"
+        dims = space.shown()
         sys.stderr.write(f"{PROG}: {space.source}: {dims} ({space.size} points); {settings.strategy}, "
                          f"up to {settings.trials} configuration(s) x {settings.repeats} run(s)"
                          + (f", resuming after {len(previous)}" if previous else "") + "\n")

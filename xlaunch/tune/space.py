@@ -83,6 +83,14 @@ class Space:
     def to_json(self) -> dict[str, list[Any]]:
         return {d.key: list(d.values) for d in self.dimensions}
 
+    def shown(self, most: int = 8) -> str:
+        """``ninstances [1, 2], omp-runtime ['default', 'intel']`` for the start line; a dimension of
+        more than ``most`` values is cut (a space file of 1 MiB made a start line of 1 MB)."""
+        def values(d: Dimension) -> str:
+            cut = len(d.values) > most
+            return str(list(d.values[:most]))[:-1] + f", ... ({len(d.values)} values)]" if cut else str(list(d.values))
+        return ", ".join(f"{d.key} {values(d)}" for d in self.dimensions) or "no dimension"
+
 
 def point_key(point: Mapping[str, Any]) -> str:
     """A stable text key for a point (for caches and resume)."""
@@ -170,6 +178,7 @@ def _checked_values(
 ) -> tuple[Any, ...]:
     """Each value through the launcher's validation; returned as the launcher normalised it."""
     checked: list[Any] = []
+    seen: set[Any] = set()          # a list's `in` made a 1 MiB file of values take minutes
     for value in values:
         shown = f"{name.replace('_', '-')} = {_shown(value)}"
         try:
@@ -182,8 +191,9 @@ def _checked_values(
             from xlaunch.cpulist import format_cpulist
 
             normal = format_cpulist(normal)
-        if normal in checked:
+        if normal in seen:
             raise SpaceError(f"{source}: {shown}: duplicate value")
+        seen.add(normal)
         checked.append(normal)
     return tuple(checked)
 
