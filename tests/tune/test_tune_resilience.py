@@ -329,3 +329,39 @@ def test_resume_fails_the_trials_a_killed_session_left_running(tmp_path: Path) -
     strategy.abandon()                                # an interrupted one: FAIL, not RUNNING
     assert point in ({"ninstances": 1}, {"ninstances": 2})
     assert [t.state.name for t in strategy.study.trials] == ["FAIL", "FAIL"]
+
+
+def test_tpe_hands_an_untried_point_without_listing_the_space() -> None:
+    """After repeats in a row TPE is handed an untried point: it was picked from a list of every
+    point, so a space of 9 million points (two dimensions of 3,000 values) hung the session."""
+    import signal
+
+    pytest.importorskip("optuna")
+    from xlaunch.tune.space import Dimension, Space, point_key
+    from xlaunch.tune.strategies import REPEATS_BEFORE_NUDGE, TpeStrategy
+
+    huge = Space((Dimension("cores_list", tuple(str(i) for i in range(3000))),
+                  Dimension("ninstances", tuple(range(1, 3001)))), "space.toml")
+    strategy = TpeStrategy(huge, goal="max", seed=1)
+    first = strategy.ask(set())
+    strategy.tell(first, 1.0)
+    strategy._repeats = REPEATS_BEFORE_NUDGE              # as after three known points in a row
+    def too_long(*_: Any) -> None:
+        raise TimeoutError("listing the space")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(10)
+    try:
+        point = strategy.ask({point_key(first)})
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert point != first and point["cores-list"] in huge.to_json()["cores-list"]
+    # a small space nearly all tried: the one point left; all tried: nothing
+    small = Space((Dimension("ninstances", (1, 2, 3)),), "space.toml")
+    strategy = TpeStrategy(small, goal="max", seed=1)
+    done = {point_key({"ninstances": n}) for n in (1, 3)}
+    strategy._repeats = REPEATS_BEFORE_NUDGE
+    assert strategy.ask(done) == {"ninstances": 2}
+    strategy._repeats = REPEATS_BEFORE_NUDGE
+    assert strategy.ask(done | {point_key({"ninstances": 2})}) is None
