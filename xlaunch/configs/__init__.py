@@ -44,13 +44,15 @@ def load_config(spec: str) -> tuple[dict[str, Any], str]:
     """
     from importlib import resources
 
-    looks_like_path = os.sep in spec or spec.endswith(".toml") or os.path.exists(spec)
-    if not looks_like_path:
-        resource = resources.files(__name__).joinpath(f"{spec}.toml")
-        if not resource.is_file():
-            known = ", ".join(preset_names()) or "none"
-            raise ConfigError(f"no preset named {spec!r} (presets: {known}) and no such file")
-        return _parse(resource.read_text(encoding="utf-8"), f"preset:{spec}"), f"preset:{spec}"
+    bare = os.sep not in spec and not spec.endswith(".toml")
+    if bare and spec in preset_names():
+        if os.path.isfile(spec):        # the file shadowed the preset without a word
+            raise ConfigError(f"{spec!r} names a preset and the file {spec} here: write ./{spec} for the file")
+        text = resources.files(__name__).joinpath(f"{spec}.toml").read_text(encoding="utf-8")
+        return _parse(text, f"preset:{spec}"), f"preset:{spec}"    # a folder named so (results/) is no config
+    if bare and not os.path.exists(spec):
+        known = ", ".join(preset_names()) or "none"
+        raise ConfigError(f"no preset named {spec!r} (presets: {known}) and no such file")
     from xlaunch.userfiles import UserFileError, read_user_text
 
     try:

@@ -134,6 +134,21 @@ def test_a_config_with_a_nul_is_one_line_and_nothing_runs(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "prog.py"]
 
 
+def test_a_presets_name_is_the_preset_unless_a_file_here_has_it(tmp_path, monkeypatch) -> None:
+    """A folder named throughput (a results folder) made --config throughput 'a directory, not a
+    regular file'; a file named latency here was read instead of the preset, without a word."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "throughput").mkdir()
+    table, source = load_config("throughput")
+    assert source == "preset:throughput" and table["throughput-mode"] is True
+    (tmp_path / "latency").write_text("ninstances = 1\n")
+    with pytest.raises(ConfigError, match=r"'latency' names a preset and the file latency here: write ./latency"):
+        load_config("latency")
+    assert load_config("./latency") == ({"ninstances": 1}, "./latency")
+    (tmp_path / "mine").write_text("ninstances = 2\n")          # a name no preset has: the file
+    assert load_config("mine") == ({"ninstances": 2}, "mine")
+
+
 def test_missing_config_and_unknown_preset() -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config("/nonexistent/x.toml")
