@@ -297,7 +297,7 @@ sys.meta_path.insert(0, _Interrupt())
 '''
 
 
-@pytest.mark.parametrize("module", ["statistics", "xlaunch.tune.space"])
+@pytest.mark.parametrize("module", ["shlex", "xlaunch.tune.space"])     # a stdlib module the CLI imports, and ours
 def test_a_ctrl_c_while_the_tuner_starts_is_exit_130_without_a_traceback(tmp_path: Path, module: str) -> None:
     """The console script imported the whole CLI before any handler: a Ctrl-C in those imports printed
     a KeyboardInterrupt traceback (4 of 30 random early Ctrl-Cs)."""
