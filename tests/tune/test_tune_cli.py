@@ -118,3 +118,21 @@ def test_help_lists_tuning_and_fixed_launcher_options(capsys) -> None:
     assert "--space FILE.toml" in text and "--ncores-per-instance" in text
     assert "--dry-run" not in text and "--log-dir" not in text
     assert text.index("Tuning:") < text.index("Launcher options fixed for every trial")
+
+
+def test_resume_says_when_the_program_changed(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The same command line with another program behind it resumed without a word, its ranking
+    mixing measurements of two programs; it is one warning line (the trials are kept)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1]\n")
+    (tmp_path / "prog.py").write_text("print('score: 1')\n")
+    argv = ["--space", "space.toml", "--metric", r"score: (\d+)", "--output-dir", "out", "--no-plot", "prog.py"]
+    assert run(argv) == 0
+    capsys.readouterr()
+    (tmp_path / "prog.py").write_text("print('score: 2')\n")
+    assert run(["--resume", *argv]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("xlaunch-tune: warning: --resume: prog.py changed since out/trials.json was written (its sha256 "
+                      "differs): the earlier trials measured the program as it was") and len(err) == 2
+    assert run(["--resume", *argv]) == 0                 # unchanged since: nothing to say
+    assert len(capsys.readouterr().err.splitlines()) == 1

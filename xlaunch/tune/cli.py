@@ -273,8 +273,8 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
     sig = records.signature({
         "command": list(program.command), "space": space.to_json(), "fixed": dict(program.fixed),
         "base_config": dict(program.base_config), "metric": objective.metric.pattern if objective.metric else None,
-        "aggregate": objective.aggregate, "goal": objective.goal,
-    })
+        "aggregate": objective.aggregate, "goal": objective.goal, records.PROGRAM_DIGEST: records.program_digest(
+            list(program.command))})
     # the program itself must be runnable: the launcher's check, once, before anything is written
     with tempfile.TemporaryDirectory(prefix="xlaunch-tune-") as scratch:
         probe = prepare(program, {}, os.path.join(scratch, "candidate.toml"))

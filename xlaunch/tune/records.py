@@ -31,6 +31,9 @@ BEST_TOML = "best.toml"
 STUDY_DB = "study.db"
 LOCK = ".xlaunch-tune.lock"          # held (flock) by the session writing in the directory
 MAX_TRIALS_JSON = 256 << 20        # read back by --resume (a 10,000-trial session: about 30 MB)
+PROGRAM_DIGEST = "program_sha256"  # in the signature; a change is a warning on --resume, not a refusal
+MAX_PROGRAM = 64 << 20             # a larger PROGRAM is not hashed
+_said: set[str] = set()
 
 
 class ResumeError(ValueError):
@@ -40,6 +43,16 @@ class ResumeError(ValueError):
 def signature(tuner_args: dict[str, Any]) -> dict[str, Any]:
     """What must match for ``--resume`` to continue a session (JSON-normalised)."""
     return json.loads(json.dumps(tuner_args))
+
+
+def program_digest(command: list[str]) -> Optional[str]:
+    """sha256 of PROGRAM when it is a regular file here (a script, a binary) of at most 64 MiB."""
+    import hashlib
+
+    try:
+        return hashlib.sha256(read_user_file(command[0], MAX_PROGRAM)).hexdigest()
+    except (OSError, ValueError, IndexError):      # UserFileError is a ValueError
+        return None
 
 
 def document(tuner: Tuner, sig: dict[str, Any], outcome: Optional[Outcome] = None) -> dict[str, Any]:
@@ -133,9 +146,15 @@ def load(directory: str, sig: dict[str, Any]) -> tuple[list[TrialRecord], list[S
         raise ResumeError(f"{path} was not written by this version of xlaunch-tune")
     old = doc.get("signature", {})
     for key in sig:
-        if old.get(key) != sig[key]:
+        if old.get(key) != sig[key] and key != PROGRAM_DIGEST:
             raise ResumeError(f"{path} is from a different session ({key} differs: "
                               f"{json.dumps(old.get(key))} there, {json.dumps(sig[key])} now)")
+    if old.get(PROGRAM_DIGEST) not in (None, sig.get(PROGRAM_DIGEST)) and path not in _said:
+        _said.add(path)        # the trials are kept: editing a print must not cost the session; said once
+        import sys
+
+        sys.stderr.write(f"xlaunch-tune: warning: --resume: {sig['command'][0]} changed since {path} was written "
+                         "(its sha256 differs): the earlier trials measured the program as it was\n")
     try:
         trials = [_trial(row, sig.get("space", {})) for row in _list(doc.get("trials", []), "trials")]
         skipped = [Skipped(_point(row["config"], sig.get("space", {})), _text(row["reason"], "reason"))
