@@ -154,6 +154,27 @@ def _folds_batch(node: Any) -> bool:
                for value in values for size in getattr(value, "shape", ()))
 
 
+def _is_linear(node: Any) -> bool:
+    return getattr(node, "op", None) == "call_function" and str(node.target) in LINEAR_OPS
+
+
+def _linear_add(node: Any) -> tuple[Any, Any]:
+    """(the Linear, the other operand) of an ``aten.add.Tensor`` of a Linear's output, else (None, None)."""
+    if node.target is not torch.ops.aten.add.Tensor or len(node.args) < 2:
+        return None, None
+    first, second = node.args[:2]
+    linear, other = (first, second) if _is_linear(first) else (second, first)
+    return (linear, other) if _is_linear(linear) and hasattr(other, "meta") else (None, None)
+
+
+def _adds_other_shape(node: Any) -> bool:
+    """An add of a Linear's output and a tensor of another shape (a bias-like buffer): torchao's
+    qlinear + add fusion compares the two shapes, which asks the batch's value (``Eq(u0, 1)``)."""
+    linear, other = _linear_add(node)
+    shapes = [getattr(n.meta.get("val"), "shape", None) for n in (linear, other)] if linear is not None else [None]
+    return None not in shapes and tuple(shapes[0]) != tuple(shapes[1])
+
+
 def unbacked_batch_fails(module: Any) -> bool:
     """Whether inductor cannot compile the program with an unbacked batch, known from its graph:
     a convolution on fp32 weights or dynamically quantized activations (its lowering asserts
@@ -164,7 +185,7 @@ def unbacked_batch_fails(module: Any) -> bool:
     a dynamic batch: go there at once. (A view that keeps the batch apart, as ``Flatten`` after
     pooling, is fine.)"""
     graph = getattr(module, "graph", None)
-    return any(node.op == "call_function" and (_conv_fails(node) or _folds_batch(node))
+    return any(node.op == "call_function" and (_conv_fails(node) or _folds_batch(node) or _adds_other_shape(node))
                for node in getattr(graph, "nodes", ()))
 
 
@@ -307,6 +328,33 @@ def contiguous_linear_inputs(graph_module: nn.Module) -> int:
     return copies
 
 
+def full_rank_linear_adds(graph_module: nn.Module) -> int:
+    """View each tensor of fewer dimensions added to a Linear's output (``linear(x) + self.offset``,
+    a bias-like buffer) with leading 1s to the output's rank; returns how many. Broadcasting is
+    unchanged. torchao's qlinear + add fusion compares the two shapes as tuples: ``(B, 8)`` against
+    ``(8,)`` compared the batch with 8, and where the batch of the compiling call was 8 the dynamic
+    batch was specialized and the compile failed (``ConstraintViolationError``; a saved model's first
+    call at that batch, too). Against ``(1, 8)`` the dynamic batch (>= 2) is known to differ."""
+    graph = graph_module.graph
+    views = 0
+    for node in list(graph.nodes):
+        linear, other = _linear_add(node) if node.op == "call_function" else (None, None)
+        out, value = (linear.meta.get("val"), other.meta.get("val")) if linear is not None else (None, None)
+        if (not isinstance(out, torch.Tensor) or not isinstance(value, torch.Tensor) or value.dim() >= out.dim()
+                or not all(isinstance(size, int) for size in value.shape)):
+            continue
+        shape = [1] * (out.dim() - value.dim()) + list(value.shape)
+        with graph.inserting_before(node):
+            view = graph.call_function(torch.ops.aten.reshape.default, (other, shape))
+        view.meta = {**other.meta, "val": value.reshape(shape)}
+        node.replace_input_with(other, view)
+        views += 1
+    if views:
+        graph.lint()
+        graph_module.recompile()
+    return views
+
+
 def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tuple], dynamic: bool,
                reduce_range: bool, program: Optional[FloatProgram] = None) -> Built:
     """A PT2E route (static or dynamic) of ``model``; ``program``: its export, shared with the other route."""
@@ -320,6 +368,7 @@ def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tu
     with torch.no_grad():
         graph = (program or FloatProgram(model, example_inputs)).graph()
         contiguous_linear_inputs(graph)
+        full_rank_linear_adds(graph)
         originals = split_reused_modules(graph)
         prepared = prepare_pt2e(graph, quantizer)
         restore_module_stacks(originals)
