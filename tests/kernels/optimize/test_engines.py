@@ -25,7 +25,7 @@ from xlaunch.kernels.optimize.engines.base import Built, Route  # noqa: E402
 from xlaunch.kernels.optimize.notes import OptimizeWarning  # noqa: E402
 from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
 from xlaunch.kernels.optimize.engines.report import EngineReport, RouteResult  # noqa: E402
-from xlaunch.kernels.optimize.text import excerpt  # noqa: E402
+from xlaunch.kernels.optimize.notes import excerpt  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[3]

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from xlaunch.kernels.inject import (BACKEND_ENV, BUDGET_ENV, DTYPE_ENV, FREEZE_ENV, LLM_WEIGHTS_ENV, RECORD_ENV,
                                     VERBOSE_ENV)
-from xlaunch.kernels.optimize.text import excerpt
+from xlaunch.kernels.optimize.notes import excerpt
 
 PREFIX = "xlaunch --auto-optimize"
 OPTIMIZERS = ("SGD", "Adagrad", "Adam", "AdamW")

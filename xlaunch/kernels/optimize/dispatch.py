@@ -32,7 +32,7 @@ with needs_torch(__name__):
 from xlaunch.kernels.optim.splitstate import LowWeights
 from xlaunch.kernels.optimize import freeze, measure, precision
 from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
-from xlaunch.kernels.optimize.text import excerpt
+from xlaunch.kernels.optimize.notes import excerpt
 
 MAX_SIGNATURES = 4
 MAX_REBUILDS = 3

@@ -23,7 +23,7 @@ import warnings
 from typing import Any, Callable, Iterator, Optional
 
 from xlaunch._torch import needs_torch
-from xlaunch.kernels.optimize.text import excerpt
+from xlaunch.kernels.optimize.notes import excerpt
 
 with needs_torch(__name__):
     import torch

@@ -4,7 +4,8 @@ Something asked for and not done (or undone) is an ``OptimizeWarning`` through `
 (filterable, catchable with ``pytest.warns``; ``logging.captureWarnings(True)`` puts it in the
 program's logs). It is not also logged: a program with ``logging.basicConfig()`` would print it
 twice. What went as planned (a graph frozen, the faster variant kept) is an INFO record on the
-``xlaunch.optimize`` logger, and the whole report a DEBUG record."""
+``xlaunch.optimize`` logger, and the whole report a DEBUG record. Messages of other libraries
+are quoted in whole words (:func:`excerpt`). No torch here."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +13,8 @@ import warnings
 from typing import Any
 
 from xlaunch._callers import stacklevel_outside
+
+MAX_QUOTE = 400
 
 logger = logging.getLogger("xlaunch.optimize")
 # A library logger: records reach the handlers the program configured (e.g. logging.basicConfig);
@@ -27,8 +30,6 @@ class SampleInputError(ValueError):
     """The model fails on the ``sample_input`` it was given (the model's error is the cause)."""
 
     def __init__(self, exc: BaseException) -> None:
-        from xlaunch.kernels.optimize.text import excerpt
-
         super().__init__(f"optimize: the model fails on sample_input ({type(exc).__name__}: {excerpt(exc)})")
 
 
@@ -46,3 +47,16 @@ def record_warning(report: Any, message: str) -> None:
 def info(message: str) -> None:
     """``message`` as an INFO record on the ``xlaunch.optimize`` logger."""
     logger.info("xlaunch.optimize: %s", message)
+
+
+def excerpt(text: object, limit: int = MAX_QUOTE) -> str:
+    """The first line of ``text``; a first line longer than ``limit`` ends at its last sentence (or
+    word) within the limit, followed by `` (...)``, never in the middle of a word."""
+    lines = str(text).strip().splitlines()
+    line = lines[0].strip() if lines else ""
+    if len(line) <= limit:
+        return line
+    head = line[:limit]
+    stop = max(head.rfind(end) for end in (". ", "! ", "? "))
+    cut = head[:stop + 1] if stop > limit // 2 else head[:head.rfind(" ")].rstrip(",;:") if " " in head else head
+    return cut + " (...)"

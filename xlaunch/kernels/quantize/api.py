@@ -39,7 +39,7 @@ with needs_torch(__name__):
 from xlaunch.kernels.build_mark import marked
 from xlaunch.kernels.quantize import policy
 from xlaunch.kernels.optimize.progress import Progress
-from xlaunch.kernels.optimize.text import excerpt
+from xlaunch.kernels.optimize.notes import excerpt
 from xlaunch.kernels.quantize import engine_routes, inputs, routes, saved
 from xlaunch.kernels.quantize.measure import SETTLE_S, accuracy, measure  # noqa: F401 (bench/ imports them here)
 from xlaunch.kernels.quantize.result import QuantizedModule, QuantizeReport, RouteResult, load_quantized

@@ -44,7 +44,7 @@ from xlaunch.kernels.optimize.engines.sample import Sample, Unsupported, max_rel
 from xlaunch.kernels.optimize.engines.routes.torch_route import EagerRoute, TorchRoute
 from xlaunch.kernels.optimize.notes import warn
 from xlaunch.kernels.optimize.progress import Progress
-from xlaunch.kernels.optimize.text import excerpt
+from xlaunch.kernels.optimize.notes import excerpt
 
 DEFAULT_TIME_BUDGET_S = 300.0
 # The routes by name (tests put fakes here).

@@ -28,7 +28,7 @@ from xlaunch.kernels.optimize.engines.report import BASELINES, EngineReport, Rou
 from xlaunch.kernels.optimize.engines.sample import Sample, max_relative_error
 from xlaunch.kernels.optimize.freeze import fresh
 from xlaunch.kernels.optimize.progress import Progress
-from xlaunch.kernels.optimize.text import excerpt
+from xlaunch.kernels.optimize.notes import excerpt
 
 MIN_TIMING_S, MAX_TIMING_S = 2.0, 30.0
 SETTLE_S = 0.01   # untimed calls before each sample: the previous route's threads go idle

@@ -31,7 +31,7 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.optimize.dispatch import PrepareScriptable
 from xlaunch.kernels.optimize.engines.sample import Sample
-from xlaunch.kernels.optimize.text import excerpt
+from xlaunch.kernels.optimize.notes import excerpt
 
 
 class EngineForward:

@@ -34,7 +34,7 @@ with needs_torch(__name__):
 from xlaunch.kernels.optimize.compare import flat_tensors
 from xlaunch.kernels.optimize.freeze import BufferState, fresh, from_torch
 from xlaunch.kernels.optimize.notes import SampleInputError
-from xlaunch.kernels.optimize.text import excerpt
+from xlaunch.kernels.optimize.notes import excerpt
 
 
 class Unsupported(ValueError):
