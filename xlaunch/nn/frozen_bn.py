@@ -17,7 +17,7 @@ with needs_torch(__name__):
     import torch.nn.functional as F
     from torch import Tensor, nn
 
-from xlaunch.nn.arguments import real_number, whole_number
+from xlaunch._errors import real_number, whole_number
 
 __all__ = ["FrozenBatchNorm2d"]
 

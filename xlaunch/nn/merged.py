@@ -33,7 +33,7 @@ with needs_torch(__name__):
 from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
 from xlaunch.nn.bag_ops import fast_pool, pool, pool_fused
 from xlaunch.nn.bag_torch import ADAGRAD, SGD, compute_dtype
-from xlaunch.nn.arguments import real_number
+from xlaunch._errors import real_number
 from xlaunch.nn.tables import BagInputs, EmbeddingSpec, TableLayout, checked_specs, normalize
 
 __all__ = ["EmbeddingSpec", "MergedEmbeddingBag", "MergedEmbeddingBagWithCat", "MergedEmbeddingBagWithSGD",

@@ -27,7 +27,7 @@ with needs_torch(__name__):
     from torch import Tensor, nn
 
 from xlaunch.nn import native
-from xlaunch.nn.arguments import flag, real_number, whole_number
+from xlaunch._errors import flag, real_number, whole_number
 from xlaunch.nn.roi_torch import roi_align_torch
 
 __all__ = ["roi_align", "RoIAlign", "boxes_to_rois"]

@@ -17,7 +17,7 @@ with needs_torch(__name__):
     import torch
     from torch import Tensor
 
-from xlaunch.nn.arguments import flag, whole_number
+from xlaunch._errors import flag, whole_number
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 # Columns of the kernels' meta table (xlaunch/nn/csrc/bag_common.h, enum Col).

@@ -8,8 +8,9 @@ a dict key the hint leaves out gets dimension 0. Non-tensor leaves are never spl
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional, Sequence
+
+from xlaunch._errors import as_index
 
 Hint = Any  # int | None | tuple/list of Hint | dict[str, Hint]
 
@@ -73,11 +74,8 @@ def checked_hint(hint: Hint, name: str) -> Hint:
         return type(hint)(checked_hint(h, name) for h in hint)
     if isinstance(hint, dict):
         return {key: checked_hint(h, name) for key, h in hint.items()}
-    if not isinstance(hint, bool):
-        try:
-            return operator.index(hint)
-        except TypeError:
-            pass
+    if as_index(hint) is not None:
+        return as_index(hint)
     raise TypeError(f"{name}: a hint is an int dimension, None, or a tuple, list or dict of hints, not {hint!r}")
 
 

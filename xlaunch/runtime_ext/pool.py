@@ -15,7 +15,6 @@ import ctypes
 import errno
 import functools
 import itertools
-import operator
 import os
 import sys
 import threading
@@ -23,6 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
+from xlaunch._errors import as_index
 from xlaunch.cpulist import MAX_ID, format_cpulist, parse_cpulist
 from xlaunch.runtime_ext import openmp, topology
 
@@ -108,17 +108,6 @@ class CPUPool:
 
     def __exit__(self, *exc: Any) -> None:
         unpin_team(self._local.stack.pop())
-
-
-def as_index(value: Any) -> Optional[int]:
-    """``value`` as an int when it is an integer (``int``, numpy's, a one-element integer tensor:
-    anything with ``__index__``), not a bool; else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _node_index(node_id: Any) -> int:

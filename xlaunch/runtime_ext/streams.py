@@ -28,7 +28,8 @@ from xlaunch.runtime_ext.batching import (
     slice_sizes,
     split_call,
 )
-from xlaunch.runtime_ext.pool import CPUPool, as_index
+from xlaunch._errors import as_index
+from xlaunch.runtime_ext.pool import CPUPool
 from xlaunch.runtime_ext.task import Task
 
 AUTO = "auto"

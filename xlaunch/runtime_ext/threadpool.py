@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 from xlaunch.runtime_ext import openmp
-from xlaunch.runtime_ext.pool import as_index, get_thread_count, set_thread_count
+from xlaunch._errors import as_index
+from xlaunch.runtime_ext.pool import get_thread_count, set_thread_count
 
 AFFINITY_ENV = ("OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "KMP_BLOCKTIME")
 
