@@ -29,6 +29,15 @@ def test_refuses_what_is_not_a_regular_file(path: str, words: str) -> None:
         read_user_file(path)
 
 
+def test_a_byte_order_mark_is_dropped_and_the_files_read(tmp_path: Path) -> None:
+    """A config saved by Notepad starts with EF BB BF: tomllib said "Invalid statement (at line 1, column 1)"."""
+    from xlaunch.configs import load_config
+
+    (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbfninstances = 2\n")
+    assert read_user_text(str(tmp_path / "bom.toml")) == "ninstances = 2\n"
+    assert load_config(str(tmp_path / "bom.toml"))[0] == {"ninstances": 2}
+
+
 def test_caps_the_size_also_when_the_file_system_reports_none(tmp_path: Path) -> None:
     (tmp_path / "big").write_bytes(b"x" * 2000)
     with pytest.raises(UserFileError, match="is 2000 bytes; files over 1000 bytes are not read"):

@@ -91,10 +91,11 @@ def read_user_file(path: str, limit: int = DEFAULT_LIMIT) -> bytes:
 
 
 def read_user_text(path: str, limit: int = DEFAULT_LIMIT) -> str:
-    """:func:`read_user_file` decoded as UTF-8 (:class:`UserFileError` when it is not)."""
+    """:func:`read_user_file` decoded as UTF-8 (:class:`UserFileError` when it is not); a leading
+    byte-order mark (Windows editors write one) is dropped: TOML and JSON readers refuse it."""
     data = read_user_file(path, limit)
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise UserFileError(f"{path} is not UTF-8 text") from None
 
