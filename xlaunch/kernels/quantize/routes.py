@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 from xlaunch._torch import needs_torch, quiet_import_logs
+from xlaunch.kernels.quantize import capture
 
 with needs_torch(__name__):
     import torch
@@ -99,16 +100,26 @@ class Bf16Program(nn.Module):
 def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
     """``model`` exported with dim 0 of its tensor inputs dynamic. An example batch of 1 is exported as
     2 rows (the row twice): export specializes a size-1 dimension to 1, and the program then refused
-    every other batch size (in the quantized model itself, and after load_quantized)."""
+    every other batch size (in the quantized model itself, and after load_quantized). A model that
+    cannot be captured is one :class:`.capture.ExportError` (nothing printed)."""
     rows = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == 1 else a
                  for a in example_inputs)
     dynamic = dynamic_batch(rows)
     if isinstance(model, Bf16Program):   # its *args are one input of the export's structure
         dynamic = (dynamic,)
-    try:
-        return torch.export.export(model, rows, dynamic_shapes=dynamic)
-    except Exception:  # some models pin their batch size: export them with the example's shapes
-        return torch.export.export(model, example_inputs)
+    error: Optional[BaseException] = None
+    # some models pin their batch size: export them with the example's shapes
+    for args, shapes in ((rows, dynamic), (example_inputs, None)):
+        with capture.held_back() as held:   # a failing try prints its partial graph: kept from the user
+            try:
+                program = torch.export.export(model, args, dynamic_shapes=shapes)
+            except Exception as exc:
+                error = exc
+                continue
+        capture.give_out(held)
+        return program
+    assert error is not None
+    raise capture.ExportError(f"torch.export cannot capture {type(model).__name__}: {capture.failure(error)}")
 
 
 class FloatProgram:
@@ -119,12 +130,20 @@ class FloatProgram:
     def __init__(self, model: nn.Module, example_inputs: tuple) -> None:
         self._model, self._example = model, example_inputs
         self._program: Optional[torch.export.ExportedProgram] = None
+        self._error: Optional[capture.ExportError] = None
 
     def graph(self) -> Any:
         """A fresh graph module of the exported program (prepare and convert replace its attributes,
-        never the program's tensors: tests/kernels/quantize/test_quantize_residual.py checks it)."""
+        never the program's tensors: tests/kernels/quantize/test_quantize_residual.py checks it).
+        A model export cannot capture fails every route the same way: exported once."""
+        if self._error is not None:
+            raise self._error
         if self._program is None:
-            self._program = export(self._model, self._example)
+            try:
+                self._program = export(self._model, self._example)
+            except capture.ExportError as exc:
+                self._error = exc
+                raise
         return self._program.module()
 
 

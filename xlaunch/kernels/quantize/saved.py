@@ -40,7 +40,7 @@ from xlaunch._torch import needs_torch
 with needs_torch(__name__):
     import torch
 
-from xlaunch.kernels.quantize import engine_saved, routes
+from xlaunch.kernels.quantize import capture, engine_saved, routes
 
 META_FILE = "xlaunch-quantize.json"
 FORMAT_VERSION = 1          # a torch.export archive with our manifest
@@ -290,7 +290,11 @@ def save(path: Any, mode: str, report: dict, runner: Any,
                     _stored(archive, entry, files[entry])
         write_new(path, fill)
         return
-    exported = program()
+    try:
+        exported = program()
+    except capture.ExportError as exc:
+        raise ValueError(f"save: {os.fspath(path)}: the {mode} model cannot be saved: {exc} (it runs in this "
+                         "process; a saved model is the program torch.export captures)") from None
     meta = {"format": FORMAT_VERSION, "mode": mode, "engine": "torch", "report": report,
             "versions": engine_saved.versions("torch"), "inputs": program_inputs(exported)}
     if isinstance(runner, routes.FrozenCompiled) and runner.calls:   # the batch compile that worked
