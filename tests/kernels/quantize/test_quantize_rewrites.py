@@ -4,11 +4,11 @@ failed whole routes on the symbolic batch every compile here has:
 * a recurrent layer followed by a Linear (a tagger, a speech model's head): the LSTM/GRU stays fp32,
   the Linear is quantized, the report says so. A ``batch_first`` GRU/LSTM returns a non-contiguous
   sequence, a Linear on it decomposes to expand + bmm, and the pass raised ``TypeError:
-  torch.Size() takes an iterable of 'int' (item 0 is 'Node')`` (``routes.contiguous_linear_inputs``);
+  torch.Size() takes an iterable of 'int' (item 0 is 'Node')`` (``rewrites.contiguous_linear_inputs``);
 * a bias-like buffer added to a Linear's output (``linear(x) + self.offset``): the qlinear + add
   fusion compared ``(B, 8)`` with ``(8,)``, i.e. the batch with 8, and a compiling call at batch 8
   failed (``ConstraintViolationError``), in ``quantize`` and at a loaded model's first call
-  (``routes.full_rank_linear_adds``); an unbacked compile of that graph fails at every batch, so it
+  (``rewrites.full_rank_linear_adds``); an unbacked compile of that graph fails at every batch, so it
   compiles dynamic at once (``routes.unbacked_batch_fails``).
 
 Both models save and load in one fresh process."""
@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from xlaunch.kernels.quantize import routes  # noqa: E402
+from xlaunch.kernels.quantize import rewrites, routes  # noqa: E402
 
 try:
     routes.import_torchao()
@@ -47,7 +47,7 @@ class Tagger(nn.Module):
 
 def _copies(model: nn.Module, example: torch.Tensor) -> tuple[int, nn.Module]:
     graph = routes.export(model, (example,)).module()
-    return routes.contiguous_linear_inputs(graph), graph
+    return rewrites.contiguous_linear_inputs(graph), graph
 
 
 def test_a_linear_on_a_non_contiguous_sequence_reads_a_contiguous_copy() -> None:
@@ -77,12 +77,12 @@ class Offset(nn.Module):
 def test_a_lower_rank_addend_of_a_linear_is_viewed_to_its_rank() -> None:
     model, x = Offset().eval(), torch.randn(8, 16)
     graph = routes.export(model, (x,)).module()
-    assert routes.full_rank_linear_adds(graph) == 1
+    assert rewrites.full_rank_linear_adds(graph) == 1
     views = [n for n in graph.graph.nodes if n.target is torch.ops.aten.reshape.default]
     assert views and views[0].args[1] == [1, 8]
     with torch.no_grad():
         assert torch.equal(graph(x), model(x))
-    assert routes.full_rank_linear_adds(routes.export(tiny_mlp().eval(), (torch.randn(3, 16),)).module()) == 0
+    assert rewrites.full_rank_linear_adds(routes.export(tiny_mlp().eval(), (torch.randn(3, 16),)).module()) == 0
 
 
 def _check(model: nn.Module, quantized: object, x: torch.Tensor, mode: str) -> None:

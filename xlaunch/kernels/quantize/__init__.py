@@ -1,5 +1,6 @@
 """INT8 ``quantize``/``load_quantized`` through torchao's PT2E flow: the entry and report
-(:mod:`.api`, :mod:`.result`), how each route is built (:mod:`.routes`), which routes suit this CPU (:mod:`.policy`)."""
+(:mod:`.api`, :mod:`.result`, :mod:`.inputs`), how each route is built (:mod:`.routes`,
+:mod:`.rewrites`, :mod:`.capture`), which routes suit this CPU (:mod:`.policy`)."""
 from __future__ import annotations
 
 from xlaunch._lazy import lazy_exports, make_callable

@@ -16,6 +16,9 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.quantize.rewrites import (
+    LINEAR_OPS, adds_other_shape, contiguous_linear_inputs, full_rank_linear_adds)
+
 # Compile-time noise: inductor's oneDNN lowering copies zero points with torch.tensor(tensor);
 # torchao's Int8Tensor has no stable cache hash.
 NOISE = ("To copy construct from a tensor", ".*does not implement _stable_hash_for_caching")
@@ -24,7 +27,6 @@ NOISE = ("To copy construct from a tensor", ".*does not implement _stable_hash_f
 warnings.filterwarnings("ignore", message=NOISE[0], category=UserWarning,
                         module=r"torch\._inductor\.mkldnn_lowerings")
 
-LINEAR_OPS = ("aten.linear.default",)
 CONV_OPS = ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
             "aten.conv_transpose1d.input", "aten.conv_transpose2d.input", "aten.conv_transpose3d.input")
 # Module kinds that hold weights no INT8 route here converts.
@@ -173,27 +175,6 @@ def _folds_batch(node: Any) -> bool:
                for value in values for size in getattr(value, "shape", ()))
 
 
-def _is_linear(node: Any) -> bool:
-    return getattr(node, "op", None) == "call_function" and str(node.target) in LINEAR_OPS
-
-
-def _linear_add(node: Any) -> tuple[Any, Any]:
-    """(the Linear, the other operand) of an ``aten.add.Tensor`` of a Linear's output, else (None, None)."""
-    if node.target is not torch.ops.aten.add.Tensor or len(node.args) < 2:
-        return None, None
-    first, second = node.args[:2]
-    linear, other = (first, second) if _is_linear(first) else (second, first)
-    return (linear, other) if _is_linear(linear) and hasattr(other, "meta") else (None, None)
-
-
-def _adds_other_shape(node: Any) -> bool:
-    """An add of a Linear's output and a tensor of another shape (a bias-like buffer): torchao's
-    qlinear + add fusion compares the two shapes, which asks the batch's value (``Eq(u0, 1)``)."""
-    linear, other = _linear_add(node)
-    shapes = [getattr(n.meta.get("val"), "shape", None) for n in (linear, other)] if linear is not None else [None]
-    return None not in shapes and tuple(shapes[0]) != tuple(shapes[1])
-
-
 def unbacked_batch_fails(module: Any) -> bool:
     """Whether inductor cannot compile the program with an unbacked batch, known from its graph:
     a convolution on fp32 weights or dynamically quantized activations (its lowering asserts
@@ -204,7 +185,7 @@ def unbacked_batch_fails(module: Any) -> bool:
     a dynamic batch: go there at once. (A view that keeps the batch apart, as ``Flatten`` after
     pooling, is fine.)"""
     graph = getattr(module, "graph", None)
-    return any(node.op == "call_function" and (_conv_fails(node) or _folds_batch(node) or _adds_other_shape(node))
+    return any(node.op == "call_function" and (_conv_fails(node) or _folds_batch(node) or adds_other_shape(node))
                for node in getattr(graph, "nodes", ()))
 
 
@@ -308,70 +289,6 @@ def split_reused_modules(graph_module: nn.Module) -> dict[Any, dict]:
 def restore_module_stacks(originals: dict[Any, dict]) -> None:
     for node, stack in originals.items():
         node.meta["nn_module_stack"] = stack
-
-
-def _contiguous(value: torch.Tensor) -> bool:
-    try:
-        return bool(value.is_contiguous())
-    except Exception:   # a size it cannot decide (symbolic): copy to be sure
-        return False
-
-
-def contiguous_linear_inputs(graph_module: nn.Module) -> int:
-    """Give each Linear whose input is a non-contiguous tensor of 3+ dims (an LSTM/GRU's
-    ``batch_first`` output, a transposed sequence) a contiguous copy of it; returns how many.
-
-    Such a Linear decomposes to expand + bmm, and torchao's x86 inductor pass (0.18) compares that
-    expand's sizes with ``torch.Size(...)``, which raises on the symbolic batch size that every
-    compile here has (``TypeError: torch.Size() takes an iterable of 'int' (item 0 is 'Node')``):
-    the whole route failed to build. After the copy the Linear is a view + addmm, which the pass
-    lowers to oneDNN's int8 matmul. The copy is value-identical (its meta is the producer's)."""
-    graph = graph_module.graph
-    copies = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or str(node.target) not in LINEAR_OPS or not node.args:
-            continue
-        activation = node.args[0]
-        value = getattr(activation, "meta", {}).get("val")
-        if not isinstance(value, torch.Tensor) or value.dim() <= 2 or _contiguous(value):
-            continue
-        with graph.inserting_before(node):
-            copy_node = graph.call_function(torch.ops.aten.clone.default, (activation,),
-                                            {"memory_format": torch.contiguous_format})
-        copy_node.meta = {**activation.meta, "val": value.clone(memory_format=torch.contiguous_format)}
-        node.replace_input_with(activation, copy_node)
-        copies += 1
-    if copies:
-        graph.lint()
-        graph_module.recompile()
-    return copies
-
-
-def full_rank_linear_adds(graph_module: nn.Module) -> int:
-    """View each tensor of fewer dimensions added to a Linear's output (``linear(x) + self.offset``,
-    a bias-like buffer) with leading 1s to the output's rank; returns how many. Broadcasting is
-    unchanged. torchao's qlinear + add fusion compares the two shapes as tuples: ``(B, 8)`` against
-    ``(8,)`` compared the batch with 8, and where the batch of the compiling call was 8 the dynamic
-    batch was specialized and the compile failed (``ConstraintViolationError``; a saved model's first
-    call at that batch, too). Against ``(1, 8)`` the dynamic batch (>= 2) is known to differ."""
-    graph = graph_module.graph
-    views = 0
-    for node in list(graph.nodes):
-        linear, other = _linear_add(node) if node.op == "call_function" else (None, None)
-        out, value = (linear.meta.get("val"), other.meta.get("val")) if linear is not None else (None, None)
-        if (not isinstance(out, torch.Tensor) or not isinstance(value, torch.Tensor) or value.dim() >= out.dim()
-                or not all(isinstance(size, int) for size in value.shape)):
-            continue
-        shape = [1] * (out.dim() - value.dim()) + list(value.shape)
-        with graph.inserting_before(node):
-            view = graph.call_function(torch.ops.aten.reshape.default, (other, shape))
-        view.meta = {**other.meta, "val": value.reshape(shape)}
-        node.replace_input_with(other, view)
-        views += 1
-    if views:
-        graph.lint()
-        graph_module.recompile()
-    return views
 
 
 def build_pt2e(model: nn.Module, example_inputs: tuple, calibration: Iterable[tuple], dynamic: bool,
