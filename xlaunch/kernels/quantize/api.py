@@ -143,6 +143,9 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
         raise ValueError("quantize: mode='static' needs calibration=[(inputs...), ...] to set the "
                          "activation scales (or use mode='dynamic' or 'weight_only')")
     policy.check_limits(max_error, rounds)
+    if consider is not None and mode != "auto":
+        raise ValueError(f"quantize: consider= limits what mode='auto' builds; mode={mode!r} builds that route "
+                         "alone (drop consider=, or use mode='auto')")
     steps = 3 if mode != "auto" else 2 + len(policy.INT8_ROUTES)   # a terminal bar's length (about)
     show = Progress(total=steps, enabled=progress, title=PROGRESS_TITLE)
     try:
