@@ -268,3 +268,16 @@ def test_an_example_batch_of_one_gives_a_model_for_every_batch_size(tmp_path: Pa
             for rows in (x, x[:1]):
                 out, ref = runner(rows), model(rows)
                 assert out.shape == ref.shape and (out - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("name", ["", "missing/", "{tmp}/"])
+def test_a_path_that_names_no_file_is_refused_before_writing(tmp_path: Path, monkeypatch, name: str) -> None:
+    """'' wrote a whole temporary file into the parent of the working directory, then failed to rename
+    it onto '' (FileNotFoundError naming the temporary file); 'missing/' wrote it into the working directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    name = name.format(tmp=tmp_path)
+    with pytest.raises(ValueError, match="names no file"):
+        saved.write_new(name, lambda handle: handle.write(b"x"))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["work"]

@@ -237,6 +237,8 @@ def write_new(path: Any, fill: Callable[[BinaryIO], None]) -> None:
     """``fill`` writes the content into a new file beside ``path``, which then replaces ``path``
     (never written through: a symlink or non-regular file there is refused)."""
     name = os.fspath(path)
+    if not name or name.endswith((os.sep, "/")):
+        raise ValueError(f"save: {name!r} names no file (give a file's path, e.g. model.pt2)")
     try:
         existing = os.lstat(name)
     except FileNotFoundError:
