@@ -31,9 +31,8 @@ if TYPE_CHECKING:
     from xlaunch.launcher.run.child import Child
     from xlaunch.launcher.run.logfiles import LogFiles
 
-from xlaunch.launcher.run.child import ended_child
+from xlaunch.launcher.run.child import OutputSteps, ended_child
 from xlaunch.launcher.run.console import Console
-from xlaunch.launcher.run.console import OutputSteps
 from xlaunch.launcher.run.signals import JOB_CONTROL, SignalInbox, drain_fd, job_control, signal_name
 
 MESSAGES_LIMIT = 1 << 16     # xlaunch's own queued messages: beyond this they are dropped
