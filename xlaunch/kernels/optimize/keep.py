@@ -1,8 +1,9 @@
 """The last steps of :func:`.pipeline.optimize` on a sample input: freezing a graph for it, and
-keeping the fastest of the model as given, the eager rewrite and the frozen graph (``measure``)."""
+keeping the fastest of the model as given, the eager rewrite and the frozen graph (``measure``).
+``report`` is the pipeline's ``Report`` (not imported: the pipeline imports this module)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from xlaunch._torch import needs_torch
 
@@ -14,12 +15,9 @@ from xlaunch.kernels.optimize import dispatch, fold, freeze, layout, measure
 from xlaunch.kernels.optimize.notes import info
 from xlaunch.kernels.optimize.notes import record_warning as _warn
 
-if TYPE_CHECKING:
-    from xlaunch.kernels.optimize.pipeline import Report
-
 
 def freeze_for_sample(model: nn.Module, forward: dispatch.OptimizedForward, sample_input: Any,
-                      report: Report) -> None:
+                      report: Any) -> None:
     """Build ``forward``'s frozen graph for the sample input now (or say why it cannot be)."""
     args = freeze.as_args(sample_input)
     if dispatch.signature(args) is None:
@@ -31,7 +29,7 @@ def freeze_for_sample(model: nn.Module, forward: dispatch.OptimizedForward, samp
 
 
 def keep_the_fastest(given: nn.Module, model: nn.Module, forward: Optional[dispatch.OptimizedForward],
-                     log: fold.FoldLog, sample_input: Any, report: Report) -> None:
+                     log: fold.FoldLog, sample_input: Any, report: Any) -> None:
     """Time the model as given, the eager rewrite and the frozen graph on the sample input; keep
     the most optimized variant that is not measurably slower than the fastest."""
     args = freeze.fresh(freeze.as_args(sample_input))
