@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -57,8 +58,11 @@ def recorded(path: Path) -> list[int]:
 
 def traceback_in_xlaunch(err: str) -> bool:
     """A traceback with a frame in xlaunch's code. (A Ctrl-C that lands while the interpreter
-    itself starts, in ``site``, before any xlaunch code runs, is Python's to report.)"""
-    return "Traceback" in err and f"{REPO / 'xlaunch'}{os.sep}" in err
+    itself starts, in ``site``, before any xlaunch code runs, is Python's to report; so is one in
+    the package's ``__init__`` body, which every entry point runs before its handler can exist:
+    seen once in CI under load, at ``class _MovedModules``.)"""
+    ours = [frame for frame in re.findall(r'File "([^"]+)"', err) if frame.startswith(f"{REPO / 'xlaunch'}{os.sep}")]
+    return "Traceback" in err and any(frame != str(REPO / "xlaunch" / "__init__.py") for frame in ours)
 
 
 def python_still_starting(err: str) -> bool:
