@@ -28,7 +28,6 @@ import argparse
 import os
 import re
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from typing import Any, Optional
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import _machine_bench as common  # noqa: E402
+import _processes as processes  # noqa: E402
 
 REPO = BENCH.parent
 TRAIN = str(REPO / "examples" / "train.py")
@@ -93,12 +93,10 @@ def run_once(config: Config, train: list[str], timeout: float) -> dict[str, Any]
     if config.omp is not None:
         env["OMP_NUM_THREADS"] = str(config.omp)
     start = time.monotonic()
-    try:
-        done = subprocess.run(config.command(train), env=env, cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout)
-        status, output = done.returncode, done.stdout + done.stderr[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        status, output = "timeout", str(exc.stdout or "")
+    # at the time limit, Ctrl-C or SIGTERM: the launcher and its ranks (torchrun's are in sessions
+    # of their own) are stopped
+    status, out, err = processes.run_tree(config.command(train), timeout, env=env, cwd=REPO)
+    output = out.decode(errors="replace") + err.decode(errors="replace")[-2000:]
     wall = time.monotonic() - start
     rates = {int(rank): float(rate) for rank, rate in STEPS.findall(output)}
     record: dict[str, Any] = {"status": status, "wall_s": round(wall, 2), "per_rank": [rates[r] for r in sorted(rates)]}
@@ -197,4 +195,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    processes.exit_on_sigterm()
     sys.exit(main())

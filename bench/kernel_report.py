@@ -15,12 +15,14 @@ import json
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _processes as processes  # noqa: E402
+
 XLAUNCH = str(Path(sys.executable).parent / "xlaunch")
 INFER = str(REPO / "examples" / "infer.py")
 THROUGHPUT = re.compile(rb"throughput: ([0-9.]+) img/s")
@@ -39,15 +41,16 @@ def run(report: bool, ninstances: int, infer_args: list[str], summary: str) -> t
     argv = [XLAUNCH, "-q", "--ninstances", str(ninstances), "--summary-json", summary]
     argv += ["--kernel-report"] if report else []
     before = cpu_seconds()
-    done = subprocess.run([*argv, INFER, *infer_args], capture_output=True, cwd=REPO, timeout=600)
+    # at the time limit, Ctrl-C or SIGTERM, xlaunch and its instances are stopped
+    status, stdout, stderr = processes.run_tree([*argv, INFER, *infer_args], 600, cwd=REPO)
     cpu = cpu_seconds() - before
-    if done.returncode != 0:
-        raise SystemExit(f"xlaunch failed ({done.returncode}): {done.stderr.decode()[-500:]}")
-    if b"onednn_verbose" in done.stdout:
+    if status != 0:
+        raise SystemExit(f"xlaunch failed ({status}): {stderr.decode(errors='replace')[-500:]}")
+    if b"onednn_verbose" in stdout:
         raise SystemExit("a oneDNN line reached the console")
-    values = [float(v) for v in THROUGHPUT.findall(done.stdout)]
+    values = [float(v) for v in THROUGHPUT.findall(stdout)]
     if len(values) != ninstances:
-        raise SystemExit(f"expected {ninstances} throughput lines, got {done.stdout.decode()[-500:]}")
+        raise SystemExit(f"expected {ninstances} throughput lines, got {stdout.decode(errors='replace')[-500:]}")
     data = json.loads(Path(summary).read_text())
     lines = [((i.get("observed") or {}).get("kernels") or {}).get("lines", 0) for i in data["instances"]]
     return sum(values), cpu, lines
@@ -85,4 +88,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    processes.exit_on_sigterm()
     main()

@@ -37,6 +37,7 @@ from typing import Any, Optional
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import _machine_bench as common  # noqa: E402
+import _processes as processes  # noqa: E402
 
 REPO = BENCH.parent
 INFER = str(REPO / "examples" / "infer.py")
@@ -132,12 +133,11 @@ def run_once(config: Config, infer_args: list[str], seconds: float, timeout: flo
         launched = time.time()
         program = [INFER, *infer_args, "--seconds", f"{seconds:g}", "--barrier", str(config.instances),
                    "--timeline-dir", scratch]
-        try:
-            done = subprocess.run(config.argv(program), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
-            status, output = done.returncode, done.stdout.decode(errors="replace")
-        except subprocess.TimeoutExpired as exc:
-            status, output = "timeout", (exc.stdout or b"").decode(errors="replace")
+        # at the time limit, Ctrl-C or SIGTERM: the launcher and its instances (run_cpu's are in
+        # sessions of their own) are stopped, and the scratch folder removed
+        status, out, _ = processes.run_tree(config.argv(program), timeout, cwd=REPO, env=env,
+                                            stderr=subprocess.STDOUT)
+        output = out.decode(errors="replace")
         timelines = []
         for name in sorted(os.listdir(scratch)):
             if name.endswith(".json"):
@@ -279,4 +279,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    processes.exit_on_sigterm()
     sys.exit(main())

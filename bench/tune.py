@@ -16,9 +16,7 @@ min..max and ratios are printed.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +24,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _processes as processes  # noqa: E402
+
 INFER = str(REPO / "examples" / "infer.py")
 THROUGHPUT = re.compile(rb"throughput: ([0-9.]+) img/s")
 
@@ -40,44 +41,19 @@ def configs(best: str, script: list[str]) -> dict[str, list[str]]:
 
 
 def run_once(name: str, argv: list[str], timeout: float, grace: float = 10.0) -> float | None:
-    """One launch in a session of its own; at ``timeout`` (or Ctrl-C) its process group gets SIGTERM
-    (xlaunch forwards it to its instances; run_cpu's program is in its group), then SIGKILL after
-    ``grace`` s: killing the launcher alone left run_cpu's program running."""
-    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop(proc, grace)
+    """One launch in a session of its own; at ``timeout``, Ctrl-C or SIGTERM the launcher, every
+    process under it (run_cpu's program is in a session of its own) and its group get SIGTERM, then
+    SIGKILL after ``grace`` s (:func:`_processes.run_tree`)."""
+    status, stdout, _ = processes.run_tree(argv, timeout, grace, cwd=REPO, stderr=subprocess.STDOUT)
+    if status == "timeout":
         print(f"  {name}: timed out after {timeout:g}s")
         return None
-    except BaseException:
-        stop(proc, grace)
-        raise
     values = [float(v) for v in THROUGHPUT.findall(stdout)]
-    if proc.returncode != 0 or not values:
+    if status != 0 or not values:
         tail = stdout.decode(errors="replace").strip().splitlines()[-3:]
-        print(f"  {name}: exit {proc.returncode}, {len(values)} result(s): {' | '.join(tail)}")
+        print(f"  {name}: exit {status}, {len(values)} result(s): {' | '.join(tail)}")
         return None
     return sum(values)
-
-
-def stop(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the launch's process group, SIGKILL it after ``grace`` s (or at a second Ctrl-C)."""
-    for number, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, number)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.communicate(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
 
 
 def main() -> int:
@@ -129,4 +105,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    processes.exit_on_sigterm()
     sys.exit(main())

@@ -1,0 +1,110 @@
+"""The launches a bench times, stopped with everything they started.
+
+A launcher's programs are not always in its process group: torch's ``run_cpu`` and ``torchrun``
+start theirs in sessions of their own (torch.distributed.elastic), and neither stops them when it
+is killed. So a launch runs in a session of its own and, at its time limit, at Ctrl-C or at the
+bench's SIGTERM, its whole tree (the processes under it, listed before any is signalled, and its
+group) gets SIGTERM, then SIGKILL after ``grace`` seconds. Imports no torch.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Sequence, Union
+
+import psutil
+
+Status = Union[int, str]          # an exit status, or "timeout"
+
+
+def run_tree(argv: Sequence[str], timeout: float, grace: float = 10.0,
+             **popen: Any) -> tuple[Status, bytes, bytes]:
+    """Run ``argv`` (``stdout``/``stderr`` default to pipes, ``stdin`` to /dev/null) until it exits or
+    ``timeout`` seconds pass; (its exit status or ``"timeout"``, its stdout, its stderr: what it wrote
+    before it was stopped). Any exception (KeyboardInterrupt, :func:`exit_on_sigterm`'s SystemExit)
+    stops the tree first and goes on."""
+    popen.setdefault("stdin", subprocess.DEVNULL)
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen(list(argv), start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out or b"", err or b""
+    except subprocess.TimeoutExpired:
+        out, err = stop_tree(proc, grace)
+        return "timeout", out, err
+    except BaseException:
+        stop_tree(proc, grace)
+        raise
+
+
+def stop_tree(proc: subprocess.Popen, grace: float = 10.0) -> tuple[bytes, bytes]:
+    """SIGTERM ``proc``, every process under it and its process group; SIGKILL what is left after
+    ``grace`` s (at once if the wait is interrupted). Returns the output still in its pipes."""
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:             # already gone
+        tree = []
+    got: list[tuple[bytes, bytes]] = []
+    try:
+        _signal(proc, tree, signal.SIGTERM)
+        if not _ended(proc, tree, grace, got):
+            _signal(proc, tree, signal.SIGKILL)
+            _ended(proc, tree, 5.0, got)
+    except BaseException:
+        _signal(proc, tree, signal.SIGKILL)
+        proc.wait()
+        raise
+    finally:
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    return got[0] if got else (b"", b"")
+
+
+def _signal(proc: subprocess.Popen, tree: list[psutil.Process], number: int) -> None:
+    if proc.poll() is None:
+        proc.send_signal(number)
+    for member in tree:
+        try:
+            member.send_signal(number)        # psutil checks the pid is still that process
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(proc.pid, number)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _ended(proc: subprocess.Popen, tree: list[psutil.Process], seconds: float,
+           got: list[tuple[bytes, bytes]]) -> bool:
+    """Whether ``proc`` and its tree ended within ``seconds``; ``proc``'s output, once its pipes are
+    closed by all, goes to ``got`` (read while waiting, so a full pipe never blocks its writer)."""
+    deadline = time.monotonic() + seconds
+    if not got:
+        try:
+            out, err = proc.communicate(timeout=seconds)
+            got.append((out or b"", err or b""))
+        except subprocess.TimeoutExpired:      # it, or something under it, still holds a pipe
+            pass
+    if proc.poll() is None:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+    _, alive = psutil.wait_procs(tree, timeout=max(0.0, deadline - time.monotonic()))
+    return not alive
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the bench as Ctrl-C does: the launch it is timing is stopped with its tree and
+    its scratch files are removed (``finally`` blocks run); exit status 143."""
+    def stop(number: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)        # a second SIGTERM ends it at once
+        print(f"{os.path.basename(sys.argv[0])}: terminated, stopping what it started", file=sys.stderr, flush=True)
+        raise SystemExit(128 + number)
+
+    signal.signal(signal.SIGTERM, stop)

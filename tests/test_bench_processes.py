@@ -1,0 +1,108 @@
+"""The launches the multi-process benches time are stopped with everything under them: at a run's
+time limit, and when the bench itself gets SIGTERM. torch's run_cpu and torchrun start their
+programs in sessions of their own and leave them running when they are killed; the fake launcher
+here does the same."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from bench_modules import BENCH, load
+
+# a launcher as run_cpu/torchrun are: its program in a session of its own, both long-running
+LAUNCHER = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+with open(os.environ["PIDFILE"] + ".tmp", "w") as handle:
+    handle.write(str(child.pid))
+os.replace(os.environ["PIDFILE"] + ".tmp", os.environ["PIDFILE"])
+print("launched", flush=True)
+time.sleep(120)
+"""
+
+DRIVER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import _processes
+import distributed
+distributed.Config.command = lambda self, train: [sys.executable, sys.argv[2]]
+_processes.exit_on_sigterm()
+distributed.run_once(distributed.Config("torchrun", 2, 1), [], 120)
+"""
+
+
+def gone(pid: int, within: float = 15.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def wait_for(path: Path, within: float = 60.0) -> int:
+    deadline = time.monotonic() + within
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def test_a_timed_out_run_stops_the_program_in_its_own_session_and_removes_its_scratch(
+        tmp_path: Path, monkeypatch) -> None:
+    """bench/throughput.py killed run_cpu alone at --timeout: its infer.py ran on, an orphan."""
+    throughput = load("throughput")
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(LAUNCHER)
+    monkeypatch.setattr(throughput, "INFER", str(launcher))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    env = {**os.environ, "PIDFILE": str(tmp_path / "pid")}
+    record = throughput.run_once(throughput.Config("plain", 1, 1), [], 1.0, 3.0, env)
+    program = wait_for(tmp_path / "pid", within=0)
+    assert record["status"] == "timeout" and "launched" in record["error"], record
+    assert gone(program), "the launcher's program outlived the run's time limit"
+    assert list(scratch.iterdir()) == []
+
+
+def test_bench_tune_stops_a_program_outside_the_launchers_group(tmp_path: Path, monkeypatch, capsys) -> None:
+    """bench/tune.py signalled the launch's process group: run_cpu's program, in a session of its own,
+    ran on after the time limit (holding the output pipe the bench then waited on)."""
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(LAUNCHER)
+    monkeypatch.setenv("PIDFILE", str(tmp_path / "pid"))
+    tune, started = load("tune"), time.monotonic()
+    assert tune.run_once("run_cpu default", [sys.executable, str(launcher)], 3.0, grace=2.0) is None
+    assert time.monotonic() - started < 30, "the bench waited for the program it left running"
+    assert capsys.readouterr().out == "  run_cpu default: timed out after 3s\n"
+    assert gone(wait_for(tmp_path / "pid", within=0))
+
+
+def test_sigterm_of_the_bench_stops_the_launch_it_was_timing(tmp_path: Path) -> None:
+    """bench/distributed.py ended by SIGTERM left torchrun and its ranks running."""
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(LAUNCHER)
+    env = {**os.environ, "PIDFILE": str(tmp_path / "pid")}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(BENCH), str(launcher)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        program = wait_for(tmp_path / "pid")
+        launched = psutil.Process(driver.pid).children()
+        driver.send_signal(signal.SIGTERM)
+        out, err = driver.communicate(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 128 + signal.SIGTERM, (out, err)
+    assert err.strip().splitlines() == ["-c: terminated, stopping what it started"], err
+    assert gone(program) and all(gone(p.pid) for p in launched)
