@@ -14,11 +14,22 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from xlaunch.kernels.quantize import engine_saved, policy
 from xlaunch.kernels.quantize.api import QuantizeWarning, quantize
+
+def skip_module_without_torchao() -> None:
+    """Skip the calling test module when torchao (the PT2E routes' passes) cannot be imported."""
+    from xlaunch.kernels.quantize import routes
+
+    try:
+        routes.import_torchao()
+    except ImportError:
+        pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+
 
 # Bounds: max |int8 - fp32| / max |fp32| over the calibration inputs, and argmax agreement.
 # Measured here (AVX2, reduce_range): static/dynamic 0.005-0.03, weight-only 0.005-0.01.

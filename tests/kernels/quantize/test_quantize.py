@@ -17,10 +17,9 @@ from torch import nn  # noqa: E402
 
 from xlaunch.kernels.quantize import routes as quantize_routes  # noqa: E402
 
-try:
-    quantize_routes.import_torchao()
-except ImportError:
-    pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+from quantize_models import skip_module_without_torchao  # noqa: E402
+
+skip_module_without_torchao()
 
 import xlaunch  # noqa: E402
 import xlaunch.kernels  # noqa: E402

@@ -14,12 +14,11 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from xlaunch.kernels.quantize import capture, routes  # noqa: E402
+from xlaunch.kernels.quantize import capture  # noqa: E402
 
-try:
-    routes.import_torchao()
-except ImportError:
-    pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+from quantize_models import skip_module_without_torchao  # noqa: E402
+
+skip_module_without_torchao()
 
 from xlaunch.kernels.quantize.api import quantize  # noqa: E402
 

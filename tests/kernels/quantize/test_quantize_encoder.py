@@ -11,10 +11,9 @@ torch = pytest.importorskip("torch")
 
 from xlaunch.kernels.quantize import routes as quantize_routes  # noqa: E402
 
-try:
-    quantize_routes.import_torchao()
-except ImportError:
-    pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+from quantize_models import skip_module_without_torchao  # noqa: E402
+
+skip_module_without_torchao()
 
 from quantize_models import (  # noqa: E402
     MAX_ERROR, auto_quantized, check_auto, check_progress, check_route, make, skip_without_inductor)

@@ -12,12 +12,9 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from xlaunch.kernels.quantize import routes  # noqa: E402
+from quantize_models import skip_module_without_torchao  # noqa: E402
 
-try:
-    routes.import_torchao()
-except ImportError:
-    pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+skip_module_without_torchao()
 
 from xlaunch.kernels.quantize.api import quantize  # noqa: E402
 

@@ -13,10 +13,9 @@ torch = pytest.importorskip("torch")
 
 from xlaunch.kernels.quantize import routes  # noqa: E402
 
-try:
-    routes.import_torchao()
-except ImportError:
-    pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+from quantize_models import skip_module_without_torchao  # noqa: E402
+
+skip_module_without_torchao()
 
 from quantize_models import MAX_ERROR, residual_blocks  # noqa: E402
 

@@ -21,10 +21,9 @@ from torch import nn  # noqa: E402
 
 from xlaunch.kernels.quantize import rewrites, routes  # noqa: E402
 
-try:
-    routes.import_torchao()
-except ImportError:
-    pytest.skip("torchao is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+from quantize_models import skip_module_without_torchao  # noqa: E402
+
+skip_module_without_torchao()
 
 from xlaunch.kernels.quantize.api import QuantizeWarning, quantize  # noqa: E402
 from quantize_models import MAX_ERROR, save_then_load, skip_without_inductor, tiny_mlp  # noqa: E402
