@@ -192,7 +192,7 @@ def check_progress(quantized, lines: list[tuple[float, str]]) -> None:
     for route, result in quantized.report.routes.items():
         if route in policy.INT8_ROUTES and result.skipped is None:
             assert f"xlaunch.quantize: building {route} INT8: relative error {result.rel_error:.4f}" in text, text
-    assert "xlaunch.quantize: timing " in text and f"xlaunch.quantize: kept " in text, text
+    assert "xlaunch.quantize: timing " in text and "xlaunch.quantize: kept " in text, text
     if policy.FP32_OPTIMIZE in quantized.report.routes:   # optimize()'s own lines follow ours, under its name
         assert f"xlaunch.quantize: {policy.FP32_OPTIMIZE}: " in text, text
 
