@@ -106,6 +106,12 @@ class ExportFails(nn.Module):
         return self.a(x) if x.mean() > -1.0 else self.b(x)
 
 
+def known_workload(name: str) -> bool:
+    """Whether :func:`workload` builds ``name`` (checked before any run)."""
+    batch = name[len("resnet50-b"):] if name.startswith("resnet50-b") else ""
+    return name in ("bert", "bert2", "mlp", "export-fails") or (batch.isdigit() and int(batch) >= 1)
+
+
 def workload(name: str) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     if name.startswith("resnet50"):
@@ -412,25 +418,36 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    sys.path.insert(0, str(REPO / "bench"))          # here, not at import: the workers import bench.engines
+    from _args import COUNT, integer
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50-b1,resnet50-b4,bert,mlp,export-fails")
     parser.add_argument("--precisions", default="fp32", help="comma list of fp32, bf16, int8")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--rounds", type=COUNT, default=7)
+    parser.add_argument("--threads", type=integer(0), default=0, help="torch threads (default: torch's)")
     parser.add_argument("--no-startup", action="store_true")
     parser.add_argument("--startup-model", default="resnet50-b1")
     parser.add_argument("--startup-budget", default="300")
     parser.add_argument("--cached-start", action="store_true",
                         help="run only the cached-start times (cold vs warm optimize(backend='auto'))")
     parser.add_argument("--cached-start-models", default="bert,resnet50-b4")
-    parser.add_argument("--cached-start-warm", type=int, default=3, help="warm processes (median)")
+    parser.add_argument("--cached-start-warm", type=COUNT, default=3, help="warm processes (median)")
     args = parser.parse_args(argv)
+    benches = {"fp32": bench_model, "bf16": bench_bf16, "int8": bench_int8}
+    for option, text, known, what in (
+            ("--models", args.models, known_workload, "resnet50-b<batch>, bert, bert2, mlp, export-fails"),
+            ("--cached-start-models", args.cached_start_models, known_workload, "as --models"),
+            ("--startup-model", args.startup_model, known_workload, "as --models"),
+            ("--precisions", args.precisions, benches.__contains__, ", ".join(benches))):
+        unknown = [name.strip() for name in text.split(",") if not known(name.strip())]
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(map(repr, unknown))} (known: {what})")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"machine: {machine()}")
     print(f"load average at start: {Path('/proc/loadavg').read_text().split()[:3]}")
     summary = {}
-    benches = {"fp32": bench_model, "bf16": bench_bf16, "int8": bench_int8}
     for name in ([] if args.cached_start else args.models.split(",")):
         for precision in args.precisions.split(","):
             summary[f"{name}/{precision}"] = benches[precision.strip()](name.strip(), args.rounds)

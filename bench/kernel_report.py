@@ -22,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _processes as processes  # noqa: E402
+from _args import COUNT  # noqa: E402
 
 XLAUNCH = str(Path(sys.executable).parent / "xlaunch")
 INFER = str(REPO / "examples" / "infer.py")
@@ -58,9 +59,9 @@ def run(report: bool, ninstances: int, infer_args: list[str], summary: str) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--iterations", type=int, default=30)
-    parser.add_argument("--ninstances", type=int, default=1)
+    parser.add_argument("--reps", type=COUNT, default=7)
+    parser.add_argument("--iterations", type=COUNT, default=30)
+    parser.add_argument("--ninstances", type=COUNT, default=1)
     args = parser.parse_args()
     infer_args = ["--iterations", str(args.iterations)]
     results: dict[bool, list[float]] = {True: [], False: []}

@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import COUNT  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 3.0
 BASE, XLAUNCH, RUN_CPU = "python -c pass", "xlaunch --no-python true", "run_cpu --no-python true"
@@ -91,7 +94,7 @@ def report(title: str, samples: dict[str, list[float]], failures: dict[str, int]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=10, help="interleaved rounds (default 10)")
+    parser.add_argument("--reps", type=COUNT, default=10, help="interleaved rounds (default 10)")
     parser.add_argument("--skip-run-cpu", action="store_true", help="leave out torch's run_cpu (slow)")
     parser.add_argument("--wheel", action="store_true",
                         help="also measure a wheel of this tree in a throwaway venv (no editable finder)")

@@ -145,8 +145,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.threads = args.threads or ([1] if args.instances else [1, 2])
-    args.rounds = args.rounds or (2 if args.quick else 5)
-    args.new_tokens = args.new_tokens or (24 if args.quick else 48)
+    args.rounds = (2 if args.quick else 5) if args.rounds is None else args.rounds          # 0 is refused below
+    args.new_tokens = (24 if args.quick else 48) if args.new_tokens is None else args.new_tokens
     if args.new_tokens < 2 or args.prompt < 1 or args.rounds < 1:
         parser.error("--new-tokens must be at least 2, --prompt and --rounds at least 1")
     if args.batch < 1:

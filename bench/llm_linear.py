@@ -17,12 +17,16 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 from xlaunch.llm import native
 from xlaunch.llm.linear import PackedLinear
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _args import COUNT, integer  # noqa: E402
 
 SHAPES = {"qkv": (3072, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816),
           "lm_head": (32000, 1024)}
@@ -71,12 +75,12 @@ def measure(name_routes: dict, m: int, k: int, rounds: int, rotate_bytes: int, b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 128])
+    parser.add_argument("--threads", type=COUNT, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", type=COUNT, nargs="+", default=[1, 4, 128])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--group", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rotate-mb", type=int, default=96)
+    parser.add_argument("--group", type=COUNT, default=32)
+    parser.add_argument("--rounds", type=COUNT, default=5)
+    parser.add_argument("--rotate-mb", type=integer(0), default=96)
     parser.add_argument("--best", action="store_true", help="the fastest round instead of the median (a loaded machine)")
     args = parser.parse_args()
     if native.ops() is None:

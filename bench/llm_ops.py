@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -30,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from xlaunch.llm import fused, native
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _args import COUNT  # noqa: E402
 
 HIDDEN, HEADS, HEAD, INTER, EPS = 1024, 16, 64, 2816, 1e-6
 DTYPE = torch.bfloat16
@@ -111,9 +116,9 @@ def timed(call: Call, path: str, calls: int, clock: Callable[[], float]) -> floa
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--calls", type=int, default=40)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=COUNT, default=9)
+    parser.add_argument("--calls", type=COUNT, default=40)
+    parser.add_argument("--threads", type=COUNT, nargs="+", default=[1, 2])
     parser.add_argument("--cpu-time", action="store_true",
                         help="the process's CPU time instead of the wall clock (a shared machine's 1-thread rows; "
                              "with 2 threads it sums both threads, spinning included)")

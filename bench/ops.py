@@ -30,6 +30,7 @@ running (the cache it shares is still shared). Scaling over threads needs the wa
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,6 +43,9 @@ from torch import nn
 
 from xlaunch.nn import (MergedEmbeddingBag, MergedEmbeddingBagWithAdaGrad, MergedEmbeddingBagWithSGD, interaction, native,
                         roi_align)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _args import COUNT, int_range  # noqa: E402
 
 Row = tuple[str, Callable[[], object]]
 
@@ -88,7 +92,7 @@ def bag_inputs(args: argparse.Namespace) -> tuple[list[int], list, list, list, l
     indices, offsets, lengths = [], [], []
     for r in rows:
         if args.pooling:
-            low, high = (int(x) for x in args.pooling.split("-"))
+            low, high = args.pooling
             sizes = torch.randint(low, high + 1, (args.batch,), generator=gen)
         else:
             sizes = torch.full((args.batch,), args.bag)
@@ -106,7 +110,7 @@ def bag_rows(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
     adagrad = args.optimizer == "adagrad"
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     optim = (lambda params: torch.optim.Adagrad(params, lr=lr)) if adagrad else (lambda p: torch.optim.SGD(p, lr=lr))
-    pooling = f"pooling {args.pooling}" if args.pooling else f"mean of {args.bag}"
+    pooling = f"pooling {args.pooling[0]}-{args.pooling[1]}" if args.pooling else f"mean of {args.bag}"
     say(f"  {len(rows)} tables, {sum(rows):,} rows, dim {dim}, {pooling} ({sum(map(len, indices)):,} lookups), "
         f"batch {batch}, {args.optimizer}, {dtype}")
 
@@ -324,16 +328,16 @@ SECTIONS = {"bags": ("embedding bags", bag_rows), "interaction": ("interaction",
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=COUNT, default=7)
+    parser.add_argument("--threads", type=COUNT, nargs="+", default=[1, 2])
     parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS), default=list(SECTIONS))
-    parser.add_argument("--tables", type=int, default=26)
-    parser.add_argument("--largest", type=int, default=100_000, help="rows of the largest table")
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--bag", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--boxes", type=int, default=1000)
-    parser.add_argument("--pooling", default="", help="bag sizes uniform in LOW-HIGH (e.g. 1-100) instead of --bag")
+    parser.add_argument("--tables", type=COUNT, default=26)
+    parser.add_argument("--largest", type=COUNT, default=100_000, help="rows of the largest table")
+    parser.add_argument("--dim", type=COUNT, default=64)
+    parser.add_argument("--bag", type=COUNT, default=20)
+    parser.add_argument("--batch", type=COUNT, default=2048)
+    parser.add_argument("--boxes", type=COUNT, default=1000)
+    parser.add_argument("--pooling", type=int_range, default=None, help="bag sizes uniform in LOW-HIGH (e.g. 1-100) instead of --bag")
     parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="sgd")
     parser.add_argument("--bf16", action="store_true", help="bf16 tables (xlaunch: split-bf16 master)")
     parser.add_argument("--small", action="store_true", help="the tests' 3 small tables (40, 25, 18 rows)")

@@ -29,6 +29,9 @@ from torch import nn
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from _args import COUNT, integer, names  # noqa: E402
 
 from infer import small_cnn  # noqa: E402
 
@@ -152,11 +155,11 @@ def matmul_gflops() -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="cnn,bert")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--models", type=names(("cnn", "bert")), default="cnn,bert")
+    parser.add_argument("--rounds", type=COUNT, default=7)
     parser.add_argument("--backends", action="store_true", help="also compare the freezing backends")
     parser.add_argument("--no-train", action="store_true", help="skip bench/optimize_train.py")
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--threads", type=integer(0), default=0,
                         help="torch threads (default: torch's); 1 keeps OpenMP barrier stalls of a "
                              "loaded shared machine out of the ratios")
     args = parser.parse_args(argv)
@@ -165,12 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     reason = bf16_unsupported_reason(isa_flags())
     print(f"torch {torch.__version__}; native bf16: {'yes' if reason is None else 'no (' + reason + ')'}")
     print(f"fp32 matmul ceiling: {matmul_gflops():.0f} GFLOP/s")
-    for name in args.models.split(","):
-        bench_model(name.strip(), args.rounds, args.backends)
+    for name in args.models:
+        bench_model(name, args.rounds, args.backends)
     train = REPO / "bench" / "optimize_train.py"
     if not args.no_train and train.exists():
         print(f"\n== training half: {train.relative_to(REPO)}", flush=True)
-        subprocess.run([sys.executable, str(train)], check=False)
+        threads = ["--threads", str(args.threads)] if args.threads else []     # the same threads as above
+        subprocess.run([sys.executable, str(train), *threads], check=False)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -27,6 +28,9 @@ import torch
 from torch import nn
 
 from xlaunch.kernels.optim.fused import TRAIL_KEY, to_fused
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _args import COUNT, integer, names  # noqa: E402
 
 
 def mlp() -> nn.Module:
@@ -50,7 +54,9 @@ class Row:
 def _make_optimizer(kind: str, params, **flags) -> torch.optim.Optimizer:
     if kind == "SGD":
         return torch.optim.SGD(params, lr=0.01, momentum=0.9, **flags)
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **flags)
+    if kind == "AdamW":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **flags)
+    raise ValueError(f"optimizer {kind!r}: SGD or AdamW")      # any other name measured AdamW under that name
 
 
 def build_rows(kind: str, seed: int = 0) -> list[Row]:
@@ -142,14 +148,17 @@ def report(kind: str, rows: list[Row]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--optimizers", default="SGD,AdamW")
+    parser.add_argument("--reps", type=COUNT, default=7)
+    parser.add_argument("--steps", type=COUNT, default=10)
+    parser.add_argument("--batch", type=COUNT, default=64)
+    parser.add_argument("--optimizers", type=names(("SGD", "AdamW")), default="SGD,AdamW")
+    parser.add_argument("--threads", type=integer(0), default=0, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, "
           f"{args.reps} reps x {args.steps} steps")
-    for kind in args.optimizers.split(","):
+    for kind in args.optimizers:
         print("\n".join(report(kind, measure(kind, args.reps, args.steps, args.batch))))
     return 0
 

@@ -30,6 +30,9 @@ from torch import nn
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from _args import COUNT, integer, names  # noqa: E402
 
 from infer import small_cnn  # noqa: E402
 
@@ -132,17 +135,17 @@ def machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="cnn,encoder,mlp")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--models", type=names(("cnn", "encoder", "mlp")), default="cnn,encoder,mlp")
+    parser.add_argument("--rounds", type=COUNT, default=9)
+    parser.add_argument("--threads", type=integer(0), default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-auto", action="store_true", help="skip the auto row (saves its compiles)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", QuantizeWarning)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for name in args.models.split(","):
-        bench(name.strip(), args.rounds, not args.no_auto)
+    for name in args.models:
+        bench(name, args.rounds, not args.no_auto)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """MultiStreamModule against the plain model and against separate processes, same allocator.
 
-    .venv/bin/python bench/streams.py [--reps 5] [--seconds 2] [--batch 16]
+    .venv/bin/python bench/streams.py [--reps 5] [--seconds 2] [--batch 16] [--cpus A,B]
 
 Variants (every process runs with the same allocator preloaded, jemalloc by default):
   plain        one process, the model with 2 torch threads, batch 16
@@ -10,7 +10,8 @@ Variants (every process runs with the same allocator preloaded, jemalloc by defa
                loop (no MultiStreamModule machinery: isolates in-process effects such as the GIL)
   procs        two processes, ``taskset -c 0`` / ``-c 1``, ``OMP_NUM_THREADS=1``, batch 8 each,
                run at the same time; throughput is their sum
-Workers stay alive between repetitions; variants are interleaved (order rotated each round).
+The two CPUs are the first CPU of each of the first two physical cores this process may use (the
+planner's view), or ``--cpus``. Workers stay alive between repetitions; variants are interleaved (order rotated each round).
 The machine may be shared, so each repetition also records how much CPU other processes used
 meanwhile (/proc/stat minus the workers' own time); medians are given over all repetitions and
 over the "clean" ones. The last lines are the ratios.
@@ -28,6 +29,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from _args import COUNT, SECONDS, fraction  # noqa: E402
+
 VARIANTS = ("plain", "plain-pinned", "streams", "threads", "procs")
 
 
@@ -141,21 +145,60 @@ def find_allocator(kind: str) -> str:
     return hits[0]
 
 
+def two_cores() -> tuple[list[int], str]:
+    """The first CPU of each of the first two physical cores this process may use, as the planner
+    counts them (allowed, online, one CPU per core); and the machine line to print."""
+    import _machine_bench as common
+    from xlaunch.launcher.plan.options import Options
+    from xlaunch.launcher.plan.planner import plan
+    from xlaunch.machine import load_machine
+
+    os.environ.pop("XLAUNCH_FSROOT", None)          # the runs are real: this machine's CPUs
+    machine = load_machine()
+    per_core = plan(Options(program="bench.py", python="python", ncores_per_instance=1), machine, {})
+    cpus = [cpu for instance in per_core.instances for cpu in instance.cpus][:2]
+    line = common.machine_line(common.describe_machine(machine, common.node_cores(machine)))
+    return cpus, line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--cpus", default="0,1", help="the two CPUs to use")
+    parser.add_argument("--reps", type=COUNT, default=5)
+    parser.add_argument("--seconds", type=SECONDS, default=2.0)
+    parser.add_argument("--batch", type=COUNT, default=16)
+    parser.add_argument("--cpus", default=None,
+                        help="the two CPUs to use, A,B (default: the first CPU of each of two physical cores)")
     parser.add_argument("--allocator", choices=("jemalloc", "tcmalloc", "none"), default="jemalloc")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--clean", type=float, default=0.05, help="max foreign CPU share of a clean rep")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--clean", type=fraction, default=0.05, help="max foreign CPU share of a clean rep")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    cpus = [int(c) for c in args.cpus.split(",")]
     if args.worker:
-        worker(args.worker, args.batch, cpus)
+        worker(args.worker, args.batch, [int(c) for c in args.cpus.split(",")])
         return
+    derived, machine_line = two_cores()
+    if args.cpus is None:
+        if len(derived) < 2:
+            print(f"streams.py: two physical cores are needed, this process may use {len(derived)}; nothing run")
+            return
+        cpus = derived
+    else:
+        try:
+            cpus = [int(c) for c in args.cpus.split(",")]
+        except ValueError:
+            parser.error(f"--cpus: expected two CPU numbers A,B, not {args.cpus!r}")
+        allowed = os.sched_getaffinity(0)
+        if len(cpus) != 2 or len(set(cpus)) != 2 or not set(cpus) <= allowed:
+            parser.error(f"--cpus: expected two different CPUs this process may use "
+                         f"({','.join(map(str, sorted(allowed)))}), not {args.cpus!r}")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        parser.error(f"--variants: unknown {', '.join(map(repr, unknown)) or 'none given'} (known: {', '.join(VARIANTS)})")
+    if args.batch < len(cpus):
+        parser.error(f"--batch: at least one image per CPU ({len(cpus)}), not {args.batch}")
+    args.cpus = ",".join(map(str, cpus))
+    print(machine_line, flush=True)
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LD_PRELOAD")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -163,7 +206,6 @@ def main() -> None:
         env["LD_PRELOAD"] = find_allocator(args.allocator)
     single_env = {**env, "OMP_NUM_THREADS": "1"}
     per_core = args.batch // len(cpus)
-    variants = [v for v in args.variants.split(",") if v]
     workers: dict[str, list[Worker]] = {}
     for variant in variants:
         if variant == "procs":
@@ -179,6 +221,7 @@ def main() -> None:
             for w in group:
                 w.answer()
         for rep in range(args.reps):
+            print(f"  rep {rep + 1}/{args.reps} ...", end="", flush=True)
             order = variants[rep % len(variants):] + variants[: rep % len(variants)]
             for variant in order:
                 group = workers[variant]
@@ -190,6 +233,8 @@ def main() -> None:
                 share = others / (CLOCK_TICKS * args.seconds * len(cpus))
                 results[variant].append(rate)
                 foreign[variant].append(share)
+                print(f" {variant} {rate:.1f}", end="", flush=True)
+            print(" img/s", flush=True)
     finally:
         for group in workers.values():
             for w in group:

@@ -38,6 +38,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import _machine_bench as common  # noqa: E402
 import _processes as processes  # noqa: E402
+from _args import COUNT, SECONDS  # noqa: E402
 
 REPO = BENCH.parent
 INFER = str(REPO / "examples" / "infer.py")
@@ -214,12 +215,12 @@ def fmt(value: Optional[float], suffix: str = "") -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run: 2 rounds of 2-second windows")
-    parser.add_argument("--reps", type=int, default=None, help="interleaved rounds (default 3; --quick 2)")
-    parser.add_argument("--seconds", type=float, default=None, help="measurement window (default 6; --quick 2)")
-    parser.add_argument("--batch-size", type=int, default=16, help="infer.py --batch-size (default 16)")
+    parser.add_argument("--reps", type=COUNT, default=None, help="interleaved rounds (default 3; --quick 2)")
+    parser.add_argument("--seconds", type=SECONDS, default=None, help="measurement window (default 6; --quick 2)")
+    parser.add_argument("--batch-size", type=COUNT, default=16, help="infer.py --batch-size (default 16)")
     parser.add_argument("--only", action="append", default=[],
                         help="run only configurations whose name contains this (repeatable)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
+    parser.add_argument("--timeout", type=SECONDS, default=300.0, help="per run, seconds")
     parser.add_argument("--list", action="store_true",
                         help="print the configurations and their command lines, run nothing "
                              "(XLAUNCH_FSROOT=<recorded machine> shows another machine's)")

@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _processes as processes  # noqa: E402
+from _args import COUNT, SECONDS  # noqa: E402
 
 INFER = str(REPO / "examples" / "infer.py")
 THROUGHPUT = re.compile(rb"throughput: ([0-9.]+) img/s")
@@ -59,10 +60,10 @@ def run_once(name: str, argv: list[str], timeout: float, grace: float = 10.0) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--best", required=True, help="best.toml written by xlaunch-tune --output-dir")
-    parser.add_argument("--reps", type=int, default=5, help="interleaved rounds (default 5)")
-    parser.add_argument("--iterations", type=int, default=20, help="infer.py --iterations (default 20)")
-    parser.add_argument("--batch-size", type=int, default=16, help="infer.py --batch-size (default 16)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
+    parser.add_argument("--reps", type=COUNT, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--iterations", type=COUNT, default=20, help="infer.py --iterations (default 20)")
+    parser.add_argument("--batch-size", type=COUNT, default=16, help="infer.py --batch-size (default 16)")
+    parser.add_argument("--timeout", type=SECONDS, default=300.0, help="per run, seconds")
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
