@@ -109,6 +109,16 @@ def run_once(config: Config, train: list[str], timeout: float) -> dict[str, Any]
     return record
 
 
+def row_line(result: dict[str, Any]) -> str:
+    """A result's line: its median and ratios to torchrun, ``-`` for what was not measured (a failed
+    run, or no torchrun run to compare with: ``--only xlaunch``)."""
+    def shown(value: Optional[float], prefix: str = "") -> str:
+        return "-" if value is None else f"{prefix}{value:.2f}"
+
+    return (f"  {result['name']:28s} {shown(result['steps_per_s']):>7s} steps/s  {shown(result['ratio_to_torchrun'], 'x')}"
+            f"  (per round {shown(result['paired_ratio_to_torchrun'], 'x')})")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run: 2 rounds of 15 steps")
@@ -182,8 +192,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ratio = r["steps_per_s"] / peer["steps_per_s"] if peer and r["steps_per_s"] and peer["steps_per_s"] else None
         paired = common.paired_ratio([x["steps_per_s"] for x in r["runs"]], [x["steps_per_s"] for x in peer["runs"]]) if peer else None
         r["ratio_to_torchrun"], r["paired_ratio_to_torchrun"] = ratio, paired
-        shown = "-" if r["steps_per_s"] is None else f"{r['steps_per_s']:7.2f}"
-        print(f"  {r['name']:28s} {shown} steps/s  x{ratio or 0:.2f}  (per round x{paired or 0:.2f})")
+        print(row_line(r))
     common.write_results(description, args.json_path,
                          {"steps": steps, "reps": reps, "batch_size": args.batch_size, "results": results})
     if draw:

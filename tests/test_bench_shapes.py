@@ -154,3 +154,15 @@ def test_summarize_writes_the_issue_schema() -> None:
     two = next(r for r in results if r["name"] == "xlaunch 2x1")
     assert (two["instances"], two["cores_per_instance"], two["aggregate"]) == (2, 1, 200.0)
     assert len(two["runs"]) == 2
+
+
+def test_a_ratio_not_measured_is_shown_as_such() -> None:
+    """bench/distributed.py printed 'x0.00' for a ratio it did not have: a failed run, or every row of
+    --only xlaunch (no torchrun run to compare with)."""
+    row_line = bench("distributed").row_line
+    missing = {"name": "xlaunch 2x1", "steps_per_s": 9.5, "ratio_to_torchrun": None, "paired_ratio_to_torchrun": None}
+    assert row_line(missing).split() == ["xlaunch", "2x1", "9.50", "steps/s", "-", "(per", "round", "-)"]
+    failed = {**missing, "steps_per_s": None}
+    assert row_line(failed).split()[2:5] == ["-", "steps/s", "-"]
+    measured = {**missing, "ratio_to_torchrun": 1.234, "paired_ratio_to_torchrun": 0.5}
+    assert row_line(measured).split()[4:] == ["x1.23", "(per", "round", "x0.50)"]
