@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import machine_trees
 from machine_trees import MACHINE_NAMES, machine_tree
 
 from xlaunch._torch import paused_gc
@@ -100,6 +101,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     tests are collected as before."""
     gc.collect()
     gc.freeze()
+
+
+_MACHINES_MADE = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One directory of unpacked recorded machines per session (tests/machine_trees.py): made by the session's
+    first process (xdist's controller, or a lone pytest), named in the environment its workers and the pytest
+    runs the tests start inherit, removed by the process that made it."""
+    if not machine_trees.usable(os.environ.get(machine_trees.SHARED_ENV)):
+        path = machine_trees.make_scratch()
+        os.environ[machine_trees.SHARED_ENV] = str(path)
+        config.stash[_MACHINES_MADE] = path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = config.stash.get(_MACHINES_MADE, None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(machine_trees.SHARED_ENV, None)
 
 
 def require(what: str, found: str | None) -> str:

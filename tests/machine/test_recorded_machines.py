@@ -245,3 +245,40 @@ def test_host_settings_are_the_kernels_files(name):
     else:
         assert governed == list(m.online_cpus)          # an offline CPU's policy is not readable
         assert {read(root, f"sys/devices/system/cpu/cpu{c}/cpufreq/scaling_governor") for c in governed} == {governor}
+
+
+def test_one_session_unpacks_each_tree_once_for_all_its_processes(tmp_path):
+    """The session's processes (xdist's workers, the pytest runs tests start) share the trees tests/conftest.py's
+    directory holds: a second process finds the tree there (same inode, nothing unpacked again); a directory
+    others may write, or a link, is never used: that process unpacks into one of its own."""
+    import os
+    import subprocess
+    import sys
+
+    import machine_trees
+
+    shared = os.environ.get(machine_trees.SHARED_ENV)
+    assert machine_trees.usable(shared), "tests/conftest.py names no shared directory"
+    name = MACHINE_NAMES[0]
+    tree = machine_tree(name)
+    assert tree.parent == Path(shared)
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import machine_trees as m;"
+            "print(m.machine_tree(sys.argv[2]), os.stat(m.machine_tree(sys.argv[2])).st_ino)")
+    tests = str(Path(machine_trees.__file__).parent)
+
+    def other_process(folder: str) -> tuple[Path, int]:
+        env = {**os.environ, machine_trees.SHARED_ENV: folder}
+        done = subprocess.run([sys.executable, "-c", code, tests, name], capture_output=True, text=True, env=env,
+                              timeout=60, check=True)
+        where, inode = done.stdout.split()
+        return Path(where), int(inode)
+
+    assert other_process(shared) == (tree, os.stat(tree).st_ino)
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir(mode=0o777)
+    open_to_all.chmod(0o777)
+    (tmp_path / "link").symlink_to(shared)
+    for folder in (open_to_all, tmp_path / "link"):
+        where, _ = other_process(str(folder))
+        assert where.parent != folder and where.parent != Path(shared) and not where.exists()   # its own, removed
+    assert os.listdir(open_to_all) == []
