@@ -28,7 +28,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+import _processes  # (bench/ is on sys.path)
+from _procmem import MemorySampler
+
+from xlaunch.cpulist import format_cpulist
 
 VERSION = "0.3.36"                       # llama-cpp-python's sdist (it pins one llama.cpp commit)
 GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_0")
@@ -53,27 +58,38 @@ def _run_logged(argv: Sequence[str], log: Path, what: str, env: Optional[dict] =
                 progress: Optional[re.Pattern] = None) -> None:
     """Run ``argv`` with its output into ``log``; a progress line every 10 s (or per ninja tenth)."""
     print(f"  {what} (log: {log})", flush=True)
-    start, last, last_tenth = time.monotonic(), time.monotonic(), -1
+    start = time.monotonic()
     with open(log, "a") as sink:
-        process = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        assert process.stdout is not None
-        for line in process.stdout:
-            sink.write(line)
-            now = time.monotonic()
-            match = progress.search(line) if progress else None
-            if match:
-                tenth = int(match.group(1)) * 10 // max(1, int(match.group(2)))
-                if tenth != last_tenth:
-                    last_tenth = tenth
-                    print(f"    [{match.group(1)}/{match.group(2)}] {now - start:.0f} s", flush=True)
-            elif now - last > 10:
-                last = now
-                print(f"    ... {now - start:.0f} s", flush=True)
+        process = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                   start_new_session=True)
+        try:
+            _follow(process, sink, start, progress)
+        except BaseException:          # Ctrl-C, the bench's SIGTERM: the build (make, compilers) stops too
+            _processes.stop_tree(process, grace=5.0)
+            raise
         code = process.wait()
     if code != 0:
         tail = log.read_text(errors="replace").splitlines()[-25:]
         raise RuntimeError(f"{what} failed ({code}); the end of {log}:\n" + "\n".join(tail))
     print(f"    done in {time.monotonic() - start:.0f} s", flush=True)
+
+
+def _follow(process: subprocess.Popen, sink: Any, start: float, progress: Optional[re.Pattern]) -> None:
+    """Copy ``process``'s output into ``sink`` until it ends, printing its progress."""
+    last, last_tenth = start, -1
+    assert process.stdout is not None
+    for line in process.stdout:
+        sink.write(line)
+        now = time.monotonic()
+        match = progress.search(line) if progress else None
+        if match:
+            tenth = int(match.group(1)) * 10 // max(1, int(match.group(2)))
+            if tenth != last_tenth:
+                last_tenth = tenth
+                print(f"    [{match.group(1)}/{match.group(2)}] {now - start:.0f} s", flush=True)
+        elif now - last > 10:
+            last = now
+            print(f"    ... {now - start:.0f} s", flush=True)
 
 
 def source_dir(root: Optional[Path] = None) -> Path:
@@ -252,7 +268,12 @@ def run_measured(argv: Sequence[str], what: str) -> tuple[str, float]:
     """Run a llama.cpp tool to the end: its stdout and its peak RSS in MiB (wait4); a failure raises."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         process = subprocess.Popen(list(argv), stdout=out, stderr=err)
-        _, status, usage = os.wait4(process.pid, 0)
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        except BaseException:          # Ctrl-C, the bench's SIGTERM: llama.cpp's tool stops too
+            process.kill()
+            process.wait()
+            raise
         process.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
@@ -268,3 +289,67 @@ def run_llama_bench(argv: Sequence[str]) -> tuple[dict[str, Any], float]:
     if len(tests) != 1:
         raise ValueError(f"expected one llama-bench test, got {len(tests)}")
     return tests[0], peak
+
+
+SAMPLE_S = 0.2            # the slots' memory, sampled as bench/_llm_instances.py samples its copies
+
+
+# -- bench/llm.py --instances: k llama-bench processes -------------------------------------------------------------
+def run_slots(argv: Sequence[str], cpus: list[list[int]], rounds: int,
+              parse: Callable[[str], list[dict[str, Any]]]) -> dict[str, Any]:
+    """k ``taskset -c CPUS llama-bench ...`` slots, each restarting its run until every slot has ``rounds``
+    runs that started after the common start; then the running ones are stopped (not counted)."""
+    slots: list[dict[str, Any]] = [{"cpus": one, "done": [], "proc": None} for one in cpus]
+
+    def launch(slot: dict[str, Any]) -> None:
+        out = tempfile.TemporaryFile()
+        slot["out"], slot["began"] = out, time.monotonic()
+        slot["proc"] = subprocess.Popen(["taskset", "-c", format_cpulist(slot["cpus"]), *argv], stdout=out,
+                                        stderr=subprocess.DEVNULL)
+
+    start = time.monotonic()
+    try:
+        return _llama_window(slots, launch, start, rounds, parse, cpus)
+    finally:                # the running ones (or all, when interrupted) are stopped
+        for slot in slots:
+            if slot["proc"] is not None and slot["proc"].poll() is None:
+                slot["proc"].terminate()
+                slot["proc"].wait()
+                slot["out"].close()
+
+
+def _llama_window(slots: list[dict[str, Any]], launch: Callable[[dict[str, Any]], None], start: float, rounds: int,
+                  parse: Callable[[str], list[dict[str, Any]]], cpus: list[list[int]]) -> dict[str, Any]:
+    for slot in slots:
+        launch(slot)
+    sampler = MemorySampler([])
+    failure = None
+    next_sample = start + SAMPLE_S
+    while failure is None and any(len(slot["done"]) < rounds for slot in slots):
+        time.sleep(0.02)
+        for slot in slots:
+            code = slot["proc"].poll()
+            if code is None:
+                continue
+            slot["out"].seek(0)
+            text = slot["out"].read().decode(errors="replace")
+            slot["out"].close()
+            if code != 0:
+                failure = f"failed: taskset/llama-bench exited {code}"
+                break
+            try:
+                (test,) = parse(text)
+            except ValueError as error:
+                failure = f"failed: {error}"
+                break
+            slot["done"].append(test["avg_ts"])
+            launch(slot)
+        if time.monotonic() >= next_sample and failure is None:
+            sampler.pids = [slot["proc"].pid for slot in slots]
+            sampler.sample()
+            next_sample = time.monotonic() + SAMPLE_S
+    window = time.monotonic() - start
+    if failure:
+        return {"status": failure}
+    return {"status": "ok", "cpus": cpus, "decode_rounds": [slot["done"] for slot in slots], "window_s": window,
+            **sampler.result()}

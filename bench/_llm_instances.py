@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from xlaunch.cpulist import format_cpulist
 
+import _processes
+from _llm_summary import combine, paired, ratio, table, tables  # noqa: F401  (bench/llm.py and the tests use them here)
 from _procmem import MemorySampler, mapping_kib, parse_rollup  # noqa: F401  (bench/ is on sys.path)
 
 SAMPLE_S = 0.2
@@ -114,6 +116,7 @@ def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int, 
     import torch
 
     index = int(os.environ.get("XLAUNCH_INSTANCE_INDEX", "0"))
+    owner = int((sync / "owner").read_text())      # the bench: gone (even by SIGKILL), this copy ends
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     start = time.perf_counter()
     try:
@@ -144,12 +147,14 @@ def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int, 
         while True:          # window w: from go-w's instant, rounds until stop-w; then idle-<index>-w
             go, stop = sync / f"go-{window}", sync / f"stop-{window}"
             while not go.exists():
-                if (sync / "quit").exists():
+                if (sync / "quit").exists() or not _alive(owner):
                     return
                 time.sleep(0.01)
             time.sleep(max(0.0, float(go.read_text()) - time.monotonic()))
             with open(sync / f"rounds-{index}-{window}.jsonl", "a") as rounds:
                 while not stop.exists():
+                    if not _alive(owner):
+                        return
                     begin = time.monotonic()
                     gen1 = min(generate(1) for _ in range(3))
                     genN = min(generate(new_tokens) for _ in range(2))
@@ -158,6 +163,16 @@ def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int, 
                     rounds.flush()
             _write_text(sync / f"idle-{index}-{window}", "")
             window += 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _read_rounds(path: Path, start: float, until: float = float("inf")) -> list[dict[str, Any]]:
@@ -186,6 +201,7 @@ class XlaunchInstances:
         self.cpus, self.instances, self.setup_s = cpus, instances, []
         self.sync = Path(tempfile.mkdtemp(prefix=f"xlaunch-bench-{route}-x{instances}-"))
         self.summary, self.log = self.sync / "summary.json", self.sync / "xlaunch.log"
+        _write_text(self.sync / "owner", str(os.getpid()))
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([*launcher_argv(instances, threads), "--summary-json", str(self.summary),
                                           *program(self.sync)], stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -234,6 +250,11 @@ class XlaunchInstances:
         return {"decode_rounds": [[row["decode_tps"] for row in _read_rounds(path, start, stop_at)] for path in files],
                 "window_s": stop_at - start, **sampler.result()}
 
+    def stop(self) -> None:
+        """The bench is interrupted: xlaunch and the instances stopped now (mid-window they decode on), folder removed."""
+        _processes.stop_tree(self.proc)
+        shutil.rmtree(self.sync, ignore_errors=True)
+
     def quit(self) -> None:
         """Tell the instances to exit and wait for xlaunch (terminated after 10 minutes)."""
         (self.sync / "quit").write_text("")
@@ -254,117 +275,6 @@ class XlaunchInstances:
         shutil.rmtree(self.sync, ignore_errors=True)          # kept when a launch failed: its log is there
         ran_on = [sorted((i.get("observed") or {}).get("thread_cpus") or []) for i in launched["instances"]]
         return {"setup_s": self.setup_s, "threads_ran_on": ran_on}
-
-
-# -- llama.cpp: k llama-bench processes -------------------------------------------------------------
-def run_llama(argv: Sequence[str], cpus: list[list[int]], rounds: int,
-              parse: Callable[[str], list[dict[str, Any]]]) -> dict[str, Any]:
-    """k ``taskset -c CPUS llama-bench ...`` slots, each restarting its run until every slot has ``rounds``
-    runs that started after the common start; then the running ones are stopped (not counted)."""
-    slots: list[dict[str, Any]] = [{"cpus": one, "done": [], "proc": None} for one in cpus]
-
-    def launch(slot: dict[str, Any]) -> None:
-        out = tempfile.TemporaryFile()
-        slot["out"], slot["began"] = out, time.monotonic()
-        slot["proc"] = subprocess.Popen(["taskset", "-c", format_cpulist(slot["cpus"]), *argv], stdout=out,
-                                        stderr=subprocess.DEVNULL)
-
-    start = time.monotonic()
-    for slot in slots:
-        launch(slot)
-    sampler = MemorySampler([])
-    failure = None
-    next_sample = start + SAMPLE_S
-    while failure is None and any(len(slot["done"]) < rounds for slot in slots):
-        time.sleep(0.02)
-        for slot in slots:
-            code = slot["proc"].poll()
-            if code is None:
-                continue
-            slot["out"].seek(0)
-            text = slot["out"].read().decode(errors="replace")
-            slot["out"].close()
-            if code != 0:
-                failure = f"failed: taskset/llama-bench exited {code}"
-                break
-            try:
-                (test,) = parse(text)
-            except ValueError as error:
-                failure = f"failed: {error}"
-                break
-            slot["done"].append(test["avg_ts"])
-            launch(slot)
-        if time.monotonic() >= next_sample and failure is None:
-            sampler.pids = [slot["proc"].pid for slot in slots]
-            sampler.sample()
-            next_sample = time.monotonic() + SAMPLE_S
-    window = time.monotonic() - start
-    for slot in slots:
-        if slot["proc"].poll() is None:
-            slot["proc"].terminate()
-            slot["proc"].wait()
-            slot["out"].close()
-    if failure:
-        return {"status": failure}
-    return {"status": "ok", "cpus": cpus, "decode_rounds": [slot["done"] for slot in slots], "window_s": window,
-            **sampler.result()}
-
-
-# -- the summary -------------------------------------------------------------------------------------
-def combine(windows: Sequence[dict[str, Any]], median: Callable[[Sequence[float]], Optional[float]],
-            **extra: Any) -> dict[str, Any]:
-    """A route's windows: each window's aggregate (the sum of the copies' median rounds), and over the
-    windows the median aggregate, each copy's median, and the median memory sums."""
-    done = []
-    for window in windows:
-        each = [median(rounds) for rounds in window["decode_rounds"]]
-        done.append({**window, "decode_tps_each": each, "decode_tps": sum(v for v in each if v is not None)})
-    copies = len(done[0]["decode_tps_each"])
-    out = {"status": "ok", **extra, "windows": done,
-           "decode_tps": median([w["decode_tps"] for w in done]),
-           "decode_tps_each": [median([w["decode_tps_each"][i] for w in done]) for i in range(copies)]}
-    for key in ("pss_sum_mib", "rss_sum_mib"):
-        values = [w[key] for w in done if key in w]
-        out[key] = median(values) if values else None
-    for key in ("mapped_rss_each_mib", "mapped_pss_each_mib"):
-        if key in done[-1]:
-            out[key] = done[-1][key]
-    return out
-
-
-def paired(row: dict[str, Any], peer: dict[str, Any], median: Callable) -> Optional[float]:
-    """The median over windows of the row's aggregate over the peer's in the same window (pairs, not runs apart)."""
-    ratios = [ours["decode_tps"] / theirs["decode_tps"] for ours, theirs in zip(row.get("windows", []), peer.get("windows", []))
-              if theirs["decode_tps"]]
-    return median(ratios) if ratios else None
-
-
-def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
-    return ours / theirs if ours is not None and theirs else None
-
-
-def table(instances: int, threads: int, rows: dict[str, dict[str, Any]], peers: dict[str, str],
-          single: dict[str, dict[str, Any]]) -> str:
-    """One row per route: aggregate decode tokens/s, memory sums, the ratios to llama.cpp, and to one instance."""
-    def number(value: Optional[float], form: str) -> str:
-        return "" if value is None else format(value, form)
-
-    lines = [f"| route ({instances} x {threads} thread{'s' if threads > 1 else ''}) | decode tok/s, sum | per instance "
-             "| vs llama.cpp | PSS sum MiB | RSS sum MiB | PSS vs llama.cpp | PSS vs 1 instance |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
-    for name, row in rows.items():
-        if row.get("status") != "ok":
-            lines.append(f"| {name} | {row.get('status', '').splitlines()[0]} | | | | | | |")
-            continue
-        peer = rows.get(peers.get(name, ""), {})
-        one = single.get(name, {})
-        lines.append(
-            f"| {name} | {row['decode_tps']:.1f} | {' + '.join(number(v, '.1f') for v in row['decode_tps_each'])} "
-            f"| {number(row.get('decode_vs_llamacpp'), '.2f')} "
-            f"| {number(row.get('pss_sum_mib'), '.0f')} | {number(row.get('rss_sum_mib'), '.0f')} "
-            f"| {number(ratio(row.get('pss_sum_mib'), peer.get('pss_sum_mib')), '.2f')} "
-            f"| {number(ratio(row.get('pss_sum_mib'), one.get('pss_sum_mib')), '.2f')} |")
-    return "\n".join(lines)
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -445,23 +355,29 @@ def run_pair(args: Any, ours: Optional[str], theirs: Optional[str], packed_files
         rows[theirs] = {"status": "unavailable: llama.cpp skipped"}
     argv = llamacpp.llama_bench_argv(llama[0], llama[1][theirs.removeprefix("llamacpp-")], threads, "decode",
                                      args.new_tokens - 1, args.prompt + 1, 2) if theirs and llama else None
-    for index in range(args.rounds):
-        order = [ours, theirs] if index % 2 == 0 else [theirs, ours]
-        for name in order:
-            if name is None or name in rows:
-                continue
-            try:
-                got = instances.window(1) if name == ours else run_llama(argv, cpus, 1, llamacpp.parse_llama_bench)
-            except RouteFailed as error:          # only the xlaunch side raises it, its instances closed
-                rows[name], instances = {"status": str(error)}, None
-                continue
-            if got.get("status", "ok") != "ok":
-                rows[name] = got
-                continue
-            windows[name].append(got)
-            print(f"    {name}: {' + '.join(f'{median(r) or 0:.1f}' for r in got['decode_rounds'])} tok/s "
-                  f"({got['window_s']:.1f} s window); PSS sum {got.get('pss_sum_mib', 0):.0f} MiB, RSS sum "
-                  f"{got.get('rss_sum_mib', 0):.0f} MiB", flush=True)
+    try:
+        for index in range(args.rounds):
+            order = [ours, theirs] if index % 2 == 0 else [theirs, ours]
+            for name in order:
+                if name is None or name in rows:
+                    continue
+                try:
+                    got = instances.window(1) if name == ours else llamacpp.run_slots(argv, cpus, 1,
+                                                                                       llamacpp.parse_llama_bench)
+                except RouteFailed as error:          # only the xlaunch side raises it, its instances closed
+                    rows[name], instances = {"status": str(error)}, None
+                    continue
+                if got.get("status", "ok") != "ok":
+                    rows[name] = got
+                    continue
+                windows[name].append(got)
+                print(f"    {name}: {' + '.join(f'{median(r) or 0:.1f}' for r in got['decode_rounds'])} tok/s "
+                      f"({got['window_s']:.1f} s window); PSS sum {got.get('pss_sum_mib', 0):.0f} MiB, RSS sum "
+                      f"{got.get('rss_sum_mib', 0):.0f} MiB", flush=True)
+    except BaseException:          # Ctrl-C, the bench's SIGTERM, a bug: the copies must not decode on
+        if instances is not None:
+            instances.stop()
+        raise
     extra: dict[str, Any] = {}
     if instances is not None:
         try:
@@ -487,12 +403,3 @@ def run_pair(args: Any, ours: Optional[str], theirs: Optional[str], packed_files
         print(f"  {name}: {row['decode_tps']:.1f} tok/s over {len(row['windows'])} window(s); PSS sum "
               f"{row['pss_sum_mib'] or 0:.0f} MiB, RSS sum {row['rss_sum_mib'] or 0:.0f} MiB{mapped}", flush=True)
     return rows
-
-
-def tables(args: Any, results: dict[str, Any], peers: dict[str, str]) -> str:
-    out = []
-    for threads in args.threads:
-        single = results.get(f"1x{threads}", {})
-        for k in args.instances:
-            out.append(table(k, threads, results[f"{k}x{threads}"], peers, single) + "\n")
-    return "\n".join(out)

@@ -736,4 +736,7 @@ def main_instances(args: argparse.Namespace, model: _llm_model.BenchModel, kinds
 
 
 if __name__ == "__main__":
+    import _processes
+
+    _processes.exit_on_sigterm()       # unwinds: the workers see their stdin close, their logs are removed
     sys.exit(main())

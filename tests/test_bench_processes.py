@@ -106,3 +106,66 @@ def test_sigterm_of_the_bench_stops_the_launch_it_was_timing(tmp_path: Path) -> 
     assert driver.returncode == 128 + signal.SIGTERM, (out, err)
     assert err.strip().splitlines() == ["-c: terminated, stopping what it started"], err
     assert gone(program) and all(gone(p.pid) for p in launched)
+
+
+# the first of the slots' runs to start ends at once; the others decode "for ever"
+SLOT = """
+import os, sys, time
+try:
+    os.mkdir(sys.argv[1] + "/first")
+    print("done", flush=True)
+except FileExistsError:
+    with open(f"{sys.argv[1]}/slow-{os.getpid()}", "w"):
+        pass
+    time.sleep(120)
+"""
+
+
+def test_an_interrupted_llama_window_stops_the_slots_still_running(tmp_path: Path) -> None:
+    """bench/llm.py --instances: a Ctrl-C or SIGTERM during llama.cpp's window left the other llama-bench
+    processes running."""
+    load("llm")                                          # bench/ on sys.path
+    llamacpp = load("_llamacpp")
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    script = tmp_path / "slot.py"
+    script.write_text(SLOT)
+
+    def parse(text: str) -> list:
+        while not list(tmp_path.glob("slow-*")):        # the other slot is running
+            time.sleep(0.02)
+        raise KeyboardInterrupt
+
+    try:
+        llamacpp.run_slots([sys.executable, str(script), str(tmp_path)], [[cpu], [cpu]], 2, parse)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interruption was swallowed")
+    (slow,) = tmp_path.glob("slow-*")
+    assert gone(int(slow.name.split("-")[1]), within=0.5), "a llama-bench slot outlived the interrupted window"
+
+
+def test_an_interrupted_pair_stops_the_xlaunch_copies(monkeypatch) -> None:
+    """bench/llm.py --instances ended by SIGTERM mid-window: xlaunch and its copies decoded on, for ever
+    (they wait for the bench's files), each at a full core."""
+    inst = load("_llm_instances")
+    stopped = []
+
+    class Copies:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def window(self, rounds: int) -> dict:
+            raise SystemExit(143)                          # what the bench's SIGTERM raises
+
+        def stop(self) -> None:
+            stopped.append(True)
+
+    monkeypatch.setattr(inst, "XlaunchInstances", Copies)
+    args = type("Args", (), {"rounds": 2, "new_tokens": 8, "prompt": 4})()
+    try:
+        inst.run_pair(args, "xlaunch-int8", None, {"xlaunch-int8": Path("x.xlp")}, None, 1, 1, [[0]], "llm.py", {},
+                      lambda values: None, None)
+    except SystemExit:
+        pass
+    assert stopped == [True]
