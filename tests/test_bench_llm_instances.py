@@ -235,10 +235,11 @@ def test_an_instances_cpus_are_its_threads_together_not_its_main_threads() -> No
 
 
 @pytest.mark.live
-def test_a_failed_start_check_raises_its_own_reason(tmp_path: Path) -> None:
+def test_a_failed_start_check_raises_its_own_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Instances that ran elsewhere than planned stop with that reason (it raised AttributeError before,
     from the summary check of a half-made object)."""
     inst = instances()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))   # the failed launch's folder is kept (its log): here
     mapped = tmp_path / "weights.bin"
     mapped.write_bytes(os.urandom(1 << 20))
     worker = tmp_path / "worker.py"
