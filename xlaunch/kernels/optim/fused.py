@@ -4,8 +4,9 @@
 (same constructor, param groups, state layout and ``state_dict``; ``isinstance`` keeps working) and
 replace ``step`` with a lean path onto torch's single-pass CPU kernels (``torch._fused_sgd_``,
 ``_fused_adagrad_``, ``_fused_adam_``, ``_fused_adamw_``): one read and one write of each
-parameter's memory per step, without torch's per-step regrouping overhead. ``FusedLamb`` has no
-torch counterpart and uses multi-tensor (``torch._foreach_*``) ops.
+parameter's memory per step, without torch's per-step regrouping overhead. ``FusedLamb`` (:mod:`.lamb`)
+has no torch counterpart and uses multi-tensor (``torch._foreach_*``) ops; the shared step
+machinery is :mod:`.base`.
 
 Split-bf16: after :func:`to_fused` with ``dtype=torch.bfloat16`` (or :func:`split_params`), every
 trained parameter is a bf16 tensor holding the high half of its fp32 master and the optimizer
@@ -19,9 +20,7 @@ gradients) fall back to torch's own ``step`` on the joined fp32 masters.
 from __future__ import annotations
 
 import inspect
-import math
 import warnings
-from typing import Any, Callable, Iterable
 
 from xlaunch._torch import needs_torch
 
@@ -31,129 +30,13 @@ with needs_torch(__name__):
 
 from xlaunch.kernels import native_dtypes
 from xlaunch.kernels.optim import splitstate
-from xlaunch.kernels.optim.splitbf16 import join_into, split, split_into
+from xlaunch.kernels.optim.base import _FusedBase, _StepTensors, _step_tensor
+from xlaunch.kernels.optim.lamb import FusedLamb
+from xlaunch.kernels.optim.splitbf16 import join_into, split
 from xlaunch.kernels.optim.splitstate import TRAIL_KEY
 
 __all__ = ["FusedSGD", "FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedLamb", "TRAIL_KEY", "to_fused",
            "split_params", "master_params", "is_split"]
-
-Closure = Callable[[], Any]
-
-
-class _StepTensors:
-    """The fp32 view of one param group for one step, grouped by dtype.
-
-    Plain parameters are used as they are; split-bf16 parameters are joined into fp32 temporaries
-    (with fp32 gradients) and written back by :meth:`write_back`.
-    """
-
-    def __init__(self) -> None:
-        self.by_dtype: dict[torch.dtype, list[tuple[Tensor, Tensor, Tensor]]] = {}
-        self._split: list[tuple[Tensor, Tensor, Tensor]] = []
-
-    def add(self, param: Tensor, state: dict) -> None:
-        if param.dim() > 2:   # made channels-last (or back) since its state was created
-            splitstate.match_layout(param, state)
-        trail = state.get(TRAIL_KEY)
-        if trail is None:
-            entry = (param, param, param.grad)
-        else:
-            master = torch.empty_like(param, dtype=torch.float32)
-            join_into(param, trail, master)
-            entry = (param, master, param.grad.float())
-            self._split.append((param, trail, master))
-        self.by_dtype.setdefault(entry[1].dtype, []).append(entry)
-
-    def write_back(self) -> None:
-        for param, trail, master in self._split:
-            split_into(master, param, trail)
-
-
-def _fast_path_ok(group: dict, params: Iterable[Tensor]) -> bool:
-    if group.get("differentiable") or group.get("capturable") or isinstance(group["lr"], Tensor):
-        return False
-    for p in params:
-        if p.grad is not None and (p.grad.is_sparse or p.is_complex() or p.device.type != "cpu"):
-            return False
-    return True
-
-
-class _FusedBase:
-    """Shared step machinery; mixed into subclasses of torch optimizers."""
-
-    state: Any
-    param_groups: list
-
-    def _group_step(self, group: dict, tensors: _StepTensors) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def step(self, closure: Closure | None = None) -> Any:
-        """Perform one optimization step (see the class docstring of the torch original)."""
-        with torch.enable_grad():
-            loss = closure() if closure is not None else None
-        splitstate.unsplit_widened(self)   # model.float() since: those train on as fp32 masters
-        for group in self.param_groups:
-            params = group["params"]
-            if not _fast_path_ok(group, params):
-                self._fallback_group_step(group)
-                continue
-            tensors = _StepTensors()
-            for p in params:
-                if p.grad is not None:
-                    tensors.add(p, self.state[p])
-            if tensors.by_dtype:
-                self._group_step(group, tensors)
-                tensors.write_back()
-        return loss
-
-    def _fallback_group_step(self, group: dict) -> None:
-        """Run torch's own ``step`` for ``group`` with split parameters swapped to fp32."""
-        swapped = []
-        for p in group["params"]:
-            if p.grad is not None and TRAIL_KEY in self.state.get(p, {}):
-                bf16_data, bf16_grad = p.data, p.grad
-                trail = self.state[p].pop(TRAIL_KEY)   # torch's step sees its own state only
-                master = torch.empty_like(bf16_data, dtype=torch.float32)
-                join_into(bf16_data, trail, master)
-                p.data, p.grad = master, bf16_grad.float()
-                swapped.append((p, trail, bf16_data, bf16_grad))
-        saved_groups = self.param_groups
-        try:
-            self.param_groups = [group]
-            super().step()  # type: ignore[misc]
-        finally:
-            self.param_groups = saved_groups
-            for p, trail, bf16_data, bf16_grad in swapped:
-                split_into(p.data, bf16_data, trail)
-                p.data, p.grad = bf16_data, bf16_grad
-                self.state[p][TRAIL_KEY] = trail
-
-    def state_dict(self) -> dict:
-        """torch's, less the entries holding only a low half (:func:`splitstate.without_bare_trails`)."""
-        splitstate.unsplit_widened(self)
-        return splitstate.without_bare_trails(super().state_dict())  # type: ignore[misc]
-
-    def __setstate__(self, state: dict) -> None:
-        """torch's, with low-half-only entries set aside (torch's Adam wants a ``step`` in each)."""
-        state, bare = splitstate.set_aside_bare_trails(state)
-        super().__setstate__(state)  # type: ignore[misc]
-        self.state.update(bare)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, keeping split-bf16 storage exact: fp32 state, the int16 low half restored bit
-        for bit (torch would cast both to bf16); see :func:`splitstate.restore_state`."""
-        splitstate.unsplit_widened(self)
-        live = [p for g in self.param_groups for p in g["params"]]
-        trails = {p: self.state[p][TRAIL_KEY] for p in live if p in self.state and TRAIL_KEY in self.state[p]}
-        splitstate.check_trails(state_dict, live, trails)
-        super().load_state_dict(state_dict)  # type: ignore[misc]
-        splitstate.restore_state(self, state_dict, live, trails)
-
-
-def _step_tensor(param: Tensor) -> Tensor:
-    return torch.zeros((), dtype=torch.float32, device=param.device)
-
 
 class FusedSGD(_FusedBase, torch.optim.SGD):
     """``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize), fused step."""
@@ -264,82 +147,6 @@ class FusedAdam(_FusedBase, torch.optim.Adam):
 
 class FusedAdamW(FusedAdam, torch.optim.AdamW):
     """``torch.optim.AdamW`` (decoupled weight decay), fused step."""
-
-
-class FusedLamb(_FusedBase, torch.optim.Optimizer):
-    """LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning", Algorithm 2).
-
-    Per parameter: Adam moments with optional bias correction, update
-    ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w``, layer-wise trust ratio
-    ``||w|| / ||u||`` (1 when either norm is 0, clipped to ``max_trust_ratio`` if given), then
-    ``w -= lr * trust * u``.
-    """
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        *,
-        bias_correction: bool = True,
-        max_trust_ratio: float | None = None,
-    ) -> None:
-        if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
-            raise ValueError(f"invalid LAMB hyperparameters lr={lr} eps={eps} wd={weight_decay}")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"invalid LAMB betas {betas}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, max_trust_ratio=max_trust_ratio)
-        super().__init__(params, defaults)
-
-    def _group_step(self, group: dict, tensors: _StepTensors) -> None:
-        beta1, beta2 = group["betas"]
-        for entries in tensors.by_dtype.values():
-            masters, grads, avgs, avg_sqs, step_counts = [], [], [], [], []
-            for param, master, grad in entries:
-                state = self.state[param]
-                if "exp_avg" not in state:
-                    state["step"] = _step_tensor(param)
-                    state["exp_avg"] = torch.zeros_like(master)
-                    state["exp_avg_sq"] = torch.zeros_like(master)
-                state["step"] += 1
-                masters.append(master)
-                grads.append(grad)
-                avgs.append(state["exp_avg"])
-                avg_sqs.append(state["exp_avg_sq"])
-                step_counts.append(int(state["step"].item()))
-            torch._foreach_lerp_(avgs, grads, 1.0 - beta1)
-            torch._foreach_mul_(avg_sqs, beta2)
-            torch._foreach_addcmul_(avg_sqs, grads, grads, value=1.0 - beta2)
-            if group["bias_correction"]:
-                corr1 = [1.0 - beta1**n for n in step_counts]
-                corr2 = [math.sqrt(1.0 - beta2**n) for n in step_counts]
-            else:
-                corr1 = corr2 = [1.0] * len(step_counts)
-            denoms = torch._foreach_sqrt(avg_sqs)
-            torch._foreach_div_(denoms, corr2)
-            torch._foreach_add_(denoms, group["eps"])
-            updates = torch._foreach_div(avgs, corr1)
-            torch._foreach_div_(updates, denoms)
-            if group["weight_decay"] != 0:
-                torch._foreach_add_(updates, masters, alpha=group["weight_decay"])
-            weight_norms = torch._foreach_norm(masters)
-            update_norms = torch._foreach_norm(updates)
-            scales = []
-            for w_norm, u_norm in zip(weight_norms, update_norms):
-                w, u = float(w_norm), float(u_norm)
-                trust = w / u if w > 0.0 and u > 0.0 else 1.0
-                if group["max_trust_ratio"] is not None:
-                    trust = min(trust, group["max_trust_ratio"])
-                scales.append(-group["lr"] * trust)
-            torch._foreach_mul_(updates, scales)
-            torch._foreach_add_(masters, updates)
-
-    def _fallback_group_step(self, group: dict) -> None:
-        raise RuntimeError("FusedLamb supports dense CPU tensors with a float lr only")
-
 
 _FUSED_FOR: dict[type, type] = {
     torch.optim.SGD: FusedSGD,

@@ -1,0 +1,87 @@
+"""``FusedLamb``: LAMB on ``torch._foreach_*`` ops (no torch counterpart), split-bf16 capable."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from xlaunch._torch import needs_torch
+
+with needs_torch(__name__):
+    import torch
+
+from xlaunch.kernels.optim.base import _FusedBase, _StepTensors, _step_tensor
+
+
+class FusedLamb(_FusedBase, torch.optim.Optimizer):
+    """LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning", Algorithm 2).
+
+    Per parameter: Adam moments with optional bias correction, update
+    ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w``, layer-wise trust ratio
+    ``||w|| / ||u||`` (1 when either norm is 0, clipped to ``max_trust_ratio`` if given), then
+    ``w -= lr * trust * u``.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        *,
+        bias_correction: bool = True,
+        max_trust_ratio: float | None = None,
+    ) -> None:
+        if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
+            raise ValueError(f"invalid LAMB hyperparameters lr={lr} eps={eps} wd={weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid LAMB betas {betas}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, max_trust_ratio=max_trust_ratio)
+        super().__init__(params, defaults)
+
+    def _group_step(self, group: dict, tensors: _StepTensors) -> None:
+        beta1, beta2 = group["betas"]
+        for entries in tensors.by_dtype.values():
+            masters, grads, avgs, avg_sqs, step_counts = [], [], [], [], []
+            for param, master, grad in entries:
+                state = self.state[param]
+                if "exp_avg" not in state:
+                    state["step"] = _step_tensor(param)
+                    state["exp_avg"] = torch.zeros_like(master)
+                    state["exp_avg_sq"] = torch.zeros_like(master)
+                state["step"] += 1
+                masters.append(master)
+                grads.append(grad)
+                avgs.append(state["exp_avg"])
+                avg_sqs.append(state["exp_avg_sq"])
+                step_counts.append(int(state["step"].item()))
+            torch._foreach_lerp_(avgs, grads, 1.0 - beta1)
+            torch._foreach_mul_(avg_sqs, beta2)
+            torch._foreach_addcmul_(avg_sqs, grads, grads, value=1.0 - beta2)
+            if group["bias_correction"]:
+                corr1 = [1.0 - beta1**n for n in step_counts]
+                corr2 = [math.sqrt(1.0 - beta2**n) for n in step_counts]
+            else:
+                corr1 = corr2 = [1.0] * len(step_counts)
+            denoms = torch._foreach_sqrt(avg_sqs)
+            torch._foreach_div_(denoms, corr2)
+            torch._foreach_add_(denoms, group["eps"])
+            updates = torch._foreach_div(avgs, corr1)
+            torch._foreach_div_(updates, denoms)
+            if group["weight_decay"] != 0:
+                torch._foreach_add_(updates, masters, alpha=group["weight_decay"])
+            weight_norms = torch._foreach_norm(masters)
+            update_norms = torch._foreach_norm(updates)
+            scales = []
+            for w_norm, u_norm in zip(weight_norms, update_norms):
+                w, u = float(w_norm), float(u_norm)
+                trust = w / u if w > 0.0 and u > 0.0 else 1.0
+                if group["max_trust_ratio"] is not None:
+                    trust = min(trust, group["max_trust_ratio"])
+                scales.append(-group["lr"] * trust)
+            torch._foreach_mul_(updates, scales)
+            torch._foreach_add_(masters, updates)
+
+    def _fallback_group_step(self, group: dict) -> None:
+        raise RuntimeError("FusedLamb supports dense CPU tensors with a float lr only")
