@@ -89,6 +89,15 @@ def machine_line(description: dict[str, Any]) -> str:
             f"ISA {' '.join(description['isa']) or '-'}; load average {description['load_average'][0]:.2f}")
 
 
+def this_machine() -> str:
+    """The machine this bench runs on (never ``XLAUNCH_FSROOT``'s recorded one), as :func:`machine_line` says it:
+    what a bench prints first, so its figures name their machine and its ISA."""
+    from xlaunch.machine import load_machine
+
+    here = load_machine("/")
+    return machine_line(describe_machine(here, node_cores(here)))
+
+
 def short_line(description: dict[str, Any]) -> str:
     """The machine in a few words (for a plot's title)."""
     return (f"{description.get('label') or description['model_name']}, {description['cores']} cores, "

@@ -108,3 +108,46 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + number)
 
     signal.signal(signal.SIGTERM, stop)
+
+
+class _Output:
+    """``sys.stdout`` that outlives its reader: the first failed write or flush (``| head`` closed the pipe, the
+    terminal went away, the disk is full) is said once on stderr and sends the rest to /dev/null."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._lost = stream, False
+
+    def _lose(self, error: OSError) -> None:
+        self._lost = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())           # its buffer's last flush at exit goes nowhere
+            os.close(devnull)
+            print(f"{os.path.basename(sys.argv[0])}: stdout failed ({error.strerror or error}); the run goes on "
+                  "without it (--json, if given, is still written)", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+
+    def write(self, text: str) -> int:
+        if not self._lost:
+            try:
+                return self._stream.write(text)
+            except OSError as error:
+                self._lose(error)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._lost:
+            try:
+                self._stream.flush()
+            except OSError as error:
+                self._lose(error)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def survive_closed_stdout() -> None:
+    """A closed or failing stdout degrades the bench's output, never its run (:class:`_Output`)."""
+    if not isinstance(sys.stdout, _Output) and sys.stdout is not None:
+        sys.stdout = _Output(sys.stdout)

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _processes as processes  # noqa: E402
 from _args import COUNT  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 XLAUNCH = str(Path(sys.executable).parent / "xlaunch")
 INFER = str(REPO / "examples" / "infer.py")
@@ -67,6 +68,7 @@ def main() -> None:
     results: dict[bool, list[float]] = {True: [], False: []}
     cpu: dict[bool, list[float]] = {True: [], False: []}
     lines: list[int] = []
+    print(this_machine(), flush=True)
     print(f"load average before: {loadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         summary = str(Path(scratch) / "summary.json")
@@ -90,4 +92,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     processes.exit_on_sigterm()
+    processes.survive_closed_stdout()
     main()

@@ -14,7 +14,6 @@ found through this venv's site-packages, after the wheel), where ``python -c pas
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import COUNT  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 3.0
@@ -66,13 +66,16 @@ def time_once(argv: list[str]) -> tuple[float, int]:
 def measure(todo: dict[str, list[str]], reps: int) -> tuple[dict[str, list[float]], dict[str, int]]:
     samples: dict[str, list[float]] = {name: [] for name in todo}
     failures: dict[str, int] = {}
+    print(f"  {reps} interleaved rounds after an untimed one (warms the page cache):", end="", flush=True)
     for round_ in range(reps + 1):          # round 0 warms the page cache, untimed
+        print(f" {round_}", end="", flush=True)
         for name, argv in todo.items():
             elapsed, status = time_once(argv)
             if status != 0:
                 failures[name] = status
             if round_:
                 samples[name].append(elapsed)
+    print(flush=True)
     return samples, failures
 
 
@@ -105,6 +108,7 @@ def main() -> int:
     import compileall
 
     compileall.compile_dir(str(REPO / "xlaunch"), quiet=1)
+    print(this_machine(), flush=True)
     venvs = {f"this venv ({sys.prefix})": commands(Path(sys.executable).parent, not args.skip_run_cpu)}
     with tempfile.TemporaryDirectory(prefix="xlaunch-bench-") as scratch:
         if args.wheel:
@@ -112,7 +116,7 @@ def main() -> int:
         # one combined set of interleaved rounds, so both venvs see the same machine load
         todo = {f"{venv}\0{name}": argv for venv, cmds in venvs.items() for name, argv in cmds.items()}
         samples, failures = measure(todo, args.reps)
-    print(f"launch overhead, {args.reps} interleaved rounds, {os.cpu_count()} CPUs, medians:")
+    print(f"launch overhead, {args.reps} interleaved rounds, medians:")
     ok = True
     for venv in venvs:
         mine = {key.split("\0")[1]: values for key, values in samples.items() if key.startswith(venv + "\0")}

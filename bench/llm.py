@@ -739,4 +739,5 @@ if __name__ == "__main__":
     import _processes
 
     _processes.exit_on_sigterm()       # unwinds: the workers see their stdin close, their logs are removed
+    _processes.survive_closed_stdout()
     sys.exit(main())

@@ -27,6 +27,7 @@ from xlaunch.llm.linear import PackedLinear
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import COUNT, integer  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 SHAPES = {"qkv": (3072, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816),
           "lm_head": (32000, 1024)}
@@ -85,6 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     if native.ops() is None:
         print("the xlaunch.llm kernels are not built: only torch's routes are timed")
+    print(this_machine())
     print(f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}; GB/s of weight read, {'best' if args.best else 'median'} of "
           f"{args.rounds} interleaved rounds; int4 group {args.group}")
     kinds = ("bf16", "int8", "int4")

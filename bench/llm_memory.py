@@ -240,4 +240,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    import _processes
+
+    _processes.exit_on_sigterm()
+    _processes.survive_closed_stdout()
     sys.exit(main())

@@ -35,6 +35,7 @@ from xlaunch.llm import fused, native
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import COUNT  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 HIDDEN, HEADS, HEAD, INTER, EPS = 1024, 16, 64, 2816, 1e-6
 DTYPE = torch.bfloat16
@@ -127,6 +128,7 @@ def main() -> int:
     if not native.available():
         print("xlaunch.llm kernels not built: run `python -m xlaunch.llm.native` first")
         return 1
+    print(this_machine())
     print(f"torch {torch.__version__}, {DTYPE}, {'CPU' if args.cpu_time else 'wall'} time, load before: {loadavg()}")
     print("| op | batch | cache | threads | native µs | torch path µs | HF torch µs | HF / native |")
     print("|---|---|---|---|---|---|---|---|")

@@ -46,6 +46,7 @@ from xlaunch.nn import (MergedEmbeddingBag, MergedEmbeddingBagWithAdaGrad, Merge
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import COUNT, int_range  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 Row = tuple[str, Callable[[], object]]
 
@@ -347,6 +348,7 @@ def main() -> int:
     warnings.simplefilter("ignore")
     if native.ops() is None:
         say("note: xlaunch.nn's kernels are not built (python -m xlaunch.nn.native); the kernel rows use torch")
+    say(this_machine())
     say(f"torch {torch.__version__}, {'process CPU time' if args.cpu_time else 'wall clock'}, "
         f"load average {loadavg()} at start")
     results: dict[tuple, dict[str, float]] = {}

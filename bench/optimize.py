@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from _args import COUNT, integer, names  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 from infer import small_cnn  # noqa: E402
 
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     reason = bf16_unsupported_reason(isa_flags())
+    print(this_machine())
     print(f"torch {torch.__version__}; native bf16: {'yes' if reason is None else 'no (' + reason + ')'}")
     print(f"fp32 matmul ceiling: {matmul_gflops():.0f} GFLOP/s")
     for name in args.models:

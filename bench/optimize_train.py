@@ -31,6 +31,7 @@ from xlaunch.kernels.optim.fused import TRAIL_KEY, to_fused
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import COUNT, integer, names  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 
 def mlp() -> nn.Module:
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(this_machine())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, "
           f"{args.reps} reps x {args.steps} steps")
     for kind in args.optimizers:

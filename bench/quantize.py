@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from _args import COUNT, integer, names  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 from infer import small_cnn  # noqa: E402
 
@@ -143,6 +144,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", QuantizeWarning)
+    print(this_machine())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.models:
         bench(name, args.rounds, not args.no_auto)

@@ -281,4 +281,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     processes.exit_on_sigterm()
+    processes.survive_closed_stdout()
     sys.exit(main())

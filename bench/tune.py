@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _processes as processes  # noqa: E402
 from _args import COUNT, SECONDS  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 INFER = str(REPO / "examples" / "infer.py")
 THROUGHPUT = re.compile(rb"throughput: ([0-9.]+) img/s")
@@ -73,6 +74,7 @@ def main() -> int:
         print(read_user_text(args.best).strip())          # a regular file of at most 1 MiB
     except UserFileError as exc:
         parser.error(f"--best: {exc}")
+    print(this_machine(), flush=True)
     script = [INFER, "--iterations", str(args.iterations), "--batch-size", str(args.batch_size)]
     runs = configs(str(Path(args.best).resolve()), script)
     names = list(runs)
@@ -107,4 +109,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     processes.exit_on_sigterm()
+    processes.survive_closed_stdout()
     sys.exit(main())

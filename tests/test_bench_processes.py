@@ -169,3 +169,29 @@ def test_an_interrupted_pair_stops_the_xlaunch_copies(monkeypatch) -> None:
     except SystemExit:
         pass
     assert stopped == [True]
+
+
+CLOSED_STDOUT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import _processes
+_processes.survive_closed_stdout()
+for line in range(20000):
+    print("a row of the bench's table " * 4, flush=line % 100 == 0)
+with open(sys.argv[2], "w") as handle:        # what --json writes at the end
+    handle.write("written")
+"""
+
+
+def test_a_closed_stdout_does_not_end_the_run(tmp_path: Path) -> None:
+    """bench/throughput.py --json out.json | head: the bench died of BrokenPipeError at the first line past
+    head's and wrote no JSON."""
+    reader = subprocess.Popen(["head", "-c", "10"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    bench = subprocess.run([sys.executable, "-c", CLOSED_STDOUT, str(BENCH), str(tmp_path / "out.json")],
+                           stdout=reader.stdin, stderr=subprocess.PIPE, text=True, timeout=60)
+    reader.stdin.close()
+    reader.wait()
+    assert bench.returncode == 0, bench.stderr
+    assert (tmp_path / "out.json").read_text() == "written"
+    assert bench.stderr.splitlines() == ["-c: stdout failed (Broken pipe); the run goes on without it (--json, if "
+                                         "given, is still written)"], bench.stderr

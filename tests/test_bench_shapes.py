@@ -166,3 +166,11 @@ def test_a_ratio_not_measured_is_shown_as_such() -> None:
     assert row_line(failed).split()[2:5] == ["-", "steps/s", "-"]
     measured = {**missing, "ratio_to_torchrun": 1.234, "paired_ratio_to_torchrun": 0.5}
     assert row_line(measured).split()[4:] == ["x1.23", "(per", "round", "x0.50)"]
+
+
+def test_a_bench_names_the_machine_it_runs_on_not_a_recorded_one(monkeypatch) -> None:
+    here = load_machine("/")
+    monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree("spr16")))
+    line = bench("_machine_bench").this_machine()
+    assert line.startswith(f"{here.isa.model_name}: ") and " ISA " in line, line
+    assert f"{len(set(here.allowed_cpus) & set(here.online_cpus))} CPUs allowed" in line, line
