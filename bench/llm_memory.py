@@ -35,8 +35,10 @@ from typing import Any, Optional, Sequence
 
 import _llm_instances
 import _llm_model
-from _machine_bench import int_list
+from _machine_bench import describe_machine, int_list, machine_line, node_cores
 from _procmem import parse_rollup
+
+from xlaunch.machine import load_machine
 
 REPO = Path(__file__).resolve().parents[1]
 ROUTES = ("xlaunch-bf16", "xlaunch-int8", "xlaunch-int4")
@@ -198,6 +200,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if refused:
         print(refused, file=sys.stderr)
         return 2
+    here = load_machine("/")
+    description = describe_machine(here, node_cores(here))
+    print(machine_line(description), flush=True)
     script = str(Path(__file__).with_name("llm.py"))
     _llm_model.written(model, script)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -226,17 +231,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         shutil.rmtree(child.parent, ignore_errors=True)
     print("\n" + table(rows, args.load + (f", shared {args.share_imports}" if child else "")))
-    if args.json:
-        try:
-            Path(args.json).write_text(json.dumps({"bench": "llm-memory", "model": model.name, "load": args.load,
-                                                   "share_imports": args.share_imports,
-                                                   "prompt": args.prompt, "new_tokens": args.new_tokens,
-                                                   "results": rows}, indent=1))
-        except OSError as error:
-            print(f"bench/llm_memory.py: --json {args.json}: {error.strerror}", file=sys.stderr)
-            return 1
-        print(f"wrote {args.json}")
+    if args.json and not write_json(args.json, {
+            "bench": "llm-memory", "machine": description, "model": model.name, "load": args.load,
+            "share_imports": args.share_imports, "prompt": args.prompt, "new_tokens": args.new_tokens,
+            "results": rows}):
+        return 1
     return 0
+
+
+def write_json(path: str, doc: dict[str, Any]) -> bool:
+    """``doc`` at ``path``, replaced whole: never written through a symlink or into a FIFO there (it was); a
+    failure is one line on stderr."""
+    from xlaunch.userfiles import UserFileError, write_atomically
+
+    try:
+        write_atomically(path, (json.dumps(doc, indent=1) + "\n").encode())
+    except (OSError, UserFileError) as error:
+        print(f"bench/llm_memory.py: --json {path}: {getattr(error, 'strerror', None) or error}", file=sys.stderr)
+        return False
+    print(f"wrote {path}")
+    return True
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 the argument errors, and (live, tiny model) two xlaunch instances sharing one packed file's pages."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -328,3 +329,15 @@ def test_the_memory_bench_forks_copies_that_share_the_imports(tmp_path: Path) ->
     assert min(got["anonymous_each_mib"]) > 50                         # torch's own, mapped in each
     assert got["pss_anon_sum_mib"] < 0.75 * sum(got["anonymous_each_mib"]), got
 
+
+
+def test_the_memory_bench_never_writes_its_json_through_a_symlink(tmp_path: Path, capsys) -> None:
+    memory = load("llm_memory")
+    target = tmp_path / "somebody-elses.txt"
+    target.write_text("theirs")
+    (tmp_path / "out.json").symlink_to(target)
+    assert memory.write_json(str(tmp_path / "out.json"), {"results": {}})
+    assert target.read_text() == "theirs" and not (tmp_path / "out.json").is_symlink()
+    assert json.loads((tmp_path / "out.json").read_text()) == {"results": {}}
+    assert not memory.write_json(str(tmp_path / "no-such-folder" / "out.json"), {})
+    assert capsys.readouterr().err.startswith("bench/llm_memory.py: --json ")
