@@ -62,6 +62,16 @@ class _FusedBase:
     state: Any
     param_groups: list
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """False, even with ``fused=True`` (where torch sets it): ``GradScaler`` then unscales the
+        gradients and skips a step with inf/NaN itself; ours reads no ``grad_scale``/``found_inf``."""
+        return False
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        pass   # torch's constructor sets True for fused=True
+
     def _group_step(self, group: dict, tensors: _StepTensors) -> None:  # pragma: no cover
         raise NotImplementedError
 
