@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import warnings
 import sys
 from pathlib import Path
 
@@ -267,3 +268,46 @@ def test_a_config_transformers_refuses_or_cannot_build_is_one_line(checkpoints, 
         (folder / "config.json").write_text(json.dumps(config))
         _one_line_error(folder, match)
 
+
+
+# --- the files transformers reads, and what it does with them ------------------------------------------------
+def test_only_model_safetensors_is_read_beside_other_safetensors_files(checkpoints, tmp_path):
+    """An EMA copy (same names, other values) beside model.safetensors was read too, and a name in two files took
+    the last file's values: the EMA's logits. transformers reads model.safetensors alone (else the index's shards);
+    with neither, files that share a name are one line, and a folder of pytorch_model.bin says so."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(checkpoints["llama"], tmp_path / "ema")
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({name: t * 0.5 for name, t in tensors.items()}, str(folder / "model_ema.safetensors"))
+    reference = llm.optimize(transformers.AutoModelForCausalLM.from_pretrained(folder), dtype=torch.float32)
+    ids = _ids()
+    assert torch.equal(llm.from_pretrained(folder, dtype=torch.float32)(ids).logits, reference(ids).logits)
+    (folder / "model.safetensors").rename(folder / "model-copy.safetensors")       # no model.safetensors, no index
+    _one_line_error(folder, "weight is in both model-copy.safetensors and model_ema.safetensors")
+    for name in ("model-copy.safetensors", "model_ema.safetensors"):
+        (folder / name).unlink()
+    torch.save(tensors, folder / "pytorch_model.bin")
+    _one_line_error(folder, "has no \\*.safetensors file \\(only pytorch_model.bin")
+
+
+def test_a_tied_config_whose_checkpoint_stores_another_lm_head_is_not_tied(checkpoints, tmp_path):
+    """tie_word_embeddings, but lm_head.weight and the embedding stored with different values: transformers
+    warns and does not tie them; the loader tied them (both from lm_head.weight: other logits). Equal copies
+    (as .bin conversions store them) stay tied: one matrix."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(checkpoints["tied"], tmp_path / "two-heads")
+    tensors = load_file(str(folder / "model.safetensors"))
+    embedding = tensors["model.embed_tokens.weight"]
+    ids = _ids()
+    for head, tied in ((embedding.clone(), True), (embedding.flip(0).contiguous(), False)):
+        save_file(dict(tensors, **{"lm_head.weight": head}), str(folder / "model.safetensors"), metadata={"format": "pt"})
+        reference = llm.optimize(transformers.AutoModelForCausalLM.from_pretrained(folder), dtype=torch.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours = llm.from_pretrained(folder, dtype=torch.float32)
+        said = [str(w.message) for w in caught if "different values: not tied" in str(w.message)]
+        assert len(said) == (0 if tied else 1) and all(w.filename == __file__ for w in caught if str(w.message) in said)
+        assert (ours.model.embed_tokens.weight is None) is tied
+        assert torch.equal(ours(ids).logits, reference(ids).logits)

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import struct
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -35,6 +36,8 @@ from xlaunch.llm.linear import (BLOCK, GROUPED, NATIVE_PACKERS, PackedLinear, pa
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "int6": torch.uint8}
 CHUNK_BYTES = 1 << 20         # fp32 bytes of source rows packed at a time (small: glibc keeps freed chunks)
 INDEX = "model.safetensors.index.json"
+WEIGHTS = "model.safetensors"
+TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")    # read by transformers, not here
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -135,18 +138,34 @@ class Checkpoint:
         self.path = path
         if not (path / "config.json").is_file():
             raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no config.json")
-        files = self._index_files() if os.path.lexists(path / INDEX) \
-            else sorted(p.name for p in path.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no *.safetensors file")
+        files = self._files()
         self.files: dict[str, SafetensorsFile] = {}
+        self.weight_map: dict[str, str] = {}
         try:
             for name in files:
                 self.files[name] = SafetensorsFile(path / name)
+                for key in self.files[name].entries:
+                    if key in self.weight_map:      # which one counts? refused rather than one chosen silently
+                        raise ValueError(f"xlaunch.llm.from_pretrained: {key} is in both {self.weight_map[key]} and "
+                                         f"{name} in {path}; keep one of them")
+                    self.weight_map[key] = name
         except BaseException:
             self.close()
             raise
-        self.weight_map = {key: name for name, handle in self.files.items() for key in handle.entries}
+
+    def _files(self) -> list[str]:
+        """The files transformers reads: ``model.safetensors``, else the index's shards, else (no index: shards
+        whose index is lost) every ``*.safetensors``. Other files beside ``model.safetensors`` (an EMA copy, an
+        adapter) are not read: they were, and a name in two files took the last file's values."""
+        if os.path.lexists(self.path / WEIGHTS):
+            return [WEIGHTS]
+        files = self._index_files() if os.path.lexists(self.path / INDEX) \
+            else sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            other = [name for name in TORCH_WEIGHTS if os.path.lexists(self.path / name)]
+            hint = f" (only {other[0]}: save it as safetensors, save_pretrained does by default)" if other else ""
+            raise ValueError(f"xlaunch.llm.from_pretrained: {self.path} has no *.safetensors file{hint}")
+        return files
 
     def _index_files(self) -> list[str]:
         """The shard files ``model.safetensors.index.json`` names: plain names in this folder, nowhere else."""
@@ -200,6 +219,18 @@ def _rows(checkpoint: Checkpoint, names: Sequence[str], start: int, stop: int) -
             pieces.append(checkpoint.rows(name, lo - offset, hi - offset))
         offset += n
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _same_values(checkpoint: Checkpoint, first: str, second: str) -> bool:
+    """Whether two stored tensors of one shape hold the same values (read a chunk of rows at a time)."""
+    shape = checkpoint.shape(first)
+    rows = shape[0] if shape else 1
+    step = max(1, CHUNK_BYTES // (4 * max(1, math.prod(shape[1:]))))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        if not torch.equal(checkpoint.rows(first, start, stop).float(), checkpoint.rows(second, start, stop).float()):
+            return False
+    return True
 
 
 def _bias(checkpoint: Checkpoint, prefixes: Sequence[str], dtype: "torch.dtype") -> Optional["torch.Tensor"]:
@@ -310,9 +341,16 @@ def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", 
     head = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
     if head != "lm_head.weight" and not spec.tied_embeddings:
         raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks lm_head.weight and its embeddings are not tied")
+    # tied, but both stored with different values: transformers does not tie them (a warning), and neither do we
+    tied = spec.tied_embeddings and (head != "lm_head.weight" or "model.embed_tokens.weight" not in checkpoint
+                                     or _same_values(checkpoint, head, "model.embed_tokens.weight"))
+    if spec.tied_embeddings and not tied:
+        warnings.warn(f"xlaunch.llm.from_pretrained: {path} ties its embeddings (tie_word_embeddings), but stores "
+                      "lm_head.weight and model.embed_tokens.weight with different values: not tied, as transformers "
+                      "does", UserWarning, stacklevel=4)
     head_kind, head_group = lm_head_packing(kind, checkpoint.shape(head)[1], group_size)
     lm_head = stream_linear(checkpoint, ["lm_head"], head_kind, dtype, head_group, weight_names=[head])
-    embed = None if spec.tied_embeddings else embedding_table(checkpoint.tensor("model.embed_tokens.weight"), dtype)
+    embed = None if tied else embedding_table(checkpoint.tensor("model.embed_tokens.weight"), dtype)
     release_free_heap()     # the embedding's read (and its cast)
     parts = Parts(embed=embed,
                   final_norm=checkpoint.tensor("model.norm.weight").to(dtype), lm_head=lm_head,
