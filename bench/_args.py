@@ -44,12 +44,12 @@ def fraction(text: str) -> float:
     return value
 
 
-def names(known: Sequence[str]) -> Callable[[str], list[str]]:
-    """An argparse type: a comma list of at least one of ``known`` (``--models foo`` stopped the bench
-    only when it came to that model, after the ones before it had run)."""
+def names(known: Sequence[str], accept: Callable[[str], bool] | None = None) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of at least one of ``known`` (or of the names ``accept`` takes, ``known``
+    then says them): ``--models foo`` stopped the bench only when it came to that model."""
     def check(text: str) -> list[str]:
         got = [name.strip() for name in text.split(",")]
-        unknown = [name for name in got if name not in known]
+        unknown = [name for name in got if not (accept(name) if accept else name in known)]
         if unknown:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
         return got

@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -50,7 +51,10 @@ import torch
 from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]           # the workers import bench.engines from REPO
+
+from _args import COUNT, integer, names  # noqa: E402
+from _machine_bench import this_machine  # noqa: E402
 
 from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
 
@@ -104,12 +108,6 @@ class ExportFails(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x) if x.mean() > -1.0 else self.b(x)
-
-
-def known_workload(name: str) -> bool:
-    """Whether :func:`workload` builds ``name`` (checked before any run)."""
-    batch = name[len("resnet50-b"):] if name.startswith("resnet50-b") else ""
-    return name in ("bert", "bert2", "mlp", "export-fails") or (batch.isdigit() and int(batch) >= 1)
 
 
 def workload(name: str) -> tuple[nn.Module, torch.Tensor]:
@@ -398,14 +396,7 @@ def bench_int8(name: str, rounds: int) -> dict[str, Any]:
 
 
 def machine() -> str:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """The machine as every bench names it (the CPUs this process may use, the ISA), and the engines' versions."""
     from importlib import metadata
 
     versions = []
@@ -414,49 +405,41 @@ def machine() -> str:
             versions.append(f"{package} {metadata.version(package)}")
         except metadata.PackageNotFoundError:
             versions.append(f"{package} -")
-    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}; {', '.join(versions)}"
+    return f"{this_machine()}; Python {platform.python_version()}; {', '.join(versions)}"
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.path.insert(0, str(REPO / "bench"))          # here, not at import: the workers import bench.engines
-    from _args import COUNT, integer
-
+    benches = {"fp32": bench_model, "bf16": bench_bf16, "int8": bench_int8}
+    models = names(("resnet50-b<batch>", "bert", "bert2", "mlp", "export-fails"),     # what workload() builds
+                   re.compile(r"resnet50-b[1-9][0-9]*|bert2?|mlp|export-fails").fullmatch)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="resnet50-b1,resnet50-b4,bert,mlp,export-fails")
-    parser.add_argument("--precisions", default="fp32", help="comma list of fp32, bf16, int8")
+    parser.add_argument("--models", type=models, default="resnet50-b1,resnet50-b4,bert,mlp,export-fails")
+    parser.add_argument("--precisions", type=names(tuple(benches)), default="fp32", help="comma list of fp32, bf16, int8")
     parser.add_argument("--rounds", type=COUNT, default=7)
     parser.add_argument("--threads", type=integer(0), default=0, help="torch threads (default: torch's)")
     parser.add_argument("--no-startup", action="store_true")
-    parser.add_argument("--startup-model", default="resnet50-b1")
+    parser.add_argument("--startup-model", type=models, default="resnet50-b1")
     parser.add_argument("--startup-budget", default="300")
     parser.add_argument("--cached-start", action="store_true",
                         help="run only the cached-start times (cold vs warm optimize(backend='auto'))")
-    parser.add_argument("--cached-start-models", default="bert,resnet50-b4")
+    parser.add_argument("--cached-start-models", type=models, default="bert,resnet50-b4")
     parser.add_argument("--cached-start-warm", type=COUNT, default=3, help="warm processes (median)")
     args = parser.parse_args(argv)
-    benches = {"fp32": bench_model, "bf16": bench_bf16, "int8": bench_int8}
-    for option, text, known, what in (
-            ("--models", args.models, known_workload, "resnet50-b<batch>, bert, bert2, mlp, export-fails"),
-            ("--cached-start-models", args.cached_start_models, known_workload, "as --models"),
-            ("--startup-model", args.startup_model, known_workload, "as --models"),
-            ("--precisions", args.precisions, benches.__contains__, ", ".join(benches))):
-        unknown = [name.strip() for name in text.split(",") if not known(name.strip())]
-        if unknown:
-            parser.error(f"{option}: unknown {', '.join(map(repr, unknown))} (known: {what})")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"machine: {machine()}")
     print(f"load average at start: {Path('/proc/loadavg').read_text().split()[:3]}")
     summary = {}
-    for name in ([] if args.cached_start else args.models.split(",")):
-        for precision in args.precisions.split(","):
-            summary[f"{name}/{precision}"] = benches[precision.strip()](name.strip(), args.rounds)
+    for name in ([] if args.cached_start else args.models):
+        for precision in args.precisions:
+            summary[f"{name}/{precision}"] = benches[precision](name, args.rounds)
             print(f"  load average: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
     if not (args.no_startup or args.cached_start):
-        startup(args.startup_model, args.startup_budget)
+        for model in args.startup_model:
+            startup(model, args.startup_budget)
     if args.cached_start:
-        for name in args.cached_start_models.split(","):
-            summary[f"cached-start/{name.strip()}"] = cached_start(name.strip(), args.cached_start_warm, args.threads)
+        for name in args.cached_start_models:
+            summary[f"cached-start/{name}"] = cached_start(name, args.cached_start_warm, args.threads)
             print(f"  load average: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
     print(f"\nload average at end: {Path('/proc/loadavg').read_text().split()[:3]}")
     print(json.dumps(summary))
