@@ -70,3 +70,49 @@ def test_grad_scaler_steps_as_torch(reference_cls, fused_cls, kwargs, fused_flag
     for step, (a, b) in enumerate(zip(want, got)):
         for x, y in zip(a, b):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+
+
+def test_two_split_optimizers_on_one_model_train_and_save_their_masters() -> None:
+    """An SGD for the first layer and an Adam for the second, both split-bf16: the first
+    ``to_fused`` cast the second layer to bf16 (rounded), so the second trained plain bf16 without
+    masters, and ``model.state_dict()`` gave bf16 tensors for it."""
+    model, reference = _model(), _model()
+    exact = [p.detach().clone() for p in model.parameters()]
+    first = to_fused(torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9), model, dtype=torch.bfloat16)
+    second = to_fused(torch.optim.Adam(model[2].parameters(), lr=0.01), model, dtype=torch.bfloat16)
+    masters = master_params(first) + master_params(second)
+    assert all(torch.equal(a, b) for a, b in zip(masters, exact))   # nothing rounded on the way in
+    plain = [torch.optim.SGD(reference[0].parameters(), lr=0.1, momentum=0.9),
+             torch.optim.Adam(reference[2].parameters(), lr=0.01)]
+    for i in range(4):
+        for optimizer in (first, second, *plain):
+            optimizer.zero_grad()
+        _loss(model, i).backward()
+        _loss(reference, i, autocast=True).backward()
+        for optimizer in (first, second, *plain):
+            optimizer.step()
+    masters = master_params(first) + master_params(second)
+    saved = model.state_dict()
+    assert [v.dtype for v in saved.values()] == [torch.float32] * 4
+    assert all(torch.equal(a, b) for a, b in zip(masters, saved.values()))
+    for got, want in zip(masters, reference.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=2e-2, atol=2e-2)
+    restored = _model()
+    restored_first = to_fused(torch.optim.SGD(restored[0].parameters(), lr=0.1, momentum=0.9), restored,
+                              dtype=torch.bfloat16)
+    restored_second = to_fused(torch.optim.Adam(restored[2].parameters(), lr=0.01), restored, dtype=torch.bfloat16)
+    restored.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in
+               zip(master_params(restored_first) + master_params(restored_second), masters))
+
+
+def test_split_leaves_trainable_parameters_of_no_optimizer_fp32_and_casts_frozen_ones() -> None:
+    model = _model()
+    model[0].bias.requires_grad_(False)
+    weight = model[2].weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        to_fused(torch.optim.AdamW([model[0].weight], lr=0.01), model, dtype=torch.bfloat16)
+    assert model[0].weight.dtype == model[0].bias.dtype == torch.bfloat16
+    assert model[2].weight.dtype == torch.float32 and torch.equal(model[2].weight, weight)
+    assert model(torch.randn(2, 8)).dtype == torch.float32

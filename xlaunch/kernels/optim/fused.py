@@ -177,8 +177,9 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
     Each parameter's ``.data`` becomes its bf16 high half (the same ``Parameter`` object, so the
     model and optimizer keep their references) and the low half goes to the optimizer state.
     Existing gradients are dropped (they have the old dtype). A bf16 parameter of a ``model`` split
-    before takes a copy of the low half its hooks know. ``model``'s other float32 parameters are
-    cast to bf16 so the forward sees one dtype; its BatchNorm parameters, trained or not, stay fp32
+    before takes a copy of the low half its hooks know. ``model``'s frozen (``requires_grad=False``)
+    float32 parameters are cast to bf16; its other trainable ones stay fp32 (another optimizer may
+    train them, split or not: a cast would round them); its BatchNorm parameters, trained or not, stay fp32
     (batch_norm takes bf16 inputs with fp32 parameters, not bf16 ones; ipex too), as do buffers."""
     if not isinstance(optimizer, _FusedBase):
         raise TypeError("split-bf16 parameters need a fused optimizer (see to_fused)")
@@ -197,8 +198,8 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
             p.data, p.grad = top, None
             optimizer.state[p][TRAIL_KEY] = trail
             converted += 1
-    for p in model.parameters() if model is not None else ():
-        if p not in trained and p.dtype == torch.float32 and id(p) not in keep:
+    for p in model.parameters() if model is not None else ():   # trainable ones: another optimizer's
+        if p not in trained and p.dtype == torch.float32 and id(p) not in keep and not p.requires_grad:
             p.data, p.grad = p.data.to(torch.bfloat16), None
     return converted
 

@@ -5,8 +5,9 @@ dtype=torch.bfloat16)``) a trained parameter is the bf16 high half of its fp32 m
 half lives in the optimizer state (:mod:`splitbf16`). The hooks of :class:`SplitMasters`,
 registered on the model, make ``model.state_dict()`` give the joined fp32 master and make
 ``model.load_state_dict`` of an fp32 checkpoint set both halves, so saving and loading round-trip
-bit for bit and a checkpoint from (or for) the plain fp32 model works (as ipex's do). The optimizer
-is held by a weak reference: once it is gone, the model saves and loads its bf16 tensors as they are.
+bit for bit and a checkpoint from (or for) the plain fp32 model works (as ipex's do). Several
+optimizers may train one model (each its own parameters); they are held by weak references: once
+they are gone, the model saves and loads its bf16 tensors as they are.
 A copy of the model (``copy.deepcopy``, pickle) keeps the low halves of its split parameters as they
 were, so its ``state_dict`` is the masters at the time of the copy; copied together with the
 optimizer, the copy's low halves are the copied optimizer's (training the pair keeps them current).
@@ -61,24 +62,32 @@ class SplitMasters:
         self.link(model, optimizer)
 
     def link(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Take the low halves from ``optimizer``'s state from now on."""
-        self._optimizer: Callable[[], Optional[torch.optim.Optimizer]] = weakref.ref(optimizer)
+        """Take the low halves from ``optimizer``'s state too, before those of the optimizers linked
+        earlier (two optimizers may train one model, each its own parameters)."""
+        live = [ref for ref in getattr(self, "_optimizers", []) if ref() not in (None, optimizer)]
+        self._optimizers: list[Callable[[], Optional[torch.optim.Optimizer]]] = [*live, weakref.ref(optimizer)]
         self._model: Callable[[], Optional[nn.Module]] = weakref.ref(model)
-        self._kept: dict = {}   # a copy's: {parameter: {TRAIL_KEY: its low half}}
+        # a copy's {parameter: {TRAIL_KEY: its low half}}, less those ``optimizer`` took over
+        kept = getattr(self, "_kept", {})
+        self._kept: dict = {p: s for p, s in kept.items() if TRAIL_KEY not in optimizer.state.get(p, {})}
         # every name, a tied parameter's aliases too: each is a key of the model's state_dict
         self.names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
 
+    def _states(self) -> list[dict]:
+        """The states holding low halves: the live optimizers', the latest linked first, then a copy's."""
+        live = [optimizer for optimizer in (ref() for ref in reversed(self._optimizers)) if optimizer is not None]
+        return [optimizer.state for optimizer in live] + ([self._kept] if self._kept else [])
+
     def _split_params(self, module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter, dict]]:
-        optimizer = self._optimizer()
-        states = self._kept if optimizer is None else optimizer.state
+        states = self._states()
         found = []
         for name in self.names if states else ():
             try:
                 param = module.get_parameter(name)
             except AttributeError:
                 continue
-            state = states.get(param)
-            if state is not None and TRAIL_KEY in state:
+            state = next((s[param] for s in states if param in s and TRAIL_KEY in s[param]), None)
+            if state is not None:
                 if param.dtype != torch.bfloat16:   # widened by the model since: its master now
                     unsplit(param, state)
                     continue
@@ -123,7 +132,7 @@ class SplitMasters:
     def __setstate__(self, state: dict) -> None:
         self.names = state["names"]
         self._kept = state.get("kept", {})
-        self._optimizer = self._model = lambda: None
+        self._optimizers, self._model = [], lambda: None
 
 
 def _hooks_of(model: nn.Module) -> Optional[SplitMasters]:
