@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-from processes import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -22,9 +21,8 @@ from torch import nn
 from xlaunch.nn import DistMergeEmbeddingBagWithAdaGrad, MergedEmbeddingBagWithAdaGrad
 
 
-def run(rank, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+def run(rank, store):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     try:
         check(rank)
     finally:
@@ -80,16 +78,26 @@ def check(rank):
 
 if __name__ == "__main__":
     # torch and xlaunch.nn are imported once; rank 1 is forked before any process group exists and
-    # leaves through normal interpreter exit, as a process of its own would.
+    # leaves through normal interpreter exit, as a process of its own would. Rank 0's store listens on
+    # a port the kernel chose (no race for a port picked beforehand); rank 1 reads it from a pipe.
     import os, signal, sys
-    port = sys.argv[1]
+    read, write = os.pipe()
     sys.stdout.flush()
     child = os.fork()
     if child == 0:
-        print(run(1, port))
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            port = pipe.read()
+        if not port:
+            sys.exit("rank 1: rank 0 made no store")
+        print(run(1, dist.TCPStore("127.0.0.1", int(port), 2, False, timeout=timedelta(seconds=60))))
         sys.exit(0)
+    os.close(read)
     try:
-        print(run(0, port), flush=True)
+        with os.fdopen(write, "w") as pipe:
+            store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+            pipe.write(str(store.port))
+        print(run(0, store), flush=True)
     except BaseException:
         os.kill(child, signal.SIGKILL)
         raise
@@ -104,10 +112,9 @@ def test_two_gloo_ranks_equal_the_single_process_adagrad(tmp_path):
     """Both ranks in a process of their own (gloo starts threads: a hang is killed at the timeout, never the
     suite's), rank 1 forked from rank 0 after the imports (one torch import instead of two, ~1 s of CPU);
     each exits 0 with its line, nothing on stderr."""
-    port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["OMP_NUM_THREADS"] = "1"
-    ranks = subprocess.Popen([sys.executable, "-c", RANK, port], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ranks = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env, start_new_session=True)
     try:
         out, err = ranks.communicate(timeout=120)
