@@ -95,8 +95,18 @@ def _ended(proc: subprocess.Popen, tree: list[psutil.Process], seconds: float,
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return False
-    _, alive = psutil.wait_procs(tree, timeout=max(0.0, deadline - time.monotonic()))
-    return not alive
+    while any(_running(member) for member in tree):        # a zombie waiting for init to reap it has ended
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _running(member: psutil.Process) -> bool:
+    try:
+        return member.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def exit_on_sigterm() -> None:

@@ -67,7 +67,7 @@ def test_a_timed_out_run_stops_the_program_in_its_own_session_and_removes_its_sc
     scratch.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(scratch))
     env = {**os.environ, "PIDFILE": str(tmp_path / "pid")}
-    record = throughput.run_once(throughput.Config("plain", 1, 1), [], 1.0, 3.0, env)
+    record = throughput.run_once(throughput.Config("plain", 1, 1), [], 1.0, 2.0, env)
     program = wait_for(tmp_path / "pid", within=0)
     assert record["status"] == "timeout" and "launched" in record["error"], record
     assert gone(program), "the launcher's program outlived the run's time limit"
@@ -81,9 +81,9 @@ def test_bench_tune_stops_a_program_outside_the_launchers_group(tmp_path: Path, 
     launcher.write_text(LAUNCHER)
     monkeypatch.setenv("PIDFILE", str(tmp_path / "pid"))
     tune, started = load("tune"), time.monotonic()
-    assert tune.run_once("run_cpu default", [sys.executable, str(launcher)], 3.0, grace=2.0) is None
+    assert tune.run_once("run_cpu default", [sys.executable, str(launcher)], 2.0, grace=2.0) is None
     assert time.monotonic() - started < 30, "the bench waited for the program it left running"
-    assert capsys.readouterr().out == "  run_cpu default: timed out after 3s\n"
+    assert capsys.readouterr().out == "  run_cpu default: timed out after 2s\n"
     assert gone(wait_for(tmp_path / "pid", within=0))
 
 
