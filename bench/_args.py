@@ -69,5 +69,20 @@ def int_range(text: str) -> tuple[int, int]:
     return bounds
 
 
+def modules(text: str) -> str:
+    """An argparse type: comma-separated modules this Python can import (``--share-imports``: xlaunch's fork server
+    that cannot import one starts the copies on their own, and the figures would be labelled shared)."""
+    import importlib.util
+
+    for name in text.split(","):
+        try:
+            found = importlib.util.find_spec(name.strip()) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise argparse.ArgumentTypeError(f"no module named {name.strip()!r}")
+    return text
+
+
 COUNT = integer(1)            # rounds, repetitions, iterations, steps, threads, batch sizes
 SECONDS = seconds             # (a name a bench's own ``seconds`` variable does not shadow)

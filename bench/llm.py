@@ -69,6 +69,7 @@ sys.path[:0] = [str(REPO), str(BENCH)]
 import _llamacpp  # noqa: E402
 import _llm_instances  # noqa: E402
 import _llm_model  # noqa: E402
+from _args import modules  # noqa: E402
 from _machine_bench import int_list, median, paired_ratio  # noqa: E402
 
 REPLY = "@@xlaunch-bench "                # a worker's replies on stdout start with this
@@ -127,7 +128,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--instances", type=int_list, help="run k copies at once, each on its own cores: xlaunch "
                         "routes through xlaunch --ninstances k (one shared packed file), llama.cpp pinned the same; "
                         "a list (1,2) runs each k")
-    parser.add_argument("--share-imports", metavar="MODULES",
+    parser.add_argument("--share-imports", metavar="MODULES", type=modules,
                         help="with --instances: xlaunch --share-imports MODULES (e.g. torch,xlaunch.llm): the copies "
                              "are forked from one process that imported them")
     parser.add_argument("--load", choices=LOADS, default="checkpoint",

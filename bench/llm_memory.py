@@ -35,9 +35,11 @@ from typing import Any, Optional, Sequence
 
 import _llm_instances
 import _llm_model
+from _args import modules
 from _machine_bench import describe_machine, int_list, machine_line, node_cores
 from _procmem import parse_rollup
 
+from xlaunch.launcher.run.shared_imports.client import ServerUnavailable
 from xlaunch.machine import load_machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +71,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="load_decoder (default: no transformers) or from_pretrained of the packed file")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--share-imports", metavar="MODULES",
+    parser.add_argument("--share-imports", metavar="MODULES", type=modules,
                         help="start the copies from xlaunch's fork server, which imported MODULES once "
                              "(e.g. torch,xlaunch.llm)")
     parser.add_argument("--json", help="write the results here")
@@ -214,29 +216,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         child = Path(tempfile.mkdtemp(prefix="xlaunch-llm-memory-")) / "llm_memory_copy.py"
         child.write_text(CHILD)
-    for route in args.route_names:
-        if packed.get(route) is None:
-            print(f"{route}: no packed file, skipped", flush=True)
-            continue
-        hold(packed[route], 1, args)           # the kernel choice's one-time timing, out of the counted runs
-        rows[route] = []
-        for copies in args.instances:
-            began = time.monotonic()
-            got = hold_forked(packed[route], copies, args, child) if child else hold(packed[route], copies, args)
-            rows[route].append(got)
-            print(f"  {route} x {copies}: PSS sum {got['pss_sum_mib']:.0f} MiB, RSS sum {got['rss_sum_mib']:.0f} MiB "
-                  f"({time.monotonic() - began:.0f} s)", flush=True)
-    if child is not None:
-        import shutil
+    failed = False
+    try:
+        for route in args.route_names:
+            if packed.get(route) is None:
+                print(f"{route}: no packed file, skipped", flush=True)
+                continue
+            rows[route] = []
+            for copies in [0, *args.instances]:        # 0: one copy, the kernel choice's one-time timing, not counted
+                began = time.monotonic()
+                try:
+                    got = (hold(packed[route], max(copies, 1), args) if not (child and copies) else
+                           hold_forked(packed[route], copies, args, child))
+                except (RuntimeError, OSError, ServerUnavailable) as error:   # that route's line says it, the rest go on
+                    print(f"  {route} x {max(copies, 1)}: failed: {error}", flush=True)
+                    failed = True
+                    break
+                if copies:
+                    rows[route].append(got)
+                    print(f"  {route} x {copies}: PSS sum {got['pss_sum_mib']:.0f} MiB, RSS sum "
+                          f"{got['rss_sum_mib']:.0f} MiB ({time.monotonic() - began:.0f} s)", flush=True)
+    finally:
+        if child is not None:
+            import shutil
 
-        shutil.rmtree(child.parent, ignore_errors=True)
+            shutil.rmtree(child.parent, ignore_errors=True)
     print("\n" + table(rows, args.load + (f", shared {args.share_imports}" if child else "")))
     if args.json and not write_json(args.json, {
             "bench": "llm-memory", "machine": description, "model": model.name, "load": args.load,
             "share_imports": args.share_imports, "prompt": args.prompt, "new_tokens": args.new_tokens,
             "results": rows}):
         return 1
-    return 0
+    return 1 if failed else 0
 
 
 def write_json(path: str, doc: dict[str, Any]) -> bool:

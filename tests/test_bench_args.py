@@ -20,6 +20,7 @@ from bench_modules import BENCH, load
     (["tune.py", "--best", "x", "--reps", "0"], "--reps"),
     (["streams.py", "--variants", "plain,fast"], "--variants"),
     (["streams.py", "--cpus", "0"], "--cpus"),
+    (["llm_memory.py", "--share-imports", "torch,no_such_module"], "--share-imports"),
 ])
 def test_a_bad_count_is_one_line_and_status_2(argv: list[str], option: str) -> None:
     done = subprocess.run([sys.executable, str(BENCH / argv[0]), *argv[1:]], capture_output=True, text=True,
@@ -35,8 +36,10 @@ def test_the_argument_types() -> None:
     assert args.COUNT("3") == 3 and args.integer(0)("0") == 0 and args.SECONDS("0.5") == 0.5
     assert args.names(("SGD", "AdamW"))("SGD, AdamW") == ["SGD", "AdamW"]
     assert args.int_range("0-100") == (0, 100) and args.fraction("1") == 1.0
+    assert args.modules("json,xml.dom") == "json,xml.dom"
     for check, text in ((args.COUNT, "0"), (args.COUNT, "1.5"), (args.integer(0), "-1"), (args.SECONDS, "0"),
                         (args.SECONDS, "inf"), (args.SECONDS, "x"), (args.names(("SGD", "AdamW")), "Adam"),
-                        (args.int_range, "5-1"), (args.int_range, "1"), (args.fraction, "1.5")):
+                        (args.int_range, "5-1"), (args.int_range, "1"), (args.fraction, "1.5"),
+                        (args.modules, "json,"), (args.modules, "json.nothing_here")):
         with pytest.raises(argparse.ArgumentTypeError):
             check(text)
