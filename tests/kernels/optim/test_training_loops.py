@@ -116,3 +116,97 @@ def test_split_leaves_trainable_parameters_of_no_optimizer_fp32_and_casts_frozen
     assert model[0].weight.dtype == model[0].bias.dtype == torch.bfloat16
     assert model[2].weight.dtype == torch.float32 and torch.equal(model[2].weight, weight)
     assert model(torch.randn(2, 8)).dtype == torch.float32
+
+
+def _hand_grads(cls, kwargs: dict, transposed_param: bool, split: bool = False) -> list:
+    """Two steps with gradients set by hand in another memory layout than their parameter's."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(3, 4).t() if transposed_param else torch.randn(4, 3))
+    optimizer = cls([param], **kwargs)
+    if split:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "without the model": there is none
+            optimizer = to_fused(optimizer, dtype=torch.bfloat16)
+    for i in range(2):
+        grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(i))
+        other = grad if transposed_param else grad.t().contiguous().t()   # same values, other strides
+        param.grad = other.to(param.dtype)
+        assert param.grad.stride() != param.stride()
+        optimizer.step()
+    return master_params(optimizer) if split else [param.detach().clone()]
+
+
+@pytest.mark.parametrize("transposed_param", [False, True], ids=["grad-transposed", "param-transposed"])
+@pytest.mark.parametrize("reference_cls, fused_cls, kwargs", PAIRS, ids=IDS)
+def test_a_gradient_in_another_layout_than_its_parameter(reference_cls, fused_cls, kwargs, transposed_param) -> None:
+    """torch's fused kernels pair a parameter and its gradient in memory order: a gradient set by
+    hand with other strides (a transposed copy, say) was applied to the wrong elements."""
+    want = _hand_grads(reference_cls, dict(kwargs, foreach=False), transposed_param)
+    torch.testing.assert_close(_hand_grads(fused_cls, kwargs, transposed_param), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_hand_grads(fused_cls, kwargs, transposed_param, split=True), want,
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("plateau", [False, True], ids=["StepLR", "ReduceLROnPlateau"])
+def test_a_scheduler_made_before_to_fused_drives_the_fused_optimizer(plateau: bool) -> None:
+    """The fused twin had its own param groups: a scheduler (or a hand-set lr) on the optimizer
+    given to ``to_fused`` changed nothing, silently, and torch warned of a wrong call order."""
+    results = []
+    for convert in (False, True):
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = (torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.1) if plateau
+                     else torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.1))
+        stepped = to_fused(optimizer) if convert else optimizer
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for i in range(3):
+                stepped.zero_grad()
+                loss = _loss(model, i)
+                loss.backward()
+                stepped.step()
+                scheduler.step(i) if plateau else scheduler.step()   # i: never better, so it decays
+        results.append(([p.detach().clone() for p in model.parameters()], stepped.param_groups[0]["lr"]))
+    (want, want_lr), (got, got_lr) = results
+    assert got_lr == pytest.approx(want_lr) and want_lr < 0.1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_to_fused_refuses_what_is_not_an_optimizer_or_a_model() -> None:
+    with pytest.raises(TypeError, match=r"^to_fused: optimizer must be a torch.optim.Optimizer, not Sequential$"):
+        to_fused(_model())
+    with pytest.raises(TypeError, match=r"^to_fused: model must be a torch.nn.Module or None, not str$"):
+        to_fused(torch.optim.SGD(_model().parameters(), lr=0.1), "model", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(lr=torch.tensor(0.01)), "lr"), (dict(lr=None), "lr"), (dict(lr="0.1"), "lr"), (dict(lr=-1.0), "lr"),
+    (dict(betas=(0.9,)), "betas"), (dict(betas=(0.9, 1.0)), "betas"), (dict(betas=0.9), "betas"),
+    (dict(eps=-1.0), "eps"), (dict(weight_decay=None), "weight_decay"), (dict(max_trust_ratio=-1.0), "max_trust_ratio"),
+    (dict(max_trust_ratio=0.0), "max_trust_ratio"), (dict(bias_correction="yes"), "bias_correction"),
+])
+def test_lamb_refuses_bad_hyperparameters_in_one_line(kwargs: dict, name: str) -> None:
+    from xlaunch.kernels.optim.fused import FusedLamb
+    with pytest.raises((ValueError, TypeError), match=rf"^FusedLamb: {name} ") as caught:
+        FusedLamb(_model().parameters(), **kwargs)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_scheduler_made_before_to_fused_still_drives_it_after_a_resume() -> None:
+    """``load_state_dict`` gave the fused optimizer new group dicts, cutting off the scheduler."""
+    results = []
+    for convert in (False, True):
+        model = _model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+        stepped = to_fused(optimizer) if convert else optimizer
+        stepped.load_state_dict(torch.optim.Adam(_model().parameters(), lr=0.01).state_dict())
+        for i in range(3):
+            stepped.zero_grad()
+            _loss(model, i).backward()
+            stepped.step()
+            scheduler.step()
+        results.append(([p.detach().clone() for p in model.parameters()], stepped.param_groups[0]["lr"]))
+    (want, want_lr), (got, got_lr) = results
+    assert got_lr == pytest.approx(want_lr) == 0.01 / 8
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -32,15 +32,18 @@ class _StepTensors:
     def add(self, param: Tensor, state: dict) -> None:
         if param.dim() > 2:   # made channels-last (or back) since its state was created
             splitstate.match_layout(param, state)
-        trail = state.get(TRAIL_KEY)
+        trail, grad = state.get(TRAIL_KEY), param.grad
         if trail is None:
-            entry = (param, param, param.grad)
+            master = param
         else:
             master = torch.empty_like(param, dtype=torch.float32)
             join_into(param, trail, master)
-            entry = (param, master, param.grad.float())
             self._split.append((param, trail, master))
-        self.by_dtype.setdefault(entry[1].dtype, []).append(entry)
+        if trail is not None or grad.stride() != master.stride():
+            # torch's kernels pair a parameter and its gradient in memory order: a gradient set by
+            # hand in another layout (a transposed copy) takes its parameter's
+            grad = torch.empty_like(master, dtype=master.dtype if trail is not None else grad.dtype).copy_(grad)
+        self.by_dtype.setdefault(master.dtype, []).append((param, master, grad))
 
     def write_back(self) -> None:
         for param, trail, master in self._split:
@@ -135,7 +138,14 @@ class _FusedBase:
         live = [p for g in self.param_groups for p in g["params"]]
         trails = {p: self.state[p][TRAIL_KEY] for p in live if p in self.state and TRAIL_KEY in self.state[p]}
         splitstate.check_trails(state_dict, live, trails)
+        groups = list(self.param_groups)
         super().load_state_dict(state_dict)  # type: ignore[misc]
+        for number, (group, loaded) in enumerate(zip(groups, self.param_groups)):
+            # torch's load makes new group dicts; keep ours (shared by to_fused with the optimizer it
+            # converted, whose LR scheduler would drive dicts no longer used), with the loaded values
+            group.clear()
+            group.update(loaded)
+            self.param_groups[number] = group
         splitstate.restore_state(self, state_dict, live, trails)
 
 

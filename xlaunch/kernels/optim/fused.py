@@ -168,6 +168,12 @@ def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     fused = cls([dict(group) for group in optimizer.param_groups], **kwargs)
     if optimizer.state:
         fused.load_state_dict(optimizer.state_dict())
+    # the same group dicts: an LR scheduler made on ``optimizer`` (or an lr set by hand there) drives
+    # the fused one; the scheduler's "lr_scheduler.step() before optimizer.step()" check is told the
+    # steps are taken (by the fused optimizer, not the one it wraps)
+    fused.param_groups[:] = optimizer.param_groups
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True  # type: ignore[attr-defined]
     return fused
 
 
@@ -231,8 +237,13 @@ def to_fused(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = N
     AVX512_BF16/AMX_BF16) that is said in an ``EmulatedPrecisionWarning``. The state tensors are
     shared with ``optimizer``, which should not be stepped again. An optimizer of another type is
     returned unchanged with a warning (and no parameter is converted). A fused optimizer is
-    returned as is (converted when ``dtype`` asks for it).
+    returned as is (converted when ``dtype`` asks for it). The fused twin shares ``optimizer``'s
+    param group dicts: an LR scheduler made on ``optimizer`` before drives it.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"to_fused: optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"to_fused: model must be a torch.nn.Module or None, not {type(model).__name__}")
     if dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"to_fused: dtype must be None, float32 or bfloat16, not {dtype}")
     if isinstance(optimizer, _FusedBase):

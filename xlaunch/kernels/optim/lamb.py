@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from xlaunch._torch import needs_torch
 
@@ -10,6 +10,14 @@ with needs_torch(__name__):
     import torch
 
 from xlaunch.kernels.optim.base import _FusedBase, _StepTensors, _step_tensor
+
+
+def _check_number(name: str, value: Any, rule: str, ok: Callable[[float], bool]) -> None:
+    """One line naming ``name`` unless ``value`` is a real number (not a tensor) that is ``ok``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"FusedLamb: {name} must be a float, not {type(value).__name__}")
+    if not ok(value):   # NaN too
+        raise ValueError(f"FusedLamb: {name} {rule}, got {value}")
 
 
 class FusedLamb(_FusedBase, torch.optim.Optimizer):
@@ -32,10 +40,16 @@ class FusedLamb(_FusedBase, torch.optim.Optimizer):
         bias_correction: bool = True,
         max_trust_ratio: float | None = None,
     ) -> None:
-        if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
-            raise ValueError(f"invalid LAMB hyperparameters lr={lr} eps={eps} wd={weight_decay}")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"invalid LAMB betas {betas}")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check_number(name, value, "must be >= 0", lambda v: v >= 0.0)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"FusedLamb: betas must be a pair of floats, not {betas!r}")
+        for value in betas:
+            _check_number("betas", value, "must be in [0, 1)", lambda v: 0.0 <= v < 1.0)
+        if not isinstance(bias_correction, bool):
+            raise TypeError(f"FusedLamb: bias_correction must be True or False, not {bias_correction!r}")
+        if max_trust_ratio is not None:
+            _check_number("max_trust_ratio", max_trust_ratio, "must be > 0 (or None)", lambda v: v > 0.0)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_trust_ratio=max_trust_ratio)
         super().__init__(params, defaults)
@@ -84,4 +98,5 @@ class FusedLamb(_FusedBase, torch.optim.Optimizer):
             torch._foreach_add_(masters, updates)
 
     def _fallback_group_step(self, group: dict) -> None:
-        raise RuntimeError("FusedLamb supports dense CPU tensors with a float lr only")
+        raise RuntimeError("FusedLamb: a tensor lr, sparse or complex gradients and tensors off the CPU are not "
+                           "supported (dense CPU tensors with a float lr only)")
