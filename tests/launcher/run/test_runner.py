@@ -373,3 +373,57 @@ def test_launcher_under_taskset_runs_its_instance_inside_that_cpu() -> None:
     allowed = [line.split(":", 1)[1].strip() for line in result.stdout.splitlines()
                if line.startswith("[0] Cpus_allowed_list:")]
     assert allowed == [str(cpu)]
+
+
+# calls the preloaded OpenMP once (it registers this process in /dev/shm), says where, then kills itself
+KILLED_OPENMP_PROGRAM = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None).omp_get_max_threads()
+path = f"/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_{os.getuid()}"
+print("registration", path, os.path.exists(path), flush=True)
+os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_an_instance_killed_leaves_no_openmp_registration_in_dev_shm(tmp_path: Path, how: str, iomp_path) -> None:
+    """Intel's OpenMP (which xlaunch preloads) removes its ``/dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>``
+    at a normal exit only: every instance ended by SIGTERM or SIGKILL left one (673 here in a day)."""
+    program = tmp_path / "killed.py"
+    program.write_text(KILLED_OPENMP_PROGRAM)
+    done = subprocess.run([sys.executable, "-m", "xlaunch", "--ninstances", "1", "--omp-runtime", "intel",
+                           str(program), how], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 128 + getattr(signal, how), done.stderr
+    line = next(line for line in done.stdout.splitlines() if "registration" in line)
+    path, registered = line.split()[-2:]
+    assert registered == "True", line                   # the runtime did register: the test can fail
+    assert not os.path.exists(path), f"{path} left behind"
+
+
+def test_only_a_dead_processes_openmp_registration_is_removed(tmp_path: Path) -> None:
+    """A live pid's file, another text, or a link is never removed."""
+    from xlaunch.launcher.run.child import OPENMP_REGISTRATION, remove_openmp_registration
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    paths = [OPENMP_REGISTRATION.format(pid=pid, uid=os.getuid()) for pid in (alive.pid, dead.pid)]
+    try:
+        text = b"0x7f66cc252750-cafec3d3-libiomp5.so" + b" " * 989
+        Path(paths[0]).write_bytes(text)
+        assert not remove_openmp_registration(alive.pid) and os.path.exists(paths[0])
+        Path(paths[1]).write_bytes(b"someone else's file")
+        assert not remove_openmp_registration(dead.pid) and os.path.exists(paths[1])
+        os.unlink(paths[1])
+        (tmp_path / "target").write_bytes(text)
+        os.symlink(tmp_path / "target", paths[1])
+        assert not remove_openmp_registration(dead.pid) and os.path.islink(paths[1])
+        os.unlink(paths[1])
+        Path(paths[1]).write_bytes(text)
+        assert remove_openmp_registration(dead.pid) and not os.path.exists(paths[1])
+    finally:
+        alive.kill()
+        alive.wait()
+        for path in paths:
+            if os.path.lexists(path):
+                os.unlink(path)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import selectors
 import subprocess
+from stat import S_ISREG
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
@@ -137,6 +139,38 @@ def is_zombie(pid: int) -> bool:
     except (OSError, IndexError):
         return False
 
+
+
+OPENMP_REGISTRATION = "/dev/shm/__KMP_REGISTERED_LIB_{pid}_{uid}"
+_REGISTRATION_TEXT = re.compile(rb"0x[0-9a-f]+-cafe[0-9a-f]+-[\w.+-]+[\s\x00]*")
+
+
+def remove_openmp_registration(pid: int) -> bool:
+    """Remove what a killed process of ours left in ``/dev/shm`` from Intel's or LLVM's OpenMP (the one
+    xlaunch preloads): each process registers there (``__KMP_REGISTERED_LIB_<pid>_<uid>``, text
+    ``0x<address>-cafe<hex>-<library>``) and removes the file at a normal exit, so every instance
+    ended by SIGTERM or SIGKILL left one. Only a regular file of this user holding that text, for a
+    ``pid`` that no longer exists, is removed; True when one was."""
+    path = OPENMP_REGISTRATION.format(pid=pid, uid=os.getuid())
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False                       # none (the usual case), or not ours to read
+    try:
+        info = os.fstat(fd)
+        ours = S_ISREG(info.st_mode) and info.st_uid == os.getuid() and info.st_size <= 4096
+        text = os.read(fd, 4096) if ours else b""
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if not _REGISTRATION_TEXT.fullmatch(text) or exists(pid):
+        return False
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 POLL_INTERVAL = 0.2          # upper bound on any wait, in case a wake-up is missed
 READ_SIZE = 1 << 16

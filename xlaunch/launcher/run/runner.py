@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from xlaunch.launcher.run.shared_imports.client import ForkServer
 
 from xlaunch.launcher.run import reporting, spawning
-from xlaunch.launcher.run.child import Child, status_code, status_text
+from xlaunch.launcher.run.child import Child, remove_openmp_registration, status_code, status_text
 from xlaunch.launcher.plan.records import Plan
 from xlaunch.launcher.run.console import InstanceStream
 from xlaunch.launcher.run.signals import signal_name
@@ -236,6 +236,8 @@ class _PlanRunner(Supervisor):
                     continue
                 if result is None or result.si_pid == 0:
                     break
+                if result.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                    remove_openmp_registration(result.si_pid)     # its OpenMP never ran its exit
                 if result.si_pid == child.pid:
                     self.leader_ended(child, result.si_code, result.si_status)
             if child.ended is not None:
