@@ -29,11 +29,11 @@ with needs_torch(__name__):
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.api import _check, default_dtype, lm_head_packing, warn_if_bf16_is_slow  # noqa: E402
 from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
-from xlaunch.llm.decoder import embedding_table  # noqa: E402
-from xlaunch.llm.linear import (BLOCK, GROUPED, NATIVE_PACKERS, PackedLinear, pack_bf16, pack_channels,  # noqa: E402
-                                quantize)
+from xlaunch.llm.decoder import SIXTEEN_BIT, embedding_table, exact_in_bf16  # noqa: E402
+from xlaunch.llm.linear import (BLOCK, GROUPED, NATIVE_PACKERS, PackedLinear, bf16_valued, pack_bf16,  # noqa: E402
+                                pack_channels, quantize)
 
-WEIGHT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "int6": torch.uint8}
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "int6": torch.uint8}
 CHUNK_BYTES = 1 << 20         # fp32 bytes of source rows packed at a time (small: glibc keeps freed chunks)
 INDEX = "model.safetensors.index.json"
 WEIGHTS = "model.safetensors"
@@ -201,6 +201,10 @@ class Checkpoint:
     def shape(self, name: str) -> list[int]:
         return self._handle(name).shape(name)
 
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype name (``BF16``, ``F32``...)."""
+        return str(self._handle(name).entries[name]["dtype"])
+
     def rows(self, name: str, start: int, stop: int) -> "torch.Tensor":
         return self._handle(name).rows(name, start, stop)
 
@@ -233,6 +237,30 @@ def _same_values(checkpoint: Checkpoint, first: str, second: str) -> bool:
     return True
 
 
+def _embedding(checkpoint: Checkpoint, name: str, dtype: "torch.dtype") -> "torch.Tensor":
+    """:func:`~xlaunch.llm.decoder.embedding_table` of the stored table, cast a chunk of rows at a time (an fp32
+    table cast to bf16 was read whole first: three times the bf16 table at once)."""
+    source = SAFETENSORS_DTYPES.get(checkpoint.dtype(name))
+    shape = checkpoint.shape(name)
+    if source is None or len(shape) != 2:      # the dtype's one-line refusal (a shape is checked against the config)
+        return embedding_table(checkpoint.tensor(name), dtype)
+    step = max(1, CHUNK_BYTES // (4 * max(1, shape[1])))
+    starts = range(0, shape[0], step)
+    if dtype == torch.float32 and source in SIXTEEN_BIT:
+        target = source
+    elif dtype == torch.float32 and source == torch.float32:
+        exact = all(exact_in_bf16(checkpoint.rows(name, start, min(shape[0], start + step))) for start in starts)
+        target = torch.bfloat16 if exact else torch.float32
+    else:
+        target = dtype
+    if target == source:
+        return checkpoint.tensor(name)
+    table = torch.empty(shape, dtype=target)
+    for start in starts:
+        table[start:start + step] = checkpoint.rows(name, start, min(shape[0], start + step)).to(target)
+    return table
+
+
 def _bias(checkpoint: Checkpoint, prefixes: Sequence[str], dtype: "torch.dtype") -> Optional["torch.Tensor"]:
     names = [f"{prefix}.bias" for prefix in prefixes]
     if not any(name in checkpoint for name in names):
@@ -243,6 +271,13 @@ def _bias(checkpoint: Checkpoint, prefixes: Sequence[str], dtype: "torch.dtype")
     return torch.cat([p.float() for p in parts]).to(dtype)
 
 
+def _bf16_values(checkpoint: Checkpoint, names: Sequence[str], n: int, step: int) -> bool:
+    """Whether the weights hold bf16 values only (a bf16 checkpoint's): fp32 layers of such weights are stored as bf16
+    in the native layout, as :class:`PackedLinear` does. BF16 tensors are not read; others a chunk at a time."""
+    return all(checkpoint.dtype(name) == "BF16" for name in names) or all(
+        bf16_valued(_rows(checkpoint, names, start, min(n, start + step)).float()) for start in range(0, n, step))
+
+
 def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dtype: "torch.dtype",
                   group_size: int, weight_names: Optional[Sequence[str]] = None) -> PackedLinear:
     """One :class:`PackedLinear` of the linears ``prefixes`` (their outputs concatenated), packed by chunks."""
@@ -250,25 +285,26 @@ def stream_linear(checkpoint: Checkpoint, prefixes: Sequence[str], kind: str, dt
     n = sum(checkpoint.shape(name)[0] for name in names)
     k = checkpoint.shape(names[0])[1]
     bias = _bias(checkpoint, prefixes, dtype)
-    layout = "native" if kind != "fp32" and native.ops() is not None else "aten"
+    step = max(BLOCK, CHUNK_BYTES // (4 * k) // BLOCK * BLOCK)
+    native_bf16 = kind == "fp32" and native.ops() is not None and _bf16_values(checkpoint, names, n, step)
+    layout = "native" if (kind != "fp32" or native_bf16) and native.ops() is not None else "aten"
     if kind in GROUPED and k % group_size:
         raise ValueError(f"xlaunch.llm.from_pretrained: in_features {k} of {prefixes[0]} is not a multiple of "
                          f"the {kind.upper()} group size {group_size}")
-    if kind == "fp32" or (layout == "aten" and kind in GROUPED):      # packed whole, as optimize does
+    if layout == "aten" and kind in GROUPED:      # packed whole, as optimize does
         layer = PackedLinear(_rows(checkpoint, names, 0, n), bias, kind, dtype=dtype, group_size=group_size)
         release_free_heap()     # the whole weight's read and its copies
         return layer
-    shapes = footprint.packed_shapes(kind, layout, n, k, group_size)      # bf16 and int8 (aten), or any (native)
-    weight = huge_empty(shapes["weight"], WEIGHT_DTYPES[kind])
+    shapes = footprint.packed_shapes(kind, layout, n, k, group_size)      # fp32, bf16 and int8 (aten), or any (native)
+    weight = huge_empty(shapes["weight"], torch.bfloat16 if kind == "fp32" and layout == "native" else WEIGHT_DTYPES[kind])
     scales = torch.empty(shapes["scales"], dtype=torch.float32) if "scales" in shapes else None
-    step = max(BLOCK, CHUNK_BYTES // (4 * k) // BLOCK * BLOCK)
     with torch.no_grad():
         for start in range(0, n, step):
             rows = _rows(checkpoint, names, start, min(n, start + step))
             where = slice(start // BLOCK, start // BLOCK + -(-rows.shape[0] // BLOCK)) if layout == "native" \
                 else slice(start, start + rows.shape[0])
-            if kind == "bf16":
-                weight[where] = pack_bf16(rows) if layout == "native" else rows.to(torch.bfloat16)
+            if kind in ("bf16", "fp32"):
+                weight[where] = pack_bf16(rows) if layout == "native" else rows.to(weight.dtype)
                 continue
             q, scale = quantize(kind, rows, group_size)
             if layout == "aten":
@@ -350,7 +386,7 @@ def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", 
                       "does", UserWarning, stacklevel=4)
     head_kind, head_group = lm_head_packing(kind, checkpoint.shape(head)[1], group_size)
     lm_head = stream_linear(checkpoint, ["lm_head"], head_kind, dtype, head_group, weight_names=[head])
-    embed = None if tied else embedding_table(checkpoint.tensor("model.embed_tokens.weight"), dtype)
+    embed = None if tied else _embedding(checkpoint, "model.embed_tokens.weight", dtype)
     release_free_heap()     # the embedding's read (and its cast)
     parts = Parts(embed=embed,
                   final_norm=checkpoint.tensor("model.norm.weight").to(dtype), lm_head=lm_head,
