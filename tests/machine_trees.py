@@ -17,6 +17,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from xlaunch.machine.archive import unpack_archive
@@ -31,12 +32,50 @@ _unpacked: dict[str, Path] = {}
 _session_dir: list[Path] = []
 
 
+OWNER = "owner.pid"          # in each directory: the pid of the process that made it
+STALE_S = 3600               # a directory from before OWNER was written: stale after an hour
+
+
 def make_scratch() -> Path:
     """A new private directory: on tmpfs when there is one (creating ~30,000 small files on a busy
-    ext4 disk took 50 s, on /dev/shm about 6 s)."""
+    ext4 disk took 50 s, on /dev/shm about 6 s). The directories of sessions that were killed (107 MB
+    of memory each on tmpfs) are removed first."""
     shm = "/dev/shm"
     where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-    return Path(tempfile.mkdtemp(prefix="xlaunch-machines-", dir=where))
+    remove_stale(Path(where or tempfile.gettempdir()))
+    path = Path(tempfile.mkdtemp(prefix="xlaunch-machines-", dir=where))
+    (path / OWNER).write_text(f"{os.getpid()}\n")
+    return path
+
+
+def remove_stale(parent: Path) -> list[Path]:
+    """Remove this user's ``xlaunch-machines-*`` directories whose maker has ended (a session killed
+    before its clean-up); returns them."""
+    removed = []
+    for path in parent.glob("xlaunch-machines-*"):
+        if not usable(str(path)):
+            continue
+        try:
+            owner = int((path / OWNER).read_text())
+        except (OSError, ValueError):
+            owner = None
+        if owner is not None and _alive(owner):
+            continue
+        if owner is None and time.time() - path.stat().st_mtime < STALE_S:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def usable(path: str | None) -> bool:

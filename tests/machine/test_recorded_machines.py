@@ -282,3 +282,30 @@ def test_one_session_unpacks_each_tree_once_for_all_its_processes(tmp_path):
         where, _ = other_process(str(folder))
         assert where.parent != folder and where.parent != Path(shared) and not where.exists()   # its own, removed
     assert os.listdir(open_to_all) == []
+
+
+def test_a_killed_sessions_directory_is_removed_by_the_next_one(tmp_path):
+    """A session killed before its clean-up left its unpacked trees (107 MB of tmpfs; one from 2026-11-28 was
+    still in /dev/shm): the next session removes this user's directories whose maker has ended, not a live one's."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import machine_trees
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    made = {}
+    for label, owner, age in (("killed", dead.pid, 0), ("running", os.getpid(), 0),
+                              ("old-unmarked", None, machine_trees.STALE_S + 60), ("new-unmarked", None, 0)):
+        path = tmp_path / f"xlaunch-machines-{label}"
+        (path / "tree").mkdir(parents=True, mode=0o700)
+        path.chmod(0o700)
+        if owner is not None:
+            (path / machine_trees.OWNER).write_text(f"{owner}\n")
+        os.utime(path, (time.time() - age, time.time() - age))
+        made[label] = path
+    assert sorted(p.name for p in machine_trees.remove_stale(tmp_path)) == \
+        ["xlaunch-machines-killed", "xlaunch-machines-old-unmarked"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["xlaunch-machines-new-unmarked", "xlaunch-machines-running"]
