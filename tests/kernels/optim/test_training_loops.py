@@ -210,3 +210,79 @@ def test_a_scheduler_made_before_to_fused_still_drives_it_after_a_resume() -> No
     (want, want_lr), (got, got_lr) = results
     assert got_lr == pytest.approx(want_lr) == 0.01 / 8
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["add_param_group", "new optimizer", "new Adagrad"])
+def test_a_layer_frozen_at_to_fused_and_unfrozen_later_trains_on_its_fp32_master(how: str) -> None:
+    """``to_fused(..., dtype=torch.bfloat16)`` rounded the frozen layer to bf16: saved as bf16, and
+    once unfrozen and given to the optimizer it trained in plain bf16 (bf16 moments, no master)."""
+    second = torch.optim.Adagrad if how == "new Adagrad" else torch.optim.Adam
+    model, reference = _model(), _model()
+    exact = [p.detach().clone() for p in model[0].parameters()]
+    for m in (model, reference):
+        m[0].requires_grad_(False)
+    optimizer = to_fused(torch.optim.Adam(model[2].parameters(), lr=1e-3), model, dtype=torch.bfloat16)
+    plain = torch.optim.Adam(reference[2].parameters(), lr=1e-3)
+    for i in range(2):
+        for opt, m, autocast in ((optimizer, model, False), (plain, reference, True)):
+            opt.zero_grad()
+            _loss(m, i, autocast).backward()
+            opt.step()
+    assert model[0].weight.dtype == torch.bfloat16
+    saved = model.state_dict()
+    assert torch.equal(saved["0.weight"], exact[0]) and torch.equal(saved["0.bias"], exact[1])
+    for m in (model, reference):
+        m[0].requires_grad_(True)
+    if how == "add_param_group":
+        plain.add_param_group({"params": reference[0].parameters()})
+        optimizer.add_param_group({"params": model[0].parameters()})
+        owner = optimizer
+    else:
+        plain = [plain, second(reference[0].parameters(), lr=1e-3)]
+        owner = to_fused(second(model[0].parameters(), lr=1e-3), model, dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(master_params(owner)[-2:], exact))
+    stepped = list({id(o): o for o in (optimizer, owner, *(plain if isinstance(plain, list) else [plain]))}.values())
+    for i in range(2, 12):
+        for opt in stepped:
+            opt.zero_grad()
+        _loss(model, i).backward()
+        _loss(reference, i, autocast=True).backward()
+        for opt in stepped:
+            opt.step()
+    assert all(v.dtype == torch.float32 for k, v in owner.state[model[0].weight].items() if k != "bf16_trail")
+    masters = master_params(owner)[-2:]
+    assert all(torch.equal(a, b) for a, b in zip(masters, (model.state_dict()["0.weight"], model.state_dict()["0.bias"])))
+    for got, want in zip(masters, reference[0].parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=2e-3)
+
+
+def test_a_split_model_given_to_to_fused_again_with_adagrad() -> None:
+    """Adagrad makes its ``sum`` in its constructor, from the (already bf16) parameters: the step
+    then failed with "expected scalar type Float but found BFloat16"."""
+    model, reference = _model(), _model()
+    optimizer = to_fused(torch.optim.SGD(model.parameters(), lr=0.1), model, dtype=torch.bfloat16)
+    optimizer = to_fused(torch.optim.Adagrad(model.parameters(), lr=0.05), model, dtype=torch.bfloat16)
+    plain = torch.optim.Adagrad(reference.parameters(), lr=0.05)
+    for i in range(4):
+        for opt, m, autocast in ((optimizer, model, False), (plain, reference, True)):
+            opt.zero_grad()
+            _loss(m, i, autocast).backward()
+            opt.step()
+    assert optimizer.state[model[0].weight]["sum"].dtype == torch.float32
+    for got, want in zip(master_params(optimizer), reference.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_fused_adagrad_made_for_a_layer_unfrozen_after_to_fused_keeps_fp32_state() -> None:
+    model = _model()
+    model[0].requires_grad_(False)
+    optimizer = to_fused(torch.optim.SGD(model[2].parameters(), lr=0.1), model, dtype=torch.bfloat16)
+    model[0].requires_grad_(True)
+    layer = FusedAdagrad(model[0].parameters(), lr=0.1)   # takes the layer's master back
+    before = master_params(layer)
+    for opt in (optimizer, layer):
+        opt.zero_grad()
+    _loss(model, 0).backward()
+    layer.step()
+    assert layer.state[model[0].weight]["sum"].dtype == torch.float32
+    assert all(not torch.equal(a, b) for a, b in zip(master_params(layer), before))

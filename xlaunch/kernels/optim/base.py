@@ -39,6 +39,9 @@ class _StepTensors:
             master = torch.empty_like(param, dtype=torch.float32)
             join_into(param, trail, master)
             self._split.append((param, trail, master))
+            for key, value in state.items():   # made for the bf16 parameter (Adagrad's eager "sum")
+                if key != TRAIL_KEY and isinstance(value, Tensor) and value.dtype == param.dtype:
+                    state[key] = value.float()
         if trail is not None or grad.stride() != master.stride():
             # torch's kernels pair a parameter and its gradient in memory order: a gradient set by
             # hand in another layout (a transposed copy) takes its parameter's
@@ -97,6 +100,11 @@ class _FusedBase:
                 self._group_step(group, tensors)
                 tensors.write_back()
         return loss
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's; a parameter split-bf16 made bf16 while frozen takes back its fp32 master."""
+        super().add_param_group(param_group)  # type: ignore[misc]
+        splitstate.adopt_frozen(self, self.param_groups[-1]["params"])
 
     def _fallback_group_step(self, group: dict) -> None:
         """Run torch's own ``step`` for ``group`` with split parameters swapped to fp32."""

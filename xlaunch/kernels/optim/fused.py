@@ -184,15 +184,18 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
     model and optimizer keep their references) and the low half goes to the optimizer state.
     Existing gradients are dropped (they have the old dtype). A bf16 parameter of a ``model`` split
     before takes a copy of the low half its hooks know. ``model``'s frozen (``requires_grad=False``)
-    float32 parameters are cast to bf16; its other trainable ones stay fp32 (another optimizer may
-    train them, split or not: a cast would round them); its BatchNorm parameters, trained or not, stay fp32
-    (batch_norm takes bf16 inputs with fp32 parameters, not bf16 ones; ipex too), as do buffers."""
+    float32 parameters are split too, their low halves kept aside (:data:`splitstate.frozen_halves`:
+    saved as fp32, taken over by a fused optimizer given them once unfrozen); its other trainable
+    ones stay fp32 (another optimizer may train them, split or not: a cast would round them); its
+    BatchNorm parameters, trained or not, stay fp32 (batch_norm takes bf16 inputs with fp32
+    parameters, not bf16 ones; ipex too), as do buffers. Returns how many parameters were split."""
     if not isinstance(optimizer, _FusedBase):
         raise TypeError("split-bf16 parameters need a fused optimizer (see to_fused)")
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] if model else []
     keep = {id(p) for norm in norms for p in norm.parameters(recurse=False)}
+    converted = splitstate.adopt_frozen(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
     known = splitstate.known_low_halves(model) if model is not None else {}
-    converted, trained = 0, set()
+    trained = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
             trained.add(p)
@@ -206,7 +209,10 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
             converted += 1
     for p in model.parameters() if model is not None else ():   # trainable ones: another optimizer's
         if p not in trained and p.dtype == torch.float32 and id(p) not in keep and not p.requires_grad:
-            p.data, p.grad = p.data.to(torch.bfloat16), None
+            top, trail = split(p.data)
+            p.data, p.grad = top, None
+            splitstate.frozen_halves[p] = {TRAIL_KEY: trail}
+            converted += 1
     return converted
 
 

@@ -28,10 +28,28 @@ from xlaunch._torch import needs_torch
 with needs_torch(__name__):
     import torch
     from torch import nn
+    from torch.utils.weak import WeakIdKeyDictionary
 
 from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
 
 TRAIL_KEY = "bf16_trail"   # the optimizer-state entry holding a split parameter's low half
+
+# {parameter: {TRAIL_KEY: low half}} of frozen parameters split-bf16 made bf16 (in no optimizer): the
+# model's checkpoint hooks save their fp32 values, and a fused optimizer given them later takes them over
+frozen_halves = WeakIdKeyDictionary()
+
+
+def adopt_frozen(optimizer: torch.optim.Optimizer, params: list) -> int:
+    """Give ``optimizer`` the low halves of ``params`` made bf16 while frozen (:data:`frozen_halves`;
+    the same tensors, which its steps update in place, so the model's hooks find them there too):
+    they train on from their exact fp32 masters. Returns how many."""
+    adopted = 0
+    for param in params:
+        entry = frozen_halves.get(param)
+        if entry and param.dtype == torch.bfloat16 and TRAIL_KEY not in optimizer.state.get(param, {}):
+            optimizer.state[param][TRAIL_KEY] = entry[TRAIL_KEY]
+            adopted += 1
+    return adopted
 
 
 def unsplit(param: nn.Parameter, state: dict) -> None:
@@ -74,9 +92,10 @@ class SplitMasters:
         self.names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
 
     def _states(self) -> list[dict]:
-        """The states holding low halves: the live optimizers', the latest linked first, then a copy's."""
+        """The states holding low halves: the live optimizers', the latest linked first, a copy's, the
+        frozen parameters'."""
         live = [optimizer for optimizer in (ref() for ref in reversed(self._optimizers)) if optimizer is not None]
-        return [optimizer.state for optimizer in live] + ([self._kept] if self._kept else [])
+        return [optimizer.state for optimizer in live] + [s for s in (self._kept, frozen_halves) if s]
 
     def _split_params(self, module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter, dict]]:
         states = self._states()
