@@ -371,3 +371,47 @@ def test_vocabulary_matrices_are_streamed_in_every_precision(checkpoints, tmp_pa
     assert done.returncode == 0 and not done.stderr.strip(), done.stderr[-3000:]
     for name, found in json.loads(done.stdout.strip().splitlines()[-1]).items():
         assert found["growth"] <= 1.15 * found["packed"] + (4 << 20), (name, found, found["growth"] / found["packed"])
+
+
+def test_a_generation_config_transformers_refuses_is_one_line_before_any_weight_is_read(checkpoints, tmp_path,
+                                                                                        monkeypatch):
+    """transformers' own errors (a ValueError without the file's name, a TypeError) came after every weight was
+    streamed; a generation_config.json that is not JSON is skipped, as transformers' own load does."""
+    from xlaunch.llm import loader
+
+    folder = _copy(checkpoints["llama"], tmp_path / "generation")
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "stream_linear", lambda *args, **kwargs: pytest.fail("a weight was read first"))
+        for text, match in (('{"max_new_tokens": -1}', "max_new_tokens"), ('[1, 2]', "not a mapping"),
+                            ('{"pad_token_id": "a"}', "TypeError")):
+            (folder / "generation_config.json").write_text(text)
+            _one_line_error(folder, f"generation_config.json is not a generation config transformers can use .*{match}")
+    (folder / "generation_config.json").write_text("{not json")
+    assert llm.from_pretrained(folder, dtype=torch.float32).generation_config.max_new_tokens is None
+
+
+@pytest.mark.parametrize("path,error,match", [(None, TypeError, "path must be a str or os.PathLike, not NoneType"),
+                                              (b"/tmp", TypeError, "path must be a str or os.PathLike, not bytes"),
+                                              ("", ValueError, "path is empty")])
+def test_a_path_that_is_no_path_is_one_line_naming_it(path, error, match):
+    """None or bytes failed inside pathlib (no argument named); '' loaded the working directory."""
+    with pytest.raises(error, match=f"^xlaunch.llm.from_pretrained: {match}"):
+        llm.from_pretrained(path)
+    if path is not None:        # source=None: no source
+        with pytest.raises(error, match=f"^xlaunch.llm.from_pretrained: {match.replace('path', 'source')}"):
+            llm.from_pretrained("model.xlp", source=path)
+
+
+def test_a_checkpoint_path_may_be_relative_a_str_with_a_slash_or_a_link(checkpoints, tmp_path, monkeypatch):
+    """Hugging Face's cache: snapshots/<rev>/ holds links into blobs/."""
+    snapshot, blobs = tmp_path / "snapshots" / "rev", tmp_path / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for index, file in enumerate(sorted(checkpoints["qwen2"].iterdir())):
+        (blobs / f"blob{index}").write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(f"../../blobs/blob{index}")
+    ids = _ids()
+    expected = llm.from_pretrained(checkpoints["qwen2"], dtype=torch.float32)(ids).logits
+    monkeypatch.chdir(tmp_path)
+    for path in ("snapshots/rev", str(snapshot) + "/", snapshot):
+        assert torch.equal(llm.from_pretrained(path, dtype=torch.float32)(ids).logits, expected)

@@ -322,18 +322,15 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
 
     dtype = default_dtype() if dtype is None else dtype
     kind = _check(dtype, weights, group_size)
-    path = Path(path)
+    path = _path(path, "path")
     checkpoint = Checkpoint(path)
     try:
-        model, spec, parts = _read(checkpoint, _config(path), kind, dtype,
-                                   group_size)
+        config, generation = _config(path), _generation_config(path)     # before any weight is read
+        model, spec, parts = _read(checkpoint, config, kind, dtype, group_size)
     finally:
         checkpoint.close()
-    if (path / "generation_config.json").is_file():      # a regular file (a FIFO there would block the read)
-        try:
-            model.generation_config = transformers.GenerationConfig.from_pretrained(str(path))
-        except OSError:
-            pass
+    if generation is not None:
+        model.generation_config = generation
     model = install(model, spec, dtype, parts)
     object.__setattr__(model, "_xlaunch_llm_source", str(path))     # save_packed records its digest
     return model
@@ -349,6 +346,33 @@ def _config(path: Path) -> Any:
     except Exception as error:      # noqa: BLE001 - the user's file, read by another library
         raise ValueError(f"xlaunch.llm.from_pretrained: {path / 'config.json'} is not a config transformers "
                          f"can use ({error_line(error)})") from None
+
+
+def _generation_config(path: Path) -> Any:
+    """The folder's generation config, or None (none there, or not JSON: transformers' own load goes on without
+    it too); one it refuses (``max_new_tokens: -1``...) is one ValueError line naming the file."""
+    import transformers
+
+    if not (path / "generation_config.json").is_file():      # a regular file (a FIFO there would block the read)
+        return None
+    try:
+        return transformers.GenerationConfig.from_pretrained(str(path))
+    except OSError:
+        return None
+    except Exception as error:      # noqa: BLE001 - the user's file, read by another library
+        raise ValueError(f"xlaunch.llm.from_pretrained: {path / 'generation_config.json'} is not a generation config "
+                         f"transformers can use ({error_line(error)})") from None
+
+
+def _path(value: Any, name: str) -> Path:
+    """``value`` (a str or os.PathLike) as a Path; anything else, or '', is one line naming the argument."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(f"xlaunch.llm.from_pretrained: {name} must be a str or os.PathLike, not {type(value).__name__}")
+    if not value:
+        raise ValueError(f"xlaunch.llm.from_pretrained: {name} is empty (a checkpoint directory or a packed file)")
+    return Path(value)
 
 
 def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", group_size: int) -> tuple:
@@ -410,13 +434,15 @@ def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None,
     from xlaunch.llm import packed_file
 
     warn_if_bf16_is_slow(dtype, "xlaunch.llm.from_pretrained", stacklevel=2)
+    path = _path(path, "path")
     if source is not None:
+        source = _path(source, "source")
         if dtype is None:
             dtype = default_dtype()
         if packed_file.stale_reason(path, source, dtype, weights, group_size) is not None:
             packed_file.save_packed(load_checkpoint(source, dtype, weights, group_size), path, source=source)
         group: Optional[int] = group_size
-    elif Path(path).is_dir():
+    elif path.is_dir():
         return load_checkpoint(path, dtype, weights, group_size)
     else:
         group = group_size if weights == "int4" else None
