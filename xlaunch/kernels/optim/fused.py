@@ -236,8 +236,8 @@ def to_fused(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = N
     """The fused equivalent of a torch SGD/Adagrad/Adam/AdamW ``optimizer``.
 
     Same param groups, hyperparameters and state. With ``dtype=torch.bfloat16`` the trained
-    float32 parameters become split-bf16 (see :func:`split_params`; ``model``'s other float
-    parameters are cast to bf16), and ``model`` is made ready for them (:mod:`.splitstate`): its
+    float32 parameters become split-bf16 (see :func:`split_params`; ``model``'s frozen ones too,
+    its other trainable ones stay fp32), and ``model`` is made ready for them (:mod:`.splitstate`): its
     forward runs under bf16 autocast with fp32 outputs, so the fp32 training loop runs as written,
     and its ``state_dict`` holds the fp32 masters. Where the CPU only emulates bf16 (no
     AVX512_BF16/AMX_BF16) that is said in an ``EmulatedPrecisionWarning``. The state tensors are
