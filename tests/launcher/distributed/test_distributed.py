@@ -339,7 +339,8 @@ def test_sigterm_mid_run_stops_stubborn_ranks_within_the_grace_period(tmp_path: 
 
 def test_kill_9_of_the_front_leaves_nothing_running(tmp_path: Path) -> None:
     """SIGKILL gives xlaunch no chance: its watchdog stops the agent, the ranks and their children
-    (all ignoring SIGTERM) within the grace period."""
+    (all ignoring SIGTERM) within the grace period, then removes the front's private folder (the ranks'
+    FIFOs: every kill -9 left one in /tmp, 153 here)."""
     program, token = _rank_program(tmp_path)
     job = subprocess.Popen(xlaunch("--nproc-per-node", "2", *loopback(), "--grace-period", "1", program, "-1", "0",
                                    "stubborn"),
@@ -348,10 +349,17 @@ def test_kill_9_of_the_front_leaves_nothing_running(tmp_path: Path) -> None:
         ready = wait_ready(job, 2)
         pids = job_pids(ready)
         assert len(running(pids)) == 4
+        agent = next(p for p in psutil.Process(job.pid).children() if "xlaunch.launcher.distributed.agent" in p.cmdline())
+        folder = agent.environ()["XLAUNCH_FRONT_CHANNELS"]
+        assert os.path.isdir(folder)
         job.kill()
         job.wait(timeout=30)
         assert wait_gone(pids, 1 + 3.0) == []
         assert wait_gone(leftovers(token), 2.0) == []
+        deadline = time.monotonic() + 5.0
+        while os.path.exists(folder) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(folder), os.listdir(folder)
     finally:
         if job.poll() is None:
             job.kill()

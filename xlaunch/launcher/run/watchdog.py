@@ -16,7 +16,8 @@ grace period, and exits.
 The torchrun front (:mod:`xlaunch.launcher.distributed.front`) also hands the watchdog the read
 end of its rank registry (a FIFO where each rank writes ``+PGID ...`` as it starts): the watchdog
 reads it only after xlaunch is gone, so a rank that registered while xlaunch was being killed
-is stopped too.
+is stopped too; once everything is stopped it removes the front's private folder the registry is in
+(``xlaunch-front-*``: the ranks' FIFOs, the agent's report), which xlaunch no longer can.
 
 Processes that left an instance's process group (``setsid``, a daemon) are stopped with it: those
 xlaunch adopted (their parent ended) because xlaunch announces their groups too (``+PGID``, see
@@ -126,9 +127,26 @@ def _watch(read_fd: int, grace: float, registry_fd: Optional[int] = None) -> Non
                 groups.add(int(line[1:].split()[0]))
             elif line[:1] == b"-":
                 groups.discard(int(line[1:]))
+    folder = _front_folder(registry_fd)
     if registry_fd is not None:
         groups |= _registered(registry_fd)
     _stop_groups(groups | _escaped(groups), grace)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _front_folder(registry_fd: Optional[int]) -> Optional[str]:
+    """The torchrun front's private folder: where the registry FIFO ``registry_fd`` lies (None: none)."""
+    if registry_fd is None:
+        return None
+    try:
+        folder = os.path.dirname(os.readlink(f"/proc/self/fd/{registry_fd}"))
+        is_folder = os.path.isdir(folder) and not os.path.islink(folder)
+    except OSError:
+        return None
+    return folder if is_folder and os.path.basename(folder).startswith("xlaunch-front-") else None
 
 
 def _escaped(groups: set[int]) -> set[int]:
