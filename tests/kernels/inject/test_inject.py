@@ -354,10 +354,11 @@ print('steps', type(opt).__name__, max(errors) < 0.05, errors)
     # validation after each step under the engine backend: the first call measures the routes, each
     # rebuild for the new weights builds the route measured then, untimed, and adds no summary entry
     "reuse": """
-import os, tempfile
+import atexit, os, shutil, tempfile
 from xlaunch.kernels.inject import hooks
 from xlaunch.kernels.optimize.engines import auto
-os.environ['XLAUNCH_CACHE_DIR'] = tempfile.mkdtemp()     # not the user's cache
+os.environ['XLAUNCH_CACHE_DIR'] = tempfile.mkdtemp()     # not the user's cache, and not left in /tmp
+atexit.register(shutil.rmtree, os.environ['XLAUNCH_CACHE_DIR'], True)
 hooks._settings.backend, hooks._settings.dtype = 'onnxruntime', 'float32'   # an engine whose build holds weights
 auto.MIN_TIMING_S, timed, records = 0.2, [], []
 real_timing, real_record = auto.time_routes, hooks._record
