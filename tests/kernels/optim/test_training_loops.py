@@ -286,3 +286,24 @@ def test_a_fused_adagrad_made_for_a_layer_unfrozen_after_to_fused_keeps_fp32_sta
     layer.step()
     assert layer.state[model[0].weight]["sum"].dtype == torch.float32
     assert all(not torch.equal(a, b) for a, b in zip(master_params(layer), before))
+
+
+@pytest.mark.parametrize("reference_cls, fused_cls, kwargs", PAIRS, ids=IDS)
+def test_step_hooks_run_once_on_torchs_own_step_too(reference_cls, fused_cls, kwargs) -> None:
+    """A tensor ``lr`` takes torch's own step, which (once any torch optimizer of that class was
+    made) ran the step hooks a second time: an EMA post-hook updated twice per step."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    reference_cls(_model().parameters(), **kwargs)   # torch wraps its class's step with the hooks
+    model = _model()
+    optimizer = fused_cls(model.parameters(), **dict(kwargs, lr=torch.tensor(kwargs["lr"])))
+    calls: list[str] = []
+    optimizer.register_step_pre_hook(lambda *args: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *args: calls.append("post"))
+    handle = register_optimizer_step_post_hook(lambda *args: calls.append("global"))
+    try:
+        _loss(model, 0).backward()
+        optimizer.step()
+    finally:
+        handle.remove()
+    assert calls == ["pre", "post", "global"]

@@ -120,7 +120,11 @@ class _FusedBase:
         saved_groups = self.param_groups
         try:
             self.param_groups = [group]
-            super().step()  # type: ignore[misc]
+            torch_step = super().step  # type: ignore[misc]
+            if getattr(torch_step, "hooked", False):   # torch's wrapper that runs the step hooks: ours ran them
+                torch_step.__wrapped__(self)
+            else:
+                torch_step()
         finally:
             self.param_groups = saved_groups
             for p, trail, bf16_data, bf16_grad in swapped:
