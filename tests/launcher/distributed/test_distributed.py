@@ -270,8 +270,9 @@ def test_failing_rank_stops_the_others_within_the_grace_period(tmp_path: Path) -
     in its own log, and in a per-rank --summary-json."""
     program, token = _rank_program(tmp_path)
     expected = slices("--nproc-per-node", "2", program)
-    summary, logs = tmp_path / "summary.json", tmp_path / "logs"
-    env = {**job_env(), "LINES": "300"}
+    summary, logs, scratch = tmp_path / "summary.json", tmp_path / "logs", tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**job_env(), "LINES": "300", "TMPDIR": str(scratch)}
     done = subprocess.run(xlaunch("--nproc-per-node", "2", *loopback(), "--grace-period", "2", "--log-dir", str(logs),
                                   "--log-file-prefix", "job", "--summary-json", str(summary), program, "1", "1",
                                   "stubborn"),
@@ -294,6 +295,7 @@ def test_failing_rank_stops_the_others_within_the_grace_period(tmp_path: Path) -
     assert ranks[0]["wall_s"] < 1 + 2 + 3.0                  # failure after 1 s, SIGKILL 2 s later (+ slack)
     assert wait_gone(job_pids(ready), 2.0) == []
     assert leftovers(token) == []
+    assert os.listdir(scratch) == []     # torch's agent left a torchelastic_* tree there for every job
 
 
 def wait_ready(job: subprocess.Popen, count: int, timeout: float = 60) -> dict[int, list[str]]:

@@ -18,6 +18,9 @@ entry adds three things:
   stopped by SIGTERM) for the root cause;
 * SIGINT before torch's own handlers (which come with the ranks) ends the agent as SIGTERM
   does, without a ``KeyboardInterrupt`` traceback out of an import or the rendezvous;
+* torch's per-attempt folders (each rank's ``error.json``) go under the front's private folder, which
+  the front removes at the end (``AGENT_LOGS``): left to torch, every job left a
+  ``/tmp/torchelastic_*`` tree behind (2,069 on this project's VM);
 * a rendezvous that does not complete within its bound (``--rdzv-conf``, from ``--rdzv-timeout``)
   is one error line that says what was waited for: the other nodes, node 0's store at the
   master address and port, or the rendezvous endpoint (:func:`rendezvous_wait`).
@@ -32,6 +35,8 @@ from typing import Any, Optional
 from xlaunch._errors import error_line
 from xlaunch.launcher.distributed.ranks import CHANNELS_VAR, GRACE_VAR
 from xlaunch.launcher.distributed.channels import FIRST_FAILURE, RESULT
+
+AGENT_LOGS = "torchelastic"     # torchrun's --log-dir, in the front's private folder
 
 
 def cap_shutdown_waits(grace: float) -> bool:
@@ -144,6 +149,8 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
     if known is not None and "--shutdown-timeout" not in known and "--shutdown-timeout" in options:
         at = options.index("--shutdown-timeout")          # older torch: its fixed 30 s
         options = options[:at] + options[at + 2:]
+    if channels and not {"--log-dir", "--log_dir"} & set(options):
+        options = [*options, "--log-dir", os.path.join(channels, AGENT_LOGS)]
     args = parser.parse_args([*options, worker[0]])
     args.training_script_args = worker[1:]
     result: dict[str, Any] = {"status": 0, "failures": {}}
