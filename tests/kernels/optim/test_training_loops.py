@@ -192,6 +192,12 @@ def test_lamb_refuses_bad_hyperparameters_in_one_line(kwargs: dict, name: str) -
     assert "\n" not in str(caught.value)
 
 
+def test_lamb_takes_numpy_scalars() -> None:
+    numpy = pytest.importorskip("numpy")
+    from xlaunch.kernels.optim.fused import FusedLamb
+    FusedLamb(_model().parameters(), lr=numpy.float32(0.01), betas=(numpy.float64(0.9), 0.99), max_trust_ratio=10)
+
+
 def test_a_scheduler_made_before_to_fused_still_drives_it_after_a_resume() -> None:
     """``load_state_dict`` gave the fused optimizer new group dicts, cutting off the scheduler."""
     results = []

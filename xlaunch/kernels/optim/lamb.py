@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable
 
 from xlaunch._torch import needs_torch
@@ -14,7 +15,7 @@ from xlaunch.kernels.optim.base import _FusedBase, _StepTensors, _step_tensor
 
 def _check_number(name: str, value: Any, rule: str, ok: Callable[[float], bool]) -> None:
     """One line naming ``name`` unless ``value`` is a real number (not a tensor) that is ``ok``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):   # numpy scalars too, not tensors
         raise TypeError(f"FusedLamb: {name} must be a float, not {type(value).__name__}")
     if not ok(value):   # NaN too
         raise ValueError(f"FusedLamb: {name} {rule}, got {value}")
