@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
@@ -184,6 +185,55 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
                 process.wait()
 
 
+KEPT_BUILDS = 4              # per level: the libraries of this many build keys stay (other torch versions, sources)
+STALE_SCRATCH_S = 3600       # a build's scratch folder untouched this long was left by a killed build
+
+
+def tidy_cache(folder: Path, stem: str, keep: Sequence[str]) -> tuple[int, int]:
+    """Remove from ``folder`` what builds left behind; returns (files and folders removed, bytes).
+
+    The scratch folders (``.build-*``) of builds killed before their clean-up (SIGKILL, a closed terminal:
+    hundreds of MB of objects each), once untouched for :data:`STALE_SCRATCH_S`; and per level, all but the
+    :data:`KEPT_BUILDS` most recently used libraries of ``stem`` (each source or torch change builds a new
+    key, and nothing removed the old ones), never one named in ``keep``. Only regular files and folders of
+    this user; a library a running process mapped stays mapped."""
+    removed, freed = 0, 0
+    now = time.time()
+    by_level: dict[str, list[tuple[float, Path, int]]] = {}
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0, 0
+    for entry in entries:
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if info.st_uid != os.geteuid():
+            continue
+        if entry.name.startswith(".build-") and entry.is_dir(follow_symlinks=False):
+            touched = max([info.st_mtime] + [sub.stat(follow_symlinks=False).st_mtime
+                                              for sub in os.scandir(entry.path) if not sub.is_symlink()])
+            if now - touched > STALE_SCRATCH_S:
+                size = sum(f.stat().st_size for f in Path(entry.path).rglob("*") if f.is_file() and not f.is_symlink())
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed, freed = removed + 1, freed + size
+            continue
+        match = re.fullmatch(re.escape(stem) + r"-(\w+)-[0-9a-f]{16}\.so", entry.name)
+        if match and entry.is_file(follow_symlinks=False) and entry.name not in keep:
+            by_level.setdefault(match.group(1), []).append((max(info.st_atime, info.st_mtime), Path(entry.path),
+                                                           info.st_size))
+    for level, builds in by_level.items():
+        kept = KEPT_BUILDS - sum(1 for name in keep if name.startswith(f"{stem}-{level}-"))
+        for _, path, size in sorted(builds, reverse=True)[max(0, kept):]:
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            removed, freed = removed + 1, freed + size
+    return removed, freed
+
+
 class Library:
     """One operator library: its levels, where each is built, building them, loading them once.
 
@@ -287,6 +337,10 @@ class Library:
                 shutil.copyfile(cached, target)
             if force or not target.is_file() or target.is_symlink() or untrusted(str(target)) or incomplete(target):
                 missing[level] = (target, level_flags(self.namespace, level))
+        if into is None:                  # before a build: a killed build's scratch, old keys' libraries
+            removed, freed = tidy_cache(folder, self.stem, [self.file_name(level) for level in self.levels])
+            if removed:
+                echo(f"{self.label}: removed {removed} old build(s) from {folder} ({freed / 2**20:.1f} MiB)")
         if missing:
             compile_levels(self.csrc, self.sources(), missing, self.label, echo=echo)
         else:

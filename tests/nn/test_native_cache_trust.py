@@ -122,3 +122,38 @@ def test_untrusted_names_what_another_user_could_write(tmp_path):
         os.chown(library, 65534, 65534)
         assert untrusted(str(library)) == f"{library} is owned by uid 65534 with mode 755"
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o755
+
+
+def test_the_cache_keeps_recent_builds_and_drops_old_keys_and_killed_builds_scratch(tmp_path) -> None:
+    """Each source or torch change built a new key beside the old ones (80 libraries here), and a build killed
+    before its clean-up left its scratch (775 MB of objects here): a build removes both, never the current
+    key's library, a recent build's scratch, a link, or another library's files."""
+    import time
+
+    from xlaunch._native_build import KEPT_BUILDS, STALE_SCRATCH_S, tidy_cache
+
+    now = time.time()
+
+    def made(name: str, age: float, size: int = 10) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"x" * size)
+        os.utime(path, (now - age, now - age))
+        return path
+
+    current = made("ops-avx2-" + "c" * 16 + ".so", 10 * 86400)       # the oldest of all, and still kept
+    old = [made(f"ops-avx2-{i:016x}.so", i * 3600) for i in range(1, 7)]   # newest first
+    other_level = made("ops-baseline-" + "b" * 16 + ".so", 30 * 86400)
+    other_library = made("nn-avx2-" + "d" * 16 + ".so", 30 * 86400)
+    (tmp_path / ("ops-avx2-" + "e" * 16 + ".so")).symlink_to(old[-1])
+    killed, running = tmp_path / ".build-killed", tmp_path / ".build-running"
+    for scratch, age in ((killed, STALE_SCRATCH_S + 60), (running, 60)):
+        (scratch / "avx2").mkdir(parents=True)
+        (scratch / "avx2" / "a.o").write_bytes(b"o" * 1000)
+        for folder in (scratch / "avx2", scratch):
+            os.utime(folder, (now - age, now - age))
+    removed, freed = tidy_cache(tmp_path, "ops", [current.name])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    kept_old = [p.name for p in old[:KEPT_BUILDS - 1]]
+    assert left == sorted([current.name, *kept_old, other_level.name, other_library.name,
+                           "ops-avx2-" + "e" * 16 + ".so", ".build-running"])
+    assert removed == len(old) - len(kept_old) + 1 and freed == 10 * (len(old) - len(kept_old)) + 1000
