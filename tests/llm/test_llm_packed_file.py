@@ -211,11 +211,16 @@ def test_a_fifo_in_the_source_is_refused_without_blocking(packed, tmp_path):
 
     from fifos import fifo_with_late_writer
 
-    checkpoint, path, _ = packed
+    checkpoint, path, logits = packed
     source = tmp_path / "source"
     shutil.copytree(checkpoint, source)
-    with fifo_with_late_writer(source / "extra.safetensors"):
-        message = _refused(path, "extra.safetensors is a FIFO, not a regular file", source=source, weights="int8")
+    with fifo_with_late_writer(source / "extra.safetensors"):      # beside model.safetensors: not read at all
+        with torch.no_grad():
+            assert torch.equal(llm.from_pretrained(path, source=source, weights="int8")(torch.tensor(IDS)).logits,
+                               logits)
+    (source / "model.safetensors").unlink()
+    with fifo_with_late_writer(source / "model.safetensors"):
+        message = _refused(path, "model.safetensors is a FIFO, not a regular file", source=source, weights="int8")
     assert "\n" not in message
 
 
@@ -257,3 +262,37 @@ def test_save_packed_never_replaces_a_device_fifo_or_folder(packed, tmp_path):
             llm.save_packed(model, tmp_path / name)
     assert (tmp_path / "fifo").is_fifo() and (tmp_path / "folder").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "folder"]     # no partial file left
+
+
+FULL_DISK_PROGRAM = """
+import os, resource, signal, sys
+import xlaunch.llm as llm
+from xlaunch.llm.packed_file import PackedFileError
+
+model = llm.from_pretrained(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)               # a write past the limit fails with EFBIG, as ENOSPC would
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    llm.save_packed(model, sys.argv[2])
+except PackedFileError as error:
+    print(error)
+"""
+
+
+def test_a_folder_that_cannot_take_the_file_is_one_line_naming_it(packed, tmp_path):
+    """No such folder (a typo), or a disk that fills up: an OSError naming the hidden partial file
+    (.model.xlp.PID.partial), from save_packed and from from_pretrained(path, source=...); now one line naming
+    the file asked for, and no partial file left."""
+    checkpoint, path, _ = packed
+    model = llm.from_pretrained(path)
+    missing = tmp_path / "no-such-folder" / "model.xlp"
+    for write in (lambda: llm.save_packed(model, missing),
+                  lambda: llm.from_pretrained(missing, source=checkpoint, weights="int8")):
+        with pytest.raises(PackedFileError, match=f"^xlaunch.llm.save_packed: cannot write {missing} \\(No such file"):
+            write()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_PROGRAM, str(path), str(tmp_path / "model.xlp")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr[-3000:]
+    assert done.stdout.strip() == f"xlaunch.llm.save_packed: cannot write {tmp_path / 'model.xlp'} (File too large)"
+    assert not list(tmp_path.iterdir())

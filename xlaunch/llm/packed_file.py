@@ -39,6 +39,7 @@ with needs_torch(__name__):
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.assemble import (HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of,  # noqa: E402
                                   runtime_of, skeleton)
+from xlaunch.llm.files import checkpoint  # noqa: E402
 from xlaunch.llm.decoder import DTYPES, SIXTEEN_BIT, DecoderRuntime, RopeTable  # noqa: E402
 from xlaunch.llm.linear import GROUP_SIZES, GROUPED, KINDS, PackedLinear  # noqa: E402
 from xlaunch.llm.shapes import DecoderSpec, record_spec  # noqa: E402
@@ -50,7 +51,6 @@ PAGE = 4096
 SOURCE_ATTR = "_xlaunch_llm_source"
 TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8,
                  "uint8": torch.uint8, "int32": torch.int32}
-SAMPLES, SAMPLE_BYTES = 16, 64 << 10
 MAX_LAYERS = 4096
 WEIGHT_DTYPES = {"fp32": ("float32",), "bf16": ("bfloat16",), "int8": ("int8",), "int4": ("uint8", "int32"),
                  "int6": ("uint8", "int8")}
@@ -88,26 +88,11 @@ def layout_fingerprint() -> str:
 
 
 def source_digest(path: Any) -> str:
-    """A digest of a checkpoint directory: config.json, every safetensors header and size, sampled bytes. Regular
-    files only (a FIFO or a device is one :class:`PackedFileError`, never a blocked read)."""
-    path = Path(path)
+    """:func:`xlaunch.llm.files.checkpoint.source_digest`; a file it may not read is one :class:`PackedFileError`."""
     try:
-        digest = hashlib.sha256(userfiles.read_user_file(str(path / "config.json"), limit=MAX_HEADER))
-        for file in sorted(path.glob("*.safetensors")):
-            fd = userfiles.open_user_file(str(file), limit=userfiles.UNCAPPED)   # read: its header and samples
-            try:
-                size = os.fstat(fd).st_size
-                digest.update(f"{file.name}:{size}".encode())
-                head = os.pread(fd, 8, 0)
-                digest.update(head + (os.pread(fd, min(struct.unpack("<Q", head)[0], MAX_HEADER), 8)
-                                      if len(head) == 8 else b""))
-                for i in range(SAMPLES):
-                    digest.update(os.pread(fd, SAMPLE_BYTES, size * i // SAMPLES))
-            finally:
-                os.close(fd)
+        return checkpoint.source_digest(path)
     except userfiles.UserFileError as error:
         raise PackedFileError(f"xlaunch.llm: the checkpoint {path}: {error}") from None
-    return digest.hexdigest()
 
 
 def _align(offset: int, nbytes: int) -> int:
@@ -183,6 +168,8 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(partial, path)
+    except OSError as error:    # no such or a read-only folder, a full disk: one line naming the file asked for
+        raise PackedFileError(f"xlaunch.llm.save_packed: cannot write {path} ({error.strerror or error})") from None
     finally:
         if os.path.lexists(partial):
             partial.unlink()

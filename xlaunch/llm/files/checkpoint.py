@@ -8,6 +8,7 @@ blocked read. Used by :mod:`xlaunch.llm.loader`.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -31,6 +32,8 @@ SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch
 SAFETENSORS_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
                      "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 MAX_SAFETENSORS_HEADER = 100 << 20
+MAX_CONFIG = 64 << 20            # config.json, and a header's bytes in the digest (packed_file.MAX_HEADER)
+SAMPLES, SAMPLE_BYTES = 16, 64 << 10   # the digest's sampled blocks of each file
 MAX_INDEX = 16 << 20             # model.safetensors.index.json: about 100 KB for a 70B model
 
 
@@ -117,6 +120,66 @@ class SafetensorsFile:
         return torch.frombuffer(data, dtype=dtype).reshape((stop - start, *shape[1:]) if shape else ())
 
 
+def weight_files(path: Path) -> list[str]:
+    """The files transformers reads: ``model.safetensors``, else the index's shards, else (no index: shards
+    whose index is lost) every ``*.safetensors``. Other files beside ``model.safetensors`` (an EMA copy, an
+    adapter) are not read: they were, and a name in two files took the last file's values."""
+    if os.path.lexists(path / WEIGHTS):
+        return [WEIGHTS]
+    files = _index_files(path) if os.path.lexists(path / INDEX) else sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        other = [name for name in TORCH_WEIGHTS if os.path.lexists(path / name)]
+        hint = f" (only {other[0]}: save it as safetensors, save_pretrained does by default)" if other else ""
+        raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no *.safetensors file{hint}")
+    return files
+
+
+def _index_files(path: Path) -> list[str]:
+    """The shard files ``model.safetensors.index.json`` names: plain names in this folder, nowhere else."""
+    where = path / INDEX
+    try:
+        index = json.loads(userfiles.read_user_text(str(where), limit=MAX_INDEX))
+    except userfiles.UserFileError as error:
+        raise ValueError(f"xlaunch.llm.from_pretrained: {error}") from None
+    except (ValueError, RecursionError):
+        index = None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"xlaunch.llm.from_pretrained: {where} has no weight_map of tensor names to files")
+    files = sorted(set(weight_map.values()))
+    outside = [name for name in files if name in ("", ".", "..") or Path(name).name != name]
+    if outside:
+        raise ValueError(f"xlaunch.llm.from_pretrained: {where} names a file outside {path}: {outside[0]!r}")
+    return files
+
+
+def source_digest(path: Any) -> str:
+    """A digest of a checkpoint directory: config.json, the size and header of each file :func:`weight_files`
+    names (none when it names none: the load says why), sampled bytes. Regular files only (a FIFO or a device
+    is one :class:`~xlaunch.userfiles.UserFileError`, never a blocked read)."""
+    path = Path(path)
+    digest = hashlib.sha256(userfiles.read_user_file(str(path / "config.json"), limit=MAX_CONFIG))
+    try:
+        files = weight_files(path)
+    except userfiles.UserFileError:
+        raise
+    except ValueError:
+        files = []
+    for name in files:
+        fd = userfiles.open_user_file(str(path / name), limit=userfiles.UNCAPPED)   # read: its header and samples
+        try:
+            size = os.fstat(fd).st_size
+            digest.update(f"{name}:{size}".encode())
+            head = os.pread(fd, 8, 0)
+            digest.update(head + (os.pread(fd, min(struct.unpack("<Q", head)[0], MAX_CONFIG), 8)
+                                  if len(head) == 8 else b""))
+            for i in range(SAMPLES):
+                digest.update(os.pread(fd, SAMPLE_BYTES, size * i // SAMPLES))
+        finally:
+            os.close(fd)
+    return digest.hexdigest()
+
+
 class Checkpoint:
     """The tensors of a Hugging Face safetensors checkpoint directory, read lazily by name."""
 
@@ -124,7 +187,7 @@ class Checkpoint:
         self.path = path
         if not (path / "config.json").is_file():
             raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no config.json")
-        files = self._files()
+        files = weight_files(path)
         self.files: dict[str, SafetensorsFile] = {}
         self.weight_map: dict[str, str] = {}
         try:
@@ -138,38 +201,6 @@ class Checkpoint:
         except BaseException:
             self.close()
             raise
-
-    def _files(self) -> list[str]:
-        """The files transformers reads: ``model.safetensors``, else the index's shards, else (no index: shards
-        whose index is lost) every ``*.safetensors``. Other files beside ``model.safetensors`` (an EMA copy, an
-        adapter) are not read: they were, and a name in two files took the last file's values."""
-        if os.path.lexists(self.path / WEIGHTS):
-            return [WEIGHTS]
-        files = self._index_files() if os.path.lexists(self.path / INDEX) \
-            else sorted(p.name for p in self.path.glob("*.safetensors"))
-        if not files:
-            other = [name for name in TORCH_WEIGHTS if os.path.lexists(self.path / name)]
-            hint = f" (only {other[0]}: save it as safetensors, save_pretrained does by default)" if other else ""
-            raise ValueError(f"xlaunch.llm.from_pretrained: {self.path} has no *.safetensors file{hint}")
-        return files
-
-    def _index_files(self) -> list[str]:
-        """The shard files ``model.safetensors.index.json`` names: plain names in this folder, nowhere else."""
-        where = self.path / INDEX
-        try:
-            index = json.loads(userfiles.read_user_text(str(where), limit=MAX_INDEX))
-        except userfiles.UserFileError as error:
-            raise ValueError(f"xlaunch.llm.from_pretrained: {error}") from None
-        except (ValueError, RecursionError):
-            index = None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"xlaunch.llm.from_pretrained: {where} has no weight_map of tensor names to files")
-        files = sorted(set(weight_map.values()))
-        outside = [name for name in files if name in ("", ".", "..") or Path(name).name != name]
-        if outside:
-            raise ValueError(f"xlaunch.llm.from_pretrained: {where} names a file outside {self.path}: {outside[0]!r}")
-        return files
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
