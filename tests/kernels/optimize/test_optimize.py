@@ -355,6 +355,25 @@ def test_returns_model_and_fused_optimizer_on_the_copy() -> None:
     assert not all(torch.equal(a, b) for a, b in zip(before, new_model.parameters()))
 
 
+
+def test_a_scheduler_made_before_optimize_is_said_and_drives_the_optimizer_of_inplace() -> None:
+    """``StepLR(opt)`` then ``optimize(model, opt)``: the copy of the optimizer optimize returns was not the
+    scheduler's, and the learning rate stayed constant without a word. One warning; inplace=True keeps it driven."""
+    pytest.importorskip("xlaunch.kernels.optim.fused")
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimize(model, optimizer)                                      # no scheduler: nothing said
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with pytest.warns(OptimizeWarning, match="already has an LR scheduler"):
+        _, copied = optimize(model, optimizer)
+    model, fused = optimize(model, optimizer, inplace=True)
+    model(torch.randn(3, 4)).square().sum().backward()
+    fused.step()
+    scheduler.step()
+    assert fused.param_groups[0]["lr"] == 0.05 and copied.param_groups[0]["lr"] == 0.1
+
 def test_bf16_training_gets_split_master_weights_and_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("xlaunch.kernels.optim.fused")
     monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"avx512_bf16"}))

@@ -164,6 +164,10 @@ def _copy_with_optimizer(model: nn.Module, optimizer: Any) -> tuple[nn.Module, A
     the split-bf16 low halves the model's checkpoint hooks keep are the copied optimizer's)."""
     if optimizer is None:
         return copy.deepcopy(model), None
+    if any("initial_lr" in group for group in getattr(optimizer, "param_groups", ())):
+        warn("the optimizer already has an LR scheduler (its param groups hold 'initial_lr'): optimize returns "
+             "a copy of it, which that scheduler does not drive (the learning rate would stay constant); make the "
+             "scheduler on the optimizer optimize returns, or pass inplace=True")
     return copy.deepcopy((model, optimizer))
 
 
