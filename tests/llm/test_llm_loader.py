@@ -420,3 +420,31 @@ def test_a_checkpoint_path_may_be_relative_a_str_with_a_slash_or_a_link(checkpoi
     monkeypatch.chdir(tmp_path)
     for path in ("snapshots/rev", str(snapshot) + "/", snapshot):
         assert torch.equal(llm.from_pretrained(path, dtype=torch.float32)(ids).logits, expected)
+
+
+def test_a_missing_or_pre_quantized_weight_is_one_line_before_anything_is_packed(checkpoints, tmp_path, monkeypatch):
+    """A tensor missing from the last layer was found after every layer before it was packed (minutes on a large
+    model); a GPTQ/AWQ checkpoint (qweight, no weight) or an FP8 one said only "lacks the tensor" or "is F8_E4M3":
+    now one line, before any weight is read, naming its quantization_config's method."""
+    from safetensors.torch import load_file, save_file
+
+    from xlaunch.llm import loader
+
+    monkeypatch.setattr(loader, "stream_linear", lambda *args, **kwargs: pytest.fail("a weight was packed first"))
+    folder = _copy(checkpoints["llama"], tmp_path / "missing")
+    tensors = load_file(str(folder / "model.safetensors"))
+    last = "model.layers.1.mlp.down_proj.weight"
+    save_file({name: t for name, t in tensors.items() if name != last}, str(folder / "model.safetensors"))
+    _one_line_error(folder, f"lacks the tensor {last}$")
+    for method, change in (("gptq", lambda name, t: {name.replace(".weight", ".qweight"): t.to(torch.int32)}),
+                           ("fp8", lambda name, t: {name: t.to(torch.float8_e4m3fn)})):
+        folder = _copy(checkpoints["llama"], tmp_path / method)
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": method, "bits": 4}
+        (folder / "config.json").write_text(json.dumps(config))
+        stored = {}
+        for name, t in tensors.items():
+            stored.update(change(name, t) if name.endswith("proj.weight") else {name: t})
+        save_file(stored, str(folder / "model.safetensors"))
+        what = "lacks the tensor .*" if method == "gptq" else "is F8_E4M3, not one of BF16, F16, F32"
+        _one_line_error(folder, f"{what} \\(its weights are quantized by {method}: .* weights='int8' or 'int4'\\)")

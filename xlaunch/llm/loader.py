@@ -200,16 +200,46 @@ def _path(value: Any, name: str) -> Path:
     return Path(value)
 
 
+def _check_tensors(checkpoint: Checkpoint, model: Any, spec: Any, config: Any) -> tuple[str, bool]:
+    """(the tensor lm_head is packed from, whether the embedding is tied to it), once every tensor the model reads
+    is found stored in a float dtype and of its config's shape: one line before anything is packed (a tensor
+    missing from the last layer was found after every layer before it was packed)."""
+    path = checkpoint.path
+    method = getattr(config, "quantization_config", None)
+    method = method.get("quant_method", "pre") if isinstance(method, dict) else getattr(method, "quant_method", None)
+    hint = "" if method is None else (f" (its weights are quantized by {method}: xlaunch.llm quantizes full-precision "
+                                      "weights itself; load the original checkpoint with weights='int8' or 'int4')")
+    expected = {name: list(parameter.shape) for name, parameter in model.named_parameters()}     # meta: no memory
+    expected.setdefault("lm_head.weight", expected.get("model.embed_tokens.weight"))      # tied, stored anyway
+    head = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
+    if head != "lm_head.weight" and not spec.tied_embeddings:
+        raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks lm_head.weight and its embeddings are not tied{hint}")
+    for name, shape in expected.items():
+        if name not in checkpoint:
+            tied_other = spec.tied_embeddings and name in ("lm_head.weight", "model.embed_tokens.weight")
+            if name.endswith(".bias") or (tied_other and name != head):   # zeros (as transformers makes it); tied
+                continue
+            raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks the tensor {name}{hint}")
+        if checkpoint.dtype(name) not in SAFETENSORS_DTYPES:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {name} in {path} is {checkpoint.dtype(name)}, not one of "
+                             f"{', '.join(SAFETENSORS_DTYPES)}{hint}")
+        if checkpoint.shape(name) != shape:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {name} in {path} is {checkpoint.shape(name)}, "
+                             f"not the {shape} of its config.json{hint}")
+    # tied, but both stored with different values: transformers does not tie them (a warning), and neither do we
+    tied = spec.tied_embeddings and (head != "lm_head.weight" or "model.embed_tokens.weight" not in checkpoint
+                                     or _same_values(checkpoint, head, "model.embed_tokens.weight"))
+    if spec.tied_embeddings and not tied:
+        warnings.warn(f"xlaunch.llm.from_pretrained: {path} ties its embeddings (tie_word_embeddings), but stores "
+                      "lm_head.weight and model.embed_tokens.weight with different values: not tied, as transformers "
+                      "does", UserWarning, stacklevel=5)
+    return head, tied
+
+
 def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", group_size: int) -> tuple:
     """(meta model, spec, packed parts) of a checkpoint."""
     model, spec = skeleton(config)
-    path = checkpoint.path
-    expected = {name: list(parameter.shape) for name, parameter in model.named_parameters()}     # meta: no memory
-    expected.setdefault("lm_head.weight", expected.get("model.embed_tokens.weight"))      # tied, stored anyway
-    for name, shape in expected.items():
-        if name in checkpoint and checkpoint.shape(name) != shape:
-            raise ValueError(f"xlaunch.llm.from_pretrained: {name} in {path} is {checkpoint.shape(name)}, "
-                             f"not the {shape} of its config.json")
+    head, tied = _check_tensors(checkpoint, model, spec, config)
     linears, input_norms, post_norms = [], [], []
     for index in range(spec.num_layers):
         prefix = f"model.layers.{index}"
@@ -223,16 +253,6 @@ def _read(checkpoint: Checkpoint, config: Any, kind: str, dtype: "torch.dtype", 
         })
         input_norms.append(checkpoint.tensor(f"{prefix}.input_layernorm.weight").to(dtype))
         post_norms.append(checkpoint.tensor(f"{prefix}.post_attention_layernorm.weight").to(dtype))
-    head = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
-    if head != "lm_head.weight" and not spec.tied_embeddings:
-        raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks lm_head.weight and its embeddings are not tied")
-    # tied, but both stored with different values: transformers does not tie them (a warning), and neither do we
-    tied = spec.tied_embeddings and (head != "lm_head.weight" or "model.embed_tokens.weight" not in checkpoint
-                                     or _same_values(checkpoint, head, "model.embed_tokens.weight"))
-    if spec.tied_embeddings and not tied:
-        warnings.warn(f"xlaunch.llm.from_pretrained: {path} ties its embeddings (tie_word_embeddings), but stores "
-                      "lm_head.weight and model.embed_tokens.weight with different values: not tied, as transformers "
-                      "does", UserWarning, stacklevel=4)
     head_kind, head_group = lm_head_packing(kind, checkpoint.shape(head)[1], group_size)
     lm_head = stream_linear(checkpoint, ["lm_head"], head_kind, dtype, head_group, weight_names=[head])
     embed = None if tied else _embedding(checkpoint, "model.embed_tokens.weight", dtype)
