@@ -296,3 +296,15 @@ def test_a_folder_that_cannot_take_the_file_is_one_line_naming_it(packed, tmp_pa
     assert done.returncode == 0 and not done.stderr.strip(), done.stderr[-3000:]
     assert done.stdout.strip() == f"xlaunch.llm.save_packed: cannot write {tmp_path / 'model.xlp'} (File too large)"
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("path,error,match", [(None, TypeError, "path must be a str or os.PathLike, not NoneType"),
+                                              (b"model.xlp", TypeError, "path must be a str or os.PathLike, not bytes"),
+                                              ("", ValueError, "path is empty")])
+def test_a_packed_path_that_is_no_path_is_one_line_naming_it(packed, path, error, match):
+    """None or bytes failed inside pathlib, naming no argument; '' became the working directory ('.')."""
+    _, packed_path, _ = packed
+    model = llm.from_pretrained(packed_path)
+    for call, name in ((lambda: llm.save_packed(model, path), "save_packed"), (lambda: llm.load_decoder(path), "load_decoder")):
+        with pytest.raises(error, match=f"^xlaunch.llm.{name}: {match}$"):
+            call()

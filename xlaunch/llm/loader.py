@@ -26,6 +26,7 @@ with needs_torch(__name__):
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.api import _check, default_dtype, lm_head_packing, warn_if_bf16_is_slow  # noqa: E402
 from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
+from xlaunch.llm.files import user_path  # noqa: E402
 from xlaunch.llm.files.checkpoint import (INDEX, SAFETENSORS_DTYPES, Checkpoint, SafetensorsFile,  # noqa: E402,F401
                                            WEIGHTS)      # INDEX, SafetensorsFile and WEIGHTS: re-exported
 from xlaunch.llm.decoder import SIXTEEN_BIT, embedding_table, exact_in_bf16  # noqa: E402
@@ -190,14 +191,7 @@ def _generation_config(path: Path) -> Any:
 
 
 def _path(value: Any, name: str) -> Path:
-    """``value`` (a str or os.PathLike) as a Path; anything else, or '', is one line naming the argument."""
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str):
-        raise TypeError(f"xlaunch.llm.from_pretrained: {name} must be a str or os.PathLike, not {type(value).__name__}")
-    if not value:
-        raise ValueError(f"xlaunch.llm.from_pretrained: {name} is empty (a checkpoint directory or a packed file)")
-    return Path(value)
+    return user_path(value, name, "xlaunch.llm.from_pretrained")
 
 
 def _check_tensors(checkpoint: Checkpoint, model: Any, spec: Any, config: Any) -> tuple[str, bool]:

@@ -27,6 +27,7 @@ with needs_torch(__name__):
 
 from xlaunch.llm.cache import KVBuffers  # noqa: E402
 from xlaunch.llm.decoder import DecoderRuntime  # noqa: E402
+from xlaunch.llm.files import user_path  # noqa: E402
 from xlaunch.llm.decoder import repetition_penalty as penalty_processors, warpers as sampling_warpers  # noqa: E402
 from xlaunch.llm.packed_file import PackedFileError, load_runtime  # noqa: E402
 
@@ -198,7 +199,8 @@ def load_decoder(path: Any, dtype: Any = None, weights: Optional[str] = None, gr
     the node's processes; the file itself on a machine of one node). A file this machine cannot use, or one
     written before packed files recorded the decoder's shape, is one
     :class:`~xlaunch.llm.packed_file.PackedFileError` line."""
-    mapped = placed(path) if node_copy else Path(path)
+    path = user_path(path, "path", "xlaunch.llm.load_decoder")
+    mapped = placed(path) if node_copy else path
     runtime, manifest = load_runtime(mapped, dtype, weights, group_size, private)
     decoder = Decoder(runtime, manifest, Path(path))
     decoder.mapped = mapped

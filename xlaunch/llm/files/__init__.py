@@ -1,2 +1,20 @@
 """Files :mod:`xlaunch.llm` reads: :mod:`~xlaunch.llm.files.checkpoint`, a Hugging Face safetensors checkpoint
-directory read within bounds (the files transformers reads, every header checked)."""
+directory read within bounds (the files transformers reads, every header checked); :func:`user_path`, a path
+argument checked."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def user_path(value: Any, name: str, caller: str) -> Path:
+    """``value`` (a str or os.PathLike) as a Path; anything else, or '', is one line naming ``caller``'s argument
+    ``name`` (None or bytes failed inside pathlib; '' became the working directory)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{caller}: {name} must be a str or os.PathLike, not {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{caller}: {name} is empty")
+    return Path(value)
