@@ -308,3 +308,19 @@ def test_a_packed_path_that_is_no_path_is_one_line_naming_it(packed, path, error
     for call, name in ((lambda: llm.save_packed(model, path), "save_packed"), (lambda: llm.load_decoder(path), "load_decoder")):
         with pytest.raises(error, match=f"^xlaunch.llm.{name}: {match}$"):
             call()
+
+
+@pytest.mark.parametrize("arguments,match", [(dict(dtype="float32"), "dtype must be .*not 'float32'"),
+                                             (dict(dtype=torch.float16), "dtype must be .*not torch.float16"),
+                                             (dict(weights="int3"), "weights must be .*not 'int3'"),
+                                             (dict(weights="int4", group_size=100), "group_size must be .*not 100")])
+def test_an_argument_no_file_could_hold_is_named_not_read_as_another_precision(packed, arguments, match):
+    """dtype="float32" (a str) on a packed file read "holds dtype='fp32', not the 'float32' asked for"; on a
+    checkpoint the line began "xlaunch.llm.optimize:"."""
+    checkpoint, path, _ = packed
+    for call, name in ((lambda: llm.from_pretrained(path, **arguments), "from_pretrained"),
+                       (lambda: llm.from_pretrained(checkpoint, **arguments), "from_pretrained"),
+                       (lambda: llm.load_decoder(path, **arguments), "load_decoder")):
+        with pytest.raises(ValueError, match=f"^xlaunch.llm.{name}: {match}") as info:
+            call()
+        assert not isinstance(info.value, PackedFileError)

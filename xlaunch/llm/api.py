@@ -74,13 +74,13 @@ def is_optimized(model: Any) -> bool:
     return getattr(model, MARK, None) is not None
 
 
-def _check(dtype: Any, weights: Optional[str], group_size: int) -> str:
+def _check(dtype: Any, weights: Optional[str], group_size: int, caller: str = "xlaunch.llm.optimize") -> str:
     if dtype not in DTYPES:
-        raise ValueError(f"xlaunch.llm.optimize: dtype must be torch.bfloat16 or torch.float32, not {dtype}")
+        raise ValueError(f"{caller}: dtype must be torch.bfloat16 or torch.float32, not {dtype!r}")
     if weights not in WEIGHTS:
-        raise ValueError(f"xlaunch.llm.optimize: weights must be None, 'int8' or 'int4', not {weights!r}")
+        raise ValueError(f"{caller}: weights must be None, 'int8' or 'int4', not {weights!r}")
     if weights == "int4" and group_size not in GROUP_SIZES:
-        raise ValueError(f"xlaunch.llm.optimize: group_size must be one of {GROUP_SIZES}, not {group_size}")
+        raise ValueError(f"{caller}: group_size must be one of {GROUP_SIZES}, not {group_size}")
     return weights or DTYPES[dtype]
 
 

@@ -147,7 +147,7 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     import transformers
 
     dtype = default_dtype() if dtype is None else dtype
-    kind = _check(dtype, weights, group_size)
+    kind = _check(dtype, weights, group_size, "xlaunch.llm.from_pretrained")
     path = _path(path, "path")
     checkpoint = Checkpoint(path)
     try:
@@ -272,6 +272,8 @@ def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None,
     """
     from xlaunch.llm import packed_file
 
+    # the arguments first: a packed file's refusal read dtype="float32" as another precision than the file's
+    _check(default_dtype() if dtype is None else dtype, weights, group_size, "xlaunch.llm.from_pretrained")
     warn_if_bf16_is_slow(dtype, "xlaunch.llm.from_pretrained", stacklevel=2)
     path = _path(path, "path")
     if source is not None:

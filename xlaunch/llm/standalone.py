@@ -26,8 +26,9 @@ with needs_torch(__name__):
     import torch
 
 from xlaunch.llm.cache import KVBuffers  # noqa: E402
-from xlaunch.llm.decoder import DecoderRuntime  # noqa: E402
+from xlaunch.llm.decoder import DTYPES, DecoderRuntime  # noqa: E402
 from xlaunch.llm.files import user_path  # noqa: E402
+from xlaunch.llm.linear import GROUP_SIZES  # noqa: E402
 from xlaunch.llm.decoder import repetition_penalty as penalty_processors, warpers as sampling_warpers  # noqa: E402
 from xlaunch.llm.packed_file import PackedFileError, load_runtime  # noqa: E402
 
@@ -200,6 +201,10 @@ def load_decoder(path: Any, dtype: Any = None, weights: Optional[str] = None, gr
     written before packed files recorded the decoder's shape, is one
     :class:`~xlaunch.llm.packed_file.PackedFileError` line."""
     path = user_path(path, "path", "xlaunch.llm.load_decoder")
+    for name, value, allowed in (("dtype", dtype, (None, *DTYPES)), ("weights", weights, (None, "int8", "int4")),
+                                 ("group_size", group_size, (None, *GROUP_SIZES))):
+        if value not in allowed:        # not "the file holds another precision than the one asked for"
+            raise ValueError(f"xlaunch.llm.load_decoder: {name} must be one of {allowed} (None: the file's), not {value!r}")
     mapped = placed(path) if node_copy else path
     runtime, manifest = load_runtime(mapped, dtype, weights, group_size, private)
     decoder = Decoder(runtime, manifest, Path(path))
