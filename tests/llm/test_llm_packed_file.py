@@ -324,3 +324,18 @@ def test_an_argument_no_file_could_hold_is_named_not_read_as_another_precision(p
         with pytest.raises(ValueError, match=f"^xlaunch.llm.{name}: {match}") as info:
             call()
         assert not isinstance(info.value, PackedFileError)
+
+
+def test_a_model_loaded_from_a_relative_path_saves_after_a_chdir(packed, tmp_path, monkeypatch):
+    """The source was kept as given ('checkpoint'): after os.chdir, save_packed read another folder's files for its
+    digest, or failed ("cannot read checkpoint/config.json")."""
+    checkpoint, _, logits = packed
+    monkeypatch.chdir(checkpoint.parent)
+    model = llm.from_pretrained(checkpoint.name, weights="int8")
+    monkeypatch.chdir(tmp_path)
+    path = llm.save_packed(model, tmp_path / "model.xlp")
+    assert read_manifest(path)["source"]["path"] == str(checkpoint)
+    written = path.stat().st_mtime_ns
+    with torch.no_grad():      # the digest is the checkpoint's: the file stands for it, not rebuilt
+        assert torch.equal(llm.from_pretrained(path, source=checkpoint, weights="int8")(torch.tensor(IDS)).logits, logits)
+    assert path.stat().st_mtime_ns == written

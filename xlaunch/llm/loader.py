@@ -158,7 +158,7 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     if generation is not None:
         model.generation_config = generation
     model = install(model, spec, dtype, parts)
-    object.__setattr__(model, "_xlaunch_llm_source", str(path))     # save_packed records its digest
+    object.__setattr__(model, "_xlaunch_llm_source", os.path.abspath(path))   # save_packed records its digest (after a chdir too)
     return model
 
 
