@@ -448,3 +448,13 @@ def test_a_missing_or_pre_quantized_weight_is_one_line_before_anything_is_packed
         save_file(stored, str(folder / "model.safetensors"))
         what = "lacks the tensor .*" if method == "gptq" else "is F8_E4M3, not one of BF16, F16, F32"
         _one_line_error(folder, f"{what} \\(its weights are quantized by {method}: .* weights='int8' or 'int4'\\)")
+
+
+def test_a_config_file_over_its_bound_is_not_handed_to_transformers(checkpoints, tmp_path):
+    """transformers reads config.json and generation_config.json whole: a runaway file (17 MiB here, gigabytes
+    in the wild) was read into memory before anything was said."""
+    for name in ("config.json", "generation_config.json"):
+        folder = _copy(checkpoints["llama"], tmp_path / name)
+        with open(folder / name, "r+b") as file:
+            file.truncate(17 << 20)
+        _one_line_error(folder, f"{name} is {17 << 20} bytes; files over {16 << 20} bytes are not read")

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from xlaunch import userfiles
 from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch
 from xlaunch.node_copies import placed
@@ -36,6 +37,7 @@ from xlaunch.llm.linear import (BLOCK, GROUPED, NATIVE_PACKERS, PackedLinear, bf
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8,
                  "int6": torch.uint8}
 CHUNK_BYTES = 1 << 20         # fp32 bytes of source rows packed at a time (small: glibc keeps freed chunks)
+MAX_CONFIG = 16 << 20         # config.json, generation_config.json: a few KB
 
 
 def _rows(checkpoint: Checkpoint, names: Sequence[str], start: int, stop: int) -> "torch.Tensor":
@@ -162,11 +164,21 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     return model
 
 
+def _bounded(file: Path) -> None:
+    """One ValueError line unless ``file`` is a regular file of at most :data:`MAX_CONFIG` bytes (transformers
+    reads a config whole: a runaway or corrupt file of gigabytes was read into memory)."""
+    try:
+        os.close(userfiles.open_user_file(str(file), limit=MAX_CONFIG))
+    except userfiles.UserFileError as error:
+        raise ValueError(f"xlaunch.llm.from_pretrained: {error}") from None
+
+
 def _config(path: Path) -> Any:
     """The checkpoint's config as transformers reads it; whatever transformers raises on a malformed one
     (its validation errors, a model type it does not know: several lines) is one ValueError line."""
     import transformers
 
+    _bounded(path / "config.json")
     try:
         return transformers.AutoConfig.from_pretrained(str(path))
     except Exception as error:      # noqa: BLE001 - the user's file, read by another library
@@ -181,6 +193,7 @@ def _generation_config(path: Path) -> Any:
 
     if not (path / "generation_config.json").is_file():      # a regular file (a FIFO there would block the read)
         return None
+    _bounded(path / "generation_config.json")
     try:
         return transformers.GenerationConfig.from_pretrained(str(path))
     except OSError:
