@@ -90,14 +90,15 @@ if __name__ == "__main__":
             port = pipe.read()
         if not port:
             sys.exit("rank 1: rank 0 made no store")
-        print(run(1, dist.TCPStore("127.0.0.1", int(port), 2, False, timeout=timedelta(seconds=60))))
+        line = run(1, dist.TCPStore("127.0.0.1", int(port), 2, False, timeout=timedelta(seconds=60)))
+        os.write(1, f"{line}\n".encode())   # one write: the ranks share the pipe (print under -u writes twice)
         sys.exit(0)
     os.close(read)
     try:
         with os.fdopen(write, "w") as pipe:
             store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
             pipe.write(str(store.port))
-        print(run(0, store), flush=True)
+        os.write(1, f"{run(0, store)}\n".encode())
     except BaseException:
         os.kill(child, signal.SIGKILL)
         raise
