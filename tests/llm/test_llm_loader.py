@@ -67,7 +67,7 @@ def test_streamed_model_matches_optimize_of_the_loaded_model(checkpoints, name, 
     if (name, dtype, weights) == ("bf16", torch.float32, None):   # bf16 values in fp32: stored as bf16 ...
         from xlaunch.llm import native
 
-        stored = torch.bfloat16 if native.available() else torch.float32   # ... in the kernels' layout
+        stored = torch.bfloat16 if native.ops() is not None else torch.float32   # ... in the kernels' layout (in use)
         assert all(m.weight.dtype == stored for model in (ours, reference) for m in model.modules()
                    if isinstance(m, llm.PackedLinear))
     ids = _ids()
