@@ -163,3 +163,14 @@ class _FusedBase:
 
 def _step_tensor(param: Tensor) -> Tensor:
     return torch.zeros((), dtype=torch.float32, device=param.device)
+
+
+def _adam_moments(state: dict, param: Tensor, master: Tensor) -> bool:
+    """Adam's and Lamb's state of ``param`` on its first step (a step count, two moments shaped as its
+    fp32 ``master``); True when it was made now."""
+    if "exp_avg" in state:
+        return False
+    state["step"] = _step_tensor(param)
+    state["exp_avg"] = torch.zeros_like(master)
+    state["exp_avg_sq"] = torch.zeros_like(master)
+    return True

@@ -30,7 +30,7 @@ with needs_torch(__name__):
 
 from xlaunch.kernels import native_dtypes
 from xlaunch.kernels.optim import splitstate
-from xlaunch.kernels.optim.base import _FusedBase, _StepTensors, _step_tensor
+from xlaunch.kernels.optim.base import _adam_moments, _FusedBase, _StepTensors, _step_tensor
 from xlaunch.kernels.optim.lamb import FusedLamb
 from xlaunch.kernels.optim.splitbf16 import join_into, split
 from xlaunch.kernels.optim.splitstate import TRAIL_KEY
@@ -114,12 +114,8 @@ class FusedAdam(_FusedBase, torch.optim.Adam):
             masters, grads, avgs, avg_sqs, max_sqs, steps = [], [], [], [], [], []
             for param, master, grad in entries:
                 state = self.state[param]
-                if "exp_avg" not in state:
-                    state["step"] = _step_tensor(param)
-                    state["exp_avg"] = torch.zeros_like(master)
-                    state["exp_avg_sq"] = torch.zeros_like(master)
-                    if amsgrad:
-                        state["max_exp_avg_sq"] = torch.zeros_like(master)
+                if _adam_moments(state, param, master) and amsgrad:
+                    state["max_exp_avg_sq"] = torch.zeros_like(master)
                 masters.append(master)
                 grads.append(grad)
                 avgs.append(state["exp_avg"])

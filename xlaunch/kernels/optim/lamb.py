@@ -10,7 +10,7 @@ from xlaunch._torch import needs_torch
 with needs_torch(__name__):
     import torch
 
-from xlaunch.kernels.optim.base import _FusedBase, _StepTensors, _step_tensor
+from xlaunch.kernels.optim.base import _adam_moments, _FusedBase, _StepTensors
 
 
 def _check_number(name: str, value: Any, rule: str, ok: Callable[[float], bool]) -> None:
@@ -61,10 +61,7 @@ class FusedLamb(_FusedBase, torch.optim.Optimizer):
             masters, grads, avgs, avg_sqs, step_counts = [], [], [], [], []
             for param, master, grad in entries:
                 state = self.state[param]
-                if "exp_avg" not in state:
-                    state["step"] = _step_tensor(param)
-                    state["exp_avg"] = torch.zeros_like(master)
-                    state["exp_avg_sq"] = torch.zeros_like(master)
+                _adam_moments(state, param, master)
                 state["step"] += 1
                 masters.append(master)
                 grads.append(grad)
