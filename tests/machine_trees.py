@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from xlaunch.machine.archive import unpack_archive
 
 ARCHIVES = Path(__file__).resolve().parent / "machines"
@@ -59,23 +61,13 @@ def remove_stale(parent: Path) -> list[Path]:
             owner = int((path / OWNER).read_text())
         except (OSError, ValueError):
             owner = None
-        if owner is not None and _alive(owner):
+        if owner is not None and psutil.pid_exists(owner):
             continue
         if owner is None and time.time() - path.stat().st_mtime < STALE_S:
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def usable(path: str | None) -> bool:
