@@ -136,3 +136,15 @@ def test_resume_says_when_the_program_changed(tmp_path: Path, capsys, monkeypatc
                       "differs): the earlier trials measured the program as it was") and len(err) == 2
     assert run(["--resume", *argv]) == 0                 # unchanged since: nothing to say
     assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+def test_options_the_tuner_sets_in_a_config_file_are_said_unused(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A base config's log-dir (or dry-run) was dropped from every trial and from best.toml without a word."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.toml").write_text("[space]\nninstances = [1]\n")
+    (tmp_path / "base.toml").write_text('log-dir = "mylogs"\ndry-run = true\n')
+    assert run(["--space", "space.toml", "--config", "base.toml", "--no-plot", SYNTHETIC, "--sleep-single", "0"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("xlaunch-tune: warning: --config: dry-run, log-dir in base.toml: not used (set by xlaunch-tune "
+                      "for every trial, logs in runs/NNNN-rK/ in its temporary folder) and not written to best.toml")
+    assert not (tmp_path / "mylogs").exists()

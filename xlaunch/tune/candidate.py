@@ -51,6 +51,25 @@ class Skipped:
     reason: str
 
 
+
+def base_config_notes(program: Program, where: str) -> list[str]:
+    """What of the ``--config`` file the trials do not use (``where``: where their runs are kept): its
+    summary-json (best.toml keeps it), and the options the tuner sets for every trial (dropped without
+    a word before, from best.toml too)."""
+    from xlaunch.launcher.api import canonical_name
+
+    given = {canonical_name(str(key)) for key in program.base_config}
+    notes = []
+    if "summary_json" in given:
+        notes.append(f"summary-json in {program.base_source} is not written by the trials (each keeps "
+                     f"runs/NNNN-rK/summary.json {where}); best.toml keeps it")
+    unused = sorted(given & MANAGED)
+    if unused:
+        names = ", ".join(name.replace("_", "-") for name in unused)
+        notes.append(f"{names} in {program.base_source}: not used (set by xlaunch-tune for every trial, logs in "
+                     f"runs/NNNN-rK/ {where}) and not written to best.toml")
+    return notes
+
 def config_table(options: Options, point: Point) -> dict[str, Any]:
     """Every launcher option that differs from its default (and every dimension of ``point``),
     in the launcher's field order, as config-file keys and values."""

@@ -263,9 +263,8 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
     import json
     import shutil
 
-    from xlaunch.launcher.api import canonical_name
     from xlaunch.tune import records
-    from xlaunch.tune.candidate import Skipped, prepare
+    from xlaunch.tune.candidate import Skipped, base_config_notes, prepare
     from xlaunch.tune.progress import Progress
     from xlaunch.tune.session import Tuner
     from xlaunch.tune.strategies import StrategyError, import_optuna, make_strategy
@@ -314,9 +313,8 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
                                      storage=storage, resume=settings.resume)
         except StrategyError as exc:
             raise UsageError("--strategy", str(exc)) from None
-        if any(canonical_name(str(key)) == "summary_json" for key in program.base_config):
-            sys.stderr.write(f"{PROG}: warning: --config: summary-json in {program.base_source} is not written by the "
-                             "trials (each keeps runs/NNNN-rK/summary.json in --output-dir); best.toml keeps it\n")
+        for note in base_config_notes(program, "in --output-dir" if out is not None else "in its temporary folder"):
+            sys.stderr.write(f"{PROG}: warning: --config: {note}\n")
         dims = space.shown()
         sys.stderr.write(f"{PROG}: {space.source}: {dims} ({space.size} points); {settings.strategy}, "
                          f"up to {settings.trials} configuration(s) x {settings.repeats} run(s)"
