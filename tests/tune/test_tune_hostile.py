@@ -203,3 +203,11 @@ def test_metric_time_limit_counts_per_trial(tmp_path: Path, monkeypatch: pytest.
     tuner.measure(Candidate({"ninstances": 1}, {"ninstances": 1}, (0,)), 2)
     assert len(seen) == 6 and seen[0] is seen[1] is seen[2] and seen[3] is not seen[0]
     assert seen[0].total == 3.0                                          # the limit: --timeout, per trial
+
+
+def test_huge_metrics_keep_the_table_narrow() -> None:
+    """A metric of 1e20 was a 21-digit cell (every digit of ``.0f``); 1e308 a 309-digit one."""
+    from xlaunch.tune.report import _fmt
+
+    assert [_fmt(v) for v in (0.5, 1234.4, 987654321.0, 1e20, -1.5e308)] == ["0.5", "1234", "987654321", "1e+20",
+                                                                             "-1.5e+308"]

@@ -20,7 +20,9 @@ BEST, RUNNER_UP, OK, FAILED = "best", "runner-up", "ok", "failed"
 def _fmt(value: Optional[float]) -> str:
     if value is None:
         return "-"
-    return f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
+    if abs(value) < 1000:
+        return f"{value:.4g}"
+    return f"{value:.0f}" if abs(value) < 1e9 else f"{value:.4g}"     # 1e20 was printed with all 21 digits
 
 
 def _wall(value: Optional[float]) -> str:
