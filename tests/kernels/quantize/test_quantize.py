@@ -177,7 +177,7 @@ def test_a_model_without_quantizable_layers_is_refused(mode: str) -> None:
 
 def test_auto_on_a_model_without_quantizable_layers_warns_and_stays_fp32() -> None:
     model, x = Recurrent().eval(), torch.randn(2, 3, 8)
-    with pytest.warns(QuantizeWarning, match="auto returns fp32 for Recurrent: no INT8 route applies") as caught:
+    with pytest.warns(QuantizeWarning, match="auto returns fp32 for Recurrent: no INT8 route was built") as caught:
         quantized = quantize(model, x, rounds=3)
     assert len(caught) == 1 and quantized.mode == "fp32" and quantized.report.quantized == []
     assert "LSTM has no INT8 route here" in quantized.report.kept_fp32["rnn"]

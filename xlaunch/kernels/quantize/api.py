@@ -249,7 +249,7 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
     if built:
         report.kept_fp32 = {"(whole model)": why}
     else:   # nothing could even be tried: say so once, loudly
-        report.reason = "no INT8 route applies: " + "; ".join(
+        report.reason = "no INT8 route was built: " + "; ".join(
             f"{route}: {r.skipped}" for route, r in report.routes.items() if r.skipped)
         report.kept_fp32 = {"(whole model)": report.reason, **unsupported}
         _warn(report, f"auto returns fp32 for {type(model).__name__}: {report.reason}")
