@@ -213,6 +213,16 @@ def test_missing_program_is_127_and_stops_the_others(tmp_path: Path) -> None:
     assert "/nonexistent/program: command not found" in err
 
 
+
+def test_a_script_whose_interpreter_is_missing_says_so_not_command_not_found(tmp_path: Path) -> None:
+    """The script is there; the interpreter its #! line names is not: "command not found" named the script."""
+    script = tmp_path / "bad.sh"
+    script.write_text("#!/nonexistent/interpreter\necho hi\n")
+    script.chmod(0o755)
+    status, _, err = launch(tmp_path, [instance(0, [str(script)])], grace_period=1.0)
+    assert status == 127
+    assert f"{script}: its interpreter (the #! line) was not found" in err
+
 def test_success_and_summary(tmp_path: Path) -> None:
     status, out, err = launch(tmp_path, [instance(0, ["true"]), instance(1, ["true"])])
     assert status == 0

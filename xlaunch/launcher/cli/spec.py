@@ -131,7 +131,7 @@ OPTIONS: tuple[Opt, ...] = (
          "TOML file of options (flags override it), or a shipped preset: throughput, latency, single.",
          metavar="FILE|PRESET"),
     Opt("verbose", COUNT, GROUP_SUPERVISION, "More launcher messages (repeatable).", flags=("-v", "--verbose")),
-    Opt("quiet", COUNT, GROUP_SUPERVISION, "Fewer launcher messages (warnings off).", flags=("-q", "--quiet")),
+    Opt("quiet", COUNT, GROUP_SUPERVISION, "Fewer launcher messages (no notes, plan warnings, start line or summary).", flags=("-q", "--quiet")),
     # machine information
     _opt("check_isa", FLAG, GROUP_MACHINE, "Print the instruction sets and dtype advice, then exit."),
     _opt("torch", FLAG, GROUP_MACHINE, "With --check-isa: also ask torch (imports it)."),

@@ -80,6 +80,8 @@ def start_failure(error: OSError, instance: Instance) -> tuple[int, str]:
     """Shell-style status and a message for an instance that could not start."""
     program = instance.argv[0] if instance.argv else "(empty argv)"
     if isinstance(error, FileNotFoundError):
+        if os.path.isfile(program):        # it is there: the interpreter its #! line names is not
+            return 127, f"{program}: its interpreter (the #! line) was not found"
         return 127, f"{program}: command not found"
     if isinstance(error, PermissionError):
         return 126, f"{program}: permission denied"
