@@ -93,14 +93,19 @@ class RankProcess:
         self.stdout = os.fdopen(stdout_fd, "rb") if stdout_fd is not None else None
 
 
-def zombie_status(pid: int) -> Optional[tuple[int, int]]:
-    """``(CLD_* code, value)`` of an exited process not reaped yet, from ``/proc/PID/stat``."""
+def _stat_fields(pid: int) -> Optional[list[bytes]]:
+    """The fields of ``/proc/PID/stat`` after the command name (the state first), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
+            return stat.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    if fields[:1] != [b"Z"] or len(fields) < 50:
+
+
+def zombie_status(pid: int) -> Optional[tuple[int, int]]:
+    """``(CLD_* code, value)`` of an exited process not reaped yet, from ``/proc/PID/stat``."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[:1] != [b"Z"] or len(fields) < 50:
         return None
     raw = int(fields[49])                 # field 52, exit_code: the status as waitpid(2) gives it
     if os.WIFEXITED(raw):
@@ -124,20 +129,13 @@ def ended_child(pid: int) -> bool:
     """``pid`` is a child of this process that has ended and is not reaped yet: a signal sent now does
     not change how it ended (a rank, the child of torch's agent, is never one: the agent may have
     stopped it)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        return fields[0] == b"Z" and int(fields[1]) == os.getpid()
-    except (OSError, IndexError, ValueError):
-        return False
+    fields = _stat_fields(pid)
+    return fields is not None and fields[:2] == [b"Z", str(os.getpid()).encode()]
 
 
 def is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[:1] == [b"Z"]
-    except (OSError, IndexError):
-        return False
+    fields = _stat_fields(pid)
+    return fields is not None and fields[:1] == [b"Z"]
 
 
 
