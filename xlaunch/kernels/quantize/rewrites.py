@@ -37,25 +37,35 @@ def contiguous_linear_inputs(graph_module: nn.Module) -> int:
     compile here has (``TypeError: torch.Size() takes an iterable of 'int' (item 0 is 'Node')``):
     the whole route failed to build. After the copy the Linear is a view + addmm, which the pass
     lowers to oneDNN's int8 matmul. The copy is value-identical (its meta is the producer's)."""
-    graph = graph_module.graph
     copies = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or str(node.target) not in LINEAR_OPS or not node.args:
+    for node in list(graph_module.graph.nodes):
+        if not _is_linear(node) or not node.args:
             continue
         activation = node.args[0]
         value = getattr(activation, "meta", {}).get("val")
         if not isinstance(value, torch.Tensor) or value.dim() <= 2 or _contiguous(value):
             continue
-        with graph.inserting_before(node):
-            copy_node = graph.call_function(torch.ops.aten.clone.default, (activation,),
-                                            {"memory_format": torch.contiguous_format})
-        copy_node.meta = {**activation.meta, "val": value.clone(memory_format=torch.contiguous_format)}
-        node.replace_input_with(activation, copy_node)
+        _feed_through(node, activation, torch.ops.aten.clone.default, (activation,),
+                      {"memory_format": torch.contiguous_format}, value.clone(memory_format=torch.contiguous_format))
         copies += 1
-    if copies:
-        graph.lint()
+    return _recompiled(graph_module, copies)
+
+
+def _feed_through(node: Any, operand: Any, target: Any, args: tuple, kwargs: dict, value: torch.Tensor) -> None:
+    """Give ``node`` ``target(*args, **kwargs)`` (a new node before it, its meta value ``value``) in place of
+    its input ``operand``."""
+    with node.graph.inserting_before(node):
+        new = node.graph.call_function(target, args, kwargs)
+    new.meta = {**operand.meta, "val": value}
+    node.replace_input_with(operand, new)
+
+
+def _recompiled(graph_module: nn.Module, changes: int) -> int:
+    """``changes``, after checking and recompiling ``graph_module`` when there were any."""
+    if changes:
+        graph_module.graph.lint()
         graph_module.recompile()
-    return copies
+    return changes
 
 
 def _is_linear(node: Any) -> bool:
@@ -86,21 +96,14 @@ def full_rank_linear_adds(graph_module: nn.Module) -> int:
     ``(8,)`` compared the batch with 8, and where the batch of the compiling call was 8 the dynamic
     batch was specialized and the compile failed (``ConstraintViolationError``; a saved model's first
     call at that batch, too). Against ``(1, 8)`` the dynamic batch (>= 2) is known to differ."""
-    graph = graph_module.graph
     views = 0
-    for node in list(graph.nodes):
+    for node in list(graph_module.graph.nodes):
         linear, other = _linear_add(node) if node.op == "call_function" else (None, None)
         out, value = (linear.meta.get("val"), other.meta.get("val")) if linear is not None else (None, None)
         if (not isinstance(out, torch.Tensor) or not isinstance(value, torch.Tensor) or value.dim() >= out.dim()
                 or not all(isinstance(size, int) for size in value.shape)):
             continue
         shape = [1] * (out.dim() - value.dim()) + list(value.shape)
-        with graph.inserting_before(node):
-            view = graph.call_function(torch.ops.aten.reshape.default, (other, shape))
-        view.meta = {**other.meta, "val": value.reshape(shape)}
-        node.replace_input_with(other, view)
+        _feed_through(node, other, torch.ops.aten.reshape.default, (other, shape), {}, value.reshape(shape))
         views += 1
-    if views:
-        graph.lint()
-        graph_module.recompile()
-    return views
+    return _recompiled(graph_module, views)
