@@ -74,8 +74,9 @@ def checked_hint(hint: Hint, name: str) -> Hint:
         return type(hint)(checked_hint(h, name) for h in hint)
     if isinstance(hint, dict):
         return {key: checked_hint(h, name) for key, h in hint.items()}
-    if as_index(hint) is not None:
-        return as_index(hint)
+    index = as_index(hint)
+    if index is not None:
+        return index
     raise TypeError(f"{name}: a hint is an int dimension, None, or a tuple, list or dict of hints, not {hint!r}")
 
 
