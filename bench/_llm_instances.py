@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import psutil
+
 from xlaunch.cpulist import format_cpulist
 
 import _processes
@@ -147,13 +149,13 @@ def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int, 
         while True:          # window w: from go-w's instant, rounds until stop-w; then idle-<index>-w
             go, stop = sync / f"go-{window}", sync / f"stop-{window}"
             while not go.exists():
-                if (sync / "quit").exists() or not _alive(owner):
+                if (sync / "quit").exists() or not psutil.pid_exists(owner):
                     return
                 time.sleep(0.01)
             time.sleep(max(0.0, float(go.read_text()) - time.monotonic()))
             with open(sync / f"rounds-{index}-{window}.jsonl", "a") as rounds:
                 while not stop.exists():
-                    if not _alive(owner):
+                    if not psutil.pid_exists(owner):
                         return
                     begin = time.monotonic()
                     gen1 = min(generate(1) for _ in range(3))
@@ -163,16 +165,6 @@ def instance_worker(packed: Path, sync: Path, prompt_len: int, new_tokens: int, 
                     rounds.flush()
             _write_text(sync / f"idle-{index}-{window}", "")
             window += 1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _read_rounds(path: Path, start: float, until: float = float("inf")) -> list[dict[str, Any]]:
