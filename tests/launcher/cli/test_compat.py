@@ -232,6 +232,10 @@ def test_probe_and_int8_refusals(capsys) -> None:
 @pytest.mark.parametrize("argv, note", [
     (["--ncore_per_instance", "4"], "--ncore_per_instance (ipexrun 1.x) means --ncores-per-instance"),
     (["--node-id", "1"], "--node-id (run_cpu) means --nodes-list"),
+    (["--node-id", "-1"], "--node-id -1 (run_cpu) means every node"),
+    (["--nodes-list", "-1"], "--nodes-list -1 (run_cpu) means every node"),
+    (["--ninstances", "2", "--instance-idx", "-1"], "--instance-idx -1 (ipexrun) means every instance"),
+    (["--ninstances", "2", "--instance-idx=-1"], "--instance-idx -1 (ipexrun) means every instance"),
     (["--core-list", "0-3"], "--core-list (run_cpu) means --cores-list"),
     (["--skip-cross-node-cores"], "--skip-cross-node-cores (run_cpu, ipexrun 1.x) means --bind-numa-node"),
     (["--nprocs-per-node", "2"], "--nprocs-per-node (ipexrun) means --nproc-per-node"),

@@ -19,7 +19,7 @@ from xlaunch._records import replace
 from xlaunch.launcher.cli.parse import CommandLine, parse_fast, typed_spellings
 from xlaunch.launcher.cli.spec import COMPLETE_VAR, NOT_OPTIONS
 from xlaunch.launcher.errors import USAGE_EXIT_STATUS, LaunchInputError, OptionError
-from xlaunch.launcher.plan.options import Options, build_options
+from xlaunch.launcher.plan.options import Options, build_options, flag_name
 from xlaunch.launcher.plan.show import page_lost, write_page
 
 
@@ -125,8 +125,12 @@ def options_from(line: CommandLine, environ: Mapping[str, str],
     cli = {name: value for name, value in params.items()
            if name not in NOT_OPTIONS and name not in compat.BY_NAME and name in line.given}
     old = {name: params[name] for name in compat.BY_NAME if name in line.given}
-    notes: tuple[str, ...] = tuple(note for flag in (typed or {}).values()
-                                   if (note := compat.alias_note(flag)) is not None)
+    typed = typed or {}
+    all_of = {name: note for name in ("instance_idx", "nodes_list") if name in line.given   # -1: all of them
+              and (note := compat.minus_one_note(name, typed.get(name) or flag_name(name), params[name]))}
+    notes: tuple[str, ...] = tuple(note for name, flag in typed.items()
+                                   if name not in all_of and (note := compat.alias_note(flag)) is not None)
+    notes += tuple(all_of.values())
     if old:
         cli = {**compat.translate(old, cli), **cli}
         notes += tuple(f"{compat.flags(compat.BY_NAME[name])[0]} ({compat.BY_NAME[name].origin}) means "

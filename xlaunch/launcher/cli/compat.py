@@ -109,6 +109,19 @@ def alias_note(typed: str) -> Optional[str]:
     return f"{typed} ({ALIAS_ORIGINS.get(alias, 'ipexrun')}) means {flag_name(ALIASES[alias])}"
 
 
+# ipexrun's --instance-idx -1 and run_cpu's --node-id -1 mean "all of them" (plan.options)
+_MINUS_ONE = {"instance_idx": ("ipexrun", "every instance"), "nodes_list": ("run_cpu", "every node")}
+
+
+def minus_one_note(name: str, typed: str, value: Any) -> Optional[str]:
+    """The ``note:`` for an old ``-1`` meaning "all" (``--instance-idx -1 (ipexrun) means every
+    instance``), else None."""
+    if name not in _MINUS_ONE or str(value).strip() != "-1":
+        return None
+    origin, meaning = _MINUS_ONE[name]
+    return f"{typed} -1 ({origin}) means {meaning}"
+
+
 def _same(given: Any, meant: Any) -> bool:
     if isinstance(meant, str) and isinstance(given, str):
         return given.strip().lower() == meant
