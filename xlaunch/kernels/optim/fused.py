@@ -29,7 +29,7 @@ with needs_torch(__name__):
     from torch import Tensor
 
 from xlaunch.kernels import native_dtypes
-from xlaunch.kernels.optim import splitstate
+from xlaunch.kernels.optim import dtypewatch, splitstate
 from xlaunch.kernels.optim.base import _adam_moments, _FusedBase, _StepTensors, _step_tensor
 from xlaunch.kernels.optim.lamb import FusedLamb
 from xlaunch.kernels.optim.splitbf16 import join_into, split
@@ -209,6 +209,7 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
             p.data, p.grad = top, None
             splitstate.frozen_halves[p] = {TRAIL_KEY: trail}
             converted += 1
+    dtypewatch.bump()   # ``.data`` made bf16: a forward following the weights' dtype looks again
     return converted
 
 

@@ -30,8 +30,10 @@ with needs_torch(__name__):
     from torch import nn
     from torch.utils.weak import WeakIdKeyDictionary
 
+from xlaunch.kernels.optim import dtypewatch
 from xlaunch.kernels.optim.splitbf16 import TRAIL_DTYPE, join, split
 
+_LOW = (torch.bfloat16, torch.float16)
 TRAIL_KEY = "bf16_trail"   # the optimizer-state entry holding a split parameter's low half
 
 # {parameter: {TRAIL_KEY: low half}} of frozen parameters split-bf16 made bf16 (in no optimizer): the
@@ -205,22 +207,38 @@ class LowWeights:
     """Whether a forward that runs under bf16/fp16 autocast because its module's weights were made
     bf16 (split-bf16 training, bf16 inference weights) still should: while one parameter is bf16 or
     fp16. Once none is (``model.float()``, ``.double()``), split parameters become their exact
-    masters first, and the forward runs in the parameters' own precision, as the plain model."""
+    masters first, and the forward runs in the parameters' own precision, as the plain model.
+
+    O(1) per call: it keeps one low parameter (the witness) and the :mod:`.dtypewatch` generation of
+    its last scan, and scans again only when the witness is no longer low or a module's dtype may
+    have changed since (a cast of the model or of any module in it, a parameter or module assigned)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._widened = False
         self._lock = threading.Lock()
+        self._witness: Optional[torch.Tensor] = None
+        self._seen = -1   # the generation of the last scan (-1: none yet)
 
     def __call__(self) -> bool:
-        if any(p.dtype in (torch.bfloat16, torch.float16) for p in self.module.parameters()):
-            self._widened = False
-            return True
+        if self._seen == dtypewatch.generation:
+            witness = self._witness
+            if witness is None:
+                return False
+            if witness.dtype in _LOW:
+                return True
+        return self._scan()
+
+    def _scan(self) -> bool:
         with self._lock:
-            if not self._widened:
+            seen = dtypewatch.generation   # before the scan: a cast during it makes the next call scan again
+            dtypewatch.watch(self.module)
+            witness = next((p for p in self.module.parameters() if p.dtype in _LOW), None)
+            if witness is None and not self._widened:
                 unsplit_model(self.module)
-                self._widened = True
-        return False
+            self._widened = witness is None
+            self._witness, self._seen = witness, seen
+            return witness is not None
 
     def __getstate__(self) -> dict:
         return {"module": self.module, "_widened": self._widened}
@@ -228,6 +246,7 @@ class LowWeights:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._witness, self._seen = None, -1
 
 
 class Bf16Forward:

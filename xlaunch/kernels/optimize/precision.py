@@ -33,6 +33,7 @@ with needs_torch(__name__):
     import torch
     from torch import nn
 
+from xlaunch.kernels.optim import dtypewatch
 from xlaunch.kernels.native_dtypes import (  # noqa: F401 - names this module has always had
     BF16_FLAGS,
     FP16_FLAGS,
@@ -94,6 +95,7 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> tuple[int, dict[str, t
                 original.setdefault(names.get(id(param), ""), param.dtype)
                 param.data = param.data.to(dtype)
         count += 1
+    dtypewatch.bump()   # ``.data`` cast: a forward following the weights' dtype looks again
     return count, original, problems
 
 
