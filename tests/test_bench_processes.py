@@ -81,7 +81,7 @@ def test_bench_tune_stops_a_program_outside_the_launchers_group(tmp_path: Path, 
     launcher.write_text(LAUNCHER)
     monkeypatch.setenv("PIDFILE", str(tmp_path / "pid"))
     tune, started = load("tune"), time.monotonic()
-    assert tune.run_once("run_cpu default", [sys.executable, str(launcher)], 2.0, grace=2.0) is None
+    assert tune.run_once("run_cpu default", [sys.executable, str(launcher)], 1, 2.0, grace=2.0) is None
     assert time.monotonic() - started < 30, "the bench waited for the program it left running"
     assert capsys.readouterr().out == "  run_cpu default: timed out after 2s\n"
     assert gone(wait_for(tmp_path / "pid", within=0))
