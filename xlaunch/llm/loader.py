@@ -10,6 +10,7 @@ A path that is a packed file (:func:`xlaunch.llm.save_packed`) is mapped instead
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from xlaunch import userfiles
-from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch
 from xlaunch.node_copies import placed
 
@@ -27,7 +27,7 @@ with needs_torch(__name__):
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.api import _check, default_dtype, lm_head_packing, warn_if_bf16_is_slow  # noqa: E402
 from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
-from xlaunch.llm.files import user_path  # noqa: E402
+from xlaunch.llm.files import quoted, user_path  # noqa: E402
 from xlaunch.llm.files.checkpoint import (INDEX, SAFETENSORS_DTYPES, Checkpoint, SafetensorsFile,  # noqa: E402,F401
                                            WEIGHTS)      # INDEX, SafetensorsFile and WEIGHTS: re-exported
 from xlaunch.llm.decoder import SIXTEEN_BIT, embedding_table, exact_in_bf16  # noqa: E402
@@ -164,11 +164,11 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     return model
 
 
-def _bounded(file: Path) -> None:
-    """One ValueError line unless ``file`` is a regular file of at most :data:`MAX_CONFIG` bytes (transformers
-    reads a config whole: a runaway or corrupt file of gigabytes was read into memory)."""
+def _bounded(file: Path) -> bytes:
+    """The bytes of ``file``, or one ValueError line unless it is a regular file of at most :data:`MAX_CONFIG` bytes
+    (transformers reads a config whole: a runaway or corrupt file of gigabytes was read into memory)."""
     try:
-        os.close(userfiles.open_user_file(str(file), limit=MAX_CONFIG))
+        return userfiles.read_user_file(str(file), limit=MAX_CONFIG)
     except userfiles.UserFileError as error:
         raise ValueError(f"xlaunch.llm.from_pretrained: {error}") from None
 
@@ -178,29 +178,39 @@ def _config(path: Path) -> Any:
     (its validation errors, a model type it does not know: several lines) is one ValueError line."""
     import transformers
 
-    _bounded(path / "config.json")
+    file = path / "config.json"
+    data = _bounded(file)
+    try:
+        loaded = json.loads(data)
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"xlaunch.llm.from_pretrained: {file} is not JSON ({quoted(error)})") from None
+    if not isinstance(loaded, dict):    # transformers said "Unrecognized model" or "'int' is not iterable"
+        what = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(loaded), "a number")
+        raise ValueError(f"xlaunch.llm.from_pretrained: {file} holds {what}, not a JSON object")
     try:
         return transformers.AutoConfig.from_pretrained(str(path))
     except Exception as error:      # noqa: BLE001 - the user's file, read by another library
-        raise ValueError(f"xlaunch.llm.from_pretrained: {path / 'config.json'} is not a config transformers "
-                         f"can use ({error_line(error)})") from None
+        raise ValueError(f"xlaunch.llm.from_pretrained: {file} is not a config transformers "
+                         f"can use ({quoted(error)})") from None
 
 
 def _generation_config(path: Path) -> Any:
     """The folder's generation config, or None (none there, or not JSON: transformers' own load goes on without
-    it too); one it refuses (``max_new_tokens: -1``...) is one ValueError line naming the file."""
+    it too); one it refuses (``max_new_tokens: -1``...) is one ValueError line naming the file, and so is one that
+    is not a regular file (a FIFO, a directory, a dangling link: transformers' load skipped them silently)."""
     import transformers
 
-    if not (path / "generation_config.json").is_file():      # a regular file (a FIFO there would block the read)
+    file = path / "generation_config.json"
+    if not os.path.lexists(file):
         return None
-    _bounded(path / "generation_config.json")
+    _bounded(file)
     try:
         return transformers.GenerationConfig.from_pretrained(str(path))
     except OSError:
         return None
     except Exception as error:      # noqa: BLE001 - the user's file, read by another library
-        raise ValueError(f"xlaunch.llm.from_pretrained: {path / 'generation_config.json'} is not a generation config "
-                         f"transformers can use ({error_line(error)})") from None
+        raise ValueError(f"xlaunch.llm.from_pretrained: {file} is not a generation config "
+                         f"transformers can use ({quoted(error)})") from None
 
 
 def _path(value: Any, name: str) -> Path:
@@ -220,7 +230,11 @@ def _check_tensors(checkpoint: Checkpoint, model: Any, spec: Any, config: Any) -
     expected.setdefault("lm_head.weight", expected.get("model.embed_tokens.weight"))      # tied, stored anyway
     head = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
     if head != "lm_head.weight" and not spec.tied_embeddings:
-        raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks lm_head.weight and its embeddings are not tied{hint}")
+        # transformers loads it, lm_head random (a "MISSING" line in its load report): text from noise
+        raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks the tensor lm_head.weight, and its config.json does "
+                         "not tie lm_head to the embedding (tie_word_embeddings is not true): transformers would fill it "
+                         "with random values; if lm_head is the embedding, set \"tie_word_embeddings\": true in "
+                         f"config.json{hint}")
     for name, shape in expected.items():
         if name not in checkpoint:
             tied_other = spec.tied_embeddings and name in ("lm_head.weight", "model.embed_tokens.weight")

@@ -1,6 +1,6 @@
 """Files :mod:`xlaunch.llm` reads: :mod:`~xlaunch.llm.files.checkpoint`, a Hugging Face safetensors checkpoint
 directory read within bounds (the files transformers reads, every header checked); :func:`user_path`, a path
-argument checked."""
+argument checked; :func:`quoted`, another library's error in one line."""
 from __future__ import annotations
 
 import os
@@ -18,3 +18,9 @@ def user_path(value: Any, name: str, caller: str) -> Path:
     if not value:
         raise ValueError(f"{caller}: {name} is empty")
     return Path(value)
+
+
+def quoted(error: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line, its lines joined: transformers' validation errors put the field on the
+    first line and what is wrong with it on the next (``Validation error for field 'hidden_size':``)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:limit]}"

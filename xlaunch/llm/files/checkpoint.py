@@ -70,6 +70,13 @@ class SafetensorsFile:
         self.start = 8 + length
         for name, entry in header.items():
             self._check_entry(name, entry)
+        # two entries over the same bytes (safetensors refuses such a file): one tensor read the other's values
+        spans = sorted((entry["data_offsets"], name) for name, entry in header.items()
+                       if entry["data_offsets"][0] < entry["data_offsets"][1])
+        for ((_, end), first), ((start, _), second) in zip(spans, spans[1:]):
+            if start < end:
+                raise ValueError(f"xlaunch.llm.from_pretrained: {first} and {second} in {self.path} share bytes "
+                                 "(their data_offsets overlap: a malformed header)")
         return header
 
     def _check_entry(self, name: str, entry: Any) -> None:
@@ -147,6 +154,8 @@ def _index_files(path: Path) -> list[str]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"xlaunch.llm.from_pretrained: {where} has no weight_map of tensor names to files")
     files = sorted(set(weight_map.values()))
+    if not files:       # said "has no *.safetensors file" beside the shards
+        raise ValueError(f"xlaunch.llm.from_pretrained: {where} names no files (its weight_map is empty)")
     outside = [name for name in files if name in ("", ".", "..") or Path(name).name != name]
     if outside:
         raise ValueError(f"xlaunch.llm.from_pretrained: {where} names a file outside {path}: {outside[0]!r}")
@@ -185,7 +194,7 @@ class Checkpoint:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):    # a FIFO or a dangling link there: the loader's one line
             raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no config.json")
         files = weight_files(path)
         self.files: dict[str, SafetensorsFile] = {}

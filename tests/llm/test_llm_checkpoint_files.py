@@ -1,0 +1,160 @@
+"""A checkpoint folder a user hands xlaunch.llm.from_pretrained, mutated: config.json and generation_config.json
+that are no regular file or no JSON object, an untied config without lm_head.weight, header entries over the same
+bytes, an index naming no files. Each is one ValueError line naming the file, before any weight is packed."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from fifos import fifo_with_late_writer  # noqa: E402
+from llm_models import VOCAB, tiny  # noqa: E402
+
+import xlaunch.llm as llm  # noqa: E402
+from xlaunch.llm import loader  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{name: directory}: a tiny untied Llama in one file, a tiny Qwen2 in shards with an index."""
+    root = tmp_path_factory.mktemp("saved")
+    tiny("llama").save_pretrained(root / "llama", safe_serialization=True)
+    tiny("qwen2", seed=3).save_pretrained(root / "qwen2", safe_serialization=True, max_shard_size="200KB")
+    return {"llama": root / "llama", "qwen2": root / "qwen2"}
+
+
+@pytest.fixture
+def nothing_packed(monkeypatch):
+    monkeypatch.setattr(loader, "stream_linear", lambda *args, **kwargs: pytest.fail("a weight was packed first"))
+
+
+def _copy(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def _one_line_error(path: Path, match: str) -> str:
+    with pytest.raises(ValueError, match=match) as info:
+        llm.from_pretrained(path, dtype=torch.float32)
+    assert "\n" not in str(info.value) and str(info.value).startswith("xlaunch.llm.from_pretrained: ")
+    return str(info.value)
+
+
+def _ids():
+    return torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_a_config_file_that_is_no_regular_file_is_one_line_naming_it(saved, tmp_path, name, nothing_packed):
+    """A FIFO, a directory, /dev/null or a dangling link named generation_config.json was skipped silently
+    (generate used config.json's defaults, not the file's settings); named config.json, it said 'has no config.json'."""
+    for kind, plant in (("FIFO", None), ("directory", os.mkdir), ("character device", lambda p: p.symlink_to("/dev/null")),
+                        ("dangling", lambda p: p.symlink_to("nowhere"))):
+        folder = _copy(saved["llama"], tmp_path / kind.replace(" ", "-"))
+        (folder / name).unlink()
+        if plant is None:
+            with fifo_with_late_writer(folder / name):      # a blocking read would meet the writer, then fail here
+                _one_line_error(folder, f"{name} is a FIFO, not a regular file$")
+            continue
+        plant(folder / name)
+        _one_line_error(folder, f"cannot read .*{name}: No such file or directory$" if kind == "dangling"
+                        else f"{name} is a {kind}, not a regular file$")
+    folder = _copy(saved["llama"], tmp_path / "absent")
+    (folder / name).unlink()
+    if name == "config.json":
+        _one_line_error(folder, "has no config.json$")
+
+
+def test_an_untied_config_without_lm_head_is_one_line_saying_what_to_do(saved, tmp_path, nothing_packed):
+    """transformers loads it with a random lm_head (its load report says MISSING): refused, the line naming the
+    tensor and the config key, whether tie_word_embeddings is false or absent (false for these model types)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(saved["llama"], tmp_path / "no-head")
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({k: t for k, t in tensors.items() if k != "lm_head.weight"}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    for absent in (False, True):
+        if absent:
+            config.pop("tie_word_embeddings")
+            (folder / "config.json").write_text(json.dumps(config))
+        _one_line_error(folder, "lacks the tensor lm_head.weight, and its config.json does not tie lm_head to the "
+                                "embedding .* set \"tie_word_embeddings\": true in config.json$")
+
+
+def test_an_untied_config_set_to_tie_loads_as_transformers_ties_it(saved, tmp_path):
+    """The line's advice, followed: the same logits as transformers' tied model."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(saved["llama"], tmp_path / "tied-now")
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({k: t for k, t in tensors.items() if k != "lm_head.weight"}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=True)))
+    reference = llm.optimize(transformers.AutoModelForCausalLM.from_pretrained(folder), dtype=torch.float32)
+    ids = _ids()
+    assert torch.equal(llm.from_pretrained(folder, dtype=torch.float32)(ids).logits, reference(ids).logits)
+
+
+def test_a_config_that_is_no_json_object_or_fails_validation_is_one_whole_line(saved, tmp_path, nothing_packed):
+    """A list or a number said 'Unrecognized model ... should have a model_type key' or "argument of type 'int' is
+    not iterable"; a validation error was cut at its first line ("Validation error for field 'hidden_size':"),
+    the line saying what is wrong with the field lost."""
+    folder = _copy(saved["llama"], tmp_path / "config")
+    config = json.loads((folder / "config.json").read_text())
+    for text, match in (("[1, 2]", "holds an array, not a JSON object"), ("128", "holds a number, not a JSON object"),
+                        ("null", "holds null, not a JSON object"), ("", "is not JSON \\(JSONDecodeError"),
+                        ("[" * 100000, "is not JSON \\(RecursionError"),
+                        (json.dumps(dict(config, hidden_size="128")),
+                         "is not a config transformers can use .*field 'hidden_size': .*expected int, got str")):
+        (folder / "config.json").write_text(text)
+        _one_line_error(folder, f"config.json {match}")
+
+
+def _rewrite_header(path: Path, change) -> None:
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+
+
+def test_header_entries_over_the_same_bytes_are_refused(saved, tmp_path, nothing_packed):
+    """safetensors refuses such a file; v_proj read k_proj's values and the model loaded."""
+    folder = _copy(saved["llama"], tmp_path / "overlap")
+    prefix = "model.layers.0.self_attn"
+
+    def share(header):
+        header[f"{prefix}.v_proj.weight"]["data_offsets"] = header[f"{prefix}.k_proj.weight"]["data_offsets"]
+
+    _rewrite_header(folder / "model.safetensors", share)
+    _one_line_error(folder, f"{prefix}.[kv]_proj.weight and {prefix}.[kv]_proj.weight in .* share bytes")
+
+
+def test_an_index_naming_no_files_says_so(saved, tmp_path):
+    """It said 'has no *.safetensors file' beside ten shards."""
+    folder = _copy(saved["qwen2"], tmp_path / "empty-index")
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    _one_line_error(folder, "model.safetensors.index.json names no files")
+
+
+def test_the_checkpoint_still_loads_with_every_file_as_saved(saved):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = llm.from_pretrained(saved["llama"], dtype=torch.float32)
+    assert model.generation_config.eos_token_id == 2 and torch.isfinite(model(_ids()).logits).all()
