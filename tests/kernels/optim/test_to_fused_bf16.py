@@ -141,3 +141,27 @@ def test_a_model_made_channels_last_between_steps_keeps_its_momentum_on_its_elem
         return [m.contiguous().view(torch.int32) for m in master_params(optimizer)]
 
     assert all(torch.equal(got, expected) for got, expected in zip(run(False), run(True)))
+
+
+def test_a_model_cast_to_bf16_before_is_said_to_train_without_masters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model made bf16 (or fp16) before ``to_fused``/``optimize(dtype=torch.bfloat16)`` has no fp32
+    master to split: it trained in plain bf16 (updates below half an ulp lost) and nothing said so, the
+    optimize report included."""
+    from xlaunch.kernels.optimize.notes import OptimizeWarning
+    from xlaunch.kernels.optimize.pipeline import optimize
+
+    monkeypatch.setattr(native_dtypes, "isa_flags", lambda: frozenset({"avx512_bf16"}))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).bfloat16()
+    with pytest.warns(UserWarning, match=r"4 of the optimizer's parameters are already bfloat16: trained in "
+                                         r"that precision, without fp32 master weights"):
+        to_fused(torch.optim.SGD(model.parameters(), lr=0.1), model, dtype=torch.bfloat16)
+    model[0].half()
+    with pytest.warns(OptimizeWarning, match=r"4 of the optimizer's parameters are already 2 float16 and 2 bfloat16"):
+        optimized, _ = optimize(model.train(), torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.bfloat16,
+                                force_bf16=True, progress=False)
+    assert any("without fp32 master weights" in w for w in optimized._xlaunch_optimize_report.warnings)
+    model = mlp()                                           # fp32: split, no such warning; again: already split
+    optimizer = to_fused(torch.optim.SGD(model.parameters(), lr=0.1), model, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        to_fused(optimizer, model, dtype=torch.bfloat16)

@@ -213,6 +213,22 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
     return converted
 
 
+def _low_but_unsplit(optimizer: torch.optim.Optimizer) -> str:
+    """'N of the optimizer's parameters are already bfloat16' for the bf16/fp16 parameters of
+    ``optimizer`` that are not split (a model cast before ``to_fused``), or ''."""
+    low: dict[str, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.dtype in (torch.bfloat16, torch.float16) and not is_split(optimizer, p):
+                name = str(p.dtype).replace("torch.", "")
+                low[name] = low.get(name, 0) + 1
+    if not low:
+        return ""
+    total = sum(low.values())
+    return f"{total} of the optimizer's parameters {'are' if total > 1 else 'is'} already " + \
+        " and ".join(f"{n} {name}" if len(low) > 1 else name for name, n in low.items())
+
+
 def master_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """fp32 copies of every parameter's master value (joined halves for split parameters)."""
     splitstate.unsplit_widened(optimizer)
@@ -262,7 +278,13 @@ def to_fused(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = N
         if reason is not None:
             warnings.warn(f"xlaunch.kernels: to_fused(dtype=torch.bfloat16): {reason} (dtype=None "
                           "trains in fp32)", native_dtypes.EmulatedPrecisionWarning, stacklevel=2)
-        if split_params(fused, model) and model is not None:
+        split_now = split_params(fused, model)
+        unsplit = _low_but_unsplit(fused)
+        if unsplit:
+            warnings.warn(f"xlaunch.kernels: to_fused(dtype=torch.bfloat16): {unsplit}: trained in that "
+                          "precision, without fp32 master weights (each update rounded to it); give the fp32 "
+                          "model (before .bfloat16()/.half()) to train them as split-bf16", stacklevel=2)
+        if split_now and model is not None:
             splitstate.prepare_model(model, fused)
         elif model is None:
             warnings.warn("xlaunch.kernels: to_fused(dtype=torch.bfloat16) without the model: its "

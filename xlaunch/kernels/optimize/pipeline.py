@@ -217,12 +217,15 @@ def _convert_optimizer(optimizer: Any, model: nn.Module, dtype: torch.dtype, rep
         _warn(report, f"optimizer kept as given: the fused optimizers are unavailable ({exc})")
         return optimizer
     try:
-        with warnings.catch_warnings():   # force_bf16 asked for bf16 knowing it is emulated here
-            warnings.simplefilter("ignore", EmulatedPrecisionWarning)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             fused = to_fused(optimizer, model, dtype=dtype)
     except Exception as exc:
         _warn(report, f"optimizer kept as given: {type(exc).__name__}: {exc}")
         return optimizer
+    for caught_warning in caught:   # in the report too; not: force_bf16 asked for bf16 knowing it is emulated
+        if not issubclass(caught_warning.category, EmulatedPrecisionWarning):
+            _warn(report, str(caught_warning.message).removeprefix("xlaunch.kernels: "))
     report.optimizer = type(fused).__name__
     return fused
 
