@@ -66,8 +66,8 @@ def test_only_the_exporting_thread_is_held_and_a_success_gives_it_out(capfd) -> 
         thread = threading.Thread(target=other)
         thread.start()
         thread.join()
-    assert held == ["from the exporting thread", "\n"]
+    assert held == [("stderr", "from the exporting thread"), ("stderr", "\n")]
     assert capfd.readouterr().err == "from another thread\n"
     capture.give_out(held)
     assert capfd.readouterr().err == "from the exporting thread\n"
-    assert not isinstance(sys.stderr, capture._Stderr)   # put back
+    assert not isinstance(sys.stderr, capture._Stream) and not isinstance(sys.stdout, capture._Stream)   # put back

@@ -17,12 +17,8 @@ writes it (:mod:`.engine_saved`).
 """
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import os
 import tempfile
-import warnings
 from typing import Any, Optional
 
 from xlaunch._torch import needs_torch
@@ -32,6 +28,7 @@ with needs_torch(__name__):
     from torch import nn
 
 from xlaunch.kernels.optimize.engines.base import missing_module
+from xlaunch.kernels.quantize import capture
 from xlaunch.kernels.quantize.routes import Built
 
 OPENVINO, ONNXRUNTIME = "openvino_static", "onnxruntime_static"
@@ -45,22 +42,10 @@ def missing(route: str) -> Optional[str]:
     return missing_module(NEEDS[route], PIP[route])
 
 
-@contextlib.contextmanager
 def quiet() -> Any:
-    """The quantizers' chatter kept from the user: NNCF's progress bars (rich, on stdout), its
-    logger, ONNX Runtime's advice on the root logger, warnings."""
-    loggers = [logging.getLogger(), logging.getLogger("nncf")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    """The quantizers' chatter kept from the user (NNCF's progress bars and INFO lines, ONNX Runtime's
+    advice on the root logger, their warnings), for this thread only: :func:`.capture.quiet_libraries`."""
+    return capture.quiet_libraries()
 
 
 def _layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:

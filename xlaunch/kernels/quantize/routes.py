@@ -324,8 +324,7 @@ def build_weight_only(model: nn.Module) -> Built:
     attention = [name for name, m in quantized_model.named_modules() if isinstance(m, nn.MultiheadAttention)]
     linears = {name for name, m in quantized_model.named_modules() if isinstance(m, nn.Linear)
                and not any(name.startswith(a + ".") for a in attention)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with capture.ignored_warnings(["torchao"]):   # its notices, not the user's threads' warnings
         quantize_(quantized_model, Int8WeightOnlyConfig(),
                   filter_fn=lambda m, name: isinstance(m, nn.Linear) and name in linears)
     quantized = sorted(name for name, m in quantized_model.named_modules()
