@@ -224,16 +224,51 @@ def test_a_fifo_in_the_source_is_refused_without_blocking(packed, tmp_path):
     assert "\n" not in message
 
 
-def test_save_packed_never_writes_through_a_link_planted_at_its_partial_file(packed, tmp_path):
+def test_save_packed_never_writes_through_a_link_planted_at_its_partial_file(packed, tmp_path, monkeypatch):
+    """The temporary file's name is random; a link planted at the name it draws (forced here) is passed by."""
+    from xlaunch import userfiles
+
     checkpoint, path, logits = packed
     model = llm.from_pretrained(path)
     target, victim = tmp_path / "model.xlp", tmp_path / "victim"
     victim.write_text("keep me")
-    (tmp_path / f".model.xlp.{os.getpid()}.partial").symlink_to(victim)
+    planted = tmp_path / f".model.xlp.{os.getpid()}.{'00' * 4}.tmp"
+    planted.symlink_to(victim)
+    draws = iter([b"\0" * 4])
+    real = userfiles.os.urandom
+    monkeypatch.setattr(userfiles.os, "urandom", lambda n: next(draws, None) or real(n))
     llm.save_packed(model, target)
-    assert victim.read_text() == "keep me" and not os.path.lexists(tmp_path / f".model.xlp.{os.getpid()}.partial")
+    monkeypatch.undo()
+    assert victim.read_text() == "keep me" and planted.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model.xlp", "victim", planted.name])
     with torch.no_grad():
         assert torch.equal(llm.from_pretrained(target)(torch.tensor(IDS)).logits, logits)
+
+
+def test_threads_saving_one_file_at_once_each_write_it_whole(packed, tmp_path):
+    """Every writer of a process shared one temporary name (.model.xlp.PID.partial): one removed another's file
+    and renamed a half-written one over the target, the others failed (cannot write ... No such file)."""
+    import threading
+
+    _, path, logits = packed
+    model = llm.from_pretrained(path)
+    target, failures = tmp_path / "model.xlp", []
+
+    def save() -> None:
+        try:
+            llm.save_packed(model, target)
+        except Exception as error:      # noqa: BLE001 - recorded, asserted below
+            failures.append(error)
+
+    for _ in range(3):
+        threads = [threading.Thread(target=save) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        with torch.no_grad():
+            assert torch.equal(llm.from_pretrained(target)(torch.tensor(IDS)).logits, logits)
+    assert not failures and [p.name for p in tmp_path.iterdir()] == ["model.xlp"]
 
 
 def test_an_fp32_model_of_bf16_values_round_trips_with_its_bf16_storage(tmp_path):

@@ -154,11 +154,9 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
     if path.is_symlink() or (os.path.lexists(path) and not path.is_file()):   # a device would be renamed over
         what = "a symlink; give the file's own path" if path.is_symlink() else "not a regular file (never replaced)"
         raise PackedFileError(f"xlaunch.llm.save_packed: {path} is {what}")
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        if os.path.lexists(partial):      # a crashed writer's, or a link planted there: removed, never followed
-            partial.unlink()
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    partial = None
+    try:    # a new file of its own (O_EXCL, O_NOFOLLOW, a random name): one per writer, threads of a process too
+        fd, partial = userfiles.new_file(str(path.parent), f"{path.name}.{os.getpid()}")
         with os.fdopen(fd, "wb") as handle:
             handle.write(MAGIC + struct.pack("<Q", len(header)) + header)
             for name, tensor in tensors.items():
@@ -171,8 +169,8 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
     except OSError as error:    # no such or a read-only folder, a full disk: one line naming the file asked for
         raise PackedFileError(f"xlaunch.llm.save_packed: cannot write {path} ({error.strerror or error})") from None
     finally:
-        if os.path.lexists(partial):
-            partial.unlink()
+        if partial is not None and os.path.lexists(partial):
+            os.unlink(partial)
     return path
 
 
