@@ -26,7 +26,7 @@ with needs_torch(__name__):
     from torch import Tensor
 
 from xlaunch.nn.bag_torch import (SMALL_STEP_LOOKUPS, WRITE_GRAD, _NONE, _ops_for, _places, _run_shape,
-                                  _torch_grad, check_bounds, torch_pool, update_rows)
+                                  _torch_grad, check_bounds, psw_gradients, torch_pool, update_rows)
 from xlaunch.nn.tables import (MODES, BagInputs, EmbeddingSpec, TableLayout, call_plan, check_offsets, normalize,
                                offset_ranges, offsets_valid)
 
@@ -204,6 +204,16 @@ def _setup_fused(ctx, inputs, output) -> None:
     ctx.hyper = (kind, lr, wd, eps)
     ctx.dense_dim = -1 if dense is None else dense.shape[1]
     ctx.dense_dtype = None if dense is None else dense.dtype
+    ctx.psw_wanted = [p.requires_grad for p in psw]
+
+
+def _psw_grads(weight: Tensor, grads: list, layout: TableLayout, inputs: BagInputs, dense_dim: int,
+               wanted: list) -> list:
+    """The per-sample-weight gradients a fused backward owes (``wanted[t]``: table ``t``'s requires
+    grad), from the weights the forward read: taken before the update changes them."""
+    found = psw_gradients(weight.detach(), _table_grads(grads, layout, inputs.batch, weight.dtype, dense_dim >= 0),
+                          layout, inputs, _places(layout, inputs.batch, dense_dim if dense_dim >= 0 else None))
+    return [g if want else None for g, want in zip(found, wanted)]
 
 
 def _backward_fused(ctx, grads):
@@ -211,12 +221,16 @@ def _backward_fused(ctx, grads):
     saved = ctx.saved_tensors
     indices, offsets, psw = saved[:count], saved[count:2 * count], saved[2 * count:]
     weight, trail, state = ctx.targets
+    psw_grad = [None] * count
+    if any(ctx.psw_wanted):
+        psw_grad = _psw_grads(weight, list(grads), layout_of(tuple(rows), tuple(dims), tuple(modes)),
+                              _inputs(indices, offsets, psw, batch), ctx.dense_dim, ctx.psw_wanted)
     merged_bag_update(weight, trail, state, ctx.dense_dim, list(grads), list(indices), list(offsets), list(psw),
                       rows, dims, modes, batch, *ctx.hyper)
     dense_grad = None
     if ctx.dense_dim >= 0 and ctx.needs_input_grad[3]:
         dense_grad = grads[0][:, :ctx.dense_dim].to(ctx.dense_dtype)
-    return (None, None, None, dense_grad, [None] * count, [None] * count, [None] * count, None, None, None, None,
+    return (None, None, None, dense_grad, [None] * count, [None] * count, psw_grad, None, None, None, None,
             None, None, None, None)
 
 
@@ -384,7 +398,7 @@ class _EagerFused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight: Tensor, dense: Optional[Tensor], layout: TableLayout, inputs: BagInputs,
-                targets: tuple, hyper: tuple) -> tuple:
+                targets: tuple, hyper: tuple, *psw: Optional[Tensor]) -> tuple:    # psw: inputs' own, for their grads
         ctx.layout, ctx.inputs, ctx.targets, ctx.hyper = layout, inputs, targets, hyper
         ctx.dense_dim = -1 if dense is None else dense.shape[1]
         ctx.dense_dtype = None if dense is None else dense.dtype
@@ -396,13 +410,15 @@ class _EagerFused(torch.autograd.Function):
     def backward(ctx, *grads: Tensor) -> tuple:
         layout, inputs, cat = ctx.layout, ctx.inputs, ctx.dense_dim >= 0
         weight, trail, state = ctx.targets
+        wanted = list(ctx.needs_input_grad[6:])
+        psw_grad = _psw_grads(weight, list(grads), layout, inputs, ctx.dense_dim, wanted) if any(wanted) else []
         table_grads = _table_grads(list(grads), layout, inputs.batch, weight.dtype, cat)
         update_rows(ctx.hyper[0], layout, inputs, table_grads, weight.detach(), trail, state, *ctx.hyper[1:],
                     dense_dim=ctx.dense_dim if cat else None, aux=ctx.aux or None)
         dense_grad = None
         if cat and ctx.needs_input_grad[1]:
             dense_grad = grads[0][:, :ctx.dense_dim].to(ctx.dense_dtype)
-        return None, dense_grad, None, None, None, None
+        return (None, dense_grad, None, None, None, None, *(psw_grad or [None] * len(wanted)))
 
 
 def pool_fused(weight: Tensor, trail: Optional[Tensor], state: Optional[Tensor], layout: TableLayout,
@@ -411,7 +427,8 @@ def pool_fused(weight: Tensor, trail: Optional[Tensor], state: Optional[Tensor],
     """:func:`pool` whose backward updates the looked-up rows (no weight gradient)."""
     hyper = (kind, float(lr), float(weight_decay), float(eps))
     if not _recorded():
-        out = list(_EagerFused.apply(weight, dense, layout, inputs, (weight, trail, state), hyper))
+        out = list(_EagerFused.apply(weight, dense, layout, inputs, (weight, trail, state), hyper,
+                                     *inputs.per_sample_weights))
     else:
         out = merged_bag_fused(weight, _NONE if trail is None else trail, _NONE if state is None else state, dense,
                                *op_args(layout, inputs), *hyper)

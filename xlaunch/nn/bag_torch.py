@@ -220,7 +220,7 @@ def _torch_grad(weight: Tensor, grads: list, layout: TableLayout, inputs: BagInp
     """The dense weight gradient (and per-sample-weight gradients) with torch ops, summed in the
     compute dtype: every lookup's scaled upstream row added into its row; for max pooling, each
     element's upstream value added into the row that won it."""
-    compute, batch = compute_dtype(weight.dtype), inputs.batch
+    compute = compute_dtype(weight.dtype)
     grad = torch.zeros(weight.numel(), dtype=compute)
     for first, stop in layout.runs():
         dim = layout.dims[first]
@@ -233,19 +233,23 @@ def _torch_grad(weight: Tensor, grads: list, layout: TableLayout, inputs: BagInp
         else:
             lookups, values = _row_gradients(layout, inputs, grads, places, first, stop, compute)
             block.index_add_(0, lookups, values)
-    found = [grad.to(weight.dtype)]
-    if psw_grads:
-        for t, psw in enumerate(inputs.per_sample_weights):
-            if psw is None:
-                found.append(_NONE)
-                continue
-            used, dim = inputs.lookups(t), layout.dims[t]
-            offsets = inputs.offsets[t][:batch].long()
-            bags = torch.repeat_interleave(torch.arange(batch), torch.diff(offsets, append=torch.tensor([used])),
-                                           output_size=used)
-            rows = layout.view(weight.detach(), t).index_select(0, inputs.indices[t][:used].long()).to(compute)
-            dots = (_upstream(grads, places, t, batch, dim).to(compute).index_select(0, bags) * rows).sum(1)
-            found.append(torch.cat([dots, torch.zeros(psw.numel() - used, dtype=compute)]).to(psw.dtype))
+    return [grad.to(weight.dtype), *(psw_gradients(weight, grads, layout, inputs, places) if psw_grads else [])]
+
+
+def psw_gradients(weight: Tensor, grads: list, layout: TableLayout, inputs: BagInputs, places: tuple) -> list[Tensor]:
+    """Each table's per-sample-weight gradient (``_NONE`` without them): every lookup's row, as the
+    forward read it (so before an update), dotted with its bag's upstream gradient."""
+    compute, batch, found = compute_dtype(weight.dtype), inputs.batch, []
+    for t, psw in enumerate(inputs.per_sample_weights):
+        if psw is None:
+            found.append(_NONE)
+            continue
+        used, dim, offsets = inputs.lookups(t), layout.dims[t], inputs.offsets[t][:batch].long()
+        bags = torch.repeat_interleave(torch.arange(batch), torch.diff(offsets, append=torch.tensor([used])),
+                                       output_size=used)
+        rows = layout.view(weight.detach(), t).index_select(0, inputs.indices[t][:used].long()).to(compute)
+        dots = (_upstream(grads, places, t, batch, dim).to(compute).index_select(0, bags) * rows).sum(1)
+        found.append(torch.cat([dots, torch.zeros(psw.numel() - used, dtype=compute)]).to(psw.dtype))
     return found
 
 
