@@ -152,6 +152,26 @@ def test_another_kernel_level_or_format_is_refused_then_rebuilt_from_the_source(
     _refused(stale, "holds weights='int8'", weights="int4")
 
 
+def test_an_edited_generation_config_in_the_source_rebuilds_the_file(packed, tmp_path):
+    """The source's digest left generation_config.json out: the file kept the old eos_token_id and sampling
+    settings after the checkpoint's were edited (or removed), while the checkpoint loaded directly had the new."""
+    import shutil
+
+    checkpoint, _, logits = packed
+    source, path = shutil.copytree(checkpoint, tmp_path / "source"), tmp_path / "model.xlp"
+    assert llm.from_pretrained(path, source=source, weights="int8").generation_config.eos_token_id == 2
+    settings = json.loads((source / "generation_config.json").read_text())
+    (source / "generation_config.json").write_text(json.dumps(dict(settings, eos_token_id=7, temperature=0.3,
+                                                                   do_sample=True)))
+    for model in (llm.from_pretrained(path, source=source, weights="int8"), llm.from_pretrained(path)):
+        assert (model.generation_config.eos_token_id, model.generation_config.temperature) == (7, 0.3)
+    (source / "generation_config.json").unlink()
+    model = llm.from_pretrained(path, source=source, weights="int8")
+    assert model.generation_config.temperature == llm.from_pretrained(source, weights="int8").generation_config.temperature
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor(IDS)).logits, logits)
+
+
 def test_malformed_files_get_one_clear_error(packed, tmp_path):
     _, path, _ = packed
     (tmp_path / "junk.xlp").write_bytes(b"not a packed file at all")

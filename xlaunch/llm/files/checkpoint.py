@@ -163,11 +163,15 @@ def _index_files(path: Path) -> list[str]:
 
 
 def source_digest(path: Any) -> str:
-    """A digest of a checkpoint directory: config.json, the size and header of each file :func:`weight_files`
-    names (none when it names none: the load says why), sampled bytes. Regular files only (a FIFO or a device
-    is one :class:`~xlaunch.userfiles.UserFileError`, never a blocked read)."""
+    """A digest of a checkpoint directory: config.json, generation_config.json (or its absence: the packed file
+    records it), the size and header of each file :func:`weight_files` names (none when it names none: the load
+    says why), sampled bytes. Regular files only (a FIFO or a device is one
+    :class:`~xlaunch.userfiles.UserFileError`, never a blocked read)."""
     path = Path(path)
     digest = hashlib.sha256(userfiles.read_user_file(str(path / "config.json"), limit=MAX_CONFIG))
+    generation = path / "generation_config.json"
+    digest.update(b"generation_config.json:" + (userfiles.read_user_file(str(generation), limit=MAX_CONFIG)
+                                                if os.path.lexists(generation) else b"none"))
     try:
         files = weight_files(path)
     except userfiles.UserFileError:
