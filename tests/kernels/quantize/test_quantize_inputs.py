@@ -75,3 +75,45 @@ def test_a_batch_with_fewer_items_than_the_example_is_one_error() -> None:
     x = torch.randn(8, 16)
     with pytest.raises(ValueError, match=r"calibration batch 0 holds 1 item\(s\), example_inputs 2"):
         quantize(Scaled().eval(), (x, torch.ones(8, 1)), calibration=[(x,)], mode="weight_only", progress=False)
+
+
+class Counted:
+    """An iterable of ``n`` calibration batches that counts how many were drawn (a DataLoader over a
+    large data set, or a generator: drawing is the cost)."""
+
+    def __init__(self, n: int, rows: int = 4) -> None:
+        self.n, self.rows, self.drawn = n, rows, 0
+
+    def __iter__(self):
+        for _ in range(self.n):
+            self.drawn += 1
+            yield (torch.randn(self.rows, 16),)
+
+
+def test_a_huge_calibration_is_read_up_to_the_cap_and_the_report_says_so() -> None:
+    """Before, every batch was drawn and held (a 20000-image DataLoader: all 625 batches, 1.2 GiB),
+    and each route then ran all of them."""
+    from xlaunch.kernels.quantize import inputs
+
+    huge = Counted(100_000)
+    quantized = quantize(Scaled().eval(), torch.randn(4, 16), calibration=huge, mode="weight_only", progress=False)
+    assert huge.drawn == inputs.MAX_BATCHES + 1   # the cap, and one more to know that more was there
+    note = (f"calibration: the first {inputs.MAX_BATCHES} batches were used (quantize reads at most "
+            f"{inputs.MAX_BATCHES} batches); the rest was not read")
+    assert any(w.startswith(note) for w in quantized.report.warnings), quantized.report.warnings
+    # exactly the cap: nothing left unread, no note
+    batches, notes = inputs.calibration_batches(Counted(inputs.MAX_BATCHES), (torch.randn(4, 16),))
+    assert len(batches) == inputs.MAX_BATCHES and notes == []
+
+
+def test_calibration_inputs_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from xlaunch.kernels.quantize import inputs
+
+    monkeypatch.setattr(inputs, "MAX_BYTES", 3 * 4 * 16 * 4)   # three batches of 4 x 16 float32
+    many = Counted(10)
+    batches, notes = inputs.calibration_batches(many, (torch.randn(4, 16),))
+    assert len(batches) == 3 and many.drawn == 4
+    assert notes == ["calibration: the first 3 batches were used (their inputs would pass 0 MiB); the rest was "
+                     "not read (pass fewer batches, or a DataLoader over a subset, to choose them)"]
+    big = Counted(2, rows=1000)   # one batch over the cap alone: still used
+    assert len(inputs.calibration_batches(big, (torch.randn(4, 16),))[0]) == 1

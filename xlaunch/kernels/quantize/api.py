@@ -126,7 +126,8 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     """Quantize a copy of ``model`` (put in eval mode) to INT8; see the module docstring.
 
     ``example_inputs``: a tensor or tuple of inputs (timing, export); ``calibration``: an iterable
-    of input tuples (static needs it; it is also where accuracy is measured). ``max_error`` is the
+    of input tuples, of which the first 64 batches are read (:data:`.inputs.MAX_BATCHES`; static needs
+    it; it is also where accuracy is measured). ``max_error`` is the
     largest relative error ``auto`` accepts; ``rounds`` the interleaved timing rounds of ``auto``;
     ``consider`` what ``auto`` may build: INT8 routes and ``"bf16"`` (the bf16 float variant), by
     default all of them (:data:`.policy.AUTO_ROUTES`). An explicit mode whose relative error
@@ -138,7 +139,7 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize: model must be a torch.nn.Module, not {type(model).__name__}")
     example = inputs.as_args(example_inputs, "example_inputs")
-    batches, note = inputs.calibration_batches(calibration, example)
+    batches, notes = inputs.calibration_batches(calibration, example)
     if mode == "static" and batches is None:
         raise ValueError("quantize: mode='static' needs calibration=[(inputs...), ...] to set the "
                          "activation scales (or use mode='dynamic' or 'weight_only')")
@@ -149,7 +150,7 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     steps = 3 if mode != "auto" else 2 + len(policy.INT8_ROUTES)   # a terminal bar's length (about)
     show = Progress(total=steps, enabled=progress, title=PROGRESS_TITLE)
     try:
-        return _quantize(model, example, batches, mode, max_error, rounds, policy.check_routes(consider), show, note)
+        return _quantize(model, example, batches, mode, max_error, rounds, policy.check_routes(consider), show, notes)
     finally:
         show.close()
 
@@ -158,19 +159,19 @@ PROGRESS_TITLE = "xlaunch.quantize"
 
 
 def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], mode: str, max_error: float,
-              rounds: int, allowed: tuple[str, ...], show: Progress, note: str = "") -> QuantizedModule:
+              rounds: int, allowed: tuple[str, ...], show: Progress, notes: Optional[list[str]] = None) -> QuantizedModule:
     checks = batches or [example]
     with show.step(f"{type(model).__name__}, mode {mode}: fp32 reference outputs") as step:
         traits = _machine_traits()
         report = QuantizeReport(mode=mode, requested=mode, isa_int8_dot=traits.int8_dot,
-                                reduce_range=traits.reduce_range, warnings=[note] if note else [])
+                                reduce_range=traits.reduce_range, warnings=list(notes or []))
         fp32 = copy.deepcopy(model).eval()
         has_linear, has_conv = _layers(fp32)
         with torch.no_grad():
             reference = [fp32(*batch) for batch in checks]
         step.done(f"int8 dot products: {traits.int8_dot or 'none'}"
                   + ("; 7-bit operands" if traits.reduce_range else ""))
-    if note:
+    for note in notes or []:
         show.line(note)
 
     if mode == "auto":

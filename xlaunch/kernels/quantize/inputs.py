@@ -8,6 +8,10 @@ than ``example_inputs`` (a DataLoader's ``(x, label)`` pair) is taken as its fir
 example's inputs, so the rest could never reach the model. Each tensor must have the dtype and,
 apart from the batch dimension, the shape of the example's tensor at that position; anything else
 (fewer items, a label where an input should be) is one error naming the batch, before any work.
+
+Calibration is bounded: at most :data:`MAX_BATCHES` batches and :data:`MAX_BYTES` of input tensors
+are read (a whole DataLoader over a data set would be held in memory, and every route runs each
+batch); the rest is never drawn, and the report says so.
 """
 from __future__ import annotations
 
@@ -17,6 +21,12 @@ from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
     import torch
+
+
+# What quantize reads of ``calibration`` at most (docs/quantization.md): the first batches, in order.
+MAX_BATCHES = 64
+MAX_BYTES = 1 << 30
+_END = object()
 
 
 def as_args(inputs: Any, what: str) -> tuple:
@@ -43,16 +53,19 @@ def _matches(item: Any, expected: Any) -> bool:
     return not isinstance(item, torch.Tensor)
 
 
-def calibration_batches(calibration: Optional[Iterable[Any]], example: tuple) -> tuple[Optional[list[tuple]], str]:
-    """The calibration batches as input tuples matching ``example``, and a note for the report
-    (empty unless items were left out of each batch)."""
+def calibration_batches(calibration: Optional[Iterable[Any]], example: tuple) -> tuple[Optional[list[tuple]], list[str]]:
+    """The calibration batches as input tuples matching ``example`` (the first :data:`MAX_BATCHES`,
+    within :data:`MAX_BYTES`), and notes for the report (items left out of each batch, batches
+    left unread)."""
     if calibration is None:
-        return None, ""
+        return None, []
     if isinstance(calibration, (torch.Tensor, str, bytes, dict)) or not hasattr(calibration, "__iter__"):
         raise TypeError("quantize: calibration must be an iterable of input tuples (e.g. [(x1,), (x2,)]), "
                         f"not {'one tensor' if isinstance(calibration, torch.Tensor) else type(calibration).__name__}")
-    batches, extra = [], 0
-    for index, item in enumerate(calibration):
+    batches: list[tuple] = []
+    extra, size, cut = 0, 0, ""
+    items = iter(calibration)
+    for index, item in enumerate(items):
         batch = as_args(item, "each calibration item")
         if len(batch) < len(example):
             raise ValueError(f"quantize: calibration batch {index} holds {len(batch)} item(s), example_inputs "
@@ -64,10 +77,23 @@ def calibration_batches(calibration: Optional[Iterable[Any]], example: tuple) ->
                 raise ValueError(f"quantize: calibration batch {index}, input {position}: {signature(value)} where "
                                  f"example_inputs has {signature(expected)} (each batch is the model's inputs, "
                                  "as example_inputs; a label after them is left out)")
+        size += sum(t.numel() * t.element_size() for t in batch if isinstance(t, torch.Tensor))
+        if batches and size > MAX_BYTES:
+            cut = f"their inputs would pass {MAX_BYTES >> 20} MiB"
+            break
         batches.append(batch)
+        if len(batches) == MAX_BATCHES:
+            if next(items, _END) is not _END:   # one more: was anything left?
+                cut = f"quantize reads at most {MAX_BATCHES} batches"
+            break
+    del items   # a DataLoader's iterator: its worker processes end now
     if not batches:
         raise ValueError("quantize: calibration is empty")
-    if not extra:
-        return batches, ""
-    return batches, (f"calibration: batches hold up to {len(example) + extra} items and example_inputs "
+    notes = []
+    if extra:
+        notes.append(f"calibration: batches hold up to {len(example) + extra} items and example_inputs "
                      f"{len(example)}: the first {len(example)} of each were the inputs, the rest (labels) left out")
+    if cut:
+        notes.append(f"calibration: the first {len(batches)} batches were used ({cut}); the rest was not read "
+                     "(pass fewer batches, or a DataLoader over a subset, to choose them)")
+    return batches, notes
