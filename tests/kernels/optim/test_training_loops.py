@@ -15,6 +15,7 @@ from xlaunch.kernels.optim.fused import (  # noqa: E402
     FusedAdamW,
     FusedSGD,
     master_params,
+    split_params,
     to_fused,
 )
 
@@ -177,6 +178,11 @@ def test_to_fused_refuses_what_is_not_an_optimizer_or_a_model() -> None:
         to_fused(_model())
     with pytest.raises(TypeError, match=r"^to_fused: model must be a torch.nn.Module or None, not str$"):
         to_fused(torch.optim.SGD(_model().parameters(), lr=0.1), "model", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^master_params: optimizer must be a torch.optim.Optimizer, not str$"):
+        master_params("optimizer")
+    fused = to_fused(torch.optim.SGD(_model().parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"^split_params: model must be a torch.nn.Module or None, not str$"):
+        split_params(fused, "model")
 
 
 @pytest.mark.parametrize("kwargs, name", [

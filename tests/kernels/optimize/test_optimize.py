@@ -253,6 +253,21 @@ def test_bad_level_and_unknown_flag_are_rejected() -> None:
         optimize(model, dtype=torch.int8)
 
 
+@pytest.mark.parametrize("kwargs, line", [
+    (dict(inplace="False"), "optimize: inplace must be True or False, not 'False'"),
+    (dict(conv_bn_folding=3), "optimize: conv_bn_folding must be True or False, not 3"),
+    (dict(split_master_weight_for_bf16="no"), "optimize: split_master_weights must be True or False, not 'no'"),
+])
+def test_a_flag_that_is_not_a_bool_is_one_line_and_the_model_is_untouched(kwargs: dict, line: str) -> None:
+    """``inplace="False"`` (truthy) rewrote the given model in place; a flag of 3 was taken as on."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    with pytest.raises(TypeError) as error:
+        optimize(model, **kwargs, **EAGER)
+    assert str(error.value) == line
+    assert isinstance(model[1], nn.BatchNorm2d) and "forward" not in model.__dict__
+    assert optimize(model, inplace=0, conv_bn_folding=True, **EAGER) is not model   # 0/1 are bools
+
+
 def test_channels_last_layout_keeps_values(image: torch.Tensor) -> None:
     model = randomize_bn(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1))).eval()
     optimized = optimize(model, **EAGER)

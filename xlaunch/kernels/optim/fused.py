@@ -187,6 +187,8 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
     parameters, not bf16 ones; ipex too), as do buffers. Returns how many parameters were split."""
     if not isinstance(optimizer, _FusedBase):
         raise TypeError("split-bf16 parameters need a fused optimizer (see to_fused)")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"split_params: model must be a torch.nn.Module or None, not {type(model).__name__}")
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] if model else []
     keep = {id(p) for norm in norms for p in norm.parameters(recurse=False)}
     converted = splitstate.adopt_frozen(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
@@ -231,6 +233,8 @@ def _low_but_unsplit(optimizer: torch.optim.Optimizer) -> str:
 
 def master_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """fp32 copies of every parameter's master value (joined halves for split parameters)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"master_params: optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     splitstate.unsplit_widened(optimizer)
     masters = []
     for group in optimizer.param_groups:

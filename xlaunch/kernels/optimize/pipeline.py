@@ -50,6 +50,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from xlaunch._errors import flag
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -127,7 +128,8 @@ def resolve_options(level: str, flags: dict[str, Any], has_sample_input: bool,
             conv_bn_folding=True, linear_bn_folding=True, remove_dropout=True, channels_last=True,
             bf16_weights=True, autocast=True, weights_prepack=has_sample_input, fused_optimizer=True,
         )
-    explicit = {name: value for name, value in flags.items() if value is not None}
+    explicit = {name: value if name == "freeze_backend" else flag(value, f"optimize: {name}")
+                for name, value in flags.items() if value is not None}
     return dataclasses.replace(base, **explicit)
 
 
@@ -244,6 +246,7 @@ def optimize(model: nn.Module, optimizer: Any = None, dtype: Any = None,
     (``time_budget`` and ``cache`` belong to it). ``progress``: the steps of a call that runs
     longer than :data:`QUIET_S` say what they do on stderr (:class:`.progress.Progress`).
     """
+    inplace = flag(inplace, "optimize: inplace")   # a string ("False") would rewrite the given model
     if not (isinstance(backend, str) and backend == "torch"):
         from xlaunch.kernels.optimize.engines.api import optimize_with_engines
 
