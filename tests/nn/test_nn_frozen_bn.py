@@ -79,3 +79,28 @@ def test_optimize_folds_it_into_the_conv_and_keeps_channels_last(norm_class):
     assert isinstance(optimized[1], nn.Identity)
     assert got.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_input_and_buffers_of_other_float_dtypes_promote_as_torchvisions_formula():
+    norm = randomized(FrozenBatchNorm2d(5, eps=1e-3))
+    x = torch.randn(2, 5, 3, 4, dtype=torch.float64, requires_grad=True)
+    out = norm(x)                                  # fp32 buffers, fp64 input ("mixed dtype" before)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torchvision_formula(norm, x), rtol=1e-6, atol=1e-6)   # its scale is fp32
+    assert torch.autograd.gradcheck(norm, (x,))
+    half = randomized(FrozenBatchNorm2d(5)).to(torch.bfloat16)           # bf16 buffers, fp32 input
+    wide = FrozenBatchNorm2d(5)
+    wide.load_state_dict({name: value.float() for name, value in half.state_dict().items()})
+    torch.testing.assert_close(half(x.detach().float()), torchvision_formula(wide, x.detach().float()))
+    scripted = torch.jit.script(norm)              # still scriptable, as torchvision's class
+    torch.testing.assert_close(scripted(x.detach()), out.detach())
+
+
+def test_bad_input_is_one_line_naming_the_problem():
+    norm = FrozenBatchNorm2d(3)
+    with pytest.raises(ValueError, match=r"FrozenBatchNorm2d\(3\): input has 4 channels"):
+        norm(torch.randn(1, 4, 2, 2))
+    with pytest.raises(TypeError, match="must be a float tensor, not torch.int64"):
+        norm(torch.ones(1, 3, 2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="got 3-D"):
+        norm(torch.ones(3, 2, 2))

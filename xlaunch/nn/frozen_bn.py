@@ -53,9 +53,24 @@ class FrozenBatchNorm2d(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x: Tensor) -> Tensor:
+        """In ``x``'s dtype and memory format; the statistics in ``x``'s dtype, or fp32 for bf16 and
+        fp16 input (``F.batch_norm`` refuses other mixes, e.g. fp64 input with fp32 buffers, which
+        torchvision's formula promotes). Scriptable, as torchvision's."""
+        if not isinstance(x, Tensor):
+            raise TypeError("FrozenBatchNorm2d expects an (N, C, H, W) tensor")
         if x.dim() != 4:
             raise ValueError(f"FrozenBatchNorm2d expects (N, C, H, W) input, got {x.dim()}-D")
-        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        if not x.is_floating_point():
+            raise TypeError(f"FrozenBatchNorm2d: input must be a float tensor, not {x.dtype}")
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"FrozenBatchNorm2d({self.num_features}): input has {x.shape[1]} channels")
+        stats = [self.running_mean, self.running_var, self.weight, self.bias]
+        want = torch.float32 if x.dtype == torch.bfloat16 or x.dtype == torch.float16 else x.dtype
+        for t in stats:
+            if t.dtype != want and t.dtype != x.dtype:
+                stats = [s.to(want) for s in stats]
+                break
+        return F.batch_norm(x, stats[0], stats[1], stats[2], stats[3], False, 0.0, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}"
