@@ -186,6 +186,30 @@ def test_auto_on_a_model_without_quantizable_layers_warns_and_stays_fp32() -> No
         assert torch.allclose(quantized(x), model(x), atol=1e-5)
 
 
+def test_auto_says_a_route_failed_apart_from_routes_that_do_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A route that raises is a failure with its error, not "does not apply"; with nothing built
+    nothing is timed, and the progress does not say an accuracy gate chose fp32."""
+    from xlaunch.kernels.quantize import api
+
+    def broken(model):
+        raise RuntimeError("torchao broke")
+
+    monkeypatch.setattr(quantize_routes, "build_weight_only", broken)
+    lines: list[str] = []
+    monkeypatch.setattr(api.Progress, "line", lambda self, text: lines.append(text))
+    with pytest.warns(QuantizeWarning) as caught:
+        quantized = quantize(MLP().eval(), torch.randn(2, 64), consider=["weight_only", "static"])
+    reason = quantized.report.reason
+    assert quantized.mode == "fp32" and reason == (
+        "no INT8 route was built: 1 failed (weight_only: RuntimeError: torchao broke); 1 does not apply "
+        "(static: no calibration data given); 3 left out by consider= (dynamic, openvino_static, onnxruntime_static)")
+    assert [str(w.message) for w in caught] == [f"xlaunch.quantize: auto returns fp32 for MLP: {reason}"]
+    assert f"kept fp32: {reason}" in lines and not any("relative error within max_error" in line for line in lines)
+    assert policy.FP32_EAGER not in quantized.report.routes   # nothing was timed
+    assert policy.nothing_built({"static": "no Linear or Conv2d layer"}) == (
+        "no INT8 route was built: 1 does not apply (static: no Linear or Conv2d layer)")
+
+
 def test_public_exports() -> None:
     assert callable(xlaunch.quantize) and xlaunch.kernels.load_quantized is load_quantized
     with pytest.raises(ValueError, match="mode must be one of"):

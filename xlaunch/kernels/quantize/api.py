@@ -175,7 +175,7 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
         show.line(note)
 
     if mode == "auto":
-        wanted = {route: why if route in allowed else "not among consider=" for route, why in
+        wanted = {route: why if route in allowed else policy.CONSIDER_SKIP for route, why in
                   policy.candidate_routes(has_linear, has_conv, batches is not None).items()}
     else:
         reason = policy.candidate_routes(has_linear, has_conv, True)[mode]
@@ -192,7 +192,7 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
                 raise ValueError(f"quantize: mode={mode!r}: {skip}")
         if skip is not None:
             report.routes[route] = RouteResult(skipped=skip)
-            if skip != "not among consider=":
+            if skip != policy.CONSIDER_SKIP:
                 show.line(f"{route}: skipped ({skip})")
             continue
         with show.step(f"building {route} INT8") as step:
@@ -224,14 +224,21 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
                           "mode='auto' returns the fastest variant")
         return _finish(report, mode, built[mode], fp32, example, unsupported, f"as asked ({ratio:.2f}x fp32 eager)")
 
+    if not built:   # nothing to compare: the model comes back as it was, said once, loudly
+        report.mode = "fp32"
+        report.reason = policy.nothing_built({route: r.skipped for route, r in report.routes.items() if r.skipped})
+        report.kept_fp32 = {"(whole model)": report.reason, **unsupported}
+        show.line(f"kept fp32: {report.reason}")
+        _warn(report, f"auto returns fp32 for {type(model).__name__}: {report.reason}")
+        return QuantizedModule(_no_grad(fp32), lambda: routes.export(fp32, example), "fp32", report, keep=fp32)
     variants: dict[str, Callable[..., Any]] = {policy.FP32_EAGER: fp32}
-    # The fastest fp32 route is what INT8 must beat; with no INT8 route built there is nothing to
-    # compare, and the model comes back as it was (building engines would take seconds for nothing).
-    optimized = _optimized(fp32, example, report, show=show) if built else None
+    # The fastest float route is what INT8 must beat (building engines takes seconds: only with
+    # an INT8 route to compare).
+    optimized = _optimized(fp32, example, report, show=show)
     if optimized is not None:
         variants[policy.FP32_OPTIMIZE] = optimized
     bf16 = (_optimized(fp32, example, report, torch.bfloat16, show=show)
-            if built and policy.BF16 in allowed and _native_bf16() else None)
+            if policy.BF16 in allowed and _native_bf16() else None)
     if bf16 is not None:
         variants[policy.BF16_OPTIMIZE] = bf16
     variants.update({route: b.runner for route, b in built.items()})
@@ -247,13 +254,7 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
         return _finish(report, choice, built[choice], fp32, example, unsupported, why)
     float_mode = "bf16" if choice == policy.BF16_OPTIMIZE else "fp32"
     report.mode, report.reason = float_mode, why
-    if built:
-        report.kept_fp32 = {"(whole model)": why}
-    else:   # nothing could even be tried: say so once, loudly
-        report.reason = "no INT8 route was built: " + "; ".join(
-            f"{route}: {r.skipped}" for route, r in report.routes.items() if r.skipped)
-        report.kept_fp32 = {"(whole model)": report.reason, **unsupported}
-        _warn(report, f"auto returns fp32 for {type(model).__name__}: {report.reason}")
+    report.kept_fp32 = {"(whole model)": why}
     runner = variants[choice]
     source = routes.Bf16Program(fp32) if float_mode == "bf16" else fp32
     return QuantizedModule(_no_grad(runner), lambda: routes.export(source, example), float_mode, report,

@@ -101,6 +101,27 @@ def candidate_routes(has_linear: bool, has_conv: bool, has_calibration: bool) ->
     return routes
 
 
+CONSIDER_SKIP = "not among consider="
+
+
+def nothing_built(skipped: Mapping[str, str]) -> str:
+    """Why ``auto`` built no INT8 route, from each route's skip reason: the routes that were tried
+    and failed (with why) apart from those that do not apply here and those ``consider=`` left out."""
+    tried = {r: why.removeprefix("failed: ") for r, why in skipped.items()
+             if why.startswith("failed: ") or why == "quantized no layer"}
+    left_out = [r for r, why in skipped.items() if why == CONSIDER_SKIP]
+    moot = {r: why for r, why in skipped.items() if r not in tried and r not in left_out}
+    parts = []
+    if tried:
+        parts.append(f"{len(tried)} failed ({'; '.join(f'{r}: {why}' for r, why in tried.items())})")
+    if moot:
+        parts.append(f"{len(moot)} {'does' if len(moot) == 1 else 'do'} not apply "
+                     f"({'; '.join(f'{r}: {why}' for r, why in moot.items())})")
+    if left_out:
+        parts.append(f"{len(left_out)} left out by consider= ({', '.join(left_out)})")
+    return "no INT8 route was built: " + "; ".join(parts)
+
+
 def choose(times_ms: Mapping[str, float], errors: Mapping[str, float], max_error: float,
            margin: float = DEFAULT_SPEEDUP_MARGIN) -> tuple[str, str]:
     """The variant to return and why. ``times_ms`` holds FP32_EAGER, maybe FP32_OPTIMIZE and
