@@ -220,6 +220,9 @@ def test_manifest_records_of_the_wrong_kind_get_one_clear_error_from_both_loader
         llm.load_decoder(rewrite_manifest(path, tmp_path / "generation.xlp", lambda m: m.update(generation_config=[1])))
     _refused(rewrite_manifest(path, tmp_path / "config.xlp", lambda m: m["config"].update(vocab_size=1.5)),
              "model or generation config is malformed")
+    # transformers' validation error, whole: it was cut at "Validation error for field 'hidden_size':"
+    _refused(rewrite_manifest(path, tmp_path / "config.xlp", lambda m: m["config"].update(hidden_size="128")),
+             "malformed \\(.*field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str")
     source = rewrite_manifest(path, tmp_path / "source.xlp", lambda m: m.update(source=[1]))
     assert llm.from_pretrained(source) is not None             # the source is a record, not needed to load
 

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from xlaunch import userfiles
-from xlaunch._errors import error_line
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -39,7 +38,7 @@ with needs_torch(__name__):
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.assemble import (HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of,  # noqa: E402
                                   runtime_of, skeleton)
-from xlaunch.llm.files import checkpoint, user_path  # noqa: E402
+from xlaunch.llm.files import checkpoint, quoted, user_path  # noqa: E402
 from xlaunch.llm.decoder import DTYPES, SIXTEEN_BIT, DecoderRuntime, RopeTable  # noqa: E402
 from xlaunch.llm.linear import GROUP_SIZES, GROUPED, KINDS, PackedLinear  # noqa: E402
 from xlaunch.llm.shapes import DecoderSpec, record_spec  # noqa: E402
@@ -402,7 +401,7 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
         model, spec = skeleton(transformers.AutoConfig.for_model(config_dict["model_type"]).__class__.from_dict(config_dict))
         generation = transformers.GenerationConfig.from_dict(generation) if generation else None
     except Exception as error:      # noqa: BLE001
-        raise _fail(path, f"the manifest's model or generation config is malformed ({error_line(error, None)})") from None
+        raise _fail(path, f"the manifest's model or generation config is malformed ({quoted(error, None)})") from None
     if manifest.get("decoder") is not None and _spec(path, manifest["decoder"]) != spec:
         raise _fail(path, "the decoder shape it records is not its config's")
     model.generation_config = generation if generation is not None else model.generation_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 def user_path(value: Any, name: str, caller: str) -> Path:
@@ -20,7 +20,7 @@ def user_path(value: Any, name: str, caller: str) -> Path:
     return Path(value)
 
 
-def quoted(error: BaseException, limit: int = 300) -> str:
-    """``Type: message`` on one line, its lines joined: transformers' validation errors put the field on the
-    first line and what is wrong with it on the next (``Validation error for field 'hidden_size':``)."""
+def quoted(error: BaseException, limit: Optional[int] = 300) -> str:
+    """``Type: message`` on one line, its lines joined (cut at ``limit`` characters; None: whole): transformers'
+    validation errors put the field on the first line and what is wrong with it on the next."""
     return f"{type(error).__name__}: {' '.join(str(error).split())[:limit]}"
