@@ -172,10 +172,19 @@ def test_an_edited_generation_config_in_the_source_rebuilds_the_file(packed, tmp
         assert torch.equal(model(torch.tensor(IDS)).logits, logits)
 
 
+def test_a_hub_name_is_one_line_saying_it_is_not_downloaded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _refused("meta-llama/Llama-3.2-1B", "No such file or directory\\); a Hugging Face Hub name is not downloaded")
+    _refused(tmp_path / "missing", "No such file or directory\\)$")
+
+
 def test_malformed_files_get_one_clear_error(packed, tmp_path):
     _, path, _ = packed
     (tmp_path / "junk.xlp").write_bytes(b"not a packed file at all")
-    _refused(tmp_path / "junk.xlp", "no XLLMPACK header")
+    _refused(tmp_path / "junk.xlp", "no XLLMPACK header\\)$")
+    checkpoint = packed[0]
+    for name in ("model.safetensors", "config.json"):     # a checkpoint's file, not its folder: said so
+        _refused(checkpoint / name, "no XLLMPACK header\\); from_pretrained takes the checkpoint's folder$")
     (tmp_path / "huge.xlp").write_bytes(b"XLLMPACK" + struct.pack("<Q", 1 << 40) + b"{}")
     _refused(tmp_path / "huge.xlp", "malformed")
     (tmp_path / "json.xlp").write_bytes(b"XLLMPACK" + struct.pack("<Q", 4) + b"{{{{")

@@ -182,7 +182,9 @@ def _read_manifest(path: Any) -> tuple[dict, int, int]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))   # a FIFO must not block
     except OSError as exc:
-        raise _fail(path, f"cannot open the packed file ({exc.strerror})") from None
+        hub = not os.path.isabs(path) and str(path).count("/") == 1 and isinstance(exc, FileNotFoundError)
+        raise _fail(path, f"cannot open the packed file ({exc.strerror})" + (
+            "; a Hugging Face Hub name is not downloaded: give the checkpoint's local folder" if hub else "")) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -190,7 +192,8 @@ def _read_manifest(path: Any) -> tuple[dict, int, int]:
         size = info.st_size
         prefix = os.pread(fd, 16, 0)
         if len(prefix) < 16 or prefix[:8] != MAGIC:
-            raise _fail(path, "not an xlaunch packed-weights file (no XLLMPACK header)")
+            hint = "; from_pretrained takes the checkpoint's folder" if Path(path).suffix in (".safetensors", ".json") else ""
+            raise _fail(path, f"not an xlaunch packed-weights file (no XLLMPACK header){hint}")
         length = struct.unpack("<Q", prefix[8:])[0]
         if length > MAX_HEADER or 16 + length > size:
             raise _fail(path, f"truncated or malformed: a {length}-byte manifest in a {size}-byte file")
