@@ -12,7 +12,7 @@ with needs_torch(__name__):
     from torch import Tensor
 
 from xlaunch.kernels.optim import splitstate
-from xlaunch.kernels.optim.splitbf16 import join_into, split_into
+from xlaunch.kernels.optim.splitbf16 import _dense, join_into, split_into
 from xlaunch.kernels.optim.splitstate import TRAIL_KEY
 
 Closure = Callable[[], Any]
@@ -53,11 +53,15 @@ class _StepTensors:
             split_into(master, param, trail)
 
 
-def _fast_path_ok(group: dict, params: Iterable[Tensor]) -> bool:
+def _fast_path_ok(group: dict, params: Iterable[Tensor], memory_order: bool = True) -> bool:
+    """Whether torch's fused kernels serve ``group``. ``memory_order``: they walk each parameter and its
+    state in memory order, wrong for a parameter with gaps (a slice ``w[:, :k]``, ``w[:, ::2]``: torch's
+    own ``fused=True`` updates the wrong elements there), which takes torch's ``step`` instead."""
     if group.get("differentiable") or group.get("capturable") or isinstance(group["lr"], Tensor):
         return False
     for p in params:
-        if p.grad is not None and (p.grad.is_sparse or p.is_complex() or p.device.type != "cpu"):
+        if p.grad is not None and (p.grad.is_sparse or p.is_complex() or p.device.type != "cpu"
+                                   or (memory_order and not p.is_contiguous() and not _dense(p))):
             return False
     return True
 
@@ -78,6 +82,8 @@ class _FusedBase:
     def _step_supports_amp_scaling(self, value: bool) -> None:
         pass   # torch's constructor sets True for fused=True
 
+    _kernels_pair_memory = True   # torch's fused kernels (see _fast_path_ok); not Lamb's foreach ops
+
     def _group_step(self, group: dict, tensors: _StepTensors) -> None:  # pragma: no cover
         raise NotImplementedError
 
@@ -89,7 +95,7 @@ class _FusedBase:
         splitstate.unsplit_widened(self)   # model.float() since: those train on as fp32 masters
         for group in self.param_groups:
             params = group["params"]
-            if not _fast_path_ok(group, params):
+            if not _fast_path_ok(group, params, self._kernels_pair_memory):
                 self._fallback_group_step(group)
                 continue
             tensors = _StepTensors()

@@ -32,7 +32,7 @@ from xlaunch.kernels import native_dtypes
 from xlaunch.kernels.optim import dtypewatch, splitstate
 from xlaunch.kernels.optim.base import _adam_moments, _FusedBase, _StepTensors, _step_tensor
 from xlaunch.kernels.optim.lamb import FusedLamb
-from xlaunch.kernels.optim.splitbf16 import join_into, split
+from xlaunch.kernels.optim.splitbf16 import _dense, join_into, split
 from xlaunch.kernels.optim.splitstate import TRAIL_KEY
 
 __all__ = ["FusedSGD", "FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedLamb", "TRAIL_KEY", "to_fused",
@@ -173,6 +173,13 @@ def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return fused
 
 
+def _split_dense(param: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`split` of ``param``'s value, made contiguous first when its memory has gaps (a slice
+    ``w[:, :k]``: the halves are stored dense, as torch's kernels need)."""
+    data = param.data
+    return split(data if data.is_contiguous() or _dense(data) else data.contiguous())
+
+
 def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> int:
     """Store ``optimizer``'s float32 parameters as split-bf16, in place; return how many.
 
@@ -201,13 +208,13 @@ def split_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
                 optimizer.state[p][TRAIL_KEY], converted = known[id(p)].clone(), converted + 1
             if p.dtype != torch.float32 or is_split(optimizer, p) or id(p) in keep:
                 continue
-            top, trail = split(p.data)
+            top, trail = _split_dense(p)
             p.data, p.grad = top, None
             optimizer.state[p][TRAIL_KEY] = trail
             converted += 1
     for p in model.parameters() if model is not None else ():   # trainable ones: another optimizer's
         if p not in trained and p.dtype == torch.float32 and id(p) not in keep and not p.requires_grad:
-            top, trail = split(p.data)
+            top, trail = _split_dense(p)
             p.data, p.grad = top, None
             splitstate.frozen_halves[p] = {TRAIL_KEY: trail}
             converted += 1

@@ -30,6 +30,8 @@ class FusedLamb(_FusedBase, torch.optim.Optimizer):
     ``w -= lr * trust * u``.
     """
 
+    _kernels_pair_memory = False   # foreach ops pair tensors element by element: a strided slice is fine
+
     def __init__(
         self,
         params: Any,
