@@ -147,11 +147,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     draw = common.plot_available(args.plot)
     per_node = common.node_cores(machine)
     description = common.describe_machine(machine, per_node, args.label)
-    print(common.machine_line(description))
     launchers = LAUNCHERS + tuple(e for e in EXTRA if any(e in word for word in args.only))
     configs = configurations(per_node, launchers)
     if args.only:
-        configs = [c for c in configs if any(word in c.name for word in args.only)]
+        chosen = [c for c in configs if any(word in c.name for word in args.only)]
+        if not chosen:
+            parser.error(f"--only {', '.join(args.only)}: in none of this machine's configurations "
+                         f"({', '.join(c.name for c in configs) or 'none: DDP needs at least 2 cores'})")
+        configs = chosen
+    print(common.machine_line(description))
     if not configs:
         print("no configuration: DDP needs at least 2 cores")
         return 1

@@ -53,7 +53,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]           # the workers import bench.engines from REPO
 
-from _args import COUNT, integer, names  # noqa: E402
+from _args import COUNT, SECONDS, integer, names  # noqa: E402
 from _machine_bench import this_machine  # noqa: E402
 
 from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=integer(0), default=0, help="torch threads (default: torch's)")
     parser.add_argument("--no-startup", action="store_true")
     parser.add_argument("--startup-model", type=models, default="resnet50-b1")
-    parser.add_argument("--startup-budget", default="300")
+    parser.add_argument("--startup-budget", type=SECONDS, default=300.0, help="XLAUNCH_AUTO_OPTIMIZE_BUDGET, seconds")
     parser.add_argument("--cached-start", action="store_true",
                         help="run only the cached-start times (cold vs warm optimize(backend='auto'))")
     parser.add_argument("--cached-start-models", type=models, default="bert,resnet50-b4")
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  load average: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
     if not (args.no_startup or args.cached_start):
         for model in args.startup_model:
-            startup(model, args.startup_budget)
+            startup(model, f"{args.startup_budget:g}")
     if args.cached_start:
         for name in args.cached_start_models:
             summary[f"cached-start/{name}"] = cached_start(name, args.cached_start_warm, args.threads)

@@ -239,10 +239,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     draw = common.plot_available(args.plot)
     per_node = common.node_cores(machine)
     description = common.describe_machine(machine, per_node, args.label)
-    print(common.machine_line(description))
     configs = configurations(per_node)
     if args.only:
-        configs = [c for c in configs if any(word in c.name for word in args.only)]
+        chosen = [c for c in configs if any(word in c.name for word in args.only)]
+        if not chosen:
+            parser.error(f"--only {', '.join(args.only)}: in none of this machine's configurations "
+                         f"({', '.join(c.name for c in configs)})")
+        configs = chosen
+    print(common.machine_line(description))
     if args.list:
         for config in configs:
             print(f"  {config.name:28s} {' '.join(config.argv(['examples/infer.py']))}")

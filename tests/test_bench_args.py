@@ -21,6 +21,10 @@ from bench_modules import BENCH, load
     (["streams.py", "--variants", "plain,fast"], "--variants"),
     (["streams.py", "--cpus", "0"], "--cpus"),
     (["llm_memory.py", "--share-imports", "torch,no_such_module"], "--share-imports"),
+    # matched nothing: ran nothing and exited 0 (distributed.py: "DDP needs at least 2 cores")
+    (["throughput.py", "--only", "no-such-shape"], "--only"),
+    (["distributed.py", "--only", "no-such-shape"], "--only"),
+    (["engines.py", "--startup-budget", "-1"], "--startup-budget"),    # failed after every model's rounds
 ])
 def test_a_bad_count_is_one_line_and_status_2(argv: list[str], option: str) -> None:
     done = subprocess.run([sys.executable, str(BENCH / argv[0]), *argv[1:]], capture_output=True, text=True,
