@@ -337,6 +337,32 @@ def test_bf16_inference_model_widened_with_float_runs_in_fp32(monkeypatch: pytes
     assert torch.equal(run(optimized, x), bf16_out)
 
 
+class _TiedHead(nn.Module):
+    """An embedding whose weight the output Linear shares (tied input and output embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.out = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(self.emb(tokens))))
+
+
+def test_a_bf16_model_with_tied_weights_saves_every_key_in_its_original_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only one name of a tied weight was saved back in fp32: ``emb.weight`` came out bf16 beside an
+    fp32 ``out.weight`` (the same tensor)."""
+    monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"avx512_bf16"}))
+    torch.manual_seed(0)
+    model = _TiedHead().eval()
+    optimized = optimize(model, dtype=torch.bfloat16, force_bf16=True, **EAGER)
+    assert optimized.out.weight is optimized.emb.weight and optimized.emb.weight.dtype == torch.bfloat16
+    state = optimized.state_dict()
+    assert {key: value.dtype for key, value in state.items()} == dict.fromkeys(state, torch.float32)
+    assert torch.equal(state["emb.weight"], state["out.weight"])
+    assert torch.equal(state["emb.weight"], model.emb.weight.detach().bfloat16().float())
+
+
 def test_bf16_keeps_attention_projection_dtypes_consistent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"amx_bf16"}))
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)

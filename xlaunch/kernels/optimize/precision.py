@@ -74,7 +74,10 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> tuple[int, dict[str, t
     count = 0
     original: dict[str, torch.dtype] = {}
     problems: list[str] = []
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    aliases: dict[int, list[str]] = {}   # a tied parameter has several names: each is a state_dict key
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    names = {key: found[0] for key, found in aliases.items()}
     seen: set[int] = set()
     for attention in model.modules():  # MHA reads its projections' tensors directly, not via autocast
         if isinstance(attention, nn.MultiheadAttention):
@@ -92,7 +95,8 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> tuple[int, dict[str, t
             continue
         for param in params:
             if param.dtype != dtype:
-                original.setdefault(names.get(id(param), ""), param.dtype)
+                for name in aliases.get(id(param), [""]):
+                    original.setdefault(name, param.dtype)
                 param.data = param.data.to(dtype)
         count += 1
     dtypewatch.bump()   # ``.data`` cast: a forward following the weights' dtype looks again
