@@ -220,7 +220,7 @@ class _FusedUpdate(MergedEmbeddingBag):
     def to_bfloat16_train(self) -> "_FusedUpdate":
         """bf16 weights with a split fp32 master (``ipex.nn``'s name): the forward reads the bf16
         high half, the update runs on the exact fp32 master (``weight`` joined with ``trail``)."""
-        if self.weight.dtype in (torch.float32, torch.float64):   # IPEX splits fp64 tables' fp32 values too
+        if self.weight.dtype != torch.bfloat16:   # IPEX splits fp64 tables' fp32 values too; fp16's are exact
             top, trail = split(self.weight.detach().float())
             self.weight = nn.Parameter(top)
             self.trail = trail
