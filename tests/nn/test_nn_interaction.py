@@ -77,3 +77,30 @@ def test_non_float_features_are_refused_and_fp64_bf16_sum_in_their_precision():
     # fp32 sums rounded once: within one bf16 rounding of the exact dots of the bf16 inputs
     exact = eager(*[f.double() for f in narrow])
     torch.testing.assert_close(got.double(), exact, rtol=2 ** -8, atol=1e-6)
+
+
+def test_autocast_promotes_as_ipex_and_fp32_features_stay_fp32():
+    """Under CPU autocast, IPEX casts the features to the type promoted from the autocast dtype and
+    theirs: a bf16 MLP output with fp32 embedding outputs (DLRM under autocast) computes in fp32
+    (it was a ValueError), and fp32 features stay fp32 (autocast recast the bmm inside to bf16:
+    fp32 outputs holding bf16-rounded dots, 2e-2 off)."""
+    gen = torch.Generator().manual_seed(3)
+    features = [torch.randn(4, 16, generator=gen, requires_grad=True) for _ in range(3)]
+    exact = [f.detach().double().requires_grad_() for f in features]
+    want = interaction(*exact)
+    upstream = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, exact, upstream)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = interaction(*features)
+        got_grads = torch.autograd.grad(got, features, upstream.float())
+        dense = features[0].detach().bfloat16().requires_grad_()
+        mixed = interaction(dense, *features[1:])
+        all_bf16 = interaction(*[f.detach().bfloat16() for f in features])
+    assert got.dtype == torch.float32 and mixed.dtype == torch.float32 and all_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+    mixed.sum().backward()
+    assert dense.grad is not None and dense.grad.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="feature 1 is torch.float32"):       # outside autocast: one dtype
+        interaction(dense.detach(), *features[1:])

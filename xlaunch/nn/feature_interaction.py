@@ -40,6 +40,7 @@ class _Interaction(torch.autograd.Function):
     saves no view of an intermediate."""
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)     # the dtype was chosen by interaction(); bmm is not recast
     def forward(ctx, flat: Tensor, count: int) -> Tensor:
         batch, dim = flat.shape[0], flat.shape[1] // count
         stacked = flat.view(batch, count, dim)
@@ -54,6 +55,7 @@ class _Interaction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)
     def backward(ctx, grad: Tensor) -> tuple:
         (flat,) = ctx.saved_tensors
         batch, count = flat.shape[0], ctx.count
@@ -82,7 +84,8 @@ class InteractionFunc:
 def interaction(*features: Tensor) -> Tensor:
     """``(batch, dim + F(F-1)/2)``: the first (dense) feature, then the pairwise dot products of
     all ``F`` features (each ``(batch, dim)``, one float dtype; fp64 computes in fp64, bf16 and
-    fp16 sum in fp32 and round once)."""
+    fp16 sum in fp32 and round once). Under CPU autocast, IPEX's rule: every feature is cast to the
+    type promoted from the autocast dtype and theirs (bf16 and fp32 features: fp32; all bf16: bf16)."""
     if not features:
         raise ValueError("interaction needs at least the dense feature")
     first = features[0]
@@ -94,6 +97,12 @@ def interaction(*features: Tensor) -> Tensor:
                              f"feature {tuple(first.shape)}")
         if not feature.dtype.is_floating_point:
             raise TypeError(f"interaction: feature {number} is {feature.dtype}; the features must be a float dtype")
+    if torch.is_autocast_enabled("cpu"):
+        target = torch.get_autocast_dtype("cpu")
+        for feature in features:
+            target = torch.promote_types(target, feature.dtype)
+        return InteractionFunc.apply(*[feature.to(target) for feature in features])
+    for number, feature in enumerate(features):
         if feature.dtype != first.dtype:
             raise ValueError(f"interaction: feature {number} is {feature.dtype}, the dense feature {first.dtype}")
     return InteractionFunc.apply(*features)
