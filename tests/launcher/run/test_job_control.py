@@ -227,3 +227,31 @@ def test_instances_failing_at_the_same_moment_each_failed_on_its_own(tmp_path: P
         proc.communicate()
     assert proc.returncode == 3, err.decode()
     assert [i["status"] for i in json.loads(summary.read_text())["instances"]] == ["exit 3", "exit 3"]
+
+
+# 24 instances (unpinned: any CPU count) that each exit 3 at one moment, a second after the plan starts
+MANY_AT_ONCE = """\
+import os, sys, time
+from xlaunch.launcher.plan.records import Instance, Plan
+from xlaunch.launcher.run.runner import run_plan
+at = time.time() + 1.0
+# 32 MiB written: the exit takes a few ms to free it, a window between the exit and the zombie
+program = f"import os, time; memory = b'x' * (32 << 20); time.sleep(max(0.0, {at!r} - time.time())); os._exit(3)"
+plan = Plan(tuple(Instance(i, (), (), dict(os.environ), (sys.executable, "-S", "-c", program), bind="none",
+                           membind="none") for i in range(24)))
+sys.exit(run_plan(plan, log_dir=None, log_file_prefix="x", keep_going=False, grace_period=5, quiet=True,
+                  summary_json=sys.argv[1]))
+"""
+
+
+def test_many_instances_exiting_at_once_are_never_said_stopped_with_their_own_status(tmp_path: Path) -> None:
+    """24 instances exit 3 together: xlaunch's fail-fast SIGTERM finds some of them between their exit and
+    their zombie (freeing their memory: the status is set). Each row is 'exit 3' or 'killed by SIGTERM (stopped
+    after ...)', never 'exit 3 (stopped after instance N failed)' (in 6 of 6 runs before, 1-3 rows)."""
+    summary = tmp_path / "summary.json"
+    done = subprocess.run([sys.executable, "-c", MANY_AT_ONCE, str(summary)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3 and done.stderr == "", done.stderr
+    statuses = [i["status"] for i in json.loads(summary.read_text())["instances"]]
+    assert "exit 3" in statuses and all(s == "exit 3" or s.startswith("killed by SIGTERM (stopped after instance")
+                                        for s in statuses), statuses

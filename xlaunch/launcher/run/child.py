@@ -125,12 +125,48 @@ def exists(pid: int) -> bool:
     return True
 
 
+_PF_EXITING = 0x4            # the kernel's flag on a thread that has begun to exit (do_exit)
+_SIGKILL_BIT = 1 << (9 - 1)  # SIGKILL in a thread's pending set: how exit_group zaps the other threads
+
+
+def _exiting(pid: int) -> bool:
+    """Every thread of ``pid`` has begun to exit (``PF_EXITING``), ended, or has the SIGKILL pending that
+    ``exit_group`` (or a fatal signal) sends the others: the exit status is set and no handler runs
+    again, so a signal sent now changes nothing. A process caught between its ``exit`` and its zombie,
+    which a ``Z`` test alone takes for running."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            if fields[:1] in ([b"Z"], [b"X"]) or (fields[6].isdigit() and int(fields[6]) & _PF_EXITING):
+                continue
+            with open(f"/proc/{pid}/task/{tid}/status", "rb") as status:
+                pending = next((line.split()[1] for line in status if line.startswith(b"SigPnd:")), b"0")
+            if not int(pending, 16) & _SIGKILL_BIT:
+                return False
+        except FileNotFoundError:
+            continue                                   # that thread is gone
+        except (OSError, IndexError, ValueError):
+            return False
+    return True
+
+
 def ended_child(pid: int) -> bool:
-    """``pid`` is a child of this process that has ended and is not reaped yet: a signal sent now does
-    not change how it ended (a rank, the child of torch's agent, is never one: the agent may have
-    stopped it)."""
+    """``pid`` is a child of this process that has ended, or is ending, and is not reaped yet: a signal sent
+    now does not change how it ended (a rank, the child of torch's agent, is never one: see :func:`has_ended`)."""
     fields = _stat_fields(pid)
-    return fields is not None and fields[:2] == [b"Z", str(os.getpid()).encode()]
+    ours = fields is not None and fields[1:2] == [str(os.getpid()).encode()]
+    return ours and (fields[:1] == [b"Z"] or _exiting(pid))  # type: ignore[index]
+
+
+def has_ended(pid: int) -> bool:
+    """``pid`` has ended or is ending: a zombie, every thread exiting, or no longer there (reaped)."""
+    fields = _stat_fields(pid)
+    return fields is None or fields[:1] == [b"Z"] or _exiting(pid)
 
 
 def is_zombie(pid: int) -> bool:

@@ -107,8 +107,8 @@ class Supervisor(OutputSteps):
         for child in self.groups() if targets is None else targets:
             if not child.group_alive:
                 continue
-            if child.running and not child.stopped_by and not ended_child(child.pid):   # one that already
-                child.stopped_by = why                                                   # ended did so on its own
+            if child.running and not child.stopped_by and not self.ended_on_its_own(child):
+                child.stopped_by = why
             self._killpg(child, number)
             if number != signal.SIGKILL:
                 self._continue(child)
@@ -116,6 +116,12 @@ class Supervisor(OutputSteps):
                 child.kill_at = deadline if child.kill_at is None else min(child.kill_at, deadline)
             elif immediate:
                 child.kill_at = None
+
+    def ended_on_its_own(self, child: Child) -> bool:
+        """``child`` ended, or is ending, before xlaunch signals it (two failing at the same moment): the
+        signal does not change how it ended, and its row says nothing of being stopped. Here: xlaunch's
+        own child, ended (or every thread exiting) and not reaped yet."""
+        return ended_child(child.pid)
 
     def _killpg(self, child: Child, number: int) -> None:
         try:
