@@ -150,3 +150,119 @@ def test_ranks_that_never_start_stop_the_job_within_the_bound() -> None:
     assert done.stderr.splitlines() == ["xlaunch: error: --nproc-per-node: 0 of 2 ranks started within 1 s of "
                                         "torch's agent; waited for a stuck rendezvous: stopping the job"], done.stderr
     assert elapsed < 1.0 + 1.0 + 3.0      # the bound, the grace period (the agent dies at SIGTERM), start-up
+
+
+# a stand-in for torch's agent: starts two "ranks" (each in a session of its own) that exit 3 at once,
+# prints their pids and leaves them zombies (never reaps them) until its stdin closes
+AGENT_OF_ZOMBIES = """\
+import subprocess, sys
+ranks = [subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True) for _ in range(2)]
+print(*(r.pid for r in ranks), flush=True)
+sys.stdin.read()
+"""
+
+
+def _zombie_ranks() -> tuple[subprocess.Popen, list[int]]:
+    agent = subprocess.Popen([sys.executable, "-c", AGENT_OF_ZOMBIES], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    pids = [int(p) for p in agent.stdout.readline().split()]
+    deadline = time.monotonic() + 30
+    while any(zombie_status(pid) is None for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return agent, pids
+
+
+def test_ranks_that_failed_at_the_same_moment_each_failed_on_their_own(tmp_path: Path) -> None:
+    """Both ranks exit 3 at once; when xlaunch sees rank 0's end and stops the others, rank 1 has already
+    ended (a zombie of torch's agent): its row is 'exit 3', not 'exit 3 (stopped after rank 0 failed)'. A rank
+    the agent had set out to stop (its pid in the agent's note) keeps the label."""
+    from xlaunch.launcher.distributed.channels import AGENT_STOPPING
+    from xlaunch.launcher.distributed.front import FrontSupervisor
+    from xlaunch.launcher.plan.planner import Instance, Plan
+    from xlaunch.launcher.run.child import Child, RankProcess
+
+    for agent_stopped in (False, True):
+        agent, pids = _zombie_ranks()
+        plan = Plan(tuple(Instance(i, (i,), (0,), {}, ("true",)) for i in range(2)))
+        front = FrontSupervisor(plan, ["true"], {}, log_dir=None, log_file_prefix="x", grace_period=1, quiet=True,
+                                summary_json=None, torchrun=[], channels_var="X")
+        front.channels = Channels(2)
+        try:
+            if agent_stopped:
+                Path(front.channels.path, AGENT_STOPPING).write_text(f"{pids[1]}\n")
+            front.children = [Child(instance, None) for instance in plan.instances]
+            for rank, pid in zip(front.children, pids):
+                rank.proc, rank.started, rank.group_alive = RankProcess(pid, pid), time.monotonic(), True
+            front.rank_ended(front.children[0], zombie_status(pids[0]))
+            assert front.first_failure is front.children[0]
+            assert front.children[1].stopped_by == ("stopped after rank 0 failed" if agent_stopped else "")
+            front.rank_ended(front.children[1], zombie_status(pids[1]))
+            assert [c.text for c in front.children] == ["exit 3", "exit 3"]
+        finally:
+            front.channels.close()
+            agent.communicate("")
+
+
+def test_the_agent_notes_the_ranks_it_is_about_to_stop(tmp_path: Path) -> None:
+    """Before torch's agent signals its workers it appends the pids of those still running (torch signals
+    only those) to the front's note, which the front reads back."""
+    from types import SimpleNamespace
+
+    from xlaunch.launcher.distributed.agent import _note_stopping
+    from xlaunch.launcher.distributed.channels import AGENT_STOPPING
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        handlers = {0: SimpleNamespace(proc=ended), 1: SimpleNamespace(proc=running)}
+        context = SimpleNamespace(subprocess_handlers=handlers)
+        channels = Channels(1)
+        try:
+            path = os.path.join(channels.path, AGENT_STOPPING)
+            _note_stopping(context, path)
+            _note_stopping(SimpleNamespace(pids=lambda: {0: 11, 1: 12}), path)   # no handlers: every worker
+            assert channels.agent_stopping() == {running.pid, 11, 12}
+        finally:
+            channels.close()
+    finally:
+        running.kill()
+        running.wait()
+
+
+def test_a_rank_the_agent_reaped_first_ends_as_the_agents_note_says(tmp_path: Path) -> None:
+    """Under load torch's agent reaps a rank before xlaunch reads its zombie: the agent notes how each worker
+    it stopped ended (PID RETURNCODE), and the earlier attempt's line says 'killed by SIGTERM' (it said
+    'ended'), as does the last attempt's row."""
+    from types import SimpleNamespace
+
+    from xlaunch.launcher.distributed.agent import _note_exits
+    from xlaunch.launcher.distributed.channels import AGENT_EXITS
+    from xlaunch.launcher.distributed.front import FrontSupervisor
+    from xlaunch.launcher.plan.planner import Instance, Plan
+    from xlaunch.launcher.run.child import Child, RankProcess
+
+    plan = Plan(tuple(Instance(i, (i,), (0,), {}, ("true",)) for i in range(2)))
+    front = FrontSupervisor(plan, ["true"], {}, log_dir=None, log_file_prefix="x", grace_period=1, quiet=True,
+                            summary_json=None, torchrun=[], channels_var="X")
+    front.channels = Channels(2)
+    try:
+        handlers = {0: SimpleNamespace(proc=SimpleNamespace(pid=4000001, returncode=-15)),
+                    1: SimpleNamespace(proc=SimpleNamespace(pid=4000002, returncode=3)),
+                    2: SimpleNamespace(proc=SimpleNamespace(pid=4000003, returncode=None))}
+        _note_exits(SimpleNamespace(subprocess_handlers=handlers), os.path.join(front.channels.path, AGENT_EXITS))
+        assert front.channels.agent_exits() == {4000001: -15, 4000002: 3}
+        front.children = [Child(instance, None) for instance in plan.instances]
+        rank = front.children[0]
+        rank.proc, rank.started, rank.ended = RankProcess(4000001, 4000001), 1.0, 2.0
+        rank.status, rank.text, rank.stopped_by = None, "ended", "stopped after rank 1 failed"
+        front.attempts[0] = 1
+        front.rank_started(rank, 4000004, 4000004)                  # the agent's second attempt (no such pid)
+        assert front.earlier == [{"attempt": 1, "rank": 0, "exit_code": 143,
+                                  "status": "killed by SIGTERM (stopped after rank 1 failed)"}]
+        Path(front.channels.path, AGENT_EXITS).write_text("4000004 -15\n")
+        rank.ended = 3.0
+        front.fill_statuses()
+        assert (rank.status, rank.text) == (143, "killed by SIGTERM")
+    finally:
+        front.channels.close()

@@ -247,3 +247,33 @@ def test_a_restarted_job_says_how_each_earlier_attempt_ended(tmp_path: Path) -> 
 
     earlier = json.loads(summary.read_text())["distributed"]["earlier_attempts"]
     assert [(e["attempt"], e["rank"], e["exit_code"]) for e in earlier] == [(1, 0, 143), (1, 1, 3)]
+
+
+# every rank exits 3 at the same moment: each waits for the other's file, then for the next 0.2 s tick
+AT_ONCE = """\
+import os, pathlib, sys, time
+rank = int(os.environ["LOCAL_RANK"])
+folder = pathlib.Path(sys.argv[1])
+(folder / f"rank{rank}").touch()
+deadline = time.monotonic() + 60
+while len(list(folder.glob("rank*"))) < 2 and time.monotonic() < deadline:
+    time.sleep(0.002)
+time.sleep(0.3 - time.time() % 0.2)
+os._exit(3)
+"""
+
+
+def test_ranks_failing_at_the_same_moment_are_not_said_to_be_stopped(tmp_path: Path) -> None:
+    """Two ranks exit 3 at once: a rank's row says 'exit 3' (it failed on its own), never 'exit 3 (stopped
+    after rank N failed)'; a rank xlaunch's SIGTERM reached first is 'killed by SIGTERM (stopped ...)'. The
+    agent's stop and xlaunch's race here: whatever the order, the job's status is 3."""
+    program = tmp_path / f"xlaunch_rank_{uuid.uuid4().hex}.py"
+    program.write_text(AT_ONCE)
+    job = start(str(program), str(tmp_path))
+    _out, err = job.communicate(timeout=120)
+    assert job.returncode == 3, err
+    rows = re.findall(r"^xlaunch: ([01]) +\S+ +(.+?)  ", err, re.M)
+    assert len(rows) == 2 and any(status == "exit 3" for _rank, status in rows), err
+    assert all(status in ("exit 3", "killed by SIGTERM (stopped after rank 0 failed)",
+                          "killed by SIGTERM (stopped after rank 1 failed)") for _rank, status in rows), err
+    assert leftovers(program.name) == []

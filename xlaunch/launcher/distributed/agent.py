@@ -7,7 +7,10 @@ entry adds three things:
 * every wait of the agent for its workers to stop is capped at the front's grace period
   (``XLAUNCH_FRONT_GRACE``): torch's agent sends SIGTERM to the other workers when one fails, and
   between restarts, then waits a fixed 30 s before SIGKILL whatever ``--shutdown-timeout`` says
-  (``PContext.close``'s default). The front enforces the grace period on the rank groups as well;
+  (``PContext.close``'s default). The front enforces the grace period on the rank groups as well.
+  Before it signals, the agent notes the pids it stops (``AGENT_STOPPING``), so the front does not
+  take a rank that ended on its own at the same moment for one it stopped; after, how each ended
+  (``AGENT_EXITS``), for a rank it reaped before the front read its status;
 * the outcome goes to the front's result file (:data:`xlaunch.launcher.distributed.channels.RESULT`): the job's status,
   the exit code of every rank the agent saw fail and the first of them, for the front's summary;
 * the exit status is the job's: 0, the first failed rank's exit code (128+N when it was killed
@@ -34,13 +37,16 @@ from typing import Any, Optional
 
 from xlaunch._errors import error_line
 from xlaunch.launcher.distributed.ranks import CHANNELS_VAR, GRACE_VAR
-from xlaunch.launcher.distributed.channels import FIRST_FAILURE, RESULT
+from xlaunch.launcher.distributed.channels import AGENT_EXITS, AGENT_STOPPING, FIRST_FAILURE, RESULT
 
 AGENT_LOGS = "torchelastic"     # torchrun's --log-dir, in the front's private folder
 
 
-def cap_shutdown_waits(grace: float) -> bool:
-    """Make ``PContext.close`` wait at most ``grace`` seconds before SIGKILL; False if it cannot."""
+def cap_shutdown_waits(grace: Optional[float], stopping: Optional[str] = None) -> bool:
+    """Make ``PContext.close`` wait at most ``grace`` seconds before SIGKILL (None: torch's own wait),
+    and first append the pids it is about to signal to the file ``stopping`` (the front's
+    :data:`~xlaunch.launcher.distributed.channels.AGENT_STOPPING`: a rank that ended before the agent
+    signalled it failed on its own); False if ``close`` cannot be wrapped."""
     import inspect
 
     from torch.distributed.elastic.multiprocessing import api
@@ -50,10 +56,43 @@ def cap_shutdown_waits(grace: float) -> bool:
         return False
 
     def close(self: Any, death_sig: Any = None, timeout: float = 30) -> Any:
-        return original(self, death_sig, min(timeout, grace))
+        if stopping:
+            _note_stopping(self, stopping)
+        try:
+            return original(self, death_sig, timeout if grace is None else min(timeout, grace))
+        finally:
+            if stopping:
+                _note_exits(self, os.path.join(os.path.dirname(stopping), AGENT_EXITS))
 
     api.PContext.close = close  # type: ignore[method-assign]
     return True
+
+
+def _note_stopping(context: Any, path: str) -> None:
+    """Append the pids of ``context``'s workers still running (torch signals only those), one line;
+    every worker when they cannot be told apart. Written before any signal is sent."""
+    handlers = getattr(context, "subprocess_handlers", None)
+    try:
+        if handlers:
+            pids = [h.proc.pid for h in handlers.values() if h.proc.poll() is None]
+        else:
+            pids = list(context.pids().values())
+        with open(path, "a", encoding="ascii") as note:
+            note.write(" ".join(map(str, pids)) + "\n")
+    except Exception:    # noqa: BLE001 - the front then keeps labelling such ranks as stopped
+        pass
+
+
+def _note_exits(context: Any, path: str) -> None:
+    """Append ``PID CODE`` for each worker the agent reaped (``Popen.returncode``: -N after signal N), so
+    that the front knows how a rank ended whose zombie it did not see (one of an earlier attempt too)."""
+    try:
+        lines = "".join(f"{h.proc.pid} {h.proc.returncode}\n" for h in context.subprocess_handlers.values()
+                        if h.proc.returncode is not None)
+        with open(path, "a", encoding="ascii") as note:
+            note.write(lines)
+    except Exception:    # noqa: BLE001 - the front then says "ended", or takes the agent's report
+        pass
 
 
 def _conf(text: Optional[str]) -> dict[str, str]:
@@ -141,7 +180,8 @@ def run(argv: list[str], environ: dict[str, str]) -> int:
         _write_result(result_path, {"status": 1, "error": str(exc)})
         return 1
     grace = environ.get(GRACE_VAR)
-    if grace is not None and not cap_shutdown_waits(float(grace)):
+    stopping = os.path.join(channels, AGENT_STOPPING) if channels else None
+    if not cap_shutdown_waits(float(grace) if grace is not None else None, stopping) and grace is not None:
         sys.stderr.write("xlaunch: note: this torch's agent waits its own time before SIGKILL; "
                          "the front still kills the ranks after --grace-period\n")
     parser = torchrun.get_args_parser()

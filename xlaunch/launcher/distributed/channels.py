@@ -12,6 +12,8 @@ import tempfile
 REGISTRY = "ranks"
 RESULT = "result.json"      # the agent's report: exit status, and each failed rank's exit code
 FIRST_FAILURE = "first_failure.json"   # the front's note to the agent: the rank it saw fail first
+AGENT_STOPPING = "agent_stopping"      # the agent's note: pids of the ranks it signals to stop, a line a time
+AGENT_EXITS = "agent_exits"            # the agent's note: ``PID RETURNCODE`` of each rank it stopped and reaped
 
 
 def output_name(local_rank: int) -> str:
@@ -26,7 +28,9 @@ class Channels:
     each rank starts (the watchdog drains it if xlaunch is killed); ``result.json`` is the agent's
     report; ``first_failure.json`` names the rank xlaunch saw fail first, written before it stops
     the others (torch's agent may see those stopped ranks in the same poll, and would take the
-    lowest rank as the root cause). xlaunch holds a write end of each FIFO, so reads never see end-of-file between ranks;
+    lowest rank as the root cause); ``agent_stopping`` gets a line of pids each time the agent is about
+    to stop its ranks (a rank that ended before then failed on its own), ``agent_exits`` how each rank
+    it stopped ended (``PID RETURNCODE``, -N after signal N). xlaunch holds a write end of each FIFO, so reads never see end-of-file between ranks;
     a rank finding no reader (xlaunch gone) does not start. :meth:`close` removes it all."""
 
     def __init__(self, ranks: int) -> None:
@@ -64,6 +68,29 @@ class Channels:
             os.replace(path + ".tmp", path)
         except OSError:
             pass    # the front's own exit status still names that rank
+
+    def agent_stopping(self) -> set[int]:
+        """The pids torch's agent has signalled (or is about to signal) to stop, from its note."""
+        try:
+            with open(os.path.join(self.path, AGENT_STOPPING), "rb") as note:
+                text = note.read(1 << 20)
+        except OSError:
+            return set()
+        return {int(word) for word in text.split() if word.isdigit()}
+
+    def agent_exits(self) -> dict[int, int]:
+        """pid -> ``Popen.returncode`` (-N: killed by signal N) of the ranks the agent reaped when it stopped them."""
+        try:
+            with open(os.path.join(self.path, AGENT_EXITS), "rb") as note:
+                text = note.read(1 << 20)
+        except OSError:
+            return {}
+        found = {}
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].lstrip(b"-").isdigit():
+                found[int(parts[0])] = int(parts[1])
+        return found
 
     def read_registrations(self) -> list[tuple[int, int, int]]:
         """``(pgid, local rank, pid)`` for every complete line waiting in the registry."""

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 from xlaunch.launcher.distributed.channels import Channels
 from xlaunch.launcher.plan.records import Instance
 from xlaunch.launcher.run import reporting, spawning
-from xlaunch.launcher.run.child import Child, RankProcess, exists, is_zombie, status_code, status_text, zombie_status
+from xlaunch.launcher.run.child import (Child, RankProcess, exists, has_ended, is_zombie, status_code, status_text,
+                                        zombie_status)
 from xlaunch.launcher.run.console import InstanceStream
 from xlaunch.launcher.run.strays import Strays
 from xlaunch.launcher.run.supervisor import Supervisor
@@ -127,6 +128,14 @@ class FrontSupervisor(Supervisor):
         self.selector.register(agent.fd, selectors.EVENT_READ, agent)
         self.log(f"agent started: pid {agent.pid}: {' '.join(instance.argv)}")
 
+    def ended_on_its_own(self, child: Child) -> bool:
+        """A rank (torch's agent's child) that has ended, a zombie or already reaped by the agent, and
+        that the agent had not set out to stop (its note, written before it signals: read after the
+        rank was seen ended, so a rank ended before any stop of the agent's is never taken for one)."""
+        if child is self.agent or self.channels is None:
+            return super().ended_on_its_own(child)
+        return has_ended(child.pid) and child.pid not in self.channels.agent_stopping()
+
     def _killpg(self, child: Child, number: int) -> None:
         """SIGINT reaches the agent as SIGTERM until a rank started: before torch's handlers (they
         come with the ranks) Python would raise ``KeyboardInterrupt`` wherever the agent is, in an
@@ -159,6 +168,7 @@ class FrontSupervisor(Supervisor):
         attempt = self.attempts[index] = self.attempts.get(index, 0) + 1
         if child.proc is not None and child.ended is None:
             self.rank_ended(child, None)            # the agent replaced it without us seeing the end
+        self._status_from_agent(child)
         if child.proc is not None:                  # the summary's rows are the last attempt's: keep this one
             self.earlier.append({"attempt": attempt - 1, "rank": index, "exit_code": child.status,
                                  "status": child.text + (f" ({child.stopped_by})" if child.stopped_by else "")})
@@ -303,6 +313,7 @@ class FrontSupervisor(Supervisor):
         failures = self.agent_result.get("failures") or {}
         ok = self.agent_result.get("status") == 0
         for child in self.children:
+            self._status_from_agent(child)
             if child.proc is None or child.status is not None:
                 continue
             code = failures.get(str(child.instance.index), 0 if ok else None)
@@ -310,6 +321,16 @@ class FrontSupervisor(Supervisor):
                 child.status = code
                 child.text = f"exit {code}" if code < 128 else status_text(os.CLD_KILLED, code - 128)
         self._attribute_stops()
+
+    def _status_from_agent(self, child: Child) -> None:
+        """A rank the agent reaped before xlaunch read its status: how it ended, from the agent's note."""
+        if child.proc is None or child.ended is None or child.status is not None or self.channels is None:
+            return
+        code = self.channels.agent_exits().get(child.pid)
+        if code is not None:
+            how = (os.CLD_KILLED, -code) if code < 0 else (os.CLD_EXITED, code)
+            child.status, child.text = status_code(*how), status_text(*how)
+            child.proc.returncode = child.status
 
     def _attribute_stops(self) -> None:
         """When the agent reaped a failed rank before xlaunch read its status, the agent (not
