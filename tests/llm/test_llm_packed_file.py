@@ -178,6 +178,31 @@ def test_a_hub_name_is_one_line_saying_it_is_not_downloaded(tmp_path, monkeypatc
     _refused(tmp_path / "missing", "No such file or directory\\)$")
 
 
+def test_the_source_digest_is_the_checkpoint_as_it_was_read(packed, tmp_path):
+    """save_packed digested the source when it was called: a checkpoint changed since the load (a newer revision
+    downloaded over it) was recorded as what the file holds, and from_pretrained(path, source=...) served the old
+    weights for it; a checkpoint removed since could not be saved at all."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    checkpoint, _, logits = packed
+    source = shutil.copytree(checkpoint, tmp_path / "source")
+    model = llm.from_pretrained(source, weights="int8")
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file({name: t * 1.5 for name, t in tensors.items()}, str(source / "model.safetensors"), metadata={"format": "pt"})
+    path = llm.save_packed(model, tmp_path / "model.xlp")
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        expected = llm.from_pretrained(source, weights="int8")(ids).logits
+        assert not torch.equal(expected, logits)
+        assert torch.equal(llm.from_pretrained(path, source=source, weights="int8")(ids).logits, expected)   # rebuilt
+    again = llm.from_pretrained(path)      # the rebuilt file's model keeps its digest: saved, it stands for source
+    shutil.rmtree(source)
+    copy = llm.save_packed(again, tmp_path / "copy.xlp")
+    assert read_manifest(copy)["source"] == read_manifest(path)["source"]
+
+
 def test_malformed_files_get_one_clear_error(packed, tmp_path):
     _, path, _ = packed
     (tmp_path / "junk.xlp").write_bytes(b"not a packed file at all")

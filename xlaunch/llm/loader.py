@@ -29,7 +29,7 @@ from xlaunch.llm.api import _check, default_dtype, lm_head_packing, warn_if_bf16
 from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
 from xlaunch.llm.files import quoted, user_path  # noqa: E402
 from xlaunch.llm.files.checkpoint import (INDEX, SAFETENSORS_DTYPES, Checkpoint, SafetensorsFile,  # noqa: E402,F401
-                                           WEIGHTS)      # INDEX, SafetensorsFile and WEIGHTS: re-exported
+                                           WEIGHTS, source_digest)      # INDEX, SafetensorsFile and WEIGHTS: re-exported
 from xlaunch.llm.decoder import SIXTEEN_BIT, embedding_table, exact_in_bf16  # noqa: E402
 from xlaunch.llm.linear import (BLOCK, GROUPED, NATIVE_PACKERS, PackedLinear, bf16_valued, pack_bf16,  # noqa: E402
                                 pack_channels, quantize)
@@ -154,13 +154,18 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     checkpoint = Checkpoint(path)
     try:
         config, generation = _config(path), _generation_config(path)     # before any weight is read
+        try:    # what save_packed records: the files as read now, not as they are when it is called
+            digest = source_digest(path)
+        except userfiles.UserFileError as error:
+            raise ValueError(f"xlaunch.llm.from_pretrained: {error}") from None
         model, spec, parts = _read(checkpoint, config, kind, dtype, group_size)
     finally:
         checkpoint.close()
     if generation is not None:
         model.generation_config = generation
     model = install(model, spec, dtype, parts)
-    object.__setattr__(model, "_xlaunch_llm_source", os.path.abspath(path))   # save_packed records its digest (after a chdir too)
+    object.__setattr__(model, "_xlaunch_llm_source", os.path.abspath(path))   # save_packed records it (after a chdir too)
+    object.__setattr__(model, "_xlaunch_llm_source_digest", digest)
     return model
 
 

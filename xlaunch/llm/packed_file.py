@@ -47,7 +47,7 @@ MAGIC = b"XLLMPACK"
 FORMAT_VERSION = 2   # 2: INT8 weights [N/64, K/4, 64 x 4] (was [N/64, K, 64])
 MAX_HEADER = 64 << 20
 PAGE = 4096
-SOURCE_ATTR = "_xlaunch_llm_source"
+SOURCE_ATTR, DIGEST_ATTR = "_xlaunch_llm_source", "_xlaunch_llm_source_digest"   # set by the loaders
 TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8,
                  "uint8": torch.uint8, "int32": torch.int32}
 MAX_LAYERS = 4096
@@ -94,6 +94,15 @@ def source_digest(path: Any) -> str:
         raise PackedFileError(f"xlaunch.llm: the checkpoint {path}: {error}") from None
 
 
+def _digest_of(model: Any, source: Any) -> str:
+    """The digest the loader took of ``source`` when it read the model from it (what the model holds, should the
+    folder have changed or gone since); another source's, read now."""
+    recorded = getattr(model, DIGEST_ATTR, None)
+    if isinstance(recorded, str) and os.path.abspath(source) == getattr(model, SOURCE_ATTR, None):
+        return recorded
+    return source_digest(source)
+
+
 def _align(offset: int, nbytes: int) -> int:
     unit = HUGE_PAGE if nbytes >= HUGE_PAGE else PAGE
     return -(-offset // unit) * unit
@@ -136,7 +145,7 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
                     decoder=dataclasses.asdict(spec), rope=dict(attention_scaling=runtime.rope.attention_scaling),
                     dtype=DTYPES[dtype], weights=first.kind, group_size=first.group_size,
                     kernel=dict(level=kernel_level(), layout=first.layout, fingerprint=layout_fingerprint()),
-                    source=None if source is None else dict(path=str(source), digest=source_digest(source)),
+                    source=None if source is None else dict(path=str(source), digest=_digest_of(model, source)),
                     embedding="table" if parts.embed is not None else "lm_head", linears=linears, tensors={})
     # offsets depend on the manifest's length: reserve room for the offsets' digits, then lay out
     entries = {name: dict(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
@@ -412,6 +421,7 @@ def load_packed(path: Any, dtype: Any = None, weights: Optional[str] = None, gro
     source = manifest.get("source")
     if isinstance(source, dict) and isinstance(source.get("path"), str) and source["path"]:
         object.__setattr__(model, SOURCE_ATTR, source["path"])
+        object.__setattr__(model, DIGEST_ATTR, source.get("digest"))
     return model
 
 
