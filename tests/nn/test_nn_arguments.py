@@ -100,3 +100,24 @@ def test_roi_align_arguments_are_refused_by_the_module_and_the_function(kwargs, 
 def test_interaction_names_a_feature_that_is_not_a_tensor():
     with pytest.raises(TypeError, match="^interaction: feature 0 must be a .batch, dim. tensor, not list$"):
         interaction([1.0, 2.0], torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("cls", MERGED)
+def test_per_sample_weights_and_the_dense_feature_are_cpu_real_tensors(cls, grad):
+    """A meta tensor there pooled garbage on every path (the operators' fake kernel ran and its empty
+    outputs came back as results); a list was an AttributeError; complex weights dropped their
+    imaginary part with a warning."""
+    merged = cls([EmbeddingSpec(5, 4, "sum")])
+    indices, offsets = [torch.tensor([1, 2])], [torch.tensor([0])]
+    dense = [torch.ones(1, 2)] if cls is MergedEmbeddingBagWithCat else []
+    with torch.set_grad_enabled(grad):
+        with pytest.raises(ValueError, match="per_sample_weights of table 0 are on meta; xlaunch.nn runs on the CPU"):
+            merged(indices, offsets, *dense, per_sample_weights=[torch.ones(2, device="meta")])
+        for psw, name in (([1.0, 2.0], "list"), (torch.ones(2, dtype=torch.complex64), "torch.complex64")):
+            with pytest.raises(TypeError, match=f"per_sample_weights of table 0 must be a real tensor or None, not {name}"):
+                merged(indices, offsets, *dense, per_sample_weights=[psw])
+        if dense:
+            with pytest.raises(ValueError, match="dense_feature is on meta; xlaunch.nn runs on the CPU"):
+                merged(indices, offsets, torch.ones(1, 2, device="meta"))
+            assert torch.equal(merged(indices, offsets, dense[0])[:, :2], dense[0])

@@ -200,6 +200,8 @@ class MergedEmbeddingBagWithCat(MergedEmbeddingBag):
         inputs = self._inputs(indices, offsets, per_sample_weights)
         if not isinstance(dense_feature, Tensor) or dense_feature.dim() != 2 or dense_feature.shape[0] != inputs.batch:
             raise ValueError(f"dense_feature must be a (batch={inputs.batch}, dim) tensor")
+        if not dense_feature.is_cpu:     # (a meta one gave garbage: the operator's fake kernel ran)
+            raise ValueError(f"dense_feature is on {dense_feature.device}; xlaunch.nn runs on the CPU")
         weight = self._pool_weight()
         return pool(weight, self.layout, inputs, dense_feature.to(weight.dtype))
 

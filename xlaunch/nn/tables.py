@@ -216,6 +216,11 @@ def normalize(layout: TableLayout, indices: object, offsets: object, per_sample_
         elif table_batch != batch:
             raise ValueError(f"every table needs the same number of bags: table 0 has {batch}, table {t} has {table_batch}")
         if psw is not None:
+            if not isinstance(psw, Tensor) or psw.is_complex() or psw.dtype == torch.bool:
+                raise TypeError(f"per_sample_weights of table {t} must be a real tensor or None, "
+                                f"not {psw.dtype if isinstance(psw, Tensor) else type(psw).__name__}")
+            if not psw.is_cpu:     # (a meta one pooled garbage: its fake kernel ran)
+                raise ValueError(f"per_sample_weights of table {t} are on {psw.device}; xlaunch.nn runs on the CPU")
             if layout.modes[t] != "sum":
                 raise ValueError(f"table {t}: per_sample_weights need pooling_mode 'sum', not {layout.modes[t]!r}")
             psw = psw.reshape(-1)
