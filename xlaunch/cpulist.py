@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 # Kernel limits: NR_CPUS is at most 8192 on x86 (MAXSMP) and NODES_SHIFT at most 10; a list
 # naming a larger number is a typo, and expanding it would exhaust memory.
 MAX_ID = 65535
+SHOWN = 60   # characters of an input an error message quotes (a garbage file may be 64 KiB)
 
 
 class CpuListError(ValueError):
@@ -33,27 +34,28 @@ def parse_cpulist(text: str, limit: int = MAX_ID) -> tuple[int, ...]:
     text = text.strip()
     if not text:
         return ()
+    whole = shown(text)
     cpus: set[int] = set()
     for part in text.split(","):
         part = part.strip()
         if not part:
-            raise CpuListError(f"empty item in {text!r}")
+            raise CpuListError(f"empty item in {whole}")
         stride = 1
         if ":" in part:
             part, _, stride_text = part.partition(":")
-            stride = _non_negative(stride_text, text)
+            stride = _non_negative(stride_text, whole)
             if stride == 0:
-                raise CpuListError(f"zero stride in {text!r}")
+                raise CpuListError(f"zero stride in {whole}")
         if "-" in part:
             lo_text, _, hi_text = part.partition("-")
-            lo, hi = _non_negative(lo_text, text), _non_negative(hi_text, text)
-            _check_limit(hi, limit, text)
+            lo, hi = _non_negative(lo_text, whole), _non_negative(hi_text, whole)
+            _check_limit(hi, limit, whole)
             if hi < lo:
-                raise CpuListError(f"descending range {lo}-{hi} in {text!r}")
+                raise CpuListError(f"descending range {lo}-{hi} in {whole}")
             cpus.update(range(lo, hi + 1, stride))
         else:
-            number = _non_negative(part, text)
-            _check_limit(number, limit, text)
+            number = _non_negative(part, whole)
+            _check_limit(number, limit, whole)
             cpus.add(number)
     return tuple(sorted(cpus))
 
@@ -72,13 +74,19 @@ def format_cpulist(cpus: Iterable[int]) -> str:
     return ",".join(parts)
 
 
+def shown(text: str, limit: int = SHOWN) -> str:
+    """``repr(text)``, cut to ``limit`` characters and ``...`` (one-line messages about any file)."""
+    quoted = repr(text)
+    return quoted if len(quoted) <= limit else quoted[:limit] + "..."
+
+
 def _check_limit(number: int, limit: int, whole: str) -> None:
     if number > limit:
-        raise CpuListRangeError(f"{number} in {whole!r} is larger than any CPU or node number (at most {limit})")
+        raise CpuListRangeError(f"{number} in {whole} is larger than any CPU or node number (at most {limit})")
 
 
 def _non_negative(token: str, whole: str) -> int:
     token = token.strip()
     if not (token.isascii() and token.isdigit()):
-        raise CpuListError(f"{token!r} is not a CPU number in {whole!r}")
+        raise CpuListError(f"{shown(token)} is not a CPU number in {whole}")
     return int(token)

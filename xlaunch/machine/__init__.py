@@ -13,7 +13,7 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 if TYPE_CHECKING:
     from typing import Optional
 
-from xlaunch.machine._files import Notes, join, read_text, status_fields
+from xlaunch.machine._files import Notes, decimal, join, read_text, status_fields
 from xlaunch.machine.host import read_host
 from xlaunch.machine.isa import ISA_FLAGS, read_isa
 from xlaunch.machine.libraries import find_libraries
@@ -77,8 +77,8 @@ def memory_available(root: Optional[str] = None) -> Optional[int]:
         text = read_text(join(resolve_root(root), "proc/meminfo"))
     except MachineRootError:
         return None
-    number = status_fields(text or "").get("MemAvailable", "").split()[:1]
-    return int(number[0]) * 1024 if number and number[0].isdigit() else None
+    number = decimal((status_fields(text or "").get("MemAvailable", "").split() or [""])[0])
+    return None if number is None else number * 1024
 
 
 def recorded_root_problem(root: str) -> Optional[str]:

@@ -5,15 +5,19 @@ sysfs files are tiny and are read with one ``os.read``; anything missing or unre
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "Start-up cost")
 if TYPE_CHECKING:
     from typing import Optional
 
 from xlaunch.cpulist import CpuListError, parse_cpulist
+from xlaunch.userfiles import kind_of
 
 _CHUNK = 65536
+_MISSING = (errno.ENOENT, errno.ENOTDIR)
 
 
 class Notes:
@@ -35,26 +39,52 @@ def join(root: str, relative: str) -> str:
     return os.path.join(root, relative)
 
 
-def read_text(path: str, limit: int = _CHUNK) -> Optional[str]:
-    """The stripped text of a small file, or None when it is missing or unreadable."""
+def _open_regular(path: str, notes: Optional[Notes]) -> Optional[int]:
+    """A non-blocking descriptor on the regular file ``path``, or None.
+
+    A missing file is None without a word (callers say what they assume). A FIFO, device,
+    socket or directory is refused before it is opened (a FIFO with no writer would block an
+    ordinary open forever), and anything else unreadable (a symlink loop, no permission) is
+    None too; both with a note naming the file when ``notes`` is given.
+    """
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            mode = os.fstat(fd).st_mode       # what is read is what was checked
+            if stat.S_ISREG(mode):
+                return fd
+            os.close(fd)
+    except (OSError, ValueError) as exc:      # ValueError: a NUL in the path
+        if notes is not None and getattr(exc, "errno", None) not in _MISSING:
+            notes.add(f"{path}: {getattr(exc, 'strerror', None) or exc}; ignored")
+        return None
+    if notes is not None:
+        notes.add(f"{path} is {kind_of(mode)}, not a regular file; ignored")
+    return None
+
+
+def read_text(path: str, limit: int = _CHUNK, notes: Optional[Notes] = None) -> Optional[str]:
+    """The stripped text of a small regular file (at most ``limit`` bytes), or None when it is
+    missing, unreadable or not a regular file (see :func:`_open_regular`)."""
+    fd = _open_regular(path, notes)
+    if fd is None:
         return None
     try:
         data = os.read(fd, limit)
-    except OSError:
+    except OSError as exc:
+        if notes is not None:
+            notes.add(f"{path}: {exc.strerror or exc}; ignored")
         return None
     finally:
         os.close(fd)
     return data.decode("utf-8", "replace").strip()
 
 
-def read_until_blank_line(path: str, limit: int = 1 << 20) -> Optional[str]:
+def read_until_blank_line(path: str, limit: int = 1 << 20, notes: Optional[Notes] = None) -> Optional[str]:
     """The first block of a file (up to its first empty line), e.g. one cpuinfo processor."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    fd = _open_regular(path, notes)
+    if fd is None:
         return None
     data = b""
     try:
@@ -74,19 +104,28 @@ def read_until_blank_line(path: str, limit: int = 1 << 20) -> Optional[str]:
     return text.split("\n\n", 1)[0]
 
 
-def read_int(path: str) -> Optional[int]:
-    text = read_text(path)
-    if text is None:
-        return None
-    try:
+def decimal(text: Optional[str]) -> Optional[int]:
+    """``text`` as a non-negative integer when it is ASCII digits only, else None.
+
+    ``str.isdigit`` alone is not enough: ``"\u00b2".isdigit()`` is True and ``int`` refuses it.
+    """
+    if text and text.isascii() and text.isdigit():
         return int(text)
-    except ValueError:
-        return None
+    return None
+
+
+def read_int(path: str, notes: Optional[Notes] = None) -> Optional[int]:
+    """An integer file such as ``topology/core_id`` (``-1``, unknown on some kernels, included)."""
+    text = read_text(path, notes=notes)
+    if text is not None and text.startswith("-"):
+        number = decimal(text[1:])
+        return None if number is None else -number
+    return decimal(text)
 
 
 def read_cpulist(path: str, notes: Optional[Notes] = None) -> Optional[tuple[int, ...]]:
     """A kernel CPU/node list file; None when missing, or (with a note) when it does not parse."""
-    text = read_text(path)
+    text = read_text(path, notes=notes)
     if text is None:
         return None
     try:
@@ -105,8 +144,9 @@ def list_numbered(path: str, prefix: str) -> list[int]:
         return []
     ids = []
     for name in names:
-        if name.startswith(prefix) and name[len(prefix):].isdigit():
-            ids.append(int(name[len(prefix):]))
+        number = decimal(name[len(prefix):]) if name.startswith(prefix) else None
+        if number is not None and name == f"{prefix}{number}":     # the kernel writes no leading zeros
+            ids.append(number)
     return sorted(ids)
 
 

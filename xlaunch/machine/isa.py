@@ -31,7 +31,7 @@ XFEATURE_XTILEDATA = 18
 
 def read_isa(root: str, live: bool, notes: Notes) -> Isa:
     path = join(root, "proc/cpuinfo")
-    block = read_until_blank_line(path)
+    block = read_until_blank_line(path, notes=notes)
     if block is None:
         if live:
             return _isa_from_py_cpuinfo(notes, "proc/cpuinfo unreadable")

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from typing import Iterable, Optional
 
 from xlaunch._records import record
-from xlaunch.cpulist import CpuListError, parse_cpulist
-from xlaunch.machine._files import Notes, join, read_text, status_fields
+from xlaunch.cpulist import CpuListError, parse_cpulist, shown
+from xlaunch.machine._files import Notes, decimal, join, read_text, status_fields
 
 CGROUP_MOUNT = "sys/fs/cgroup"
 
@@ -35,8 +35,8 @@ def read_limits(
     notes: Notes,
 ) -> Limits:
     online = tuple(sorted(online_cpus))
-    status_text = read_text(join(root, "proc/self/status"))
-    status = status_fields(status_text) if status_text is not None else {}
+    status_text = read_text(join(root, "proc/self/status"), notes=notes)
+    status = status_fields(status_text) if status_text is not None else None
     if status_text is None:
         notes.add("proc/self/status unreadable; allowed CPUs/memory nodes assumed unrestricted")
 
@@ -45,7 +45,9 @@ def read_limits(
     else:
         allowed = _allowed_cpus(status, online, notes)
     mems = _listed(status, "Mems_allowed_list", notes)
-    if mems is None:
+    if not mems:
+        if mems == ():
+            notes.add("proc/self/status Mems_allowed_list is empty; assumed every node with memory")
         mems = tuple(sorted(memory_nodes))
     return Limits(allowed_cpus=allowed, allowed_mems=mems, cpu_budget=read_cpu_budget(root, notes))
 
@@ -59,7 +61,7 @@ def fallback_cpus(root: str, live: bool) -> tuple[int, ...]:
     return listed or (0,)
 
 
-def _allowed_cpus(status: dict[str, str], online: tuple[int, ...], notes: Notes) -> tuple[int, ...]:
+def _allowed_cpus(status: Optional[dict[str, str]], online: tuple[int, ...], notes: Notes) -> tuple[int, ...]:
     listed = _listed(status, "Cpus_allowed_list", notes)
     if listed is None:
         return online
@@ -71,8 +73,9 @@ def _allowed_cpus(status: dict[str, str], online: tuple[int, ...], notes: Notes)
     return allowed
 
 
-def _listed(status: dict[str, str], key: str, notes: Notes) -> Optional[tuple[int, ...]]:
-    if not status:
+def _listed(status: Optional[dict[str, str]], key: str, notes: Notes) -> Optional[tuple[int, ...]]:
+    """``key`` of a read ``proc/self/status`` (None: it was unreadable, already noted)."""
+    if status is None:
         return None
     text = status.get(key)
     if text is None:
@@ -87,7 +90,7 @@ def _listed(status: dict[str, str], key: str, notes: Notes) -> Optional[tuple[in
 
 def read_cpu_budget(root: str, notes: Notes) -> Optional[float]:
     """The tightest CPU quota (in CPUs) over this process's cgroup and its ancestors; None: none."""
-    text = read_text(join(root, "proc/self/cgroup"))
+    text = read_text(join(root, "proc/self/cgroup"), notes=notes)
     if text is None:
         notes.add("proc/self/cgroup unreadable; CPU budget unknown")
         return None
@@ -98,15 +101,15 @@ def read_cpu_budget(root: str, notes: Notes) -> Optional[float]:
             continue
         _, controllers, path = parts
         if controllers == "":
-            budgets += _walk(root, path, ("", "unified"), _v2_quota)
+            budgets += _walk(root, path, ("", "unified"), _v2_quota, notes)
         elif "cpu" in controllers.split(","):
             names = controllers.split(",")
             mounts = tuple(dict.fromkeys([",".join(names), ",".join(reversed(names)), "cpu"]))
-            budgets += _walk(root, path, mounts, _v1_quota)
+            budgets += _walk(root, path, mounts, _v1_quota, notes)
     return min(budgets) if budgets else None
 
 
-def _walk(root: str, path: str, mounts: tuple[str, ...], quota) -> list[float]:
+def _walk(root: str, path: str, mounts: tuple[str, ...], quota, notes: Notes) -> list[float]:
     """Quotas of ``path`` and each ancestor, under each candidate mount directory."""
     parts = [p for p in path.strip().split("/") if p and p != ".."]
     found: list[float] = []
@@ -115,27 +118,39 @@ def _walk(root: str, path: str, mounts: tuple[str, ...], quota) -> list[float]:
         if not os.path.isdir(base):
             continue
         for depth in range(len(parts), -1, -1):
-            value = quota(os.path.join(base, *parts[:depth]))
+            value = quota(os.path.join(base, *parts[:depth]), notes)
             if value is not None:
                 found.append(value)
     return found
 
 
-def _v2_quota(directory: str) -> Optional[float]:
+def _v2_quota(directory: str, notes: Notes) -> Optional[float]:
     """``cpu.max`` is ``"<quota> <period>"`` or ``"max <period>"`` (no limit)."""
-    text = read_text(os.path.join(directory, "cpu.max"))
-    if not text:
+    path = os.path.join(directory, "cpu.max")
+    text = read_text(path, notes=notes)
+    if text is None:
         return None
     fields = text.split()
-    if len(fields) != 2 or not fields[0].isdigit() or not fields[1].isdigit() or int(fields[1]) == 0:
+    if len(fields) == 2 and fields[0] == "max" and decimal(fields[1]):
         return None
-    return int(fields[0]) / int(fields[1])
+    quota, period = (decimal(fields[0]), decimal(fields[1])) if len(fields) == 2 else (None, None)
+    return _ratio(quota, period, path, text, notes)
 
 
-def _v1_quota(directory: str) -> Optional[float]:
+def _v1_quota(directory: str, notes: Notes) -> Optional[float]:
     """``cpu.cfs_quota_us`` (``-1``: no limit) over ``cpu.cfs_period_us``."""
-    quota = read_text(os.path.join(directory, "cpu.cfs_quota_us"))
-    period = read_text(os.path.join(directory, "cpu.cfs_period_us"))
-    if not quota or not period or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+    path = os.path.join(directory, "cpu.cfs_quota_us")
+    quota_text = read_text(path, notes=notes)
+    period_text = read_text(os.path.join(directory, "cpu.cfs_period_us"), notes=notes)
+    if quota_text is None or period_text is None or quota_text == "-1":
         return None
-    return int(quota) / int(period)
+    return _ratio(decimal(quota_text), decimal(period_text), path, f"{quota_text} / {period_text}", notes)
+
+
+def _ratio(quota: Optional[int], period: Optional[int], path: str, text: str, notes: Notes) -> Optional[float]:
+    """quota / period in CPUs; a note and None for anything the kernel would not write (0 included:
+    the kernel's smallest quota is 1 ms)."""
+    if not quota or not period:
+        notes.add(f"{path}: {shown(text)} is not a CPU quota; ignored")
+        return None
+    return quota / period

@@ -14,8 +14,10 @@ if TYPE_CHECKING:
     from typing import Iterable, Optional
 
 from xlaunch._records import record
+from xlaunch.cpulist import shown
 from xlaunch.machine._files import (
     Notes,
+    decimal,
     join,
     list_numbered,
     read_cpulist,
@@ -127,8 +129,8 @@ def _read_places(
         if cpu not in online:
             # The kernel drops topology/ of offline CPUs; use whatever is left.
             places[cpu] = _Place(
-                read_int(topo + "physical_package_id"), read_int(topo + "die_id"),
-                read_int(topo + "core_id"), (cpu,),
+                read_int(topo + "physical_package_id", notes), read_int(topo + "die_id", notes),
+                read_int(topo + "core_id", notes), (cpu,),
             )
             continue
         listed = read_cpulist(topo + "thread_siblings_list", notes)
@@ -136,10 +138,10 @@ def _read_places(
             notes.add(f"cpu{cpu}: topology/thread_siblings_list missing; treated as its own core")
             listed = (cpu,)
         siblings = tuple(sorted((set(listed) & online) | {cpu}))
-        package = read_int(topo + "physical_package_id")
+        package = read_int(topo + "physical_package_id", notes)
         if package is None:
             notes.add(f"cpu{cpu}: topology/physical_package_id missing; package unknown")
-        place = _Place(package, read_int(topo + "die_id"), read_int(topo + "core_id"), siblings)
+        place = _Place(package, read_int(topo + "die_id", notes), read_int(topo + "core_id", notes), siblings)
         for sibling in siblings:
             if sibling not in places:
                 places[sibling] = place
@@ -157,8 +159,8 @@ def _read_l3(
         if cpu not in online or cpu in member_of:
             continue
         cache = join(cpu_dir, f"cpu{cpu}/cache/")
-        if l3_index is None or read_text(cache + l3_index + "/level") != "3":
-            l3_index = _find_l3_index(cache)
+        if l3_index is None or read_text(cache + l3_index + "/level", notes=notes) != "3":
+            l3_index = _find_l3_index(cache, notes)
             if l3_index is None:
                 continue
         shared = read_cpulist(cache + l3_index + "/shared_cpu_list", notes)
@@ -166,7 +168,7 @@ def _read_l3(
             notes.add(f"cpu{cpu}: {l3_index}/shared_cpu_list missing; L3 sharing unknown")
             shared = (cpu,)
         members = tuple(sorted((set(shared) & online) | {cpu}))
-        size = _size_kib(read_text(cache + l3_index + "/size"))
+        size = _size_kib(read_text(cache + l3_index + "/size", notes=notes))
         position = len(domains)
         domains.append((members, size))
         for member in members:
@@ -183,10 +185,10 @@ def _read_l3(
     return {cpu: renumber[pos] for cpu, pos in member_of.items()}, result
 
 
-def _find_l3_index(cache_dir: str) -> Optional[str]:
+def _find_l3_index(cache_dir: str, notes: Notes) -> Optional[str]:
     for index in list_numbered(cache_dir, "index"):
         name = f"index{index}"
-        if read_text(cache_dir + name + "/level") == "3":
+        if read_text(cache_dir + name + "/level", notes=notes) == "3":
             return name
     return None
 
@@ -196,10 +198,10 @@ def _size_kib(text: Optional[str]) -> Optional[int]:
     if not text:
         return None
     scale = {"K": 1, "M": 1024, "G": 1024 * 1024}.get(text[-1].upper())
-    digits = text[:-1] if scale else text
-    if not digits.isdigit():
+    number = decimal(text[:-1] if scale else text)
+    if number is None:
         return None
-    return int(digits) * (scale or 1) if scale else int(digits) // 1024
+    return number * scale if scale else number // 1024
 
 
 def _read_nodes(
@@ -209,7 +211,7 @@ def _read_nodes(
     if not os.path.isdir(node_dir):
         notes.add("no sys/devices/system/node (kernel without NUMA); assumed one node 0 with all CPUs")
         cpus = tuple(sorted(online))
-        memory = _meminfo_total(read_text(join(root, "proc/meminfo")))
+        memory = _meminfo_total(read_text(join(root, "proc/meminfo"), notes=notes))
         return (Node(id=0, cpus=cpus, distances=((0, 10),), memory_kib=memory),), {c: 0 for c in cpus}
 
     node_ids = read_cpulist(join(node_dir, "online"), notes)
@@ -237,8 +239,8 @@ def _read_nodes(
         nodes.append(Node(
             id=node,
             cpus=cpus,
-            distances=_distances(read_text(base + "distance"), node_ids, node, notes),
-            memory_kib=_meminfo_total(read_text(base + "meminfo")),
+            distances=_distances(read_text(base + "distance", notes=notes), node_ids, node, notes),
+            memory_kib=_meminfo_total(read_text(base + "meminfo", notes=notes)),
         ))
     if not nodes:
         notes.add("no readable NUMA node; assumed one node 0 with all CPUs")
@@ -275,11 +277,11 @@ def _distances(
     if text is None:
         notes.add(f"node{node}/distance missing; distances unknown")
         return ()
-    values = text.split()
-    if len(values) != len(node_ids) or not all(v.isdigit() for v in values):
-        notes.add(f"node{node}/distance {text!r} does not match nodes {list(node_ids)}; ignored")
+    values = [decimal(v) for v in text.split()]
+    if len(values) != len(node_ids) or None in values:
+        notes.add(f"node{node}/distance {shown(text)} does not match nodes {list(node_ids)}; ignored")
         return ()
-    return tuple(zip(node_ids, (int(v) for v in values)))
+    return tuple(zip(node_ids, values))
 
 
 def _meminfo_total(text: Optional[str]) -> Optional[int]:
@@ -289,9 +291,7 @@ def _meminfo_total(text: Optional[str]) -> Optional[int]:
     for line in text.splitlines():
         head, sep, value = line.partition(":")
         if sep and head.split()[-1:] == ["MemTotal"]:
-            number = value.split()[:1]
-            if number and number[0].isdigit():
-                return int(number[0])
+            return decimal(value.split()[0] if value.split() else None)
     return None
 
 
