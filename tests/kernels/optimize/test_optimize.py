@@ -363,6 +363,25 @@ def test_a_bf16_model_with_tied_weights_saves_every_key_in_its_original_dtype(mo
     assert torch.equal(state["emb.weight"], model.emb.weight.detach().bfloat16().float())
 
 
+def test_a_bf16_optimized_model_optimized_again_without_dtype_keeps_its_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``optimize(optimize(model, dtype=torch.bfloat16), sample_input=x)`` (to freeze it, say) failed inside
+    with "Input type (float) and bias type (c10::BFloat16) should be the same": the new forward dropped
+    the autocast the bf16 weights need."""
+    monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"avx512_bf16"}))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    once = optimize(model, dtype=torch.bfloat16, force_bf16=True, **EAGER)
+    twice = optimize(once, sample_input=x, measure=False)
+    assert twice[0].weight.dtype == torch.bfloat16
+    assert any("stays under torch.bfloat16 autocast" in w for w in twice._xlaunch_optimize_report.warnings)
+    assert torch.allclose(run(twice, x), run(once, x), rtol=1e-3, atol=1e-3)
+    twice.float()                                          # still follows its weights
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(twice.state_dict())
+    assert torch.allclose(run(twice, x), run(plain, x), rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_keeps_attention_projection_dtypes_consistent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "isa_flags", lambda: frozenset({"amx_bf16"}))
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)

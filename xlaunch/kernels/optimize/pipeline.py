@@ -358,6 +358,11 @@ def _rewrite(model: nn.Module, optimizer: Any, given: nn.Module, opts: Options, 
     if freezing and opts.freeze_backend not in freeze.BACKENDS:
         raise ValueError(f"optimize: freeze_backend must be one of {', '.join(freeze.BACKENDS)}, "
                          f"not {opts.freeze_backend!r}")
+    earlier = dispatch.of(model)
+    if autocast_dtype is None and earlier is not None and earlier.low_weights is not None and earlier.runs_autocast():
+        autocast_dtype = earlier.autocast_dtype   # the new forward replaces it: its weights still need that autocast
+        report.warnings.append(f"the weights are {autocast_dtype} (optimized before with that dtype): the forward "
+                               f"stays under {autocast_dtype} autocast (model.float() first for an fp32 model)")
     forward = None
     if autocast_dtype is not None or freezing:
         report.autocast = autocast_dtype is not None
