@@ -477,3 +477,28 @@ def test_slurm_counts_are_never_expanded() -> None:
     for bad in ("2(x1000000000000)", "2(x0)", "\uff12", "2(x\u0663)", "0"):
         with pytest.raises(OptionError, match="not a Slurm task count list"):
             local_rank_from({"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": bad})
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--rdzv-endpoint", ":29400"], "--rdzv-endpoint: ':29400': no host before the port"),
+    (["--rdzv-endpoint", "node0:29400x"], "--rdzv-endpoint: 'node0:29400x': the port after the last ':' must be"),
+    (["--rdzv-endpoint", "node0:65536"], "--rdzv-endpoint: 'node0:65536': the port after the last ':' must be"),
+    (["--rdzv-endpoint", "node 0:29400"], "--rdzv-endpoint: 'node 0:29400': 'node 0' is not a host name"),
+    (["--master-addr", "node 0"], "--master-addr: 'node 0' is not a host name"),
+    (["--master-addr", "node0;1"], "--master-addr: 'node0;1' is not a host name"),
+    (["--rdzv-endpoint", "node0"], None), (["--rdzv-endpoint", "[::1]:29400"], None),
+    (["--rdzv-endpoint", "10.0.0.1:0"], None), (["--master-addr", "node-1.example.com"], None),
+])
+def test_rendezvous_addresses_torch_would_refuse_are_refused_before_the_agent(
+        capsys: pytest.CaptureFixture, argv: list[str], error: str | None) -> None:
+    """An address torch's agent cannot parse was its ValueError after it started (exit 1, the option unnamed):
+    one line naming the option, exit 2, nothing started (the same test torch makes)."""
+    env = {"XLAUNCH_FSROOT": machine_dir("epyc-4node-nps4"), "PATH": "/usr/bin:/bin"}
+    backend = ["--rdzv-backend", "c10d"] if argv[0] == "--rdzv-endpoint" else []
+    code = cli.run(["--nproc-per-node", "2", "--nnodes", "2", *backend, *argv, "--dry-run",
+                    str(REPO / "examples" / "train.py")], environ=env)
+    err = capsys.readouterr().err
+    if error is None:
+        assert code == 0 and "error" not in err, err
+    else:
+        assert code == 2 and err.startswith(f"xlaunch: error: {error}") and err.count("\n") == 1, err

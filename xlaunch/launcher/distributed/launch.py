@@ -307,8 +307,13 @@ def torchrun_options(options: "Options") -> list[str]:
     ``--rdzv-timeout`` (``--rdzv-conf``: c10d's join and read timeouts, the static rendezvous'
     timeout). ``--log-dir`` is xlaunch's own (per-rank logs), not torchrun's.
     """
+    from xlaunch.launcher.distributed.addresses import check_endpoint, check_host
     from xlaunch.launcher.plan.options import rendezvous_timeout
 
+    if options.rdzv_endpoint is not None:
+        check_endpoint("--rdzv-endpoint", options.rdzv_endpoint)
+    if options.master_addr is not None:
+        check_host("--master-addr", options.master_addr.strip())
     argv = ["--nproc-per-node", str(options.nproc_per_node)]
     skipped = ("master_addr", "master_port") if single_node(options) else ()
     for name in ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
