@@ -153,6 +153,13 @@ class MergedEmbeddingBag(nn.Module):
                 return pooled
         return pool(self._pool_weight(), self.layout, self._inputs(indices, offsets, per_sample_weights))
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "MergedEmbeddingBag":
+        """A cast or move drops the cached views of the old weight (the pure-torch path's blocks),
+        which kept its whole storage alive."""
+        super()._apply(fn, recurse)
+        self.layout.cache.clear()
+        return self
+
     def extra_repr(self) -> str:
         layout = self.layout
         tables = ", ".join(f"{layout.rows[t]}x{layout.dims[t]} {layout.modes[t]}" for t in range(self.n_tables))
@@ -226,6 +233,7 @@ class _FusedUpdate(MergedEmbeddingBag):
             top, trail = split(self.weight.detach().float())
             self.weight = nn.Parameter(top)
             self.trail = trail
+            self.layout.cache.clear()      # (its views of the old weight kept that storage alive)
             if getattr(self, "state_sum", None) is not None:
                 self.state_sum = self.state_sum.float()
         return self
