@@ -15,6 +15,7 @@ import os
 import stat
 import struct
 import sys
+import warnings
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -22,11 +23,12 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
 
 from quantize_models import saved_variants, tiny_mlp  # noqa: E402
 
 from xlaunch.kernels.quantize import engine_saved, saved  # noqa: E402
-from xlaunch.kernels.quantize.api import load_quantized  # noqa: E402
+from xlaunch.kernels.quantize.api import load_quantized, quantize  # noqa: E402
 
 pytestmark = pytest.mark.torch
 ENGINE_ROUTES = tuple(engine_saved.ENGINES)
@@ -281,3 +283,25 @@ def test_a_path_that_names_no_file_is_refused_before_writing(tmp_path: Path, mon
     with pytest.raises(ValueError, match="names no file"):
         saved.write_new(name, lambda handle: handle.write(b"x"))
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["work"]
+
+
+def test_a_model_quantized_or_saved_under_inference_mode_saves(tmp_path) -> None:
+    """``quantize`` called under ``torch.inference_mode`` (inputs made there too) and saved outside it,
+    and one quantized outside and saved there: each file loads and gives the same outputs. Before,
+    save was one ValueError (``torch.export cannot capture ...: Inference tensors cannot be saved for
+    backward``, ``Cannot set version_counter for inference tensor``). weight_only: cheap."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.inference_mode():
+            inside = quantize(model, x.clone(), calibration=[(torch.randn(4, 16),)], mode="weight_only", progress=False)
+        outside = quantize(model, x, calibration=[(torch.randn(4, 16),)], mode="weight_only", progress=False)
+    inside.save(str(tmp_path / "quantized_inside.pt2"))
+    with torch.inference_mode():
+        outside.save(str(tmp_path / "saved_inside.pt2"))
+    for name, quantized in (("quantized_inside.pt2", inside), ("saved_inside.pt2", outside)):
+        loaded = load_quantized(str(tmp_path / name))
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), quantized(x), rtol=1e-5, atol=1e-6)

@@ -150,7 +150,13 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     steps = 3 if mode != "auto" else 2 + len(policy.INT8_ROUTES)   # a terminal bar's length (about)
     show = Progress(total=steps, enabled=progress, title=PROGRESS_TITLE)
     try:
-        return _quantize(model, example, batches, mode, max_error, rounds, policy.check_routes(consider), show, notes)
+        # Under the caller's torch.inference_mode, every tensor the routes make (quantized weights,
+        # the exported program) would be an inference tensor, which torch.export refuses: save failed.
+        with torch.inference_mode(False):
+            example = inputs.plain(example)
+            batches = None if batches is None else [inputs.plain(batch) for batch in batches]
+            return _quantize(model, example, batches, mode, max_error, rounds, policy.check_routes(consider),
+                             show, notes)
     finally:
         show.close()
 

@@ -38,6 +38,13 @@ def as_args(inputs: Any, what: str) -> tuple:
     raise TypeError(f"quantize: {what} must be a tensor or a non-empty tuple of inputs, not {type(inputs).__name__}")
 
 
+def plain(batch: tuple) -> tuple:
+    """``batch`` with each inference tensor (made under ``torch.inference_mode``) copied to a plain one,
+    as the routes need: autograd-tracked code and torch.export refuse inference tensors. Call it
+    outside inference mode."""
+    return tuple(t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in batch)
+
+
 def signature(value: Any) -> str:
     """``float32[N,16]`` for a tensor (``N``: the batch), else the type's name."""
     if not isinstance(value, torch.Tensor):

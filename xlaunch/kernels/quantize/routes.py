@@ -104,6 +104,10 @@ def export(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProg
     2 rows (the row twice): export specializes a size-1 dimension to 1, and the program then refused
     every other batch size (in the quantized model itself, and after load_quantized). A model that
     cannot be captured is one :class:`.capture.ExportError` (nothing printed)."""
+    if torch.is_inference_mode_enabled():   # save() under the caller's inference_mode: export refuses it
+        with torch.inference_mode(False):
+            return export(model, tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a
+                                       for a in example_inputs))
     rows = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == 1 else a
                  for a in example_inputs)
     dynamic = dynamic_batch(rows)
