@@ -266,3 +266,25 @@ def test_a_rank_the_agent_reaped_first_ends_as_the_agents_note_says(tmp_path: Pa
         assert (rank.status, rank.text) == (143, "killed by SIGTERM")
     finally:
         front.channels.close()
+
+
+def test_a_rank_that_crashed_as_another_failed_is_not_said_to_be_stopped() -> None:
+    """Rank 0 exits 3 and rank 1 dies of SIGSEGV in the same moment, rank 2 is stopped by the agent: only the
+    stop signals (SIGTERM, SIGKILL) read 'stopped after rank 0 failed'; the crash was its own (it read
+    'killed by SIGSEGV (stopped after rank 0 failed)')."""
+    from xlaunch.launcher.distributed.front import FrontSupervisor
+    from xlaunch.launcher.plan.planner import Instance, Plan
+    from xlaunch.launcher.run.child import Child
+
+    plan = Plan(tuple(Instance(i, (i,), (0,), {}, ("true",)) for i in range(3)))
+    front = FrontSupervisor(plan, ["true"], {}, log_dir=None, log_file_prefix="x", grace_period=1, quiet=True,
+                            summary_json=None, torchrun=[], channels_var="X")
+    ranks = [Child(instance, None) for instance in plan.instances]
+    for rank, (ended, status, text) in zip(ranks, [(10.0, 3, "exit 3"), (10.1, 139, "killed by SIGSEGV"),
+                                                    (10.2, 143, "killed by SIGTERM")]):
+        rank.proc, rank.ended, rank.status, rank.text = object(), ended, status, text
+    front.children = ranks
+    front.agent_result = {"status": 3, "first": "0", "failures": {"0": 3, "1": 139, "2": 143}}
+    front.fill_statuses()
+    assert [r.stopped_by for r in ranks] == ["", "", "stopped after rank 0 failed"]
+    assert front.first_failure is ranks[0]

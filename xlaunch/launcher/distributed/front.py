@@ -334,19 +334,22 @@ class FrontSupervisor(Supervisor):
 
     def _attribute_stops(self) -> None:
         """When the agent reaped a failed rank before xlaunch read its status, the agent (not
-        xlaunch) stopped the others: they still were stopped after that rank failed. The agent's
-        root cause (``first`` in its report) comes before a rank xlaunch saw killed by SIGTERM."""
+        xlaunch) stopped the others: they still were stopped after that rank failed (killed by SIGTERM,
+        or SIGKILL after the grace period; a rank killed by another signal, SIGSEGV, failed on its own).
+        The agent's root cause (``first`` in its report) comes before a rank xlaunch saw killed by SIGTERM."""
         named = self.agent_result.get("first")
         root = next((c for c in self.children if named is not None and str(c.instance.index) == str(named)
                      and c.status and not c.stopped_by and c.ended is not None), None)
-        own = [c for c in self.children if c.status and c.status < 128 and not c.stopped_by and c.ended is not None]
+        stops = (128 + signal.SIGTERM, 128 + signal.SIGKILL)     # how the agent stops ranks; a crash is the rank's
+        own = [c for c in self.children if c.status and c.status not in stops and not c.stopped_by
+               and c.ended is not None]
         if root is None and not own:
             return
         first = root or self.first_failure or min(own, key=lambda c: c.ended)
         if (self.first_failure is None or root is not None) and self.interrupted is None:
             self.first_failure = first
         for child in self.children:
-            if child is not first and child.status and child.status >= 128 and not child.stopped_by \
+            if child is not first and child.status in stops and not child.stopped_by \
                     and child.ended is not None and (child.ended >= first.ended or root is not None) \
                     and self.interrupted is None:
                 child.stopped_by = f"stopped after rank {first.instance.index} failed"
