@@ -2,10 +2,12 @@
 model, as a directory or as a .tar.xz that XLAUNCH_FSROOT takes as is."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,6 +21,7 @@ from xlaunch.machine import MachineRootError, load_machine
 from xlaunch.machine.archive import unpack_archive, write_archive
 from xlaunch.machine.record import main as record_main
 
+REPO = Path(__file__).resolve().parents[2]
 HOST_FILES = ("sys/kernel/mm/transparent_hugepage/enabled", "sys/kernel/mm/transparent_hugepage/defrag",
               "sys/devices/system/cpu/smt/control", "sys/devices/system/cpu/smt/active")
 
@@ -241,3 +244,54 @@ def test_a_source_that_is_not_a_machine_root_is_one_line_and_an_interrupt_leaves
         out = tmp_path / f"interrupted-{archive}"
         assert record_main([str(out), "--source", str(source), *(["--archive"] if archive else [])]) == 130
         assert list(tmp_path.glob("interrupted-*")) == []
+
+
+def test_a_fifo_or_device_in_the_source_is_skipped_with_a_warning(tmp_path):
+    """A FIFO in a --source tree hung the recorder for good (opened blocking, twice for proc/self/cgroup);
+    /dev/zero as a file was read without end. Now each is one warning line, and the rest is recorded."""
+    source = tmp_path / "source"
+    shutil.copytree(machine_tree("vm-adjacent-smt"), source)
+    for relative in ("proc/cpuinfo", "proc/self/cgroup"):
+        (source / relative).unlink()
+        os.mkfifo(source / relative)
+    (source / "proc/meminfo").unlink(missing_ok=True)
+    os.symlink("/dev/zero", source / "proc/meminfo")
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "xlaunch.machine.record", str(out), "--source", str(source)],
+                            capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"xlaunch-record-machine: warning: {source}/proc/cpuinfo is a FIFO, not a regular file; not recorded",
+        f"xlaunch-record-machine: warning: {source}/proc/meminfo is a character device, not a regular file; "
+        "not recorded",
+        f"xlaunch-record-machine: warning: {source}/proc/self/cgroup is a FIFO, not a regular file; not recorded",
+    ]
+    assert not (out / "proc/cpuinfo").exists() and len(load_machine(str(out)).cores) == 4
+
+
+@pytest.mark.parametrize("archive", [False, True])
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, archive):
+    """A full disk while recording was a traceback that left the half-written folder (or archive) behind."""
+    import xlaunch.machine.archive as archive_module
+    import xlaunch.machine.record as record
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real_copy, copies = record.copy, []
+
+    def copy_until_full(source, out, relative):
+        copies.append(relative)
+        if len(copies) > 20:
+            (Path(out) / "half-written").write_bytes(b"x")
+            full()
+        return real_copy(source, out, relative)
+
+    monkeypatch.setattr(archive_module, "write_archive", lambda tree, target: (Path(target).write_bytes(b"x"), full()))
+    if not archive:
+        monkeypatch.setattr(record, "copy", copy_until_full)
+    out = tmp_path / "out"
+    target = tmp_path / ("out.tar.xz" if archive else "out")
+    assert record_main([str(out), "--source", str(machine_tree("vm-adjacent-smt")), *(["--archive"] * archive)]) == 1
+    assert capsys.readouterr().err == f"xlaunch-record-machine: error: cannot write {target}: No space left on device\n"
+    assert os.listdir(tmp_path) == []

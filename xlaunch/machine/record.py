@@ -23,6 +23,7 @@ import tempfile
 from typing import NoReturn, Optional
 
 from xlaunch.machine._files import list_numbered
+from xlaunch.userfiles import UserFileError, open_user_file
 
 CPU = "sys/devices/system/cpu"
 NODE = "sys/devices/system/node"
@@ -36,20 +37,53 @@ HOST_FILES = ("sys/kernel/mm/transparent_hugepage/enabled", "sys/kernel/mm/trans
 PROC_FILES = ("proc/cpuinfo", "proc/meminfo", "proc/self/status", "proc/self/cgroup")
 QUOTA_FILES = ("cpu.max", "cpu.cfs_quota_us", "cpu.cfs_period_us")
 ARCHIVE_SUFFIX = ".tar.xz"
+MAX_FILE_BYTES = 32 << 20   # proc/cpuinfo of an 8192-CPU machine is about 12 MiB; sysfs files are a page
 
 
 def copy(source: str, out: str, relative: str) -> bool:
-    """Copy one small file's bytes (sysfs sizes lie, so read, don't stat); False if unreadable."""
-    try:
-        with open(os.path.join(source, relative), "rb") as handle:
-            data = handle.read()
-    except OSError:
+    """Copy one file's bytes (:func:`read_small`); False when there is nothing to copy."""
+    data = read_small(os.path.join(source, relative))
+    if data is None:
         return False
     target = os.path.join(out, relative)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with open(target, "wb") as handle:
         handle.write(data)
     return True
+
+
+def read_small(path: str) -> Optional[bytes]:
+    """A file's bytes, read to the end (sysfs sizes lie) up to MAX_FILE_BYTES; None when missing or
+    unreadable (an offline CPU's ``scaling_governor`` reads EBUSY).
+
+    Only a regular file is read: a FIFO, device, directory or symlink loop in a ``--source`` tree, or a
+    file over the cap, is skipped with a warning line, never opened blocking or read without end."""
+    try:
+        os.stat(path)
+        fd = open_user_file(path, MAX_FILE_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return _skipped(f"{path}: {exc.strerror or exc}")
+    except UserFileError as exc:
+        return _skipped(str(exc))
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_FILE_BYTES:
+                return _skipped(f"{path} holds more than {MAX_FILE_BYTES} bytes")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def _skipped(problem: str) -> None:
+    print(f"xlaunch-record-machine: warning: {problem}; not recorded", file=sys.stderr)
 
 
 def numbered(path: str, prefix: str) -> list[str]:
@@ -102,13 +136,13 @@ def copy_cpufreq_dirs(source: str, out: str) -> int:
 
 
 def record_cgroup_quotas(source: str, out: str) -> int:
-    """Copy the quota files of every directory on this process's cgroup paths (v1 and v2)."""
+    """Copy the quota files of every directory on this process's cgroup paths (v1 and v2), as the
+    recorded ``proc/self/cgroup`` names them."""
     written = 0
-    try:
-        with open(os.path.join(source, "proc/self/cgroup")) as handle:
-            lines = handle.read().splitlines()
-    except OSError:
+    data = read_small(os.path.join(out, "proc/self/cgroup"))    # as copied (or skipped, said once)
+    if data is None:
         return 0
+    lines = data.decode("utf-8", "replace").splitlines()
     mounts = ["sys/fs/cgroup", "sys/fs/cgroup/unified"]
     for line in lines:
         parts = line.split(":", 2)
@@ -173,17 +207,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         count = record_archive(args.source, target) if args.archive else record(args.source, target)
     except KeyboardInterrupt:      # nothing half-written is left behind
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target, ignore_errors=True)
-        elif os.path.isfile(target) and not os.path.islink(target):
-            os.unlink(target)
+        _remove(target)
         return 130
+    except OSError as exc:         # a full disk, a read-only target: one line, nothing half-written
+        _remove(target)
+        print(f"{parser.prog}: error: cannot write {target}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     if count == 0:
         if not args.archive:
             shutil.rmtree(target, ignore_errors=True)
         parser.error(f"--source: nothing readable under {args.source}")
     print(f"recorded {count} files into {target}")
     return 0
+
+
+def _remove(target: str) -> None:
+    if os.path.isdir(target) and not os.path.islink(target):
+        shutil.rmtree(target, ignore_errors=True)
+    elif os.path.isfile(target) and not os.path.islink(target):
+        os.unlink(target)
 
 
 if __name__ == "__main__":
