@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import _llamacpp
 import _llm_model
+import _processes
 from _llm_routes import COMPILED, ROUTES, isa_env, long_prompt
 from _llm_worker import REPLY
 from _machine_bench import median, paired_ratio
@@ -74,6 +75,14 @@ class Worker:
         self.log.close()
         return answer
 
+    def stop(self, grace: float = 2.0) -> None:
+        """End the worker and what it started (inductor's compile workers) now, wherever it is: SIGTERM,
+        SIGKILL after ``grace`` s (an interrupted bench; one setting up never reads its stdin's end)."""
+        if self.process.returncode is None:          # not reaped yet (close() reaps)
+            _processes.stop_tree(self.process, grace)
+            self.process.wait()
+        self.log.close()
+
 
 @contextlib.contextmanager
 def bench_lock(path: str) -> Iterator[None]:
@@ -123,7 +132,20 @@ def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
                 llama: Optional[tuple[Path, dict[str, Path]]],
                 packed: Optional[dict[str, Optional[Path]]] = None) -> dict[str, dict[str, Any]]:
     """Every route at ``threads`` threads: set up the workers, then interleaved timed rounds (``packed``: the
-    xlaunch routes' packed files, with ``--load packed`` or ``decoder``)."""
+    xlaunch routes' packed files, with ``--load packed`` or ``decoder``). Interrupted (Ctrl-C, the bench's
+    SIGTERM, an error), it stops every worker it started before it goes on."""
+    started: list[Worker] = []
+    try:
+        return _rounds(threads, args, folder, llama, packed, started)
+    except BaseException:
+        for worker_ in started:
+            worker_.stop()
+        raise
+
+
+def _rounds(threads: int, args: argparse.Namespace, folder: Optional[Path],
+            llama: Optional[tuple[Path, dict[str, Path]]], packed: Optional[dict[str, Optional[Path]]],
+            started: list[Worker]) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     workers: dict[str, Worker] = {}
     torch_routes = [name for name in args.route_names if ROUTES[name].engine == "torch"]
@@ -136,6 +158,7 @@ def run_threads(threads: int, args: argparse.Namespace, folder: Optional[Path],
             rows[name] = {"status": "unavailable: no packed file"}
             continue
         worker_ = Worker(name, folder, threads, args, None if packed is None else packed.get(name))
+        started.append(worker_)
         ready = worker_.answer()
         if "unavailable" in ready:
             print(f"      unavailable: {ready['unavailable']}", flush=True)

@@ -171,6 +171,43 @@ def test_an_interrupted_pair_stops_the_xlaunch_copies(monkeypatch) -> None:
     assert stopped == [True]
 
 
+SETTING_UP = """
+import os, sys, time
+with open(os.environ["PIDFILE"] + ".tmp", "w") as handle:
+    handle.write(str(os.getpid()))
+os.replace(os.environ["PIDFILE"] + ".tmp", os.environ["PIDFILE"])
+time.sleep(120)                # a route loading or compiling: it reads no stdin, so never sees the bench gone
+"""
+
+
+def test_an_interrupted_bench_stops_the_workers_it_started(tmp_path: Path, monkeypatch) -> None:
+    """bench/llm.py interrupted (Ctrl-C, SIGTERM) while a torch route set up: the worker loaded or compiled on,
+    orphaned, until it found its stdout closed."""
+    import argparse
+
+    load("llm")                                          # bench/ on sys.path
+    rounds = load("_llm_rounds")
+    script = tmp_path / "worker.py"
+    script.write_text(SETTING_UP)
+    monkeypatch.setenv("PIDFILE", str(tmp_path / "pid"))
+    monkeypatch.setattr(rounds, "SCRIPT", str(script))
+
+    def answer(self) -> dict:
+        wait_for(tmp_path / "pid")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rounds.Worker, "answer", answer)
+    args = argparse.Namespace(route_names=["hf-fp32"], isa=None, prompt=1, new_tokens=2, batch=1, load="checkpoint",
+                              rounds=1, lock="")
+    try:
+        rounds.run_threads(1, args, tmp_path, None)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interruption was swallowed")
+    assert gone(int((tmp_path / "pid").read_text()), within=0.5), "the worker outlived the interrupted bench"
+
+
 CLOSED_STDOUT = """
 import sys
 sys.path.insert(0, sys.argv[1])
