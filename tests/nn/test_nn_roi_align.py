@@ -158,6 +158,14 @@ def test_a_box_on_a_missing_image_is_refused(kernels):
             roi_align(image, torch.zeros(1, 5), size)
     with pytest.raises(ValueError, match="^roi_align: input is on meta; xlaunch.nn runs on the CPU$"):
         roi_align(torch.empty(1, 5, 4, 4, device="meta"), torch.zeros(1, 5), 2)
+    # boxes off the CPU failed deep inside ("item() cannot be called on meta tensors"), complex ones
+    # lost their imaginary part with a warning
+    with pytest.raises(ValueError, match=r"^roi_align: boxes is on meta; xlaunch.nn runs on the CPU$"):
+        roi_align(image, torch.zeros(1, 5, device="meta"), 2)
+    with pytest.raises(ValueError, match=r"^roi_align: boxes\[1\] is on meta; xlaunch.nn runs on the CPU$"):
+        roi_align(image, [torch.zeros(1, 4), torch.zeros(1, 4, device="meta")], 2)
+    with pytest.raises(TypeError, match=r"^roi_align: boxes must be real numbers, not torch.complex64$"):
+        roi_align(image, torch.zeros(1, 5, dtype=torch.complex64), 2)
 
 
 def test_non_finite_boxes_and_empty_images_sample_nothing(kernels):

@@ -42,7 +42,7 @@ def boxes_to_rois(boxes: Boxes, dtype: torch.dtype = torch.float32) -> Tensor:
     if isinstance(boxes, Tensor):
         if boxes.dim() != 2 or boxes.shape[1] != 5:
             raise ValueError(f"boxes as one tensor must be (K, 5), got {tuple(boxes.shape)}")
-        return boxes.detach().to(dtype).contiguous()
+        return _real_cpu(boxes, "boxes").detach().to(dtype).contiguous()
     if not isinstance(boxes, (list, tuple)):
         raise TypeError("boxes must be a (K, 5) tensor or a list of (L, 4) tensors, one per image")
     rows = []
@@ -50,8 +50,18 @@ def boxes_to_rois(boxes: Boxes, dtype: torch.dtype = torch.float32) -> Tensor:
         if not isinstance(per_image, Tensor) or per_image.dim() != 2 or per_image.shape[1] != 4:
             raise ValueError(f"boxes[{image}] must be an (L, 4) tensor")
         index = torch.full((per_image.shape[0], 1), float(image), dtype=dtype)
-        rows.append(torch.cat([index, per_image.detach().to(dtype)], dim=1))
+        rows.append(torch.cat([index, _real_cpu(per_image, f"boxes[{image}]").detach().to(dtype)], dim=1))
     return torch.cat(rows).contiguous() if rows else torch.zeros(0, 5, dtype=dtype)
+
+
+def _real_cpu(boxes: Tensor, name: str) -> Tensor:
+    """``boxes`` if it is a real CPU tensor, else one line naming it (complex coordinates lost their
+    imaginary part; a meta tensor failed deep inside)."""
+    if boxes.is_complex() or boxes.dtype == torch.bool:
+        raise TypeError(f"roi_align: {name} must be real numbers, not {boxes.dtype}")
+    if not boxes.is_cpu:
+        raise ValueError(f"roi_align: {name} is on {boxes.device}; xlaunch.nn runs on the CPU")
+    return boxes
 
 
 def _pair(output_size: Union[int, Sequence[int]]) -> tuple[int, int]:
