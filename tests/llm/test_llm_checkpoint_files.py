@@ -21,6 +21,7 @@ from llm_models import VOCAB, tiny  # noqa: E402
 
 import xlaunch.llm as llm  # noqa: E402
 from xlaunch.llm import loader  # noqa: E402
+from xlaunch.llm.packed_file import PackedFileError  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -158,3 +159,28 @@ def test_the_checkpoint_still_loads_with_every_file_as_saved(saved):
         warnings.simplefilter("error")
         model = llm.from_pretrained(saved["llama"], dtype=torch.float32)
     assert model.generation_config.eos_token_id == 2 and torch.isfinite(model(_ids()).logits).all()
+
+
+@pytest.mark.parametrize("arguments,error,match", [
+    (dict(path="a\0b"), ValueError, "path holds a NUL character"),          # was "embedded null byte", naming nothing
+    (dict(path="x.xlp", source="a\0b"), ValueError, "source holds a NUL character"),
+    (dict(group_size="128"), TypeError, "group_size must be an integer, not '128'"),     # a TypeError mid-stream
+    (dict(private="yes"), TypeError, "private must be True or False, not 'yes'"),        # taken as True
+    (dict(node_copy="no"), TypeError, "node_copy must be True or False, not 'no'")])     # taken as True
+def test_an_argument_of_the_wrong_kind_is_one_line_naming_it(saved, arguments, error, match, nothing_packed):
+    arguments = dict(dict(path=saved["llama"]), **arguments)
+    with pytest.raises(error, match=f"^xlaunch.llm.from_pretrained: {match}"):
+        llm.from_pretrained(**arguments)
+
+
+def test_a_packed_file_that_cannot_be_written_is_refused_before_the_source_is_streamed(saved, tmp_path, monkeypatch):
+    """from_pretrained(path, source=...) streamed the whole checkpoint (minutes for a large one), then refused to
+    write path: a folder (path and source swapped), a folder that does not exist (a typo), a link."""
+    monkeypatch.setattr(loader, "load_checkpoint", lambda *args, **kwargs: pytest.fail("the source was streamed first"))
+    (tmp_path / "link.xlp").symlink_to(tmp_path / "elsewhere.xlp")
+    for path, match in ((saved["qwen2"], "is not a regular file \\(never replaced\\)"),
+                        (tmp_path / "no-such-folder" / "model.xlp", "cannot write .* \\(No such file or directory\\)"),
+                        (tmp_path / "link.xlp", "is a symlink; give the file's own path")):
+        with pytest.raises(PackedFileError, match=f"^xlaunch.llm.save_packed: .*{match}$"):
+            llm.from_pretrained(path, source=saved["llama"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.xlp"]

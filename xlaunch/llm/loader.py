@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from xlaunch import userfiles
+from xlaunch._errors import flag, whole_number
 from xlaunch._torch import needs_torch
 from xlaunch.node_copies import placed
 
@@ -27,7 +28,7 @@ with needs_torch(__name__):
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.api import _check, default_dtype, lm_head_packing, warn_if_bf16_is_slow  # noqa: E402
 from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
-from xlaunch.llm.files import quoted, user_path  # noqa: E402
+from xlaunch.llm.files import packed_target, quoted, user_path  # noqa: E402
 from xlaunch.llm.files.checkpoint import (INDEX, SAFETENSORS_DTYPES, Checkpoint, SafetensorsFile,  # noqa: E402,F401
                                            WEIGHTS, source_digest)      # INDEX, SafetensorsFile and WEIGHTS: re-exported
 from xlaunch.llm.decoder import SIXTEEN_BIT, embedding_table, exact_in_bf16  # noqa: E402
@@ -305,7 +306,10 @@ def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None,
     from xlaunch.llm import packed_file
 
     # the arguments first: a packed file's refusal read dtype="float32" as another precision than the file's
-    _check(default_dtype() if dtype is None else dtype, weights, group_size, "xlaunch.llm.from_pretrained")
+    caller = "xlaunch.llm.from_pretrained"
+    group_size = whole_number(group_size, f"{caller}: group_size", minimum=None)   # "128": a TypeError mid-stream
+    private, node_copy = flag(private, f"{caller}: private"), flag(node_copy, f"{caller}: node_copy")
+    _check(default_dtype() if dtype is None else dtype, weights, group_size, caller)
     warn_if_bf16_is_slow(dtype, "xlaunch.llm.from_pretrained", stacklevel=2)
     path = _path(path, "path")
     if source is not None:
@@ -313,6 +317,9 @@ def from_pretrained(path: Any, dtype: Any = None, weights: Optional[str] = None,
         if dtype is None:
             dtype = default_dtype()
         if packed_file.stale_reason(path, source, dtype, weights, group_size) is not None:
+            problem = packed_target(path)   # before the checkpoint is streamed (minutes), not after
+            if problem is not None:
+                raise packed_file.PackedFileError(f"xlaunch.llm.save_packed: {problem}")
             packed_file.save_packed(load_checkpoint(source, dtype, weights, group_size), path, source=source)
         group: Optional[int] = group_size
     elif path.is_dir():

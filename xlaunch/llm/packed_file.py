@@ -38,7 +38,7 @@ with needs_torch(__name__):
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.assemble import (HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of,  # noqa: E402
                                   runtime_of, skeleton)
-from xlaunch.llm.files import checkpoint, quoted, user_path  # noqa: E402
+from xlaunch.llm.files import checkpoint, packed_target, quoted, user_path  # noqa: E402
 from xlaunch.llm.decoder import DTYPES, SIXTEEN_BIT, DecoderRuntime, RopeTable  # noqa: E402
 from xlaunch.llm.linear import GROUP_SIZES, GROUPED, KINDS, PackedLinear  # noqa: E402
 from xlaunch.llm.shapes import DecoderSpec, record_spec  # noqa: E402
@@ -159,9 +159,9 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
         offset += entry["nbytes"]
     header = json.dumps(manifest).encode()
     path = user_path(path, "path", "xlaunch.llm.save_packed")
-    if path.is_symlink() or (os.path.lexists(path) and not path.is_file()):   # a device would be renamed over
-        what = "a symlink; give the file's own path" if path.is_symlink() else "not a regular file (never replaced)"
-        raise PackedFileError(f"xlaunch.llm.save_packed: {path} is {what}")
+    problem = packed_target(path)
+    if problem is not None:
+        raise PackedFileError(f"xlaunch.llm.save_packed: {problem}")
     partial = None
     try:    # a new file of its own (O_EXCL, O_NOFOLLOW, a random name): one per writer, threads of a process too
         fd, partial = userfiles.new_file(str(path.parent), f"{path.name}.{os.getpid()}")
