@@ -98,13 +98,16 @@ def call(model: nn.Module, x: torch.Tensor, autocast: bool) -> torch.Tensor:
 CASES = [("fp32 input", torch.float32, False), ("bf16 input", BF16, False), ("caller's autocast", torch.float32, True)]
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["eager", "frozen"])
-def test_bf16_outputs_follow_eager_in_the_same_context(frozen: bool) -> None:
+@pytest.mark.parametrize("frozen, sample", [(False, False), (True, True), (True, False)],
+                         ids=["eager", "frozen", "frozen-on-first-call"])
+def test_bf16_outputs_follow_eager_in_the_same_context(frozen: bool, sample: bool) -> None:
+    """frozen-on-first-call: a graph built on the first call (no sample_input) returned bf16 for fp32
+    inputs: its prepacked copy (convs and linears without parameters) was traced without the autocast."""
     model, x = tiny(), torch.randn(2, 3, 6, 6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         optimized = optimize(model, dtype=BF16, force_bf16=True, measure=False, weights_prepack=frozen,
-                             sample_input=x if frozen else None)
+                             sample_input=x if sample else None)
     for name, dtype, autocast in CASES:
         eager_model = copy.deepcopy(model).to(dtype) if not autocast else model
         expected = call(eager_model, x.to(dtype), autocast)

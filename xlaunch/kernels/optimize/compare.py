@@ -40,3 +40,11 @@ def outputs_close(reference: Any, candidate: Any, rtol: float) -> Optional[str]:
         if not error <= rtol * max(scale, 1e-6):  # also catches NaN
             return f"max abs error {error:.3g} exceeds {rtol:g} x max |output| {scale:.3g}"
     return None
+
+
+def dtypes_differ(reference: Any, candidate: Any) -> Optional[str]:
+    """None when every output tensor has the reference's dtype (a frozen graph must give what eager gives)."""
+    for ref, cand in zip(flat_tensors(reference), flat_tensors(candidate)):
+        if ref.dtype != cand.dtype:
+            return f"output dtype {cand.dtype} instead of {ref.dtype}"
+    return None

@@ -31,7 +31,7 @@ with needs_torch(__name__):
 
 from xlaunch.kernels.optim.splitstate import LowWeights
 from xlaunch.kernels.optimize import freeze, measure, precision
-from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, outputs_close
+from xlaunch.kernels.optimize.compare import BF16_RTOL, FP32_RTOL, dtypes_differ, outputs_close
 from xlaunch.kernels.optimize.notes import excerpt
 
 MAX_SIGNATURES = 4
@@ -196,7 +196,8 @@ class OptimizedForward:
             want = self.eager(*freeze.fresh(args))
             after_eager = freeze.BufferState(self.module)
             state.restore(self.module)
-            problem = outputs_close(want, graph(*freeze.fresh(args)), rtol)
+            got = graph(*freeze.fresh(args))
+            problem = outputs_close(want, got, rtol) or dtypes_differ(want, got)
             if not problem and updated:
                 buffers = dict(self.module.named_buffers(remove_duplicate=False))
                 differs = outputs_close([after_eager.saved[name] for name in updated],
@@ -224,8 +225,12 @@ class OptimizedForward:
 
     # -- copies ----------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
-        """Copies and pickles carry the configuration, not the graphs (rebuilt on first use)."""
+        """Copies and pickles carry the configuration, not the graphs (rebuilt on first use). A copy
+        made while a graph is built (freeze's prepacked copy, whose convs and linears hold their
+        weights as packed buffers, not parameters) runs under autocast exactly when this one does now."""
         state = dict(self.__dict__)
+        if self._building and self.low_weights is not None:
+            state.update(low_weights=None, autocast_dtype=self.autocast_dtype if self.runs_autocast() else None)
         state.update(frozen={}, weights_key=None, notify=None, _building=False, _tensors=None, _stateful=frozenset())
         del state["_lock"]
         return state
