@@ -502,3 +502,16 @@ def test_rendezvous_addresses_torch_would_refuse_are_refused_before_the_agent(
         assert code == 0 and "error" not in err, err
     else:
         assert code == 2 and err.startswith(f"xlaunch: error: {error}") and err.count("\n") == 1, err
+
+
+def test_a_rank_whose_script_interpreter_is_missing_names_it(tmp_path: Path) -> None:
+    """``--per-rank`` execs the program itself: a script with Windows line ends ('#!/bin/sh\\r') read as
+    'PROGRAM: crlf.sh: No such file or directory', the script being there; it is said as an instance says it."""
+    script = tmp_path / "crlf.sh"
+    script.write_bytes(b"#!/bin/sh\r\necho hi\r\n")
+    script.chmod(0o755)
+    done = run_cli("--per-rank", "-q", "--bind-with", "none", "--no-python", str(script),
+                   env={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    assert done.returncode == 127
+    assert done.stderr == (f"xlaunch: error: PROGRAM: {script}: its interpreter (the #! line) was not found "
+                           "('/bin/sh\\r': the file has Windows line ends, \\r\\n)\n"), done.stderr

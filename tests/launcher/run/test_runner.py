@@ -221,7 +221,19 @@ def test_a_script_whose_interpreter_is_missing_says_so_not_command_not_found(tmp
     script.chmod(0o755)
     status, _, err = launch(tmp_path, [instance(0, [str(script)])], grace_period=1.0)
     assert status == 127
-    assert f"{script}: its interpreter (the #! line) was not found" in err
+    assert f"{script}: its interpreter (the #! line) was not found ('/nonexistent/interpreter')" in err
+
+
+def test_a_script_with_windows_line_ends_says_so(tmp_path: Path) -> None:
+    """``#!/bin/sh\\r``: /bin/sh is there, the kernel looks for '/bin/sh\\r'; "interpreter not found" alone
+    left the user looking at a /bin/sh that exists."""
+    script = tmp_path / "crlf.sh"
+    script.write_bytes(b"#!/bin/sh\r\necho hi\r\n")
+    script.chmod(0o755)
+    status, _, err = launch(tmp_path, [instance(0, [str(script)])], grace_period=1.0)
+    assert status == 127
+    assert f"{script}: its interpreter (the #! line) was not found ('/bin/sh\\r': the file has Windows line " \
+           "ends, \\r\\n)" in err, err
 
 def test_success_and_summary(tmp_path: Path) -> None:
     status, out, err = launch(tmp_path, [instance(0, ["true"]), instance(1, ["true"])])

@@ -227,10 +227,11 @@ def exec_instance(instance: "Instance", *, quiet: bool = False, die_with_parent:
     argv = list(instance.argv)
     try:
         os.execve(argv[0], argv, dict(instance.env))
-    except OSError as error:
-        code = 127 if isinstance(error, FileNotFoundError) else 126
-        sys.stderr.write(f"xlaunch: error: PROGRAM: {argv[0]}: {error.strerror or error}\n")
-        return code
+    except OSError as error:       # as for an instance: a missing #! interpreter is named, not the script
+        from xlaunch.launcher.run.spawning import start_failure
+
+        sys.stderr.write(f"xlaunch: error: PROGRAM: {start_failure(error, instance)[1]}\n")
+        return 127 if isinstance(error, FileNotFoundError) else 126
     return 1  # pragma: no cover  (execve does not return)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import threading
 
@@ -81,11 +82,34 @@ def start_failure(error: OSError, instance: Instance) -> tuple[int, str]:
     program = instance.argv[0] if instance.argv else "(empty argv)"
     if isinstance(error, FileNotFoundError):
         if os.path.isfile(program):        # it is there: the interpreter its #! line names is not
-            return 127, f"{program}: its interpreter (the #! line) was not found"
+            return 127, f"{program}: its interpreter (the #! line) was not found{_shebang(program)}"
         return 127, f"{program}: command not found"
     if isinstance(error, PermissionError):
         return 126, f"{program}: permission denied"
     return 1, f"{program}: {error}"
+
+
+def _shebang(program: str) -> str:
+    """`` ('/usr/bin/pyton3')``: the interpreter a script's ``#!`` line names, said how the kernel read it
+    (a Windows line end makes ``/bin/sh\\r``); empty when it cannot be read."""
+    try:
+        fd = os.open(program, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            head = os.read(fd, 256) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        finally:
+            os.close(fd)
+    except OSError:
+        return ""
+    if not head.startswith(b"#!"):
+        return ""
+    words = head[2:].split(b"\n", 1)[0].lstrip(b" \t").split(None, 1)
+    if not words:
+        return ""
+    interpreter = words[0].decode("utf-8", "replace")
+    if len(words) == 1 and head[2:].split(b"\n", 1)[0].endswith(b"\r"):
+        interpreter += "\r"                  # split() took the \r; the kernel did not
+    windows = ": the file has Windows line ends, \\r\\n" if interpreter.endswith("\r") else ""
+    return f" ({interpreter!r}{windows})"
 
 
 def single_threaded() -> bool:
