@@ -64,6 +64,19 @@ def test_missing_online_list_uses_per_cpu_online_files(offline):
     assert any("online" in n for n in m.notes)
 
 
+def test_an_empty_online_list_is_damaged_not_a_machine_without_cpus(offline):
+    """An empty cpu/online (the kernel always has a CPU online) made a machine with no CPU at all, and a
+    plain dry run then failed with '--core-type: no performance core among the allowed CPUs'."""
+    (offline / CPU / "online").write_text("\n")
+    m = load(offline)
+    assert m.online_cpus == (0, 1, 2, 4, 6, 7, 8, 9, 10, 11, 12, 14, 15) and len(m.cores) == 7
+    assert any("online names no present CPU" in n for n in m.notes)
+    for cpu in range(1, 16):
+        (offline / CPU / f"cpu{cpu}/online").write_text("0\n")
+    (offline / CPU / "cpu0/online").write_text("0\n")
+    assert load(offline).online_cpus == tuple(range(16))     # nothing says 1: every present CPU
+
+
 def test_missing_present_list_uses_cpu_directories(offline):
     (offline / CPU / "present").unlink()
     m = load(offline)

@@ -106,14 +106,20 @@ def _present_cpus(cpu_dir: str, notes: Notes) -> tuple[int, ...]:
 
 def _online_cpus(cpu_dir: str, present: tuple[int, ...], notes: Notes) -> frozenset[int]:
     online = read_cpulist(join(cpu_dir, "online"), notes)
-    if online is not None:
+    if online is not None and set(online) & set(present):
         return frozenset(online) & frozenset(present)
-    notes.add(f"{cpu_dir}/online unreadable; used each cpuN/online (missing means online)")
+    if online is None:
+        notes.add(f"{cpu_dir}/online unreadable; used each cpuN/online (missing means online)")
+    else:   # the kernel always has a CPU online: an empty list is a damaged file, not a machine
+        notes.add(f"{cpu_dir}/online names no present CPU; used each cpuN/online (missing means online)")
     result = set()
     for cpu in present:
-        flag = read_text(join(cpu_dir, f"cpu{cpu}/online"))
+        flag = read_text(join(cpu_dir, f"cpu{cpu}/online"), notes=notes)
         if flag is None or flag == "1":
             result.add(cpu)
+    if not result:
+        notes.add("no cpuN/online says 1; assumed every present CPU online")
+        return frozenset(present)
     return frozenset(result)
 
 
