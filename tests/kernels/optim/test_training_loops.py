@@ -311,6 +311,42 @@ def test_a_split_model_given_to_to_fused_again_with_adagrad() -> None:
         torch.testing.assert_close(got, want.detach(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("how", ["to_fused", "optimize", "optimize-inplace"])
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.Adagrad(ps, lr=0.05),
+                                  lambda ps: torch.optim.AdamW(ps, lr=0.01)], ids=["Adagrad", "AdamW"])
+def test_a_split_model_given_a_new_fp32_optimizer_trains_on_from_its_masters(how: str, make) -> None:
+    """A split-bf16 model given to to_fused/optimize again without dtype=bf16: its parameters stayed bf16
+    and trained in plain bf16, and ``state_dict()`` joined each new bf16 half with its stale low half. They
+    become their exact fp32 masters (Adagrad's "sum", made from the bf16 parameter, fp32 too) and train on
+    as fp32 torch would."""
+    from xlaunch.kernels.optimize.pipeline import optimize
+
+    model = _model()
+    first = to_fused(torch.optim.SGD(model.parameters(), lr=0.1), model, dtype=torch.bfloat16)
+    for i in range(2):
+        first.zero_grad()
+        _loss(model, i).backward()
+        first.step()
+    reference = _model()
+    with torch.no_grad():
+        for p, master in zip(reference.parameters(), master_params(first)):
+            p.copy_(master)
+    plain = make(reference.parameters())
+    if how == "to_fused":
+        optimizer = to_fused(make(model.parameters()), model)
+    else:
+        model, optimizer = optimize(model, make(model.parameters()), inplace=how == "optimize-inplace",
+                                    progress=False)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    for i in range(2, 5):
+        for opt, m in ((optimizer, model), (plain, reference)):
+            opt.zero_grad()
+            _loss(m, i).backward()
+            opt.step()
+    for (name, got), want in zip(model.state_dict().items(), reference.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_fused_adagrad_made_for_a_layer_unfrozen_after_to_fused_keeps_fp32_state() -> None:
     model = _model()
     model[0].requires_grad_(False)

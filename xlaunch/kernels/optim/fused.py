@@ -266,7 +266,9 @@ def to_fused(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = N
     and its ``state_dict`` holds the fp32 masters. Where the CPU only emulates bf16 (no
     AVX512_BF16/AMX_BF16) that is said in an ``EmulatedPrecisionWarning``. The state tensors are
     shared with ``optimizer``, which should not be stepped again. An optimizer of another type is
-    returned unchanged with a warning (and no parameter is converted). A fused optimizer is
+    returned unchanged with a warning (and no parameter is converted). Without ``dtype=torch.bfloat16``,
+    the parameters ``model`` made split-bf16 before (with another optimizer) become their exact fp32
+    masters (:func:`splitstate.widen_known`). A fused optimizer is
     returned as is (converted when ``dtype`` asks for it). The fused twin shares ``optimizer``'s
     param group dicts: an LR scheduler made on ``optimizer`` before drives it.
     """
@@ -284,6 +286,8 @@ def to_fused(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = N
         warnings.warn(f"xlaunch.kernels: no fused version of {type(optimizer).__name__}; left unchanged",
                       stacklevel=2)
         return optimizer
+    if dtype != torch.bfloat16 and model is not None:
+        splitstate.widen_known(fused, model)   # a split model's parameters: their fp32 masters
     if dtype == torch.bfloat16:
         reason = native_dtypes.bf16_unsupported_reason(native_dtypes.isa_flags())
         if reason is not None:

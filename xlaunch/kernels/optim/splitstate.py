@@ -171,6 +171,28 @@ def known_low_halves(model: nn.Module) -> dict[int, torch.Tensor]:
     return {id(p): state[TRAIL_KEY] for _, p, state in found if p.dtype == torch.bfloat16}
 
 
+def widen_known(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
+    """The parameters of ``optimizer`` that ``model`` made split-bf16 before (their low halves known to
+    its hooks, held by another optimizer or a copy) become their exact fp32 masters: an optimizer
+    converted without ``dtype=torch.bfloat16`` trains them on in fp32 from there (in bf16 it would
+    drop their low halves, and the model's checkpoints join stale ones). Returns how many."""
+    known = known_low_halves(model)
+    widened = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) in known and TRAIL_KEY not in optimizer.state.get(param, {}):
+                param.data, param.grad = join(param.detach(), known[id(param)]), None
+                state = optimizer.state.get(param, {})
+                for key, value in list(state.items()):   # made from the bf16 parameter (Adagrad's "sum")
+                    if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+                        state[key] = value.float()
+                widened += 1
+    if widened:
+        dtypewatch.bump()
+        unsplit_model(model)   # their low halves leave the states holding them
+    return widened
+
+
 def register(model: nn.Module, optimizer: torch.optim.Optimizer) -> SplitMasters:
     """The checkpoint hooks of ``model``, taking the low halves from ``optimizer`` (the model's
     hooks, if it has them, are linked to it: two would undo each other's load)."""
