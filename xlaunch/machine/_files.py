@@ -13,7 +13,7 @@ TYPE_CHECKING = False   # typing stays off the launch path (docs/launcher.md, "S
 if TYPE_CHECKING:
     from typing import Optional
 
-from xlaunch.cpulist import CpuListError, parse_cpulist
+from xlaunch.cpulist import CpuListError, format_cpulist, parse_cpulist
 from xlaunch.userfiles import kind_of
 
 _CHUNK = 65536
@@ -21,17 +21,26 @@ _MISSING = (errno.ENOENT, errno.ENOTDIR)
 
 
 class Notes:
-    """Collects what could not be read and what was assumed instead (each message once)."""
+    """Collects what could not be read and what was assumed instead (each message once).
+
+    A per-CPU message (:meth:`add_cpu`) is one line for every CPU it applies to, ``cpu0-1023: ...``,
+    not a line per CPU (a 1024-CPU tree without ``topology/`` would print 2,048 lines).
+    """
 
     def __init__(self) -> None:
-        self._items: list[str] = []
+        self._items: dict[str, Optional[list[int]]] = {}    # message -> CPUs (None: not per CPU)
 
     def add(self, message: str) -> None:
-        if message not in self._items:
-            self._items.append(message)
+        self._items.setdefault(message, None)
+
+    def add_cpu(self, cpu: int, message: str) -> None:
+        cpus = self._items.setdefault("cpu\0" + message, [])
+        if cpus is not None and cpu not in cpus[-1:]:
+            cpus.append(cpu)
 
     def as_tuple(self) -> tuple[str, ...]:
-        return tuple(self._items)
+        return tuple(message if cpus is None else f"cpu{format_cpulist(cpus)}: {message[4:]}"
+                     for message, cpus in self._items.items())
 
 
 def join(root: str, relative: str) -> str:

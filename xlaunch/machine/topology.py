@@ -141,12 +141,12 @@ def _read_places(
             continue
         listed = read_cpulist(topo + "thread_siblings_list", notes)
         if listed is None:
-            notes.add(f"cpu{cpu}: topology/thread_siblings_list missing; treated as its own core")
+            notes.add_cpu(cpu, "topology/thread_siblings_list missing; treated as its own core")
             listed = (cpu,)
         siblings = tuple(sorted((set(listed) & online) | {cpu}))
         package = read_int(topo + "physical_package_id", notes)
         if package is None:
-            notes.add(f"cpu{cpu}: topology/physical_package_id missing; package unknown")
+            notes.add_cpu(cpu, "topology/physical_package_id missing; package unknown")
         place = _Place(package, read_int(topo + "die_id", notes), read_int(topo + "core_id", notes), siblings)
         for sibling in siblings:
             if sibling not in places:
@@ -171,7 +171,7 @@ def _read_l3(
                 continue
         shared = read_cpulist(cache + l3_index + "/shared_cpu_list", notes)
         if shared is None:
-            notes.add(f"cpu{cpu}: {l3_index}/shared_cpu_list missing; L3 sharing unknown")
+            notes.add_cpu(cpu, f"{l3_index}/shared_cpu_list missing; L3 sharing unknown")
             shared = (cpu,)
         members = tuple(sorted((set(shared) & online) | {cpu}))
         size = _size_kib(read_text(cache + l3_index + "/size", notes=notes))
