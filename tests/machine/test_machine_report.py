@@ -69,6 +69,14 @@ def test_format_topology_details():
     assert "Notes:" in no_node
 
 
+def test_l3_sizes_that_are_not_whole_mib_are_shown_in_kib():
+    """A 1.5 MiB L3 (small Arm SoCs) read '1 MiB', a 512 KiB one '0 MiB'."""
+    m = load("vm-adjacent-smt")
+    for size, shown in ((1536, "1536 KiB"), (512, "512 KiB"), (32768, "32 MiB")):
+        page = format_topology(replace(m, l3_domains=(replace(m.l3_domains[0], size_kib=size),)))
+        assert f"L3 0: cpus 0-7 ({shown})" in page
+
+
 def test_machine_summary():
     summary = machine_summary(load("container-cpuset"))
     assert summary["cpus_online"] == 64 and summary["cpus_allowed"] == 8

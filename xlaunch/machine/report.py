@@ -98,7 +98,7 @@ def format_topology(machine: Machine) -> str:
     if not machine.l3_domains:
         out.append("  (unknown)")
     for domain in machine.l3_domains:
-        size = "" if domain.size_kib is None else f" ({domain.size_kib // 1024} MiB)"
+        size = "" if domain.size_kib is None else f" ({_kib(domain.size_kib)})"
         out.append(f"  L3 {domain.index}: cpus {format_cpulist(domain.cpus)}{size}")
     out.append("")
     kinds = Counter(k.kind for k in machine.cores)
@@ -130,6 +130,11 @@ def format_topology(machine: Machine) -> str:
         out.append("Notes:")
         out.extend(f"  - {note}" for note in machine.notes)
     return "\n".join(out)
+
+
+def _kib(size: int) -> str:
+    """``32768`` -> ``32 MiB``; a size that is not whole MiB in KiB (``1536 KiB``, not ``1 MiB``)."""
+    return f"{size // 1024} MiB" if size % 1024 == 0 else f"{size} KiB"
 
 
 def isa_report(machine: Machine, with_torch: bool = False,
