@@ -328,6 +328,27 @@ def test_threads_saving_one_file_at_once_each_write_it_whole(packed, tmp_path):
     assert not failures and [p.name for p in tmp_path.iterdir()] == ["model.xlp"]
 
 
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_save(packed, tmp_path):
+    """A save_packed killed mid-write (SIGKILL, the OOM killer) left its temporary file, the packed file's size,
+    and every kill one more. The next save removes those of a process gone from this machine and untouched for
+    15 minutes; a live writer's, a recent one (a writer on another machine sharing the folder) and links stay."""
+    _, path, _ = packed
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    old = (tmp_path / f".model.xlp.{dead}.0badf00d.tmp", tmp_path / f".model.xlp.{os.getpid()}.0badf00d.tmp")
+    recent = tmp_path / f".model.xlp.{dead}.00c0ffee.tmp"
+    link, other = tmp_path / f".model.xlp.{dead}.0000dead.tmp", tmp_path / f".other.xlp.{dead}.0badf00d.tmp"
+    for file in (*old, recent, other):
+        file.write_bytes(b"x" * 4096)
+    link.symlink_to(old[0])
+    for file in (*old, other):
+        os.utime(file, (1, 1))
+    os.utime(link, (1, 1), follow_symlinks=False)
+    llm.save_packed(llm.from_pretrained(path), tmp_path / "model.xlp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model.xlp", old[1].name, recent.name, link.name,
+                                                                  other.name])
+
+
 def test_an_fp32_model_of_bf16_values_round_trips_with_its_bf16_storage(tmp_path):
     from xlaunch.llm import native
 

@@ -38,7 +38,8 @@ with needs_torch(__name__):
 from xlaunch.llm import footprint, native  # noqa: E402
 from xlaunch.llm.assemble import (HUGE_PAGE, LAYER_LINEARS, Parts, huge_empty, install, parts_of,  # noqa: E402
                                   runtime_of, skeleton)
-from xlaunch.llm.files import checkpoint, packed_target, quoted, user_path  # noqa: E402
+from xlaunch.llm.files import (checkpoint, packed_target, quoted, remove_killed_writers_files,  # noqa: E402
+                                user_path)
 from xlaunch.llm.decoder import DTYPES, SIXTEEN_BIT, DecoderRuntime, RopeTable  # noqa: E402
 from xlaunch.llm.linear import GROUP_SIZES, GROUPED, KINDS, PackedLinear  # noqa: E402
 from xlaunch.llm.shapes import DecoderSpec, record_spec  # noqa: E402
@@ -162,6 +163,7 @@ def save_packed(model: Any, path: Any, source: Any = None) -> Path:
     problem = packed_target(path)
     if problem is not None:
         raise PackedFileError(f"xlaunch.llm.save_packed: {problem}")
+    remove_killed_writers_files(path)
     partial = None
     try:    # a new file of its own (O_EXCL, O_NOFOLLOW, a random name): one per writer, threads of a process too
         fd, partial = userfiles.new_file(str(path.parent), f"{path.name}.{os.getpid()}")
