@@ -19,6 +19,7 @@ over the "clean" ones. The last lines are the ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import statistics
@@ -27,9 +28,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+import _processes  # noqa: E402
 from _args import COUNT, SECONDS, fraction  # noqa: E402
 
 VARIANTS = ("plain", "plain-pinned", "streams", "threads", "procs")
@@ -136,6 +139,29 @@ class Worker:
             pass
         self.proc.wait(timeout=30)
 
+    def stop(self) -> None:
+        """End the worker now, mid-window or warming up (an interrupted bench): SIGTERM, SIGKILL 2 s later."""
+        if self.proc.returncode is None:
+            _processes.stop_tree(self.proc, grace=2.0)
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def workers_closed() -> Iterator[dict[str, list[Worker]]]:
+    """The workers a run starts (variant -> its processes): asked to quit when the run ends; stopped at once
+    when it is interrupted (Ctrl-C, the bench's SIGTERM, an error), wherever they are."""
+    workers: dict[str, list[Worker]] = {}
+    try:
+        yield workers
+    except BaseException:
+        for group in workers.values():
+            for w in group:
+                w.stop()
+        raise
+    for group in workers.values():
+        for w in group:
+            w.close()
+
 
 def find_allocator(kind: str) -> str:
     names = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
@@ -176,6 +202,8 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.batch, [int(c) for c in args.cpus.split(",")])
         return
+    _processes.exit_on_sigterm()        # unwinds: the workers are stopped (workers_closed)
+    _processes.survive_closed_stdout()
     derived, machine_line = two_cores()
     if args.cpus is None:
         if len(derived) < 2:
@@ -206,15 +234,14 @@ def main() -> None:
         env["LD_PRELOAD"] = find_allocator(args.allocator)
     single_env = {**env, "OMP_NUM_THREADS": "1"}
     per_core = args.batch // len(cpus)
-    workers: dict[str, list[Worker]] = {}
-    for variant in variants:
-        if variant == "procs":
-            workers[variant] = [Worker("single", per_core, [c], single_env, ["taskset", "-c", str(c)]) for c in cpus]
-        else:
-            workers[variant] = [Worker(variant, args.batch, cpus, env, [])]
     results: dict[str, list[float]] = {v: [] for v in variants}
     foreign: dict[str, list[float]] = {v: [] for v in variants}   # other processes' CPU share per rep
-    try:
+    with workers_closed() as workers:
+        for variant in variants:
+            if variant == "procs":
+                workers[variant] = [Worker("single", per_core, [c], single_env, ["taskset", "-c", str(c)]) for c in cpus]
+            else:
+                workers[variant] = [Worker(variant, args.batch, cpus, env, [])]
         for group in workers.values():  # one at a time: warm-up must not overlap other variants
             for w in group:
                 w.send("warm")
@@ -235,10 +262,6 @@ def main() -> None:
                 foreign[variant].append(share)
                 print(f" {variant} {rate:.1f}", end="", flush=True)
             print(" img/s", flush=True)
-    finally:
-        for group in workers.values():
-            for w in group:
-                w.close()
 
     print(f"small_cnn 64x64, batch {args.batch}, CPUs {args.cpus}, allocator {args.allocator}, "
           f"{args.reps} interleaved reps x {args.seconds:g} s")

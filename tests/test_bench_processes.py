@@ -208,6 +208,25 @@ def test_an_interrupted_bench_stops_the_workers_it_started(tmp_path: Path, monke
     assert gone(int((tmp_path / "pid").read_text()), within=0.5), "the worker outlived the interrupted bench"
 
 
+def test_an_interrupted_streams_bench_stops_its_workers_mid_window(tmp_path: Path, monkeypatch) -> None:
+    """bench/streams.py interrupted (SIGTERM had no handler; Ctrl-C asked each worker to quit and waited for it):
+    the workers ran their window, warm-up or --seconds long, orphaned."""
+    streams = load("streams")
+    script = tmp_path / "worker.py"
+    script.write_text(SETTING_UP)
+    monkeypatch.setenv("PIDFILE", str(tmp_path / "pid"))
+    started = time.monotonic()
+    try:
+        with streams.workers_closed() as workers:       # the worker is "mid-window": it reads no stdin
+            workers["plain"] = [streams.Worker("plain", 2, [0], dict(os.environ), [sys.executable, str(script)])]
+            wait_for(tmp_path / "pid")
+            raise SystemExit(143)                          # what the bench's SIGTERM raises
+    except SystemExit:
+        pass
+    assert gone(int((tmp_path / "pid").read_text()), within=0.5), "the worker outlived the interrupted bench"
+    assert time.monotonic() - started < 15
+
+
 CLOSED_STDOUT = """
 import sys
 sys.path.insert(0, sys.argv[1])
