@@ -144,6 +144,18 @@ def test_unsafe_archives_are_refused(tmp_path, member, monkeypatch):
     assert not (tmp_path / "escape").exists()
 
 
+def test_no_writable_cache_is_one_line_saying_what_to_do(tmp_path, monkeypatch):
+    """An archive root with no cache to unpack into (HOME unset or read-only in a container) said only
+    '[Errno 2] No such file or directory: ...', not which directory it wanted or how to get past it."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file" / "cache"))
+    with pytest.raises(MachineRootError) as raised:
+        load_machine(str(ARCHIVES / "vm-no-node.tar.xz"))
+    message = str(raised.value)
+    assert f"no place to unpack it: {tmp_path}/file/cache/xlaunch/machines: Not a directory" in message
+    assert "XDG_CACHE_HOME" in message and "\n" not in message
+
+
 def test_a_damaged_archive_is_one_clear_error(tmp_path, monkeypatch):
     bad = tmp_path / "cut.tar.xz"
     bad.write_bytes((ARCHIVES / "offline-cpus.tar.xz").read_bytes()[:500])

@@ -217,8 +217,12 @@ def unpacked_root(archive: str) -> str:
     final = os.path.join(base, digest.hexdigest()[:20])
     if os.path.isdir(final):
         return final
-    os.makedirs(base, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".unpacking-", dir=base)
+    try:
+        os.makedirs(base, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".unpacking-", dir=base)
+    except OSError as exc:
+        raise ValueError(f"no place to unpack it: {base}: {exc.strerror or exc} (set XDG_CACHE_HOME to a "
+                         "writable directory, or unpack it with tar -xf and name the folder)") from None
     try:
         unpack_archive(archive, os.path.join(staging, "root"))
         try:
