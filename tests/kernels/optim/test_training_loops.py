@@ -2,6 +2,8 @@
 optimizers on one model, ... step for step against torch's own optimizer."""
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 
 import pytest
@@ -250,10 +252,13 @@ def test_a_scheduler_made_before_to_fused_still_drives_it_after_a_resume() -> No
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("how", ["add_param_group", "new optimizer", "new Adagrad"])
+@pytest.mark.parametrize("how", ["add_param_group", "new optimizer", "new Adagrad", "pickled, add_param_group",
+                                 "deep copy, add_param_group"])
 def test_a_layer_frozen_at_to_fused_and_unfrozen_later_trains_on_its_fp32_master(how: str) -> None:
     """``to_fused(..., dtype=torch.bfloat16)`` rounded the frozen layer to bf16: saved as bf16, and
-    once unfrozen and given to the optimizer it trained in plain bf16 (bf16 moments, no master)."""
+    once unfrozen and given to the optimizer it trained in plain bf16 (bf16 moments, no master). A pickle
+    (``torch.save`` of the pair, a new process) or deep copy of the pair lost that: the copy's frozen
+    parameters were not taken over."""
     second = torch.optim.Adagrad if how == "new Adagrad" else torch.optim.Adam
     model, reference = _model(), _model()
     exact = [p.detach().clone() for p in model[0].parameters()]
@@ -269,9 +274,15 @@ def test_a_layer_frozen_at_to_fused_and_unfrozen_later_trains_on_its_fp32_master
     assert model[0].weight.dtype == torch.bfloat16
     saved = model.state_dict()
     assert torch.equal(saved["0.weight"], exact[0]) and torch.equal(saved["0.bias"], exact[1])
+    if how.startswith("pickled"):
+        buffer = io.BytesIO()
+        torch.save((model, optimizer), buffer)
+        model, optimizer = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    elif how.startswith("deep copy"):
+        model, optimizer = copy.deepcopy((model, optimizer))
     for m in (model, reference):
         m[0].requires_grad_(True)
-    if how == "add_param_group":
+    if how.endswith("add_param_group"):
         plain.add_param_group({"params": reference[0].parameters()})
         optimizer.add_param_group({"params": model[0].parameters()})
         owner = optimizer

@@ -148,12 +148,15 @@ class SplitMasters:
         model = self._model()
         kept = self._kept if model is None else {
             param: {TRAIL_KEY: state[TRAIL_KEY]} for _, param, state in self._split_params(model, "")}
-        return {"names": self.names, "kept": kept}
+        # the frozen ones: a fused optimizer given the copy's, once unfrozen, takes them over (adopt_frozen)
+        return {"names": self.names, "kept": kept, "frozen": [param for param in kept if param in frozen_halves]}
 
     def __setstate__(self, state: dict) -> None:
         self.names = state["names"]
         self._kept = state.get("kept", {})
         self._optimizers, self._model = [], lambda: None
+        for param in state.get("frozen", ()):
+            frozen_halves.setdefault(param, self._kept[param])
 
 
 def _hooks_of(model: nn.Module) -> Optional[SplitMasters]:
