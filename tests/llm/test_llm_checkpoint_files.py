@@ -184,3 +184,12 @@ def test_a_packed_file_that_cannot_be_written_is_refused_before_the_source_is_st
         with pytest.raises(PackedFileError, match=f"^xlaunch.llm.save_packed: .*{match}$"):
             llm.from_pretrained(path, source=saved["llama"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.xlp"]
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForSequenceClassification", "LlamaModel"])
+def test_a_checkpoint_of_no_causal_lm_says_what_it_holds(tmp_path, architecture, nothing_packed):
+    """A classifier's or a base model's checkpoint was told to tie its embeddings to the lm_head it lacks."""
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, num_labels=3)
+    getattr(transformers, architecture)(config).save_pretrained(tmp_path / "other")
+    _one_line_error(tmp_path / "other", f"holds a {architecture} \\(its config.json's architectures\\), not a causal LM")

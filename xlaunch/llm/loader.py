@@ -235,6 +235,11 @@ def _check_tensors(checkpoint: Checkpoint, model: Any, spec: Any, config: Any) -
     expected = {name: list(parameter.shape) for name, parameter in model.named_parameters()}     # meta: no memory
     expected.setdefault("lm_head.weight", expected.get("model.embed_tokens.weight"))      # tied, stored anyway
     head = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
+    architectures = getattr(config, "architectures", None) or []      # a classifier's or a base model's checkpoint
+    causal = not architectures or any(str(name).endswith("ForCausalLM") for name in architectures)
+    if head != "lm_head.weight" and not spec.tied_embeddings and not causal:
+        raise ValueError(f"xlaunch.llm.from_pretrained: {path} holds a {architectures[0]} (its config.json's "
+                         f"architectures), not a causal LM: it stores no lm_head.weight{hint}")
     if head != "lm_head.weight" and not spec.tied_embeddings:
         # transformers loads it, lm_head random (a "MISSING" line in its load report): text from noise
         raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks the tensor lm_head.weight, and its config.json does "
