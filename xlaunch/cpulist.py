@@ -25,11 +25,14 @@ class CpuListRangeError(CpuListError):
 
 
 def parse_cpulist(text: str, limit: int = MAX_ID) -> tuple[int, ...]:
-    """Parse ``"0-3,8,10-11"`` (kernel syntax, also ``a-b:stride``) into a sorted, unique tuple.
+    """Parse ``"0-3,8,10-11"`` into a sorted, unique tuple.
 
-    An empty or blank string is the empty list. Raises :class:`CpuListError` on anything else
-    that is not a list of ASCII non-negative integers and ascending ranges, and
-    :class:`CpuListRangeError` for a number above ``limit`` (so memory stays bounded).
+    Kernel syntax (Documentation/admin-guide/kernel-parameters.rst, "cpu lists"), including its
+    groups: ``a-b:used/group`` takes the first ``used`` CPUs of every ``group`` from ``a`` (``0-15:2/8``
+    is 0,1,8,9); also taskset's ``a-b:stride`` (``0-7:2`` is 0,2,4,6). An empty or blank string is
+    the empty list. Raises :class:`CpuListError` on anything else that is not a list of ASCII
+    non-negative integers and ascending ranges, and :class:`CpuListRangeError` for a number above
+    ``limit`` (so memory stays bounded).
     """
     text = text.strip()
     if not text:
@@ -40,19 +43,30 @@ def parse_cpulist(text: str, limit: int = MAX_ID) -> tuple[int, ...]:
         part = part.strip()
         if not part:
             raise CpuListError(f"empty item in {whole}")
-        stride = 1
+        used, group = 1, 1
         if ":" in part:
-            part, _, stride_text = part.partition(":")
-            stride = _non_negative(stride_text, whole)
-            if stride == 0:
-                raise CpuListError(f"zero stride in {whole}")
+            part, _, pattern = part.partition(":")
+            used_text, slash, group_text = pattern.partition("/")
+            used = _non_negative(used_text, whole)
+            group = _non_negative(group_text, whole) if slash else used
+            if not slash:
+                if group == 0:
+                    raise CpuListError(f"zero stride in {whole}")
+                used = 1              # taskset's stride: one CPU of every `stride`
+            elif group == 0 or used == 0 or used > group:
+                raise CpuListError(f"group pattern {used}/{group} in {whole} is not 'used/group' with "
+                                   "0 < used <= group")
         if "-" in part:
             lo_text, _, hi_text = part.partition("-")
             lo, hi = _non_negative(lo_text, whole), _non_negative(hi_text, whole)
             _check_limit(hi, limit, whole)
             if hi < lo:
                 raise CpuListError(f"descending range {lo}-{hi} in {whole}")
-            cpus.update(range(lo, hi + 1, stride))
+            if used == 1:
+                cpus.update(range(lo, hi + 1, group))
+            else:
+                for start in range(lo, hi + 1, group):
+                    cpus.update(range(start, min(start + used, hi + 1)))
         else:
             number = _non_negative(part, whole)
             _check_limit(number, limit, whole)
