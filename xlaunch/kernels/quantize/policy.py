@@ -32,7 +32,7 @@ AUTO_ROUTES = (*INT8_ROUTES, BF16)   # what quantize(mode="auto", consider=...) 
 # An INT8 route must beat the best fp32 variant by this factor to be picked (timing noise on a
 # shared machine is a few percent; a tie is not worth the accuracy cost).
 DEFAULT_SPEEDUP_MARGIN = 1.05
-# Largest relative error (max |int8 - fp32| / max |fp32| over the calibration inputs) auto accepts.
+# Largest relative error (max |int8 - fp32| / max |fp32| over the calibration and example inputs) auto accepts.
 DEFAULT_MAX_ERROR = 0.1
 
 

@@ -24,7 +24,7 @@ class RouteResult:
     """One measured variant."""
 
     ms: Optional[float] = None            # median time per call on example_inputs
-    rel_error: Optional[float] = None     # vs fp32 eager on the calibration inputs
+    rel_error: Optional[float] = None     # vs fp32 eager on the calibration and example inputs
     argmax_agreement: Optional[float] = None
     skipped: Optional[str] = None         # why it was not built or not measured
     int8_range: Optional[str] = None      # the route's own setting against u8 x s8 saturation
