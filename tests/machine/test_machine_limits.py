@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from xlaunch.machine import clear_cache, current_machine, load_machine
 from xlaunch.machine._files import Notes
 from xlaunch.machine.libraries import find_libraries, parse_ld_cache, read_ld_conf
 from xlaunch.machine.limits import read_cpu_budget
+from xlaunch.machine.report import format_topology, topology_json
 
 
 
@@ -64,6 +66,26 @@ def test_odd_cpu_max_is_ignored(tmp_path, text):
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "sys/fs/cgroup/cpu.max", text)
     assert budget(tmp_path) is None
+
+
+def test_isolated_cpus_outside_the_affinity_are_named(tmp_path):
+    """isolcpus= takes CPUs out of every process's default affinity: the plan used the others and
+    neither --show-topology nor the notes said why half the machine sat idle."""
+    root = tmp_path / "box"
+    shutil.copytree(machine_tree("offline-cpus"), root)          # 16 CPUs, 3, 5 and 13 offline
+    write(root, "sys/devices/system/cpu/isolated", "8-15\n")
+    status = root / "proc/self/status"
+    status.write_text(status.read_text().replace("Cpus_allowed_list:\t0-15", "Cpus_allowed_list:\t0-7"))
+    m = load_machine(str(root))
+    assert m.isolated_cpus == (8, 9, 10, 11, 12, 14, 15) and m.allowed_cpus == (0, 1, 2, 4, 6, 7)
+    assert ("CPUs 8-12,14-15 are isolated (isolcpus=) and not in this process's affinity: unused unless "
+            "xlaunch itself runs under taskset -c naming them") in m.notes
+    assert "Isolated CPUs (isolcpus=): 8-12,14-15" in format_topology(m)
+    assert topology_json(m)["isolated_cpus"] == [8, 9, 10, 11, 12, 14, 15]
+    status.write_text(status.read_text().replace("Cpus_allowed_list:\t0-7", "Cpus_allowed_list:\t8-15"))
+    assert not any("isolated" in n for n in load_machine(str(root)).notes)   # run under taskset: in use
+    write(root, "sys/devices/system/cpu/isolated", "\n")                       # the kernel's "none"
+    assert load_machine(str(root)).isolated_cpus == ()
 
 
 def test_current_machine_is_cached_per_root(monkeypatch):

@@ -27,7 +27,8 @@ HOST_FILES = ("sys/kernel/mm/transparent_hugepage/enabled", "sys/kernel/mm/trans
 
 
 def same_model(a, b) -> None:
-    fields = ("cpus", "cores", "nodes", "l3_domains", "allowed_cpus", "allowed_mems", "cpu_budget", "notes")
+    fields = ("cpus", "cores", "nodes", "l3_domains", "allowed_cpus", "allowed_mems", "cpu_budget", "isolated_cpus",
+              "notes")
     for name in fields:
         assert getattr(a, name) == getattr(b, name), name
     assert replace(a.isa, amx_permitted=None) == replace(b.isa, amx_permitted=None)

@@ -121,6 +121,7 @@ def load_machine(root: Optional[str] = None, *, live: Optional[bool] = None) -> 
         allowed_cpus=limits.allowed_cpus,
         allowed_mems=limits.allowed_mems,
         cpu_budget=limits.cpu_budget,
+        isolated_cpus=limits.isolated_cpus,
         isa=read_isa(root, live, notes),
         libraries=find_libraries(),
         notes=notes.as_tuple(),

@@ -14,10 +14,11 @@ if TYPE_CHECKING:
     from typing import Iterable, Optional
 
 from xlaunch._records import record
-from xlaunch.cpulist import CpuListError, parse_cpulist, shown
-from xlaunch.machine._files import Notes, decimal, join, read_text, status_fields
+from xlaunch.cpulist import CpuListError, format_cpulist, parse_cpulist, shown
+from xlaunch.machine._files import Notes, decimal, join, read_cpulist, read_text, status_fields
 
 CGROUP_MOUNT = "sys/fs/cgroup"
+ISOLATED = "sys/devices/system/cpu/isolated"
 
 
 @record
@@ -25,6 +26,7 @@ class Limits:
     allowed_cpus: tuple[int, ...]
     allowed_mems: tuple[int, ...]
     cpu_budget: Optional[float]
+    isolated_cpus: tuple[int, ...] = ()
 
 
 def read_limits(
@@ -49,7 +51,13 @@ def read_limits(
         if mems == ():
             notes.add("proc/self/status Mems_allowed_list is empty; assumed every node with memory")
         mems = tuple(sorted(memory_nodes))
-    return Limits(allowed_cpus=allowed, allowed_mems=mems, cpu_budget=read_cpu_budget(root, notes))
+    isolated = tuple(c for c in read_cpulist(join(root, ISOLATED), notes) or () if c in set(online))
+    outside = sorted(set(isolated) - set(allowed))
+    if outside:
+        notes.add(f"CPUs {format_cpulist(outside)} are isolated (isolcpus=) and not in this process's "
+                  f"affinity: unused unless xlaunch itself runs under taskset -c naming them")
+    return Limits(allowed_cpus=allowed, allowed_mems=mems, cpu_budget=read_cpu_budget(root, notes),
+                  isolated_cpus=isolated)
 
 
 def fallback_cpus(root: str, live: bool) -> tuple[int, ...]:

@@ -108,6 +108,7 @@ class Machine:
     allowed_cpus: tuple[int, ...]           # sched_getaffinity, or Cpus_allowed_list under a root
     allowed_mems: tuple[int, ...]           # Mems_allowed_list (nodes with memory we may use)
     cpu_budget: Optional[float] = None      # cgroup v2 cpu.max / v1 cfs quota, in CPUs
+    isolated_cpus: tuple[int, ...] = ()     # cpu/isolated (isolcpus=): online CPUs the scheduler leaves alone
     isa: Isa = factory(Isa)
     libraries: tuple[Library, ...] = ()
     notes: tuple[str, ...] = ()             # what could not be read and was assumed instead

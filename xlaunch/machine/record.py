@@ -27,7 +27,8 @@ from xlaunch.userfiles import UserFileError, open_user_file
 
 CPU = "sys/devices/system/cpu"
 NODE = "sys/devices/system/node"
-CPU_LISTS = ("online", "possible", "present", "offline", "kernel_max", "smt/control", "smt/active")
+CPU_LISTS = ("online", "possible", "present", "offline", "kernel_max", "isolated", "nohz_full",
+             "smt/control", "smt/active")
 NODE_LISTS = ("online", "possible", "has_cpu", "has_memory", "has_normal_memory")
 CACHE_FILES = ("level", "type", "size", "id", "shared_cpu_list", "shared_cpu_map",
                "coherency_line_size", "ways_of_associativity", "number_of_sets")

@@ -50,6 +50,7 @@ def topology_json(machine: Machine) -> dict[str, Any]:
         "allowed_cpulist": format_cpulist(machine.allowed_cpus),
         "allowed_mems": list(machine.allowed_mems),
         "cpu_budget": machine.cpu_budget,
+        "isolated_cpus": list(machine.isolated_cpus),
         "isa": _isa_flags(machine),
         "libraries": [{"kind": lib.kind, "path": lib.path, "source": lib.source} for lib in machine.libraries],
         "host": host_json(machine.host, _cpu_nodes(machine)),
@@ -110,6 +111,8 @@ def format_topology(machine: Machine) -> str:
                    f"L3 {_dash(core.l3)}, package {_dash(core.package)}, {core.kind}]")
     out.append("")
     out.append(f"Allowed CPUs: {format_cpulist(machine.allowed_cpus) or '-'} ({len(machine.allowed_cpus)})")
+    if machine.isolated_cpus:
+        out.append(f"Isolated CPUs (isolcpus=): {format_cpulist(machine.isolated_cpus)}")
     out.append(f"Allowed memory nodes: {format_cpulist(machine.allowed_mems) or '-'}")
     out.append("CPU budget: " + ("unlimited" if machine.cpu_budget is None
                                  else f"{machine.cpu_budget:g} CPUs (cgroup quota)"))
