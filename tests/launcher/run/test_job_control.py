@@ -255,3 +255,52 @@ def test_many_instances_exiting_at_once_are_never_said_stopped_with_their_own_st
     statuses = [i["status"] for i in json.loads(summary.read_text())["instances"]]
     assert "exit 3" in statuses and all(s == "exit 3" or s.startswith("killed by SIGTERM (stopped after instance")
                                         for s in statuses), statuses
+
+
+# instance 0 crashes with a 64 MiB core dump (its own RLIMIT_CORE raised); instance 1 exits 3 once it sees the
+# dump under way (PF_DUMPCORE in instance 0's /proc stat), so xlaunch's fail-fast SIGTERM finds instance 0 dumping
+CRASH_WITH_CORE = """\
+import os, resource, signal
+resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+memory = bytearray(os.urandom(1 << 20)) * 64
+open("crashing", "w").write(str(os.getpid()))
+os.kill(os.getpid(), signal.SIGSEGV)
+"""
+FAILS_WHILE_IT_DUMPS = """\
+import os, time
+while not os.path.exists("crashing"):
+    time.sleep(0.001)
+pid = open("crashing").read()
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    try:
+        if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[6]) & 0x200:
+            break
+    except (OSError, ValueError, IndexError):
+        break
+os._exit(3)
+"""
+
+
+def _core_pattern() -> str:
+    try:
+        return Path("/proc/sys/kernel/core_pattern").read_text().strip()
+    except OSError:
+        return "|"
+
+
+@pytest.mark.skipif(INSTANCES < 2, reason="needs 2 allowed CPUs (2 instances)")
+@pytest.mark.skipif(_core_pattern().startswith("|"), reason="core dumps go to a handler program here (a crash record)")
+def test_an_instance_writing_its_core_dump_when_another_fails_crashed_on_its_own(tmp_path: Path) -> None:
+    """A core dump takes a while (here 64 MiB); the fail-fast SIGTERM that reaches the dumping instance changes
+    nothing: its row is 'killed by SIGSEGV (core dumped)', not '... (stopped after instance 1 failed)'."""
+    summary = tmp_path / "summary.json"
+    argv = [sys.executable, "-m", "xlaunch", "-q", "--ninstances", str(INSTANCES), "--bind-with", "none",
+            "--summary-json", str(summary), "--no-python", "--", sys.executable, "-S", "-c",
+            "import os, sys; exec(sys.argv[1 + int(os.environ['XLAUNCH_INSTANCE_INDEX'])])",
+            CRASH_WITH_CORE, FAILS_WHILE_IT_DUMPS]
+    done = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode in (3, 139), done.stderr
+    statuses = [i["status"] for i in json.loads(summary.read_text())["instances"]]
+    assert statuses[0].startswith("killed by SIGSEGV") and "stopped after" not in statuses[0], statuses

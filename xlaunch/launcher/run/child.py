@@ -125,15 +125,17 @@ def exists(pid: int) -> bool:
     return True
 
 
-_PF_EXITING = 0x4            # the kernel's flag on a thread that has begun to exit (do_exit)
+# the kernel's flags on a thread that is dying: begun to exit (do_exit), writing a core dump, killed by a signal
+_PF_DYING = 0x4 | 0x200 | 0x400            # PF_EXITING | PF_DUMPCORE | PF_SIGNALED
 _SIGKILL_BIT = 1 << (9 - 1)  # SIGKILL in a thread's pending set: how exit_group zaps the other threads
 
 
 def _exiting(pid: int) -> bool:
-    """Every thread of ``pid`` has begun to exit (``PF_EXITING``), ended, or has the SIGKILL pending that
-    ``exit_group`` (or a fatal signal) sends the others: the exit status is set and no handler runs
-    again, so a signal sent now changes nothing. A process caught between its ``exit`` and its zombie,
-    which a ``Z`` test alone takes for running."""
+    """Every thread of ``pid`` has begun to exit (``PF_EXITING``), is being killed by a signal or writing its
+    core dump (``PF_SIGNALED``, ``PF_DUMPCORE``), ended, or has the SIGKILL pending that ``exit_group`` (or a
+    fatal signal) sends the others: the exit status is set and no handler runs again, so a signal sent now
+    changes nothing. A process caught between its ``exit`` (or crash) and its zombie, which a ``Z`` test alone
+    takes for running (a core dump of 300 MiB: a second and more)."""
     try:
         threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -142,7 +144,7 @@ def _exiting(pid: int) -> bool:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
                 fields = stat.read().rsplit(b")", 1)[1].split()
-            if fields[:1] in ([b"Z"], [b"X"]) or (fields[6].isdigit() and int(fields[6]) & _PF_EXITING):
+            if fields[:1] in ([b"Z"], [b"X"]) or (fields[6].isdigit() and int(fields[6]) & _PF_DYING):
                 continue
             with open(f"/proc/{pid}/task/{tid}/status", "rb") as status:
                 pending = next((line.split()[1] for line in status if line.startswith(b"SigPnd:")), b"0")
