@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -33,8 +32,7 @@ void pool_bag(const Inputs<I>& in, int64_t t, int64_t b, const W* weight, W* out
     for (int64_t d = 0; d < dim; ++d) store(dst + d, 0.0f);
     return;
   }
-  const float init = tab.mode == MAX ? -std::numeric_limits<float>::infinity() : 0.0f;
-  for (int64_t d = 0; d < dim; ++d) acc[d] = init;
+  for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
   // Prefetch runs ahead through the table's indices, past this bag into the next ones.
   const int64_t prefetch_end = tab.n_lookups;
   for (int64_t j = begin; j < end; ++j) {
@@ -46,7 +44,16 @@ void pool_bag(const Inputs<I>& in, int64_t t, int64_t b, const W* weight, W* out
     if (r < 0 || r >= tab.rows) bad_index(t, j, r, tab.rows);
     const W* __restrict__ row = base + int64_t(r) * dim;
     if (tab.mode == MAX) {
-      for (int64_t d = 0; d < dim; ++d) acc[d] = std::max(acc[d], load(row + d));
+      // torch's rule: the bag's first row, then any larger value (a NaN first stays, a later one
+      // is skipped; std::max from -inf dropped every NaN, so a bag of one NaN row came out -inf)
+      if (j == begin) {
+        for (int64_t d = 0; d < dim; ++d) acc[d] = load(row + d);
+      } else {
+        for (int64_t d = 0; d < dim; ++d) {
+          const float v = load(row + d);
+          acc[d] = v > acc[d] ? v : acc[d];
+        }
+      }
     } else if (psw != nullptr) {
       const float s = load(psw + j);
       for (int64_t d = 0; d < dim; ++d) acc[d] += s * load(row + d);
