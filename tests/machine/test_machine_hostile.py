@@ -151,3 +151,12 @@ def test_the_launcher_plans_past_a_fifo(vm):
     assert result.returncode == 0, result.stderr
     notes = json.loads(result.stdout)["notes"]
     assert f"{vm}/{CPU}/present is a FIFO, not a regular file; ignored" in notes
+
+
+def test_a_file_too_large_is_ignored_not_cut_into_a_shorter_list(vm):
+    """Cut at 64 KiB, a list lost its tail and still parsed: '00,1,1,...,1,2-7' read as CPUs 0-1 online."""
+    online = vm / CPU / "online"
+    online.write_text("00" + ",1" * 40000 + ",2-7\n")          # valid, but 80 KB: no kernel writes that
+    m = load_machine(str(vm))
+    assert f"{online} is larger than 65536 bytes; ignored" in m.notes
+    assert m.online_cpus == tuple(range(8))                  # from each cpuN/online, not the cut '0-1,...'

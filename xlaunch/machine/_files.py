@@ -74,19 +74,24 @@ def _open_regular(path: str, notes: Optional[Notes]) -> Optional[int]:
 
 
 def read_text(path: str, limit: int = _CHUNK, notes: Optional[Notes] = None) -> Optional[str]:
-    """The stripped text of a small regular file (at most ``limit`` bytes), or None when it is
-    missing, unreadable or not a regular file (see :func:`_open_regular`)."""
+    """The stripped text of a small regular file, or None when it is missing, unreadable, not a
+    regular file (see :func:`_open_regular`) or larger than ``limit`` bytes (a cut list would read
+    as a shorter, valid one; sysfs lists of 8,192 CPUs are about 20 KiB)."""
     fd = _open_regular(path, notes)
     if fd is None:
         return None
     try:
-        data = os.read(fd, limit)
+        data = os.read(fd, limit + 1)
     except OSError as exc:
         if notes is not None:
             notes.add(f"{path}: {exc.strerror or exc}; ignored")
         return None
     finally:
         os.close(fd)
+    if len(data) > limit:
+        if notes is not None:
+            notes.add(f"{path} is larger than {limit} bytes; ignored")
+        return None
     return data.decode("utf-8", "replace").strip()
 
 
