@@ -104,3 +104,12 @@ def test_autocast_promotes_as_ipex_and_fp32_features_stay_fp32():
     assert dense.grad is not None and dense.grad.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="feature 1 is torch.float32"):       # outside autocast: one dtype
         interaction(dense.detach(), *features[1:])
+
+
+def test_interaction_func_apply_checks_its_features_as_interaction_does():
+    # IPEX's spelling went straight to the autograd function: a (2, 16) feature beside a (2, 8) one
+    # was cut into two vectors of 12, and the result, of the wrong shape, came back without a word.
+    with pytest.raises(ValueError, match=r"feature 1 must be a \(batch, dim\) tensor shaped like the dense feature \(2, 8\)"):
+        F.InteractionFunc.apply(torch.randn(2, 8), torch.randn(2, 16))
+    features = [torch.randn(2, 8) for _ in range(3)]
+    torch.testing.assert_close(F.InteractionFunc.apply(*features), eager(*features))

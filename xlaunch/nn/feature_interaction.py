@@ -74,11 +74,17 @@ class _Interaction(torch.autograd.Function):
 
 class InteractionFunc:
     """``ipex.nn``'s name for the autograd function behind :func:`interaction`:
-    ``InteractionFunc.apply(dense, *sparse)`` (one ``cat`` of the features, then the function)."""
+    ``InteractionFunc.apply(dense, *sparse)`` is ``interaction(dense, *sparse)``."""
 
     @staticmethod
     def apply(*features: Tensor) -> Tensor:
-        return _Interaction.apply(torch.cat(features, dim=1), len(features))
+        """:func:`interaction` (its checks too: features of another width were split at the wrong
+        place, silently, into ``len(features)`` equal vectors)."""
+        return interaction(*features)
+
+
+def _interact(features: list) -> Tensor:
+    return _Interaction.apply(torch.cat(features, dim=1), len(features))
 
 
 def interaction(*features: Tensor) -> Tensor:
@@ -101,8 +107,8 @@ def interaction(*features: Tensor) -> Tensor:
         target = torch.get_autocast_dtype("cpu")
         for feature in features:
             target = torch.promote_types(target, feature.dtype)
-        return InteractionFunc.apply(*[feature.to(target) for feature in features])
+        return _interact([feature.to(target) for feature in features])
     for number, feature in enumerate(features):
         if feature.dtype != first.dtype:
             raise ValueError(f"interaction: feature {number} is {feature.dtype}, the dense feature {first.dtype}")
-    return InteractionFunc.apply(*features)
+    return _interact(list(features))
