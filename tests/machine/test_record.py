@@ -308,3 +308,15 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsy
     assert record_main([str(out), "--source", str(machine_tree("vm-adjacent-smt")), *(["--archive"] * archive)]) == 1
     assert capsys.readouterr().err == f"xlaunch-record-machine: error: cannot write {target}: No space left on device\n"
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("out", ["", ".", "..", "/"])
+@pytest.mark.parametrize("archive", [False, True])
+def test_a_dir_naming_no_new_directory_is_refused(tmp_path, monkeypatch, capsys, out, archive):
+    """'' recorded sys/ and proc/ into the current directory (run from / as root, over the live files)
+    and '' --archive wrote a hidden .tar.xz there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        record_main([out, "--source", str(machine_tree("vm-no-node")), *(["--archive"] * archive)])
+    assert stopped.value.code == 2 and os.listdir(tmp_path) == []
+    assert capsys.readouterr().err == f"xlaunch-record-machine: error: DIR: {out!r} names no new directory\n"

@@ -198,6 +198,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help=f"write DIR{ARCHIVE_SUFFIX} (one compressed file) instead of a directory")
     parser.add_argument("--source", default="/", help="machine root to read (default: /)")
     args = parser.parse_args(argv)
+    if not args.out.strip() or not os.path.basename(os.path.normpath(args.out)).strip("."):
+        # '' wrote sys/ and proc/ into the current directory (or a hidden '.tar.xz' there)
+        parser.error(f"DIR: {args.out!r} names no new directory")
     target = archive_path(args.out) if args.archive else args.out
     if os.path.lexists(target):
         parser.error(f"DIR: {target} already exists")
