@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import struct
 import sys
@@ -305,3 +306,34 @@ def test_a_model_quantized_or_saved_under_inference_mode_saves(tmp_path) -> None
         loaded = load_quantized(str(tmp_path / name))
         with torch.no_grad():
             torch.testing.assert_close(loaded(x), quantized(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_path_that_is_no_path_and_a_call_the_loaded_program_does_not_serve(tmp_path) -> None:
+    """``save``/``load_quantized`` given no path are one TypeError naming the argument (was os.fspath's
+    ``expected str, bytes or os.PathLike object``; ``save(bytes)`` was ``a bytes-like object is
+    required``); a loaded torch program called with a wrong dtype or feature shape is one ValueError
+    naming its signature, as an engine's (was ``AssertionError: Guard failed: input.size()[1] == 16``)."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = quantize(nn.Sequential(nn.Linear(16, 4)).eval(), torch.randn(4, 16), mode="weight_only",
+                             progress=False)
+    for bad in (None, 3):
+        with pytest.raises(TypeError, match=rf"^save: path must be a str or os.PathLike \(a file's path\), "
+                                            rf"not {type(bad).__name__}$"):
+            quantized.save(bad)
+        with pytest.raises(TypeError, match=rf"^load_quantized: path must be a str or os.PathLike .*, "
+                                            rf"not {type(bad).__name__}$"):
+            load_quantized(bad)
+    path = tmp_path / "m.pt2"
+    quantized.save(os.fsencode(path))   # bytes, as load_quantized takes them
+    loaded = load_quantized(os.fsencode(path))
+    with torch.no_grad():
+        assert loaded(torch.randn(3, 16)).shape == (3, 4)
+        for bad, got in ((torch.randn(3, 8), "float32[3,8]"), (torch.randn(3, 16).double(), "float64[3,16]"),
+                         (torch.randn(16), "float32[16]")):
+            with pytest.raises(ValueError, match=rf"^weight_only model {path}: takes \(float32\[N,16\]\); "
+                                                 rf"argument 0 is {re.escape(got)} on cpu$"):
+                loaded(bad)
+        with pytest.raises(ValueError, match=r"takes 1 argument\(s\) \(float32\[N,16\]\), got 2"):
+            loaded(torch.randn(3, 16), torch.randn(3, 16))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -86,9 +87,11 @@ class QuantizedModule(nn.Module):
 
     def __init__(self, runner: Callable[..., Any],
                  program: "torch.export.ExportedProgram | Callable[[], torch.export.ExportedProgram]",
-                 mode: str, report: QuantizeReport, keep: Optional[nn.Module] = None) -> None:
+                 mode: str, report: QuantizeReport, keep: Optional[nn.Module] = None,
+                 check: Optional[Callable[[tuple], None]] = None) -> None:
         super().__init__()
         self._runner = runner
+        self._check = check   # a loaded program: each call checked against its saved inputs
         self._program = program   # or a function exporting it on first use (export takes a while)
         self.mode = mode
         self.report = report
@@ -102,6 +105,8 @@ class QuantizedModule(nn.Module):
         return self._program
 
     def forward(self, *args: Any) -> Any:
+        if self._check is not None:
+            self._check(args)
         return self._runner(*args)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -123,7 +128,7 @@ class QuantizedModule(nn.Module):
         saved.save(path, self.mode, self.report.to_dict(), self._runner, lambda: self.program)
 
 
-def load_quantized(path: str) -> QuantizedModule:
+def load_quantized(path: "str | bytes | os.PathLike[str]") -> QuantizedModule:
     """Load what :meth:`QuantizedModule.save` wrote; needs neither the model's class nor the
     calibration data. INT8 PT2E programs are compiled again (freezing) on the first call;
     ``onnxruntime_static``/``openvino_static`` run on their engine again (one ``ImportError``
@@ -135,4 +140,5 @@ def load_quantized(path: str) -> QuantizedModule:
         report = QuantizeReport.from_dict(opened.meta["report"])
     except (TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"load_quantized: {path} is corrupt: its report does not read back ({exc})") from None
-    return QuantizedModule(opened.runner, opened.program, opened.meta["mode"], report, keep=opened.module)
+    return QuantizedModule(opened.runner, opened.program, opened.meta["mode"], report, keep=opened.module,
+                           check=opened.check)

@@ -171,6 +171,14 @@ class Opened:
     runner: Callable[..., Any]
     program: Any
     module: Optional[torch.nn.Module] = None
+    check: Optional[Callable[[tuple], None]] = None   # raises one ValueError for a call the model does not serve
+
+
+def file_name(path: Any, who: str) -> str:
+    """``path`` (a str, bytes or os.PathLike) as a str; anything else is one TypeError naming ``who``."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{who}: path must be a str or os.PathLike (a file's path), not {type(path).__name__}")
+    return os.fsdecode(path)
 
 
 def _torch_model(program: torch.export.ExportedProgram, mode: str,
@@ -187,7 +195,7 @@ def _torch_model(program: torch.export.ExportedProgram, mode: str,
 
 def read(path: Any) -> Opened:
     """The model file at ``path``, checked, then loaded (torch) or handed to its engine."""
-    name = os.fspath(path)
+    name = file_name(path, "load_quantized")
     with _open_regular(name) as handle:
         archive, meta = _read_meta(name, handle)
         mode = meta["mode"]
@@ -217,7 +225,24 @@ def read(path: Any) -> Opened:
             for logger in loggers:
                 logger.removeFilter(held)
     runner, module = _torch_model(program, mode, meta.get("compile"))
-    return Opened(meta, runner, program, module)
+    return Opened(meta, runner, program, module, _call_check(name, mode, meta))
+
+
+def _call_check(name: str, mode: str, meta: dict) -> Optional[Callable[[tuple], None]]:
+    """Each call of a loaded torch program checked against the manifest's ``inputs``, as engine
+    models are: a wrong dtype or feature shape was an AssertionError (``Guard failed: ...``) or a
+    RuntimeError from inside the program. None where the manifest's inputs cannot say (a value
+    recorded by its repr)."""
+    try:
+        signature = engine_saved.Signature({"inputs": meta.get("inputs"), "output_count": 1})
+    except ValueError:
+        return None
+
+    def check(args: tuple) -> None:
+        problem = signature.mismatch(args)
+        if problem is not None:
+            raise ValueError(f"{mode} model {name}: {problem}")
+    return check
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -236,7 +261,7 @@ def _umask() -> int:
 def write_new(path: Any, fill: Callable[[BinaryIO], None]) -> None:
     """``fill`` writes the content into a new file beside ``path``, which then replaces ``path``
     (never written through: a symlink or non-regular file there is refused)."""
-    name = os.fspath(path)
+    name = file_name(path, "save")
     if not name or name.endswith((os.sep, "/")):
         raise ValueError(f"save: {name!r} names no file (give a file's path, e.g. model.pt2)")
     try:
@@ -278,6 +303,7 @@ def _stored(archive: zipfile.ZipFile, entry: str, data: bytes) -> None:
 def save(path: Any, mode: str, report: dict, runner: Any,
          program: Callable[[], torch.export.ExportedProgram]) -> None:
     """Write a quantized model (see the module docstring for the two layouts)."""
+    path = file_name(path, "save")   # before any export (seconds)
     if mode in engine_saved.ENGINES:
         engine = engine_saved.ENGINES[mode]
         files, signature = engine_saved.payload(mode, runner)
@@ -295,7 +321,7 @@ def save(path: Any, mode: str, report: dict, runner: Any,
     try:
         exported = program()
     except capture.ExportError as exc:
-        raise ValueError(f"save: {os.fspath(path)}: the {mode} model cannot be saved: {exc} (it runs in this "
+        raise ValueError(f"save: {path}: the {mode} model cannot be saved: {exc} (it runs in this "
                          "process; a saved model is the program torch.export captures)") from None
     meta = {"format": FORMAT_VERSION, "mode": mode, "engine": "torch", "report": report,
             "versions": engine_saved.versions("torch"), "inputs": program_inputs(exported)}
