@@ -268,6 +268,19 @@ def test_a_flag_that_is_not_a_bool_is_one_line_and_the_model_is_untouched(kwargs
     assert optimize(model, inplace=0, conv_bn_folding=True, **EAGER) is not model   # 0/1 are bools
 
 
+@pytest.mark.parametrize("kwargs, line", [
+    (dict(time_budget="abc"), "optimize: time_budget must be a number, not 'abc' (str)"),
+    (dict(time_budget=float("nan")), "optimize: time_budget must be a finite number, got nan"),
+    (dict(cache="no"), "optimize: cache must be True or False, not 'no'"),
+])
+def test_an_engine_option_of_the_wrong_kind_is_one_line(kwargs: dict, line: str) -> None:
+    """``time_budget="abc"`` raised float()'s own "could not convert string to float: 'abc'" (naming no
+    option); ``cache="no"`` (a true string) used the cache."""
+    with pytest.raises((TypeError, ValueError)) as error:
+        optimize(nn.Linear(2, 2).eval(), sample_input=torch.randn(1, 2), backend="eager", progress=False, **kwargs)
+    assert str(error.value) == line
+
+
 def test_channels_last_layout_keeps_values(image: torch.Tensor) -> None:
     model = randomize_bn(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1))).eval()
     optimized = optimize(model, **EAGER)

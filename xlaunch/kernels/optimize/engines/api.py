@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import time
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
+from xlaunch._errors import flag, real_number
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -190,9 +192,13 @@ def optimize_with_engines(torch_optimize: Callable[..., Any], model: nn.Module, 
     single = None if label == "auto" or label.startswith("auto:") else label
     if not isinstance(model, nn.Module) or isinstance(model, torch.jit.ScriptModule):
         return torch_optimize(model, optimizer, dtype, level, inplace, sample_input=sample_input, **flags)
-    budget = DEFAULT_TIME_BUDGET_S if time_budget is None else float(time_budget)
+    if time_budget is None or (isinstance(time_budget, float) and time_budget == math.inf):   # inf: no limit
+        budget = DEFAULT_TIME_BUDGET_S if time_budget is None else math.inf
+    else:
+        budget = real_number(time_budget, "optimize: time_budget")
     if not budget > 0:
         raise ValueError(f"optimize: time_budget must be > 0 seconds, not {time_budget!r}")
+    cache = flag(cache, "optimize: cache")
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     grad_inputs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
     if isinstance(optimizer, torch.dtype) and dtype is None:   # ipex's order: optimize(model, dtype)
