@@ -288,3 +288,37 @@ def test_a_rank_that_crashed_as_another_failed_is_not_said_to_be_stopped() -> No
     front.fill_statuses()
     assert [r.stopped_by for r in ranks] == ["", "", "stopped after rank 0 failed"]
     assert front.first_failure is ranks[0]
+
+
+def test_a_restarted_ranks_first_line_is_not_glued_to_the_last_attempts_unfinished_one() -> None:
+    """Attempt 1 of rank 0 wrote 'progress 50%' without a newline and failed; attempt 2 writes 'fresh'. The
+    console said '[0] progress 50%fresh' (one pipe per rank across restarts); the log too."""
+    import io
+
+    from xlaunch.launcher.distributed.front import FrontSupervisor
+    from xlaunch.launcher.plan.planner import Instance, Plan
+    from xlaunch.launcher.run.child import Child, RankProcess
+    from xlaunch.launcher.run.console import Console, InstanceStream
+
+    plan = Plan((Instance(0, (0,), (0,), {}, ("true",)),))
+    console, log = io.BytesIO(), io.BytesIO()
+    front = FrontSupervisor(plan, ["true"], {}, log_dir=None, log_file_prefix="x", grace_period=1, quiet=True,
+                            summary_json=None, torchrun=[], channels_var="X")
+    front.console = Console(console)
+    front.channels = Channels(1)
+    try:
+        rank = Child(plan.instances[0], InstanceStream(0, front.console, log))
+        rank.fd, rank.proc, rank.started = front.channels.outputs[0], RankProcess(4000001, 4000001), 1.0
+        front.children = [rank]
+        writer = os.open(os.path.join(front.channels.path, "out_0"), os.O_WRONLY)
+        try:
+            os.write(writer, b"starting\nprogress 50%")
+            front.rank_ended(rank, (os.CLD_EXITED, 3))           # what it wrote is read now, its line completed
+            os.write(writer, b"fresh\n")                          # the next attempt
+            front.drain(rank)
+        finally:
+            os.close(writer)
+        assert console.getvalue() == b"[0] starting\n[0] progress 50%\n[0] fresh\n"
+        assert log.getvalue() == b"starting\nprogress 50%\nfresh\n"
+    finally:
+        front.channels.close()

@@ -167,7 +167,7 @@ class FrontSupervisor(Supervisor):
         index = child.instance.index
         attempt = self.attempts[index] = self.attempts.get(index, 0) + 1
         if child.proc is not None and child.ended is None:
-            self.rank_ended(child, None)            # the agent replaced it without us seeing the end
+            self.rank_ended(child, None, last_output=False)   # the agent replaced it without us seeing the end
         self._status_from_agent(child)
         if child.proc is not None:                  # the summary's rows are the last attempt's: keep this one
             self.earlier.append({"attempt": attempt - 1, "rank": index, "exit_code": child.status,
@@ -207,8 +207,14 @@ class FrontSupervisor(Supervisor):
         if child.proc is process and child.ended is None:
             self.rank_ended(child, zombie_status(child.pid))
 
-    def rank_ended(self, child: Child, how: Optional[tuple[int, int]]) -> None:
+    def rank_ended(self, child: Child, how: Optional[tuple[int, int]], *, last_output: bool = True) -> None:
+        """``child``'s process ended (``how``: from its zombie, else None). ``last_output``: what it wrote is all
+        in its pipe now; read it, and complete its unfinished last line, so that a restarted rank's first line
+        starts a line of its own (it was glued to the earlier attempt's last words)."""
         child.ended = time.monotonic()
+        if last_output and child.fd is not None:
+            self.drain(child)
+            child.stream.finish_line()
         if how is not None:
             child.status, child.text = status_code(*how), status_text(*how)
         else:

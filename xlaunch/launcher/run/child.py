@@ -262,15 +262,19 @@ class OutputSteps:
     def drain_and_close_pipes(self) -> None:
         """Groups are gone; read what is left in the pipes without waiting, then close them."""
         for child in self.groups():
-            while child.fd is not None:
-                ready = selectors.DefaultSelector()
-                ready.register(child.fd, selectors.EVENT_READ)
-                readable = ready.select(0)
-                ready.close()
-                if not readable:
-                    self.close_pipe(child)
-                    break
-                self.read(child)
+            self.drain(child)
+            self.close_pipe(child)
+
+    def drain(self, child: Child) -> None:
+        """Read what ``child``'s pipe holds now, without waiting."""
+        while child.fd is not None:
+            ready = selectors.DefaultSelector()
+            ready.register(child.fd, selectors.EVENT_READ)
+            readable = ready.select(0)
+            ready.close()
+            if not readable:
+                return
+            self.read(child)
 
     def pipes(self) -> list[Child]:
         return [c for c in self.children if c.fd is not None]

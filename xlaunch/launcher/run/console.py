@@ -179,6 +179,8 @@ class InstanceStream:
         self._log = log
         self._max_line = max_line
         self._pending = b""
+        self._log_tail = b"\n"                 # the last byte written to the log
+        self._log_break = False                # the next bytes begin a new writer's output: a newline first
         self.bytes_seen = 0
         self.last_output = time.monotonic()
 
@@ -189,8 +191,12 @@ class InstanceStream:
         self.bytes_seen += len(chunk)
         self.last_output = time.monotonic()
         if self._log is not None:
+            if self._log_break:
+                self._log.write(b"\n")
+                self._log_break = False
             self._log.write(chunk)
             self._log.flush()
+            self._log_tail = chunk[-1:]
         data = self._pending + chunk if self._pending else chunk
         end = data.rfind(b"\n")
         if end < 0:
@@ -202,8 +208,17 @@ class InstanceStream:
             self._emit(self._pending[: self._max_line])
             self._pending = self._pending[self._max_line:]
 
+    def finish_line(self) -> None:
+        """The writer ended, the stream goes on (a rank the agent restarts): its unfinished last line goes
+        out completed with a newline on the console, and in the log before the next writer's bytes."""
+        if self._pending:
+            self._emit(self._pending)
+            self._pending = b""
+        self._log_break = self._log_tail != b"\n"
+
     def close(self) -> None:
-        """End of stream: the partial last line (if any) goes out completed with a newline."""
+        """End of stream: the partial last line (if any) goes out completed with a newline (the log keeps
+        the bytes as written)."""
         if self._pending:
             self._emit(self._pending)
             self._pending = b""
