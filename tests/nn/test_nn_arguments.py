@@ -100,6 +100,8 @@ def test_roi_align_arguments_are_refused_by_the_module_and_the_function(kwargs, 
 def test_interaction_names_a_feature_that_is_not_a_tensor():
     with pytest.raises(TypeError, match="^interaction: feature 0 must be a .batch, dim. tensor, not list$"):
         interaction([1.0, 2.0], torch.ones(2, 2))
+    with pytest.raises(TypeError, match="^interaction: feature 1 must be a .batch, dim. tensor, not int$"):
+        interaction(torch.ones(2, 2), 5)              # (a ValueError about its shape before)
 
 
 @pytest.mark.parametrize("grad", [False, True])

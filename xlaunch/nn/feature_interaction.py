@@ -95,10 +95,10 @@ def interaction(*features: Tensor) -> Tensor:
     if not features:
         raise ValueError("interaction needs at least the dense feature")
     first = features[0]
-    if not isinstance(first, Tensor):
-        raise TypeError(f"interaction: feature 0 must be a (batch, dim) tensor, not {type(first).__name__}")
     for number, feature in enumerate(features):
-        if not isinstance(feature, Tensor) or feature.dim() != 2 or feature.shape != first.shape:
+        if not isinstance(feature, Tensor):
+            raise TypeError(f"interaction: feature {number} must be a (batch, dim) tensor, not {type(feature).__name__}")
+        if feature.dim() != 2 or feature.shape != first.shape:
             raise ValueError(f"interaction: feature {number} must be a (batch, dim) tensor shaped like the dense "
                              f"feature {tuple(first.shape)}")
         if not feature.dtype.is_floating_point:
