@@ -117,3 +117,11 @@ def test_calibration_inputs_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch
                      "not read (pass fewer batches, or a DataLoader over a subset, to choose them)"]
     big = Counted(2, rows=1000)   # one batch over the cap alone: still used
     assert len(inputs.calibration_batches(big, (torch.randn(4, 16),))[0]) == 1
+
+
+def test_an_empty_batch_or_example_is_named_empty() -> None:
+    """It said "must be a tensor or a non-empty tuple of inputs, not tuple" of an empty tuple."""
+    with pytest.raises(TypeError, match=r"each calibration item must be .* non-empty tuple of inputs, not an empty tuple$"):
+        quantize(Scaled().eval(), torch.randn(4, 16), calibration=[()], mode="weight_only", progress=False)
+    with pytest.raises(TypeError, match=r"example_inputs must be .*, not an empty list$"):
+        quantize(Scaled().eval(), [], mode="weight_only", progress=False)

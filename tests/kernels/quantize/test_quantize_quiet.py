@@ -85,3 +85,27 @@ def test_other_threads_output_survives_an_engine_quantization() -> None:
     assert "ERROR onnxruntime.quantization quantizer error kept" in err       # an error is given out
     assert "quantizer stdout" not in proc.stdout and "library helper thread" not in proc.stdout
     assert "pre-processing" not in err   # ONNX Runtime's advice (root-logger WARNINGs) stays hidden
+
+
+NO_STDOUT = r'''
+import sys, threading
+from xlaunch.kernels.quantize import capture
+sys.stdout = None                          # no console (pythonw, a daemon): print() writes nothing
+done = []
+def user() -> None:
+    print("from the user's thread")
+    done.append(True)
+with capture.quiet_libraries():
+    print("held")
+    thread = threading.Thread(target=user)
+    thread.start()
+    thread.join()
+assert done == [True] and sys.stdout is None, (done, sys.stdout)
+'''
+
+
+def test_no_stdout_stays_no_stdout() -> None:
+    """With ``sys.stdout`` None, the holding wrapped it: the user's thread's print() raised
+    AttributeError ('NoneType' object has no attribute 'write') while an engine quantized."""
+    proc = subprocess.run([sys.executable, "-c", NO_STDOUT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]

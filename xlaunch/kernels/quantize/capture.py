@@ -119,8 +119,9 @@ def held_back(handlers: Optional[list[logging.Handler]] = None) -> Iterator[list
     with _lock:
         if _users == 0:
             for name in ("stdout", "stderr"):
-                _originals[name] = getattr(sys, name)
-                setattr(sys, name, _Stream(_originals[name], name))
+                if getattr(sys, name) is not None:   # None (no console): print() writes nothing, as before
+                    _originals[name] = getattr(sys, name)
+                    setattr(sys, name, _Stream(_originals[name], name))
         _users += 1
         _held[ident] = held = []
     for handler, record_filter in zip(handlers, filters):
@@ -135,8 +136,9 @@ def held_back(handlers: Optional[list[logging.Handler]] = None) -> Iterator[list
             _users -= 1
             if _users == 0:
                 for name in ("stdout", "stderr"):   # unless someone replaced it meanwhile
+                    original = _originals.pop(name, None)
                     if isinstance(getattr(sys, name), _Stream):
-                        setattr(sys, name, _originals.pop(name))
+                        setattr(sys, name, original)
 
 
 def give_out(held: list[Any], min_level: int = logging.NOTSET) -> None:
@@ -144,8 +146,9 @@ def give_out(held: list[Any], min_level: int = logging.NOTSET) -> None:
     or above (only the records, when ``min_level`` is set)."""
     for first, second in held:
         if isinstance(first, str):
-            if min_level == logging.NOTSET:
-                getattr(sys, first).write(second)
+            stream = getattr(sys, first)
+            if min_level == logging.NOTSET and stream is not None:
+                stream.write(second)
         elif second.levelno >= min_level:
             first.handle(second)
 

@@ -35,7 +35,8 @@ def as_args(inputs: Any, what: str) -> tuple:
         return (inputs,)
     if isinstance(inputs, (tuple, list)) and inputs:
         return tuple(inputs)
-    raise TypeError(f"quantize: {what} must be a tensor or a non-empty tuple of inputs, not {type(inputs).__name__}")
+    kind = f"an empty {type(inputs).__name__}" if isinstance(inputs, (tuple, list)) else type(inputs).__name__
+    raise TypeError(f"quantize: {what} must be a tensor or a non-empty tuple of inputs, not {kind}")
 
 
 def plain(batch: tuple) -> tuple:
