@@ -62,3 +62,18 @@ def test_bf16_split_tables_take_the_gradient_from_the_bf16_weights_the_forward_r
     torch.autograd.backward(merged(indices, offsets, psw), [u.bfloat16() for u in upstream])
     want = _expected(tables, indices, offsets, weights, [u.bfloat16().float() for u in upstream])
     torch.testing.assert_close(psw[0].grad.double(), want, rtol=0.01, atol=0.05)
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["eager", "registered-op"])
+@pytest.mark.parametrize("cls", CLASSES[1:], ids=lambda c: c.__name__)
+def test_a_frozen_fused_weight_is_not_updated_when_only_the_weights_train(kernels, cls, recorded, monkeypatch):
+    tables, indices, offsets, weights, upstream = _case()
+    merged = cls.from_embeddingbag_list(tables)
+    merged.weight.requires_grad_(False)
+    before = merged.weight.detach().clone()
+    psw = [weights[0].clone().requires_grad_(), None, None]
+    if recorded:
+        monkeypatch.setattr(bag_ops, "_recorded", lambda: True)
+    torch.autograd.backward(merged(indices, offsets, psw), upstream)
+    torch.testing.assert_close(psw[0].grad.double(), _expected(tables, indices, offsets, weights, upstream))
+    assert torch.equal(merged.weight, before)

@@ -225,8 +225,9 @@ def _backward_fused(ctx, grads):
     if any(ctx.psw_wanted):
         psw_grad = _psw_grads(weight, list(grads), layout_of(tuple(rows), tuple(dims), tuple(modes)),
                               _inputs(indices, offsets, psw, batch), ctx.dense_dim, ctx.psw_wanted)
-    merged_bag_update(weight, trail, state, ctx.dense_dim, list(grads), list(indices), list(offsets), list(psw),
-                      rows, dims, modes, batch, *ctx.hyper)
+    if ctx.needs_input_grad[0]:     # a frozen weight (requires_grad=False) is not updated
+        merged_bag_update(weight, trail, state, ctx.dense_dim, list(grads), list(indices), list(offsets), list(psw),
+                          rows, dims, modes, batch, *ctx.hyper)
     dense_grad = None
     if ctx.dense_dim >= 0 and ctx.needs_input_grad[3]:
         dense_grad = grads[0][:, :ctx.dense_dim].to(ctx.dense_dtype)
@@ -412,9 +413,10 @@ class _EagerFused(torch.autograd.Function):
         weight, trail, state = ctx.targets
         wanted = list(ctx.needs_input_grad[6:])
         psw_grad = _psw_grads(weight, list(grads), layout, inputs, ctx.dense_dim, wanted) if any(wanted) else []
-        table_grads = _table_grads(list(grads), layout, inputs.batch, weight.dtype, cat)
-        update_rows(ctx.hyper[0], layout, inputs, table_grads, weight.detach(), trail, state, *ctx.hyper[1:],
-                    dense_dim=ctx.dense_dim if cat else None, aux=ctx.aux or None)
+        if ctx.needs_input_grad[0]:     # a frozen weight (requires_grad=False) is not updated
+            table_grads = _table_grads(list(grads), layout, inputs.batch, weight.dtype, cat)
+            update_rows(ctx.hyper[0], layout, inputs, table_grads, weight.detach(), trail, state, *ctx.hyper[1:],
+                        dense_dim=ctx.dense_dim if cat else None, aux=ctx.aux or None)
         dense_grad = None
         if cat and ctx.needs_input_grad[1]:
             dense_grad = grads[0][:, :ctx.dense_dim].to(ctx.dense_dtype)
