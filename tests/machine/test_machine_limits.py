@@ -61,6 +61,24 @@ def test_v1_namespaced_path_falls_back_to_the_mount_root(tmp_path):
     assert budget(tmp_path) == 2.0
 
 
+def test_a_path_outside_the_cgroup_namespace_reads_no_quota(tmp_path):
+    """'/../other' dropped the '..' and read other/cpu.max and the namespace root's, neither on its path."""
+    write(tmp_path, "proc/self/cgroup", "0::/../other\n")
+    write(tmp_path, "sys/fs/cgroup/cpu.max", "200000 100000\n")
+    write(tmp_path, "sys/fs/cgroup/other/cpu.max", "50000 100000\n")
+    notes = Notes()
+    assert read_cpu_budget(str(tmp_path), notes) is None
+    assert notes.as_tuple() == ("proc/self/cgroup: '/../other' is outside this cgroup namespace; its CPU quota "
+                                "is unknown",)
+
+
+def test_cgroup_names_with_spaces(tmp_path):
+    write(tmp_path, "proc/self/cgroup", "0::/system.slice/my job .scope\n")
+    write(tmp_path, "sys/fs/cgroup/system.slice/my job .scope/cpu.max", "150000 100000\n")
+    write(tmp_path, "sys/fs/cgroup/system.slice/cpu.max", "max 100000\n")
+    assert budget(tmp_path) == 1.5
+
+
 @pytest.mark.parametrize("text", ["", "garbage", "100000", "-1 100000", "100 0"])
 def test_odd_cpu_max_is_ignored(tmp_path, text):
     write(tmp_path, "proc/self/cgroup", "0::/\n")

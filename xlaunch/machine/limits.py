@@ -118,8 +118,15 @@ def read_cpu_budget(root: str, notes: Notes) -> Optional[float]:
 
 
 def _walk(root: str, path: str, mounts: tuple[str, ...], quota, notes: Notes) -> list[float]:
-    """Quotas of ``path`` and each ancestor, under each candidate mount directory."""
-    parts = [p for p in path.strip().split("/") if p and p != ".."]
+    """Quotas of ``path`` and each ancestor, under each candidate mount directory.
+
+    A path with ``..`` (``/../other``: a cgroup outside this process's cgroup namespace) has no
+    directory under the mount on its way to the root: none is read (a note), rather than the
+    namespace root's or a look-alike's quota."""
+    if ".." in path.split("/"):
+        notes.add(f"proc/self/cgroup: {shown(path)} is outside this cgroup namespace; its CPU quota is unknown")
+        return []
+    parts = [p for p in path.split("/") if p]
     found: list[float] = []
     for mount in mounts:
         base = join(root, CGROUP_MOUNT if not mount else f"{CGROUP_MOUNT}/{mount}")
