@@ -125,3 +125,29 @@ def test_an_empty_batch_or_example_is_named_empty() -> None:
         quantize(Scaled().eval(), torch.randn(4, 16), calibration=[()], mode="weight_only", progress=False)
     with pytest.raises(TypeError, match=r"example_inputs must be .*, not an empty list$"):
         quantize(Scaled().eval(), [], mode="weight_only", progress=False)
+
+
+class Picky(nn.Module):
+    """Refuses a batch of 3 rows (the model's own error, as a shape mismatch deep inside would be)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 3:
+            raise RuntimeError("batch of 3 refused")
+        return self.linear(x)
+
+
+def test_a_model_that_fails_on_its_inputs_is_one_error_naming_them() -> None:
+    """It was the model's own exception from inside quantize (``RuntimeError: both arguments to
+    linear need to be at least 1D``), naming neither argument; now one ValueError naming the inputs,
+    with the model's error chained, before anything is built."""
+    with pytest.raises(ValueError, match=r"^quantize: Picky fails on calibration batch 1 \(float32\[N,16\]\): "
+                                         r"RuntimeError: batch of 3 refused$") as raised:
+        quantize(Picky(), torch.randn(4, 16), calibration=[torch.randn(4, 16), torch.randn(3, 16)],
+                 mode="weight_only", progress=False)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    with pytest.raises(ValueError, match=r"^quantize: Picky fails on example_inputs \(float32\[N,16\]\): "):
+        quantize(Picky(), torch.randn(3, 16), mode="weight_only", progress=False)

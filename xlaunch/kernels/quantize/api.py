@@ -176,8 +176,7 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
                                 reduce_range=traits.reduce_range, warnings=list(notes or []))
         fp32 = copy.deepcopy(model).eval()
         has_linear, has_conv = _layers(fp32)
-        with torch.no_grad():
-            reference = [fp32(*batch) for batch in checks]
+        reference = [_reference(fp32, batch, index, batch is example, model) for index, batch in enumerate(checks)]
         step.done(f"int8 dot products: {traits.int8_dot or 'none'}"
                   + ("; 7-bit operands" if traits.reduce_range else ""))
     for note in notes or []:
@@ -268,6 +267,18 @@ def _quantize(model: nn.Module, example: tuple, batches: Optional[list[tuple]], 
     source = routes.Bf16Program(fp32) if float_mode == "bf16" else fp32
     return QuantizedModule(_no_grad(runner), lambda: routes.export(source, example), float_mode, report,
                            keep=runner if isinstance(runner, nn.Module) else None)
+
+
+def _reference(fp32: nn.Module, batch: tuple, index: int, is_example: bool, model: nn.Module) -> Any:
+    """The fp32 model's outputs on ``batch``; a model that fails on it is one ValueError naming the
+    inputs (the model's own error chained), before anything is built."""
+    try:
+        with torch.no_grad():
+            return fp32(*batch)
+    except Exception as exc:
+        what = "example_inputs" if is_example else f"calibration batch {index}"
+        raise ValueError(f"quantize: {type(model).__name__} fails on {what} "
+                         f"({', '.join(map(inputs.signature, batch))}): {_failure(exc)}") from exc
 
 
 def _same(a: tuple, b: tuple) -> bool:
