@@ -193,3 +193,26 @@ def test_a_checkpoint_of_no_causal_lm_says_what_it_holds(tmp_path, architecture,
                                       num_attention_heads=2, num_key_value_heads=2, num_labels=3)
     getattr(transformers, architecture)(config).save_pretrained(tmp_path / "other")
     _one_line_error(tmp_path / "other", f"holds a {architecture} \\(its config.json's architectures\\), not a causal LM")
+
+
+def test_tensors_the_config_does_not_read_are_named_in_one_warning(saved, tmp_path):
+    """A config of fewer layers than stored loaded the first layers in silence (transformers lists the rest as
+    UNEXPECTED); the rotary inv_freq old conversions store is skipped without a word, as transformers skips it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(saved["llama"], tmp_path / "fewer")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    reference = llm.optimize(transformers.AutoModelForCausalLM.from_pretrained(folder), dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = llm.from_pretrained(folder, dtype=torch.float32)
+    said = [w for w in caught if "does not read" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
+    assert "stores 9 tensor(s)" in str(said[0].message) and "model.layers.1.input_layernorm.weight" in str(said[0].message)
+    assert "inv_freq" not in str(said[0].message)
+    ids = _ids()
+    assert torch.equal(ours(ids).logits, reference(ids).logits)

@@ -258,6 +258,14 @@ def _check_tensors(checkpoint: Checkpoint, model: Any, spec: Any, config: Any) -
         if checkpoint.shape(name) != shape:
             raise ValueError(f"xlaunch.llm.from_pretrained: {name} in {path} is {checkpoint.shape(name)}, "
                              f"not the {shape} of its config.json{hint}")
+    # stored, not read (a config of fewer layers than stored, biases the config turns off): transformers lists them
+    # (UNEXPECTED in its load report) and so do we, but for the buffers it skips too
+    unread = sorted(name for name in checkpoint.weight_map
+                    if name not in expected and not name.endswith(("rotary_emb.inv_freq", "position_ids")))
+    if unread:
+        warnings.warn(f"xlaunch.llm.from_pretrained: {path} stores {len(unread)} tensor(s) the model of its config.json "
+                      f"does not read, not loaded (as transformers does): {', '.join(unread[:3])}"
+                      f"{', ...' if len(unread) > 3 else ''}", UserWarning, stacklevel=5)
     # tied, but both stored with different values: transformers does not tie them (a warning), and neither do we
     tied = spec.tied_embeddings and (head != "lm_head.weight" or "model.embed_tokens.weight" not in checkpoint
                                      or _same_values(checkpoint, head, "model.embed_tokens.weight"))
