@@ -104,3 +104,12 @@ def test_bad_input_is_one_line_naming_the_problem():
         norm(torch.ones(1, 3, 2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="got 3-D"):
         norm(torch.ones(3, 2, 2))
+
+
+def test_from_batch_norm_refuses_a_norm_without_running_statistics():
+    # It froze mean 0 / variance 1 in their place: outputs 23 off the norm's own on shifted data.
+    with pytest.raises(ValueError, match="no running statistics"):
+        FrozenBatchNorm2d.from_batch_norm(nn.BatchNorm2d(3, track_running_stats=False))
+    plain = nn.BatchNorm2d(3, affine=False).eval()                 # no affine: the frozen weight 1, bias 0
+    x = torch.randn(2, 3, 4, 4) * 5 + 3
+    torch.testing.assert_close(FrozenBatchNorm2d.from_batch_norm(plain)(x), plain(x))

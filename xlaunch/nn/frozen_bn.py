@@ -37,15 +37,18 @@ class FrozenBatchNorm2d(nn.Module):
 
     @classmethod
     def from_batch_norm(cls, norm: nn.modules.batchnorm._BatchNorm) -> "FrozenBatchNorm2d":
-        """A frozen copy of a ``BatchNorm2d``'s statistics and affine parameters."""
+        """A frozen copy of a ``BatchNorm2d``'s statistics and affine parameters (``ValueError`` for
+        one without running statistics: it normalizes by each batch's, which nothing here can freeze)."""
+        if norm.running_mean is None or norm.running_var is None:
+            raise ValueError("FrozenBatchNorm2d.from_batch_norm: the norm has no running statistics "
+                             "(track_running_stats=False): it normalizes by each batch's own")
         frozen = cls(norm.num_features, norm.eps)
         with torch.no_grad():
             if norm.affine:
                 frozen.weight.copy_(norm.weight)
                 frozen.bias.copy_(norm.bias)
-            if norm.track_running_stats:
-                frozen.running_mean.copy_(norm.running_mean)
-                frozen.running_var.copy_(norm.running_var)
+            frozen.running_mean.copy_(norm.running_mean)
+            frozen.running_var.copy_(norm.running_var)
         return frozen
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
