@@ -174,7 +174,10 @@ def test_an_edited_generation_config_in_the_source_rebuilds_the_file(packed, tmp
 
 def test_a_hub_name_is_one_line_saying_it_is_not_downloaded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    _refused("meta-llama/Llama-3.2-1B", "No such file or directory\\); a Hugging Face Hub name is not downloaded")
+    hub = "No such file or directory\\); a Hugging Face Hub name is not downloaded: xlaunch.llm reads local files only$"
+    _refused("meta-llama/Llama-3.2-1B", hub)
+    with pytest.raises(PackedFileError, match=hub):
+        llm.load_decoder("meta-llama/Llama-3.2-1B")
     _refused(tmp_path / "missing", "No such file or directory\\)$")
 
 

@@ -195,7 +195,7 @@ def _read_manifest(path: Any) -> tuple[dict, int, int]:
     except OSError as exc:
         hub = not os.path.isabs(path) and str(path).count("/") == 1 and isinstance(exc, FileNotFoundError)
         raise _fail(path, f"cannot open the packed file ({exc.strerror})" + (
-            "; a Hugging Face Hub name is not downloaded: give the checkpoint's local folder" if hub else "")) from None
+            "; a Hugging Face Hub name is not downloaded: xlaunch.llm reads local files only" if hub else "")) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
