@@ -1,6 +1,6 @@
 """The forward of a split-bf16 (or bf16 inference) model follows its parameters' dtype: bf16 autocast
 while one is bf16/fp16, the plain precision once none is. It scanned every parameter on each forward
-(30% of a plain forward of 500 small Linear layers once widened); it now tests one number and keeps
+(the whole module tree once widened); it now tests one number and keeps
 following every way the dtype changes."""
 from __future__ import annotations
 
