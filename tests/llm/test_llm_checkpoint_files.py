@@ -216,3 +216,23 @@ def test_tensors_the_config_does_not_read_are_named_in_one_warning(saved, tmp_pa
     assert "inv_freq" not in str(said[0].message)
     ids = _ids()
     assert torch.equal(ours(ids).logits, reference(ids).logits)
+
+
+def test_a_byte_order_mark_or_a_generation_config_that_is_no_json_is_said(saved, tmp_path, nothing_packed):
+    """transformers reads neither a config.json behind a UTF-8 byte-order mark (Windows editors write one: "not a
+    valid JSON file") nor such a generation_config.json, which it skips without a word, and so did the loader."""
+    import codecs
+
+    folder = _copy(saved["llama"], tmp_path / "bom")
+    config = (folder / "config.json").read_bytes()
+    (folder / "config.json").write_bytes(codecs.BOM_UTF8 + config)
+    _one_line_error(folder, "config.json begins with a UTF-8 byte-order mark, which transformers does not read")
+    (folder / "config.json").write_bytes(config)
+    settings = json.loads((folder / "generation_config.json").read_text())
+    for text, problem in ((codecs.BOM_UTF8 + json.dumps(dict(settings, eos_token_id=7)).encode(), "begins with a UTF-8"),
+                          (b"{not json", "is not JSON \\(JSONDecodeError")):
+        (folder / "generation_config.json").write_bytes(text)
+        with pytest.raises(UserWarning, match=f"generation_config.json {problem}.*: skipped, as transformers skips it"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                llm.from_pretrained(folder, dtype=torch.float32)

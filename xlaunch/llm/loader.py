@@ -10,6 +10,7 @@ A path that is a packed file (:func:`xlaunch.llm.save_packed`) is mapped instead
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -185,11 +186,9 @@ def _config(path: Path) -> Any:
     import transformers
 
     file = path / "config.json"
-    data = _bounded(file)
-    try:
-        loaded = json.loads(data)
-    except (ValueError, RecursionError) as error:
-        raise ValueError(f"xlaunch.llm.from_pretrained: {file} is not JSON ({quoted(error)})") from None
+    loaded, problem = _json(_bounded(file))
+    if problem is not None:
+        raise ValueError(f"xlaunch.llm.from_pretrained: {file} {problem}")
     if not isinstance(loaded, dict):    # transformers said "Unrecognized model" or "'int' is not iterable"
         what = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(loaded), "a number")
         raise ValueError(f"xlaunch.llm.from_pretrained: {file} holds {what}, not a JSON object")
@@ -200,19 +199,34 @@ def _config(path: Path) -> Any:
                          f"can use ({quoted(error)})") from None
 
 
+def _json(data: bytes) -> tuple[Any, Optional[str]]:
+    """(the JSON value of a config file, None), or (None, what keeps transformers from reading it)."""
+    if data.startswith(codecs.BOM_UTF8):      # Windows editors write one; transformers: "not a valid JSON file"
+        return None, "begins with a UTF-8 byte-order mark, which transformers does not read (save it without one)"
+    try:
+        return json.loads(data), None
+    except (ValueError, RecursionError) as error:
+        return None, f"is not JSON ({quoted(error)})"
+
+
 def _generation_config(path: Path) -> Any:
-    """The folder's generation config, or None (none there, or not JSON: transformers' own load goes on without
-    it too); one it refuses (``max_new_tokens: -1``...) is one ValueError line naming the file, and so is one that
-    is not a regular file (a FIFO, a directory, a dangling link: transformers' load skipped them silently)."""
+    """The folder's generation config, or None (none there; not JSON: skipped, as transformers' own load does,
+    with a warning naming it where transformers says nothing); one it refuses (``max_new_tokens: -1``...) is one
+    ValueError line naming the file, and so is one that is not a regular file (a FIFO, a directory, a dangling
+    link: transformers' load skipped them silently)."""
     import transformers
 
     file = path / "generation_config.json"
     if not os.path.lexists(file):
         return None
-    _bounded(file)
+    _, problem = _json(_bounded(file))
     try:
+        if problem is not None:
+            raise OSError(problem)
         return transformers.GenerationConfig.from_pretrained(str(path))
-    except OSError:
+    except OSError as error:
+        warnings.warn(f"xlaunch.llm.from_pretrained: {file} {problem or quoted(error)}: skipped, as transformers "
+                      "skips it (generate uses what config.json gives)", UserWarning, stacklevel=4)
         return None
     except Exception as error:      # noqa: BLE001 - the user's file, read by another library
         raise ValueError(f"xlaunch.llm.from_pretrained: {file} is not a generation config "
