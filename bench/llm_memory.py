@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -117,6 +118,11 @@ def hold(packed: Path, copies: int, args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"a copy exited ({proc.wait()}): {proc.stderr.read()[-500:]}")
             imported.append(line[1] == "True")
         each = [parse_rollup(Path(f"/proc/{proc.pid}/smaps_rollup").read_text()) for proc in procs]
+    except BaseException:        # Ctrl-C, the bench's SIGTERM, a failed copy: a copy still loading never reads
+        for proc in procs:       # its stdin's end, so it would load and decode on, orphaned
+            if proc.poll() is None:
+                proc.kill()
+        raise
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -162,6 +168,10 @@ def hold_forked(packed: Path, copies: int, args: argparse.Namespace, script: Pat
             else:
                 raise RuntimeError(f"a forked copy (pid {proc.pid}) ended before it was ready")
         each = [parse_rollup(Path(f"/proc/{proc.pid}/smaps_rollup").read_text()) for proc in procs]
+    except BaseException:        # as in hold: the copies still loading are stopped (unreaped: the pids are theirs)
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGKILL)
+        raise
     finally:
         if server is not None:
             server.close(kill=True)

@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bench_modules import BENCH, load, tiny_packed
@@ -329,6 +331,54 @@ def test_the_memory_bench_forks_copies_that_share_the_imports(tmp_path: Path) ->
     assert min(got["anonymous_each_mib"]) > 50                         # torch's own, mapped in each
     assert got["pss_anon_sum_mib"] < 0.75 * sum(got["anonymous_each_mib"]), got
 
+
+
+LOADING_COPY = """
+import os, sys, time
+with open(os.path.join(os.environ["PIDDIR"], str(os.getpid())), "w"):
+    pass
+time.sleep(120)                # loading a big packed file: it reads no stdin until it is ready
+"""
+
+
+@pytest.mark.parametrize("forked", [False, True])
+def test_an_interrupted_memory_bench_stops_the_copies_still_loading(tmp_path: Path, monkeypatch, forked: bool) -> None:
+    """bench/llm_memory.py interrupted while its copies loaded: it closed their stdin and waited up to 60 s for
+    each (forked from --share-imports' server: for as long as they took); the copies loaded and decoded on."""
+    import signal
+
+    memory = load("llm_memory")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setattr(memory, "CHILD", LOADING_COPY)
+    monkeypatch.setenv("PIDDIR", str(pids))
+    script = tmp_path / "copy.py"
+    script.write_text(LOADING_COPY)
+    args = memory.parse_args(["--share-imports", "json"] if forked else [])
+    hold = (lambda: memory.hold_forked(tmp_path / "x.xlp", 2, args, script)) if forked else \
+        (lambda: memory.hold(tmp_path / "x.xlp", 2, args))
+
+    def interrupt(number: int, frame: object) -> None:
+        if len(list(pids.iterdir())) < 2:              # both copies started first
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            return
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    started = time.monotonic()
+    try:
+        hold()
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interruption was swallowed")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < 20
+    for pid in (int(path.name) for path in pids.iterdir()):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
 
 
 def test_the_memory_bench_never_writes_its_json_through_a_symlink(tmp_path: Path, capsys) -> None:
