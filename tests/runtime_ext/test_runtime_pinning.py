@@ -228,3 +228,27 @@ def test_a_one_cpu_pin_keeps_mkl_to_one_thread_after_set_num_threads():
         assert gained <= {threading.get_native_id()}, "a thread besides the pinned one computed"
     finally:
         torch.set_num_threads(before)
+
+
+@needs_two
+@pytest.mark.skipif("XLAUNCH_TEST_OMP_KIND" in os.environ, reason="runs every OpenMP runtime itself")
+def test_pools_in_many_threads_keep_their_pinned_threads(iomp_path, libomp_path):
+    """Under LLVM libomp, a team that shrank (a nested 1-CPU pool, a small torch op) gave its extra
+    thread back to a pool shared by every thread's team: four threads in 2-CPU pools then ran on
+    threads pinned for another pool, or not pinned, in 3 runs of 3. Run under both runtimes with such a
+    shared pool (Intel's and LLVM's), at once; GNU libgomp keeps a pool per thread."""
+    import json
+    import subprocess
+    import sys
+
+    import loader_env
+
+    program = os.path.join(os.path.dirname(__file__), "programs", "pools_in_threads.py")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LD_PRELOAD", "KMP_HOT_TEAMS_MODE")}
+    runs = {kind: subprocess.Popen([sys.executable, program, str(A), str(B)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env={**base, **preload})
+            for kind, preload in (("iomp", loader_env.preload(iomp_path)), ("omp", loader_env.preload(libomp_path)))}
+    for kind, process in runs.items():
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0 and err == "", (kind, err[-2000:])
+        assert json.loads(out)["count"] == 0, (kind, out)

@@ -22,6 +22,7 @@ LLVM_OMP = "omp"
 # basename prefix -> kind; checked in this order ("libgomp" must not be read as "libomp").
 _KINDS = (("libgomp", GOMP), ("libiomp5", IOMP), ("libiomp", IOMP), ("libomp", LLVM_OMP))
 _RTLD_NOLOAD = getattr(os, "RTLD_NOLOAD", 4)
+HOT_TEAMS_MODE_ENV = "KMP_HOT_TEAMS_MODE"
 
 
 class OpenMPNotFoundError(RuntimeError):
@@ -123,6 +124,7 @@ class OpenMPRuntime:
     def __init__(self, mapped: MappedRuntime) -> None:
         self.kind = mapped.kind
         self.path = mapped.path
+        self._kept = False
         try:
             self._lib = ctypes.CDLL(mapped.path, mode=_RTLD_NOLOAD | os.RTLD_GLOBAL)
         except OSError as error:
@@ -161,6 +163,25 @@ class OpenMPRuntime:
 
     def get_dynamic(self) -> bool:
         return bool(self._lib.omp_get_dynamic())
+
+    def keep_team_threads(self) -> None:
+        """Intel and LLVM runtimes: a team that shrinks keeps its threads (``KMP_HOT_TEAMS_MODE=1``,
+        set once through ``kmp_set_defaults`` unless the environment sets it).
+
+        By default they hand the extra threads back to a pool shared by every thread's team: after a
+        small torch op (a smaller team) or a nested 1-CPU pool, another Python thread's team could
+        take a thread pinned to our CPU, and ours a thread pinned elsewhere or not at all. libgomp
+        keeps a pool per thread; nothing to do there.
+        """
+        if self._kept or self.kind == GOMP or HOT_TEAMS_MODE_ENV in os.environ:
+            return
+        self._kept = True
+        try:
+            set_defaults = self._lib.kmp_set_defaults
+        except AttributeError:
+            return
+        set_defaults.argtypes, set_defaults.restype = [ctypes.c_char_p], None
+        set_defaults(f"{HOT_TEAMS_MODE_ENV}=1".encode())
 
     def place_cpus(self) -> tuple[int, ...]:
         """Every CPU named by the runtime's places (``OMP_PLACES``, ``KMP_AFFINITY``), sorted.

@@ -260,6 +260,7 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
     runtime = openmp.loaded_runtime()
     if not runtime.can_run_teams:
         raise openmp.OpenMPNotFoundError(f"{runtime.path} does not export GOMP_parallel: pinning unsupported")
+    runtime.keep_team_threads()  # the pinned threads must stay in this thread's team
     size = len(cpus)
     previous_threads = get_thread_count(runtime)
     previous_mkl = _size_own_team(runtime, size)
