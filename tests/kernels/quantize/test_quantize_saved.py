@@ -337,3 +337,40 @@ def test_a_path_that_is_no_path_and_a_call_the_loaded_program_does_not_serve(tmp
                 loaded(bad)
         with pytest.raises(ValueError, match=r"takes 1 argument\(s\) \(float32\[N,16\]\), got 2"):
             loaded(torch.randn(3, 16), torch.randn(3, 16))
+
+
+class Scaled(nn.Module):
+    """A plain (non-tensor) argument, which torch.export bakes into the program as its value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+def test_a_baked_plain_argument_is_in_the_manifest_and_checked(tmp_path) -> None:
+    """The manifest's ``inputs`` left a baked plain argument out (``[float32[N,16]]`` for
+    ``forward(x, scale)``), so they did not line up with the call; it is recorded as its value now,
+    and a call with another value is one ValueError (the program raised ``AssertionError: Guard
+    failed: scale == 2.0``). A file saved before, without the value, loads and runs unchecked."""
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = quantize(Scaled().eval(), (x, 2.0), mode="weight_only", progress=False)
+    path = tmp_path / "scaled.pt2"
+    quantized.save(str(path))
+    meta = _manifest(path)
+    assert meta["inputs"] == [{"dtype": "float32", "shape": [None, 16]}, {"value": 2.0}]
+    loaded = load_quantized(str(path))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, 2.0), quantized(x, 2.0), rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match=rf"^weight_only model {path}: argument 1 was exported as 2.0, got 3.0$"):
+            loaded(x, 3.0)
+    older = tmp_path / "older.pt2"   # as saved before: the value left out
+    torch.export.save(torch.export.load(str(path)), str(older),
+                      extra_files={saved.META_FILE: json.dumps({**meta, "inputs": meta["inputs"][:1]})})
+    with torch.no_grad():
+        torch.testing.assert_close(load_quantized(str(older))(x, 2.0), quantized(x, 2.0), rtol=1e-5, atol=1e-6)

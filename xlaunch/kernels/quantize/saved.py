@@ -225,14 +225,22 @@ def read(path: Any) -> Opened:
             for logger in loggers:
                 logger.removeFilter(held)
     runner, module = _torch_model(program, mode, meta.get("compile"))
-    return Opened(meta, runner, program, module, _call_check(name, mode, meta))
+    return Opened(meta, runner, program, module, _call_check(name, mode, meta, program))
 
 
-def _call_check(name: str, mode: str, meta: dict) -> Optional[Callable[[tuple], None]]:
+def _call_check(name: str, mode: str, meta: dict,
+                program: torch.export.ExportedProgram) -> Optional[Callable[[tuple], None]]:
     """Each call of a loaded torch program checked against the manifest's ``inputs``, as engine
     models are: a wrong dtype or feature shape was an AssertionError (``Guard failed: ...``) or a
-    RuntimeError from inside the program. None where the manifest's inputs cannot say (a value
-    recorded by its repr)."""
+    RuntimeError from inside the program. None where the manifest's inputs cannot say: a value
+    recorded by its repr, or a file whose list left out a baked plain argument (saved before it
+    was recorded: fewer entries than the program's arguments)."""
+    try:
+        arguments = program.call_spec.in_spec.children()[0].num_children
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if not isinstance(meta.get("inputs"), list) or len(meta["inputs"]) != arguments:
+        return None
     try:
         signature = engine_saved.Signature({"inputs": meta.get("inputs"), "output_count": 1})
     except ValueError:
@@ -331,13 +339,14 @@ def save(path: Any, mode: str, report: dict, runner: Any,
 
 
 def program_inputs(program: torch.export.ExportedProgram) -> list[dict[str, Any]]:
-    """The program's user inputs as the manifest records them (``null``: a dynamic dimension)."""
+    """The program's user inputs as the manifest records them (``null``: a dynamic dimension), in
+    order; a plain argument export baked in (no placeholder: ``user_inputs`` holds its value) as
+    ``{"value": ...}`` (it was left out, so the list no longer lined up with the arguments)."""
     inputs: list[dict[str, Any]] = []
-    users = set(program.graph_signature.user_inputs)
-    for node in program.graph.nodes:
-        if node.op != "placeholder" or node.name not in users:
-            continue
-        value = node.meta.get("val")
+    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    for entry in program.graph_signature.user_inputs:
+        node = placeholders.get(entry) if isinstance(entry, str) else None
+        value = node.meta.get("val") if node is not None else entry
         if isinstance(value, torch.Tensor):
             inputs.append({"dtype": str(value.dtype).removeprefix("torch."),
                            "shape": [n if isinstance(n, int) else None for n in value.shape]})
