@@ -304,3 +304,42 @@ def test_an_instance_writing_its_core_dump_when_another_fails_crashed_on_its_own
     assert done.returncode in (3, 139), done.stderr
     statuses = [i["status"] for i in json.loads(summary.read_text())["instances"]]
     assert statuses[0].startswith("killed by SIGSEGV") and "stopped after" not in statuses[0], statuses
+
+
+# instance 0's main thread ends (pthread_exit: 'Z' in its stat) while another thread runs on; instance 1 fails
+# once it sees that
+MAIN_THREAD_ENDS = """\
+import ctypes, os, threading, time
+threading.Thread(target=time.sleep, args=(30,)).start()
+open("main-thread-ends", "w").write(str(os.getpid()))
+ctypes.CDLL(None).pthread_exit(None)
+"""
+FAILS_ONCE_IT_HAS = """\
+import os, time
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    try:
+        if open("/proc/" + open("main-thread-ends").read() + "/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+    except (OSError, ValueError, IndexError):
+        pass
+    time.sleep(0.005)
+os._exit(5)
+"""
+
+
+@pytest.mark.skipif(INSTANCES < 2, reason="needs 2 allowed CPUs (2 instances)")
+def test_an_instance_whose_main_thread_ended_is_still_running_when_stopped(tmp_path: Path) -> None:
+    """A process whose main thread ended while another runs on shows 'Z' in /proc/PID/stat: xlaunch's fail-fast
+    SIGTERM ends it, so its row says so ('killed by SIGTERM (stopped after instance 1 failed)'; a 'Z' test took
+    it for ended on its own and the row said 'killed by SIGTERM' alone, as if it had been its own doing)."""
+    summary = tmp_path / "summary.json"
+    argv = [sys.executable, "-m", "xlaunch", "-q", "--ninstances", "2", "--bind-with", "none", "--grace-period",
+            "5", "--summary-json", str(summary), "--no-python", "--", sys.executable, "-S", "-c",
+            "import os, sys; exec(sys.argv[1 + int(os.environ['XLAUNCH_INSTANCE_INDEX'])])",
+            MAIN_THREAD_ENDS, FAILS_ONCE_IT_HAS]
+    done = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 5, done.stderr
+    statuses = [i["status"] for i in json.loads(summary.read_text())["instances"]]
+    assert statuses == ["killed by SIGTERM (stopped after instance 1 failed)", "exit 5"], statuses

@@ -135,7 +135,8 @@ def _exiting(pid: int) -> bool:
     core dump (``PF_SIGNALED``, ``PF_DUMPCORE``), ended, or has the SIGKILL pending that ``exit_group`` (or a
     fatal signal) sends the others: the exit status is set and no handler runs again, so a signal sent now
     changes nothing. A process caught between its ``exit`` (or crash) and its zombie, which a ``Z`` test alone
-    takes for running (a core dump of 300 MiB: a second and more)."""
+    takes for running (a core dump of 300 MiB: a second and more); and one whose main thread ended
+    (``pthread_exit``: ``Z`` in its ``stat``) while another runs on, which a ``Z`` test takes for ended."""
     try:
         threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -161,14 +162,12 @@ def ended_child(pid: int) -> bool:
     """``pid`` is a child of this process that has ended, or is ending, and is not reaped yet: a signal sent
     now does not change how it ended (a rank, the child of torch's agent, is never one: see :func:`has_ended`)."""
     fields = _stat_fields(pid)
-    ours = fields is not None and fields[1:2] == [str(os.getpid()).encode()]
-    return ours and (fields[:1] == [b"Z"] or _exiting(pid))  # type: ignore[index]
+    return fields is not None and fields[1:2] == [str(os.getpid()).encode()] and _exiting(pid)
 
 
 def has_ended(pid: int) -> bool:
     """``pid`` has ended or is ending: a zombie, every thread exiting, or no longer there (reaped)."""
-    fields = _stat_fields(pid)
-    return fields is None or fields[:1] == [b"Z"] or _exiting(pid)
+    return _stat_fields(pid) is None or _exiting(pid)
 
 
 def is_zombie(pid: int) -> bool:
