@@ -60,7 +60,11 @@ def _open_regular(path: str, notes: Optional[Notes]) -> Optional[int]:
         mode = os.stat(path).st_mode
         if stat.S_ISREG(mode):
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-            mode = os.fstat(fd).st_mode       # what is read is what was checked
+            try:
+                mode = os.fstat(fd).st_mode   # what is read is what was checked
+            except OSError:
+                os.close(fd)
+                raise
             if stat.S_ISREG(mode):
                 return fd
             os.close(fd)
