@@ -117,3 +117,33 @@ def test_the_reported_error_covers_the_example_not_only_the_calibration() -> Non
     assert quantized.report.rel_error >= on_example - 1e-6, (quantized.report.rel_error, on_example)
     # the example among the batches: measured once, as one of them
     assert api._same((example,), (example.clone(),)) and not api._same((example,), (sample,))
+
+
+def test_a_model_returning_class_indices_reports_how_many_differ() -> None:
+    """Integer outputs were skipped by the error: a model returning ``argmax`` reported 0.0 with 27%
+    of its predictions wrong (ONNX Runtime static INT8 calibrated on one sample), and ``auto``
+    would keep it. They count by the fraction of elements that differ now."""
+    from xlaunch.kernels.quantize.measure import accuracy
+
+    assert accuracy([torch.tensor([1, 2, 3])], [torch.tensor([1, 0, 3])]) == pytest.approx((1 / 3, 2 / 3))
+    assert accuracy([torch.tensor([True, False])], [torch.tensor([True, False])]) == (0.0, 1.0)
+    if engine_routes.missing(engine_routes.ONNXRUNTIME) is not None:
+        pytest.skip(engine_routes.missing(engine_routes.ONNXRUNTIME))
+
+    class Predicts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x))).argmax(-1)
+
+    model, x, sample = Predicts().eval(), torch.randn(64, 16) * 3, torch.randn(1, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = quantize(model, x, calibration=[(sample,)], mode=engine_routes.ONNXRUNTIME, progress=False)
+    with torch.no_grad():   # the inputs the error is measured on: the calibration sample and the example
+        pairs = [(quantized(t), model(t)) for t in (sample, x)]
+    assert quantized.report.rel_error == pytest.approx(max((q != r).float().mean().item() for q, r in pairs))
+    assert quantized.report.argmax_agreement == pytest.approx(sum((q == r).sum().item() for q, r in pairs) / 65)

@@ -14,18 +14,28 @@ from xlaunch.kernels.optimize.compare import flat_tensors
 
 
 def accuracy(reference: list[Any], candidate: list[Any]) -> tuple[float, Optional[float]]:
-    """(max relative error, argmax agreement over the last dim of the first output)."""
+    """(max relative error, argmax agreement over the last dim of the first output). An integer or
+    bool output (class indices, a mask) counts by the fraction of its elements that differ, and as
+    its own agreement when it is the first: it was skipped, so a model returning predictions
+    reported 0.0 with a quarter of them wrong."""
     worst, agree, total = 0.0, 0, 0
     for ref, cand in zip(reference, candidate):
         for r, c in zip(flat_tensors(ref), flat_tensors(cand)):
-            if not r.is_floating_point():
+            if r.is_floating_point() or r.is_complex():
+                wide = torch.complex64 if r.is_complex() else torch.float32
+                r32, c32 = r.detach().to(wide), c.detach().to(wide)
+                scale = max(r32.abs().max().item(), 1e-12)
+                error = (r32 - c32).abs().max().item() / scale
+            elif r.numel() == 0:
                 continue
-            r32, c32 = r.detach().float(), c.detach().float()
-            scale = max(r32.abs().max().item(), 1e-12)
-            error = (r32 - c32).abs().max().item() / scale
+            else:
+                error = 1.0 if r.shape != c.shape else (r != c).float().mean().item()
             worst = max(worst, error if error == error else float("inf"))
         first_r, first_c = flat_tensors(ref)[:1], flat_tensors(cand)[:1]
-        if first_r and first_r[0].dim() >= 1 and first_r[0].shape[-1] > 1:
+        if first_r and not first_r[0].is_floating_point() and first_r[0].shape == first_c[0].shape:
+            agree += (first_r[0] == first_c[0]).sum().item()
+            total += first_r[0].numel()
+        elif first_r and first_r[0].dim() >= 1 and first_r[0].shape[-1] > 1:
             agree += (first_r[0].argmax(-1) == first_c[0].argmax(-1)).sum().item()
             total += first_r[0].argmax(-1).numel()
     return worst, (agree / total if total else None)
