@@ -236,3 +236,20 @@ def test_a_byte_order_mark_or_a_generation_config_that_is_no_json_is_said(saved,
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 llm.from_pretrained(folder, dtype=torch.float32)
+
+
+def test_a_hugging_face_cache_folder_names_its_snapshot(saved, tmp_path):
+    """models--org--name/ holds the checkpoint in snapshots/<revision>/ (links into blobs/): 'has no config.json'
+    alone left the user to find it."""
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for index, file in enumerate(sorted(saved["llama"].iterdir())):
+        (repo / "blobs" / f"blob{index}").write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(f"../../blobs/blob{index}")
+    message = _one_line_error(repo, "has no config.json \\(a Hugging Face cache folder: give .*$")
+    assert message.endswith(f"give {snapshot})")
+    assert torch.isfinite(llm.from_pretrained(snapshot, dtype=torch.float32)(_ids()).logits).all()
+    (repo / "snapshots" / "4567ef00").mkdir()
+    _one_line_error(repo, f"a Hugging Face cache folder: give one of {repo / 'snapshots'}/\\*\\)$")

@@ -31,7 +31,7 @@ from xlaunch.llm.api import _check, default_dtype, lm_head_packing, warn_if_bf16
 from xlaunch.llm.assemble import Parts, huge_empty, install, release_free_heap, skeleton  # noqa: E402
 from xlaunch.llm.files import packed_target, quoted, user_path  # noqa: E402
 from xlaunch.llm.files.checkpoint import (INDEX, SAFETENSORS_DTYPES, Checkpoint, SafetensorsFile,  # noqa: E402,F401
-                                           WEIGHTS, source_digest)      # INDEX, SafetensorsFile and WEIGHTS: re-exported
+                                           WEIGHTS, source_digest)      # INDEX, SafetensorsFile, WEIGHTS: re-exported
 from xlaunch.llm.decoder import SIXTEEN_BIT, embedding_table, exact_in_bf16  # noqa: E402
 from xlaunch.llm.linear import (BLOCK, GROUPED, NATIVE_PACKERS, PackedLinear, bf16_valued, pack_bf16,  # noqa: E402
                                 pack_channels, quantize)
@@ -166,7 +166,7 @@ def load_checkpoint(path: Any, dtype: Any = None, weights: Optional[str] = None,
     if generation is not None:
         model.generation_config = generation
     model = install(model, spec, dtype, parts)
-    object.__setattr__(model, "_xlaunch_llm_source", os.path.abspath(path))   # save_packed records it (after a chdir too)
+    object.__setattr__(model, "_xlaunch_llm_source", os.path.abspath(path))   # save_packed records it (after a chdir)
     object.__setattr__(model, "_xlaunch_llm_source_digest", digest)
     return model
 
@@ -256,10 +256,10 @@ def _check_tensors(checkpoint: Checkpoint, model: Any, spec: Any, config: Any) -
                          f"architectures), not a causal LM: it stores no lm_head.weight{hint}")
     if head != "lm_head.weight" and not spec.tied_embeddings:
         # transformers loads it, lm_head random (a "MISSING" line in its load report): text from noise
-        raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks the tensor lm_head.weight, and its config.json does "
-                         "not tie lm_head to the embedding (tie_word_embeddings is not true): transformers would fill it "
-                         "with random values; if lm_head is the embedding, set \"tie_word_embeddings\": true in "
-                         f"config.json{hint}")
+        raise ValueError(f"xlaunch.llm.from_pretrained: {path} lacks the tensor lm_head.weight, and its config.json "
+                         "does not tie lm_head to the embedding (tie_word_embeddings is not true): transformers would "
+                         "fill it with random values; if lm_head is the embedding, set \"tie_word_embeddings\": true "
+                         f"in config.json{hint}")
     for name, shape in expected.items():
         if name not in checkpoint:
             tied_other = spec.tied_embeddings and name in ("lm_head.weight", "model.embed_tokens.weight")
@@ -277,8 +277,8 @@ def _check_tensors(checkpoint: Checkpoint, model: Any, spec: Any, config: Any) -
     unread = sorted(name for name in checkpoint.weight_map
                     if name not in expected and not name.endswith(("rotary_emb.inv_freq", "position_ids")))
     if unread:
-        warnings.warn(f"xlaunch.llm.from_pretrained: {path} stores {len(unread)} tensor(s) the model of its config.json "
-                      f"does not read, not loaded (as transformers does): {', '.join(unread[:3])}"
+        warnings.warn(f"xlaunch.llm.from_pretrained: {path} stores {len(unread)} tensor(s) the model of its "
+                      f"config.json does not read, not loaded (as transformers does): {', '.join(unread[:3])}"
                       f"{', ...' if len(unread) > 3 else ''}", UserWarning, stacklevel=5)
     # tied, but both stored with different values: transformers does not tie them (a warning), and neither do we
     tied = spec.tied_embeddings and (head != "lm_head.weight" or "model.embed_tokens.weight" not in checkpoint

@@ -203,8 +203,8 @@ def _read_manifest(path: Any) -> tuple[dict, int, int]:
         size = info.st_size
         prefix = os.pread(fd, 16, 0)
         if len(prefix) < 16 or prefix[:8] != MAGIC:
-            hint = "; from_pretrained takes the checkpoint's folder" if Path(path).suffix in (".safetensors", ".json") else ""
-            raise _fail(path, f"not an xlaunch packed-weights file (no XLLMPACK header){hint}")
+            own = "; from_pretrained takes the checkpoint's folder" if str(path).endswith((".safetensors", ".json")) else ""
+            raise _fail(path, f"not an xlaunch packed-weights file (no XLLMPACK header){own}")
         length = struct.unpack("<Q", prefix[8:])[0]
         if length > MAX_HEADER or 16 + length > size:
             raise _fail(path, f"truncated or malformed: a {length}-byte manifest in a {size}-byte file")

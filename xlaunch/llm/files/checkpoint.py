@@ -199,7 +199,11 @@ class Checkpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         if not os.path.lexists(path / "config.json"):    # a FIFO or a dangling link there: the loader's one line
-            raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no config.json")
+            cache = path / "snapshots"      # a Hugging Face cache folder, models--org--name: snapshots/<revision>/
+            snapshots = sorted(entry.name for entry in cache.glob("*")) if cache.is_dir() else []
+            hint = f" (a Hugging Face cache folder: give {cache / snapshots[0]})" if len(snapshots) == 1 else (
+                f" (a Hugging Face cache folder: give one of {cache}/*)" if snapshots else "")
+            raise ValueError(f"xlaunch.llm.from_pretrained: {path} has no config.json{hint}")
         files = weight_files(path)
         self.files: dict[str, SafetensorsFile] = {}
         self.weight_map: dict[str, str] = {}
