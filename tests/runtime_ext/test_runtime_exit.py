@@ -172,3 +172,36 @@ def test_ctrl_c_while_exit_waits_for_queued_calls():
     status, lines, waited = results["twice"]
     assert status == 130 and len(lines) == 2 and "interrupted again" in lines[1], (status, lines)
     assert waited < 10, "the second Ctrl-C did not leave at once"
+
+
+CTRL_C_WHILE_THE_HOOK_STOPS_THE_WORKERS = """
+import sys, time
+import torch
+from xlaunch import CPUPool, Task
+
+task = Task(lambda x: time.sleep(0.01) or x, CPUPool([int(sys.argv[1])]))
+futures = [task(torch.ones(1)) for _ in range(2000)]      # 20 s of calls
+worker = task._worker
+close = worker.request_stop
+
+def interrupted_stop():
+    worker.request_stop = close
+    raise KeyboardInterrupt  # as a Ctrl-C does when it comes while the exit hook asks the worker to stop
+
+worker.request_stop = interrupted_stop
+"""
+
+
+def test_ctrl_c_while_the_exit_hook_stops_the_workers():
+    """The hook asked every worker to stop before its KeyboardInterrupt handler began: a Ctrl-C
+    there left the hook with a traceback, its workers running into finalization (20 s of queued
+    calls here). Now it is handled as one during the wait: calls cancelled, one line, status 0."""
+    import time
+
+    started = time.monotonic()
+    status, _, err = finish(start([sys.executable, "-c", CTRL_C_WHILE_THE_HOOK_STOPS_THE_WORKERS,
+                                   str(min(os.sched_getaffinity(0)))], environment()), timeout=60)
+    lines = err.splitlines()
+    assert status == 0 and len(lines) == 1, (status, err[-2000:])
+    assert lines[0].startswith("xlaunch.runtime_ext: interrupted at exit: ") and "cancelled" in lines[0], lines
+    assert time.monotonic() - started < 15, "the queued calls were not cancelled"

@@ -94,13 +94,15 @@ def shutdown_all() -> None:
     worker still running when the interpreter finalizes aborts the process); one line on stderr
     says so. A second Ctrl-C leaves at once with status 130 (``os._exit``, output flushed).
     """
-    workers = live_workers()
-    for worker in workers:
-        worker.stop()
+    workers: tuple[Worker, ...] = ()
     try:
+        workers = live_workers()
+        for worker in workers:  # a Ctrl-C here too: the workers must still be stopped and joined
+            worker.stop()
         _join_all(workers)
     except KeyboardInterrupt:
         try:
+            workers = workers or live_workers()
             cancelled = sum(worker.cancel_queued() for worker in workers)
             _say(f"xlaunch.runtime_ext: interrupted at exit: {cancelled} queued Task call(s) cancelled; waiting "
                  "for the calls in progress (Ctrl-C again to leave at once)")
