@@ -202,3 +202,23 @@ def test_hints_model_and_concat_output_are_checked_when_built_and_numpy_ints_are
     with MultiStreamModule(lambda t: t * 2, num_streams=STREAMS, cpu_pool=pool, input_split_hint=StreamHint(np.int64(1)),
                            output_concat_hint=np.int64(1)) as msm:
         assert torch.equal(msm(x), x * 2)
+
+
+def test_dataclass_outputs_are_joined_field_by_field():
+    """An output dataclass (a model's own result type) came back as the list of per-stream outputs,
+    though concat_output=True, with no message."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Result:
+        logits: torch.Tensor
+        per_item: torch.Tensor
+        label: str = "x"
+
+    x = torch.randn(5, 3)
+    model = lambda t: Result(t * 2, t.t(), "x")  # noqa: E731
+    with MultiStreamModule(model, num_streams=STREAMS, cpu_pool=CPUPool(list(ALLOWED[:STREAMS])),
+                           output_concat_hint={"per_item": 1}) as msm:
+        out = msm(x)
+    assert isinstance(out, Result) and out.label == "x"
+    assert torch.equal(out.logits, x * 2) and torch.equal(out.per_item, x.t())

@@ -4,10 +4,12 @@ slices, join outputs.
 A *hint* mirrors the structure of the value it describes. A leaf hint is an ``int`` (the batch
 dimension of every tensor below it) or ``None`` (do not split: every stream gets the whole
 value; for outputs: take stream 0's value). A tuple, list or dict hint gives one hint per item;
-a dict key the hint leaves out gets dimension 0. Non-tensor leaves are never split.
+a dict key the hint leaves out gets dimension 0. An output dataclass is joined field by field
+(a dict hint by field name). Non-tensor leaves are never split.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 from xlaunch._errors import as_index
@@ -200,6 +202,10 @@ def join_outputs(outputs: Sequence[Any], hint: Hint = 0) -> Any:
         return _rebuild(first, [join_outputs([o[i] for o in outputs], hints[i]) for i in range(len(first))])
     if isinstance(first, dict):
         return type(first)((key, join_outputs([o[key] for o in outputs], _dict_hint(hint, key))) for key in first)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):  # field by field, a dict hint by name
+        return dataclasses.replace(first, **{field.name: join_outputs([getattr(o, field.name) for o in outputs],
+                                                                      _dict_hint(hint, field.name))
+                                             for field in dataclasses.fields(first) if field.init})
     if all(_same(first, other) for other in outputs[1:]):
         return first
     return list(outputs)
