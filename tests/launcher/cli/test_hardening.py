@@ -252,3 +252,30 @@ def test_recorded_tree_plans_but_never_runs(marker_script) -> None:
     result = xlaunch(str(script), env={"XLAUNCH_FSROOT": str(machine_tree("xeon-2s-amx"))})
     assert "add --dry-run" in one_line_error(result, "XLAUNCH_FSROOT")
     assert not marker.exists()
+
+
+def test_a_binary_or_another_interpreters_script_without_no_python_is_refused(tmp_path) -> None:
+    """Python was handed an ELF binary (SyntaxError: Non-UTF-8 code ... in every instance) or a shell
+    script: one line saying to add --no-python, nothing started. A #! naming Python (through env,
+    with options) is a Python script; with --no-python the shell script runs."""
+    marker = tmp_path / "ran"
+    shell = tmp_path / "job.sh"
+    shell.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    shell.chmod(0o755)
+    binary = os.path.realpath(sys.executable)
+    assert open(binary, "rb").read(4) == b"\x7fELF"
+    line = one_line_error(xlaunch("--dry-run", binary), "PROGRAM")
+    assert line == (f"xlaunch: error: PROGRAM: {binary!r} is an executable binary (ELF), not a Python script: "
+                    "add --no-python to run it")
+    line = one_line_error(xlaunch(str(shell)), "PROGRAM")
+    assert line.endswith("starts with #! naming 'sh', not Python: add --no-python to run it with its own interpreter")
+    assert not marker.exists()
+    env_shell = tmp_path / "env.sh"
+    env_shell.write_text("#!/usr/bin/env -S LC_ALL=C bash -e\necho no\n")
+    assert "naming 'bash'" in one_line_error(xlaunch("--dry-run", str(env_shell)), "PROGRAM")
+    python = tmp_path / "tool.py"
+    python.write_text("#!/usr/bin/env -S python3 -u\r\nprint('python ran')\n")
+    ran = xlaunch("-q", "--ninstances", "1", str(python))
+    assert ran.returncode == 0 and "python ran" in ran.stdout, ran.stderr
+    ran = xlaunch("-q", "--ninstances", "1", "--no-python", str(shell))
+    assert ran.returncode == 0 and marker.exists(), ran.stderr
