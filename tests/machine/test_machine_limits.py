@@ -96,8 +96,8 @@ def test_isolated_cpus_outside_the_affinity_are_named(tmp_path):
     status.write_text(status.read_text().replace("Cpus_allowed_list:\t0-15", "Cpus_allowed_list:\t0-7"))
     m = load_machine(str(root))
     assert m.isolated_cpus == (8, 9, 10, 11, 12, 14, 15) and m.allowed_cpus == (0, 1, 2, 4, 6, 7)
-    assert ("CPUs 8-12,14-15 are isolated (isolcpus=) and not in this process's affinity: unused unless "
-            "xlaunch itself runs under taskset -c naming them") in m.notes
+    assert ("CPUs 8-12,14-15 are isolated (isolcpus=) and not in this process's affinity: used only where "
+            "--cores-list names them") in m.notes
     assert "Isolated CPUs (isolcpus=): 8-12,14-15" in format_topology(m)
     assert topology_json(m)["isolated_cpus"] == [8, 9, 10, 11, 12, 14, 15]
     status.write_text(status.read_text().replace("Cpus_allowed_list:\t0-7", "Cpus_allowed_list:\t8-15"))

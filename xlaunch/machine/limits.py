@@ -55,7 +55,7 @@ def read_limits(
     outside = sorted(set(isolated) - set(allowed))
     if outside:
         notes.add(f"CPUs {format_cpulist(outside)} are isolated (isolcpus=) and not in this process's "
-                  f"affinity: unused unless xlaunch itself runs under taskset -c naming them")
+                  f"affinity: used only where --cores-list names them")
     return Limits(allowed_cpus=allowed, allowed_mems=mems, cpu_budget=read_cpu_budget(root, notes),
                   isolated_cpus=isolated)
 

@@ -158,6 +158,24 @@ def test_cores_list_rejects_unknown_offline_and_disallowed_cpus(cores, message) 
     assert err.value.option == "--cores-list"
 
 
+def test_cores_list_may_name_isolated_cpus_outside_the_affinity() -> None:
+    """isolcpus= CPUs are in no process's default affinity, yet sched_setaffinity may name them (as
+    taskset -c does): --cores-list naming them plans on them, with a note on what isolation means.
+    Other CPUs outside the affinity (a taskset restriction) stay refused."""
+    from xlaunch._records import replace
+
+    m = replace(synthetic_machine(nodes=1, cores_per_l3=8, smt=1, allowed=(0, 1, 2, 3)), isolated_cpus=(6, 7))
+    p = plan(Options(program="x.py", cores_list=(6, 7), ninstances=2), m)
+    assert cpus_of(p) == [[6], [7]]
+    assert any(w.startswith("--cores-list: CPUs 6-7 are isolated (isolcpus=): used because they are listed")
+               for w in p.warnings), p.warnings
+    assert not any("isolated" in w for w in plan(Options(program="x.py"), m).warnings)
+    assert cpus_of(plan(Options(program="x.py"), m)) == [[0, 1, 2, 3]]     # never chosen unasked
+    with pytest.raises(PlanError, match="CPU 5 is not allowed") as err:
+        plan(Options(program="x.py", cores_list=(5, 6)), m)
+    assert err.value.option == "--cores-list"
+
+
 def test_logical_cores_keep_siblings_together() -> None:
     m = synthetic_machine(nodes=1, cores_per_l3=4, smt=2, numbering="adjacent")
     p = plan(Options(program="x.py", use_logical_cores=True, ncores_per_instance=4), m)

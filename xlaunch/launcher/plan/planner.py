@@ -159,6 +159,16 @@ def _select_units(options: "Options", machine: "Machine", notes: list[str]) -> l
     allowed = set(machine.allowed_cpus) & online
     present = {c.id for c in machine.cpus}
     if options.cores_list is not None:
+        # isolcpus= CPUs are in no process's default affinity, yet sched_setaffinity may name them:
+        # listing them is how a user asks for them (as with taskset -c)
+        isolated = (set(options.cores_list) & set(machine.isolated_cpus) & online) - allowed
+        if isolated:
+            allowed |= isolated
+            notes.append(
+                f"--cores-list: CPUs {format_cpulist(sorted(isolated))} are isolated (isolcpus=): used because "
+                "they are listed; the scheduler does not move threads between them, so only threads OpenMP "
+                "pins spread over them"
+            )
         for cpu in options.cores_list:
             if cpu not in present:
                 raise PlanError("--cores-list", f"CPU {cpu} does not exist (CPUs: {format_cpulist(present)})")
