@@ -168,6 +168,22 @@ def test_a_ratio_not_measured_is_shown_as_such() -> None:
     assert row_line(measured).split()[4:] == ["x1.23", "(per", "round", "x0.50)"]
 
 
+def test_a_launch_that_failed_gives_no_time_and_no_ratio(capsys) -> None:
+    """bench/launch.py timed a run_cpu that failed to import torch (exit 1 in 0.2 s) and printed 'run_cpu /
+    xlaunch: 0.6x', as if torch's launcher started faster than xlaunch."""
+    launch = bench("launch")
+    samples = {launch.BASE: [0.1], launch.XLAUNCH: [0.2], launch.RUN_CPU: [0.06]}
+    assert launch.report("here:", samples, {launch.RUN_CPU: 1}) is False
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert lines[3:] == ["run_cpu --no-python true failed (exit status 1): not timed",
+                         "xlaunch meets the target: 2.00x <= 3x python -c pass", "run_cpu / xlaunch: -"]
+    assert launch.report("here:", samples, {launch.XLAUNCH: 1}) is False
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert lines[-2:] == ["xlaunch MISSES the target: xlaunch failed", "run_cpu / xlaunch: -"]
+    assert launch.report("here:", samples, {}) is True
+    assert capsys.readouterr().out.splitlines()[-1].split() == ["run_cpu", "/", "xlaunch:", "0.3x"]
+
+
 def test_a_bench_names_the_machine_it_runs_on_not_a_recorded_one(monkeypatch) -> None:
     here = load_machine("/")
     monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree("spr16")))
