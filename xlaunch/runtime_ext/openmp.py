@@ -125,6 +125,7 @@ class OpenMPRuntime:
         self.kind = mapped.kind
         self.path = mapped.path
         self._kept = False
+        self._keep_lock = threading.Lock()
         try:
             self._lib = ctypes.CDLL(mapped.path, mode=_RTLD_NOLOAD | os.RTLD_GLOBAL)
         except OSError as error:
@@ -175,13 +176,16 @@ class OpenMPRuntime:
         """
         if self._kept or self.kind == GOMP or HOT_TEAMS_MODE_ENV in os.environ:
             return
-        self._kept = True
-        try:
-            set_defaults = self._lib.kmp_set_defaults
-        except AttributeError:
-            return
-        set_defaults.argtypes, set_defaults.restype = [ctypes.c_char_p], None
-        set_defaults(f"{HOT_TEAMS_MODE_ENV}=1".encode())
+        with self._keep_lock:  # pools made in several threads at once: the runtime parses it once
+            if self._kept:
+                return
+            self._kept = True
+            try:
+                set_defaults = self._lib.kmp_set_defaults
+            except AttributeError:
+                return
+            set_defaults.argtypes, set_defaults.restype = [ctypes.c_char_p], None
+            set_defaults(f"{HOT_TEAMS_MODE_ENV}=1".encode())
 
     def place_cpus(self) -> tuple[int, ...]:
         """Every CPU named by the runtime's places (``OMP_PLACES``, ``KMP_AFFINITY``), sorted.
