@@ -392,7 +392,8 @@ def test_a_generation_config_transformers_refuses_is_one_line_before_any_weight_
             (folder / "generation_config.json").write_text(text)
             _one_line_error(folder, f"generation_config.json is not a generation config transformers can use .*{match}")
     (folder / "generation_config.json").write_text("{not json")
-    assert llm.from_pretrained(folder, dtype=torch.float32).generation_config.max_new_tokens is None
+    with pytest.warns(UserWarning, match="generation_config.json is not JSON .*: skipped, as transformers skips it"):
+        assert llm.from_pretrained(folder, dtype=torch.float32).generation_config.max_new_tokens is None
 
 
 @pytest.mark.parametrize("path,error,match", [(None, TypeError, "path must be a str or os.PathLike, not NoneType"),
