@@ -254,6 +254,27 @@ def test_pickling_a_quantized_model_says_to_save_it(quantized: dict) -> None:
         assert twin.mode == q.mode and torch.equal(twin(x), q(x))
 
 
+def test_every_route_deep_copies(quantized: dict, tmp_path: Path) -> None:
+    """``copy.deepcopy(qmodel)`` (documented to work) raised pickle's ``cannot pickle 'InferenceSession'``,
+    ``'CompiledModel'`` or ``'_thread.lock'`` for the engine and compiled routes, returned or loaded:
+    such a copy now shares the runner (read-only at inference) and copies the rest."""
+    import copy
+
+    built = {route: value for route, value in quantized.items() if not isinstance(value, str)}
+    if not built:
+        pytest.skip("no route builds here")
+    for route, (q, x) in built.items():
+        models = [q]
+        if route in ENGINE_ROUTES:   # a loaded engine model too
+            q.save(str(tmp_path / f"{route}.xq"))
+            models.append(load_quantized(str(tmp_path / f"{route}.xq")))
+        for model in models:
+            twin = copy.deepcopy(model)
+            with torch.no_grad():
+                assert twin.mode == model.mode and torch.equal(twin(x), model(x)), route
+            assert twin.report is not model.report and twin.report == model.report
+
+
 @pytest.mark.parametrize("mode", ["weight_only", "dynamic"])
 def test_an_example_batch_of_one_gives_a_model_for_every_batch_size(tmp_path: Path, mode: str) -> None:
     """export specialized an example's batch of 1 to 1: the quantized model (dynamic) and the loaded one

@@ -114,9 +114,18 @@ class QuantizedModule(nn.Module):
                         "with model.save(path) and load it with xlaunch.load_quantized(path)")
 
     def __deepcopy__(self, memo: dict) -> "QuantizedModule":
+        """A copy; where the runner cannot be copied (an engine session, a compiled graph: pickle
+        refuses them) the copy shares it and the module it runs, which inference never changes."""
         new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        trial = {**memo, id(self): new}
+        try:
+            state = copy.deepcopy(self.__getstate__(), trial)
+        except (TypeError, RuntimeError):   # pickle's "cannot pickle ...", a tensor that refuses deepcopy
+            shared = {id(self._runner): self._runner, id(self.inner): self.inner}
+            trial = {**memo, id(self): new, **shared}
+            state = copy.deepcopy(self.__getstate__(), trial)
+        memo.update(trial)
+        new.__setstate__(state)
         return new
 
     def save(self, path: str) -> None:
