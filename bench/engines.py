@@ -29,7 +29,8 @@ Models are written in plain torch (no torchvision), with random weights: ResNet-
 (1024-4096-4096-1024, batch 64) and a model whose export fails (Python control flow on a tensor's
 value: both exporters refuse it, ``auto`` falls back). Every row of a model is timed round robin
 (so load from other processes hits every row alike), with one untimed call before each sample
-(the previous row's thread pool goes idle), medians over rounds and ratios to eager.
+(the previous row's thread pool goes idle), medians over rounds and ratios to eager. A route that fell
+back (its engine is not installed, its export fails) is not timed under its name: its row says why.
 """
 from __future__ import annotations
 
@@ -54,82 +55,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]           # the workers import bench.engines from REPO
 
 from _args import COUNT, SECONDS, integer, names  # noqa: E402
+from _engines_models import workload  # noqa: E402  (the start-up programs import it from here)
 from _machine_bench import this_machine  # noqa: E402
 
 from xlaunch.kernels.optimize.pipeline import optimize  # noqa: E402
 
 ROUTES = ("onnxruntime", "openvino", "inductor")
-
-
-# -- models ------------------------------------------------------------------------------------
-class Bottleneck(nn.Module):
-    def __init__(self, cin: int, width: int, stride: int) -> None:
-        super().__init__()
-        cout = width * 4
-        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
-        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
-        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        return self.relu(out + (x if self.down is None else self.down(x)))
-
-
-class ResNet50(nn.Module):
-    def __init__(self, classes: int = 1000) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
-                                  nn.MaxPool2d(3, 2, 1))
-        layers, cin = [], 64
-        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
-            for i in range(blocks):
-                layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
-                cin = width * 4
-        self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
-
-
-class ExportFails(nn.Module):
-    """An MLP whose branch depends on the input's values: a trace bakes one branch in."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
-        self.b = nn.Linear(1024, 1024)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.a(x) if x.mean() > -1.0 else self.b(x)
-
-
-def workload(name: str) -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    if name.startswith("resnet50"):
-        batch = int(name.rsplit("-b", 1)[1])
-        model = ResNet50()
-        for module in model.modules():   # non-trivial BN statistics, as a trained model has
-            if isinstance(module, nn.BatchNorm2d):
-                module.running_mean.uniform_(-0.1, 0.1)
-                module.running_var.uniform_(0.5, 1.5)
-        return model.eval(), torch.randn(batch, 3, 224, 224)
-    if name in ("bert", "bert2"):
-        layer = nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.1, activation="gelu", batch_first=True)
-        layers = 2 if name == "bert2" else 4
-        return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval(), torch.randn(4, 128, 768)
-    if name == "mlp":
-        model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1024))
-        return model.eval(), torch.randn(64, 1024)
-    if name == "export-fails":
-        return ExportFails().eval(), torch.randn(64, 1024)
-    raise SystemExit(f"--models: unknown model {name!r}")
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -175,7 +106,7 @@ def bench_model(name: str, rounds: int) -> dict[str, Any]:
         **{route: (lambda route=route: optimize(model, sample_input=x, backend=route, **quiet)) for route in ROUTES},
         "auto": lambda: optimize(model, sample_input=x, backend="auto", cache=False),
     }
-    modules, rows = {}, {}
+    modules, rows, skipped = {}, {}, {}
     for label, make in makers.items():
         module, seconds, notes = build(label, make)
         report = getattr(module, "_xlaunch_engine_report", None)
@@ -183,9 +114,9 @@ def bench_model(name: str, rounds: int) -> dict[str, Any]:
         print(f"  built {label:18s} in {seconds:6.1f} s{what}", flush=True)
         for note in notes[:3]:
             print(f"      {note[:160]}")
-        if report is not None and label in ROUTES and report.backend != label:
-            print(f"      ({label} fell back: {report.routes.get(label).skipped if label in report.routes else report.reason})")
         modules[label] = module
+        if label in ROUTES and fell_back(label, report, skipped):
+            continue                     # its row would time the route it fell back to, under this one's name
         rows[label] = lambda module=module: module(x)
     auto_report = modules["auto"]._xlaunch_engine_report
     print("  auto's report:\n    " + str(auto_report).replace("\n", "\n    "))
@@ -193,15 +124,29 @@ def bench_model(name: str, rounds: int) -> dict[str, Any]:
     ms = {label: statistics.median(values) * 1e3 for label, values in samples.items()}
     spread = {label: (min(values) * 1e3, max(values) * 1e3) for label, values in samples.items()}
     print(f"  {'row':18s} {'median ms':>10s} {'min..max ms':>18s} {'vs eager':>9s}")
-    for label, value in ms.items():
+    for label in makers:
+        if label in skipped:
+            print(f"  {label:18s} {'-':>10s} {'not timed: ' + skipped[label][:120]}")
+            continue
         low, high = spread[label]
-        print(f"  {label:18s} {value:10.2f} {low:8.1f}..{high:<8.1f} {ms['eager'] / value:8.2f}x")
-    singles = {label: ms[label] for label in ("eager", "optimize (torch)", *ROUTES)
-               if not (label in ROUTES and modules[label]._xlaunch_engine_report.backend != label)}
+        print(f"  {label:18s} {ms[label]:10.2f} {low:8.1f}..{high:<8.1f} {ms['eager'] / ms[label]:8.2f}x")
+    singles = {label: ms[label] for label in ("eager", "optimize (torch)", *ROUTES) if label in ms}
     best = min(singles, key=singles.__getitem__)
     print(f"  auto kept {auto_report.backend}; auto vs best single route ({best}): {singles[best] / ms['auto']:.2f}x; "
           f"auto vs eager: {ms['eager'] / ms['auto']:.2f}x")
-    return {"ms": ms, "kept": auto_report.backend, "best": best}
+    return {"ms": ms, "kept": auto_report.backend, "best": best, "not_timed": skipped}
+
+
+def fell_back(label: str, report: Any, skipped: dict[str, str]) -> bool:
+    """Whether the module built for route ``label`` runs another route (its engine report says which, and
+    why); the reason goes to ``skipped`` and is printed."""
+    route = label.split()[0]
+    if report is None or report.backend == route:
+        return False
+    why = report.routes[route].skipped if route in report.routes and report.routes[route].skipped else report.reason
+    skipped[label] = f"{route} fell back to {report.backend} ({why})"
+    print(f"      ({skipped[label][:200]})", flush=True)
+    return True
 
 
 # -- start-up under xlaunch --------------------------------------------------------------------
@@ -345,11 +290,16 @@ def bench_bf16(name: str, rounds: int) -> dict[str, Any]:
         "openvino default": lambda: openvino_default(model, x),
         "auto": lambda: optimize(model, dtype=bf16, sample_input=x, backend="auto", cache=False),
     }
-    rows, errors = {}, {}
+    rows, errors, skipped = {}, {}, {}
     with torch.no_grad():
         reference = model(x)
     for label, make in makers.items():
-        module, seconds, notes = build(label, make)
+        try:
+            module, seconds, notes = build(label, make)
+        except ImportError as error:     # openvino default without OpenVINO: the other rows still run
+            skipped[label] = f"{type(error).__name__}: {error}"
+            print(f"  {label:18s} not built: {skipped[label][:200]}", flush=True)
+            continue
         report = getattr(module, "_xlaunch_engine_report", None)
         what = f" -> {report.backend}" if report is not None and label in ("auto", "inductor", "openvino bf16") else ""
         with torch.no_grad():
@@ -357,16 +307,18 @@ def bench_bf16(name: str, rounds: int) -> dict[str, Any]:
         print(f"  built {label:18s} in {seconds:6.1f} s{what}; max rel error vs fp32 eager {errors[label]:.1e}", flush=True)
         if label == "auto":
             print("  auto's report:\n    " + str(report).replace("\n", "\n    "))
-        rows[label] = lambda module=module: module(x)
+        if label not in ("inductor", "openvino bf16") or not fell_back(label, report, skipped):
+            rows[label] = lambda module=module: module(x)
     samples = time_interleaved(rows, rounds)
     ms = {label: statistics.median(values) * 1e3 for label, values in samples.items()}
     peers = {k: v for k, v in ms.items() if k not in ("auto", "eager fp32")}
     best = min(peers, key=peers.__getitem__)
     print(f"  {'row':18s} {'median ms':>10s} {'vs best peer':>12s}")
-    for label, value in ms.items():
-        print(f"  {label:18s} {value:10.2f} {ms[best] / value:11.2f}x")
+    for label in makers:
+        print(f"  {label:18s} {'-':>10s} not timed: {skipped[label][:120]}" if label in skipped else
+              f"  {label:18s} {ms[label]:10.2f} {ms[best] / ms[label]:11.2f}x")
     print(f"  bf16 auto vs best bf16 route ({best}): {ms[best] / ms['auto']:.2f}x")
-    return {"ms": ms, "best": best, "errors": errors}
+    return {"ms": ms, "best": best, "errors": errors, "not_timed": skipped}
 
 
 def bench_int8(name: str, rounds: int) -> dict[str, Any]:
