@@ -19,6 +19,8 @@ from xlaunch.tune.candidate import MANAGED, config_table
     ({"auto_optimize": True, "dtype": "bf16"}, {"membind": "interleave", "bind-numa-node": True}),
     ({"latency_mode": True}, {"benchmark": False, "bind-with": "numactl"}),
     ({"keep_going": True, "nodes_list": "0"}, {"ncores-per-instance": 1}),
+    ({"membind": "0"}, {"ninstances": 1}),               # numactl's spelling: every instance's memory on node 0
+    ({}, {"membind": "0-1"}),
 ])
 def test_written_config_reads_back_to_the_same_options(tmp_path: Path, cli: dict, point: dict) -> None:
     merged = {**cli, **{k.replace("-", "_"): v for k, v in point.items()}}
@@ -30,7 +32,7 @@ def test_written_config_reads_back_to_the_same_options(tmp_path: Path, cli: dict
     tomlfile.write(str(path), table, "a header line\nand another")
     read, source = load_config(str(path))
     again = build_options({}, read, config_source=source)
-    for name in SETTABLE - MANAGED:
+    for name in (SETTABLE - MANAGED) | {"membind_nodes"}:
         assert getattr(again, name) == getattr(options, name), name
     assert path.read_text().startswith("# a header line\n# and another\n")
 
@@ -45,3 +47,30 @@ def test_toml_values() -> None:
         tomlfile.toml_value(float("nan"))
     with pytest.raises(TypeError):
         tomlfile.toml_value({"a": 1})
+
+
+def test_a_membind_node_list_is_a_dimension_of_its_own() -> None:
+    from xlaunch.tune.space import parse_space
+
+    space = parse_space("[space]\nmembind = ['bind', '1', [0, 1]]\n", "space.toml", fixed={})
+    assert space.to_json() == {"membind": ["bind", "1", "0-1"]}    # the nodes kept, not taken for "bind"
+
+
+def test_a_fixed_membind_node_list_places_every_trial(tmp_path: Path) -> None:
+    """``xlaunch-tune --membind 1`` on two nodes: each trial's plan (and so best.toml's) binds every
+    instance's memory to node 1, as ``xlaunch --membind 1`` does (the list was dropped: own nodes)."""
+    import json
+
+    from machine_trees import machine_tree
+
+    from xlaunch.tune.candidate import Candidate, Program, dry_run, prepare
+
+    environ = {"XLAUNCH_FSROOT": str(machine_tree("xeon-2s-amx")), "PATH": "/usr/bin:/bin"}
+    script = tmp_path / "prog.py"
+    script.write_text("print('hi')\n")
+    program = Program((str(script),), {"membind": "1"}, {}, None, environ)
+    candidate = prepare(program, {"ninstances": 2}, str(tmp_path / "trial.toml"))
+    assert isinstance(candidate, Candidate), candidate
+    code, out, err = dry_run(str(tmp_path / "trial.toml"), [str(script)], environ)
+    assert code == 0, err
+    assert [i["mem_nodes"] for i in json.loads(out)["instances"]] == [[1], [1]]

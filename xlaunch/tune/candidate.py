@@ -85,6 +85,8 @@ def config_table(options: Options, point: Point) -> dict[str, Any]:
         if value is None:        # a dimension left at "decide from the machine" cannot be written
             continue
         table[name.replace("_", "-")] = list(value) if isinstance(value, tuple) else value
+    if options.membind_nodes is not None:   # numactl's --membind 1: the nodes, written as the launcher reads them
+        table["membind"] = list(options.membind_nodes)
     return table
 
 

@@ -187,6 +187,8 @@ def _checked_values(
             where = "" if exc.option == flag_name(name) else f"{exc.option} "
             raise SpaceError(f"{source}: {shown}: {where}{exc.problem}") from None
         normal = getattr(options, name)
+        if name == "membind" and options.membind_nodes is not None:    # numactl's spelling: membind = "1"
+            normal = options.membind_nodes
         if isinstance(normal, tuple):          # CPU / node lists: the launcher's list syntax
             from xlaunch.cpulist import format_cpulist
 
