@@ -32,7 +32,7 @@ import psutil
 from xlaunch.cpulist import format_cpulist
 
 import _processes
-from _llm_summary import combine, paired, ratio, table, tables  # noqa: F401  (bench/llm.py and the tests use them here)
+from _llm_summary import combine, memory, paired, ratio, table, tables  # noqa: F401  (bench/llm.py and the tests use them here)
 from _procmem import MemorySampler, mapping_kib, parse_rollup  # noqa: F401  (bench/ is on sys.path)
 
 SAMPLE_S = 0.2
@@ -364,8 +364,7 @@ def run_pair(args: Any, ours: Optional[str], theirs: Optional[str], packed_files
                     continue
                 windows[name].append(got)
                 print(f"    {name}: {' + '.join(f'{median(r) or 0:.1f}' for r in got['decode_rounds'])} tok/s "
-                      f"({got['window_s']:.1f} s window); PSS sum {got.get('pss_sum_mib', 0):.0f} MiB, RSS sum "
-                      f"{got.get('rss_sum_mib', 0):.0f} MiB", flush=True)
+                      f"({got['window_s']:.1f} s window); {memory(got)}", flush=True)
     except BaseException:          # Ctrl-C, the bench's SIGTERM, a bug: the copies must not decode on
         if instances is not None:
             instances.stop()
@@ -392,6 +391,6 @@ def run_pair(args: Any, ours: Optional[str], theirs: Optional[str], packed_files
         if row.get("mapped_rss_each_mib"):
             mapped = "; packed file mapped: " + ", ".join(
                 f"Rss {r:.0f} Pss {p:.0f}" for r, p in zip(row["mapped_rss_each_mib"], row["mapped_pss_each_mib"]))
-        print(f"  {name}: {row['decode_tps']:.1f} tok/s over {len(row['windows'])} window(s); PSS sum "
-              f"{row['pss_sum_mib'] or 0:.0f} MiB, RSS sum {row['rss_sum_mib'] or 0:.0f} MiB{mapped}", flush=True)
+        print(f"  {name}: {row['decode_tps']:.1f} tok/s over {len(row['windows'])} window(s); {memory(row)}{mapped}",
+              flush=True)
     return rows

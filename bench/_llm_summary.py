@@ -33,6 +33,13 @@ def paired(row: dict[str, Any], peer: dict[str, Any], median: Callable) -> Optio
     return median(ratios) if ratios else None
 
 
+def memory(row: dict[str, Any]) -> str:
+    """A window's or a route's memory sums, or that none was sampled (a window shorter than one sampling period)."""
+    if row.get("pss_sum_mib") is None:
+        return "memory not sampled (its windows ended before the first sample: more --new-tokens)"
+    return f"PSS sum {row['pss_sum_mib']:.0f} MiB, RSS sum {row['rss_sum_mib']:.0f} MiB"
+
+
 def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
     return ours / theirs if ours is not None and theirs else None
 

@@ -292,6 +292,25 @@ def test_each_finished_pair_is_handed_to_the_checkpoint(monkeypatch) -> None:
     assert json.loads(seen[-1]) == results and results["2x1"]["xlaunch-int8"] == {"k": 2}
 
 
+def test_a_window_too_short_to_sample_says_so_instead_of_0_mib(capsys) -> None:
+    """A tiny run (--new-tokens 2): llama.cpp's windows ended before the first 0.2 s sample, and the bench
+    printed 'PSS sum 0 MiB, RSS sum 0 MiB' as if it had measured them."""
+    from statistics import median
+    from types import SimpleNamespace
+
+    inst = instances()
+    llamacpp = SimpleNamespace(llama_bench_argv=lambda *a: ["llama-bench"], parse_llama_bench=None,
+                               run_slots=lambda *a: {"status": "ok", "decode_rounds": [[2000.0]], "window_s": 0.05,
+                                                     "samples": 0})
+    args = SimpleNamespace(rounds=2, new_tokens=2, prompt=1)
+    rows = inst.run_pair(args, None, "llamacpp-q8_0", {}, (Path("bin"), {"q8_0": Path("m.gguf")}), 1, 1, [[0]],
+                         "llm.py", {}, lambda values: median(values) if values else None, llamacpp)
+    assert rows["llamacpp-q8_0"]["status"] == "ok" and rows["llamacpp-q8_0"]["pss_sum_mib"] is None
+    out = capsys.readouterr().out
+    assert "0 MiB" not in out and out.count("memory not sampled") == 3, out
+    assert inst.memory({"pss_sum_mib": 350.4, "rss_sum_mib": 402.0}) == "PSS sum 350 MiB, RSS sum 402 MiB"
+
+
 def test_the_memory_bench_takes_its_routes_and_counts() -> None:
     memory = load("llm_memory")
     args = memory.parse_args([])
