@@ -109,3 +109,26 @@ def test_no_stdout_stays_no_stdout() -> None:
     AttributeError ('NoneType' object has no attribute 'write') while an engine quantized."""
     proc = subprocess.run([sys.executable, "-c", NO_STDOUT], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+
+
+UNDER_RICH_LIVE = r'''
+import sys
+from rich.console import Console
+from rich.file_proxy import FileProxy
+from xlaunch.kernels.quantize import capture
+console = Console(force_terminal=True)     # as a live display on a terminal sets it up (xlaunch's own bar)
+sys.stdout = FileProxy(console, sys.stdout)
+with capture.quiet_libraries():
+    Console().print("library bar")         # a console made there (NNCF's): writes to rich_proxied_file
+print("after", flush=True)
+'''
+
+
+def test_a_console_behind_rich_s_proxy_is_held_too() -> None:
+    """On a terminal, xlaunch's progress bar (a rich live display) replaces ``sys.stdout`` with rich's
+    FileProxy, and rich consoles write to its ``rich_proxied_file``, the real stream: NNCF's bars got
+    past the holding onto the terminal."""
+    pytest.importorskip("rich")
+    proc = subprocess.run([sys.executable, "-c", UNDER_RICH_LIVE], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert "library bar" not in proc.stdout and "after" in proc.stdout, proc.stdout

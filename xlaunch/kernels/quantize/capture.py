@@ -78,7 +78,10 @@ class _Stream:
             self._stream.flush()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
+        value = getattr(self._stream, name)
+        if name == "rich_proxied_file":   # rich's stream proxy (a live display): its consoles write there, held too
+            return _Stream(value, self._name)
+        return value
 
 
 class _Records(logging.Filter):
