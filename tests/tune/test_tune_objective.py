@@ -111,3 +111,57 @@ def test_a_sum_past_the_largest_float_fails_that_trial(tmp_path, monkeypatch, ca
     doc = json.loads((tmp_path / "out" / "trials.json").read_text())
     assert [(t["config"]["ninstances"], t["status"], t["reason"]) for t in doc["trials"]] == [
         (1, "ok", ""), (2, "failed", "the sum over instances is not finite (1e+308, 1e+308)")]
+
+
+COUNTED = """import os, sys
+path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "count")
+n = int(open(path).read()) + 1 if os.path.exists(path) else 1
+open(path, "w").write(str(n))
+values = sys.argv[1:]
+if n > len(values):
+    sys.exit(3)
+print("score:", values[n - 1])
+"""
+
+
+def _tune_counted(tmp_path, monkeypatch, *values: str) -> tuple[int, str]:
+    """Two configurations (``benchmark``, one instance: any CPU count) whose n-th run prints the n-th
+    of ``values`` and exits 3 after them, with tune.png."""
+    from xlaunch.tune.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.toml").write_text("[space]\nbenchmark = [false, true]\n")
+    (tmp_path / "counted.py").write_text(COUNTED)
+    code = run(["--space", "space.toml", "--metric", r"score: (\S+)", "--final-rounds", "1", "--ninstances", "1",
+                "--output-dir", "out", "counted.py", *values])
+    return code
+
+
+def test_values_too_large_to_draw_cost_the_plot_only(tmp_path, monkeypatch, capsys) -> None:
+    """-1.7e308 and 1.7e308: the plot's axis overflowed (matplotlib's ValueError ended the session after
+    its trials, no table, no exit status); now one warning line, and the rest is written."""
+    pytest.importorskip("matplotlib")
+    code = _tune_counted(tmp_path, monkeypatch, "-1.7e308", "1.7e308", "1.7e308", "-1.7e308")
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert err.splitlines()[1:] == [
+        "xlaunch-tune: warning: no tune.png: values from -1.7e+308 to 1.7e+308 are too large to draw (at most 1e+300)"]
+    assert "best: #2 benchmark=true" in out and (tmp_path / "out" / "best.toml").exists()
+    assert not (tmp_path / "out" / "tune.png").exists()
+
+
+def test_final_rounds_that_all_failed_plot_without_a_warning(tmp_path, monkeypatch, capsys) -> None:
+    """Both finalists failed every final round: no diamond to draw, and no matplotlib warning
+    ("No artists with labels found to put in legend") on stderr."""
+    import warnings
+
+    pytest.importorskip("matplotlib")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = _tune_counted(tmp_path, monkeypatch, "1", "2")
+    assert not [str(w.message) for w in caught if "legend" in str(w.message)]
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert len(err.splitlines()) == 1, err                  # the start line only
+    assert "failed 1x: exit 3 (instance 0)" in out
+    assert (tmp_path / "out" / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

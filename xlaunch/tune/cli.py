@@ -426,10 +426,14 @@ def _write_outputs(out: str, tuner: Any, outcome: Any, sig: dict, program: Any, 
     from xlaunch.tune import records
 
     def plot() -> Optional[str]:
-        from xlaunch.tune.plot import save_plot
+        from xlaunch.tune.plot import PlotError, save_plot
 
         title = f"xlaunch-tune: {shlex.join(program.command)}"
-        png = save_plot(os.path.join(out, "tune.png"), tuner, outcome, title=title[:100])
+        try:
+            png = save_plot(os.path.join(out, "tune.png"), tuner, outcome, title=title[:100])
+        except PlotError as error:       # values no axis holds, matplotlib's own failure: the plot only
+            sys.stderr.write(f"{PROG}: warning: no tune.png: {error}\n")
+            return None
         if png is None:
             sys.stderr.write(f"{PROG}: matplotlib is not installed: no tune.png (pip install 'xlaunch[tune]')\n")
         return png

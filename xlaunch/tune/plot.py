@@ -13,8 +13,13 @@ from xlaunch.tune.session import Outcome, Tuner
 from xlaunch.tune.space import short_key
 from xlaunch.userfiles import write_atomically
 
+class PlotError(ValueError):
+    """Values no plot can show; the session goes on without tune.png."""
+
+
 MAX_OK_ROWS = 30          # the best 30 and up to 10 failures: a readable height
 MAX_FAILED_ROWS = 10
+MAX_DRAWN = 1e300         # an axis limit past this: no plot (its ticks overflow, or the span is inf)
 
 
 def label(point: dict[str, Any]) -> str:
@@ -27,7 +32,7 @@ def label(point: dict[str, Any]) -> str:
 
 def save_plot(path: str, tuner: Tuner, outcome: Outcome, title: Optional[str] = None) -> Optional[str]:
     """Write the plot (atomically, never through a symlink); returns None (and writes nothing)
-    when matplotlib is not installed."""
+    when matplotlib is not installed. A plot that cannot be drawn is a :class:`PlotError` saying why."""
     try:
         import matplotlib
 
@@ -35,6 +40,20 @@ def save_plot(path: str, tuner: Tuner, outcome: Outcome, title: Optional[str] = 
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    try:
+        image = _draw(plt, tuner, outcome, title)
+    except PlotError:
+        plt.close("all")
+        raise
+    except Exception as error:          # matplotlib's own failure costs the plot, never the session
+        from xlaunch._errors import error_line
+
+        plt.close("all")
+        raise PlotError(f"matplotlib failed ({error_line(error)})") from None
+    return write_atomically(path, image)
+
+
+def _draw(plt: Any, tuner: Tuner, outcome: Outcome, title: Optional[str]) -> bytes:
     ranked = tuner.ranked()
     failed = [r for r in tuner.records if not r.ok]
     hidden = max(0, len(ranked) - MAX_OK_ROWS) + max(0, len(failed) - MAX_FAILED_ROWS)
@@ -49,6 +68,8 @@ def save_plot(path: str, tuner: Tuner, outcome: Outcome, title: Optional[str] = 
     high = max(values) if values else 1.0
     left = 0.0 if low >= 0 else low * 1.1
     span = (high - left) or 1.0
+    if not max(abs(left), abs(high + 0.12 * span)) < MAX_DRAWN:    # matplotlib's ticks overflow near 1e308
+        raise PlotError(f"values from {low:g} to {high:g} are too large to draw (at most {MAX_DRAWN:g})")
     for y, record in enumerate(rows):
         if not record.ok:
             ax.plot([left + 0.01 * span], [y], marker="x", color="#c0392b", markersize=9, mew=2)
@@ -83,10 +104,10 @@ def save_plot(path: str, tuner: Tuner, outcome: Outcome, title: Optional[str] = 
     if hidden:
         sub += f"; {hidden} more in trials.csv"
     ax.set_title(f"{heading}\n{sub}", fontsize=10, loc="left")
-    if finals:
+    if any(finals.values()):      # final rounds that all failed draw no diamond (an empty legend warned)
         ax.legend(loc="lower right", fontsize=8, frameon=False)
     fig.tight_layout()
     image = io.BytesIO()
     fig.savefig(image, format="png")
     plt.close(fig)
-    return write_atomically(path, image.getvalue())
+    return image.getvalue()
