@@ -151,3 +151,15 @@ def test_a_model_that_fails_on_its_inputs_is_one_error_naming_them() -> None:
     assert isinstance(raised.value.__cause__, RuntimeError)
     with pytest.raises(ValueError, match=r"^quantize: Picky fails on example_inputs \(float32\[N,16\]\): "):
         quantize(Picky(), torch.randn(3, 16), mode="weight_only", progress=False)
+
+
+def test_a_batch_of_no_rows_is_one_error() -> None:
+    """An empty batch (0 rows) failed deep in the error measure (``max(): Expected reduction dim to be
+    specified for input.numel() == 0``) after the route was built."""
+    Scaled.seen.clear()
+    with pytest.raises(ValueError, match=r"^quantize: calibration batch 1, input 0: float32\[0,16\] holds no rows"):
+        quantize(Scaled().eval(), torch.randn(4, 16), calibration=[torch.randn(4, 16), torch.empty(0, 16)],
+                 mode="weight_only", progress=False)
+    with pytest.raises(ValueError, match=r"^quantize: example_inputs, input 0: float32\[0,16\] holds no rows"):
+        quantize(Scaled().eval(), torch.empty(0, 16), mode="weight_only", progress=False)
+    assert Scaled.seen == []   # nothing ran

@@ -139,7 +139,7 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     mode = policy.check_mode(mode)
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize: model must be a torch.nn.Module, not {type(model).__name__}")
-    example = inputs.as_args(example_inputs, "example_inputs")
+    example = inputs.check_rows(inputs.as_args(example_inputs, "example_inputs"), "example_inputs")
     batches, notes = inputs.calibration_batches(calibration, example)
     if mode == "static" and batches is None:
         raise ValueError("quantize: mode='static' needs calibration=[(inputs...), ...] to set the "

@@ -39,6 +39,17 @@ def as_args(inputs: Any, what: str) -> tuple:
     raise TypeError(f"quantize: {what} must be a tensor or a non-empty tuple of inputs, not {kind}")
 
 
+def check_rows(batch: tuple, what: str) -> tuple:
+    """``batch`` unless one of its tensors holds no rows (a batch of 0: nothing to calibrate on,
+    measure or time; the error measure failed on it with ``max(): Expected reduction dim``)."""
+    for position, value in enumerate(batch):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 0:
+            dims = ",".join(map(str, value.shape))
+            raise ValueError(f"quantize: {what}, input {position}: {str(value.dtype).removeprefix('torch.')}"
+                             f"[{dims}] holds no rows (a batch of 0)")
+    return batch
+
+
 def plain(batch: tuple) -> tuple:
     """``batch`` with each inference tensor (made under ``torch.inference_mode``) copied to a plain one,
     as the routes need: autograd-tracked code and torch.export refuse inference tensors. Call it
@@ -79,7 +90,7 @@ def calibration_batches(calibration: Optional[Iterable[Any]], example: tuple) ->
             raise ValueError(f"quantize: calibration batch {index} holds {len(batch)} item(s), example_inputs "
                              f"{len(example)}: each batch is the model's inputs, as example_inputs")
         extra = max(extra, len(batch) - len(example))
-        batch = batch[:len(example)]
+        batch = check_rows(batch[:len(example)], f"calibration batch {index}")
         for position, (value, expected) in enumerate(zip(batch, example)):
             if not _matches(value, expected):
                 raise ValueError(f"quantize: calibration batch {index}, input {position}: {signature(value)} where "
