@@ -156,7 +156,11 @@ def write_results(description: dict[str, Any], json_path: Optional[str], payload
 
 def plot(path: str, results: list[dict[str, Any]], *, value: str, ylabel: str, xlabel: str,
          title: str, x_of: Any, baseline: Optional[tuple[str, float]] = None) -> None:
-    """A PNG: ``value`` against ``x_of(result)``, one line per launcher (``series`` of a result)."""
+    """A PNG: ``value`` against ``x_of(result)``, one line per launcher (``series`` of a result), at ``path``
+    replaced whole (never written through a symlink there); ``wrote PATH``, or one line on stderr when it cannot
+    be written (no such folder, a full disk): the run's results are already out."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,8 +189,17 @@ def plot(path: str, results: list[dict[str, Any]], *, value: str, ylabel: str, x
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=110)
     plt.close(figure)
+    from xlaunch.userfiles import UserFileError, write_atomically
+
+    try:
+        write_atomically(path, image.getvalue())
+    except (OSError, UserFileError) as error:
+        print(f"could not write {path}: {error}", file=sys.stderr, flush=True)
+        return
+    print(f"wrote {path}")
 
 
 def plot_available(path: Optional[str]) -> bool:

@@ -204,7 +204,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                  f"{common.short_line(description)}")
         common.plot(args.plot, results, value="samples_per_s", ylabel="samples/s (all ranks)",
                     xlabel="ranks", title=title, x_of=lambda r: r["ranks"])
-        print(f"wrote {args.plot}")
     return 0 if all(r["steps_per_s"] is not None for r in results) else 1
 
 

@@ -279,7 +279,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                     ylabel="aggregate img/s", xlabel="cores per instance", title=title,
                     x_of=lambda r: r["cores_per_instance"] or 1,
                     baseline=next((("plain python", r["aggregate"]) for r in results if r["launcher"] == "plain"), None))
-        print(f"wrote {args.plot}")
     return 0 if all(r["aggregate"] is not None for r in results) else 1
 
 

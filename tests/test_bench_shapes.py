@@ -184,6 +184,26 @@ def test_a_launch_that_failed_gives_no_time_and_no_ratio(capsys) -> None:
     assert capsys.readouterr().out.splitlines()[-1].split() == ["run_cpu", "/", "xlaunch:", "0.3x"]
 
 
+def test_a_plot_never_writes_through_a_symlink_and_a_failed_write_is_one_line(tmp_path: Path, capsys) -> None:
+    """--plot PATH: matplotlib's savefig wrote through a symlink at PATH (over somebody's file), and a folder
+    that does not exist ended the finished run in a traceback."""
+    pytest.importorskip("matplotlib")
+    common = bench("_machine_bench")
+    results = [{"series": "xlaunch", "v": 1.0, "x": 1}, {"series": "xlaunch", "v": 2.0, "x": 2}]
+    target = tmp_path / "somebody-elses.txt"
+    target.write_text("theirs")
+    (tmp_path / "plot.png").symlink_to(target)
+    common.plot(str(tmp_path / "plot.png"), results, value="v", ylabel="y", xlabel="x", title="t", x_of=lambda r: r["x"])
+    assert target.read_text() == "theirs" and not (tmp_path / "plot.png").is_symlink()
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'plot.png'}\n"
+    common.plot(str(tmp_path / "no-such-folder" / "p.png"), results, value="v", ylabel="y", xlabel="x", title="t",
+                x_of=lambda r: r["x"])
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"could not write {tmp_path / 'no-such-folder' / 'p.png'}: ") and \
+        len(err.splitlines()) == 1, err
+
+
 def test_a_bench_names_the_machine_it_runs_on_not_a_recorded_one(monkeypatch) -> None:
     here = load_machine("/")
     monkeypatch.setenv("XLAUNCH_FSROOT", str(machine_tree("spr16")))
