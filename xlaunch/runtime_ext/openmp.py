@@ -124,8 +124,6 @@ class OpenMPRuntime:
     def __init__(self, mapped: MappedRuntime) -> None:
         self.kind = mapped.kind
         self.path = mapped.path
-        self._kept = False
-        self._keep_lock = threading.Lock()
         try:
             self._lib = ctypes.CDLL(mapped.path, mode=_RTLD_NOLOAD | os.RTLD_GLOBAL)
         except OSError as error:
@@ -165,27 +163,17 @@ class OpenMPRuntime:
     def get_dynamic(self) -> bool:
         return bool(self._lib.omp_get_dynamic())
 
-    def keep_team_threads(self) -> None:
-        """Intel and LLVM runtimes: a team that shrinks keeps its threads (``KMP_HOT_TEAMS_MODE=1``,
-        set once through ``kmp_set_defaults`` unless the environment sets it).
+    @property
+    def moves_threads_between_teams(self) -> bool:
+        """LLVM libomp without ``KMP_HOT_TEAMS_MODE=1`` in the environment: a team that shrinks (a small
+        torch op, a nested smaller pool) hands its extra threads to one pool every thread's team draws
+        from, so a team of another Python thread may take a thread pinned for this one's pool.
 
-        By default they hand the extra threads back to a pool shared by every thread's team: after a
-        small torch op (a smaller team) or a nested 1-CPU pool, another Python thread's team could
-        take a thread pinned to our CPU, and ours a thread pinned elsewhere or not at all. libgomp
-        keeps a pool per thread; nothing to do there.
+        The mode is read before the runtime's first parallel region only (``kmp_set_defaults`` later is
+        ignored, with a warning on stderr), so it cannot be set from here. libgomp keeps a pool per
+        thread; Intel's libiomp5 kept its threads in every run of the test (not known to be guaranteed).
         """
-        if self._kept or self.kind == GOMP or HOT_TEAMS_MODE_ENV in os.environ:
-            return
-        with self._keep_lock:  # pools made in several threads at once: the runtime parses it once
-            if self._kept:
-                return
-            self._kept = True
-            try:
-                set_defaults = self._lib.kmp_set_defaults
-            except AttributeError:
-                return
-            set_defaults.argtypes, set_defaults.restype = [ctypes.c_char_p], None
-            set_defaults(f"{HOT_TEAMS_MODE_ENV}=1".encode())
+        return self.kind == LLVM_OMP and os.environ.get(HOT_TEAMS_MODE_ENV, "").strip() != "1"
 
     def place_cpus(self) -> tuple[int, ...]:
         """Every CPU named by the runtime's places (``OMP_PLACES``, ``KMP_AFFINITY``), sorted.

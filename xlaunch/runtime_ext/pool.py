@@ -260,7 +260,6 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
     runtime = openmp.loaded_runtime()
     if not runtime.can_run_teams:
         raise openmp.OpenMPNotFoundError(f"{runtime.path} does not export GOMP_parallel: pinning unsupported")
-    runtime.keep_team_threads()  # the pinned threads must stay in this thread's team
     size = len(cpus)
     previous_threads = get_thread_count(runtime)
     previous_mkl = _size_own_team(runtime, size)
@@ -284,6 +283,8 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
         unpin_team(TeamPin(cpus, previous_threads, tuple(r for r in records if r is not None), previous_mkl=previous_mkl))
         raise
     done = tuple(r for r in records if r is not None)
+    if size > 1:
+        _note_team_pin(runtime, +1)
     if len(done) < size:
         warnings.warn(
             f"the OpenMP runtime gave a team of {len(done)} threads, not {size}: "
@@ -294,6 +295,31 @@ def pin_team(cpus: tuple[int, ...]) -> TeamPin:
     return TeamPin(cpus, previous_threads, done, previous_mkl=previous_mkl)
 
 
+_team_pins: collections.Counter = collections.Counter()   # thread id -> its live pins of 2+ CPUs
+_team_pins_lock = threading.Lock()
+_shared_pool_warned = False
+
+
+def _note_team_pin(runtime: openmp.OpenMPRuntime, delta: int) -> None:
+    """Count the calling thread's live pins of 2+ CPUs; say once when two threads hold one at the same
+    time under a runtime that moves team threads between threads' teams (their placement can be wrong)."""
+    global _shared_pool_warned
+    with _team_pins_lock:
+        _team_pins[threading.get_ident()] += delta
+        if _team_pins[threading.get_ident()] <= 0:
+            del _team_pins[threading.get_ident()]
+        warn = delta > 0 and len(_team_pins) > 1 and not _shared_pool_warned and runtime.moves_threads_between_teams
+        _shared_pool_warned = _shared_pool_warned or warn
+    if warn:
+        warnings.warn(
+            f"pools of 2 or more CPUs in several threads at once under LLVM libomp: a team that shrinks gives its "
+            f"threads to other threads' teams, so a pool may run on threads pinned for another one; start the "
+            f"program with {openmp.HOT_TEAMS_MODE_ENV}=1 in its environment to keep them",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
 def unpin_team(pinned: TeamPin) -> None:
     """Undo :func:`pin_team`: previous affinity of every pinned thread, previous thread count.
 
@@ -301,6 +327,8 @@ def unpin_team(pinned: TeamPin) -> None:
     0); the other thread ids still name the parent's threads, which are left alone.
     """
     forked = pinned.pid != os.getpid()
+    if len(pinned.cpus) > 1 and not forked:
+        _note_team_pin(openmp.loaded_runtime(), -1)
     for record in reversed(pinned.records):
         if forked and record.thread_num != 0:
             continue
