@@ -168,6 +168,17 @@ def test_the_rope_table_has_the_rotary_modules_values(rope):
         assert table.attention_scaling != 1.0
 
 
+def test_negative_positions_rotate_backwards_as_the_rotary_module_does():
+    """A position of -p read the table's row -p from its end (another position's angle: a prompt with position_ids
+    of cumsum - 1 left at -1, or any negative one, got other logits than Hugging Face's); cos(-p), sin(-p) now."""
+    model = tiny("llama", seed=1)
+    rotary = model.model.rotary_emb
+    positions = torch.cat([torch.arange(-300, 0), torch.arange(5)])[None, :]
+    cos, sin = rotary(torch.zeros(1, 1, 32), positions)
+    got_cos, got_sin = RopeTable.of(rotary, 32, torch.float32).lookup(positions)
+    assert torch.equal(got_cos, cos) and torch.equal(got_sin, sin)
+
+
 CHILD = r"""
 import json, sys, torch
 import xlaunch.llm as llm

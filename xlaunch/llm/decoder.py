@@ -138,13 +138,18 @@ class RopeTable:
         return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
 
     def lookup(self, positions: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
-        """(cos, sin) [B, S, D] for ``positions`` [B, S], in the model's dtype (as Hugging Face casts them)."""
-        needed = int(positions.max()) + 1 if positions.numel() else 1
+        """(cos, sin) [B, S, D] for ``positions`` [B, S], in the model's dtype (as Hugging Face casts them). A negative
+        position is rotated backwards, as there (cos of -p is cos of p, sin its negation), not read from the table's end."""
+        low, high = (int(value) for value in torch.aminmax(positions)) if positions.numel() else (0, 0)
+        needed = max(high, -low) + 1
         cos, sin = self.tables          # one read: another thread may grow them meanwhile
         if needed > cos.shape[0]:
             cos, sin = self._table(max(needed, 2 * cos.shape[0], 256))
             cos, sin = self.tables = cos.to(self.dtype), sin.to(self.dtype)
-        return cos[positions], sin[positions]
+        if low >= 0:
+            return cos[positions], sin[positions]
+        distance = positions.abs()
+        return cos[distance], torch.where((positions < 0)[..., None], -sin[distance], sin[distance])
 
 
 class Kernels:
