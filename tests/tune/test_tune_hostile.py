@@ -211,3 +211,22 @@ def test_huge_metrics_keep_the_table_narrow() -> None:
 
     assert [_fmt(v) for v in (0.5, 1234.4, 987654321.0, 1e20, -1.5e308)] == ["0.5", "1234", "987654321", "1e+20",
                                                                              "-1.5e+308"]
+
+
+def test_a_metric_lost_to_a_full_disk_says_so(tmp_path: Path) -> None:
+    """Files capped at 8000 bytes (RLIMIT_FSIZE: a full disk as the launcher meets it, EFBIG): the
+    instance's log loses its last lines, metric included. The reason was 'no metric from instance 0',
+    as if the configuration printed none; it says the log was cut short, and why."""
+    import errno
+    import resource
+
+    (tmp_path / "space.toml").write_text("[space]\nbenchmark = [false, true]\n")
+    (tmp_path / "chatty.py").write_text("for _ in range(100):\n    print('x' * 99)\nprint('score: 5')\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "xlaunch.tune", "--space", "space.toml", "--metric", r"score: (\S+)", "--ninstances", "1",
+         "--final-rounds", "0", "--no-plot", "--output-dir", "out", "chatty.py"], cwd=tmp_path, capture_output=True,
+        text=True, stdin=subprocess.DEVNULL, timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (8000, 8000)))
+    assert done.returncode == 1, done.stderr
+    reasons = [t["reason"] for t in json.loads((tmp_path / "out" / "trials.json").read_text())["trials"]]
+    assert reasons == [f"no metric from instance 0 (its log is cut short: {os.strerror(errno.EFBIG)})"] * 2, reasons

@@ -141,8 +141,8 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
     paths = [os.path.join(directory, f"{LOG_PREFIX}_instance_{index}.log") for index in candidate.instances]
     found = read_metric(objective, paths, budget if budget is not None else MatchBudget(launch.metric_time_limit))
     values = tuple(value if isinstance(value, float) else None for value in found)
-    problems = [f"{value} from instance {index}" for index, value in zip(candidate.instances, found)
-                if isinstance(value, str)]
+    problems = [f"{value} from instance {index}" + (_lost_output(directory, index) if value.startswith("no ") else "")
+                for index, value in zip(candidate.instances, found) if isinstance(value, str)]
     if problems:
         return RunResult(False, wall, None, values, problems[0], directory, kernels)
     value = aggregate([v for v in values if v is not None], objective.aggregate)
@@ -150,6 +150,27 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
         return RunResult(False, wall, None, values, f"the {objective.aggregate} over instances is not finite "
                          f"({', '.join(f'{v:g}' for v in values if v is not None)})"[:200], directory, kernels)
     return RunResult(True, wall, value, values, "", directory, kernels)
+
+
+def _lost_output(directory: str, index: int) -> str:
+    """Why instance ``index``'s log may lack its metric when the run could not write it all (a full
+    disk): the launcher's own count (``instance 1: 1 line(s) missing at the end of its log (...)``),
+    else a full file system under ``directory``; "" when its log was written whole."""
+    import re
+
+    try:
+        text = read_user_file(os.path.join(directory, f"{LOG_PREFIX}_launcher.log"), 16 << 20).decode("utf-8", "replace")
+    except ValueError:                              # UserFileError: missing, not a regular file, too large
+        text = ""
+    said = re.search(rf"^\S+ \S+ (?:warning: )?instance {index}: (\d+ line\(s\) missing at the end of its log|cannot "
+                     rf"write its log) .*?\((.+?)\)", text, re.MULTILINE)
+    if said is not None:
+        return f" (its log is cut short: {said.group(2)})"
+    try:
+        full = os.statvfs(directory).f_bavail == 0
+    except OSError:
+        full = False
+    return f" (its log may be cut short: no space left under {directory})" if full else ""
 
 
 def _kernel_cells(path: str, instances: Sequence[int]) -> tuple[str, ...]:
