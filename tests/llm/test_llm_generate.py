@@ -280,6 +280,37 @@ def test_a_mask_that_is_not_2d_is_refused_in_one_line(model):
         model(ids, attention_mask=four_d)
 
 
+@pytest.mark.parametrize("call,option", [
+    (dict(input_ids=torch.ones(2, 6)), "input_ids"), (dict(input_ids=torch.ones(6, dtype=torch.long)), "input_ids"),
+    (dict(input_ids=torch.ones(2, 0, dtype=torch.long)), "input_ids"), (dict(inputs_embeds=torch.ones(2, 6, 64)), "inputs_embeds"),
+    (dict(attention_mask=torch.ones(1, 6)), "attention_mask"), (dict(attention_mask=torch.ones(2, 3)), "attention_mask"),
+    (dict(position_ids=torch.arange(3)[None]), "position_ids"), (dict(position_ids=torch.ones(2, 6)), "position_ids"),
+])
+def test_inputs_the_forward_cannot_take_are_one_line_naming_them(model, call, option):
+    """They failed inside a reshape, torch's embedding or the attention kernel ('key_padding must be [B, start + S]';
+    a mask of one row without zeros was taken for every row)."""
+    call = dict(input_ids=torch.ones(2, 6, dtype=torch.long)) | call
+    if "inputs_embeds" in call:
+        call.pop("input_ids")
+    with pytest.raises(ValueError, match=f"^xlaunch.llm: {option} ") as info:
+        model(**call)
+    assert "\n" not in str(info.value)
+
+
+def test_a_mask_longer_than_the_input_is_read_from_its_first_column_as_transformers_reads_it():
+    """Slot j is column j: a mask kept at a fixed length, ones then zeros for the positions to come, was read from its
+    end (its zeros taken for the prompt's padding: other logits than Hugging Face's)."""
+    reference = tiny("llama", seed=3)
+    model = llm.optimize(clone(reference), dtype=torch.float32)
+    ids, mask = prompts(2, 8, seed=5)
+    longer = torch.cat([mask, torch.zeros(2, 5, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=longer).logits
+    got = model(ids, attention_mask=longer).logits
+    real = mask.bool()
+    assert torch.allclose(got[real], expected[real], rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("bad", [dict(do_sample=True, temperature=0.0), dict(do_sample=True, temperature=-1.0),
                                  dict(do_sample=True, top_k=-1), dict(do_sample=True, min_p=2.0),
                                  dict(repetition_penalty=0.0), dict(do_sample=True, repetition_penalty=-1.0)])

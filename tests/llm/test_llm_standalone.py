@@ -169,14 +169,28 @@ def test_the_rope_table_has_the_rotary_modules_values(rope):
 
 
 def test_negative_positions_rotate_backwards_as_the_rotary_module_does():
-    """A position of -p read the table's row -p from its end (another position's angle: a prompt with position_ids
-    of cumsum - 1 left at -1, or any negative one, got other logits than Hugging Face's); cos(-p), sin(-p) now."""
+    """A position of -p read the table's row p from its end (another position's angle: a token at a negative
+    position got other logits than Hugging Face's); cos(-p), sin(-p) now."""
     model = tiny("llama", seed=1)
     rotary = model.model.rotary_emb
     positions = torch.cat([torch.arange(-300, 0), torch.arange(5)])[None, :]
     cos, sin = rotary(torch.zeros(1, 1, 32), positions)
     got_cos, got_sin = RopeTable.of(rotary, 32, torch.float32).lookup(positions)
     assert torch.equal(got_cos, cos) and torch.equal(got_sin, sin)
+
+
+def test_the_decoders_forward_refuses_inputs_it_cannot_take_in_one_line(both):
+    """Decoder(ids) checked nothing: float or 1-D ids failed inside torch's embedding or a reshape, a mask of
+    another batch inside the attention kernel."""
+    decoder, _ = both
+    ids, mask = prompts(2, 6, seed=3)
+    for call, option in ((dict(input_ids=ids.float()), "input_ids"), (dict(input_ids=ids[0]), "input_ids"),
+                         (dict(attention_mask=mask[:1]), "attention_mask"),
+                         (dict(position_ids=torch.arange(3)[None]), "position_ids")):
+        call = dict(input_ids=ids) | call
+        with pytest.raises(ValueError, match=f"^xlaunch.llm: {option} ") as info:
+            decoder(call.pop("input_ids"), **call)
+        assert "\n" not in str(info.value)
 
 
 CHILD = r"""

@@ -93,12 +93,13 @@ class KVBuffers:
                 [torch.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)])
 
     def note_padding(self, attention_mask: Optional["torch.Tensor"], total: int) -> Optional["torch.Tensor"]:
-        """Record which of the first ``total`` slots are padding (mask zeros); returns [batch, total] or None."""
+        """Record which of the first ``total`` slots are padding (zeros in the mask's first ``total`` columns, as
+        transformers reads a mask longer than the cache and input); returns [batch, total] or None."""
         if attention_mask is None:       # a continuation: the padding recorded so far
             return self.padding[:, :total] if self.padding is not None and self.padding.shape[1] >= total else None
         if attention_mask.shape[1] < total:
             raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens, the cache and input {total}")
-        mask = attention_mask[:, -total:] == 0
+        mask = attention_mask[:, :total] == 0      # slot j is column j (a longer mask: its first columns, as transformers)
         self.padding = mask if bool(mask.any()) else None
         return self.padding
 

@@ -152,6 +152,43 @@ class RopeTable:
         return cos[distance], torch.where((positions < 0)[..., None], -sin[distance], sin[distance])
 
 
+INT_IDS = (torch.long, torch.int32)       # the index dtypes of token ids and positions (as torch's embedding takes)
+
+
+def _shape(value: Any) -> str:
+    return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}" if isinstance(value, torch.Tensor) \
+        else type(value).__name__
+
+
+def check_inputs(hidden: int, input_ids: Any, attention_mask: Any, position_ids: Any, inputs_embeds: Any) -> None:
+    """One ValueError line for inputs the forward cannot take (they failed inside a reshape or a kernel, or a mask of
+    another batch was read as every row's)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("xlaunch.llm: pass exactly one of input_ids and inputs_embeds")
+    if input_ids is not None and (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
+                                  or input_ids.dtype not in INT_IDS or 0 in input_ids.shape):
+        raise ValueError(f"xlaunch.llm: input_ids must be a non-empty [batch, length] tensor of token ids (torch.long), "
+                         f"not {_shape(input_ids)}")
+    if inputs_embeds is not None and (not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3
+                                      or not inputs_embeds.is_floating_point() or 0 in inputs_embeds.shape[:2]
+                                      or inputs_embeds.shape[2] != hidden):
+        raise ValueError(f"xlaunch.llm: inputs_embeds must be a non-empty [batch, length, {hidden}] floating-point "
+                         f"tensor, not {_shape(inputs_embeds)}")
+    batch, length = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"xlaunch.llm: attention_mask must be 2-D [batch, length] (0: padding), not {shape}; the "
+                         "optimized model takes no 4-D or per-layer masks")
+    if attention_mask is not None and (attention_mask.shape[0] != batch or attention_mask.shape[1] < length):
+        raise ValueError(f"xlaunch.llm: attention_mask is {tuple(attention_mask.shape)}, the input {batch} rows of "
+                         f"{length} tokens (a mask covers the cache and the input)")
+    if position_ids is not None and (not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in INT_IDS
+                                     or position_ids.numel() not in (length, batch * length)
+                                     or position_ids.shape[-1] != length):
+        raise ValueError(f"xlaunch.llm: position_ids must be integers of shape [{batch}, {length}] or [1, {length}], "
+                         f"not {_shape(position_ids)}")
+
+
 class Kernels:
     """The calls of one forward: the compiled operators with the weights bound (when built), else the
     pure-torch paths. Bound once per availability, so a decode step makes no dispatch decisions."""
@@ -214,12 +251,7 @@ class DecoderRuntime:
                 use_cache: bool, logits_to_keep: Any) -> tuple["torch.Tensor", Optional[KVBuffers]]:
         """(logits, cache) for the new tokens; the cache advanced by them (None when ``use_cache`` is False)."""
         spec = self.spec
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
-            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-            raise ValueError(f"xlaunch.llm: attention_mask must be 2-D [batch, length] (0: padding), not {shape}; the "
-                             "optimized model takes no 4-D or per-layer masks")
+        check_inputs(spec.hidden_size, input_ids, attention_mask, position_ids, inputs_embeds)
         hidden = (embed_rows(self.embed, self.lm_head, input_ids, self.dtype) if inputs_embeds is None
                   else inputs_embeds.to(self.dtype).contiguous())
         batch, length = hidden.shape[:2]
