@@ -3,6 +3,7 @@ against the reference route of each precision, generate with and without it, bat
 1 and 100 tokens, the preallocated cache, unknown architectures and the pure-torch fallback."""
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -302,8 +303,9 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_once_and_runs_bf16(llama, monke
     monkeypatch.setattr(api, "native_bf16", lambda: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = llm.optimize(clone(llama), dtype=torch.bfloat16)
+        model = llm.optimize(clone(llama), dtype=torch.bfloat16); line = sys._getframe().f_lineno   # noqa: E702
     assert [w.category for w in caught] == [UserWarning]
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)     # the caller's line (was its caller's)
     assert "neither AVX512_BF16 nor AMX_BF16" in str(caught[0].message) and "torch.float32" in str(caught[0].message)
     assert _runtime_dtype(model) == torch.bfloat16
     monkeypatch.setattr(api, "native_bf16", lambda: True)

@@ -270,7 +270,7 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
         return model
     if kind == "int4":
         _check_groups(model, group_size)
-    warn_if_bf16_is_slow(dtype, "xlaunch.llm.optimize", stacklevel=3)
+    warn_if_bf16_is_slow(dtype, "xlaunch.llm.optimize")     # at the line that called optimize
     model.eval()
     inner = model.model
     with torch.no_grad():
