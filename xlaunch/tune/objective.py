@@ -122,10 +122,12 @@ def metric_values(pattern: re.Pattern[str], paths: Sequence[str], time_limit: fl
     import subprocess
     import sys
 
+    from xlaunch.tune.tether import snippet_call
+
     request = json.dumps([pattern.pattern, pattern.flags, list(paths), TAIL_BYTES])
-    try:
-        done = subprocess.run([sys.executable, "-I", "-S", "-c", _MATCHER], input=request, capture_output=True,
-                              text=True, timeout=time_limit)
+    try:        # killed with the tuner: a pattern that backtracks must not spin on after a kill -9
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", snippet_call() + _MATCHER], input=request,
+                              capture_output=True, text=True, timeout=time_limit)
     except subprocess.TimeoutExpired:
         return [f"matching the metric took over {time_limit:g}s (a pattern that backtracks, "
                 "such as (a+)+$, on a long line?)"] * len(paths)
