@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -266,21 +266,33 @@ def main() -> None:
     print(f"small_cnn 64x64, batch {args.batch}, CPUs {args.cpus}, allocator {args.allocator}, "
           f"{args.reps} interleaved reps x {args.seconds:g} s")
     print(f"'clean' reps: other processes used < {args.clean:.0%} of the CPUs meanwhile (the machine is shared)")
-    medians, clean_medians = {}, {}
+    print("\n".join(summary(variants, results, foreign, args.clean)))
+
+
+def summary(variants: list[str], results: dict[str, list[float]], foreign: dict[str, list[float]],
+            limit: float) -> list[str]:
+    """Per variant its medians (all reps, the clean ones: others used < ``limit`` of the CPUs) and best, then
+    the ratios; ``-`` where no rep was clean (there is no figure to give)."""
+    def clean_of(variant: str) -> Optional[float]:
+        clean = [r for r, f in zip(results[variant], foreign[variant]) if f < limit]
+        return statistics.median(clean) if clean else None
+
+    lines, clean = [], {variant: clean_of(variant) for variant in variants}
     for variant in variants:
         rates, shares = results[variant], foreign[variant]
-        clean = [r for r, f in zip(rates, shares) if f < args.clean]
-        medians[variant] = statistics.median(rates)
-        clean_medians[variant] = statistics.median(clean) if clean else float("nan")
-        print(f"  {variant:13s} median {medians[variant]:7.1f} img/s   clean median {clean_medians[variant]:7.1f} "
-              f"({len(clean)}/{len(rates)} reps)   best {max(rates):7.1f}   "
-              f"others' CPU share median {statistics.median(shares):.0%}")
+        kept = sum(f < limit for f in shares)
+        shown = "-" if clean[variant] is None else f"{clean[variant]:.1f}"
+        lines.append(f"  {variant:13s} median {statistics.median(rates):7.1f} img/s   clean median {shown:>7s} "
+                     f"({kept}/{len(rates)} reps)   best {max(rates):7.1f}   "
+                     f"others' CPU share median {statistics.median(shares):.0%}")
     for a, b in (("streams", "procs"), ("streams", "plain"), ("threads", "procs"), ("procs", "plain"),
                  ("plain-pinned", "plain")):
-        if a in medians and b in medians:
-            print(f"ratio {a}/{b}: median {medians[a] / medians[b]:.3f}   clean {clean_medians[a] / clean_medians[b]:.3f}"
-                  f"   best {max(results[a]) / max(results[b]):.3f}")
-
+        if a in results and b in results:
+            both = clean[a] is not None and clean[b] is not None
+            lines.append(f"ratio {a}/{b}: median {statistics.median(results[a]) / statistics.median(results[b]):.3f}"
+                         f"   clean {f'{clean[a] / clean[b]:.3f}' if both else '-'}"
+                         f"   best {max(results[a]) / max(results[b]):.3f}")
+    return lines
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -227,6 +227,18 @@ def test_an_interrupted_streams_bench_stops_its_workers_mid_window(tmp_path: Pat
     assert time.monotonic() - started < 15
 
 
+def test_the_streams_summary_has_no_nan_where_no_rep_was_clean() -> None:
+    """On a busy machine no rep is 'clean': the summary printed 'clean median nan' and 'clean nan' ratios."""
+    streams = load("streams")
+    results = {"streams": [120.0, 100.0], "procs": [100.0, 80.0]}
+    foreign = {"streams": [0.5, 0.02], "procs": [0.5, 0.6]}
+    lines = [" ".join(line.split()) for line in streams.summary(["streams", "procs"], results, foreign, 0.05)]
+    assert lines == [
+        "streams median 110.0 img/s clean median 100.0 (1/2 reps) best 120.0 others' CPU share median 26%",
+        "procs median 90.0 img/s clean median - (0/2 reps) best 100.0 others' CPU share median 55%",
+        "ratio streams/procs: median 1.222 clean - best 1.200"]
+
+
 CLOSED_STDOUT = """
 import sys
 sys.path.insert(0, sys.argv[1])
