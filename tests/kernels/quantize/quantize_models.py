@@ -91,8 +91,9 @@ def make(name: str) -> tuple[nn.Module, torch.Tensor, list[tuple]]:
 
 def residual_blocks() -> tuple[nn.Module, torch.Tensor, list[tuple]]:
     """A stem conv and two of bench/engines.py's ResNet-50 bottlenecks (one ``self.relu`` called
-    three times per block, as torchvision's), tiny: the pattern that broke the PT2E routes."""
-    spec = importlib.util.spec_from_file_location("bench_engines", BENCH / "engines.py")
+    three times per block, as torchvision's; in bench/_engines_models.py), tiny: the pattern that
+    broke the PT2E routes."""
+    spec = importlib.util.spec_from_file_location("bench_engines_models", BENCH / "_engines_models.py")
     engines = sys.modules.get(spec.name)
     if engines is None:
         engines = importlib.util.module_from_spec(spec)
