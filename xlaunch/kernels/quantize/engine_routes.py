@@ -91,8 +91,8 @@ def build_onnxruntime(model: nn.Module, example: tuple, calibration: list[tuple]
     sample = Sample(model, example)
     model_bytes = onnxruntime_route.export_onnx(model, sample)
     names = [f"input_{i}" for i in range(len(sample.tensor_positions))]
-    feeds = [{name: t.detach().contiguous().numpy() for name, t in zip(names, sample.tensors(batch))}
-             for batch in calibration]
+    feeds = ({name: t.detach().contiguous().numpy() for name, t in zip(names, sample.tensors(batch))}
+             for batch in calibration)   # made as ONNX Runtime reads them: no second copy of the calibration
 
     class Reader(q.CalibrationDataReader):   # every calibration batch, once
         def __init__(self) -> None:
