@@ -120,7 +120,8 @@ def test_a_trial_whose_config_file_cannot_be_written_fails_and_the_session_goes_
 @pytest.mark.parametrize("argv, line", [
     (["--strategy", "tpe", "--seed", str(2**32)], "--seed: must be between 0 and 4294967295, got '4294967296'"),
     (["--timeout", "1e400"], "--timeout: must be a finite number, got '1e400'"),
-])
+    (["--timeout", "1e10"], "--timeout: must be between 0.001 and 1000000, got '1e10'"),   # was OverflowError's
+])                                                                   # traceback after the first trial ran
 def test_numbers_out_of_range_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
                                            monkeypatch: pytest.MonkeyPatch, argv: list[str], line: str) -> None:
     """A seed past 2**32 - 1 was numpy's traceback from inside Optuna's TPE; an infinite timeout

@@ -24,6 +24,7 @@ from xlaunch.tune.strategies import STRATEGIES
 PROG = "xlaunch-tune"
 DEFAULT_SAMPLED_TRIALS = 20
 MAX_SEED = 2**32 - 1            # what Optuna's TPE (numpy's RandomState) takes; the same for every strategy
+MAX_TIMEOUT = 10**6             # seconds (11.5 days); past ~2.1e6 the metric matcher's wait overflowed poll()
 # launcher parameters that make no sense as fixed trial options (the tuner manages them)
 NOT_FIXED = frozenset({"command", "verbose", "quiet", "check_isa", "torch", "show_topology", "dry_run",
                        "json", "log_dir", "log_file_prefix", "instance_idx", "version"})
@@ -250,7 +251,7 @@ def _settings(params: Mapping[str, Any], strategy: str, size: int) -> Settings:
         trials=trials,
         repeats=_number(params, "repeats", int, 1),
         final_rounds=_number(params, "final_rounds", int, 0),
-        timeout=_number(params, "timeout", float, 0.001),
+        timeout=_number(params, "timeout", float, 0.001, MAX_TIMEOUT),
         seed=_number(params, "seed", int, 0, MAX_SEED),
         output_dir=output_dir,
         resume=bool(params["resume"]),
