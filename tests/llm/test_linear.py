@@ -191,6 +191,19 @@ def test_bad_group_sizes_and_kinds_are_refused_clearly():
         PackedLinear(weight, None, "int2")
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+def test_an_input_of_another_width_or_an_integer_dtype_is_one_value_error(layout, kind):
+    """The INT8 kernel took a width up to the next multiple of 4 as its own (70 inputs: 71 gave numbers), others
+    failed inside a kernel or ATen's GEMM, and integer inputs came back truncated to integers."""
+    weight = torch.randn(100, 96 if kind == "int4" else 70).bfloat16().float()     # fp32: bf16 values, native too
+    layer = build(layout, weight, None, kind, dtype=torch.float32, group_size=32)
+    k = layer.in_features
+    for x in (torch.randn(3, k + 1), torch.randn(3, k - 1), torch.ones(3, k, dtype=torch.long), torch.tensor(1.0)):
+        with pytest.raises(ValueError, match=rf"^PackedLinear: the input must be a floating-point \[\.\.\., {k}\] tensor"):
+            layer(x)
+    assert layer(torch.randn(2, 3, k)).shape == (2, 3, 100)
+
+
 def test_from_linears_concatenates_outputs_and_fills_missing_biases():
     torch.manual_seed(3)
     a, b = torch.nn.Linear(96, 40, bias=True), torch.nn.Linear(96, 24, bias=False)

@@ -233,7 +233,14 @@ class PackedLinear(nn.Module):
         return dequantize(*self.quantized())
 
     def forward(self, x: "torch.Tensor") -> "torch.Tensor":
-        """``x @ W.T + b`` by the kernels (native layout; fp32 ones up to :data:`FP32_KERNEL_ROWS` rows) or ATen's."""
+        """``x @ W.T + b`` by the kernels (native layout; fp32 ones up to :data:`FP32_KERNEL_ROWS` rows) or ATen's;
+        ``x`` [..., in_features] of a floating-point dtype (a ValueError otherwise: the INT8 kernel read a width
+        up to the next multiple of 4 as its own, and integer inputs came back truncated)."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 \
+                or x.shape[-1] != self.in_features:
+            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"PackedLinear: the input must be a floating-point [..., {self.in_features}] tensor, "
+                             f"not {got}")
         ops = native.ops()
         if self.layout == "native":
             return self._native(ops, x) if ops is not None else self._reference(x)
