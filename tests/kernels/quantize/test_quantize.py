@@ -155,6 +155,7 @@ class Recurrent(nn.Module):
     ({"calibration": 5}, TypeError, "calibration must be an iterable of input tuples .* not int"),
     ({"calibration": "batches"}, TypeError, "calibration must be an iterable of input tuples .* not str"),
     ({"mode": "dynamic", "consider": ["static"]}, ValueError, "consider= limits what mode='auto' builds; mode='dynamic'"),
+    ({"progress": "no"}, TypeError, "quantize: progress must be True or False, not 'no'"),
 ])
 def test_bad_arguments_give_one_clear_error(kwargs: dict, error: type, match: str) -> None:
     model, example, _ = make("mlp")

@@ -346,6 +346,11 @@ def test_a_path_that_is_no_path_and_a_call_the_loaded_program_does_not_serve(tmp
         with pytest.raises(TypeError, match=rf"^load_quantized: path must be a str or os.PathLike .*, "
                                             rf"not {type(bad).__name__}$"):
             load_quantized(bad)
+    for empty in ("", b""):      # was "load_quantized: : no such file"
+        with pytest.raises(ValueError, match=r"^save: path is empty \(a file's path is needed\)$"):
+            quantized.save(empty)
+        with pytest.raises(ValueError, match=r"^load_quantized: path is empty \(a file's path is needed\)$"):
+            load_quantized(empty)
     path = tmp_path / "m.pt2"
     quantized.save(os.fsencode(path))   # bytes, as load_quantized takes them
     loaded = load_quantized(os.fsencode(path))

@@ -31,6 +31,7 @@ import warnings
 from typing import Any, Callable, Iterable, Optional
 
 from xlaunch._callers import stacklevel_outside
+from xlaunch._errors import flag
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -137,6 +138,7 @@ def quantize(model: nn.Module, example_inputs: Any, *, calibration: Optional[Ite
     a bar on a terminal), the first one before any work.
     """
     mode = policy.check_mode(mode)
+    progress = flag(progress, "quantize: progress")   # progress="no" showed the bar
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize: model must be a torch.nn.Module, not {type(model).__name__}")
     example = inputs.check_rows(inputs.as_args(example_inputs, "example_inputs"), "example_inputs")

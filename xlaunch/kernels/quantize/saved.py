@@ -178,7 +178,10 @@ def file_name(path: Any, who: str) -> str:
     """``path`` (a str, bytes or os.PathLike) as a str; anything else is one TypeError naming ``who``."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"{who}: path must be a str or os.PathLike (a file's path), not {type(path).__name__}")
-    return os.fsdecode(path)
+    name = os.fsdecode(path)
+    if not name:     # said "load_quantized: : no such file"
+        raise ValueError(f"{who}: path is empty (a file's path is needed)")
+    return name
 
 
 def _torch_model(program: torch.export.ExportedProgram, mode: str,
