@@ -280,6 +280,31 @@ def test_a_mask_that_is_not_2d_is_refused_in_one_line(model):
         model(ids, attention_mask=four_d)
 
 
+def test_right_padding_gets_generates_warning_from_the_runtimes_loop_too(model, greedy_calls):
+    """generate warns of a batch padded on the right (a tokenizer left at padding_side='right'); the runtime's loop
+    gave the same tokens without a word."""
+    import logging
+
+    ids, mask = prompts(3, 10, seed=6)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("transformers.generation.utils")
+    logger.addHandler(handler)
+    try:
+        said = {}
+        for name, call in (("ours", model.generate), ("generate's", lambda *a, **k: hugging_face(model, *a, **k))):
+            for side, (row_ids, row_mask) in (("left", (ids, mask)), ("right", (ids.flip(1), mask.flip(1)))):
+                records.clear()
+                call(row_ids, attention_mask=row_mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+                said[name, side] = [text for text in records if "right-padding" in text]
+    finally:
+        logger.removeHandler(handler)
+    assert len(greedy_calls) == 2
+    assert said["ours", "left"] == said["generate's", "left"] == []
+    assert said["ours", "right"] == said["generate's", "right"] and len(said["ours", "right"]) == 1
+
+
 @pytest.mark.parametrize("call,option", [
     (dict(input_ids=torch.ones(2, 6)), "input_ids"), (dict(input_ids=torch.ones(6, dtype=torch.long)), "input_ids"),
     (dict(input_ids=torch.ones(2, 0, dtype=torch.long)), "input_ids"), (dict(inputs_embeds=torch.ones(2, 6, 64)), "inputs_embeds"),

@@ -32,6 +32,7 @@ from xlaunch.llm.linear import GROUP_SIZES, PackedLinear  # noqa: E402
 
 with needs_transformers("xlaunch.llm"):
     from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils import logging as hf_logging
 
 __all__ = ["optimize", "SUPPORTED_ARCHITECTURES", "is_optimized"]
 
@@ -168,6 +169,8 @@ LOOP_FIELDS = {"max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id
                "num_beams", "num_return_sequences", "use_cache", "repetition_penalty", "transformers_version",
                "_from_model_config"}
 SAMPLING_FIELDS = {"temperature", "top_k", "top_p", "min_p"}
+RIGHT_PADDING = ("A decoder-only architecture is being used, but right-padding was detected! For correct generation "
+                 "results, please set `padding_side='left'` when initializing the tokenizer.")     # generate's warning
 OFF_FIELDS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
 
 
@@ -218,6 +221,8 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
         warpers, penalties = _warpers(config, kwargs) if config.do_sample else None, _penalties(config, mask)
     except ValueError:
         return None               # a value generate's processors refuse: its own error
+    if pad is not None and mask is not None and ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
+        hf_logging.get_logger("transformers.generation.utils").warning(RIGHT_PADDING)     # as generate says it
     pad = 0 if pad is None else pad     # one row without a pad id: never padded (its end-of-sequence id ends it)
     return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer, warpers, penalties
 
