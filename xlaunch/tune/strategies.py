@@ -103,19 +103,41 @@ class TpeStrategy(Strategy):
         self._distributions = {
             d.key: optuna.distributions.CategoricalDistribution(list(d.values)) for d in space.dimensions
         }
-        url = f"sqlite:///{storage}" if storage else None
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, space.size // 3)))
-        try:
-            self.study = optuna.create_study(
-                study_name=STUDY_NAME, storage=url, sampler=sampler,
-                direction="maximize" if goal == "max" else "minimize", load_if_exists=resume,
-            )
-        except optuna.exceptions.DuplicatedStudyError:
-            raise StrategyError(f"{storage} already holds a study (add --resume to continue it)") from None
+        self._storage = storage
+        self._startup = min(10, max(2, space.size // 3))
+        self._seeded = seed is not None
+        self._sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=self._startup)
+        self._direction = "maximize" if goal == "max" else "minimize"
+        self._storage_errors = _storage_errors(optuna)
+        self._told: dict[str, tuple[Point, Optional[float]]] = {}     # every result, for a study moved to memory
         self._pending: dict[str, list[Any]] = {}
         self._repeats = 0
-        if resume:
-            self._fail_stale()
+        try:
+            self.study = optuna.create_study(
+                study_name=STUDY_NAME, storage=f"sqlite:///{storage}" if storage else None, sampler=self._sampler,
+                direction=self._direction, load_if_exists=resume,
+            )
+            if resume:
+                self._fail_stale()
+        except optuna.exceptions.DuplicatedStudyError:
+            raise StrategyError(f"{storage} already holds a study (add --resume to continue it)") from None
+        except self._storage_errors as error:        # a full disk, a damaged study.db: the search goes on
+            self._to_memory(error)
+
+    def _to_memory(self, error: BaseException) -> None:
+        """study.db cannot be written (a full disk) or read: the study goes on in memory, given
+        every result so far; said once. trials.json keeps every trial, and ``--resume`` gives a
+        study what it lacks (:meth:`learn`)."""
+        from xlaunch._errors import error_line
+
+        sys.stderr.write(f"xlaunch-tune: warning: cannot use {self._storage} ({error_line(error, 200)}): TPE goes on "
+                         "with its study in memory; trials.json keeps every trial\n")
+        self._storage = None
+        self._pending.clear()                       # trials of the study left behind
+        seed = self._rng.randrange(2**32) if self._seeded else None        # a sampler serves one study
+        self._sampler = self._optuna.samplers.TPESampler(seed=seed, n_startup_trials=self._startup)
+        self.study = self._optuna.create_study(study_name=STUDY_NAME, sampler=self._sampler, direction=self._direction)
+        self._add(list(self._told.values()))
 
     def _fail_stale(self) -> None:
         """Trials an earlier session left RUNNING (killed before it could :meth:`abandon` them) are
@@ -140,9 +162,20 @@ class TpeStrategy(Strategy):
                                  f"({error_line(error)}); --resume marks it failed\n")
 
     def learn(self, known: list[tuple[Point, Optional[float]]]) -> None:
-        """Give a new study what earlier sessions measured (e.g. a grid resumed as tpe)."""
-        if self.study.trials:
-            return
+        """Give the study what earlier sessions measured and it lacks (a grid resumed as tpe; a
+        study.db left behind by a full disk or a kill between a trial's record and its tell)."""
+        for point, value in known:
+            self._told[point_key(point)] = (point, value)
+        TrialState = self._optuna.trial.TrialState
+        try:
+            trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+            complete = {point_key(t.params) for t in trials if t.state == TrialState.COMPLETE}
+            held = {point_key(t.params) for t in trials} | complete
+            self._add([(p, v) for p, v in known if point_key(p) not in (held if v is None else complete)])
+        except self._storage_errors as error:
+            self._to_memory(error)
+
+    def _add(self, known: list[tuple[Point, Optional[float]]]) -> None:
         TrialState = self._optuna.trial.TrialState
         for point, value in known:
             if set(point) != set(self._distributions):
@@ -153,18 +186,27 @@ class TpeStrategy(Strategy):
             ))
 
     def ask(self, done: Collection[str]) -> Optional[Point]:
+        nudge = None
         if self._repeats >= REPEATS_BEFORE_NUDGE:
-            untried = self._untried(done)
-            if untried is None:
+            nudge = self._untried(done)
+            if nudge is None:
                 return None
-            self.study.enqueue_trial(untried)
             self._repeats = 0
-        trial = self.study.ask(self._distributions)
+        try:
+            trial = self._ask(nudge)
+        except self._storage_errors as error:
+            self._to_memory(error)
+            trial = self._ask(nudge)
         point = {key: trial.params[key] for key in self._space.keys}
         key = point_key(point)
         self._repeats = self._repeats + 1 if key in done else 0
         self._pending.setdefault(key, []).append(trial)
         return point
+
+    def _ask(self, nudge: Optional[Point]) -> Any:
+        if nudge is not None:
+            self.study.enqueue_trial(nudge)
+        return self.study.ask(self._distributions)
 
     def _untried(self, done: Collection[str]) -> Optional[Point]:
         """A random point not in ``done``. Drawn by index first: listing every point of a space of
@@ -178,14 +220,32 @@ class TpeStrategy(Strategy):
         return self._rng.choice(untried) if untried else None
 
     def tell(self, point: Point, value: Optional[float]) -> None:
+        self._told.setdefault(point_key(point), (point, value))
         trials = self._pending.get(point_key(point))
         if not trials:
             return
         trial = trials.pop(0)
-        if value is None:
-            self.study.tell(trial, state=self._optuna.trial.TrialState.FAIL)
-        else:
-            self.study.tell(trial, value)
+        try:
+            if value is None:
+                self.study.tell(trial, state=self._optuna.trial.TrialState.FAIL)
+            else:
+                self.study.tell(trial, value)
+        except self._storage_errors as error:    # the study in memory is given this result with the others
+            self._to_memory(error)
+
+
+def _storage_errors(optuna: Any) -> tuple[type[BaseException], ...]:
+    """What a study in an SQLite file raises when the file cannot be written or read."""
+    import sqlite3
+
+    errors: list[type[BaseException]] = [optuna.exceptions.StorageInternalError, sqlite3.Error, OSError]
+    try:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        errors.append(SQLAlchemyError)
+    except ImportError:         # optuna's journal storages need no SQLAlchemy
+        pass
+    return tuple(errors)
 
 
 def import_optuna() -> Any:
