@@ -74,3 +74,17 @@ def test_a_fixed_membind_node_list_places_every_trial(tmp_path: Path) -> None:
     code, out, err = dry_run(str(tmp_path / "trial.toml"), [str(script)], environ)
     assert code == 0, err
     assert [i["mem_nodes"] for i in json.loads(out)["instances"]] == [[1], [1]]
+
+
+def test_best_toml_reads_back_whatever_the_program_arguments_hold(tmp_path: Path) -> None:
+    """An argument holding ESC (or another control character TOML refuses in a comment) made best.toml
+    unreadable: ``xlaunch --config best.toml`` said it was not valid TOML; a newline split the command."""
+    from xlaunch.tune.records import save_best
+    from xlaunch.tune.session import TrialRecord
+
+    record = TrialRecord(1, {"ninstances": 1}, {"ninstances": 1}, (0,),
+                         [{"status": "ok", "reason": "", "value": 2.0, "instance_values": [2.0], "wall_time": 0.1}])
+    path = save_best(str(tmp_path), record, ["prog.py", "\x1b[31mred", "two\nlines\r"], "wall time (s)")
+    assert load_config(path)[0] == {"ninstances": 1}
+    run_line = next(line for line in Path(path).read_text().splitlines() if "Run it with" in line)
+    assert run_line.endswith("prog.py '\\x1b[31mred' 'two\\x0alines\\x0d'"), run_line

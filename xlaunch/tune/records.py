@@ -124,7 +124,8 @@ def save_best(directory: str, best: TrialRecord, command: list[str], objective_l
         lines.append(f"  {objective_label}: {searched}")
     separator = "-- " if command and command[0].startswith("-") else ""
     # from where xlaunch-tune ran, as the program's path is: DIR/best.toml as --output-dir named it
-    lines.append(f"Run it with:  xlaunch --config {shlex.quote(path)} {separator}{shlex.join(command)}")
+    run = f"xlaunch --config {shlex.quote(path)} {separator}{shlex.join(command)}"
+    lines.append(f"Run it with:  {tomlfile.comment_text(run)}")       # one line, whatever the arguments hold
     tomlfile.write(path, best.table, "\n".join(lines))
     return path
 

@@ -26,8 +26,9 @@ def toml_value(value: Any) -> str:
 
 
 def dumps(table: Mapping[str, Any], header: str = "") -> str:
-    """``table`` as TOML text, keys as given, with ``header`` as leading comment lines."""
-    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    """``table`` as TOML text, keys as given, with ``header`` as leading comment lines (one per
+    newline; a control character in them, which TOML refuses in a comment, written as ``\\xNN``)."""
+    lines = [f"# {comment_text(line)}".rstrip() for line in header.split("\n")] if header else []
     lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
     return "\n".join(lines) + "\n"
 
@@ -36,3 +37,9 @@ def write(path: str, table: Mapping[str, Any], header: str = "") -> None:
     """Write atomically (a reader never sees half a file), never through a symlink
     (:func:`xlaunch.userfiles.write_atomically`)."""
     write_atomically(path, dumps(table, header).encode("utf-8"))
+
+
+def comment_text(text: str) -> str:
+    """``text`` as TOML takes it in a comment: a tab and printable characters (a PROGRAM argument
+    holding ESC made best.toml unreadable: ``Found invalid character '\\x1b'``)."""
+    return "".join(f"\\x{ord(c):02x}" if (c < " " and c != "\t") or c == "\x7f" else c for c in text)
