@@ -104,7 +104,12 @@ from xlaunch.llm import loader, packed_file
 path, source, dtype, weights = sys.argv[1:]
 dtype, weights = None if dtype == "auto" else getattr(torch, dtype), None if weights == "none" else weights
 loader.warn_if_bf16_is_slow(dtype, "xlaunch.llm.from_pretrained")
-packed_file.save_packed(loader.load_checkpoint(source, dtype, weights), path, source=source)   # the parent maps it
+try:
+    packed = loader.load_checkpoint(source, dtype, weights)
+except ValueError as error:      # a checkpoint it cannot load (no weights, a config it cannot build): one line
+    print(f"examples/llm.py: --model: {str(error).splitlines()[0]}", file=sys.stderr)
+    sys.exit(2)
+packed_file.save_packed(packed, path, source=source)   # the parent maps it
 """
 
 
@@ -138,6 +143,8 @@ def open_packed(args: argparse.Namespace, folder: Path, name: str):
             started = time.perf_counter()
             written = subprocess.run([sys.executable, "-c", WRITE_PACKED, str(path), str(folder), args.dtype,
                                       args.weights])
+            if written.returncode == 2:      # the checkpoint cannot be loaded: the child said why, in one line
+                raise SystemExit(2)
             if written.returncode != 0:
                 raise SystemExit(f"examples/llm.py: writing {path} failed (exit status {written.returncode})")
             print(f"packed file written ({stale.split(': ')[-1]}) in {time.perf_counter() - started:.2f} s: {path}")
@@ -176,6 +183,37 @@ def _not_replaceable(path: Path, magic: bytes, written: bool) -> str:
     return ""
 
 
+def load(args: argparse.Namespace, folder: Path, name: str):
+    """The model to decode: the packed file's decoder (``--packed``), plain Hugging Face (``--no-optimize``), or
+    ``xlaunch.llm.from_pretrained``'s optimized model."""
+    import torch
+
+    if args.packed:
+        return open_packed(args, folder, name)
+    if args.no_optimize:
+        from transformers import AutoModelForCausalLM
+
+        if args.dtype == "auto":
+            import xlaunch.llm
+
+            dtype = xlaunch.llm.default_dtype()
+        else:
+            dtype = getattr(torch, args.dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        print(f"not optimized ({str(dtype).removeprefix('torch.')})")
+        return model
+    import xlaunch.llm
+
+    started = time.perf_counter()
+    model = xlaunch.llm.from_pretrained(folder, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+                                        weights=None if args.weights == "none" else args.weights)
+    ran = str(model.config.dtype).removeprefix("torch.")
+    head = model.lm_head.kind if args.weights == "int4" else ""     # INT6 where the kernels run it, else INT8
+    print(f"optimized ({ran}, weights {args.weights}{f', lm_head {head}' if head else ''}) in "
+          f"{time.perf_counter() - started:.2f} s: {name}")
+    return model
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
@@ -196,32 +234,14 @@ def main(argv: list[str]) -> int:
 
     scratch = tempfile.TemporaryDirectory(prefix="xlaunch-llm-example-")
     folder = Path(args.model) if args.model else shapes.ensure_checkpoint(args.shape, args.seed, scratch.name)
-    if args.packed:
-        model = open_packed(args, folder, name)
-        vocab = model.spec.vocab_size
-    elif args.no_optimize:
-        from transformers import AutoModelForCausalLM
-
-        if args.dtype == "auto":
-            import xlaunch.llm
-
-            dtype = xlaunch.llm.default_dtype()
-        else:
-            dtype = getattr(torch, args.dtype)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-        print(f"not optimized ({str(dtype).removeprefix('torch.')})")
-    else:
-        import xlaunch.llm
-
-        started = time.perf_counter()
-        model = xlaunch.llm.from_pretrained(folder, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
-                                            weights=None if args.weights == "none" else args.weights)
-        ran = str(model.config.dtype).removeprefix("torch.")
-        head = model.lm_head.kind if args.weights == "int4" else ""     # INT6 where the kernels run it, else INT8
-        print(f"optimized ({ran}, weights {args.weights}{f', lm_head {head}' if head else ''}) in "
-              f"{time.perf_counter() - started:.2f} s: {name}")
-    if not args.packed:
-        vocab = model.config.vocab_size
+    try:
+        model = load(args, folder, name)
+    except (ValueError, OSError) as error:   # the user's checkpoint (no weights, a config it cannot build): one line
+        if not args.model:
+            raise
+        print(f"examples/llm.py: --model: {(str(error).splitlines() or [type(error).__name__])[0]}", file=sys.stderr)
+        return 2
+    vocab = model.spec.vocab_size if args.packed else model.config.vocab_size
     scratch.cleanup()                  # the model no longer reads it
     ids = torch.randint(1, vocab, (args.batch, args.prompt_tokens))
     fixed = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))

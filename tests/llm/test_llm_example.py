@@ -165,3 +165,24 @@ def test_packed_never_replaces_what_is_not_a_packed_file(what, tmp_path, capfd):
     assert (target.is_fifo() if what == "fifo" else target.is_dir() if what == "directory" else
             target.is_symlink() if what == "link" else target.is_file())
     assert what not in ("fifo", "directory") or not (tmp_path / "target.lock").exists()   # refused before the lock
+
+
+@pytest.mark.parametrize("route", [[], ["--no-optimize"], ["--packed"]])
+def test_a_model_folder_without_weights_is_one_line_and_exit_2(route, tmp_path, capfd, one_torch_thread):
+    """A checkpoint folder whose config.json reads but which holds no weights ended in a traceback, exit 1
+    (from_pretrained's ValueError, transformers' OSError; --packed: the writing child's traceback, then a line)."""
+    from llm_models import tiny
+
+    spec = importlib.util.spec_from_file_location("xlaunch_llm_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    tiny("llama", seed=5).config.save_pretrained(tmp_path / "bare")        # config.json, no weights
+    route = [*route, str(tmp_path / "m.xlp")] if route == ["--packed"] else route
+    capfd.readouterr()
+    try:
+        code = example.main([*SHORT[1:], "--model", str(tmp_path / "bare"), *route])
+    except SystemExit as stop:
+        code = stop.code
+    err = capfd.readouterr().err.strip()
+    assert code == 2 and err.startswith("examples/llm.py: --model: ") and "\n" not in err, err
+    assert not (tmp_path / "m.xlp").exists()
