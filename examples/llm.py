@@ -64,6 +64,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--node-copy needs --packed")
     if args.packed and args.no_optimize:
         parser.error("--packed and --no-optimize exclude each other")
+    if args.no_optimize and args.weights != "none":     # plain Hugging Face runs the weights in the dtype
+        parser.error(f"--weights {args.weights} needs xlaunch.llm; --no-optimize runs the model's weights in --dtype")
     for name in ("batch", "prompt_tokens", "new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

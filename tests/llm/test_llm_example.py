@@ -186,3 +186,16 @@ def test_a_model_folder_without_weights_is_one_line_and_exit_2(route, tmp_path, 
     err = capfd.readouterr().err.strip()
     assert code == 2 and err.startswith("examples/llm.py: --model: ") and "\n" not in err, err
     assert not (tmp_path / "m.xlp").exists()
+
+
+def test_weights_with_no_optimize_is_refused_in_one_line(capfd):
+    """--no-optimize --weights int8 ran plain Hugging Face in bf16/fp32 and printed its rates, the int8 asked for
+    silently dropped."""
+    spec = importlib.util.spec_from_file_location("xlaunch_llm_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with pytest.raises(SystemExit) as stop:
+        example.main([*SHORT, "--no-optimize", "--weights", "int8"])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and err[-1].endswith(": error: --weights int8 needs xlaunch.llm; --no-optimize runs "
+                                                     "the model's weights in --dtype")
