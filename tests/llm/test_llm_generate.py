@@ -280,6 +280,20 @@ def test_a_mask_that_is_not_2d_is_refused_in_one_line(model):
         model(ids, attention_mask=four_d)
 
 
+def test_a_cache_given_with_use_cache_false_is_continued_as_hugging_faces_forward_continues_it(model):
+    """use_cache=False dropped a given past_key_values: the new tokens were computed as a fresh prompt (logits 0.9
+    off Hugging Face's, which attends to the cache, advances it and returns it)."""
+    reference = tiny("llama", seed=3)
+    ids, mask = prompts(2, 10, seed=7)
+    with torch.no_grad():
+        first, mine = reference(ids[:, :6], attention_mask=mask[:, :6]), model(ids[:, :6], attention_mask=mask[:, :6])
+        expected = reference(ids[:, 6:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=False)
+    got = model(ids[:, 6:], attention_mask=mask, past_key_values=mine.past_key_values, use_cache=False)
+    assert torch.allclose(got.logits, expected.logits, rtol=0, atol=1e-4)
+    assert got.past_key_values is mine.past_key_values and got.past_key_values.get_seq_length() == 10
+    assert model(ids, attention_mask=mask, use_cache=False).past_key_values is None
+
+
 def test_right_padding_gets_generates_warning_from_the_runtimes_loop_too(model, greedy_calls):
     """generate warns of a batch padded on the right (a tokenizer left at padding_side='right'); the runtime's loop
     gave the same tokens without a word."""

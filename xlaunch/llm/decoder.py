@@ -249,13 +249,15 @@ class DecoderRuntime:
     def forward(self, input_ids: Optional["torch.Tensor"], attention_mask: Optional["torch.Tensor"],
                 position_ids: Optional["torch.Tensor"], past_key_values: Any, inputs_embeds: Optional["torch.Tensor"],
                 use_cache: bool, logits_to_keep: Any) -> tuple["torch.Tensor", Optional[KVBuffers]]:
-        """(logits, cache) for the new tokens; the cache advanced by them (None when ``use_cache`` is False)."""
+        """(logits, cache) for the new tokens; the cache advanced by them (None when ``use_cache`` is False and no
+        cache was given: a given one is continued and returned whatever ``use_cache`` says, as Hugging Face's forward
+        does)."""
         spec = self.spec
         check_inputs(spec.hidden_size, input_ids, attention_mask, position_ids, inputs_embeds)
         hidden = (embed_rows(self.embed, self.lm_head, input_ids, self.dtype) if inputs_embeds is None
                   else inputs_embeds.to(self.dtype).contiguous())
         batch, length = hidden.shape[:2]
-        cache = self._cache_for(past_key_values if use_cache else None)
+        cache = self._cache_for(past_key_values)
         start = cache.length
         total = start + length
         cache.reserve(batch, total)
@@ -285,7 +287,7 @@ class DecoderRuntime:
         else:
             x = x[:, logits_to_keep]
         logits = kernels.lm_head(x)
-        return logits, (cache if use_cache else None)
+        return logits, (cache if use_cache or past_key_values is not None else None)
 
     @torch.no_grad()
     def generate_tokens(self, ids: "torch.Tensor", attention_mask: Optional["torch.Tensor"], new_tokens: int,
