@@ -111,6 +111,9 @@ class Settings:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    from xlaunch.tune.streams import prepare
+
+    prepare()              # a closed or full stderr/stdout never stops a session
     sys.exit(run(argv))
 
 
@@ -261,7 +264,6 @@ def _settings(params: Mapping[str, Any], strategy: str, size: int) -> Settings:
 
 
 def _session(space: Any, program: Any, objective: Any, settings: Settings, launch: Any) -> int:
-    import json
     import shutil
 
     from xlaunch.tune import records
@@ -344,16 +346,11 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
             bar.close()
             _restore_signals(saved)
         written = _write_outputs(out, tuner, outcome, sig, program, settings.plot) if out is not None else []
-        if settings.as_json:
-            doc = records.document(tuner, sig, outcome)
-            doc["files"] = written
-            sys.stdout.write(json.dumps(doc, indent=1) + "\n")
-        else:
-            from xlaunch.tune.report import print_table
+        doc = {**records.document(tuner, sig, outcome), "files": written} if settings.as_json else None
+        from xlaunch.tune.report import print_results
+        from xlaunch.tune.streams import to_stdout
 
-            print_table(tuner, outcome)
-            if written:
-                sys.stdout.write("wrote " + ", ".join(written) + "\n")
+        to_stdout(lambda: print_results(tuner, outcome, written, doc), f": they are in {out}" if written else "")
         if outcome.interrupted:
             return 130
         return 0 if outcome.best is not None else 1

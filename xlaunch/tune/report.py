@@ -92,6 +92,18 @@ def _cell(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
+def print_results(tuner: Tuner, outcome: Outcome, written: list[str], doc: Optional[dict] = None) -> None:
+    """On stdout: ``doc`` as JSON (``--json``), else the table and the files written."""
+    if doc is not None:
+        import json
+
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        return
+    print_table(tuner, outcome)
+    if written:
+        sys.stdout.write("wrote " + ", ".join(written) + "\n")
+
+
 def print_table(tuner: Tuner, outcome: Outcome, stream: Optional[TextIO] = None) -> None:
     stream = stream if stream is not None else sys.stdout
     header, body, notes = rows(tuner, outcome)
