@@ -121,3 +121,18 @@ def test_the_start_line_cuts_a_long_dimension() -> None:
     space = parse("[space]\nninstances = [" + ", ".join(str(n) for n in range(1, 1001)) + "]\nomp-runtime = ['intel']\n")
     assert space.shown() == "ninstances [1, 2, 3, 4, 5, 6, 7, 8, ... (1000 values)], omp-runtime ['intel']"
     assert parse("[space]\nninstances = [1, 2]\n").shown() == "ninstances [1, 2]"
+
+
+def test_share_imports_is_a_dimension_of_module_lists(tmp_path) -> None:
+    """A share-imports dimension was a TypeError traceback (its module names formatted as a CPU list)."""
+    from xlaunch.tune.candidate import Candidate, Program, prepare
+
+    space = parse('[space]\nshare-imports = ["json", " json , csv ", ["csv", "json"]]\n', fixed={"ninstances": 1})
+    assert space.to_json() == {"share-imports": ["json", "json,csv", "csv,json"]}
+    with pytest.raises(SpaceError, match=r'share-imports = \["json"\]: duplicate value'):
+        parse('[space]\nshare-imports = ["json", ["json"]]\n', fixed={"ninstances": 1})
+    script = tmp_path / "prog.py"
+    script.write_text("print('hi')\n")
+    candidate = prepare(Program((str(script),), {"ninstances": 1}), space.point_at(1), str(tmp_path / "trial.toml"))
+    assert isinstance(candidate, Candidate), candidate
+    assert candidate.table["share-imports"] == ["json", "csv"]
