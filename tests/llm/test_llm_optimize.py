@@ -129,6 +129,21 @@ def test_an_unknown_architecture_warns_and_comes_back_unchanged():
     assert model.forward == forward and isinstance(model.transformer.h[0].attn.c_attn, torch.nn.Module)
 
 
+def test_optimizing_again_for_another_precision_says_the_model_keeps_its_own(llama):
+    """optimize(optimized, dtype=bf16, weights='int4') returned the fp32 model unchanged, without a word: the caller
+    believed it had INT4. The same precision again stays quiet."""
+    model = llm.optimize(clone(llama), dtype=torch.float32, weights="int8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert llm.optimize(model, dtype=torch.float32, weights="int8") is model
+        assert caught == []
+        assert llm.optimize(model, dtype=torch.float32, weights="int4", group_size=32) is model
+    assert [(str(w.message), w.filename) for w in caught] == [(
+        "xlaunch.llm.optimize: the model is already optimized (float32, weights int8) and is returned as it is, not "
+        "as float32, weights int4, group_size 32; optimize the original model for that", __file__)]
+    assert model.lm_head.kind == "int8"
+
+
 def _runtime_dtype(model):
     return model._xlaunch_llm.dtype
 

@@ -270,6 +270,7 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
     spec = describe(model)
     if not isinstance(spec, DecoderSpec):
         if is_optimized(model):
+            _warn_if_packed_otherwise(model, dtype, kind, group_size)
             return model
         warnings.warn(f"xlaunch.llm.optimize: {spec}; the model is returned unchanged", UserWarning, stacklevel=2)
         return model
@@ -291,6 +292,21 @@ def optimize(model: Any, dtype: Any = None, weights: Optional[str] = None, group
                              model.lm_head, RopeTable.of(inner.rotary_emb, spec.head_dim, dtype))
     attach(model, runtime)
     return model
+
+
+def _warn_if_packed_otherwise(model: Any, dtype: Any, kind: str, group_size: int) -> None:
+    """An optimized model is returned as it is; asked for another precision than it holds, one warning says so (it
+    came back in its first precision without a word, the caller believing it had the second)."""
+    runtime = _runtime(model)
+    layer = runtime.layers[0].qkv
+    held = (runtime.dtype, layer.kind, layer.group_size if layer.kind == "int4" else None)
+    if held != (dtype, kind, group_size if kind == "int4" else None):
+        def name(dtype: Any, kind: str, group: Optional[int]) -> str:
+            weights = kind if kind in WEIGHTS else "none"
+            return f"{str(dtype).replace('torch.', '')}, weights {weights}{f', group_size {group}' if group else ''}"
+        warnings.warn(f"xlaunch.llm.optimize: the model is already optimized ({name(*held)}) and is returned as it is, "
+                      f"not as {name(dtype, kind, group_size if kind == 'int4' else None)}; optimize the original model "
+                      "for that", UserWarning, stacklevel=3)
 
 
 def _apply(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
