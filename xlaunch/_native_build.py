@@ -16,30 +16,24 @@ import hashlib
 import os
 import re
 import shutil
-import struct
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 from xlaunch import _isa_levels as isa
 from xlaunch._callers import stacklevel_outside
+from xlaunch._native_cache import KEPT_BUILDS, STALE_SCRATCH_S, cache_root, incomplete, tidy_cache  # noqa: F401
 from xlaunch.userfiles import untrusted, untrusted_folder
 
 FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
 _TORCH_INCLUDE = re.compile(r"^#include <((?:ATen|c10|torch)/[^>]+)>", re.M)
 SHARED_CSRC = Path(__file__).resolve().parent / "_csrc"
 SHARED_SOURCES = ("isa_level.cpp",)     # compiled into every library (its compiled_isa() operator)
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/xlaunch`` (else ``~/.cache/xlaunch``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "xlaunch"
 
 
 def compiler() -> Optional[str]:
@@ -84,36 +78,35 @@ def torch_flags(csrc: Path, flags: Sequence[str] = FLAGS) -> tuple[list[str], li
     return compile_flags, [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
-def incomplete(path: Path) -> Optional[str]:
-    """Why ``path`` is not a whole 64-bit little-endian ELF library (truncated, or not ELF), or None.
-
-    Loading a library shorter than its headers say crashes the process (SIGBUS), not an error."""
-    try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            header = handle.read(64)
-            if len(header) < 64 or header[:6] != b"\x7fELF\x02\x01":
-                return "not a 64-bit little-endian ELF file"
-            phoff, shoff = struct.unpack_from("<QQ", header, 32)
-            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 54)
-            handle.seek(phoff)
-            table = handle.read(phentsize * phnum)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    if phentsize < 56 or len(table) < phentsize * phnum or shoff + shentsize * shnum > size:
-        return f"truncated ({size} bytes)"
-    for index in range(phnum):
-        offset, filesz = struct.unpack_from("<Q16xQ", table, index * phentsize + 8)
-        if offset + filesz > size:
-            return f"truncated ({size} bytes; a segment ends at {offset + filesz})"
-    return None
-
-
 def _finish(process: subprocess.Popen, what: str, cxx: str, label: str) -> None:
     output, _ = process.communicate()
     if process.returncode != 0:
         raise RuntimeError(f"compiling the {label} kernels failed ({Path(cxx).name} exit {process.returncode} "
                            f"on {what}):\n{output[-4000:]}")
+
+
+def _build_folder(folder: Path) -> None:
+    """Make ``folder`` for a build, or ``RuntimeError``: not a symlink, and neither it nor a folder above it
+    (as named, or where a link above leads) one another user may write (what is built there would never
+    be loaded); checked before anything is created there, and again after."""
+    def check(where: Path) -> None:
+        for name in dict.fromkeys((str(where), os.path.realpath(where))):
+            reason = untrusted_folder(name)
+            if reason:
+                raise RuntimeError(f"refusing to build into {folder}: another user could replace what is "
+                                   f"built there ({reason})")
+
+    existing = folder
+    while not os.path.lexists(existing) and existing.parent != existing:
+        existing = existing.parent
+    check(existing)
+    try:
+        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    except OSError as exc:              # XDG_CACHE_HOME a file, a read-only or full disk
+        raise RuntimeError(f"cannot build into {folder}: {exc.strerror or exc}") from None
+    if folder.is_symlink():
+        raise RuntimeError(f"refusing to build into {folder}: it is a symlink")
+    check(folder)
 
 
 def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str,
@@ -132,16 +125,14 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
     paths = [source_path(csrc, name) for name in sources]
     headers = sorted({name for path in paths for name in _TORCH_INCLUDE.findall(path.read_text())})
     for path, _ in targets.values():
-        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        if path.parent.is_symlink():
-            raise RuntimeError(f"refusing to build into {path.parent}: it is a symlink")
-        reason = untrusted_folder(str(path.parent))
-        if reason:                          # what is built there would never be loaded
-            raise RuntimeError(f"refusing to build into {path.parent}: another user could replace what is "
-                               f"built there ({reason})")
+        _build_folder(path.parent)
     parallel = max(1, os.cpu_count() or 1)
     first = next(iter(targets.values()))[0]
-    with tempfile.TemporaryDirectory(dir=first.parent, prefix=".build-") as scratch:
+    try:
+        scratch_folder = tempfile.TemporaryDirectory(dir=first.parent, prefix=".build-")
+    except OSError as exc:
+        raise RuntimeError(f"cannot build into {first.parent}: {exc.strerror or exc}") from None
+    with scratch_folder as scratch:
         jobs = []                                   # (level, what, command, output, needs)
         for level, (path, flags) in targets.items():
             folder = Path(scratch) / level
@@ -167,11 +158,12 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
                 ready = next((job for job in jobs if all(need in done for need in job[4])), None)
                 if ready is not None and len(running) < parallel:
                     jobs.remove(ready)
-                    running.append((ready, subprocess.Popen(ready[2], stdout=subprocess.PIPE,
-                                                            stderr=subprocess.STDOUT, text=True)))
+                    running.append((ready, subprocess.Popen(ready[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                            text=True, start_new_session=True)))
                     continue
-                (level, what, command, output, _), process = running.pop(0)
-                _finish(process, f"{what} ({level})", cxx, label)
+                (level, what, command, output, _), process = running[0]
+                _finish(process, f"{what} ({level})", cxx, label)       # an interrupt here still kills it
+                running.pop(0)
                 done.add(command[-1])
                 if isinstance(output, tuple):       # a linked library: into place, writable by us only
                     output[0].chmod(0o755)
@@ -179,59 +171,12 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
                         output[1].unlink()
                     os.replace(*output)
                     echo(f"{label}: built {output[1]}")
-        finally:
+        finally:                # each compiler with what it started (g++'s cc1plus, as): its own group
             for _, process in running:
-                process.kill()
+                if process.poll() is None:
+                    with contextlib.suppress(OSError):
+                        os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-
-
-KEPT_BUILDS = 4              # per level: the libraries of this many build keys stay (other torch versions, sources)
-STALE_SCRATCH_S = 3600       # a build's scratch folder untouched this long was left by a killed build
-
-
-def tidy_cache(folder: Path, stem: str, keep: Sequence[str]) -> tuple[int, int]:
-    """Remove from ``folder`` what builds left behind; returns (files and folders removed, bytes).
-
-    The scratch folders (``.build-*``) of builds killed before their clean-up (SIGKILL, a closed terminal:
-    hundreds of MB of objects each), once untouched for :data:`STALE_SCRATCH_S`; and per level, all but the
-    :data:`KEPT_BUILDS` most recently used libraries of ``stem`` (each source or torch change builds a new
-    key, and nothing removed the old ones), never one named in ``keep``. Only regular files and folders of
-    this user; a library a running process mapped stays mapped."""
-    removed, freed = 0, 0
-    now = time.time()
-    by_level: dict[str, list[tuple[float, Path, int]]] = {}
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return 0, 0
-    for entry in entries:
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if info.st_uid != os.geteuid():
-            continue
-        if entry.name.startswith(".build-") and entry.is_dir(follow_symlinks=False):
-            touched = max([info.st_mtime] + [sub.stat(follow_symlinks=False).st_mtime
-                                              for sub in os.scandir(entry.path) if not sub.is_symlink()])
-            if now - touched > STALE_SCRATCH_S:
-                size = sum(f.stat().st_size for f in Path(entry.path).rglob("*") if f.is_file() and not f.is_symlink())
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed, freed = removed + 1, freed + size
-            continue
-        match = re.fullmatch(re.escape(stem) + r"-(\w+)-[0-9a-f]{16}\.so", entry.name)
-        if match and entry.is_file(follow_symlinks=False) and entry.name not in keep:
-            by_level.setdefault(match.group(1), []).append((max(info.st_atime, info.st_mtime), Path(entry.path),
-                                                           info.st_size))
-    for level, builds in by_level.items():
-        kept = KEPT_BUILDS - sum(1 for name in keep if name.startswith(f"{stem}-{level}-"))
-        for _, path, size in sorted(builds, reverse=True)[max(0, kept):]:
-            try:
-                path.unlink()
-            except OSError:
-                continue
-            removed, freed = removed + 1, freed + size
-    return removed, freed
 
 
 class Library:
@@ -319,11 +264,13 @@ class Library:
         """Compile every level (or ``levels``) unless built; returns the chosen level's path.
 
         The levels this CPU runs are compiled first. ``into``: build there (a wheel's folder)
-        instead of the cache, copying a build the cache already has.
+        instead of the cache, copying a build the cache already has. ``ValueError`` for a bad
+        ``XLAUNCH_CPU_ISA``, before anything is compiled.
         """
         if not self.sources():
             echo(f"{self.label}: no native sources; the pure-torch paths are used")
             return None
+        level = self.level() if into is None else None
         wanted = tuple(levels or self.levels)
         runnable = set(isa.host_levels())
         wanted = tuple(sorted(wanted, key=lambda lv: (lv not in runnable, self.levels.index(lv))))
@@ -345,7 +292,6 @@ class Library:
             compile_levels(self.csrc, self.sources(), missing, self.label, echo=echo)
         else:
             echo(f"{self.label}: native kernels already built at {', '.join(wanted)}: {folder}")
-        level = self.level() if into is None else None
         return folder / self.file_name(level if level in wanted else wanted[0])
 
     # -- loading ---------------------------------------------------------------------------------
@@ -429,14 +375,38 @@ class Library:
         parser.add_argument("--path", action="store_true", help="print each level's library and whether it is built")
         parser.add_argument("--host-only", action="store_true", help="only the levels this CPU can execute")
         args = parser.parse_args(argv)
+        try:
+            self.level()
+        except ValueError as exc:           # a bad XLAUNCH_CPU_ISA: one line, nothing built
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return 2
         if args.path:
             for level in self.levels:
                 print(f"{level}: {self.library_path(level)} ({'built' if self.available(level) else 'not built'})")
             return 0
-        try:
-            self.build(force=args.force, levels=self.runnable_levels() if args.host_only else None)
-        except (RuntimeError, ValueError) as exc:
-            print(f"{self.label}: warning: {exc}", file=sys.stderr)
-            print(f"{self.label}: the pure-torch paths will be used", file=sys.stderr)
-            return 1
+        with _stopped_by_signals():
+            try:
+                self.build(force=args.force, levels=self.runnable_levels() if args.host_only else None)
+            except (RuntimeError, OSError) as exc:
+                print(f"{self.label}: warning: {exc}", file=sys.stderr)
+                print(f"{self.label}: the pure-torch paths will be used", file=sys.stderr)
+                return 1
         return 0
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP (``kill``, a closed terminal, a set-up script giving up) end the build as Ctrl-C does:
+    its compilers are killed and its scratch folder removed (by default they ran on, orphaned). A signal
+    ignored (``nohup``) stays ignored."""
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    main = threading.current_thread() is threading.main_thread()      # only there may a handler be set
+    saved = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)
+             if main and signal.getsignal(signum) == signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

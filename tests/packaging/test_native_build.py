@@ -1,0 +1,149 @@
+"""``python -m xlaunch.nn.native`` as a user meets it: a cache folder that cannot be made, a link into a
+folder another user may write, a bad ``XLAUNCH_CPU_ISA``, a ``kill`` in the middle of a build. A stand-in
+compiler (``CXX``, a shell script) keeps each test to a second or two: nothing here compiles C++."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from xlaunch import _native_cache  # noqa: E402
+from xlaunch.nn import native  # noqa: E402
+
+pytestmark = pytest.mark.torch
+REPO = Path(__file__).resolve().parents[2]
+# Writes its -o target; with FAKE_PIDS set, records its pid and that of a child (as g++ starts cc1plus), then waits.
+FAKE_CXX = """#!/bin/sh
+out=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && out=$a; prev=$a; done
+if [ -n "$FAKE_PIDS" ]; then
+  sleep 60 & child=$!
+  echo "$$ $child" >> "$FAKE_PIDS"
+  wait
+fi
+echo stand-in > "$out"
+"""
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path) -> Path:
+    """XDG_CACHE_HOME in tmp_path, the stand-in compiler as CXX, no build folder of the suite's."""
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text(FAKE_CXX)
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.delenv(native.BUILD_DIR_ENV, raising=False)
+    monkeypatch.delenv("XLAUNCH_CPU_ISA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_the_cache_folder_is_never_relative(monkeypatch, tmp_path):
+    """A relative XDG_CACHE_HOME is ignored (the XDG rule); HOME unset for a user with no passwd entry left
+    ``~/.cache`` unexpanded: the build made a folder named ``~`` in the current directory."""
+    monkeypatch.delenv(native.BUILD_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert native.cache_dir() == tmp_path / "xlaunch" / "nn"
+    monkeypatch.setenv("XDG_CACHE_HOME", "cache")
+    assert native.cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "xlaunch" / "nn"
+    monkeypatch.setattr(os.path, "expanduser", lambda path: path)       # what it returns with no home to find
+    assert native.cache_dir() == Path(tempfile.gettempdir()) / f"xlaunch-cache-{os.geteuid()}" / "nn"
+    assert _native_cache.cache_root().is_absolute()
+
+
+def test_a_cache_folder_that_cannot_be_made_is_one_warning(cache, capsys):
+    cache.write_text("a file, not a folder")                      # XDG_CACHE_HOME naming a file
+    assert native.main([]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"xlaunch.nn: warning: cannot build into {cache}/xlaunch/nn: Not a directory\n"
+                   "xlaunch.nn: the pure-torch paths will be used\n"), err
+
+
+def test_the_build_never_goes_through_a_link_into_a_folder_others_may_write(cache, capsys):
+    """The cache folder a link to a folder inside one that any user may write (not sticky): nothing is
+    made there (it was built into, then never loaded)."""
+    shared = cache.parent / "shared"
+    (shared / "mine").mkdir(parents=True)
+    shared.chmod(0o777)
+    cache.symlink_to(shared / "mine")
+    assert native.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"xlaunch.nn: warning: refusing to build into {cache}/xlaunch/nn: another user could "), err
+    assert "777" in err.splitlines()[0]
+    assert list((shared / "mine").iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [[], ["--path"]])
+def test_a_bad_cap_is_one_line_exit_2_and_nothing_built(cache, monkeypatch, capsys, argv):
+    monkeypatch.setenv("XLAUNCH_CPU_ISA", "avx9")
+    assert native.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("python -m xlaunch.nn.native: error: XLAUNCH_CPU_ISA=avx9: unknown ISA level; "
+                                 "valid: baseline, avx2, avx512, avx512_vnni, avx512_bf16, amx\n"), err
+    with pytest.raises(ValueError, match="^XLAUNCH_CPU_ISA=avx9: unknown ISA level"):
+        native.build(echo=lambda line: None)
+    assert not cache.exists()                                     # checked before anything was made
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_build_ends_its_compilers_and_their_children(cache, tmp_path):
+    """SIGTERM (``kill``, a set-up script giving up) ended only the build's Python: its compilers (and g++'s
+    cc1plus) ran on, orphaned, and its scratch folder stayed for an hour."""
+    pids = tmp_path / "pids"
+    env = {**os.environ, "FAKE_PIDS": str(pids)}
+    build = subprocess.Popen([sys.executable, "-m", "xlaunch.nn.native"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and build.poll() is None:
+            started = [int(pid) for line in (pids.read_text() if pids.exists() else "").splitlines()
+                       for pid in line.split()]
+            if started:
+                break
+            time.sleep(0.05)
+        assert started, build.communicate()
+        build.send_signal(signal.SIGTERM)
+        out, err = build.communicate(timeout=30)
+        assert build.returncode == 128 + signal.SIGTERM and err == "", (build.returncode, err)
+        deadline = time.monotonic() + 5
+        while any(map(_alive, started)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in started if _alive(pid)]
+        assert [p.name for p in (cache / "xlaunch" / "nn").iterdir()] == []      # no scratch left
+    finally:
+        if build.poll() is None:
+            build.kill()
+        for pid in started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_tidying_goes_on_when_another_builds_scratch_goes_meanwhile(monkeypatch, tmp_path):
+    """Two builds at once: one's scratch folder, listed by the other's tidying, is removed by its owner before
+    it is looked into (that was a FileNotFoundError out of the second build)."""
+    (tmp_path / ".build-gone" / "avx2").mkdir(parents=True)
+    listed = os.scandir
+
+    def scandir(path):
+        if str(path).endswith(".build-gone"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return listed(path)
+
+    monkeypatch.setattr(_native_cache.os, "scandir", scandir)
+    assert _native_cache.tidy_cache(tmp_path, "ops", []) == (0, 0)
