@@ -6,6 +6,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+# PYTHON=...: checked before anything is installed (one line, exit 2): it runs, it is 3.10+ (torch 2.13's
+# floor), and an existing $VENV was made with the same version (it was kept in silence, on its own Python).
+py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }
+if [ -n "${PYTHON:-}" ]; then
+  want=$(py_version "$PYTHON") && [ -n "$want" ] || { echo "setup: PYTHON=$PYTHON: not a Python interpreter that runs here" >&2; exit 2; }
+  if [ "$(printf '%s\n' 3.10 "$want" | sort -V | head -n 1)" != 3.10 ]; then
+    echo "setup: PYTHON=$PYTHON is Python $want; torch 2.13 needs Python 3.10 or later" >&2; exit 2
+  fi
+  if [ -x "$VENV/bin/python" ] && have=$(py_version "$VENV/bin/python") && [ "$have" != "$want" ]; then
+    echo "setup: PYTHON=$PYTHON is Python $want, but $VENV was made with Python $have: remove $VENV" \
+         "(or set VENV to another folder) to make it with $PYTHON" >&2
+    exit 2
+  fi
+fi
 need_apt=()
 [ -e /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] || ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1 || need_apt+=(libjemalloc2)
 ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || need_apt+=(libtcmalloc-minimal4)
@@ -45,6 +59,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV with $PY ($("$PY" -V 2>&1))"
   "$PY" -m venv "$VENV"
 fi
+# xlaunch.nn's kernels, then (when they built) xlaunch.llm's, as `python -m xlaunch.{nn,llm}.native` would.
+build_kernels=(-c 'import sys
+from xlaunch.llm import native as llm
+from xlaunch.nn import native as nn
+sys.exit(nn.main([]) or llm.main([]))')
 stamp="$VENV/.xlaunch-setup"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log="$VENV/setup.log"
@@ -66,10 +85,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # With torch in place, xlaunch.nn's and xlaunch.llm's kernels compile at every ISA level (the
   # levels this CPU runs first; the others so that a wheel built here serves any x86-64 CPU)
   # while pip installs the rest; `python -m` from here imports xlaunch from this source tree.
-  { "$VENV/bin/python" -m xlaunch.nn.native && "$VENV/bin/python" -m xlaunch.llm.native; } >"$VENV/nn-build.log" 2>&1 &
+  # One process for both (no subshell): the trap's kill reaches the build itself, which then ends its
+  # compilers (a `{ a && b; } &` took the signal in its subshell and left them all running).
+  "$VENV/bin/python" "${build_kernels[@]}" >"$VENV/nn-build.log" 2>&1 &
   nn_build=$!
-  # a failed pip step leaves no compiler behind
-  trap 'kill "$nn_build" "$bytecode" 2>/dev/null || true' EXIT
+  # a failed pip step leaves no compiler behind (the build ends its compilers and scratch folder, then exits)
+  trap 'kill "$nn_build" "$bytecode" 2>/dev/null; wait "$nn_build" "$bytecode" 2>/dev/null || true' EXIT
   echo "setup: compiling xlaunch.nn's kernels alongside (log: $VENV/nn-build.log)"
   # torchao (INT8 PT2E flow) is pure Python for the CPU path; --no-deps keeps it off torch's pin.
   step 3 "torchao"
@@ -92,6 +113,6 @@ if [ -n "${nn_build:-}" ]; then
   wait "$nn_build" || nn_status=$?
   cat "$VENV/nn-build.log"
 else
-  { "$VENV/bin/python" -m xlaunch.nn.native && "$VENV/bin/python" -m xlaunch.llm.native; } || nn_status=$?
+  "$VENV/bin/python" "${build_kernels[@]}" || nn_status=$?
 fi
 [ "$nn_status" = 0 ] || echo "setup: warning: xlaunch.nn / xlaunch.llm kernels not built (pure-torch paths)" >&2
