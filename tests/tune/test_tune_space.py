@@ -136,3 +136,16 @@ def test_share_imports_is_a_dimension_of_module_lists(tmp_path) -> None:
     candidate = prepare(Program((str(script),), {"ninstances": 1}), space.point_at(1), str(tmp_path / "trial.toml"))
     assert isinstance(candidate, Candidate), candidate
     assert candidate.table["share-imports"] == ["json", "csv"]
+
+
+def test_nodes_list_minus_one_is_a_point_that_runs(tmp_path) -> None:
+    """nodes-list = "-1" (run_cpu's "every node") was kept as None: its point was skipped with
+    '--nodes-list: expected a list like 0-3,8, got None'."""
+    from xlaunch.tune.candidate import Candidate, Program, prepare
+
+    space = parse('[space]\nnodes-list = ["-1", "0"]\n')
+    assert space.to_json() == {"nodes-list": ["-1", "0"]}
+    script = tmp_path / "prog.py"
+    script.write_text("print('hi')\n")
+    every = prepare(Program((str(script),)), space.point_at(0), str(tmp_path / "trial.toml"))
+    assert isinstance(every, Candidate) and every.table == {}, every        # the launcher's default: every node

@@ -189,7 +189,9 @@ def _checked_values(
         normal = getattr(options, name)
         if name == "membind" and options.membind_nodes is not None:    # numactl's spelling: membind = "1"
             normal = options.membind_nodes
-        if isinstance(normal, tuple) and all(isinstance(item, str) for item in normal):
+        if normal is None:                     # nodes-list = "-1": every node, as when it is not given
+            normal = "-1"
+        elif isinstance(normal, tuple) and all(isinstance(item, str) for item in normal):
             normal = ",".join(normal)          # share-imports: module names, as --share-imports takes them
         elif isinstance(normal, tuple):        # CPU / node lists: the launcher's list syntax
             from xlaunch.cpulist import format_cpulist
