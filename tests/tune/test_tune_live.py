@@ -221,3 +221,17 @@ def test_a_tpe_trial_stopped_by_ctrl_c_is_failed_in_the_study(tmp_path: Path) ->
     study = optuna.load_study(study_name="xlaunch-tune", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
     assert [t.state.name for t in study.trials] == ["FAIL"]
     assert load(tmp_path / "out")["trials"] == []          # not recorded: --resume runs it again
+
+
+def test_ranks_of_the_torchrun_front_are_measured(tmp_path: Path) -> None:
+    """``--nproc-per-node``, fixed or a dimension: the launcher's per-rank logs are trial_rank_<i>.log,
+    and every trial failed with 'no output from instance 0' (the tuner read trial_instance_<i>.log)."""
+    pytest.importorskip("torch")
+    (tmp_path / "space.toml").write_text("[space]\nbenchmark = [false]\n")
+    (tmp_path / "prog.py").write_text("import os\nprint('score:', 10 + int(os.environ['LOCAL_RANK']))\n")
+    done = tune(tmp_path, "--space", "space.toml", "--metric", METRIC, "--nproc-per-node", "1", "--no-plot",
+                "--output-dir", "out", "prog.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    trial = load(tmp_path / "out")["trials"][0]
+    assert (trial["status"], trial["value"]) == ("ok", 10), trial
+    assert "nproc-per-node = 1" in (tmp_path / "out" / "best.toml").read_text()

@@ -140,10 +140,11 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
         return RunResult(False, wall, None, (), _failure(proc.returncode, directory), directory, kernels)
     if objective.metric is None:
         return RunResult(True, wall, wall, (None,) * len(candidate.instances), "", directory, kernels)
-    paths = [os.path.join(directory, f"{LOG_PREFIX}_instance_{index}.log") for index in candidate.instances]
+    noun = log_noun(candidate.table)
+    paths = [os.path.join(directory, f"{LOG_PREFIX}_{noun}_{index}.log") for index in candidate.instances]
     found = read_metric(objective, paths, budget if budget is not None else MatchBudget(launch.metric_time_limit))
     values = tuple(value if isinstance(value, float) else None for value in found)
-    problems = [f"{value} from instance {index}" + (_lost_output(directory, index) if value.startswith("no ") else "")
+    problems = [f"{value} from {noun} {index}" + (_lost_output(directory, noun, index) if value.startswith("no ") else "")
                 for index, value in zip(candidate.instances, found) if isinstance(value, str)]
     if problems:
         return RunResult(False, wall, None, values, problems[0], directory, kernels)
@@ -154,7 +155,13 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
     return RunResult(True, wall, value, values, "", directory, kernels)
 
 
-def _lost_output(directory: str, index: int) -> str:
+def log_noun(table: Mapping[str, object]) -> str:
+    """``rank`` when the launch goes through the torchrun front (``nproc-per-node``: its logs are
+    ``trial_rank_<i>.log``), else ``instance`` (``trial_instance_<i>.log``)."""
+    return "rank" if table.get("nproc-per-node") is not None else "instance"
+
+
+def _lost_output(directory: str, noun: str, index: int) -> str:
     """Why instance ``index``'s log may lack its metric when the run could not write it all (a full
     disk): the launcher's own count (``instance 1: 1 line(s) missing at the end of its log (...)``),
     else a full file system under ``directory``; "" when its log was written whole."""
@@ -164,7 +171,7 @@ def _lost_output(directory: str, index: int) -> str:
         text = read_user_file(os.path.join(directory, f"{LOG_PREFIX}_launcher.log"), 16 << 20).decode("utf-8", "replace")
     except ValueError:                              # UserFileError: missing, not a regular file, too large
         text = ""
-    said = re.search(rf"^\S+ \S+ (?:warning: )?instance {index}: (\d+ line\(s\) missing at the end of its log|cannot "
+    said = re.search(rf"^\S+ \S+ (?:warning: )?{noun} {index}: (\d+ line\(s\) missing at the end of its log|cannot "
                      rf"write its log) .*?\((.+?)\)", text, re.MULTILINE)
     if said is not None:
         return f" (its log is cut short: {said.group(2)})"
