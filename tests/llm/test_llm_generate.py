@@ -294,6 +294,16 @@ def test_a_cache_given_with_use_cache_false_is_continued_as_hugging_faces_forwar
     assert model(ids, attention_mask=mask, use_cache=False).past_key_values is None
 
 
+@pytest.mark.parametrize("other", [dict(num_hidden_layers=1), dict(num_hidden_layers=3), dict(num_key_value_heads=4)])
+def test_another_models_cache_is_one_value_error(model, other):
+    """A draft model's cache passed to the main model: fewer layers was an IndexError, more ran silently on the first
+    layers' slots, other KV heads failed inside the kernel."""
+    ids, _ = prompts(1, 6, seed=2)
+    cache = llm.optimize(tiny("llama", seed=3, **other), dtype=torch.float32)(ids).past_key_values
+    with pytest.raises(ValueError, match=r"^xlaunch.llm: past_key_values is another model's KV cache \("):
+        model(ids[:, :2], past_key_values=cache)
+
+
 def test_right_padding_gets_generates_warning_from_the_runtimes_loop_too(model, greedy_calls):
     """generate warns of a batch padded on the right (a tokenizer left at padding_side='right'); the runtime's loop
     gave the same tokens without a word."""

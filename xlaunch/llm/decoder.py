@@ -231,6 +231,11 @@ class DecoderRuntime:
 
     def _cache_for(self, past: Any) -> KVBuffers:
         if isinstance(past, KVBuffers):
+            held, spec = (past.num_layers, past.kv_heads, past.head_dim, past.dtype), self.spec
+            if held != (spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype):     # another model's
+                raise ValueError(f"xlaunch.llm: past_key_values is another model's KV cache ({past.num_layers} layers, "
+                                 f"{past.kv_heads} KV heads of {past.head_dim}, {past.dtype}), not this one's "
+                                 f"({spec.num_layers}, {spec.num_kv_heads} of {spec.head_dim}, {self.dtype})")
             return past
         length = getattr(past, "get_seq_length", None)      # another Cache: empty, generate made it before the hook
         if past is None or (callable(length) and length() == 0):
