@@ -120,6 +120,34 @@ def test_injection_env_defaults_and_bad_dtype() -> None:
         injection_env({}, dtype="float16", verbose=False)
 
 
+@pytest.mark.parametrize("variable, value", [
+    (FREEZE_ENV, "bogus"), (BACKEND_ENV, "bogus"), (BACKEND_ENV, "eager,nope"), (BACKEND_ENV, ","),
+    ("XLAUNCH_AUTO_OPTIMIZE_BUDGET", "abc"), ("XLAUNCH_AUTO_OPTIMIZE_BUDGET", "-5"),
+    ("XLAUNCH_AUTO_OPTIMIZE_BUDGET", "nan"), ("XLAUNCH_AUTO_OPTIMIZE_BUDGET", "inf"),
+    ("XLAUNCH_AUTO_OPTIMIZE_LLM_WEIGHTS", "int3"),
+])
+def test_a_bad_variable_is_one_value_error_naming_it(variable, value) -> None:
+    """Each instance printed 'not active' and ran unoptimized, or gave each model up (budget, backend)."""
+    with pytest.raises(ValueError, match=variable) as error:
+        injection_env({variable: value}, dtype=None, verbose=False)
+    assert "\n" not in str(error.value) and repr(value) in str(error.value)
+    good = {FREEZE_ENV: "inductor", BACKEND_ENV: "onnxruntime, torch", "XLAUNCH_AUTO_OPTIMIZE_BUDGET": "0.5",
+            "XLAUNCH_AUTO_OPTIMIZE_LLM_WEIGHTS": "int4"}
+    assert injection_env(good, dtype="bfloat16", verbose=False)[DTYPE_ENV] == "bfloat16"
+
+
+def test_the_launcher_refuses_a_bad_variable_before_starting(tmp_path) -> None:
+    marker = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    env = {**os.environ, "XLAUNCH_AUTO_OPTIMIZE_BUDGET": "abc"}
+    result = subprocess.run([sys.executable, "-m", "xlaunch", "--auto-optimize", str(script)], capture_output=True,
+                            text=True, env=env, cwd=REPO, timeout=60)
+    assert result.returncode == 2 and not marker.exists(), result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "xlaunch: error: --auto-optimize: XLAUNCH_AUTO_OPTIMIZE_BUDGET must be a number of seconds > 0, not 'abc'"]
+
+
 def test_every_instance_is_pointed_at_one_engine_cache(tmp_path) -> None:
     env = injection_env({"HOME": str(tmp_path)}, dtype=None, verbose=False)
     assert env[CACHE_ENV] == str(tmp_path / ".cache" / "xlaunch")

@@ -10,8 +10,9 @@ chosen for a model is built by one instance and loaded by the others and by late
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SITE_DIR = os.path.join(_HERE, "site")
@@ -28,12 +29,54 @@ RECORD_ENV = "XLAUNCH_AUTO_OPTIMIZE_RECORD"         # set by the runner: the fil
 MAX_RECORD_BYTES = 1 << 20
 MAX_RECORDS = 64
 DTYPES = ("float32", "bfloat16")
+FREEZE_BACKENDS = ("jit", "inductor", "none")
+LLM_WEIGHTS = ("int8", "int4")
+DEFAULT_BUDGET_S = 120.0
+
+
+def read_variables(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The ``XLAUNCH_AUTO_OPTIMIZE_*`` settings in ``environ`` (defaults for unset or empty ones):
+    ``dtype``, ``freeze``, ``backend`` (a name or a list of routes), ``budget`` (seconds),
+    ``llm_weights`` (None or a name). A bad value is one ValueError naming the variable (the launcher
+    refuses it before starting anything; torch-free)."""
+    from xlaunch.kernels.optimize.engines.report import ROUTES
+
+    dtype = environ.get(DTYPE_ENV, "") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"{DTYPE_ENV} must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    freeze = environ.get(FREEZE_ENV, "") or "jit"
+    if freeze not in FREEZE_BACKENDS:
+        raise ValueError(f"{FREEZE_ENV} must be one of {', '.join(FREEZE_BACKENDS)}, not {freeze!r}")
+    text = (environ.get(BACKEND_ENV, "") or "auto").strip() or "auto"
+    backend: Any = text
+    if "," in text:
+        backend = [name.strip() for name in text.split(",") if name.strip()]
+        if not backend or any(name not in ROUTES for name in backend):
+            raise ValueError(f"{BACKEND_ENV} must be auto, one route or routes separated by commas "
+                             f"(routes: {', '.join(ROUTES)}), not {text!r}")
+    elif text not in ("auto", *ROUTES):
+        raise ValueError(f"{BACKEND_ENV} must be auto or one of {', '.join(ROUTES)} (or several, "
+                         f"separated by commas), not {text!r}")
+    raw = environ.get(BUDGET_ENV, "") or str(DEFAULT_BUDGET_S)
+    try:
+        budget = float(raw)
+    except ValueError:
+        budget = math.nan
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"{BUDGET_ENV} must be a number of seconds > 0, not {raw!r}")
+    weights = environ.get(LLM_WEIGHTS_ENV, "") or None
+    if weights is not None and weights not in LLM_WEIGHTS:
+        raise ValueError(f"{LLM_WEIGHTS_ENV} must be int8 or int4, not {weights!r}")
+    return {"dtype": dtype, "freeze": freeze, "backend": backend, "budget": budget, "llm_weights": weights}
 
 
 def injection_env(environ: Mapping[str, str], *, dtype: Optional[str], verbose: bool) -> dict[str, str]:
-    """Variables to add to each instance's environment (``PYTHONPATH`` keeps the user's entries)."""
+    """Variables to add to each instance's environment (``PYTHONPATH`` keeps the user's entries).
+    A bad ``dtype`` or ``XLAUNCH_AUTO_OPTIMIZE_*`` value in ``environ`` is one ValueError naming it
+    (each instance would otherwise run unoptimized, or give each model up)."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    read_variables({**environ, DTYPE_ENV: dtype or "float32"})
     user = [entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     entries = [SITE_DIR] + [entry for entry in user if entry != SITE_DIR]
     # last, so it never shadows the user's modules: xlaunch itself for the child's sitecustomize

@@ -33,39 +33,26 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
-from xlaunch.kernels.inject import (BACKEND_ENV, BUDGET_ENV, DTYPE_ENV, FREEZE_ENV, LLM_WEIGHTS_ENV, RECORD_ENV,
-                                    VERBOSE_ENV)
+from xlaunch.kernels.inject import RECORD_ENV, VERBOSE_ENV, read_variables
 from xlaunch.kernels.optimize.notes import excerpt
 
 PREFIX = "xlaunch --auto-optimize"
 OPTIMIZERS = ("SGD", "Adagrad", "Adam", "AdamW")
 MAX_REBUILDS = 3
-FREEZE_BACKENDS = ("jit", "inductor", "none")
 DEFAULT_FREEZE = "jit"
-DEFAULT_BACKEND = "auto"
-DEFAULT_BUDGET_S = 120.0
 
 
 class Settings:
-    """What the launcher asked for (from the environment)."""
+    """What the launcher asked for (from the environment; a bad value is one ValueError naming it)."""
 
     def __init__(self, environ: Optional[dict] = None) -> None:
-        environ = os.environ if environ is None else environ
-        self.dtype = environ.get(DTYPE_ENV, "float32") or "float32"
-        self.verbose = environ.get(VERBOSE_ENV, "") not in ("", "0")
-        self.freeze = environ.get(FREEZE_ENV, DEFAULT_FREEZE) or DEFAULT_FREEZE
-        if self.freeze not in FREEZE_BACKENDS:
-            raise ValueError(f"{FREEZE_ENV} must be one of {', '.join(FREEZE_BACKENDS)}, not {self.freeze!r}")
-        backend = (environ.get(BACKEND_ENV, DEFAULT_BACKEND) or DEFAULT_BACKEND).strip()
-        self.backend: Any = backend if "," not in backend else [name.strip() for name in backend.split(",") if name.strip()]
-        budget = environ.get(BUDGET_ENV, "") or str(DEFAULT_BUDGET_S)
-        try:
-            self.budget = float(budget)
-        except ValueError:
-            raise ValueError(f"{BUDGET_ENV} must be a number of seconds, not {budget!r}") from None
-        self.llm_weights = environ.get(LLM_WEIGHTS_ENV, "") or None
-        if self.llm_weights not in (None, "int8", "int4"):
-            raise ValueError(f"{LLM_WEIGHTS_ENV} must be int8 or int4, not {self.llm_weights!r}")
+        values = read_variables(os.environ if environ is None else environ)
+        self.dtype: str = values["dtype"]
+        self.verbose = (os.environ if environ is None else environ).get(VERBOSE_ENV, "") not in ("", "0")
+        self.freeze: str = values["freeze"]
+        self.backend: Any = values["backend"]
+        self.budget: float = values["budget"]
+        self.llm_weights: Optional[str] = values["llm_weights"]
 
 
 _settings: Optional[Settings] = None

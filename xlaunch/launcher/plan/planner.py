@@ -260,7 +260,10 @@ def _injection_env(options: "Options", environ: Mapping[str, str]) -> dict[str, 
         from xlaunch.kernels.inject import injection_env
     except ImportError as exc:
         raise PlanError("--auto-optimize", f"the injection module is not available ({exc})") from None
-    return dict(injection_env(environ, dtype=options.dtype, verbose=options.auto_optimize_verbose))
+    try:
+        return dict(injection_env(environ, dtype=options.dtype, verbose=options.auto_optimize_verbose))
+    except ValueError as exc:   # an XLAUNCH_AUTO_OPTIMIZE_* variable of the user's: refused before any start
+        raise PlanError("--auto-optimize", str(exc)) from None
 
 
 def _bind_tool_path(
