@@ -165,3 +165,19 @@ def test_final_rounds_that_all_failed_plot_without_a_warning(tmp_path, monkeypat
     assert len(err.splitlines()) == 1, err                  # the start line only
     assert "failed 1x: exit 3 (instance 0)" in out
     assert (tmp_path / "out" / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dollar_signs_are_drawn_as_written(tmp_path, monkeypatch, capsys) -> None:
+    r"""A ``$`` pair in the command (the plot's title) was matplotlib's math mode: ``$\frac{1}$`` lost
+    the plot (and ``$a_b$`` drew a subscript)."""
+    from xlaunch.tune.cli import run
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.toml").write_text("[space]\nbenchmark = [false]\n")
+    (tmp_path / "prog.py").write_text("print('score: 1')\n")
+    code = run(["--space", "space.toml", "--metric", r"score: (\S+)$", "--ninstances", "1", "--output-dir", "out",
+                "prog.py", r"$\frac{1}$", "$a_b$"])
+    err = capsys.readouterr().err
+    assert code == 0 and len(err.splitlines()) == 1, err            # the start line only
+    assert (tmp_path / "out" / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

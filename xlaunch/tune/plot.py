@@ -22,6 +22,12 @@ MAX_FAILED_ROWS = 10
 MAX_DRAWN = 1e300         # an axis limit past this: no plot (its ticks overflow, or the span is inf)
 
 
+def _plain(text: str) -> str:
+    """``text`` shown as written: a ``$`` pair (a program argument, a failure's last line, a metric
+    regex) is matplotlib's math mode, which garbled the text or failed the whole plot."""
+    return text.replace("$", r"\$")
+
+
 def label(point: dict[str, Any]) -> str:
     parts = []
     for key, value in point.items():
@@ -73,7 +79,7 @@ def _draw(plt: Any, tuner: Tuner, outcome: Outcome, title: Optional[str]) -> byt
     for y, record in enumerate(rows):
         if not record.ok:
             ax.plot([left + 0.01 * span], [y], marker="x", color="#c0392b", markersize=9, mew=2)
-            ax.text(left + 0.03 * span, y, f"failed: {record.reason}"[:90], va="center", color="#c0392b", fontsize=8)
+            ax.text(left + 0.03 * span, y, _plain(f"failed: {record.reason}"[:90]), va="center", color="#c0392b", fontsize=8)
             continue
         summary = record.summary
         color = "#27ae60" if record.number == best else "#5d8aa8"
@@ -88,12 +94,12 @@ def _draw(plt: Any, tuner: Tuner, outcome: Outcome, title: Optional[str]) -> byt
                         h.get_label() == "re-measured (interleaved)" for h in ax.lines) else None)
         ax.text(summary.median, y - 0.33, f" {summary.median:.4g}", va="bottom", fontsize=8, color="#333333")
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([("★ " if r.number == best else "") + f"#{r.number} " + label(r.point) for r in rows],
+    ax.set_yticklabels([("★ " if r.number == best else "") + f"#{r.number} " + _plain(label(r.point)) for r in rows],
                        fontsize=8, family="monospace")
     ax.invert_yaxis()
     ax.set_xlim(left, high + 0.12 * span)
     direction = "higher is better →" if tuner.objective.goal == "max" else "← lower is better"
-    ax.set_xlabel(f"{tuner.objective.label}   ({direction})", fontsize=9)
+    ax.set_xlabel(_plain(f"{tuner.objective.label}   ({direction})"), fontsize=9)
     ax.grid(axis="x", alpha=0.3)
     heading = title or "xlaunch-tune"
     sub = f"{len(ranked)} ok, {len(failed)} failed, {len(tuner.skipped)} skipped (invalid here)"
@@ -103,7 +109,7 @@ def _draw(plt: Any, tuner: Tuner, outcome: Outcome, title: Optional[str]) -> byt
             sub += " (won the interleaved re-measurement)"
     if hidden:
         sub += f"; {hidden} more in trials.csv"
-    ax.set_title(f"{heading}\n{sub}", fontsize=10, loc="left")
+    ax.set_title(_plain(f"{heading}\n{sub}"), fontsize=10, loc="left")
     if any(finals.values()):      # final rounds that all failed draw no diamond (an empty legend warned)
         ax.legend(loc="lower right", fontsize=8, frameon=False)
     fig.tight_layout()
