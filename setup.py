@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 from setuptools.dist import Distribution
 
@@ -40,10 +41,18 @@ class BuildPyWithKernels(build_py):
 
 
 class BinaryDistribution(Distribution):
-    """The prebuilt kernels make the wheel platform-specific (x86-64 Linux, this Python)."""
+    """The prebuilt kernels make the wheel platform-specific (x86-64 Linux)."""
 
     def has_ext_modules(self) -> bool:
         return True
 
 
-setup(cmdclass={"build_py": BuildPyWithKernels}, distclass=BinaryDistribution)
+class PlatformWheel(bdist_wheel):
+    """Tagged ``py3-none-<platform>``, not ``cp311-cp311-<platform>``: the kernels link torch's libraries, not
+    Python's (their names hold torch's version), so one wheel serves every Python torch has a build for."""
+
+    def get_tag(self) -> tuple:
+        return ("py3", "none", super().get_tag()[2])
+
+
+setup(cmdclass={"build_py": BuildPyWithKernels, "bdist_wheel": PlatformWheel}, distclass=BinaryDistribution)
