@@ -67,18 +67,21 @@ sys.exit(nn.main([]) or llm.main([]))')
 stamp="$VENV/.xlaunch-setup"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log="$VENV/setup.log"
-  echo "setup: installing torch==2.13.0, intel-openmp==2026.2.0, torchao and xlaunch[dev,tune,onnxruntime,openvino,llm] into $VENV (log: $log)"
+  echo "setup: installing torch==2.13.0+cpu, intel-openmp==2026.2.0, torchao and xlaunch[dev,tune,onnxruntime,openvino,llm] into $VENV (log: $log)"
   started=$SECONDS
   step() { echo "setup: [$1/4] $2 ($((SECONDS - started)) s so far)"; }
   pip_install() { "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
   : >"$log"
   step 1 "upgrading pip"
   pip_install --upgrade pip
-  # The CPU build of torch 2.13.0 is pinned here, never a range (a range pulls a CUDA build).
+  # The CPU build of torch 2.13.0 is pinned here, +cpu included, from PyTorch's CPU index ($TORCH_INDEX_URL) or a
+  # local wheel pip finds: the registry's torch==2.13.0 is the CUDA build (with cuda-toolkit: gigabytes), which a
+  # plain pin pulled wherever no local +cpu wheel matched (PYTHON=python3.12 here).
   # --no-compile, then compileall on both cores in the background: pip byte-compiles torch's
   # thousands of modules on one core (about 13 s of the 23 s this step took).
   step 2 "torch 2.13.0 (CPU build) and numpy: the largest download, a minute or more"
-  pip_install --no-compile "torch==2.13.0" "numpy==2.4.6"   # numpy now: torch warns without it
+  pip_install --no-compile --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" \
+    "torch==2.13.0+cpu" "numpy==2.4.6"   # numpy now: torch warns without it
   site_packages=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$VENV/bin/python" -m compileall -q -j 0 "$site_packages/torch" "$site_packages/numpy" >/dev/null 2>&1 &
   bytecode=$!

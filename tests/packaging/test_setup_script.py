@@ -16,6 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 SETUP = REPO / "scripts" / "setup.sh"
 # The venv's python: pip succeeds at once, except for torchao, which fails once the kernels' compilers run.
 FAKE_VENV_PYTHON = """#!/bin/bash
+[ "$2" = pip ] && echo "$*" >> "$FAKE_ARGS"
+[ -n "$FAKE_FAIL" ] && [[ "$*" == *"$FAKE_FAIL"* ]] && { echo "ERROR: no $FAKE_FAIL here"; exit 1; }
 case "$*" in
   *"-m pip install"*torchao*)
     for _ in $(seq 600); do [ -s "$FAKE_PIDS" ] && break; sleep 0.05; done
@@ -88,21 +90,41 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _fake_venv(tmp_path: Path) -> Path:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(FAKE_VENV_PYTHON.replace("{python}", sys.executable))
+    (venv / "bin" / "python").chmod(0o755)
+    return venv
+
+
+def test_torch_is_asked_for_as_its_cpu_build(tmp_path):
+    """``torch==2.13.0`` is the registry's CUDA build (cuda-toolkit: gigabytes); it was the CPU build here only
+    where a local +cpu wheel matched (Python 3.11), and PYTHON=python3.12 pulled the CUDA one."""
+    args = tmp_path / "args"
+    env = {**os.environ, "VENV": str(_fake_venv(tmp_path)), "FAKE_ARGS": str(args), "FAKE_FAIL": "torch==",
+           "PATH": _path_without_apt(tmp_path)}
+    env.pop("TORCH_INDEX_URL", None)
+    done = _setup(env)
+    assert done.returncode == 1 and "ERROR: no torch== here" in done.stderr, (done.stdout, done.stderr)
+    torch_step = args.read_text().splitlines()[-1].split()
+    assert "torch==2.13.0+cpu" in torch_step, torch_step
+    index = torch_step.index("--extra-index-url")
+    assert torch_step[index + 1] == "https://download.pytorch.org/whl/cpu", torch_step
+
+
 @pytest.mark.live
 def test_a_failed_install_leaves_no_kernel_build_running(tmp_path):
     """pip failing while the kernels compile alongside: the trap killed the build's subshell, and the build
     and its compilers ran on after set-up had exited."""
     pytest.importorskip("torch")
-    venv, pids = tmp_path / "venv", tmp_path / "pids"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").write_text(FAKE_VENV_PYTHON.replace("{python}", sys.executable))
-    (venv / "bin" / "python").chmod(0o755)
+    venv, pids = _fake_venv(tmp_path), tmp_path / "pids"
     cxx = tmp_path / "fake-cxx"
     cxx.write_text(FAKE_CXX)
     cxx.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLAUNCH_", "PYTHON"))}
     env.update(VENV=str(venv), CXX=str(cxx), FAKE_PIDS=str(pids), XDG_CACHE_HOME=str(tmp_path / "cache"),
-               PATH=_path_without_apt(tmp_path))
+               FAKE_ARGS=str(tmp_path / "args"), PATH=_path_without_apt(tmp_path))
     started: list[int] = []
     try:
         done = _setup(env, timeout=120)
