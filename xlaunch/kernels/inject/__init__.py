@@ -92,6 +92,24 @@ def injection_env(environ: Mapping[str, str], *, dtype: Optional[str], verbose: 
     return env
 
 
+def append_record(item: dict) -> None:
+    """In an instance: the engine a model runs on, for the launcher's summary (one JSON line appended
+    to the file ``XLAUNCH_AUTO_OPTIMIZE_RECORD`` names, set by the runner; never through a link)."""
+    path = os.environ.get(RECORD_ENV, "")
+    if not path:
+        return
+    import json
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, (json.dumps(item) + "\n").encode("utf-8"))
+        finally:
+            os.close(fd)
+    except OSError:   # the summary just lacks the line
+        pass
+
+
 def read_records(path: str) -> list[dict]:
     """What an instance wrote to its ``XLAUNCH_AUTO_OPTIMIZE_RECORD`` file: one object per model it
     optimized (``module``, ``backend``, ``cache``, ``reason``), in order; [] when none (no file, or

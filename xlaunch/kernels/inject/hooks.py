@@ -7,8 +7,9 @@ finder on ``sys.meta_path`` that lets torch import normally and then patches it.
   (same constructor and state, so scripts and checkpoints keep working).
 * ``nn.Module.__call__`` gains one check: a module called by the program itself (not from inside
   another module's forward) in eval mode with autograd off (``torch.no_grad()`` or
-  ``torch.inference_mode()``) is optimized once, on that first call, and that call and later ones
-  go to the optimized copy. In fp32 that copy is the fastest route measured on the first call's
+  ``torch.inference_mode()``) runs itself on that first call, watched (:mod:`.state`): when the call
+  left its own state alone, it is optimized once, and later calls go to the optimized copy (a forward
+  that keeps changing its module's attributes or buffers runs unoptimized, said once). In fp32 that copy is the fastest route measured on the first call's
   arguments (``optimize(..., sample_input=args, backend="auto")`` within
   ``XLAUNCH_AUTO_OPTIMIZE_BUDGET`` seconds, default 120; ``XLAUNCH_AUTO_OPTIMIZE_BACKEND`` picks
   another backend, ``torch`` for the rewrite alone), cached on disk, so the next run and the other
@@ -33,7 +34,8 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
-from xlaunch.kernels.inject import RECORD_ENV, VERBOSE_ENV, read_variables
+from xlaunch.kernels.inject import VERBOSE_ENV, read_variables
+from xlaunch.kernels.inject import append_record as _record
 from xlaunch.kernels.optimize.notes import excerpt
 
 PREFIX = "xlaunch --auto-optimize"
@@ -171,6 +173,8 @@ def _make_call(original: Callable, torch: Any) -> Callable:
         depth = getattr(_local, "depth", 0)
         if depth == 0 and not self.training and not skipped(self) and not is_compiling():
             optimized = _optimized_for(self, args, kwargs, torch)
+            if optimized is _WATCH:
+                return _watched_call(original, self, args, kwargs, torch)
             if optimized is not None:
                 _local.depth = 1
                 try:
@@ -188,6 +192,27 @@ def _make_call(original: Callable, torch: Any) -> Callable:
 
     __call__.__wrapped__ = original  # type: ignore[attr-defined]
     return __call__
+
+
+def _watched_call(original: Callable, module: Any, args: tuple, kwargs: dict, torch: Any) -> Any:
+    """Until a call leaves the module's own state alone, the module itself runs (an optimized copy
+    would update the copy's state, or none once frozen); then the copy is built for the next calls.
+    A second call that changes it gives the model up (the first may fill a cache once)."""
+    from xlaunch.kernels.inject.state import changed, snapshot
+
+    before = snapshot(module)
+    result = _call_original(original, module, args, kwargs, 0)
+    entry, names = _entries.get(module), changed(module, before)
+    if entry is None or entry.given_up:
+        return result
+    if names:
+        entry.state_changes += 1
+        if entry.state_changes > 1:
+            _give_up(module, f"its forward changes its own state ({', '.join(names)}), which a copy would not update")
+    else:
+        entry.watched = True
+        _optimized_for(module, args, kwargs, torch)   # builds the copy the next calls run
+    return result
 
 
 def _call_original(original: Callable, module: Any, args: tuple, kwargs: dict, depth: int) -> Any:
@@ -211,12 +236,15 @@ class _Entry:
         self.rebuilds = 0
         self.told_grad = False
         self.recorded: Optional[str] = None   # the backend of the last summary entry
+        self.watched = False                  # a call of the module itself left its state alone
+        self.state_changes = 0                # calls of it that changed its state
 
     def current(self) -> bool:
         return self.eager is not None and tuple(t._version for t in self.tensors) == self.versions
 
 
 _entries: "weakref.WeakKeyDictionary[Any, _Entry]" = weakref.WeakKeyDictionary()
+_WATCH: Any = object()   # _optimized_for: run the module itself, watching its state (_watched_call)
 _lock = threading.RLock()
 
 
@@ -225,7 +253,8 @@ def _name(module: Any) -> str:
 
 
 def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Optional[Callable]:
-    """What to call for ``module`` now (building it if needed); None = run the module as is."""
+    """What to call for ``module`` now (building it if needed); None = run the module as is,
+    ``_WATCH`` = run it watching its state."""
     entry = _entries.get(module)
     if entry is None:
         if next(module.parameters(), None) is None:   # nothing to fold, cast or prepack
@@ -246,6 +275,8 @@ def _optimized_for(module: Any, args: tuple, kwargs: dict, torch: Any) -> Option
         return None
     if entry.current():
         return entry.eager
+    if not entry.watched:
+        return _WATCH
     with _lock:
         if not entry.current():
             if entry.eager is not None:
@@ -290,24 +321,6 @@ def _give_up(module: Any, why: str) -> None:
         entry.given_up, entry.eager = True, None
     _say(f"{_name(module)} runs unoptimized: {why}")
     _record({"module": _name(module), "backend": "none", "cache": "off", "reason": f"runs unoptimized: {why}"})
-
-
-def _record(item: dict) -> None:
-    """The engine a model runs on, for the launcher's summary (``XLAUNCH_AUTO_OPTIMIZE_RECORD``,
-    set by the runner: one JSON line appended per model)."""
-    path = os.environ.get(RECORD_ENV, "")
-    if not path:
-        return
-    import json
-
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, (json.dumps(item) + "\n").encode("utf-8"))
-        finally:
-            os.close(fd)
-    except OSError:   # the summary just lacks the line
-        pass
 
 
 @contextlib.contextmanager
