@@ -73,3 +73,18 @@ def test_resume_gives_the_study_what_it_lacks(tmp_path: Path) -> None:
                     ({"ninstances": 1, "benchmark": True}, None)])
     held = sorted((t.params["ninstances"], t.params["benchmark"], t.state.name) for t in strategy.study.trials)
     assert held == [(1, False, "COMPLETE"), (1, True, "FAIL"), (2, True, "COMPLETE")]
+
+
+def test_a_ctrl_c_inside_study_ask_leaves_no_trial_running(tmp_path: Path, monkeypatch) -> None:
+    """Optuna creates the trial, then samples it: a Ctrl-C (SIGTERM) between the two left a trial
+    RUNNING in study.db with no params, although the session ended with 130 and said nothing."""
+    strategy = TpeStrategy(SPACE, goal="max", seed=1, storage=str(tmp_path / "study.db"))
+
+    def interrupted(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(strategy.study.sampler, "sample_relative", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        strategy.ask(set())
+    strategy.abandon()
+    assert [t.state.name for t in strategy.study.trials] == ["FAIL"]

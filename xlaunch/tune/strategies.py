@@ -152,14 +152,15 @@ class TpeStrategy(Strategy):
         FAIL = self._optuna.trial.TrialState.FAIL
         pending = [trial for trials in self._pending.values() for trial in trials]
         self._pending.clear()
-        for trial in pending:
-            try:
+        try:
+            for trial in pending:
                 self.study.tell(trial, state=FAIL, skip_if_finished=True)
-            except Exception as error:      # a full disk under study.db: said, and the results still written
-                from xlaunch._errors import error_line
+            self._fail_stale()      # a Ctrl-C inside study.ask: a trial created, never handed out
+        except Exception as error:      # a full disk under study.db: said, and the results still written
+            from xlaunch._errors import error_line
 
-                sys.stderr.write(f"xlaunch-tune: warning: study.db keeps trial {trial.number} RUNNING "
-                                 f"({error_line(error)}); --resume marks it failed\n")
+            sys.stderr.write(f"xlaunch-tune: warning: study.db keeps trials RUNNING ({error_line(error)}); "
+                             "--resume marks them failed\n")
 
     def learn(self, known: list[tuple[Point, Optional[float]]]) -> None:
         """Give the study what earlier sessions measured and it lacks (a grid resumed as tpe; a
