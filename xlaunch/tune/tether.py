@@ -30,12 +30,12 @@ def _die_with_parent(parent, number):
 _EXEC = SNIPPET + """
 import os, sys
 _die_with_parent(int(sys.argv[1]), int(sys.argv[2]))
-os.execv(sys.argv[3], sys.argv[3:])
+os.execvp(sys.argv[3], sys.argv[3:])
 """
 
 
 def tethered(argv: list[str], number: int = signal.SIGTERM) -> list[str]:
-    """``argv`` (its first item a path) started so that it gets ``number`` when this process ends."""
+    """``argv`` (its first item a path, or a name looked up in PATH) started so that it gets ``number`` when this process ends."""
     return [sys.executable, "-I", "-S", "-c", _EXEC, str(os.getpid()), str(int(number)), *argv]
 
 
