@@ -215,6 +215,32 @@ def test_a_large_max_new_tokens_commits_only_the_slots_written(model):
     assert max(seen) - before < 128, (before, seen)
 
 
+def test_beam_search_under_a_large_max_new_tokens_copies_only_the_slots_written(model):
+    """Beam search reorders the cache every step: it copied the whole capacity (generate's maximum length), so
+    max_new_tokens=2^17 with 3 beams cost 400 MiB resident and most of a second a step where Hugging Face's cache
+    costs what it holds. The resident size is read on every step (a stopping criterion), the tokens are generate's."""
+    transformers = pytest.importorskip("transformers")
+
+    def resident_mib() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) // 1024
+
+    class Watch(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append(resident_mib())
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 12, dtype=torch.bool)
+
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(8))
+    call = dict(num_beams=3, do_sample=False, pad_token_id=0, stopping_criteria=transformers.StoppingCriteriaList([Watch()]))
+    seen: list[int] = []
+    expected = tiny("llama", seed=3).generate(ids, max_new_tokens=6, **call)
+    seen.clear()
+    before = resident_mib()
+    got = model.generate(ids, max_new_tokens=1 << 17, **call)
+    assert torch.equal(got, expected)
+    assert max(seen) - before < 64, (before, seen)
+
+
 @pytest.mark.parametrize("how", ["assistant", "prompt_lookup"])
 @pytest.mark.filterwarnings("ignore:Passing `generation_config` together")
 def test_assisted_decoding_which_crops_the_cache_gives_the_greedy_tokens(model, how):

@@ -164,8 +164,17 @@ def hf_cache_class() -> type:
                                "call the optimized model itself, not its layers")
 
         def _select_rows(self, index: "torch.Tensor") -> None:
-            self.keys = [k.index_select(0, index) for k in self.keys]
-            self.values = [v.index_select(0, index) for v in self.values]
+            """Rows ``index`` of the written slots (beam search reorders every step: copying the whole capacity,
+            generate's maximum length, cost a step seconds and committed every page of the buffers)."""
+            length, rows = self.length, index.numel()
+
+            def select(buffer: "torch.Tensor") -> "torch.Tensor":
+                chosen = buffer[:, :, :length].index_select(0, index)
+                kept = buffer if rows == buffer.shape[0] else buffer.new_empty((rows, *buffer.shape[1:]))
+                kept[:, :, :length].copy_(chosen)
+                return kept
+
+            self.keys, self.values = [select(k) for k in self.keys], [select(v) for v in self.values]
             if self.padding is not None:
                 self.padding = self.padding.index_select(0, index)
 
