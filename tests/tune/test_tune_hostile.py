@@ -230,3 +230,14 @@ def test_a_metric_lost_to_a_full_disk_says_so(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stderr
     reasons = [t["reason"] for t in json.loads((tmp_path / "out" / "trials.json").read_text())["trials"]]
     assert reasons == [f"no metric from instance 0 (its log is cut short: {os.strerror(errno.EFBIG)})"] * 2, reasons
+
+
+def test_the_launchers_plan_warnings_are_in_the_report(tmp_path: Path, capsys, monkeypatch) -> None:
+    """What the launcher said of a point's plan (e.g. "kept the allocator in your LD_PRELOAD; not adding
+    tcmalloc": that trial ran another allocator than its row says) was only in trials.json."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.toml").write_text("[space]\nshare-imports = ['json']\n")
+    (tmp_path / "prog.py").write_text("print('score: 1')\n")
+    assert run(["--space", "space.toml", "--metric", r"score: (\S+)", "--ninstances", "1", "--no-plot", "prog.py"]) == 0
+    out = capsys.readouterr().out
+    assert "#1 ran with the launcher's warning: --share-imports with one instance shares nothing" in out, out

@@ -64,6 +64,11 @@ def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], li
         body.append(row + [_wall(record.wall_time), *kernels(record), FAILED])
     notes = [f"objective: {tuner.objective.label}, {'higher' if tuner.objective.goal == 'max' else 'lower'} is better"]
     notes += [f"#{record.number} failed: {record.reason}" for record in failed]
+    warned: dict[str, list[int]] = {}        # the launcher's plan warnings: "not adding tcmalloc" ran another one
+    for record in tuner.records:
+        for warning in record.warnings:
+            warned.setdefault(warning, []).append(record.number)
+    notes += [f"{_numbers(numbers)} ran with the launcher's warning: {warning}" for warning, numbers in warned.items()]
     notes += [f"skipped {describe(skip.point)}: {skip.reason}" for skip in tuner.skipped]
     if final is not None:
         parts = [f"#{n} {_fmt(finals.get(n))} (n={len(final.values.get(n, []))}"
@@ -84,6 +89,11 @@ def rows(tuner: Tuner, outcome: Outcome) -> tuple[list[str], list[list[str]], li
     if outcome.interrupted:
         notes.append("interrupted: results so far")
     return header, body, notes
+
+
+def _numbers(numbers: list[int], most: int = 8) -> str:
+    shown = ", ".join(f"#{n}" for n in numbers[:most])
+    return shown + (f" and {len(numbers) - most} more" if len(numbers) > most else "")
 
 
 def _cell(value: Any) -> str:
