@@ -114,6 +114,7 @@ fi
 nn_status=0
 if [ -n "${nn_build:-}" ]; then
   wait "$nn_build" || nn_status=$?
+  trap - EXIT          # both waited for: their PIDs may name other processes now
   cat "$VENV/nn-build.log"
 else
   "$VENV/bin/python" "${build_kernels[@]}" || nn_status=$?
