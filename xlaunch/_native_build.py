@@ -312,9 +312,17 @@ class Library:
         return getattr(self._local, "preference", None)
 
     def ops(self) -> Optional[object]:
-        """``torch.ops.<namespace>_<level>`` when the kernels are wanted and load, else None."""
+        """``torch.ops.<namespace>_<level>`` when the kernels are wanted and load, else None.
+
+        ``ValueError`` (one line) for a ``disable_env`` other than 0 or 1: ``=false`` ran the kernels, unsaid."""
         preference = self.preference
-        if preference is False or (preference is None and os.environ.get(self.disable_env, "1") == "0"):
+        if preference is None:
+            switch = os.environ.get(self.disable_env, "").strip()
+            if switch not in ("", "0", "1"):
+                raise ValueError(f"{self.disable_env}={switch}: expected 0 (the pure-torch paths) or 1 (the compiled "
+                                 "kernels)")
+            preference = switch != "0"
+        if preference is False:
             return None
         level = preference if isinstance(preference, str) else self.level()
         return None if level is None else self.ops_at(level)

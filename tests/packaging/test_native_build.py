@@ -147,3 +147,18 @@ def test_tidying_goes_on_when_another_builds_scratch_goes_meanwhile(monkeypatch,
 
     monkeypatch.setattr(_native_cache.os, "scandir", scandir)
     assert _native_cache.tidy_cache(tmp_path, "ops", []) == (0, 0)
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", "2"])
+def test_the_switch_is_0_or_1_and_anything_else_is_one_line(monkeypatch, value):
+    """``XLAUNCH_NN_NATIVE=false`` (or off, no) ran the compiled kernels without a word: only "0" turned them off."""
+    monkeypatch.setenv(native.DISABLE_ENV, value)
+    with pytest.raises(ValueError) as raised:
+        native.ops()
+    assert str(raised.value) == (f"XLAUNCH_NN_NATIVE={value}: expected 0 (the pure-torch paths) or 1 (the compiled "
+                                 "kernels)")
+    monkeypatch.setenv(native.DISABLE_ENV, " 0 ")
+    assert native.ops() is None
+    with native.prefer_native(False):
+        monkeypatch.setenv(native.DISABLE_ENV, value)
+        assert native.ops() is None                 # an explicit choice in the code wins over the variable
