@@ -20,10 +20,27 @@ import os
 import sys
 import time
 
-import torch
-from torch import nn
 
-from xlaunch.nn import EmbeddingSpec, MergedEmbeddingBagWithAdaGrad, MergedEmbeddingBagWithSGD, interaction
+def _quiet_interrupt(kind: type, value: BaseException, tb: object) -> None:
+    """Ctrl-C (also while torch imports, or made another error by a library it interrupted) ends the run
+    without a traceback."""
+    cause: object = value
+    for _ in range(16):
+        if cause is None or isinstance(cause, KeyboardInterrupt):
+            break
+        cause = cause.__cause__ or cause.__context__   # type: ignore[attr-defined]
+    if not isinstance(cause, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)   # type: ignore[arg-type]
+
+
+if __name__ == "__main__":   # as a program (not when a test imports it)
+    sys.excepthook = _quiet_interrupt
+
+import torch  # noqa: E402  (after the Ctrl-C hook)
+from torch import nn  # noqa: E402
+
+from xlaunch.nn import (EmbeddingSpec, MergedEmbeddingBagWithAdaGrad, MergedEmbeddingBagWithSGD,  # noqa: E402
+                        interaction)
 
 DENSE_FEATURES = 13
 FLOAT32_MAX = 3.4028234663852886e38

@@ -36,6 +36,22 @@ import tempfile
 import time
 from pathlib import Path
 
+
+def _quiet_interrupt(kind: type, value: BaseException, tb: object) -> None:
+    """Ctrl-C (also while torch imports, or made another error by a library it interrupted) ends the run
+    without a traceback."""
+    cause: object = value
+    for _ in range(16):
+        if cause is None or isinstance(cause, KeyboardInterrupt):
+            break
+        cause = cause.__cause__ or cause.__context__   # type: ignore[attr-defined]
+    if not isinstance(cause, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)   # type: ignore[arg-type]
+
+
+if __name__ == "__main__":   # as a program (not when a test imports it)
+    sys.excepthook = _quiet_interrupt
+
 CPUS = sorted(os.sched_getaffinity(0))      # before torch: its OpenMP may pin the main thread
 
 from xlaunch.llm import footprint, shapes  # noqa: E402  (no torch)
@@ -101,7 +117,9 @@ def need(args: argparse.Namespace, config: dict) -> footprint.Need:
 
 
 WRITE_PACKED = """
-import sys, torch
+import sys
+sys.excepthook = lambda kind, *rest: None if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest)
+import torch
 from xlaunch.llm import loader, packed_file
 path, source, dtype, weights = sys.argv[1:]
 dtype, weights = None if dtype == "auto" else getattr(torch, dtype), None if weights == "none" else weights
@@ -281,4 +299,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        status = main(sys.argv[1:])
+        sys.stdout.flush()        # inside the try: a closed pipe found at exit is the same case
+    except BrokenPipeError:   # stdout closed early (`| head`): stop quietly, as a Unix tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing left to flush at exit
+        status = 1
+    sys.exit(status)

@@ -15,6 +15,22 @@ import sys
 import time
 
 
+def _quiet_interrupt(kind: type, value: BaseException, tb: object) -> None:
+    """Ctrl-C (also while torch imports, or made another error by a library it interrupted) ends the run
+    without a traceback."""
+    cause: object = value
+    for _ in range(16):
+        if cause is None or isinstance(cause, KeyboardInterrupt):
+            break
+        cause = cause.__cause__ or cause.__context__   # type: ignore[attr-defined]
+    if not isinstance(cause, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)   # type: ignore[arg-type]
+
+
+if __name__ == "__main__":   # as a program (not when a test imports it)
+    sys.excepthook = _quiet_interrupt
+
+
 def _allowed_cpus() -> str:
     """This process's CPUs as the kernel reports them (/proc/self/status), e.g. ``0-3``. Read before
     torch is imported: GNU OpenMP with ``OMP_PROC_BIND`` then binds the main thread to its first place."""

@@ -3,8 +3,11 @@ exit status 2 (no traceback, no run that prints a throughput of 0 or nan); the n
 Each example's main() runs in this process (torch is imported already; a fresh process would import it again)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +22,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def run(name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> tuple:
     """(exit status, stdout, stderr) of ``examples/<name> argv``."""
     monkeypatch.setattr(sys, "argv", [name, *argv])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)   # run as __main__, the example sets its own
     status = 0
     try:
         runpy.run_path(str(EXAMPLES / name), run_name="__main__")
@@ -76,6 +80,8 @@ def test_dlrm_averages_the_losses_it_has(monkeypatch, capsys) -> None:
     ("train.py", ["--steps", "1", "--batch-size", "2"]),
     ("dlrm.py", ["--steps", "1", "--infer-steps", "1", "--tables", "2", "--rows", "5", "9", "--batch-size", "8",
                  "--bag", "2", "--dim", "4"]),
+    pytest.param("llm.py", ["--tiny", "--new-tokens", "2", "--prompt-tokens", "4"],   # it was the traceback
+                 marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")),
 ])
 def test_a_closed_stdout_stops_the_example_without_a_traceback(name, argv, monkeypatch, capsys) -> None:
     """``python examples/infer.py | head -1``: the write after head left was BrokenPipeError's traceback."""
@@ -88,3 +94,40 @@ def test_a_closed_stdout_stops_the_example_without_a_traceback(name, argv, monke
         status, _, err = run(name, argv, monkeypatch, capsys)
         monkeypatch.undo()
     assert status == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("name", ["infer.py", "train.py", "dlrm.py", "llm.py"])
+def test_ctrl_c_ends_the_example_without_a_traceback(name, monkeypatch, capsys) -> None:
+    """Run as a program, an example takes a KeyboardInterrupt (or an error a library raised while handling
+    one) without a traceback (each printed one, through torch's or transformers' frames); other errors keep
+    theirs."""
+    status, _, _ = run(name, ["--help"], monkeypatch, capsys)
+    hook = sys.excepthook
+    monkeypatch.undo()
+    assert status == 0 and hook is not sys.excepthook
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ValueError("its config does not build a model") from None   # xlaunch.llm's, mid-import
+    except ValueError as error:
+        wrapped = error
+    for error in (KeyboardInterrupt(), wrapped):
+        hook(type(error), error, error.__traceback__)
+    assert capsys.readouterr().err == ""
+    hook(ValueError, ValueError("a real bug"), None)
+    assert "ValueError: a real bug" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_example_runs(tmp_path) -> None:
+    """A real SIGINT in the middle of dlrm.py's training: no traceback, a failed status."""
+    argv = ["--steps", "1000000", "--tables", "2", "--rows", "5", "9", "--batch-size", "8", "--bag", "2", "--dim", "4"]
+    child = subprocess.Popen([sys.executable, str(EXAMPLES / "dlrm.py"), *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert child.stdout.readline().startswith("DLRM-like")   # training starts after this line
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode != 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
