@@ -1,13 +1,16 @@
 """bench/tune.py: a run's throughput is the aggregate over the window every instance ran in, not the sum
-of the instances' own lines; a --best that xlaunch refuses stops the bench before anything starts."""
+of the instances' own lines; a --best that xlaunch refuses stops the bench before anything starts; a launch
+that outlives its --timeout is stopped with everything it started (run_cpu's program is its child)."""
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from bench_modules import BENCH, load
+from processes import running, wait_gone
 
 # a launch of two instances, as infer.py --barrier K --timeline-dir DIR writes them: instance 0 runs
 # alone for its first second at 200 img/s (batches of 20 every 0.1 s), then both at 100 img/s (every
@@ -70,3 +73,26 @@ def test_a_best_xlaunch_refuses_is_one_line_and_status_2_before_anything_runs(tm
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr.splitlines()[-1] == (f"tune.py: error: --best {best}: --ninstances: must be a positive "
                                             f"integer, got 0 in {best}")
+
+
+PARENT = """\
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+open(sys.argv[1], "w").write(str(child.pid))
+print("throughput: 1.0 img/s", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_launch_past_its_timeout_leaves_nothing_running(tmp_path: Path) -> None:
+    """subprocess.run's timeout killed the launcher alone: its program ran on, an orphan."""
+    bench = load("tune")
+    pid_file = tmp_path / "child.pid"
+    started = time.monotonic()
+    value = bench.run_once("slow", [sys.executable, "-c", PARENT, str(pid_file)], instances=1, timeout=1.0)
+    assert value is None and time.monotonic() - started < 10
+    child = int(pid_file.read_text())
+    assert running([child]) == [] or wait_gone([child], 0.5) == [], "the launch's child outlived it"
+    # a launch that ends at once without measuring: no figure (the shared window: tests/test_bench_tune.py)
+    assert bench.run_once("quick", [sys.executable, "-c", "print('throughput: 2.5 img/s')"], instances=1,
+                          timeout=30) is None
