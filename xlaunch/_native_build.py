@@ -386,20 +386,34 @@ class Library:
         try:
             self.level()
         except ValueError as exc:           # a bad XLAUNCH_CPU_ISA: one line, nothing built
-            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            _say(f"{parser.prog}: error: {exc}", "stderr")
             return 2
         if args.path:
             for level in self.levels:
-                print(f"{level}: {self.library_path(level)} ({'built' if self.available(level) else 'not built'})")
+                _say(f"{level}: {self.library_path(level)} ({'built' if self.available(level) else 'not built'})")
             return 0
         with _stopped_by_signals():
             try:
-                self.build(force=args.force, levels=self.runnable_levels() if args.host_only else None)
+                self.build(force=args.force, levels=self.runnable_levels() if args.host_only else None, echo=_say)
             except (RuntimeError, OSError) as exc:
-                print(f"{self.label}: warning: {exc}", file=sys.stderr)
-                print(f"{self.label}: the pure-torch paths will be used", file=sys.stderr)
+                _say(f"{self.label}: warning: {exc}", "stderr")
+                _say(f"{self.label}: the pure-torch paths will be used", "stderr")
                 return 1
         return 0
+
+
+def _say(line: str, stream: str = "stdout") -> None:
+    """One line on ``sys.<stream>``. A full or closed stream, or a reader gone (``| head``), drops it and what
+    follows (the descriptor then on /dev/null: the exit's flush cannot fail): output degrades, never the build."""
+    handle = getattr(sys, stream)
+    try:
+        if handle is not None:
+            print(line, file=handle, flush=True)
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, handle.fileno())
+            os.close(null)
 
 
 @contextlib.contextmanager

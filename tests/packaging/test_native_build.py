@@ -162,3 +162,16 @@ def test_the_switch_is_0_or_1_and_anything_else_is_one_line(monkeypatch, value):
     with native.prefer_native(False):
         monkeypatch.setenv(native.DISABLE_ENV, value)
         assert native.ops() is None                 # an explicit choice in the code wins over the variable
+
+
+def test_a_full_stdout_never_stops_the_build(cache, tmp_path):
+    """Its output to a full disk (or a pipe whose reader left) ended the build at its first line: nothing built,
+    exit status 1, "the pure-torch paths will be used"."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "xlaunch.nn.native"], cwd=tmp_path, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", (done.returncode, done.stderr)
+    assert sorted(p.name for p in (cache / "xlaunch" / "nn").iterdir()) == sorted(
+        native.LIBRARY.file_name(level) for level in native.LEVELS)
