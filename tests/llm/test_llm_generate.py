@@ -3,6 +3,8 @@
 other call is Hugging Face's."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -330,29 +332,37 @@ def test_another_models_cache_is_one_value_error(model, other):
         model(ids[:, :2], past_key_values=cache)
 
 
-def test_right_padding_gets_generates_warning_from_the_runtimes_loop_too(model, greedy_calls):
-    """generate warns of a batch padded on the right (a tokenizer left at padding_side='right'); the runtime's loop
-    gave the same tokens without a word."""
+@pytest.mark.parametrize("case", ["right padding", "end id below 0", "min_new_tokens past the maximum", "plain"])
+def test_the_runtimes_loop_says_what_generate_says(model, greedy_calls, case):
+    """generate warns of a batch padded on the right (a tokenizer left at padding_side='right'), an end id below 0
+    and min_new_tokens past the maximum length; the runtime's loop gave the same tokens without a word."""
     import logging
 
     ids, mask = prompts(3, 10, seed=6)
+    call = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    if case == "right padding":
+        ids, call["attention_mask"] = ids.flip(1), mask.flip(1)
+    elif case == "end id below 0":
+        call["eos_token_id"] = -1
+    elif case == "min_new_tokens past the maximum":
+        call["min_new_tokens"] = 5
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("transformers.generation.utils")
+    logger = logging.getLogger("transformers")
     logger.addHandler(handler)
+    said = []
     try:
-        said = {}
-        for name, call in (("ours", model.generate), ("generate's", lambda *a, **k: hugging_face(model, *a, **k))):
-            for side, (row_ids, row_mask) in (("left", (ids, mask)), ("right", (ids.flip(1), mask.flip(1)))):
-                records.clear()
-                call(row_ids, attention_mask=row_mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
-                said[name, side] = [text for text in records if "right-padding" in text]
+        for generate in (model.generate, lambda *a, **k: hugging_face(model, *a, **k)):
+            records.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                generate(ids, **call)
+            said.append(records + [str(w.message) for w in caught])
     finally:
         logger.removeHandler(handler)
-    assert len(greedy_calls) == 2
-    assert said["ours", "left"] == said["generate's", "left"] == []
-    assert said["ours", "right"] == said["generate's", "right"] and len(said["ours", "right"]) == 1
+    assert len(greedy_calls) == 1
+    assert said[0] == said[1] and bool(said[0]) == (case != "plain"), said
 
 
 @pytest.mark.parametrize("call,option", [

@@ -221,10 +221,28 @@ def _loop_plan(model: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
         warpers, penalties = _warpers(config, kwargs) if config.do_sample else None, _penalties(config, mask)
     except ValueError:
         return None               # a value generate's processors refuse: its own error
-    if pad is not None and mask is not None and ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
-        hf_logging.get_logger("transformers.generation.utils").warning(RIGHT_PADDING)     # as generate says it
+    _say_what_generate_says(model, config, ids, mask)
     pad = 0 if pad is None else pad     # one row without a pad id: never padded (its end-of-sequence id ends it)
     return ids, mask, config.max_new_tokens, config.min_new_tokens or 0, eos, pad, streamer, warpers, penalties
+
+
+def _say_what_generate_says(model: Any, config: Any, ids: "torch.Tensor", mask: Optional["torch.Tensor"]) -> None:
+    """The warnings ``generate`` gives for a call the runtime's loop runs (an end id below 0, min_new_tokens past the
+    maximum length, a batch padded on the right, no mask with a batch...), by its own checks in its order, on the
+    loop's copy of the config: the loop skips generate's body, and with it what generate would have said."""
+    batch, length = ids.shape
+    prepare, lengths, validate = (getattr(model, name, None) for name in (
+        "_prepare_special_tokens", "_prepare_generated_length", "_validate_generated_length"))
+    if callable(prepare):
+        prepare(config, mask is not None, device=ids.device, batch_size=batch)
+    if getattr(config, "_pad_token_tensor", config.pad_token_id) is not None and mask is not None and batch > 1 \
+            and bool((mask[:, -1] == 0).any()):
+        hf_logging.get_logger("transformers.generation.utils").warning(RIGHT_PADDING)
+    if callable(lengths):          # max_length from max_new_tokens, min_length from min_new_tokens, as generate sets them
+        config = lengths(generation_config=config, has_default_max_length=True, has_default_min_length=True,
+                         model_input_name="input_ids", inputs_tensor=ids, input_ids_length=length)
+    if callable(validate):
+        validate(config, length, True)
 
 
 def _penalties(config: Any, mask: Optional["torch.Tensor"]) -> list:
