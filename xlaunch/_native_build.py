@@ -37,9 +37,11 @@ SHARED_SOURCES = ("isa_level.cpp",)     # compiled into every library (its compi
 
 
 def compiler() -> Optional[str]:
-    """The C++ compiler to use (``$CXX``, else ``g++``/``c++`` on PATH), or None."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
+    """The C++ compiler to use: ``$CXX`` when set (None when it is not found: another one never takes its place
+    unsaid), else ``g++``/``c++`` on PATH; None when there is none."""
+    chosen = os.environ.get("CXX", "").strip()
+    for name in (chosen,) if chosen else ("g++", "c++"):
+        if shutil.which(name):
             return shutil.which(name)
     return None
 
@@ -121,7 +123,9 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
     """
     cxx = cxx or compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+        chosen = os.environ.get("CXX", "").strip()
+        raise RuntimeError(f"CXX={chosen}: no such compiler (a path, or a command on PATH)" if chosen
+                           else "no C++ compiler found (set CXX or install g++)")
     paths = [source_path(csrc, name) for name in sources]
     headers = sorted({name for path in paths for name in _TORCH_INCLUDE.findall(path.read_text())})
     for path, _ in targets.values():

@@ -175,3 +175,15 @@ def test_a_full_stdout_never_stops_the_build(cache, tmp_path):
     assert done.returncode == 0 and done.stderr == "", (done.returncode, done.stderr)
     assert sorted(p.name for p in (cache / "xlaunch" / "nn").iterdir()) == sorted(
         native.LIBRARY.file_name(level) for level in native.LEVELS)
+
+
+def test_a_cxx_that_is_not_there_is_one_warning_not_another_compiler(cache, monkeypatch, capsys):
+    """``CXX=clang++`` where there is none (or ``CXX="ccache g++"``) built with g++ instead, said only as
+    "with g++" in the progress line."""
+    monkeypatch.setenv("PATH", str(cache.parent / "empty"))           # no g++ to fall back on either
+    monkeypatch.setenv("CXX", "/nonexistent/clang++")
+    assert native.compiler() is None
+    assert native.main([]) == 1
+    assert capsys.readouterr().err == ("xlaunch.nn: warning: CXX=/nonexistent/clang++: no such compiler (a path, "
+                                       "or a command on PATH)\nxlaunch.nn: the pure-torch paths will be used\n")
+    assert not cache.exists()
