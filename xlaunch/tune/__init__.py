@@ -12,10 +12,9 @@ its option validation, its planner and runner), so what is measured is exactly w
 * :mod:`~xlaunch.tune.strategies` -- grid, random, tpe (Optuna, imported only when asked)
 * :mod:`~xlaunch.tune.session`    -- the loop: strategy, repeats, failures, final re-measurement
 * :mod:`~xlaunch.tune.records`    -- trials.json, trials.csv, best.toml; resume
-* :mod:`~xlaunch.tune.report`, :mod:`~xlaunch.tune.plot`, :mod:`~xlaunch.tune.progress` -- output
+* :mod:`~xlaunch.tune.report` (the table, the progress bar), :mod:`~xlaunch.tune.plot` -- output
 * :mod:`~xlaunch.tune.cli`        -- the command line
-* :mod:`~xlaunch.tune.tether`, :mod:`~xlaunch.tune.streams` -- children that die with the tuner; standard
-  streams that never stop it
+* :mod:`~xlaunch.tune.processes` -- children that die with the tuner; standard streams that never stop it
 
 The launcher (``xlaunch``) never imports this package; this package imports rich, matplotlib
 and optuna only where they are used.

@@ -111,7 +111,7 @@ class Settings:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from xlaunch.tune.streams import prepare
+    from xlaunch.tune.processes import prepare
 
     prepare()              # a closed or full stderr/stdout never stops a session
     sys.exit(run(argv))
@@ -268,7 +268,7 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
 
     from xlaunch.tune import records
     from xlaunch.tune.candidate import Skipped, base_config_notes, prepare
-    from xlaunch.tune.progress import Progress
+    from xlaunch.tune.report import Progress
     from xlaunch.tune.session import Tuner
     from xlaunch.tune.strategies import StrategyError, import_optuna, make_strategy
 
@@ -348,7 +348,7 @@ def _session(space: Any, program: Any, objective: Any, settings: Settings, launc
         written = _write_outputs(out, tuner, outcome, sig, program, settings.plot) if out is not None else []
         doc = {**records.document(tuner, sig, outcome), "files": written} if settings.as_json else None
         from xlaunch.tune.report import print_results
-        from xlaunch.tune.streams import to_stdout
+        from xlaunch.tune.processes import to_stdout
 
         to_stdout(lambda: print_results(tuner, outcome, written, doc), f": they are in {out}" if written else "")
         if outcome.interrupted:

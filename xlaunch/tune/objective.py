@@ -122,7 +122,7 @@ def metric_values(pattern: re.Pattern[str], paths: Sequence[str], time_limit: fl
     import subprocess
     import sys
 
-    from xlaunch.tune.tether import snippet_call
+    from xlaunch.tune.processes import snippet_call
 
     request = json.dumps([pattern.pattern, pattern.flags, list(paths), TAIL_BYTES])
     try:        # killed with the tuner: a pattern that backtracks must not spin on after a kill -9

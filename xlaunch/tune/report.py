@@ -3,7 +3,8 @@
 One row per measured configuration, the winner first: it is the one the interleaved
 re-measurement chose, which may not be the best search median. Short column names and cells
 that never wrap keep it readable in 80 columns; why a configuration failed or was skipped is
-told below the table, one line each.
+told below the table, one line each. And the live progress bar on a terminal (:class:`Progress`,
+rich): trial i/N, elapsed, best so far; silent otherwise.
 """
 from __future__ import annotations
 
@@ -146,3 +147,36 @@ def plain_table(header: list[str], body: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *body]]
     return "\n".join(lines) + "\n"
+
+
+class Progress:
+    """``update()`` after each event; ``close()`` at the end. A no-op when ``stream`` is not a
+    terminal or rich is not installed."""
+
+    def __init__(self, total: int, stream: Optional[TextIO] = None, enabled: Optional[bool] = None) -> None:
+        stream = stream if stream is not None else sys.stderr
+        if enabled is None:
+            enabled = bool(getattr(stream, "isatty", lambda: False)())
+        self._bar: Any = None
+        if not enabled:
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            return
+        self._bar = RichProgress(
+            TextColumn("[bold]trial"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+            TextColumn("{task.description}"), console=Console(file=stream), transient=False,
+        )
+        self._task = self._bar.add_task("", total=total)
+        self._bar.start()
+
+    def update(self, done: int, total: int, description: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=min(done, total), total=total, description=description)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -112,7 +112,7 @@ def run_once(launch: Launch, candidate: Candidate, objective: Objective, directo
                              os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as error:     # a full disk, a read-only directory: this run fails, the session goes on
         return RunResult(False, 0.0, None, (), f"cannot write {directory}: {error.strerror or error}", directory)
-    from xlaunch.tune.tether import tethered
+    from xlaunch.tune.processes import tethered
 
     argv = [launch.python, "-m", "xlaunch", "--config", config, "-q", "--log-dir", directory,
             "--log-file-prefix", LOG_PREFIX, "--summary-json", os.path.join(directory, SUMMARY), "--",
