@@ -103,3 +103,16 @@ def test_check_isa_torch_without_torch_says_how_to_get_it():
     result = python("import sys\nfrom xlaunch.launcher import cli\nsys.exit(cli.run(['--check-isa', '--torch']))\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1].endswith(f"); to install it: {HINT}"), result.stdout
+
+
+@pytest.mark.parametrize("module", ["xlaunch.nn.native", "xlaunch.llm.native"])
+def test_building_the_kernels_without_torch_is_one_line(tmp_path, module):
+    """It was a traceback ending in "__main__ needs PyTorch" (the module named by its name as a script)."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    path = [str(tmp_path)] + [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    result = subprocess.run([sys.executable, "-m", module], env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)),
+                            capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == f"python -m {module}: {module} needs PyTorch, which is not installed here: {HINT}\n"

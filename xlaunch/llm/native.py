@@ -19,8 +19,13 @@ from xlaunch._isa_levels import LIBRARY_LEVELS
 from xlaunch._native_build import SHARED_SOURCES, Library
 from xlaunch._torch import needs_torch
 
-with needs_torch(__name__):
-    import torch  # noqa: F401  (the library registers torch.ops.xlaunch_llm)
+try:
+    with needs_torch("xlaunch.llm.native"):        # by its name, also when run as __main__
+        import torch  # noqa: F401  (the library registers torch.ops.xlaunch_llm)
+except ImportError as exc:
+    if __name__ != "__main__":
+        raise
+    sys.exit(f"python -m xlaunch.llm.native: {exc}")      # one line, exit status 1 (it was a traceback)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIBRARY_STEM = "xlaunch_llm_ops"

@@ -23,8 +23,13 @@ from xlaunch._isa_levels import LIBRARY_LEVELS
 from xlaunch._native_build import Library, compiler  # noqa: F401  (compiler: part of this module's surface)
 from xlaunch._torch import needs_torch
 
-with needs_torch(__name__):
-    import torch  # noqa: F401  (the library registers torch.ops.xlaunch_nn)
+try:
+    with needs_torch("xlaunch.nn.native"):        # by its name, also when run as __main__
+        import torch  # noqa: F401  (the library registers torch.ops.xlaunch_nn)
+except ImportError as exc:
+    if __name__ != "__main__":
+        raise
+    sys.exit(f"python -m xlaunch.nn.native: {exc}")      # one line, exit status 1 (it was a traceback)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bag_forward.cpp", "bag_backward.cpp", "roi_align.cpp", "isa_level.cpp")
