@@ -183,8 +183,9 @@ def test_integer_kernels_stay_within_the_activation_rounding_bound_of_float64(ki
 
 def test_bad_group_sizes_and_kinds_are_refused_clearly():
     weight = torch.randn(16, 100)
-    with pytest.raises(ValueError, match="group_size must be one of"):
-        PackedLinear(weight, None, "int4", group_size=16)
+    for size in (16, 64.0, "64"):       # 64.0 failed inside a reshape
+        with pytest.raises(ValueError, match="group_size must be one of"):
+            PackedLinear(weight[:, :64], None, "int4", group_size=size)
     with pytest.raises(ValueError, match="not a multiple of the INT4 group size 32"):
         PackedLinear(weight, None, "int4", group_size=32)
     with pytest.raises(ValueError, match="weights must be one of"):

@@ -129,6 +129,14 @@ def test_an_unknown_architecture_warns_and_comes_back_unchanged():
     assert model.forward == forward and isinstance(model.transformer.h[0].attn.c_attn, torch.nn.Module)
 
 
+def test_a_group_size_that_is_no_integer_is_one_value_error_before_anything_is_packed(llama):
+    """group_size=64.0 passed the check (64.0 == 64) and failed inside a reshape, the first layer half-packed."""
+    model = clone(llama)
+    with pytest.raises(ValueError, match=r"^xlaunch.llm.optimize: group_size must be one of \(32, 64, 128\), not 64.0$"):
+        llm.optimize(model, weights="int4", group_size=64.0)
+    assert not llm.is_optimized(model) and isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+
+
 def test_optimizing_again_for_another_precision_says_the_model_keeps_its_own(llama):
     """optimize(optimized, dtype=bf16, weights='int4') returned the fp32 model unchanged, without a word: the caller
     believed it had INT4. The same precision again stays quiet."""

@@ -15,6 +15,7 @@ import functools
 import warnings
 from typing import Any, Optional
 
+from xlaunch._errors import as_index
 from xlaunch._torch import import_quietly, needs_torch
 
 with needs_torch(__name__):
@@ -80,8 +81,8 @@ def _check(dtype: Any, weights: Optional[str], group_size: int, caller: str = "x
         raise ValueError(f"{caller}: dtype must be torch.bfloat16 or torch.float32, not {dtype!r}")
     if weights not in WEIGHTS:
         raise ValueError(f"{caller}: weights must be None, 'int8' or 'int4', not {weights!r}")
-    if weights == "int4" and group_size not in GROUP_SIZES:
-        raise ValueError(f"{caller}: group_size must be one of {GROUP_SIZES}, not {group_size}")
+    if weights == "int4" and as_index(group_size) not in GROUP_SIZES:      # 64.0 passed 'in' and failed in a reshape
+        raise ValueError(f"{caller}: group_size must be one of {GROUP_SIZES}, not {group_size!r}")
     return weights or DTYPES[dtype]
 
 

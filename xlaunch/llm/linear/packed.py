@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from xlaunch._errors import as_index
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
@@ -114,8 +115,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"weights must be one of {', '.join(KINDS)}, not {kind!r}")
-        if kind in GROUPED and group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES}, not {group_size}")
+        if kind in GROUPED and as_index(group_size) not in GROUP_SIZES:     # not 64.0: a reshape failed on it
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, not {group_size!r}")
         if weight.dim() != 2:
             raise ValueError(f"the weight must be 2-D [out_features, in_features], not {tuple(weight.shape)}")
         self.kind, self.dtype, self.group_size = kind, dtype, group_size
