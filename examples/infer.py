@@ -188,3 +188,10 @@ if __name__ == "__main__":
     except BrokenPipeError:   # stdout closed early (`| head`): stop quietly, as a Unix tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing left to flush at exit
         sys.exit(1)
+    except (MemoryError, RuntimeError) as error:   # sizes this machine cannot hold: one line, not torch's traceback
+        if not isinstance(error, MemoryError) and "can't allocate memory" not in str(error):
+            raise
+        told = str(error).split("DefaultCPUAllocator: ")[-1].split(". Error code")[0]
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: --batch-size/--image-size: more memory than this process can "
+                         f"allocate ({told or 'MemoryError'})\n")
+        sys.exit(2)

@@ -45,6 +45,9 @@ def run(name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pyt
     ("train.py", ["--ddp"], "--ddp"),                              # a ValueError from torch.distributed's rendezvous
     ("dlrm.py", ["--rows", "10", "5"], "--rows"),                  # tables silently the other way round
     ("dlrm.py", ["--lr", "1e308"], "--lr"),                        # a RuntimeError from inside SGD
+    ("infer.py", ["--batch-size", "100000000"], "--batch-size"),   # the allocator's RuntimeError: 4.9 TB
+    ("train.py", ["--batch-size", "1000000000"], "--batch-size"),
+    ("dlrm.py", ["--rows", "10", "100000000000", "--tables", "2"], "--rows"),
 ])
 def test_a_bad_argument_is_one_line_and_status_2(name, argv, option, monkeypatch, capsys) -> None:
     for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
