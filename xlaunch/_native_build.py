@@ -393,8 +393,12 @@ class Library:
             _say(f"{parser.prog}: error: {exc}", "stderr")
             return 2
         if args.path:
-            for level in self.levels:
-                _say(f"{level}: {self.library_path(level)} ({'built' if self.available(level) else 'not built'})")
+            for level in self.levels:       # what a load would find: built, damaged, refused, or none
+                found = self.find(level)
+                damage = found and incomplete(found)
+                state = (f"not loadable: {damage}" if damage else "built" if found else
+                         f"refused: {self.refused[level]}" if level in self.refused else "not built")
+                _say(f"{level}: {self.library_path(level)} ({state})")
             return 0
         with _stopped_by_signals():
             try:

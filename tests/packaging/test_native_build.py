@@ -187,3 +187,24 @@ def test_a_cxx_that_is_not_there_is_one_warning_not_another_compiler(cache, monk
     assert capsys.readouterr().err == ("xlaunch.nn: warning: CXX=/nonexistent/clang++: no such compiler (a path, "
                                        "or a command on PATH)\nxlaunch.nn: the pure-torch paths will be used\n")
     assert not cache.exists()
+
+
+def test_path_says_what_a_load_would_find(cache, monkeypatch, capsys):
+    """``--path`` said "built" for a truncated library (which then never loaded) and "not built" for one refused
+    (a folder others may write)."""
+    monkeypatch.setattr(native.LIBRARY, "refused", {})          # this process's refusals, restored after
+    whole = Path(os.path.realpath(sys.executable)).read_bytes()          # a whole ELF file stands for a build
+    folder = cache / "xlaunch" / "nn"
+    folder.mkdir(parents=True)
+    cut, other = native.LEVELS[0], native.LEVELS[1]
+    (folder / native.LIBRARY.file_name(cut)).write_bytes(whole[:5000])
+    (folder / native.LIBRARY.file_name(other)).write_bytes(whole)
+    assert native.main(["--path"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{cut}: {folder / native.LIBRARY.file_name(cut)} (not loadable: truncated (5000 bytes))"
+    assert lines[1] == f"{other}: {folder / native.LIBRARY.file_name(other)} (built)"
+    folder.chmod(0o777)
+    assert native.main(["--path"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (f"{other}: {folder / native.LIBRARY.file_name(other)} (refused: its folder {folder} is owned "
+                        f"by uid {os.geteuid()} with mode 777)"), lines
