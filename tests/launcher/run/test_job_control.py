@@ -263,7 +263,8 @@ CRASH_WITH_CORE = """\
 import os, resource, signal
 resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 memory = bytearray(os.urandom(1 << 20)) * 64
-open("crashing", "w").write(str(os.getpid()))
+open("crashing.tmp", "w").write(str(os.getpid()))
+os.rename("crashing.tmp", "crashing")     # whole: the other instance read an empty file, /proc//stat
 os.kill(os.getpid(), signal.SIGSEGV)
 """
 FAILS_WHILE_IT_DUMPS = """\
