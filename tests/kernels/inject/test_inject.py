@@ -674,3 +674,29 @@ def test_a_forward_that_changes_its_own_state_runs_unoptimized(monkeypatch, caps
                     "which a copy would not update",
                     "xlaunch --auto-optimize: Running runs unoptimized: its forward changes its own state (state), "
                     "which a copy would not update"], said
+
+
+FORK_WHILE_BUILDING = """
+import os, sys, threading
+from xlaunch.kernels.inject import hooks
+held, release = threading.Event(), threading.Event()
+def build():                      # another thread building a copy holds the hooks' lock
+    with hooks._lock:
+        held.set(); release.wait()
+thread = threading.Thread(target=build); thread.start(); held.wait()
+pid = os.fork()
+if pid == 0:                      # a DataLoader worker's or multiprocessing child's first model call takes the lock
+    os._exit(0 if hooks._lock.acquire(timeout=5) else 1)
+_, status = os.waitpid(pid, 0)
+release.set(); thread.join()
+print('child', os.waitstatus_to_exitcode(status), 'torch' in sys.modules)
+"""
+
+
+def test_a_child_forked_while_another_thread_builds_does_not_wait_for_ever() -> None:
+    """The child waited for ever on the lock the building thread held at the fork (a forked DataLoader
+    worker hung on its first call of a model). Torch-free: the lock is the hooks' own."""
+    result = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", FORK_WHILE_BUILDING],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)   # 3.12 warns of fork with threads
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.split() == ["child", "0", "False"], result.stdout

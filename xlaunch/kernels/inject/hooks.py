@@ -248,6 +248,14 @@ _WATCH: Any = object()   # _optimized_for: run the module itself, watching its s
 _lock = threading.RLock()
 
 
+def _fresh_lock() -> None:   # forked while another thread built a copy, a child would wait on its lock for ever
+    global _lock
+    _lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
+
+
 def _name(module: Any) -> str:
     return type(module).__name__
 
