@@ -19,10 +19,13 @@ the aggregate can count only the work done while every instance ran (``bench/thr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import stat
 import sys
+import tempfile
 import time
 
 
@@ -87,6 +90,47 @@ def number(kind: type, least: float, above: bool = False):
     return check
 
 
+def directory(text: str) -> str:
+    """An argparse type: an existing directory this process may write in (checked before the run)."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return text
+
+
+def publish(folder: str, name: str, text: str) -> None:
+    """``folder/name`` written whole: a private temporary file (``mkstemp``: a new name, never a link planted
+    at a predictable one) renamed over it."""
+    fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(temporary, os.path.join(folder, name))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def read_time(path: str) -> float | None:
+    """The ready time in another instance's ``ready-<pid>`` file; None for anything else there (not a regular
+    file, a link, longer than a number, not a number)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 64) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=number(int, 1), default=16)
@@ -97,7 +141,7 @@ def main() -> None:
                         help="measure for this many seconds (a fixed window) instead of --iterations")
     parser.add_argument("--start-at", type=number(float, 0), default=None, metavar="EPOCH",
                         help="with --seconds: start the window at this time.time() (after warm-up)")
-    parser.add_argument("--timeline-dir", default=None, metavar="DIR",
+    parser.add_argument("--timeline-dir", type=directory, default=None, metavar="DIR",
                         help="with --seconds: write DIR/<pid>.json (ready time, window, each batch's end)")
     parser.add_argument("--barrier", type=number(int, 1), default=None, metavar="K",
                         help="with --timeline-dir: start when K instances are ready (instead of --start-at)")
@@ -134,18 +178,12 @@ def main() -> None:
 def barrier(directory: str, count: int, timeout: float = 600.0) -> float:
     """Announce this instance ready, wait for ``count`` ready instances; the shared start time
     (0.2 s after the last one was ready; the same in every instance: it is read from the files)."""
-    path = os.path.join(directory, f"ready-{os.getpid()}")
-    with open(path + ".tmp", "w") as handle:
-        handle.write(repr(time.time()))
-    os.replace(path + ".tmp", path)
+    publish(directory, f"ready-{os.getpid()}", repr(time.time()))
     deadline = time.monotonic() + timeout
     while True:
         names = [n for n in os.listdir(directory) if n.startswith("ready-") and not n.endswith(".tmp")]
-        if len(names) >= count or time.monotonic() > deadline:
-            times = []
-            for name in names:
-                with open(os.path.join(directory, name)) as handle:
-                    times.append(float(handle.read()))
+        times = [t for t in (read_time(os.path.join(directory, name)) for name in names) if t is not None]
+        if len(times) >= count or time.monotonic() > deadline:
             return max(times) + 0.2
         time.sleep(0.01)
 
@@ -174,10 +212,7 @@ def fixed_window(model: nn.Module, x: torch.Tensor, seconds: float, start_at: fl
     if timeline_dir is not None:
         record = {"pid": os.getpid(), "instance": index, "cpus": cpus, "batch_size": x.shape[0],
                   "ready": ready, "start_at": start_at, "begin": begin, "end": end, "ends": ends}
-        path = os.path.join(timeline_dir, f"{os.getpid()}.json")
-        with open(path + ".tmp", "w") as handle:
-            json.dump(record, handle)
-        os.replace(path + ".tmp", path)
+        publish(timeline_dir, f"{os.getpid()}.json", json.dumps(record))
     return x.shape[0] * whole / max(end - begin, 1e-9)
 
 

@@ -4,6 +4,7 @@ Each example's main() runs in this process (torch is imported already; a fresh p
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import runpy
 import signal
@@ -46,6 +47,8 @@ def run(name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pyt
     ("dlrm.py", ["--rows", "10", "5"], "--rows"),                  # tables silently the other way round
     ("dlrm.py", ["--lr", "1e308"], "--lr"),                        # a RuntimeError from inside SGD
     ("infer.py", ["--batch-size", "100000000"], "--batch-size"),   # the allocator's RuntimeError: 4.9 TB
+    ("infer.py", ["--seconds", "1", "--timeline-dir", "/nonexistent"], "--timeline-dir"),   # a traceback after the run
+    ("infer.py", ["--seconds", "1", "--timeline-dir", __file__], "--timeline-dir"),
     ("train.py", ["--batch-size", "1000000000"], "--batch-size"),
     ("dlrm.py", ["--rows", "10", "100000000000", "--tables", "2"], "--rows"),
 ])
@@ -134,3 +137,25 @@ def test_ctrl_c_while_the_example_runs(tmp_path) -> None:
     finally:
         child.kill()
     assert child.returncode != 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_the_timeline_folder_is_read_and_written_safely(tmp_path, monkeypatch, capsys) -> None:
+    """``--timeline-dir DIR --barrier 1``: what else lies in DIR is read bounded (a FIFO named ready-* blocked
+    the barrier for ever, a non-number there was a ValueError traceback) and nothing is written through a link
+    planted at the temporary names the files were written under (``<name>.tmp``, predictable from the pid)."""
+    for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    victim = tmp_path / "victim"
+    folder = tmp_path / "timeline"
+    folder.mkdir()
+    os.mkfifo(folder / "ready-1")
+    (folder / "ready-2").write_text("not a time")
+    for name in (f"ready-{os.getpid()}.tmp", f"{os.getpid()}.json.tmp"):
+        (folder / name).symlink_to(victim)
+    argv = ["--seconds", "0.2", "--warmup", "0", "--batch-size", "1", "--image-size", "8", "--timeline-dir",
+            str(folder), "--barrier", "1"]
+    status, out, err = run("infer.py", argv, monkeypatch, capsys)
+    assert status == 0 and "throughput:" in out and "Traceback" not in err, err
+    assert not victim.exists()
+    assert float((folder / f"ready-{os.getpid()}").read_text()) > 0
+    assert "ends" in json.loads((folder / f"{os.getpid()}.json").read_text())
