@@ -74,14 +74,19 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   : >"$log"
   step 1 "upgrading pip"
   pip_install --upgrade pip
-  # The CPU build of torch 2.13.0 is pinned here, +cpu included, from PyTorch's CPU index ($TORCH_INDEX_URL) or a
-  # local wheel pip finds: the registry's torch==2.13.0 is the CUDA build (with cuda-toolkit: gigabytes), which a
-  # plain pin pulled wherever no local +cpu wheel matched (PYTHON=python3.12 here).
+  # The CPU build of torch 2.13.0 is pinned here, +cpu included: the registry's torch==2.13.0 is the CUDA build
+  # (with cuda-toolkit: gigabytes), which a plain pin pulled wherever no local +cpu wheel matched
+  # (PYTHON=python3.12 here). From pip's own indexes when they hold it, else PyTorch's CPU index ($TORCH_INDEX_URL).
   # --no-compile, then compileall on both cores in the background: pip byte-compiles torch's
   # thousands of modules on one core (about 13 s of the 23 s this step took).
   step 2 "torch 2.13.0 (CPU build) and numpy: the largest download, a minute or more"
-  pip_install --no-compile --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" \
-    "torch==2.13.0+cpu" "numpy==2.4.6"   # numpy now: torch warns without it
+  # The indexes pip is configured with first (a wheel cache or mirror that holds the +cpu build: found at once);
+  # PyTorch's CPU index only when they have none: where it cannot be reached, pip spends a minute or more retrying
+  # it for torch and each of its dependencies.
+  torch_pins=("torch==2.13.0+cpu" "numpy==2.4.6")   # numpy now: torch warns without it
+  if [ -n "${TORCH_INDEX_URL:-}" ] || ! "$VENV/bin/python" -m pip install -q --no-compile "${torch_pins[@]}" >>"$log" 2>&1; then
+    pip_install --no-compile --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "${torch_pins[@]}"
+  fi
   site_packages=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$VENV/bin/python" -m compileall -q -j 0 "$site_packages/torch" "$site_packages/numpy" >/dev/null 2>&1 &
   bytecode=$!

@@ -111,6 +111,27 @@ def test_torch_is_asked_for_as_its_cpu_build(tmp_path):
     assert "torch==2.13.0+cpu" in torch_step, torch_step
     index = torch_step.index("--extra-index-url")
     assert torch_step[index + 1] == "https://download.pytorch.org/whl/cpu", torch_step
+    first = [line.split() for line in args.read_text().splitlines() if "torch==2.13.0+cpu" in line]
+    assert len(first) == 2 and "--extra-index-url" not in first[0], first   # pip's own indexes were asked first
+
+
+def test_the_cpu_index_is_not_asked_when_pips_own_indexes_hold_the_cpu_build(tmp_path):
+    """Where pip's configured indexes hold torch 2.13.0+cpu (a wheel cache, a mirror), the unreachable CPU index
+    was asked all the same: 55 retries, 84 s of set-up. It is asked only when they have none, or when named."""
+    args, cxx = tmp_path / "args", tmp_path / "no-cxx"
+    cxx.write_text("#!/bin/sh\nexit 1\n")      # the kernel build started alongside compiles nothing
+    cxx.chmod(0o755)
+    env = {**os.environ, "VENV": str(_fake_venv(tmp_path)), "FAKE_ARGS": str(args), "FAKE_FAIL": "torchao==",
+           "PATH": _path_without_apt(tmp_path), "CXX": str(cxx)}
+    env.pop("TORCH_INDEX_URL", None)
+    done = _setup(env)
+    assert done.returncode == 1 and "ERROR: no torchao== here" in done.stderr, (done.stdout, done.stderr)
+    torch_steps = [line.split() for line in args.read_text().splitlines() if "torch==2.13.0+cpu" in line]
+    assert len(torch_steps) == 1 and "--extra-index-url" not in torch_steps[0], torch_steps
+    args.unlink()
+    done = _setup({**env, "TORCH_INDEX_URL": "file:///mirror/whl/cpu"})
+    torch_steps = [line.split() for line in args.read_text().splitlines() if "torch==2.13.0+cpu" in line]
+    assert len(torch_steps) == 1 and "file:///mirror/whl/cpu" in torch_steps[0], torch_steps
 
 
 @pytest.mark.live
