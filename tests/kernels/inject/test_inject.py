@@ -700,3 +700,37 @@ def test_a_child_forked_while_another_thread_builds_does_not_wait_for_ever() -> 
                             capture_output=True, text=True, timeout=60, cwd=REPO)   # 3.12 warns of fork with threads
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout.split() == ["child", "0", "False"], result.stdout
+
+
+def test_a_model_whose_copy_fails_where_it_does_not_is_given_up_once(monkeypatch, capsys) -> None:
+    """A copy that fails on arguments the model itself just took (here: it looks itself up by identity) was
+    taken for the program's wrong call: no word, and a copy made and tried again on every call."""
+    torch = pytest.importorskip("torch")
+    from xlaunch.kernels.inject import hooks
+    from xlaunch.kernels.optimize import pipeline
+
+    monkeypatch.setattr(hooks, "_settings", hooks.Settings({BACKEND_ENV: "eager", FREEZE_ENV: "none"}))
+    monkeypatch.delenv(RECORD_ENV, raising=False)
+    builds = []
+    real = pipeline.optimize
+    monkeypatch.setattr(pipeline, "optimize", lambda *a, **k: (builds.append(1), real(*a, **k))[1])
+    call = hooks._make_call(torch.nn.Module.__call__, torch)
+    known: set = set()
+
+    class Registered(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__(); self.lin = torch.nn.Linear(4, 2); known.add(id(self))
+
+        def forward(self, x):
+            if id(self) not in known:
+                raise KeyError("module not registered")
+            return self.lin(x)
+
+    model = Registered().eval()
+    with torch.no_grad():
+        got = [call(model, torch.ones(3, 4)) for _ in range(4)]
+        want = model.lin(torch.ones(3, 4))
+    assert all(torch.equal(out, want) for out in got) and len(builds) == 1 and hooks._entries[model].given_up
+    said = [line for line in capsys.readouterr().err.splitlines() if "Registered" in line]
+    assert said == ["xlaunch --auto-optimize: Registered runs unoptimized: a copy of it fails on a call the model "
+                    "itself took (KeyError: 'module not registered')"], said

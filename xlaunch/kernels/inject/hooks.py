@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from xlaunch.kernels.inject import VERBOSE_ENV, read_variables
 from xlaunch.kernels.inject import append_record as _record
+from xlaunch.kernels.inject.report import describe as _describe
 from xlaunch.kernels.optimize.notes import excerpt
 
 PREFIX = "xlaunch --auto-optimize"
@@ -211,7 +212,9 @@ def _watched_call(original: Callable, module: Any, args: tuple, kwargs: dict, to
             _give_up(module, f"its forward changes its own state ({', '.join(names)}), which a copy would not update")
     else:
         entry.watched = True
-        _optimized_for(module, args, kwargs, torch)   # builds the copy the next calls run
+        with _lock:   # the copy the next calls run, built on arguments the module itself just took
+            if entry.eager is None and not entry.given_up:
+                _build_eager(module, entry, torch, args if not kwargs else None, proven=True)
     return result
 
 
@@ -367,13 +370,14 @@ def _engine_sample(settings: Settings, args: Optional[tuple], torch: Any) -> Opt
 
 
 def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] = None,
-                 earlier: Optional[Any] = None) -> None:
+                 earlier: Optional[Any] = None, proven: bool = False) -> None:
     """The optimized copy. With the engine backend (default ``auto``, fp32 or bf16): the fastest
     route measured on the first call's arguments (``optimize(..., dtype=..., backend=...)``, cached
     on disk); rebuilt for changed weights (``earlier``: the copy before), the route measured then,
     built again untimed (:func:`xlaunch.kernels.optimize.engines.api.rebuild`). Else
     (``XLAUNCH_AUTO_OPTIMIZE_BACKEND=torch``, or no usable sample): the torch rewrite, whose forward
-    freezes a graph per input signature on first use (unless the freeze backend is "none")."""
+    freezes a graph per input signature on first use (unless the freeze backend is "none"). ``proven``: the
+    module itself has just run on ``args``, so the copy failing on them gives the model up."""
     from xlaunch.kernels.optimize import dispatch
     from xlaunch.kernels.optimize.pipeline import optimize
 
@@ -404,8 +408,13 @@ def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] =
     except Exception as exc:
         from xlaunch.kernels.optimize.notes import SampleInputError
 
-        if not isinstance(exc, SampleInputError):   # else the call was wrong: the model raises it, the next builds
+        # the call was wrong (the model raises it, the next builds), unless the model itself just took it
+        if not isinstance(exc, SampleInputError):
             _give_up(module, f"{type(exc).__name__}: {excerpt(exc, 300)}")
+        elif proven:
+            cause = exc.__cause__ or exc
+            _give_up(module, f"a copy of it fails on a call the model itself took ({type(cause).__name__}: "
+                             f"{excerpt(cause, 300)})")
         return
     forward = dispatch.of(eager)
     if forward is not None:
@@ -427,22 +436,3 @@ def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] =
             _verbose(f"  {note}")
     elif settings.dtype == "bfloat16" and report is not None and report.dtype != torch.bfloat16:
         _say(f"{_name(module)}: bf16 not used; see --auto-optimize-verbose")
-
-
-def _describe(report: Any, engine: Any = None) -> str:
-    if engine is not None:
-        return f"backend {engine.backend} ({engine.reason}; cache {engine.cache})"
-    if report is None:
-        return "done"
-    parts = []
-    if report.folded:
-        parts.append(f"folded {len(report.folded)} BN")
-    if report.dropouts_removed:
-        parts.append(f"removed {len(report.dropouts_removed)} dropout")
-    if report.channels_last_convs:
-        parts.append(f"channels_last on {report.channels_last_convs} conv")
-    if report.bf16_modules or report.autocast:
-        parts.append(f"bf16 ({report.bf16_modules} modules, autocast {'on' if report.autocast else 'off'})")
-    if report.frozen_with:
-        parts.append(f"frozen with {report.frozen_with}")
-    return ", ".join(parts) or "nothing applicable"
