@@ -1,5 +1,6 @@
 """Errors a user reads in one line: another library's exception quoted in one line of ours (its
-messages may span many lines), and the checks of a user's arguments (no torch needed).
+messages may span many lines), and the checks of a user's arguments (no torch needed); and where a
+warning points (:func:`stacklevel_outside`: the user's line, not ours).
 
 A count is an integer (``int``, numpy's, a one-element integer tensor: anything with
 ``__index__``), never a float or a bool, so ``EmbeddingSpec(3.5, 4)`` is refused instead of
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math       # built into the interpreter: nothing imported from disk on the launch path
 import operator
+import sys
 
 TYPE_CHECKING = False   # typing stays off the launch path (the distributed agent quotes errors too)
 if TYPE_CHECKING:
@@ -69,3 +71,17 @@ def flag(value: "Any", name: str) -> bool:
     except (TypeError, ValueError, RuntimeError):
         pass
     raise TypeError(f"{name} must be True or False, not {value!r}")
+
+
+def stacklevel_outside(*packages: str) -> int:
+    """The ``stacklevel`` that makes a warning issued by this function's caller point at the first frame
+    whose module is none of ``packages`` and in none of them (``"xlaunch.kernels"``; ``"xlaunch", "torch"``),
+    however deep the call came from (a model's forward through ``nn.Module.__call__``, a loader)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _within(frame.f_globals.get("__name__", ""), packages):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 from xlaunch import _isa_levels as isa
-from xlaunch._callers import stacklevel_outside
+from xlaunch._errors import stacklevel_outside
 from xlaunch._native_cache import KEPT_BUILDS, STALE_SCRATCH_S, cache_root, incomplete, tidy_cache  # noqa: F401
 from xlaunch.userfiles import untrusted, untrusted_folder
 

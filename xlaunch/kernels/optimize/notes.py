@@ -12,7 +12,7 @@ import logging
 import warnings
 from typing import Any
 
-from xlaunch._callers import stacklevel_outside
+from xlaunch._errors import stacklevel_outside
 
 MAX_QUOTE = 400
 

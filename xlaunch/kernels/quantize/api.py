@@ -30,8 +30,7 @@ import copy
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
-from xlaunch._callers import stacklevel_outside
-from xlaunch._errors import flag
+from xlaunch._errors import flag, stacklevel_outside
 from xlaunch._torch import needs_torch
 
 with needs_torch(__name__):
