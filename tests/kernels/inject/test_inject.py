@@ -734,3 +734,34 @@ def test_a_model_whose_copy_fails_where_it_does_not_is_given_up_once(monkeypatch
     said = [line for line in capsys.readouterr().err.splitlines() if "Registered" in line]
     assert said == ["xlaunch --auto-optimize: Registered runs unoptimized: a copy of it fails on a call the model "
                     "itself took (KeyError: 'module not registered')"], said
+
+
+@pytest.mark.parametrize("stream", ["none", "closed"])
+def test_a_missing_or_closed_stderr_loses_the_line_not_the_run(stream, monkeypatch) -> None:
+    """The program set sys.stderr to None or closed it (it runs fine without --auto-optimize): the hooks'
+    one line (here: a model given up) raised AttributeError/ValueError out of the program's model call."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    from xlaunch.kernels.inject import hooks
+
+    monkeypatch.setattr(hooks, "_settings", hooks.Settings({BACKEND_ENV: "eager", FREEZE_ENV: "none"}))
+    monkeypatch.delenv(RECORD_ENV, raising=False)
+    call = hooks._make_call(torch.nn.Module.__call__, torch)
+
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__(); self.lin = torch.nn.Linear(4, 4); self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.lin(x) * self.calls
+
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", None if stream == "none" else closed)
+    model = Counter().eval()
+    with torch.no_grad():
+        got = [call(model, torch.ones(1, 4)) for _ in range(3)]
+    monkeypatch.undo()
+    assert hooks._entries[model].given_up and torch.allclose(got[2], 3 * model.lin(torch.ones(1, 4)))

@@ -62,8 +62,11 @@ _settings: Optional[Settings] = None
 
 
 def _say(message: str) -> None:
-    sys.stderr.write(f"{PREFIX}: {message}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"{PREFIX}: {message}\n")
+        sys.stderr.flush()
+    except (AttributeError, ValueError, OSError):   # no stderr, a closed one, a full disk: the line is lost, not the job
+        pass
 
 
 def _verbose(message: str) -> None:
