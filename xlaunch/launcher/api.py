@@ -24,7 +24,7 @@ from xlaunch.launcher.plan.options import (
 __all__ = [
     "USAGE_EXIT_STATUS", "LaunchInputError", "OptionError", "SETTABLE", "Options", "build_options",
     "canonical_name", "flag_name", "load_config_option", "option_fields", "strict_int", "strict_float", "click_options",
-    "run_command_line", "kernel_cell",
+    "run_command_line", "kernel_cell", "prepare_standard_streams",
 ]
 
 
@@ -50,3 +50,11 @@ def kernel_cell(kernels: Optional[Mapping[str, Any]]) -> str:
     from xlaunch.launcher.observe.kernel_report import kernel_cell as cell
 
     return cell(dict(kernels) if kernels else None)
+
+
+def prepare_standard_streams() -> None:
+    """As the launcher starts: closed descriptors 0-2 on /dev/null, a ``sys.stderr`` that drops what its
+    descriptor refuses (full, closed, read by nobody) instead of raising."""
+    from xlaunch.launcher.cli.streams import prepare_standard_streams as prepare
+
+    prepare()

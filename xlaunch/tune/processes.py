@@ -20,7 +20,6 @@ drops what its descriptor refuses; results that cannot be written to stdout are 
 """
 from __future__ import annotations
 
-import io
 import os
 import signal
 import sys
@@ -53,58 +52,12 @@ def snippet_call(number: int = signal.SIGKILL) -> str:
     return SNIPPET + f"_die_with_parent({os.getpid()}, {int(number)})\n"
 
 
-class _Dropping(io.RawIOBase):
-    """A raw writer on ``fd`` that drops what the descriptor refuses instead of raising."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__()
-        self._fd = fd
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def isatty(self) -> bool:          # the progress bar is drawn on a terminal only
-        try:
-            return os.isatty(self._fd)
-        except OSError:
-            return False
-
-    def write(self, data: bytes) -> int:  # type: ignore[override]
-        view = memoryview(data)
-        size = len(view)
-        while view:
-            try:
-                view = view[os.write(self._fd, view):]
-            except InterruptedError:
-                continue
-            except OSError:             # ENOSPC, EPIPE, EIO (the terminal is gone), EAGAIN: dropped
-                break
-        return size
-
-
 def prepare() -> None:
-    """First thing in ``xlaunch-tune``: closed descriptors 0-2 on /dev/null, a ``sys.stderr`` that never raises."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-    if sys.stdout is None:
-        sys.stdout = open(1, "w", closefd=False)      # noqa: SIM115 - lives as long as the process
-    old = sys.stderr
-    try:
-        if old is not None:
-            old.flush()
-    except (OSError, ValueError):
-        pass
-    sys.stderr = io.TextIOWrapper(_Dropping(2), encoding=getattr(old, "encoding", None) or "utf-8",  # type: ignore[arg-type]
-                                  errors="backslashreplace", line_buffering=True, write_through=True)
+    """First thing in ``xlaunch-tune``: the launcher's own (closed descriptors 0-2 on /dev/null, a
+    ``sys.stderr`` that drops what its descriptor refuses and still tells a terminal)."""
+    from xlaunch.launcher.api import prepare_standard_streams
+
+    prepare_standard_streams()
 
 
 def to_stdout(write: Callable[[], None], where: str) -> None:

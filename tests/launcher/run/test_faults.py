@@ -179,3 +179,22 @@ def test_a_slow_reader_loses_nothing(tmp_path: Path, job) -> None:
         assert got == [f"[{index}] line {index} {i} ".encode() + b"y" * 60 for i in range(40000)]
     assert b"dropped" not in err
     assert alive(pids) == []
+
+
+def test_a_terminal_stays_a_terminal_behind_the_forgiving_stderr() -> None:
+    """The stderr that drops what its descriptor refuses said it was no terminal: `xlaunch --check-isa --probe`
+    printed a line per step instead of one line rewritten in place, and so would the tuner's progress bar."""
+    import pty
+
+    code = ("import sys\nfrom xlaunch.launcher.api import prepare_standard_streams\nprepare_standard_streams()\n"
+            "print(sys.stderr.isatty())")
+    parent, child = pty.openpty()
+    try:
+        on_terminal = subprocess.run([sys.executable, "-c", code], stdin=child, stderr=child, capture_output=False,
+                                     stdout=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(parent)
+        os.close(child)
+    piped = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           text=True, timeout=60)
+    assert (on_terminal.stdout, piped.stdout) == ("True\n", "False\n")
