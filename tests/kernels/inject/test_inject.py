@@ -765,3 +765,27 @@ def test_a_missing_or_closed_stderr_loses_the_line_not_the_run(stream, monkeypat
         got = [call(model, torch.ones(1, 4)) for _ in range(3)]
     monkeypatch.undo()
     assert hooks._entries[model].given_up and torch.allclose(got[2], 3 * model.lin(torch.ones(1, 4)))
+
+
+def test_a_model_first_called_under_inference_mode_is_optimized(monkeypatch, capsys, tmp_path) -> None:
+    """Built under the program's torch.inference_mode(), the copy held inference tensors, which the engine
+    routes refused ('Inference tensors do not track version counter'): the model ran unoptimized."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    from xlaunch.kernels.inject import hooks
+
+    monkeypatch.setattr(hooks, "_settings", hooks.Settings({BACKEND_ENV: "onnxruntime", FREEZE_ENV: "none"}))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(RECORD_ENV, raising=False)
+    call = hooks._make_call(torch.nn.Module.__call__, torch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        got = [call(model, x) for _ in range(3)]
+    entry = hooks._entries[model]
+    assert not entry.given_up and entry.eager is not None, capsys.readouterr().err
+    assert entry.eager._xlaunch_engine_report.backend == "onnxruntime"
+    assert torch.allclose(got[-1], model(x), atol=1e-5)
+    with torch.no_grad():                      # the copy's tensors are not inference tensors: later calls too
+        assert torch.allclose(call(model, x), model(x), atol=1e-5)

@@ -359,6 +359,13 @@ def _quietly(build: Callable[[], Any]) -> tuple[Any, list[str]]:
     return result, [str(w.message) for w in caught if issubclass(w.category, OptimizeWarning)]
 
 
+def _outside_inference_mode(build: Callable[[], Any], torch: Any) -> Any:
+    """``build()`` with autograd off, out of inference mode: a copy made of inference tensors was refused
+    by the engine routes (every model first called under ``torch.inference_mode()`` ran unoptimized)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return build()
+
+
 def _engine_sample(settings: Settings, args: Optional[tuple], torch: Any) -> Optional[tuple]:
     """The first call's arguments as the sample for ``backend`` auto/engines (fp32 or bf16: each
     precision goes to its fastest engine), or None (torch route: keywords, or arguments other than
@@ -407,7 +414,7 @@ def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] =
         def build() -> Any:
             return optimize(module, dtype=dtype, **flags)
     try:
-        eager, notes = _quietly(build)
+        eager, notes = _quietly(lambda: _outside_inference_mode(build, torch))
     except Exception as exc:
         from xlaunch.kernels.optimize.notes import SampleInputError
 
