@@ -347,9 +347,9 @@ def test_a_path_that_is_no_path_and_a_call_the_loaded_program_does_not_serve(tmp
                                             rf"not {type(bad).__name__}$"):
             load_quantized(bad)
     for empty in ("", b""):      # was "load_quantized: : no such file"
-        with pytest.raises(ValueError, match=r"^save: path is empty \(a file's path is needed\)$"):
+        with pytest.raises(ValueError, match=r"^save: '' names no file \(give a file's path, e.g. model.pt2\)$"):
             quantized.save(empty)
-        with pytest.raises(ValueError, match=r"^load_quantized: path is empty \(a file's path is needed\)$"):
+        with pytest.raises(ValueError, match=r"^load_quantized: '' names no file \(give a file's path"):
             load_quantized(empty)
     path = tmp_path / "m.pt2"
     quantized.save(os.fsencode(path))   # bytes, as load_quantized takes them

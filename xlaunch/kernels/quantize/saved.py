@@ -180,7 +180,7 @@ def file_name(path: Any, who: str) -> str:
         raise TypeError(f"{who}: path must be a str or os.PathLike (a file's path), not {type(path).__name__}")
     name = os.fsdecode(path)
     if not name:     # said "load_quantized: : no such file"
-        raise ValueError(f"{who}: path is empty (a file's path is needed)")
+        raise ValueError(f"{who}: '' names no file (give a file's path, e.g. model.pt2)")
     return name
 
 
