@@ -1,12 +1,11 @@
 """Compiling the C++ operator libraries of :mod:`xlaunch.nn` and :mod:`xlaunch.llm` against the installed torch.
 
-Each library is compiled once per ISA level (:mod:`xlaunch._isa_levels`): one shared library per
-level, registering its operators in its own namespace (``torch.ops.xlaunch_nn_avx2``, ...; the
-sources write ``TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m)`` and ``-DXLAUNCH_OPS`` names it). A process
-loads only levels this CPU can execute; :meth:`Library.ops` returns the chosen level's namespace.
-A build is stored under a key of its sources, torch, flags and platform (not this CPU's flags):
-one made on any x86-64 machine serves every other. A wheel carries them in ``<package>/prebuilt``.
-Sources every library compiles (``compiled_isa()``) live once, in ``xlaunch/_csrc``.
+Each library is compiled once per ISA level (:mod:`xlaunch._isa_levels`): one shared library per level, registering
+its operators in its own namespace (``torch.ops.xlaunch_nn_avx2``, ...; the sources write
+``TORCH_LIBRARY_FRAGMENT(XLAUNCH_OPS, m)`` and ``-DXLAUNCH_OPS`` names it). A process loads only levels this CPU can
+execute; :meth:`Library.ops` returns the chosen level's namespace. A build is stored under a key of its sources,
+torch, flags and platform (not this CPU's flags): one made on any x86-64 machine serves every other. A wheel carries
+them in ``<package>/prebuilt``. Sources every library compiles (``compiled_isa()``) live once, in ``xlaunch/_csrc``.
 Each level parses the torch headers once (a precompiled header), then compiles its sources.
 """
 from __future__ import annotations
@@ -27,8 +26,9 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 from xlaunch import _isa_levels as isa
 from xlaunch._errors import stacklevel_outside
-from xlaunch._native_cache import KEPT_BUILDS, STALE_SCRATCH_S, cache_root, incomplete, tidy_cache  # noqa: F401
-from xlaunch.userfiles import untrusted, untrusted_folder
+from xlaunch._native_cache import (  # noqa: F401  (KEPT_BUILDS, STALE_SCRATCH_S: this module's surface too)
+    KEPT_BUILDS, STALE_SCRATCH_S, build_folder, cache_root, incomplete, tidy_cache)
+from xlaunch.userfiles import untrusted
 
 FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG", "-w")
 _TORCH_INCLUDE = re.compile(r"^#include <((?:ATen|c10|torch)/[^>]+)>", re.M)
@@ -87,30 +87,6 @@ def _finish(process: subprocess.Popen, what: str, cxx: str, label: str) -> None:
                            f"on {what}):\n{output[-4000:]}")
 
 
-def _build_folder(folder: Path) -> None:
-    """Make ``folder`` for a build, or ``RuntimeError``: not a symlink, and neither it nor a folder above it
-    (as named, or where a link above leads) one another user may write (what is built there would never
-    be loaded); checked before anything is created there, and again after."""
-    def check(where: Path) -> None:
-        for name in dict.fromkeys((str(where), os.path.realpath(where))):
-            reason = untrusted_folder(name)
-            if reason:
-                raise RuntimeError(f"refusing to build into {folder}: another user could replace what is "
-                                   f"built there ({reason})")
-
-    existing = folder
-    while not os.path.lexists(existing) and existing.parent != existing:
-        existing = existing.parent
-    check(existing)
-    try:
-        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-    except OSError as exc:              # XDG_CACHE_HOME a file, a read-only or full disk
-        raise RuntimeError(f"cannot build into {folder}: {exc.strerror or exc}") from None
-    if folder.is_symlink():
-        raise RuntimeError(f"refusing to build into {folder}: it is a symlink")
-    check(folder)
-
-
 def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str,
                    echo: Callable[[str], None] = print, cxx: Optional[str] = None) -> None:
     """Compile ``sources`` once per level into ``targets`` (level -> (library path, flags)).
@@ -129,7 +105,7 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
     paths = [source_path(csrc, name) for name in sources]
     headers = sorted({name for path in paths for name in _TORCH_INCLUDE.findall(path.read_text())})
     for path, _ in targets.values():
-        _build_folder(path.parent)
+        build_folder(path.parent)
     parallel = max(1, os.cpu_count() or 1)
     first = next(iter(targets.values()))[0]
     try:
@@ -162,8 +138,13 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
                 ready = next((job for job in jobs if all(need in done for need in job[4])), None)
                 if ready is not None and len(running) < parallel:
                     jobs.remove(ready)
-                    running.append((ready, subprocess.Popen(ready[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                            text=True, start_new_session=True)))
+                    _starting[0] = True     # a SIGTERM inside Popen (after its fork) orphaned that compiler: held
+                    process = subprocess.Popen(ready[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                               text=True, start_new_session=True)
+                    _starting[0] = False
+                    running.append((ready, process))
+                    if _held:
+                        raise SystemExit(128 + _held.pop())
                     continue
                 (level, what, command, output, _), process = running[0]
                 _finish(process, f"{what} ({level})", cxx, label)       # an interrupt here still kills it
@@ -176,6 +157,7 @@ def compile_levels(csrc: Path, sources: Sequence[str], targets: dict, label: str
                     os.replace(*output)
                     echo(f"{label}: built {output[1]}")
         finally:                # each compiler with what it started (g++'s cc1plus, as): its own group
+            _starting[0] = False
             for _, process in running:
                 if process.poll() is None:
                     with contextlib.suppress(OSError):
@@ -424,13 +406,18 @@ def _say(line: str, stream: str = "stdout") -> None:
             os.close(null)
 
 
+_starting, _held = [False], []     # a compiler being started; the stop signals that came meanwhile
+
+
 @contextlib.contextmanager
 def _stopped_by_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP (``kill``, a closed terminal, a set-up script giving up) end the build as Ctrl-C does:
     its compilers are killed and its scratch folder removed (by default they ran on, orphaned). A signal
     ignored (``nohup``) stays ignored."""
     def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
+        if not _starting[0]:
+            raise SystemExit(128 + signum)
+        _held.append(signum)        # raised once the compiler being started is among those to kill
 
     main = threading.current_thread() is threading.main_thread()      # only there may a handler be set
     saved = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)

@@ -1,8 +1,9 @@
 """Where the compiled kernels of :mod:`xlaunch._native_build` are kept, and what builds leave there.
 
 The cache folder (``$XDG_CACHE_HOME/xlaunch``, else ``~/.cache/xlaunch``, else a folder of this
-user's in the temporary directory), whether a library there is whole (:func:`incomplete`), and the
-tidying each build does (:func:`tidy_cache`). No torch here.
+user's in the temporary directory), a build's folder made only where no other user could replace what is
+built (:func:`build_folder`), whether a library there is whole (:func:`incomplete`), and the tidying each
+build does (:func:`tidy_cache`). No torch here.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from xlaunch.userfiles import untrusted_folder
 
 
 def cache_root() -> Path:
@@ -107,3 +110,27 @@ def tidy_cache(folder: Path, stem: str, keep: Sequence[str]) -> tuple[int, int]:
                 continue
             removed, freed = removed + 1, freed + size
     return removed, freed
+
+
+def build_folder(folder: Path) -> None:
+    """Make ``folder`` for a build, or ``RuntimeError``: not a symlink, and neither it nor a folder above it
+    (as named, or where a link above leads) one another user may write (what is built there would never
+    be loaded); checked before anything is created there, and again after."""
+    def check(where: Path) -> None:
+        for name in dict.fromkeys((str(where), os.path.realpath(where))):
+            reason = untrusted_folder(name)
+            if reason:
+                raise RuntimeError(f"refusing to build into {folder}: another user could replace what is "
+                                   f"built there ({reason})")
+
+    existing = folder
+    while not os.path.lexists(existing) and existing.parent != existing:
+        existing = existing.parent
+    check(existing)
+    try:
+        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    except OSError as exc:              # XDG_CACHE_HOME a file, a read-only or full disk
+        raise RuntimeError(f"cannot build into {folder}: {exc.strerror or exc}") from None
+    if folder.is_symlink():
+        raise RuntimeError(f"refusing to build into {folder}: it is a symlink")
+    check(folder)
