@@ -72,7 +72,7 @@ print("done")
 def test_other_threads_output_survives_an_engine_quantization() -> None:
     if engine_routes.missing(engine_routes.ONNXRUNTIME) is not None:
         pytest.skip(engine_routes.missing(engine_routes.ONNXRUNTIME))
-    proc = subprocess.run([sys.executable, "-W", "always::UserWarning", "-c", SCRIPT],
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-W", "always::UserWarning", "-c", SCRIPT],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out, err = proc.stdout.splitlines(), proc.stderr
