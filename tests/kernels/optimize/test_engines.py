@@ -433,3 +433,23 @@ def test_rebuild_builds_the_route_chosen_before_untimed_or_says_it_cannot(monkey
     assert sorted(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()) == written
     fake_routes(monkeypatch, onnxruntime=BrokenFake())
     assert api.rebuild(optimize, twice, model, x, progress=False) is None
+
+
+def test_an_engine_built_or_called_under_inference_mode_serves(capfd) -> None:
+    """optimize(..., backend="onnxruntime") under torch.inference_mode failed on its first call with
+    "Inference tensors do not track version counter" (the copy's weights are inference tensors, and the
+    weights check read their version); so did a model made under inference mode. Both now serve."""
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    made_before = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    with torch.inference_mode():
+        made_within = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+        for model in (made_before, made_within):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                optimized = optimize(model, sample_input=x, backend="onnxruntime", time_budget=1)
+            for _ in range(2):
+                assert torch.allclose(optimized(x), model(x), atol=1e-5)
+            assert optimized.forward.calls_served == 2
+    capfd.readouterr()
