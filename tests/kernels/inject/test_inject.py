@@ -789,3 +789,26 @@ def test_a_model_first_called_under_inference_mode_is_optimized(monkeypatch, cap
     assert torch.allclose(got[-1], model(x), atol=1e-5)
     with torch.no_grad():                      # the copy's tensors are not inference tensors: later calls too
         assert torch.allclose(call(model, x), model(x), atol=1e-5)
+
+
+def test_a_model_made_under_inference_mode_is_optimized(monkeypatch, capsys, tmp_path) -> None:
+    """A model made under torch.inference_mode (an inference server's) has inference tensors for weights: the
+    state watch asked each for its version counter (hasattr raised RuntimeError, not AttributeError) and the
+    program died in its first model call; the weights check would have raised the same."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    from xlaunch.kernels.inject import hooks
+
+    monkeypatch.setattr(hooks, "_settings", hooks.Settings({BACKEND_ENV: "onnxruntime", FREEZE_ENV: "none"}))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(RECORD_ENV, raising=False)
+    call = hooks._make_call(torch.nn.Module.__call__, torch)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+        x = torch.randn(3, 4)
+        got = [call(model, x) for _ in range(3)]
+        entry = hooks._entries[model]
+        assert not entry.given_up and entry.eager is not None, capsys.readouterr().err
+        assert entry.eager._xlaunch_engine_report.backend == "onnxruntime"
+        assert torch.allclose(got[-1], model(x), atol=1e-5)

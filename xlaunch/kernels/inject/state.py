@@ -22,16 +22,21 @@ def _token(value: Any) -> Hashable:
     if isinstance(value, tuple) and all(isinstance(item, _SCALARS) for item in value):
         return ("value", value)
     version = None
-    if hasattr(value, "_version") and hasattr(value, "data_ptr"):
+    if hasattr(value, "data_ptr"):
         try:
             version = value._version
-        except RuntimeError:     # an inference tensor keeps no version counter
+        except (AttributeError, RuntimeError):   # an inference tensor keeps no version counter (hasattr raised)
             version = None
     try:
         size = len(value) if not hasattr(value, "data_ptr") else None
     except Exception:
         size = None
     return ("object", id(value), version, size)
+
+
+def versions(tensors: list) -> tuple:
+    """The tensors' version counters; -1 for an inference tensor (a model made under inference mode), which has none."""
+    return tuple(-1 if t.is_inference() else t._version for t in tensors)
 
 
 def snapshot(module: Any) -> dict[tuple[str, str, str], Hashable]:
