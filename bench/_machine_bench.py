@@ -15,7 +15,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 
 def node_cores(machine: Any) -> list[int]:
@@ -213,6 +213,18 @@ def plot_available(path: Optional[str]) -> bool:
         print(f"--plot {path}: matplotlib is not installed (pip install 'xlaunch[bench]'); no plot")
         return False
     return True
+
+
+def only(configs: list, words: Sequence[str], error: Callable[[str], Any], none_hint: str = "") -> list:
+    """The configurations whose name holds one of ``--only``'s words (all when none is given); a word list that
+    matches none is ``error(message)`` (argparse's: one line, exit 2), naming those there are (or ``none_hint``)."""
+    if not words:
+        return configs
+    chosen = [c for c in configs if any(word in c.name for word in words)]
+    if not chosen:
+        error(f"--only {', '.join(words)}: in none of this machine's configurations "
+              f"({', '.join(c.name for c in configs) or none_hint})")
+    return chosen
 
 
 def clean_environment(extra_path: Optional[str] = None) -> dict[str, str]:

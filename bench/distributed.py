@@ -149,12 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     description = common.describe_machine(machine, per_node, args.label)
     launchers = LAUNCHERS + tuple(e for e in EXTRA if any(e in word for word in args.only))
     configs = configurations(per_node, launchers)
-    if args.only:
-        chosen = [c for c in configs if any(word in c.name for word in args.only)]
-        if not chosen:
-            parser.error(f"--only {', '.join(args.only)}: in none of this machine's configurations "
-                         f"({', '.join(c.name for c in configs) or 'none: DDP needs at least 2 cores'})")
-        configs = chosen
+    configs = common.only(configs, args.only, parser.error, "none: DDP needs at least 2 cores")
     print(common.machine_line(description))
     if not configs:
         print("no configuration: DDP needs at least 2 cores")

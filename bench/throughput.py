@@ -240,12 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     per_node = common.node_cores(machine)
     description = common.describe_machine(machine, per_node, args.label)
     configs = configurations(per_node)
-    if args.only:
-        chosen = [c for c in configs if any(word in c.name for word in args.only)]
-        if not chosen:
-            parser.error(f"--only {', '.join(args.only)}: in none of this machine's configurations "
-                         f"({', '.join(c.name for c in configs)})")
-        configs = chosen
+    configs = common.only(configs, args.only, parser.error)
     print(common.machine_line(description))
     if args.list:
         for config in configs:
