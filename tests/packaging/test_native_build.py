@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import leftovers, running, wait_gone
 
 pytest.importorskip("torch")
 
@@ -94,14 +95,6 @@ def test_a_bad_cap_is_one_line_exit_2_and_nothing_built(cache, monkeypatch, caps
     assert not cache.exists()                                     # checked before anything was made
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_killed_build_ends_its_compilers_and_their_children(cache, tmp_path):
     """SIGTERM (``kill``, a set-up script giving up) ended only the build's Python: its compilers (and g++'s
     cc1plus) ran on, orphaned, and its scratch folder stayed for an hour."""
@@ -122,17 +115,13 @@ def test_a_killed_build_ends_its_compilers_and_their_children(cache, tmp_path):
         build.send_signal(signal.SIGTERM)
         out, err = build.communicate(timeout=30)
         assert build.returncode == 128 + signal.SIGTERM and err == "", (build.returncode, err)
-        deadline = time.monotonic() + 5
-        while any(map(_alive, started)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [pid for pid in started if _alive(pid)]
+        assert wait_gone(started, 5) == []
         assert [p.name for p in (cache / "xlaunch" / "nn").iterdir()] == []      # no scratch left
     finally:
         if build.poll() is None:
             build.kill()
-        for pid in started:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for pid in running(started):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_tidying_goes_on_when_another_builds_scratch_goes_meanwhile(monkeypatch, tmp_path):
@@ -225,18 +214,6 @@ sys.exit(native.main([]))
 """
 
 
-def _running_compilers(cxx: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                if cxx.encode() in handle.read() and _alive(int(entry)):
-                    found.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
 def test_a_stop_while_a_compiler_is_being_started_kills_that_compiler_too(cache, tmp_path):
     """A SIGTERM that came inside Popen, after its fork, left that compiler out of the ones to kill: it ran on,
     orphaned (seen once under load as the killed-build test's two survivors). The stop is held until the
@@ -247,14 +224,11 @@ def test_a_stop_while_a_compiler_is_being_started_kills_that_compiler_too(cache,
                            text=True, timeout=60, env={**os.environ, "FAKE_PIDS": str(pids)})
     try:
         assert build.returncode == 128 + signal.SIGTERM and build.stderr == "", (build.returncode, build.stderr)
-        deadline = time.monotonic() + 5
-        while _running_compilers(cxx) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _running_compilers(cxx) == []
+        assert wait_gone(leftovers(cxx), 5) == []
         time.sleep(0.2)
         started = [int(pid) for pid in (pids.read_text() if pids.exists() else "").split()]
-        assert not [pid for pid in started if _alive(pid)]
+        assert running(started) == []
     finally:
-        for pid in _running_compilers(cxx) + [int(p) for p in (pids.read_text() if pids.exists() else "").split()]:
+        for pid in leftovers(cxx) + [int(p) for p in (pids.read_text() if pids.exists() else "").split()]:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)

@@ -7,10 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from processes import running, wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
 SETUP = REPO / "scripts" / "setup.sh"
@@ -82,14 +82,6 @@ def test_a_python_that_cannot_be_used_is_one_line_before_anything_is_done(tmp_pa
                                                                 *(["py"] if (tmp_path / "py").exists() else [])])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _fake_venv(tmp_path: Path) -> Path:
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -152,12 +144,8 @@ def test_a_failed_install_leaves_no_kernel_build_running(tmp_path):
         started = [int(pid) for pid in pids.read_text().split()] if pids.exists() else []
         assert done.returncode == 1 and "ERROR: no torchao here" in done.stderr, (done.stdout, done.stderr)
         assert started, (done.stdout, done.stderr)
-        deadline = time.monotonic() + 10
-        while any(map(_alive, started)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [pid for pid in started if _alive(pid)]
+        assert wait_gone(started, 10) == []
         assert [p.name for p in (tmp_path / "cache" / "xlaunch" / "nn").iterdir()] == []   # no scratch left
     finally:
-        for pid in started:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for pid in running(started):
+            os.kill(pid, signal.SIGKILL)
