@@ -126,3 +126,15 @@ def test_write_all_follows_a_short_write_with_the_rest(tmp_path: Path, monkeypat
         os.close(fd)
     monkeypatch.undo()
     assert (tmp_path / "out").read_bytes() == data and len(sizes) == 11 and sizes[-1] == len(data) - 10000
+
+
+def test_read_head_reads_the_first_bytes_of_a_regular_file_of_any_size(tmp_path) -> None:
+    from xlaunch.userfiles import DEFAULT_LIMIT, read_head
+
+    big = tmp_path / "big.sh"
+    big.write_bytes(b"#!/bin/sh\n" + b"x" * (DEFAULT_LIMIT + 10))
+    assert read_head(str(big), 16) == b"#!/bin/sh\nxxxxxx"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)                       # no writer: an open without O_NONBLOCK would block for ever
+    assert read_head(str(fifo), 16) == b"" and read_head(str(tmp_path), 16) == b""
+    assert read_head(str(tmp_path / "missing"), 16) == b""

@@ -9,6 +9,7 @@ The policy (docs/runner.md, "Hostile files, full disks, closed streams"), writte
   ``fstat``: what is read is what was checked. A symlink to a regular
   file is read (the user named it); ``/dev/zero``, a FIFO with no writer, a directory or a
   file over the cap is one :class:`UserFileError` naming the file and the problem.
+* :func:`read_head` reads the first bytes of such a file, of any size (a program's ``#!`` line).
 * :func:`write_atomically` writes a whole file through a new temporary file in the same
   directory (``O_CREAT | O_EXCL | O_NOFOLLOW``), then renames it over the target: a reader
   never sees half a file, and a symlink planted at the target is replaced, never followed.
@@ -88,6 +89,21 @@ def read_user_file(path: str, limit: int = DEFAULT_LIMIT) -> bytes:
     finally:
         os.close(fd)
     return b"".join(chunks)
+
+
+def read_head(path: str, size: int) -> bytes:
+    """The first ``size`` bytes of the regular file ``path``, whatever its length (a script's ``#!`` line, a
+    binary's magic number); ``b""`` when it is no regular file or cannot be read (the caller says nothing)."""
+    try:
+        fd = open_user_file(path, UNCAPPED)
+    except UserFileError:
+        return b""
+    try:
+        return os.read(fd, size)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def read_user_text(path: str, limit: int = DEFAULT_LIMIT) -> str:

@@ -68,14 +68,9 @@ def _unreadable(path: str) -> Optional[str]:
 def _not_python(path: str) -> Optional[str]:
     """Why the file ``path`` is plainly no Python script (an executable binary, or a ``#!`` line naming
     another interpreter), or None. Only its first bytes are read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        try:
-            head = os.read(fd, 512)
-        finally:
-            os.close(fd)
-    except OSError:
-        return None
+    from xlaunch.userfiles import read_head
+
+    head = read_head(path, 512)
     if head.startswith(b"\x7fELF"):
         return "is an executable binary (ELF), not a Python script: add --no-python to run it"
     if not head.startswith(b"#!"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import stat
 import subprocess
 import threading
 
@@ -92,14 +91,9 @@ def start_failure(error: OSError, instance: Instance) -> tuple[int, str]:
 def _shebang(program: str) -> str:
     """`` ('/usr/bin/pyton3')``: the interpreter a script's ``#!`` line names, said how the kernel read it
     (a Windows line end makes ``/bin/sh\\r``); empty when it cannot be read."""
-    try:
-        fd = os.open(program, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            head = os.read(fd, 256) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-        finally:
-            os.close(fd)
-    except OSError:
-        return ""
+    from xlaunch.userfiles import read_head
+
+    head = read_head(program, 256)
     if not head.startswith(b"#!"):
         return ""
     words = head[2:].split(b"\n", 1)[0].lstrip(b" \t").split(None, 1)
