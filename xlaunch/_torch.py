@@ -59,6 +59,16 @@ def load_attribute(module: str, name: str, what: str) -> object:
 
 
 
+def tensor_version(tensor: object) -> int:
+    """``tensor``'s version counter (in-place changes move it), or -1 for an inference tensor (a model made or
+    copied under ``torch.inference_mode``), which keeps none (asking raises). No cost beyond the attribute
+    read otherwise: weights checks run it on every call."""
+    try:
+        return tensor._version  # type: ignore[attr-defined]
+    except RuntimeError:
+        return -1
+
+
 NOISY_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 
 

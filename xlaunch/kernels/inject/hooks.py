@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional
 from xlaunch.kernels.inject import VERBOSE_ENV, read_variables
 from xlaunch.kernels.inject import append_record as _record
 from xlaunch.kernels.inject.report import describe as _describe
-from xlaunch.kernels.inject.state import versions
+from xlaunch._torch import tensor_version
 from xlaunch.kernels.optimize.notes import excerpt
 
 PREFIX = "xlaunch --auto-optimize"
@@ -247,7 +247,7 @@ class _Entry:
         self.state_changes = 0                # calls of it that changed its state
 
     def current(self) -> bool:
-        return self.eager is not None and versions(self.tensors) == self.versions
+        return self.eager is not None and tuple(map(tensor_version, self.tensors)) == self.versions
 
 
 _entries: "weakref.WeakKeyDictionary[Any, _Entry]" = weakref.WeakKeyDictionary()
@@ -433,7 +433,7 @@ def _build_eager(module: Any, entry: _Entry, torch: Any, args: Optional[tuple] =
         forward.notify = lambda message, is_warning: _verbose(f"{name}: {message}")
     entry.eager = eager
     entry.tensors = list(module.parameters()) + list(module.buffers())
-    entry.versions = versions(entry.tensors)
+    entry.versions = tuple(map(tensor_version, entry.tensors))
     report = getattr(eager, "_xlaunch_optimize_report", None)
     engine = getattr(eager, "_xlaunch_engine_report", None)
     backend = engine.backend if engine is not None else "torch"

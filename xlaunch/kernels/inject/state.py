@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
+from xlaunch._torch import tensor_version
+
 _SCALARS = (int, float, complex, str, bytes, bool, type(None))
 # the module tree and its tensors are compared entry by entry, not as the dicts holding them
 _TREE = ("_parameters", "_buffers", "_modules")
@@ -21,22 +23,12 @@ def _token(value: Any) -> Hashable:
         return ("value", value)
     if isinstance(value, tuple) and all(isinstance(item, _SCALARS) for item in value):
         return ("value", value)
-    version = None
-    if hasattr(value, "data_ptr"):
-        try:
-            version = value._version
-        except (AttributeError, RuntimeError):   # an inference tensor keeps no version counter (hasattr raised)
-            version = None
+    version = tensor_version(value) if hasattr(value, "data_ptr") and hasattr(type(value), "_version") else None
     try:
         size = len(value) if not hasattr(value, "data_ptr") else None
     except Exception:
         size = None
     return ("object", id(value), version, size)
-
-
-def versions(tensors: list) -> tuple:
-    """The tensors' version counters; -1 for an inference tensor (a model made under inference mode), which has none."""
-    return tuple(-1 if t.is_inference() else t._version for t in tensors)
 
 
 def snapshot(module: Any) -> dict[tuple[str, str, str], Hashable]:

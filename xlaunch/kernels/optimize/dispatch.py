@@ -23,7 +23,7 @@ import itertools
 import threading
 from typing import Any, Callable, Optional
 
-from xlaunch._torch import needs_torch
+from xlaunch._torch import needs_torch, tensor_version
 
 with needs_torch(__name__):
     import torch
@@ -59,12 +59,6 @@ def signature(args: tuple, kwargs: Optional[dict] = None) -> Optional[tuple]:
 
 def shapes(sig: tuple) -> list:
     return [part[1] for part in sig if part[0] == "T"]
-
-
-def version(tensor: torch.Tensor) -> int:
-    """``tensor``'s version counter (moved by in-place changes); -1 for an inference tensor (a model made or
-    copied under ``torch.inference_mode``), which keeps none: asking raised, and only its storage is compared."""
-    return -1 if tensor.is_inference() else tensor._version
 
 
 def _default_notify(message: str, is_warning: bool) -> None:
@@ -140,7 +134,7 @@ class OptimizedForward:
         ``load_state_dict`` refreshes it, see :class:`RefreshAfterLoad`)."""
         if self._tensors is None:
             self._tensors = list(itertools.chain(self.module.parameters(), self.module.buffers()))
-        return tuple((t.data_ptr(), version(t), t.dtype) for t in self._tensors if id(t) not in self._stateful)
+        return tuple((t.data_ptr(), tensor_version(t), t.dtype) for t in self._tensors if id(t) not in self._stateful)
 
     def refresh(self) -> None:
         """Forget the graphs and the tensor list (parameters may have been replaced)."""

@@ -23,13 +23,13 @@ import functools
 import itertools
 from typing import Any, Callable, Optional
 
-from xlaunch._torch import needs_torch
+from xlaunch._torch import needs_torch, tensor_version
 
 with needs_torch(__name__):
     import torch
     from torch import nn
 
-from xlaunch.kernels.optimize.dispatch import PrepareScriptable, version
+from xlaunch.kernels.optimize.dispatch import PrepareScriptable
 from xlaunch.kernels.optimize.engines.sample import Sample
 from xlaunch.kernels.optimize.notes import excerpt
 
@@ -53,7 +53,7 @@ class EngineForward:
         self.weights_key = self._weights_key()
 
     def _weights_key(self) -> tuple:
-        return tuple((t.data_ptr(), version(t)) for t in self._tensors)
+        return tuple((t.data_ptr(), tensor_version(t)) for t in self._tensors)
 
     def _tell(self, what: str, message: str) -> None:
         if what not in self._told:
