@@ -111,9 +111,9 @@ class Settings:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from xlaunch.tune.processes import prepare
+    from xlaunch.launcher.api import prepare_standard_streams
 
-    prepare()              # a closed or full stderr/stdout never stops a session
+    prepare_standard_streams()    # as the launcher's: a closed or full stderr/stdout never stops a session
     sys.exit(run(argv))
 
 

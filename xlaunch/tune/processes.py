@@ -10,8 +10,8 @@ bar), so the launcher is started through a few lines of stdlib Python that ask f
 the matcher, a script of ours, runs :data:`SNIPPET` first. The launcher gets SIGTERM (it stops its
 instances as on Ctrl-C); the matcher SIGKILL. Linux only; elsewhere nothing is asked.
 
-**Streams** (:func:`prepare`, :func:`to_stdout`): closed (``2>&-``), full (``2>/dev/full``), a pipe whose
-reader left (``| head``) or a terminal that went away. The session ended at its first message (the
+**Streams** (the launcher's ``prepare_standard_streams``, then :func:`to_stdout`): closed (``2>&-``), full
+(``2>/dev/full``), a pipe whose reader left (``| head``) or a terminal that went away. The session ended at its first message (the
 start line on a full stderr: before any trial), or after the whole session at the table (a closed
 stdout: ``AttributeError``; ``| head``: ``BrokenPipeError``), exit status 1 whatever it found. Now (as
 the launcher does, docs/runner.md): a closed descriptor 0-2 is opened on ``/dev/null``; ``sys.stderr``
@@ -50,14 +50,6 @@ def tethered(argv: list[str], number: int = signal.SIGTERM) -> list[str]:
 def snippet_call(number: int = signal.SIGKILL) -> str:
     """Python lines (stdlib) that make the running script get ``number`` when this process ends."""
     return SNIPPET + f"_die_with_parent({os.getpid()}, {int(number)})\n"
-
-
-def prepare() -> None:
-    """First thing in ``xlaunch-tune``: the launcher's own (closed descriptors 0-2 on /dev/null, a
-    ``sys.stderr`` that drops what its descriptor refuses and still tells a terminal)."""
-    from xlaunch.launcher.api import prepare_standard_streams
-
-    prepare_standard_streams()
 
 
 def to_stdout(write: Callable[[], None], where: str) -> None:
