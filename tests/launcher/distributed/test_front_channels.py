@@ -322,3 +322,36 @@ def test_a_restarted_ranks_first_line_is_not_glued_to_the_last_attempts_unfinish
         assert log.getvalue() == b"starting\nprogress 50%\nfresh\n"
     finally:
         front.channels.close()
+
+
+def test_a_rank_the_agent_stopped_seen_before_the_rank_it_reaped_failing_is_said_stopped(tmp_path: Path) -> None:
+    """Under load the agent reaps the failing rank (exit 3) before xlaunch reads it, then stops the other with
+    SIGTERM, whose zombie xlaunch reads first: that rank read as the attempt's failure, 'killed by SIGTERM'
+    with no word of the stop (seen in CI). The agent's notes (the pids it stops, how those it reaped ended)
+    say it was stopped after rank 1 failed."""
+    from xlaunch.launcher.distributed.channels import AGENT_EXITS, AGENT_STOPPING
+    from xlaunch.launcher.distributed.front import FrontSupervisor
+    from xlaunch.launcher.plan.planner import Instance, Plan
+    from xlaunch.launcher.run.child import Child
+
+    plan = Plan(tuple(Instance(i, (i,), (0,), {}, ("true",)) for i in range(2)))
+    front = FrontSupervisor(plan, ["true"], {}, log_dir=None, log_file_prefix="x", grace_period=1, quiet=True,
+                            summary_json=None, torchrun=[], channels_var="X")
+    front.channels = Channels(2)
+    try:
+        front.children = [Child(instance, None) for instance in plan.instances]
+        stopped, failing = front.children
+        front.rank_started(stopped, 4000001, 4000001)               # attempt 1 (no such pids)
+        front.rank_started(failing, 4000002, 4000002)
+        Path(front.channels.path, AGENT_STOPPING).write_text("4000001\n")
+        front.rank_ended(stopped, (os.CLD_KILLED, signal.SIGTERM))   # its zombie, read first
+        assert front.first_failure is None                           # not a failure of its own
+        front.rank_ended(failing, None)                              # reaped by the agent: status unknown
+        Path(front.channels.path, AGENT_EXITS).write_text("4000001 -15\n4000002 3\n")
+        front.rank_started(stopped, 4000003, 4000003)               # attempt 2
+        front.rank_started(failing, 4000004, 4000004)
+        assert front.earlier == [
+            {"attempt": 1, "rank": 0, "exit_code": 143, "status": "killed by SIGTERM (stopped after rank 1 failed)"},
+            {"attempt": 1, "rank": 1, "exit_code": 3, "status": "exit 3"}]
+    finally:
+        front.channels.close()

@@ -34,6 +34,9 @@ from xlaunch.launcher.run.strays import Strays
 from xlaunch.launcher.run.supervisor import Supervisor
 
 
+STOPS = (128 + signal.SIGTERM, 128 + signal.SIGKILL)     # how a rank is stopped (a crash is the rank's own)
+
+
 class FrontSupervisor(Supervisor):
     """Runs torch's agent and supervises it and its ranks. Construct, call :meth:`run` once."""
 
@@ -63,6 +66,7 @@ class FrontSupervisor(Supervisor):
         self.agent: Optional[Child] = None
         self.agent_result: dict[str, Any] = {}
         self.attempts: dict[int, int] = {}
+        self.rank_pids: dict[int, tuple[int, int]] = {}     # pid -> (rank, attempt), every attempt's
         self.pidfds: dict[int, Child] = {}
         self.agent_exited = False                   # the agent exited (rather than being killed)
         self.retired: list[Child] = []              # groups of earlier attempts, while anything is left
@@ -169,6 +173,7 @@ class FrontSupervisor(Supervisor):
         if child.proc is not None and child.ended is None:
             self.rank_ended(child, None, last_output=False)   # the agent replaced it without us seeing the end
         self._status_from_agent(child)
+        self._stopped_by_agent(child, attempt - 1)
         if child.proc is not None:                  # the summary's rows are the last attempt's: keep this one
             self.earlier.append({"attempt": attempt - 1, "rank": index, "exit_code": child.status,
                                  "status": child.text + (f" ({child.stopped_by})" if child.stopped_by else "")})
@@ -178,6 +183,7 @@ class FrontSupervisor(Supervisor):
                             group_alive=True, kill_at=child.kill_at, notes=list(child.notes))
             self.retired.append(retired)
         child.proc = RankProcess(pid, pgid)
+        self.rank_pids[pid] = (index, attempt)
         child.started, child.ended, child.status = time.monotonic(), None, None
         child.text, child.stopped_by, child.kill_at, child.observer = "running", "", None, None
         child.group_alive = True
@@ -223,7 +229,7 @@ class FrontSupervisor(Supervisor):
             child.proc.returncode = child.status
         self.log(f"rank {child.instance.index} (pid {child.pid}) ended: {child.text} after "
                  f"{child.ended - child.started:.3f}s" + (f" ({child.stopped_by})" if child.stopped_by else ""))
-        if not child.status or child.stopped_by or self.interrupted is not None:
+        if not child.status or child.stopped_by or self.interrupted is not None or self._agent_stopped(child):
             return
         if self.first_failure is None:
             self.first_failure = child
@@ -328,6 +334,23 @@ class FrontSupervisor(Supervisor):
                 child.text = f"exit {code}" if code < 128 else status_text(os.CLD_KILLED, code - 128)
         self._attribute_stops()
 
+    def _agent_stopped(self, child: Child) -> bool:
+        """``child`` was stopped by torch's agent (SIGTERM or SIGKILL, its pid in the agent's note): it did not
+        fail on its own, whoever sees its end first (xlaunch may read its zombie before the failed rank's,
+        when the agent reaped that one first)."""
+        return child.status in STOPS and self.channels is not None and child.pid in self.channels.agent_stopping()
+
+    def _stopped_by_agent(self, child: Child, attempt: int) -> None:
+        """An earlier attempt's rank the agent stopped reads 'stopped after rank N failed', N the rank of that
+        attempt the agent reaped failing (its note of exits; xlaunch never saw that rank's status)."""
+        if child.proc is None or child.stopped_by or not self._agent_stopped(child):
+            return
+        failed = sorted(self.rank_pids[pid][0] for pid, code in self.channels.agent_exits().items()  # type: ignore[union-attr]
+                        if code not in (0, -signal.SIGTERM, -signal.SIGKILL) and self.rank_pids.get(pid, (-1, 0))[1]
+                        == attempt and self.rank_pids[pid][0] != child.instance.index)
+        if failed:
+            child.stopped_by = f"stopped after rank {failed[0]} failed"
+
     def _status_from_agent(self, child: Child) -> None:
         """A rank the agent reaped before xlaunch read its status: how it ended, from the agent's note."""
         if child.proc is None or child.ended is None or child.status is not None or self.channels is None:
@@ -346,7 +369,7 @@ class FrontSupervisor(Supervisor):
         named = self.agent_result.get("first")
         root = next((c for c in self.children if named is not None and str(c.instance.index) == str(named)
                      and c.status and not c.stopped_by and c.ended is not None), None)
-        stops = (128 + signal.SIGTERM, 128 + signal.SIGKILL)     # how the agent stops ranks; a crash is the rank's
+        stops = STOPS
         own = [c for c in self.children if c.status and c.status not in stops and not c.stopped_by
                and c.ended is not None]
         if root is None and not own:
